@@ -1,0 +1,1 @@
+"""Hardware backends: one subpackage per platform, plus shared Triton kernels."""

@@ -1,0 +1,42 @@
+"""corectl: paged-KV continuous-batching LLM inference.
+
+    from corectl import LLM, SamplingParams
+    llm = LLM()                       # the embedded SmolLM2-135M-Instruct
+    print(llm.generate("Hello", SamplingParams(max_tokens=16))[0].outputs[0].text)
+
+Public names load on first use so that `import corectl` stays cheap (no torch until needed).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "corectl.llm",
+    "SamplingParams": "corectl.sampling_params",
+    "EngineConfig": "corectl.config",
+    "RequestOutput": "corectl.outputs",
+    "CompletionOutput": "corectl.outputs",
+    "EngineClient": "corectl.engine.client",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'corectl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
+    from .engine.client import EngineClient
+    from .llm import LLM
+    from .outputs import CompletionOutput, RequestOutput
+    from .sampling_params import SamplingParams

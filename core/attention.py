@@ -1,0 +1,85 @@
+"""The attention-backend contract: how models reach the paged KV cache.
+
+KV cache layout (one tensor per layer, shared by every backend so kernels interoperate):
+    [2, num_blocks, block_size, num_kv_heads, head_dim]   (index 0 = keys, 1 = values)
+Slot `s` is block `s // block_size`, offset `s % block_size`.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionBatch:
+    """Hardware-neutral description of one step's attention work, tensors on the worker's device.
+
+    Sequences are packed: the T query tokens of B sequences are concatenated in batch order.
+    seq_lens[i] = context length after this step (cached prefix + new tokens);
+    query_lens[i] = seq_lens[i] - num_computed[i]. Host lists mirror the tensors so CPU code
+    paths never read device memory.
+    """
+
+    query_start_loc: torch.Tensor      # [B + 1] int32
+    seq_lens: torch.Tensor             # [B] int32
+    block_tables: torch.Tensor         # [B, max_blocks] int32, padded with 0
+    slot_mapping: torch.Tensor         # [T] int64
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(abc.ABC):
+    """One instance per worker; `forward` is called by every attention layer of the model."""
+
+    name: str = ""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, block_size: int):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        self.block_size = block_size
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    @abc.abstractmethod
+    def build_metadata(self, batch: AttentionBatch) -> Any:
+        """Turn the neutral batch description into whatever `forward` needs (built once per step)."""
+
+    @abc.abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: Any, scale: float) -> torch.Tensor:
+        """q: [T, num_heads * head_dim]; k, v: [T, num_kv_heads * head_dim].
+
+        Writes k/v into the cache at `slot_mapping`, then attends causally over each sequence's
+        cached prefix plus its new tokens. Returns [T, num_heads * head_dim].
+        """
+
+
+@dataclass
+class ForwardContext:
+    """Passed explicitly through the model's forward: the backend, its metadata, the caches."""
+
+    backend: AttentionBackend
+    metadata: Any
+    kv_caches: list[torch.Tensor]

@@ -1,0 +1,95 @@
+"""EngineConfig: every engine option in one validated object."""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from .errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+POLICIES = ("fcfs", "priority")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    """Engine options. A bad value raises `ConfigError` naming the field and what is allowed.
+
+    model: local HF directory, a `.gguf` file, a hub id, or None for the embedded default model.
+    max_model_len: context length; None takes the model's own (capped by `max_position_embeddings`).
+    kv_cache_memory_gib: KV-cache budget on platforms without memory profiling (CPU); None lets
+        the platform choose.
+    gpu_memory_utilization: fraction of device memory the engine may use (weights + activations
+        + KV cache) on platforms that profile memory.
+    max_num_batched_tokens: token budget per scheduler step (chunked prefill splits longer prompts).
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    revision: str | None = None
+    download_dir: str | None = None
+    dtype: str = "auto"
+    load_format: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory_gib: float | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    max_queued_requests: int | None = None
+    platform: str = "auto"
+    attention_backend: str | None = None
+    seed: int = 0
+    enforce_eager: bool = False
+    num_threads: int | None = None
+    chat_template: str | None = None
+    hf_overrides: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self._check_choice("dtype", DTYPES)
+        self._check_choice("load_format", LOAD_FORMATS)
+        self._check_choice("scheduling_policy", POLICIES)
+        self._check_choice("block_size", BLOCK_SIZES)
+        self._check_positive("max_num_seqs")
+        self._check_positive("max_num_batched_tokens")
+        if self.max_model_len is not None:
+            self._check_positive("max_model_len")
+        if self.max_queued_requests is not None:
+            self._check_positive("max_queued_requests")
+        if self.num_threads is not None:
+            self._check_positive("num_threads")
+        if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
+            raise ConfigError("kv_cache_memory_gib", f"must be a positive number of GiB, got {self.kv_cache_memory_gib!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not self.platform or not isinstance(self.platform, str):
+            raise ConfigError("platform", "must be 'auto' or a platform name (see `corectl plugins`)")
+
+    def _check_choice(self, field: str, allowed: tuple) -> None:
+        value = getattr(self, field)
+        if value not in allowed:
+            raise ConfigError(field, f"must be one of {', '.join(map(str, allowed))}; got {value!r}")
+
+    def _check_positive(self, field: str) -> None:
+        value = getattr(self, field)
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(field, f"must be a positive integer, got {value!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from keyword arguments, naming any unknown option."""
+        known = set(cls.__struct_fields__)
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(unknown[0], f"unknown engine option; known options: {', '.join(sorted(known))}")
+        try:
+            return msgspec.convert(kwargs, cls)
+        except msgspec.ValidationError as exc:
+            field = str(exc).rsplit("$.", 1)[-1].rstrip("`") if "$." in str(exc) else "config"
+            raise ConfigError(field, str(exc)) from exc
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return msgspec.structs.replace(self, **changes)

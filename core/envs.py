@@ -1,0 +1,28 @@
+"""Every environment variable corectl reads, in one place."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where converted weights (e.g. dequantized GGUF) are cached: CORECTL_CACHE_DIR, else
+    $XDG_CACHE_HOME/corectl, else ~/.cache/corectl."""
+    explicit = os.environ.get("CORECTL_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "corectl"
+
+
+def default_model_override() -> str | None:
+    """CORECTL_DEFAULT_MODEL replaces the embedded default model (a path or hub id)."""
+    return os.environ.get("CORECTL_DEFAULT_MODEL") or None
+
+
+def log_level() -> str:
+    return os.environ.get("CORECTL_LOG_LEVEL", "INFO").upper()
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")

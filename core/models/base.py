@@ -1,0 +1,28 @@
+"""The contract every model implementation meets (built-in or from a plugin)."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ..attention import ForwardContext
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM over packed tokens.
+
+    `forward` takes the T tokens of a step (all sequences concatenated) and returns hidden states
+    [T, hidden]; `compute_logits` maps selected hidden rows to fp32 logits [N, vocab].
+    `load_weights` takes (Hugging Face parameter name, tensor) pairs and returns the names of
+    the model parameters it filled.
+    """
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        raise NotImplementedError

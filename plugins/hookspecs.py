@@ -1,0 +1,49 @@
+"""Hook specifications for corectl plugins.
+
+A plugin is a module (or object) registered under the entry-point group ``corectl``::
+
+    [project.entry-points.corectl]
+    my_accel = "my_package.corectl_plugin"
+
+and implementing any of the hooks below with ``@corectl.plugins.hookimpl``. Each hook yields
+frozen spec records holding dotted paths; corectl imports the target only when it is used, so
+listing plugins stays cheap and never initialises a device runtime. The built-in platforms (cpu,
+cuda, rocm) and models register through the same entry points.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pluggy
+
+from .specs import AttentionBackendSpec, ModelSpec, PlatformSpec
+
+PROJECT = "corectl"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def corectl_platforms() -> Iterable[PlatformSpec]:
+    """Yield the hardware platforms this plugin provides.
+
+    A platform's class must implement ``corectl.platform.Platform``: ``is_available()`` must not
+    raise on machines without the hardware.
+    """
+
+
+@hookspec
+def corectl_model_architectures() -> Iterable[ModelSpec]:
+    """Yield model implementations, keyed by the Hugging Face ``architectures`` name they serve.
+
+    The class must accept ``(config, model_config)`` and implement ``load_weights`` and the
+    forward signature of ``corectl.models.base.CausalLM``.
+    """
+
+
+@hookspec
+def corectl_attention_backends() -> Iterable[AttentionBackendSpec]:
+    """Yield attention backends and the platforms they run on.
+
+    The class must implement ``corectl.attention.AttentionBackend``.
+    """

@@ -1,0 +1,57 @@
+"""Typed records that plugins yield. They hold dotted paths, never imported objects."""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PlatformSpec:
+    """A hardware platform: `path` names a `corectl.platform.Platform` subclass.
+
+    `priority` orders platforms for `--platform auto`: the available platform with the highest
+    priority wins (CPU is the floor at 0).
+    """
+
+    name: str
+    path: str
+    priority: int = 0
+    description: str = ""
+    plugin: str = field(default="", compare=False)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model implementation for one Hugging Face `architectures` entry (e.g. `LlamaForCausalLM`)."""
+
+    architecture: str
+    path: str
+    plugin: str = field(default="", compare=False)
+
+
+@dataclass(frozen=True)
+class AttentionBackendSpec:
+    """An attention backend: `path` names a `corectl.attention.AttentionBackend` subclass.
+
+    `platforms` lists the platform names it runs on.
+    """
+
+    name: str
+    path: str
+    platforms: tuple[str, ...] = ()
+    plugin: str = field(default="", compare=False)
+
+
+def import_dotted(path: str) -> Any:
+    """Import `package.module:attr` or `package.module.attr` and return the attribute."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"not a dotted path to an attribute: {path!r}")
+    module = importlib.import_module(module_name)
+    try:
+        return getattr(module, attr)
+    except AttributeError as exc:
+        raise ImportError(f"{module_name!r} has no attribute {attr!r} (from {path!r})") from exc
