@@ -56,8 +56,9 @@ class Platform(abc.ABC):
         return f"platform {self.name!r} is not available on this machine"
 
     def resolve_dtype(self, requested: str, model_dtype: str | None) -> str:
-        """Pick the compute dtype: an explicit request must be supported; 'auto' prefers the
-        model's own dtype when the platform runs it, else the platform default."""
+        """Pick the compute dtype: an explicit request must be supported; 'auto' keeps a 16-bit
+        checkpoint dtype the platform runs well and otherwise (fp32 or quantized checkpoints, as
+        vLLM does) takes the platform default."""
         caps = self.capabilities()
         if requested != "auto":
             if requested not in caps.dtypes:
@@ -67,7 +68,7 @@ class Platform(abc.ABC):
                     "dtype", f"platform {self.name!r} supports {', '.join(caps.dtypes)}; got {requested!r}"
                 )
             return requested
-        if model_dtype in caps.dtypes and model_dtype != "float16":
+        if model_dtype in caps.dtypes and model_dtype == "bfloat16":
             return model_dtype
         return caps.default_dtype
 

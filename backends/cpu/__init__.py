@@ -1,0 +1,1 @@
+"""The CPU platform: torch eager execution over the paged KV cache."""

@@ -1,0 +1,30 @@
+"""CPU worker: thread count and a KV cache sized from a memory budget in GiB."""
+from __future__ import annotations
+
+import torch
+
+from corectl.errors import ConfigError
+from corectl.worker.worker import Worker
+
+DEFAULT_KV_CACHE_GIB = 2.0
+
+
+class CPUWorker(Worker):
+    def init_device(self) -> torch.device:
+        if self.config.num_threads is not None:
+            torch.set_num_threads(self.config.num_threads)
+        return torch.device("cpu")
+
+    def profile_num_kv_blocks(self) -> int:
+        budget_gib = self.config.kv_cache_memory_gib or DEFAULT_KV_CACHE_GIB
+        per_block = self.model_info.kv_bytes_per_block(self.config.block_size)
+        num_blocks = int(budget_gib * (1 << 30)) // per_block
+        needed = -(-self.max_model_len // self.config.block_size)
+        if num_blocks < needed:
+            raise ConfigError(
+                "kv_cache_memory_gib",
+                f"{budget_gib} GiB holds {num_blocks * self.config.block_size} tokens, fewer than one "
+                f"sequence of max_model_len={self.max_model_len}; raise it to at least "
+                f"{needed * per_block / (1 << 30):.3f} GiB or lower max_model_len",
+            )
+        return num_blocks

@@ -1,0 +1,64 @@
+"""CUDA worker: KV cache sized by profiling peak memory, decode CUDA graphs captured at warm-up."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from corectl.errors import ConfigError
+from corectl.worker.worker import Worker
+
+from .graph_runner import CUDAGraphModelRunner
+
+logger = logging.getLogger("corectl.cuda")
+
+
+class CUDAWorker(Worker):
+    runner_cls = CUDAGraphModelRunner
+
+    def init_device(self) -> torch.device:
+        device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        return device
+
+    def profile_num_kv_blocks(self) -> int:
+        """Memory left for the KV cache after weights, a worst-case step's activations and
+        non-torch allocations, within `gpu_memory_utilization` of the device."""
+        cfg = self.config
+        num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        per_seq_blocks = -(-max(1, cfg.max_num_batched_tokens // num_seqs) // cfg.block_size)
+        self.init_kv_cache(num_seqs * per_seq_blocks)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self.run_dummy_step(cfg.max_num_batched_tokens, num_seqs)
+        torch.cuda.synchronize()
+        profile_cache_bytes = sum(c.numel() * c.element_size() for c in self.runner.kv_caches)
+        peak = torch.cuda.max_memory_allocated() - profile_cache_bytes
+        self.runner.set_kv_caches([])
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        non_torch = (total - free) - torch.cuda.memory_reserved()
+        budget = total * cfg.gpu_memory_utilization - peak - max(non_torch, 0)
+        per_block = self.model_info.kv_bytes_per_block(cfg.block_size)
+        num_blocks = int(budget // per_block)
+        needed = -(-self.max_model_len // cfg.block_size)
+        if num_blocks < needed:
+            raise ConfigError(
+                "gpu_memory_utilization",
+                f"the model needs {peak / 2**30:.2f} GiB for weights and activations, leaving room for "
+                f"{max(num_blocks, 0) * cfg.block_size} KV tokens of the {self.max_model_len} one sequence "
+                f"needs on this {total / 2**30:.1f} GiB device; raise gpu_memory_utilization, lower "
+                "max_model_len or max_num_batched_tokens, or use a smaller model",
+            )
+        tokens = num_blocks * cfg.block_size
+        logger.info("KV cache: %d blocks = %d tokens (%.2f GiB); max concurrency at %d tokens: %.1fx",
+                    num_blocks, tokens, num_blocks * per_block / 2**30, self.max_model_len,
+                    tokens / self.max_model_len)
+        return num_blocks
+
+    def warmup(self) -> None:
+        if self.config.enforce_eager:
+            return
+        self.runner.capture_graphs(self.config.max_num_seqs)

@@ -1,0 +1,59 @@
+"""ROCm platform. torch's HIP build exposes AMD GPUs as the `cuda` device with `torch.version.hip`
+set, so the CUDA worker, graph capture (hipGraph) and Triton kernels serve both; what differs is
+detection and capabilities (bf16 from gfx90a/MI200 on, fp8 on gfx94x/MI300)."""
+from __future__ import annotations
+
+import functools
+
+from corectl.platform import Platform, PlatformCaps
+
+from ..cuda.platform import gpu_caps
+
+# gfx architecture prefix -> (bf16, fp8)
+_ARCH_FEATURES = {"gfx90a": (True, False), "gfx94": (True, True), "gfx95": (True, True), "gfx11": (True, False),
+                  "gfx12": (True, True)}
+
+
+@functools.lru_cache(maxsize=1)
+def _gcn_arch() -> str | None:
+    import torch
+
+    if getattr(torch.version, "hip", None) is None or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).gcnArchName
+
+
+def rocm_caps(arch: str) -> PlatformCaps:
+    bf16, fp8 = next((feat for prefix, feat in _ARCH_FEATURES.items() if arch.startswith(prefix)), (False, False))
+    return gpu_caps((9, 0) if fp8 else (8, 0) if bf16 else (7, 0), notes=(f"ROCm {arch}",))
+
+
+class ROCmPlatform(Platform):
+    name = "rocm"
+    device_type = "cuda"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        try:
+            return _gcn_arch() is not None
+        except Exception:  # a broken runtime must read as "not available", not crash discovery
+            return False
+
+    def unavailable_reason(self) -> str:
+        return "platform 'rocm' needs an AMD GPU and a ROCm (HIP) build of torch; none was found"
+
+    def capabilities(self) -> PlatformCaps:
+        return rocm_caps(_gcn_arch())
+
+    def device_name(self) -> str:
+        import torch
+
+        return torch.cuda.get_device_name(0)
+
+    def worker_cls(self):
+        from ..cuda.worker import CUDAWorker
+
+        return CUDAWorker
+
+    def default_attention_backend(self, model_config) -> str:
+        return "triton"

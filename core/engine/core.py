@@ -1,0 +1,144 @@
+"""EngineCore: the synchronous heart of the engine actor (scheduler, KV state and worker).
+
+It owns the scheduler and KV coordinator: nothing else writes them. Clients talk to it through an
+actor (in-process) or a socket (its own process); tests and the offline `LLM` may drive `step()`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from ..config import EngineConfig
+from ..errors import InvalidRequestError
+from ..loaders import ModelSource, resolve_model_source
+from ..platforms import resolve_attention_backend, resolve_platform
+from ..request import Request
+from ..scheduler import Scheduler
+from ..wire import EngineCoreOutput
+from .messages import EngineCoreOutputs, EngineCoreRequest
+
+logger = logging.getLogger("corectl.engine")
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What clients need to know about a running engine."""
+
+    model: str
+    model_dir: str
+    platform: str
+    device: str
+    dtype: str
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+    architecture: str
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        started = time.monotonic()
+        self.config = config
+        self.source: ModelSource = resolve_model_source(config)
+        platform = resolve_platform(config.platform)
+        platform.check_config(config)
+        hf = self.source.hf_config
+        self.max_model_len = resolve_max_model_len(config, hf)
+        self.eos_token_id, self.extra_eos_ids = _eos_token_ids(self.source)
+        dtype = platform.resolve_dtype(config.dtype, self.source.model_dtype)
+        backend_cls = resolve_attention_backend(platform, config.attention_backend, hf)
+        self.worker = platform.worker_cls()(
+            config, platform, self.source, dtype=dtype, max_model_len=self.max_model_len,
+            eos_token_id=self.eos_token_id, attention_backend_cls=backend_cls,
+        )
+        info = self.worker.load_model()
+        num_blocks = self.worker.profile_num_kv_blocks()
+        self.worker.init_kv_cache(num_blocks)
+        self.worker.warmup()
+        self.scheduler = Scheduler(config, self.max_model_len, num_blocks)
+        self.info = EngineInfo(
+            model=config.model or "default", model_dir=str(self.source.model_dir), platform=platform.name,
+            device=platform.device_name(), dtype=dtype, max_model_len=self.max_model_len,
+            num_kv_blocks=num_blocks, block_size=config.block_size, vocab_size=info.vocab_size,
+            architecture=info.architecture,
+        )
+        logger.info(
+            "engine ready: %s (%s) on %s, %s, %d KV tokens, max_model_len %d, %.1f s",
+            self.source.description, info.architecture, platform.name, dtype,
+            self.info.kv_capacity_tokens, self.max_model_len, time.monotonic() - started,
+        )
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(self._make_request(request))
+
+    def _make_request(self, request: EngineCoreRequest) -> Request:
+        params = request.sampling_params
+        prompt_len = len(request.prompt_token_ids)
+        if prompt_len >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {prompt_len} tokens; this model's context is {self.max_model_len} tokens "
+                "and at least one must remain for the completion",
+                param="prompt", code="context_length_exceeded",
+            )
+        if self.extra_eos_ids and not params.ignore_eos:
+            params = params.clone(stop_token_ids=sorted(set(params.stop_token_ids or ()) | self.extra_eos_ids))
+        remaining = self.max_model_len - prompt_len
+        return Request(
+            request.request_id, request.prompt_token_ids, params,
+            eos_token_id=self.eos_token_id,
+            max_tokens=min(params.max_tokens or remaining, remaining),
+            priority=request.priority, arrival_time=request.arrival_time,
+            group_id=request.group_id, sample_index=request.sample_index,
+        )
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        sched = self.scheduler.schedule()
+        outputs: list[EngineCoreOutput] = []
+        if not sched.is_empty or sched.finished_req_ids:
+            runner_out = self.worker.execute_model(sched)
+            outputs = self.scheduler.update(sched, runner_out)
+        return EngineCoreOutputs(outputs=outputs, stats=self.scheduler.make_stats(), timestamp=time.monotonic())
+
+
+def resolve_max_model_len(config: EngineConfig, hf) -> int:
+    """The user's max_model_len, capped by what the model supports (and by a sliding window, since
+    corectl attends over the full context)."""
+    limits = [getattr(hf, "max_position_embeddings", None), getattr(hf, "sliding_window", None)]
+    limit = min((v for v in limits if isinstance(v, int) and v > 0), default=None)
+    if config.max_model_len is None:
+        if limit is None:
+            raise InvalidRequestError("the model config has no max_position_embeddings; pass max_model_len",
+                                      param="max_model_len")
+        return limit
+    if limit is not None and config.max_model_len > limit:
+        from ..errors import ConfigError
+
+        raise ConfigError("max_model_len", f"{config.max_model_len} exceeds the model's limit of {limit} tokens")
+    return config.max_model_len
+
+
+def _eos_token_ids(source: ModelSource) -> tuple[int | None, frozenset[int]]:
+    """The primary EOS id and any extra ones (e.g. Llama-3's end-of-turn ids) from the checkpoint."""
+    eos = None
+    gen_path = source.model_dir / "generation_config.json"
+    if gen_path.exists():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = getattr(source.hf_config, "eos_token_id", None)
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if not ids:
+        return None, frozenset()
+    return ids[0], frozenset(ids[1:])

@@ -1,0 +1,180 @@
+"""Client-side output processing: fan-out of `n`, incremental detokenization, stop strings, logprobs.
+
+Runs where the caller lives (the API server's process, or the offline LLM), never in the engine loop.
+A stop-string hit finishes the sample here and asks the engine to abort it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ..detokenizer import IncrementalDetokenizer, StopStringMatcher
+from ..outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from ..sampling_params import SamplingParams
+from ..tokenizer import Tokenizer
+from ..wire import EngineCoreOutput, LogprobsLists
+from .messages import EngineCoreRequest
+
+
+class _Sample:
+    """One of the `n` sequences of a request."""
+
+    def __init__(self, index: int, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams):
+        self.index = index
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self.stop = StopStringMatcher(params.stop or [], params.include_stop_str_in_output)
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.sent_text = 0
+        self.sent_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestTracker:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[_Sample]
+    metrics: RequestMetrics
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    changed: bool = field(default=False)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, stream_deltas: bool):
+        self.tokenizer = tokenizer
+        self.stream_deltas = stream_deltas
+        self.trackers: dict[str, RequestTracker] = {}
+        self._children: dict[str, tuple[RequestTracker, int]] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, priority: int = 0) -> list[EngineCoreRequest]:
+        """Register a user request; returns the core requests (one per sample) to send."""
+        if request_id in self.trackers:
+            from ..errors import InvalidRequestError
+
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        now = time.monotonic()
+        samples = [_Sample(i, self.tokenizer, prompt_token_ids, params) for i in range(params.n)]
+        tracker = RequestTracker(request_id, prompt, list(prompt_token_ids), params, samples,
+                                 RequestMetrics(arrival_time=now, num_prompt_tokens=len(prompt_token_ids)),
+                                 prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        self.trackers[request_id] = tracker
+        core_requests = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            child_params = params
+            if params.n > 1:
+                child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            self._children[child_id] = (tracker, i)
+            core_requests.append(EngineCoreRequest(child_id, list(prompt_token_ids), child_params, now,
+                                                   priority, group_id=request_id, sample_index=i))
+        return core_requests
+
+    def child_ids(self, request_id: str) -> list[str]:
+        tracker = self.trackers.get(request_id)
+        if tracker is None:
+            return []
+        n = len(tracker.samples)
+        return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request (client went away); returns the core request ids to abort."""
+        ids = self.child_ids(request_id)
+        self.trackers.pop(request_id, None)
+        for child_id in ids:
+            self._children.pop(child_id, None)
+        return ids
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's outputs; returns the request outputs to deliver and core ids to abort."""
+        now = time.monotonic()
+        to_abort: list[str] = []
+        touched: dict[str, RequestTracker] = {}
+        for out in outputs:
+            entry = self._children.get(out.req_id)
+            if entry is None:
+                continue
+            tracker, index = entry
+            if self._apply(tracker, tracker.samples[index], out, now):
+                to_abort.append(out.req_id)
+            touched[tracker.request_id] = tracker
+        results = []
+        for tracker in touched.values():
+            results.append(self._make_output(tracker))
+            if tracker.finished:
+                tracker.metrics.finished_time = now
+                self.abort_request(tracker.request_id)
+        return results, to_abort
+
+    def _apply(self, tracker: RequestTracker, sample: _Sample, out: EngineCoreOutput, now: float) -> bool:
+        """Returns True when a stop string finished the sample (the engine must abort it)."""
+        if sample.finished:
+            return False
+        metrics = tracker.metrics
+        if out.prompt_logprobs is not None and tracker.prompt_logprobs is not None and sample.index == 0:
+            tracker.prompt_logprobs.extend(self._decode_logprobs(out.prompt_logprobs))
+        if out.num_cached_tokens:
+            metrics.num_cached_tokens = out.num_cached_tokens
+        if out.new_token_ids:
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.last_token_time = now
+            metrics.token_times.append(now)
+            metrics.num_generation_tokens += len(out.new_token_ids)
+        sample.token_ids.extend(out.new_token_ids)
+        if sample.logprobs is not None and out.logprobs is not None:
+            decoded = self._decode_logprobs(out.logprobs)
+            sample.logprobs.extend(decoded)
+            sample.cumulative_logprob += sum(next(iter(d.values())).logprob for d in decoded)
+        delta = sample.detok.push(out.new_token_ids)
+        text, hit = sample.stop.feed(delta)
+        sample.text += text
+        if hit is not None:
+            sample.finish_reason, sample.stop_reason = "stop", hit
+            return out.finish_reason is None
+        if out.finish_reason is not None:
+            sample.text += sample.stop.flush()
+            sample.finish_reason = out.finish_reason
+            sample.stop_reason = out.stop_reason
+        return False
+
+    def _decode_logprobs(self, lists: LogprobsLists) -> list[PositionLogprobs]:
+        decoded = []
+        for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
+            position: PositionLogprobs = {}
+            for j, (tid, lp) in enumerate(zip(ids, lps)):
+                if tid in position:
+                    continue
+                position[tid] = Logprob(lp, rank if j == 0 else j, self.tokenizer.decode([tid], skip_special_tokens=False))
+            decoded.append(position)
+        return decoded
+
+    def _make_output(self, tracker: RequestTracker) -> RequestOutput:
+        outputs = [self._sample_output(s) for s in tracker.samples]
+        return RequestOutput(
+            request_id=tracker.request_id, prompt=tracker.prompt, prompt_token_ids=tracker.prompt_token_ids,
+            outputs=outputs, finished=tracker.finished, prompt_logprobs=tracker.prompt_logprobs,
+            num_cached_tokens=tracker.metrics.num_cached_tokens, metrics=tracker.metrics,
+        )
+
+    def _sample_output(self, s: _Sample) -> CompletionOutput:
+        if not self.stream_deltas:
+            return CompletionOutput(s.index, s.text, list(s.token_ids), s.cumulative_logprob,
+                                    s.logprobs, s.finish_reason, s.stop_reason)
+        text, tokens = s.text[s.sent_text:], s.token_ids[s.sent_tokens:]
+        logprobs = None if s.logprobs is None else s.logprobs[s.sent_tokens:]
+        s.sent_text, s.sent_tokens = len(s.text), len(s.token_ids)
+        return CompletionOutput(s.index, text, tokens, s.cumulative_logprob, logprobs, s.finish_reason, s.stop_reason)

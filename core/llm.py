@@ -1,0 +1,114 @@
+"""The offline API, modelled on vLLM's `LLM`: batch generation driven in-process."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from .config import EngineConfig
+from .engine.core import EngineCore
+from .engine.output_processor import OutputProcessor
+from .errors import InvalidRequestError
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+from .tokenizer import Tokenizer
+
+PromptType = str | list[int]
+
+
+class LLM:
+    """Generate from a model in this process.
+
+        llm = LLM()                                   # embedded SmolLM2-135M-Instruct
+        llm = LLM("path/to/hf_dir", dtype="float32")  # any EngineConfig option as a keyword
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        self.config = EngineConfig.from_kwargs(model=model, **engine_args)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = Tokenizer.from_dir(self.config.tokenizer or self.engine.source.model_dir,
+                                            chat_template=self.config.chat_template)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for one prompt or a batch; outputs come back in input order.
+
+        A prompt is a string or a list of token ids; `sampling_params` is one for all or one per prompt.
+        """
+        batch = _as_prompt_list(prompts)
+        params = _broadcast(sampling_params or SamplingParams(), len(batch), "sampling_params")
+        priorities = _broadcast(list(priority) if priority is not None else 0, len(batch), "priority")
+        encoded = [self._encode(p) for p in batch]
+        return self._run(encoded, params, priorities, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                               chat_template=chat_template)
+            for conv in conversations
+        ]
+        params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        encoded = [(p, self.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+        return self._run(encoded, params, [0] * len(prompts), use_tqdm)
+
+    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def _run(self, encoded, params, priorities, use_tqdm) -> list[RequestOutput]:
+        processor = OutputProcessor(self.tokenizer, stream_deltas=False)
+        ids = [str(next(self._counter)) for _ in encoded]
+        added: list[str] = []
+        try:
+            for rid, (text, token_ids), p, prio in zip(ids, encoded, params, priorities):
+                if not token_ids:
+                    raise InvalidRequestError("prompt is empty", param="prompt")
+                for core_request in processor.add_request(rid, text, token_ids, p, prio):
+                    self.engine.add_request(core_request)
+                    added.append(core_request.request_id)
+        except Exception:
+            # A bad prompt rejects the whole batch without leaving its siblings in the engine.
+            self.engine.abort_requests(added)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
+            while len(finished) < len(ids):
+                step = self.engine.step()
+                outputs, to_abort = processor.process_outputs(step.outputs)
+                if to_abort:
+                    self.engine.abort_requests(to_abort)
+                for out in outputs:
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[rid] for rid in ids]
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]
+    return prompts
+
+
+def _broadcast(value, count: int, name: str) -> list:
+    if isinstance(value, list):
+        if len(value) != count:
+            raise InvalidRequestError(f"{name} has {len(value)} entries for {count} prompts", param=name)
+        return value
+    return [value] * count

@@ -1,0 +1,110 @@
+"""Building blocks shared by the built-in models.
+
+Numerics follow the Hugging Face implementations operation for operation (RMSNorm in fp32, rotary
+embedding as `x * cos + rotate_half(x) * sin` with cos/sin cast to the model dtype) so that greedy
+decoding is token-exact against `transformers` in fp32.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from ..attention import ForwardContext
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to `max_positions`, looked up by absolute position."""
+
+    def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        rope = getattr(config, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type == "default":
+            theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        else:
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hk, D] -> rotated copies."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PackedLinear(nn.Linear):
+    """Several checkpoint projections stored as one matrix (qkv, gate_up) so one GEMM computes them.
+
+    `shards` maps each checkpoint shard id to its (offset, size) along the output dimension; the
+    per-parameter `weight_loader` copies a checkpoint tensor into its slice.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shards: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for shard_id, size in shard_sizes.items():
+            self.shards[shard_id] = (offset, size)
+            offset += size
+        for param in self.parameters():
+            param.weight_loader = self._load_shard
+
+    def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        offset, size = self.shards[shard_id]
+        if loaded.shape[0] != size:
+            raise ValueError(f"shard {shard_id!r} expects {size} rows, checkpoint has {tuple(loaded.shape)}")
+        param.data.narrow(0, offset, size).copy_(loaded)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class Attention(nn.Module):
+    """Routes one layer's attention to the platform's backend and its slice of the paged KV cache."""
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale)

@@ -1,0 +1,157 @@
+"""Llama-family decoder models over packed tokens and the paged KV cache.
+
+One implementation serves Llama 2/3 (incl. Llama-3 RoPE scaling), SmolLM2, TinyLlama, Mistral
+(full attention), Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm); the subclasses in
+`qwen2.py`/`qwen3.py` only switch features on.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ..attention import ForwardContext
+from .base import CausalLM
+from .layers import Attention, PackedLinear, RMSNorm, RotaryEmbedding, default_weight_loader
+
+# checkpoint projection -> (packed parameter, shard id)
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, max_positions: int, dtype: torch.dtype,
+                 qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_size, self.kv_size = q_size, kv_size
+        self.qkv_proj = PackedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary = RotaryEmbedding(config, self.head_dim, max_positions, dtype)
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v, ctx)
+        return self.o_proj(out)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        size = config.intermediate_size
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = PackedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, max_positions: int, dtype: torch.dtype,
+                 qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.self_attn = DecoderAttention(config, layer_idx, max_positions, dtype, qkv_bias, qk_norm)
+        self.mlp = GatedMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, ctx: ForwardContext):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config, max_positions: int, dtype: torch.dtype, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, max_positions, dtype, qkv_bias, qk_norm)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, ctx)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(CausalLM):
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        self.config = config
+        qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
+        self.model = DecoderModel(config, max_positions, dtype, qkv_bias, self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            target, shard_id = _packed_target(name)
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+            param = params[target]
+            if shard_id is None:
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard_id)
+            loaded.add(target)
+        return loaded
+
+
+def _packed_target(name: str) -> tuple[str, str | None]:
+    for proj, (packed, shard_id) in PACKED_MODULES.items():
+        if f".{proj}." in name:
+            return name.replace(f".{proj}.", f".{packed}."), shard_id
+    return name, None
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral's full-attention layout is Llama's; the engine caps max_model_len at its sliding window."""

@@ -1,0 +1,12 @@
+"""The built-in model plugin, registered through the `corectl` entry-point group like any other."""
+from __future__ import annotations
+
+from corectl.plugins import ModelSpec, hookimpl
+
+
+@hookimpl
+def corectl_model_architectures():
+    yield ModelSpec("LlamaForCausalLM", "corectl.models.llama:LlamaForCausalLM")
+    yield ModelSpec("MistralForCausalLM", "corectl.models.llama:MistralForCausalLM")
+    yield ModelSpec("Qwen2ForCausalLM", "corectl.models.qwen:Qwen2ForCausalLM")
+    yield ModelSpec("Qwen3ForCausalLM", "corectl.models.qwen:Qwen3ForCausalLM")

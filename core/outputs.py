@@ -1,0 +1,58 @@
+"""What callers receive: vLLM-shaped RequestOutput / CompletionOutput."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# One dict per position: token id -> Logprob, the chosen token first.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_cached_tokens: int = 0
+    token_times: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """One user request. In streaming (delta) mode each output carries only what is new since the
+    previous one; otherwise texts and token ids are cumulative."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

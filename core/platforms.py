@@ -1,0 +1,50 @@
+"""Choosing a platform and an attention backend through the plugin manager."""
+from __future__ import annotations
+
+from corectl.plugins import PlatformSpec, get_plugin_manager, import_dotted
+
+from .attention import AttentionBackend
+from .errors import ConfigError
+from .platform import Platform
+
+
+def platform_class(spec: PlatformSpec) -> type[Platform]:
+    return import_dotted(spec.path)
+
+
+def spec_available(spec: PlatformSpec) -> bool:
+    try:
+        return bool(platform_class(spec).is_available())
+    except ImportError:
+        return False
+
+
+def resolve_platform(name: str) -> Platform:
+    """`auto` picks the available platform with the highest plugin priority (CPU is the floor)."""
+    specs = get_plugin_manager().platforms()
+    if name == "auto":
+        ranked = sorted(specs.values(), key=lambda s: s.priority, reverse=True)
+        for spec in ranked:
+            if spec_available(spec):
+                return platform_class(spec)()
+        raise ConfigError("platform", f"no available platform among {', '.join(specs) or '(none registered)'}")
+    if name not in specs:
+        raise ConfigError("platform", f"unknown platform {name!r}; registered: auto, {', '.join(sorted(specs))}")
+    cls = platform_class(specs[name])
+    if not cls.is_available():
+        raise ConfigError("platform", cls().unavailable_reason())
+    return cls()
+
+
+def resolve_attention_backend(platform: Platform, requested: str | None, model_config) -> type[AttentionBackend]:
+    specs = get_plugin_manager().attention_backends()
+    name = requested or platform.default_attention_backend(model_config)
+    spec = specs.get(name)
+    if spec is None:
+        raise ConfigError("attention_backend", f"unknown attention backend {name!r}; registered: {', '.join(sorted(specs))}")
+    if spec.platforms and platform.name not in spec.platforms:
+        raise ConfigError(
+            "attention_backend",
+            f"backend {name!r} runs on {', '.join(spec.platforms)}, not on platform {platform.name!r}",
+        )
+    return import_dotted(spec.path)

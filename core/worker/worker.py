@@ -1,0 +1,137 @@
+"""The Worker contract and the generic implementation platforms build on.
+
+A platform subclasses `Worker` and supplies what is hardware specific: the device, how many KV
+blocks fit, and optional warm-up (graph capture). Model construction, weight loading, KV-cache
+allocation and step execution are shared.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from ..attention import AttentionBackend
+from ..config import EngineConfig
+from ..models.registry import resolve_model_class
+from ..platform import Platform
+from .model_runner import ModelRunner
+from ..sampling_params import SamplingParams
+from ..wire import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    dtype: str
+    num_params: int
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        itemsize = torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class Worker(abc.ABC):
+    runner_cls: type[ModelRunner] = ModelRunner
+
+    def __init__(self, config: EngineConfig, platform: Platform, source, *, dtype: str,
+                 max_model_len: int, eos_token_id: int | None, attention_backend_cls: type[AttentionBackend]):
+        self.config = config
+        self.platform = platform
+        self.source = source
+        self.dtype = dtype
+        self.torch_dtype = _DTYPES[dtype]
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.attention_backend_cls = attention_backend_cls
+        self.device = self.init_device()
+        self.runner: ModelRunner | None = None
+        self.model_info: ModelInfo | None = None
+
+    @abc.abstractmethod
+    def init_device(self) -> torch.device:
+        """Prepare the device (threads, streams) and return it."""
+
+    @abc.abstractmethod
+    def profile_num_kv_blocks(self) -> int:
+        """How many KV blocks fit after weights and peak activations."""
+
+    def load_model(self) -> ModelInfo:
+        hf = self.source.hf_config
+        model_cls = resolve_model_class(hf)
+        with _default_dtype(self.torch_dtype), torch.device(self.device):
+            model = model_cls(hf, max_positions=self.max_model_len, dtype=self.torch_dtype)
+        self.source.load_weights(model)
+        model.eval()
+        info = _model_info(hf, model, self.dtype)
+        backend = self.attention_backend_cls(
+            info.num_heads, info.num_kv_heads, info.head_dim, self.torch_dtype, self.device, self.config.block_size
+        )
+        self.runner = self.runner_cls(model, backend, self.device, self.config.block_size,
+                                      hf.vocab_size, self.eos_token_id)
+        self.model_info = info
+        return info
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        info = self.model_info
+        shape = self.runner.backend.kv_cache_shape(num_blocks, self.config.block_size, info.num_kv_heads, info.head_dim)
+        caches = [torch.zeros(shape, dtype=self.torch_dtype, device=self.device) for _ in range(info.num_layers)]
+        self.runner.set_kv_caches(caches)
+
+    def warmup(self) -> None:
+        """Compile or capture ahead of serving; nothing to do by default."""
+
+    def run_dummy_step(self, num_tokens: int, num_seqs: int) -> None:
+        """Run one full step (forward, logits, sampling) on synthetic prefills through the real
+        runner path, to measure peak activation memory or warm kernels up. Uses blocks from the
+        start of the KV cache, which must be allocated and hold at least that many tokens."""
+        per_seq = max(1, num_tokens // num_seqs)
+        blocks_per_seq = -(-per_seq // self.config.block_size)
+        vocab = self.model_info.vocab_size
+        new = [
+            NewRequestData(
+                req_id=f"dummy-{i}", token_ids=[(7 * i + j) % vocab for j in range(per_seq)],
+                num_prompt_tokens=per_seq, sampling_params=SamplingParams(temperature=0.0, max_tokens=1),
+                block_ids=list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), num_computed_tokens=0,
+            )
+            for i in range(num_seqs)
+        ]
+        ids = [n.req_id for n in new]
+        self.runner.execute_model(SchedulerOutput(new, CachedRequestData(), {i: per_seq for i in ids},
+                                                  per_seq * num_seqs, []))
+        self.runner.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, ids))
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(sched)
+
+
+def _model_info(hf, model: torch.nn.Module, dtype: str) -> ModelInfo:
+    num_heads = hf.num_attention_heads
+    return ModelInfo(
+        architecture=type(model).__name__,
+        num_layers=hf.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
+        vocab_size=hf.vocab_size,
+        dtype=dtype,
+        num_params=sum(p.numel() for p in model.parameters()),
+    )

@@ -1,0 +1,58 @@
+"""Command-line flags for every EngineConfig option, shared by `serve`, `generate` and `bench`."""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from corectl.config import BLOCK_SIZES, DTYPES, LOAD_FORMATS, POLICIES, EngineConfig
+
+# field -> (flag, help, argparse extras); the field order here is the order in --help.
+_MODEL = "model loading"
+_CACHE = "KV cache and scheduling"
+_PLATFORM = "platform"
+ENGINE_FLAGS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
+    "tokenizer": ("--tokenizer", _MODEL, "tokenizer directory (default: the model's)", {}),
+    "revision": ("--revision", _MODEL, "hub revision (branch, tag or commit)", {}),
+    "download_dir": ("--download-dir", _MODEL, "hub cache directory", {}),
+    "load_format": ("--load-format", _MODEL, "weight format; 'dummy' makes random weights", {"choices": LOAD_FORMATS}),
+    "dtype": ("--dtype", _MODEL, "compute dtype ('auto': the platform's best for this model)", {"choices": DTYPES}),
+    "max_model_len": ("--max-model-len", _MODEL, "context length (default: the model's)", {"type": int}),
+    "chat_template": ("--chat-template", _MODEL, "chat template (Jinja string or .jinja file) overriding the model's", {}),
+    "hf_overrides": ("--hf-overrides", _MODEL, "JSON object merged into the model config", {"type": json.loads}),
+    "seed": ("--seed", _MODEL, "seed for dummy weights and unseeded sampling", {"type": int}),
+    "block_size": ("--block-size", _CACHE, "tokens per KV block", {"type": int, "choices": BLOCK_SIZES}),
+    "kv_cache_memory_gib": ("--kv-cache-memory", _CACHE, "KV cache size in GiB (CPU)", {"type": float}),
+    "gpu_memory_utilization": ("--gpu-memory-utilization", _CACHE, "fraction of GPU memory to use", {"type": float}),
+    "max_num_seqs": ("--max-num-seqs", _CACHE, "most sequences in one step", {"type": int}),
+    "max_num_batched_tokens": ("--max-num-batched-tokens", _CACHE, "token budget of one step", {"type": int}),
+    "enable_prefix_caching": ("--enable-prefix-caching", _CACHE, "reuse KV blocks of shared prefixes",
+                              {"action": argparse.BooleanOptionalAction}),
+    "scheduling_policy": ("--scheduling-policy", _CACHE, "queue order", {"choices": POLICIES}),
+    "max_queued_requests": ("--max-queued-requests", _CACHE, "reject (429) beyond this many waiting requests",
+                            {"type": int}),
+    "platform": ("--platform", _PLATFORM, "auto, cpu, cuda, rocm or a plugin's platform", {}),
+    "attention_backend": ("--attention-backend", _PLATFORM, "attention backend (default: the platform's)", {}),
+    "enforce_eager": ("--enforce-eager", _PLATFORM, "disable CUDA graphs", {"action": "store_true"}),
+    "num_threads": ("--num-threads", _PLATFORM, "CPU threads for torch", {"type": int}),
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    if model_positional:
+        parser.add_argument("model", nargs="?", default=None,
+                            help="HF directory, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
+    else:
+        parser.add_argument("--model", default=None,
+                            help="HF directory, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    defaults = EngineConfig()
+    for field, (flag, group, help_text, extra) in ENGINE_FLAGS.items():
+        grp = groups.setdefault(group, parser.add_argument_group(group))
+        default = getattr(defaults, field)
+        grp.add_argument(flag, dest=field, default=default, help=f"{help_text} (default: {default})", **extra)
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    values = {field: getattr(args, field) for field in ENGINE_FLAGS}
+    return EngineConfig.from_kwargs(model=args.model, **values)
