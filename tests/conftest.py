@@ -2,3 +2,22 @@
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The embedded model converted to an HF directory (cached across runs in CORECTL_CACHE_DIR)."""
+    from corectl.config import EngineConfig
+    from corectl.loaders import resolve_model_source
+
+    return resolve_model_source(EngineConfig()).model_dir
+
+
+@pytest.fixture(scope="session")
+def llm_fp32():
+    """One fp32 engine on the embedded model, shared by the tests that only generate through it."""
+    from corectl import LLM
+
+    return LLM(dtype="float32", max_model_len=1024, kv_cache_memory_gib=0.25, max_num_seqs=32)

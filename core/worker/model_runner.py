@@ -133,12 +133,10 @@ class ModelRunner:
         )
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
-        params = [s.sampling_params for s in states]
-        needs_history = any(p.needs_penalties or p.min_tokens for p in params)
         return SamplingMetadata.build(
-            params=params,
-            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states] if needs_history else [],
-            output_token_ids=[s.output_token_ids for s in states] if needs_history else [],
+            params=[s.sampling_params for s in states],
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
             generators=[s.seeded_generator() for s in states],
             eos_token_id=self.eos_token_id,
             vocab_size=self.vocab_size,

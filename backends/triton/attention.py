@@ -1,0 +1,84 @@
+"""The attention backend of the CUDA and ROCm platforms, built on the shared Triton kernels.
+
+Each layer's forward stores the new K/V into the pages, then attends with the decode kernel
+(pure-decode batches) or the prefill/extend kernel (anything else, including mixed batches).
+
+CUDA graphs (decode): a captured forward replays the same launches, so what the launches read
+from the host must not change between replays: the batch size (pad it to the graph's bucket), the
+block-table width, `num_splits` (pick it for the bucket with `max_seq_len` = the model's max length),
+the softmax scale and the storage of every metadata tensor. What changes per step goes through
+those tensors, copied in before replay: `seq_lens` (0 for padding rows, which then produce zeros),
+`block_tables`, `slot_mapping` (-1 for padding rows, which store nothing). Build capture metadata
+with `check_indices=False`: index validation reads tensors back, which a capture forbids.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from corectl.attention import AttentionBackend, AttentionBatch
+
+from .checks import check_packed_heads, require
+from .decode_attention import choose_decode_splits, paged_decode_attention
+from .kv_cache_store import store_kvcache
+from .prefill_attention import paged_prefill_attention
+
+
+@dataclass
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor        # [T] int64, -1 = skip
+    block_tables: torch.Tensor        # [B, max_blocks] int32
+    seq_lens: torch.Tensor            # [B] int32
+    query_start_loc: torch.Tensor     # [B + 1] int32
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    is_pure_decode: bool
+    num_splits: int                   # decode only; fixed per captured graph
+    # Validate index tensors on the first layer's forward of the step, then trust them.
+    check_indices: bool = True
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def build_metadata(self, batch: AttentionBatch, check_indices: bool = True) -> TritonAttentionMetadata:
+        require(batch.block_size == self.block_size,
+                f"batch block_size {batch.block_size} differs from the backend's {self.block_size}")
+        num_tokens = sum(batch.query_lens_host)
+        # One token for every sequence: the decode kernel maps query row i to sequence i.
+        pure_decode = batch.is_pure_decode and num_tokens == batch.num_seqs
+        splits = 1
+        if pure_decode:
+            splits = choose_decode_splits(batch.num_seqs, self.num_kv_heads, batch.max_seq_len, self.device)
+        return TritonAttentionMetadata(
+            slot_mapping=batch.slot_mapping,
+            block_tables=batch.block_tables,
+            seq_lens=batch.seq_lens,
+            query_start_loc=batch.query_start_loc,
+            num_tokens=num_tokens,
+            max_query_len=batch.max_query_len,
+            max_seq_len=batch.max_seq_len,
+            is_pure_decode=pure_decode,
+            num_splits=splits,
+            check_indices=check_indices,
+        )
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: TritonAttentionMetadata, scale: float) -> torch.Tensor:
+        check_packed_heads("q", q, meta.num_tokens, self.num_heads, self.head_dim)
+        check = meta.check_indices
+        store_kvcache(k, v, kv_cache, meta.slot_mapping, check_indices=check)
+        if meta.is_pure_decode:
+            out = paged_decode_attention(
+                q, kv_cache, meta.block_tables, meta.seq_lens, scale,
+                max_seq_len=meta.max_seq_len, num_splits=meta.num_splits, check_indices=check,
+            )
+        else:
+            out = paged_prefill_attention(
+                q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+                max_query_len=meta.max_query_len, check_indices=check,
+            )
+        meta.check_indices = False
+        return out

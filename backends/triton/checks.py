@@ -1,0 +1,68 @@
+"""Input validation shared by the kernel launchers.
+
+Triton kernels address raw pointers: a wrong shape, stride or index silently reads or corrupts
+other memory (the interpreter catches nothing either), so launchers check everything they rely on
+and raise ValueError naming the argument. Index-range checks read device values back, which is a
+synchronisation on GPUs: launchers take `check_indices` so hot paths can check once per step.
+"""
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def check_float(name: str, t: torch.Tensor, ndim: int) -> None:
+    require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    require(t.dim() == ndim, f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    require(t.dtype in FLOAT_DTYPES, f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+    require(t.numel() == 0 or t.stride(-1) == 1,
+            f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+
+
+def check_index(name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    require(t.dim() == ndim, f"{name} must have {ndim} dimension(s), got shape {tuple(t.shape)}")
+    names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+    require(t.dtype in dtypes, f"{name} must be {names}, got {t.dtype}")
+    require(t.numel() == 0 or t.stride(-1) == 1,
+            f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{name} on {dev}" for name, dev in devices.items())
+        raise ValueError(f"all tensors must be on one device, got {listing}")
+
+
+def check_range(name: str, t: torch.Tensor, low: int, high: int) -> None:
+    """Every element of `t` must lie in [low, high); reads the tensor's extremes back."""
+    if t.numel() == 0:
+        return
+    lo, hi = torch.stack([t.min(), t.max()]).tolist()
+    require(low <= lo and hi < high, f"{name} values must lie in [{low}, {high}), found range [{lo}, {hi}]")
+
+
+def check_kv_cache(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """Validate the layout fixed by corectl.attention; returns (num_blocks, block_size, kv_heads, head_dim)."""
+    check_float("kv_cache", kv_cache, 5)
+    require(kv_cache.shape[0] == 2,
+            f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], got {tuple(kv_cache.shape)}")
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    require(kv_cache.stride(3) == head_dim,
+            f"kv_cache heads must be packed (stride {head_dim} between heads), got strides {kv_cache.stride()}")
+    return num_blocks, block_size, num_kv_heads, head_dim
+
+
+def check_packed_heads(name: str, t: torch.Tensor, num_tokens: int, num_heads: int, head_dim: int) -> None:
+    """`t` is [num_tokens, num_heads * head_dim] with rows at any stride (e.g. a slice of a qkv output)."""
+    check_float(name, t, 2)
+    expected = (num_tokens, num_heads * head_dim)
+    require(tuple(t.shape) == expected,
+            f"{name} must be [num_tokens, num_heads * head_dim] = {list(expected)}, got {list(t.shape)}")

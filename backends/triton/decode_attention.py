@@ -1,0 +1,191 @@
+"""Paged decode attention: one query token per sequence, split-KV for long contexts.
+
+Grid (sequence, KV head, split): each program holds all query heads of one KV head, so K/V are
+read once per KV head, and walks one contiguous partition of the context. With one split it
+writes the output directly; with several, each writes a partial output and its log-sum-exp and a
+second kernel combines them.
+
+CUDA-graph contract: the launch depends on host values only through `num_splits` (a grid
+dimension and compile-time constant) and the tensor shapes. Sequence lengths and block tables are
+read from tensors, so they may change between replays while `num_splits`, the batch size, the
+block-table width and the tensors' storage stay fixed. Splits past a sequence's end are empty and
+combine to nothing; a sequence of length 0 (graph padding) yields zeros.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import (check_index, check_kv_cache, check_packed_heads, check_range, check_same_device,
+                     require)
+from .paged_softmax import LOG2E, attend_paged, dot_precision, head_block
+
+# Fewest keys worth a program of its own: below this the combine step costs more than it saves.
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 64
+DECODE_BLOCK_N = 64
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
+    stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table, num_heads,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Splits are whole key tiles so only the last tile of a sequence is ragged.
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < GROUP
+    d_mask = offs_d < HEAD_DIM
+    head_offs = (kv_head * GROUP + offs_m)[:, None] * HEAD_DIM + offs_d[None, :]
+    row_mask = m_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + seq * stride_qt + head_offs, mask=row_mask, other=0.0).to(tl.float32)
+    q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1
+
+    k_base = cache_ptr + kv_head * HEAD_DIM
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = attend_paged(
+        acc, m_i, l_i, q, q_pos, k_base, k_base + stride_kind, table_ptr + seq * stride_table, lo, hi,
+        qk_scale, stride_blk, stride_tok, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+    )
+    safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / safe_l[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + seq * stride_ot + head_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    else:
+        part_rows = (seq * num_heads + kv_head * GROUP + offs_m) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
+        tl.store(part_lse_ptr + part_rows, lse, mask=m_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, stride_ot, num_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    row0 = (seq * num_heads + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + row0 + offs_s, mask=s_mask, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.exp2(lse - top)
+    parts = tl.load(part_out_ptr + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ot + head * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_compute_units(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    # The interpreter runs programs one after another: more programs only add work.
+    return 1
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_compute_units: int) -> int:
+    """Enough programs to give every SM about four while each split keeps MIN_KEYS_PER_SPLIT keys."""
+    programs = max(1, num_seqs * num_kv_heads)
+    wanted = triton.cdiv(4 * num_compute_units, programs)
+    by_length = max(1, max_seq_len // MIN_KEYS_PER_SPLIT)
+    return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def choose_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    return decode_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_compute_units(torch.device(device)))
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, *, max_seq_len: int,
+                           num_splits: int | None = None, out: torch.Tensor | None = None,
+                           check_indices: bool = True) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged context (the token's own K/V included).
+
+    q: [B, num_heads * head_dim]; block_tables: int32 [B, max_blocks]; seq_lens: int32 [B], the
+    context length including the new token; max_seq_len: a host bound on seq_lens that picks the
+    number of splits unless `num_splits` is given. Returns `out` [B, num_heads * head_dim].
+    `check_indices` reads block tables and lengths back to validate them (a GPU synchronisation).
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
+    check_index("block_tables", block_tables, 2, (torch.int32,))
+    check_index("seq_lens", seq_lens, 1, (torch.int32,))
+    num_seqs, table_width = block_tables.shape
+    require(seq_lens.shape[0] == num_seqs,
+            f"seq_lens has {seq_lens.shape[0]} entries but block_tables has {num_seqs} rows")
+    require(q.dim() == 2 and q.shape[1] % (head_dim * num_kv_heads) == 0,
+            f"q must be [num_seqs, num_heads * {head_dim}] with num_heads a multiple of {num_kv_heads}, "
+            f"got shape {tuple(q.shape)}")
+    num_heads = q.shape[1] // head_dim
+    check_packed_heads("q", q, num_seqs, num_heads, head_dim)
+    require(q.dtype == kv_cache.dtype, f"q and kv_cache must share a dtype, got {q.dtype} and {kv_cache.dtype}")
+    require(max_seq_len >= 0, f"max_seq_len must be >= 0, got {max_seq_len}")
+    splits = num_splits if num_splits is not None else choose_decode_splits(
+        num_seqs, num_kv_heads, max_seq_len, q.device)
+    require(1 <= splits <= MAX_SPLITS, f"num_splits must lie in [1, {MAX_SPLITS}], got {splits}")
+    out = _decode_output(out, q)
+    check_same_device(q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens, out=out)
+    if check_indices:
+        check_range("block_tables", block_tables, 0, num_blocks)
+        check_range("seq_lens", seq_lens, 0, table_width * block_size + 1)
+    if num_seqs == 0:
+        return out
+    _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, num_heads // num_kv_heads, splits)
+    return out
+
+
+def _decode_output(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    require(out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1,
+            f"out must be {q.dtype} of shape {tuple(q.shape)}, contiguous in its last dimension; "
+            f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    return out
+
+
+def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, splits) -> None:
+    num_seqs = q.shape[0]
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    num_heads = num_kv_heads * group
+    block_d = head_block(head_dim)
+    if splits == 1:
+        # The partial buffers are compiled out with one split; `out` stands in for their pointers.
+        part_out = part_lse = out
+    else:
+        part_out = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
+    _decode_kernel[(num_seqs, num_kv_heads, splits)](
+        q, kv_cache, block_tables, seq_lens, out, part_out, part_lse, scale * LOG2E,
+        q.stride(0), out.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        block_tables.stride(0), num_heads,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+        BLOCK_N=DECODE_BLOCK_N, BLOCK_SIZE=kv_cache.shape[2], NUM_SPLITS=splits,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=3,
+    )
+    if splits > 1:
+        _combine_splits_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, out.stride(0), num_heads,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+            num_warps=4,
+        )

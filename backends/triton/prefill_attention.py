@@ -1,0 +1,167 @@
+"""Prefill/extend attention over the paged cache: variable query lengths, causal, cached prefixes.
+
+The new tokens' K/V must already be in the pages (store_kvcache runs first), so every key is read
+from the cache: a chunked prefill or a prefix-cache hit is the same code as a cold prefill.
+
+Grid (query tile, KV head). A tile holds BLOCK_Q tokens of one sequence times the GROUP query heads
+of one KV head (BLOCK_M = BLOCK_Q * GROUP rows, padded to a power of two), so K/V tiles are shared
+by the whole group, which keeps decode rows in a mixed batch cheap. Tiles are numbered
+`query_start_loc[i] // BLOCK_Q + i + local_tile`: the grid size then depends only on T and B
+(not on the longest query), and each program finds its sequence by binary search.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import (check_index, check_kv_cache, check_packed_heads, check_range, check_same_device,
+                     require)
+from .paged_softmax import LOG2E, attend_paged, dot_precision, head_block
+
+PREFILL_BLOCK_N = 64
+
+
+@triton.jit
+def _find_sequence(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """Largest i with query_start[i] // BLOCK_Q + i <= tile."""
+    left = 0
+    right = num_seqs
+    while left < right:
+        mid = (left + right) // 2
+        first_tile = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile:
+            left = mid + 1
+        else:
+            right = mid
+    return left - 1
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr, out_ptr, qk_scale, num_seqs,
+    stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_sequence(query_start_ptr, num_seqs, tile, BLOCK_Q)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    local = tile - (q_start // BLOCK_Q + seq)
+    if local * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    token = local * BLOCK_Q + offs_m // GROUP
+    m_mask = (offs_m < BLOCK_Q * GROUP) & (token < q_len)
+    d_mask = offs_d < HEAD_DIM
+    row_mask = m_mask[:, None] & d_mask[None, :]
+    head_offs = (kv_head * GROUP + offs_m % GROUP)[:, None] * HEAD_DIM + offs_d[None, :]
+    q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head_offs, mask=row_mask, other=0.0)
+    q = q.to(tl.float32)
+    q_pos = prefix + token
+    # Keys past the tile's last token are invisible to every row: stop there.
+    hi = prefix + tl.minimum((local + 1) * BLOCK_Q, q_len)
+
+    k_base = cache_ptr + kv_head * HEAD_DIM
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = attend_paged(
+        acc, m_i, l_i, q, q_pos, k_base, k_base + stride_kind, table_ptr + seq * stride_table, 0, hi,
+        qk_scale, stride_blk, stride_tok, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+    )
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head_offs, out.to(out_ptr.dtype.element_ty),
+             mask=row_mask)
+
+
+def prefill_block_m(group: int, max_query_len: int) -> int:
+    """Rows per program: small for decode-like batches, larger to reuse K/V tiles in long prefills."""
+    rows = 16 if max_query_len * group <= 64 else 64
+    return max(rows, triton.next_power_of_2(group))
+
+
+def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
+                            max_query_len: int, out: torch.Tensor | None = None,
+                            check_indices: bool = True) -> torch.Tensor:
+    """Causal attention of T packed new tokens over their sequences' paged context.
+
+    q: [T, num_heads * head_dim]; query_start_loc: int32 [B + 1]; seq_lens: int32 [B] (cached
+    prefix + new tokens); block_tables: int32 [B, max_blocks]; max_query_len: a host bound on the
+    query lengths that only picks tile sizes. `check_indices` reads the index tensors back to
+    validate them (a GPU synchronisation). Returns `out` [T, num_heads * head_dim].
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
+    check_index("block_tables", block_tables, 2, (torch.int32,))
+    check_index("seq_lens", seq_lens, 1, (torch.int32,))
+    check_index("query_start_loc", query_start_loc, 1, (torch.int32,))
+    num_seqs, table_width = block_tables.shape
+    require(seq_lens.shape[0] == num_seqs and query_start_loc.shape[0] == num_seqs + 1,
+            f"block_tables has {num_seqs} rows, so seq_lens needs {num_seqs} entries and query_start_loc "
+            f"{num_seqs + 1}; got {seq_lens.shape[0]} and {query_start_loc.shape[0]}")
+    require(q.dim() == 2 and q.shape[1] % (head_dim * num_kv_heads) == 0,
+            f"q must be [num_tokens, num_heads * {head_dim}] with num_heads a multiple of {num_kv_heads}, "
+            f"got shape {tuple(q.shape)}")
+    num_tokens, num_heads = q.shape[0], q.shape[1] // head_dim
+    check_packed_heads("q", q, num_tokens, num_heads, head_dim)
+    require(q.dtype == kv_cache.dtype, f"q and kv_cache must share a dtype, got {q.dtype} and {kv_cache.dtype}")
+    require(max_query_len >= 1, f"max_query_len must be >= 1, got {max_query_len}")
+    out = _prefill_output(out, q)
+    check_same_device(q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens,
+                      query_start_loc=query_start_loc, out=out)
+    if check_indices:
+        _check_prefill_indices(block_tables, seq_lens, query_start_loc, num_blocks, num_tokens,
+                               table_width * block_size, max_query_len)
+    if num_tokens == 0:
+        return out
+    _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, max_query_len)
+    return out
+
+
+def _prefill_output(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    require(out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1,
+            f"out must be {q.dtype} of shape {tuple(q.shape)}, contiguous in its last dimension; "
+            f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    return out
+
+
+def _check_prefill_indices(block_tables, seq_lens, query_start_loc, num_blocks, num_tokens,
+                           max_context, max_query_len) -> None:
+    check_range("block_tables", block_tables, 0, num_blocks)
+    starts = query_start_loc.tolist()
+    require(starts[0] == 0 and starts[-1] == num_tokens,
+            f"query_start_loc must run from 0 to the number of tokens ({num_tokens}), got {starts[0]}..{starts[-1]}")
+    query_lens = [b - a for a, b in zip(starts, starts[1:])]
+    require(min(query_lens, default=0) >= 0, f"query_start_loc must be non-decreasing, got {starts}")
+    require(max(query_lens, default=0) <= max_query_len,
+            f"a query of {max(query_lens)} tokens exceeds max_query_len={max_query_len}")
+    for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens.tolist())):
+        require(query_len <= seq_len <= max_context,
+                f"sequence {i}: seq_len {seq_len} must be at least its {query_len} new tokens and at most "
+                f"{max_context} (block_tables width x block_size)")
+
+
+def _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, max_query_len) -> None:
+    num_seqs = block_tables.shape[0]
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    group = q.shape[1] // head_dim // num_kv_heads
+    block_m = prefill_block_m(group, max_query_len)
+    block_q = block_m // group
+    num_tiles = q.shape[0] // block_q + num_seqs
+    _prefill_kernel[(num_tiles, num_kv_heads)](
+        q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale * LOG2E, num_seqs,
+        q.stride(0), out.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=head_block(head_dim),
+        BLOCK_N=PREFILL_BLOCK_N, BLOCK_SIZE=kv_cache.shape[2], DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )

@@ -1,0 +1,95 @@
+"""Plain torch references for the Triton kernels: the specification tests compare against.
+
+Written for clarity, not speed: per-sequence loops, fp32 math. Each returns a new tensor and
+leaves its inputs untouched.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The cache after writing k, v `[T, Hk * D]` at `slot_mapping` (slot -1 = skip)."""
+    result = kv_cache.clone()
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = result.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    flat[0, slots] = k[keep].view(-1, num_kv_heads, head_dim)
+    flat[1, slots] = v[keep].view(-1, num_kv_heads, head_dim)
+    return result
+
+
+def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [seq_len, Hk, D] of one sequence, read through its block table."""
+    block_size = kv_cache.shape[2]
+    positions = torch.arange(seq_len, device=kv_cache.device)
+    blocks = block_table.long()[positions // block_size]
+    offsets = positions % block_size
+    return kv_cache[0, blocks, offsets], kv_cache[1, blocks, offsets]
+
+
+def causal_attention_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [Lq, Hq, D] are the last Lq positions of a context keys/values [L, Hk, D]; returns fp32 [Lq, Hq, D]."""
+    query_len, num_heads, _ = q.shape
+    context = keys.shape[0]
+    group = num_heads // keys.shape[1]
+    k = keys.float().repeat_interleave(group, dim=1)
+    v = values.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    q_pos = torch.arange(context - query_len, context, device=q.device)[:, None]
+    visible = torch.arange(context, device=q.device)[None, :] <= q_pos
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+
+
+def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of packed queries q [T, Hq * D] over each sequence's paged context."""
+    head_dim = kv_cache.shape[4]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        lo, hi = starts[i], starts[i + 1]
+        if hi == lo:
+            continue
+        keys, values = gather_context(kv_cache, block_tables[i], seq_len)
+        q_i = q[lo:hi].view(hi - lo, -1, head_dim)
+        out[lo:hi] = causal_attention_ref(q_i, keys, values, scale).reshape(hi - lo, -1).to(q.dtype)
+    return out
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
+    """Hugging Face Llama's RMSNorm; with `residual`: (norm(x + residual), x + residual)."""
+    if residual is not None:
+        residual = x + residual
+        x = residual
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * normed.to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2 * I] -> silu(x[:, :I]) * x[:, I:] in x's dtype, as Hugging Face's MLP computes it."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def rotary_embedding_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                         cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotation (HF `x * cos + rotate_half(x) * sin`) of the first rot_dim dims of
+    q [T, Hq, D] and k [T, Hk, D], in fp32; returns rotated copies in the input dtype."""
+    rot_dim = cos_cache.shape[1]
+    cos = cos_cache[positions].float().unsqueeze(1)
+    sin = sin_cache[positions].float().unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        head, tail = x[..., :rot_dim], x[..., rot_dim:]
+        half = rot_dim // 2
+        rotated_half = torch.cat((-head[..., half:], head[..., :half]), dim=-1)
+        return torch.cat((head * cos + rotated_half * sin, tail), dim=-1)
+
+    return rotate(q).to(q.dtype), rotate(k).to(k.dtype)

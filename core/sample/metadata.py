@@ -1,0 +1,66 @@
+"""What the sampler needs for one step, built from per-request parameters.
+
+Each part is decided by plain Python flags first and built only when some row needs it, so an
+all-greedy batch with nothing to apply carries no tensors at all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..sampling_params import SamplingParams
+from .penalties import PenaltyParams
+from .random_sampling import RandomParams
+from .token_edits import LogitBias, build_logit_bias, build_min_tokens
+
+
+def _check_rows(params: Sequence[SamplingParams], **per_row: Sequence) -> None:
+    for name, values in per_row.items():
+        if len(values) != len(params):
+            raise ValueError(f"{name} has {len(values)} rows for {len(params)} sampling params")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingMetadata:
+    """`random` is None when every row is greedy; `min_tokens` holds flat `[B * V]` indices of the
+    stop tokens to forbid this step; `max_num_logprobs` is None when no row wants logprobs."""
+
+    random: RandomParams | None
+    logit_bias: LogitBias | None
+    min_tokens: torch.Tensor | None
+    penalties: PenaltyParams | None
+    max_num_logprobs: int | None
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.random is None
+
+    @property
+    def edits_logits(self) -> bool:
+        return self.logit_bias is not None or self.min_tokens is not None or self.penalties is not None
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+        eos_token_id: int | None,
+        vocab_size: int,
+        device: torch.device,
+    ) -> "SamplingMetadata":
+        _check_rows(
+            params, prompt_token_ids=prompt_token_ids, output_token_ids=output_token_ids, generators=generators
+        )
+        greedy = [p.greedy for p in params]
+        requested = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            random=None if all(greedy) else RandomParams.build(params, greedy, generators, vocab_size, device),
+            logit_bias=build_logit_bias(params, vocab_size, device),
+            min_tokens=build_min_tokens(params, output_token_ids, eos_token_id, vocab_size, device),
+            penalties=PenaltyParams.build(params, prompt_token_ids, output_token_ids, vocab_size, device),
+            max_num_logprobs=max(requested) if requested else None,
+        )

@@ -1,0 +1,85 @@
+"""Repetition, frequency and presence penalties with vLLM's meanings.
+
+Repetition divides positive / multiplies negative logits of every token seen in the prompt or the
+output; frequency subtracts `penalty * count` and presence `penalty * (count > 0)`, counting the
+output only. Token occurrences travel as flat indices (`row * V + token`) so counting them is one
+`index_add_` whatever the lengths; rows that need no penalty contribute no tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..sampling_params import SamplingParams
+from .transfer import to_device
+
+
+def _flat_token_index(
+    token_ids: Sequence[Sequence[int]], rows: Sequence[bool], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    flat: list[int] = []
+    for row, (ids, wanted) in enumerate(zip(token_ids, rows)):
+        if wanted:
+            base = row * vocab_size
+            flat.extend(base + t for t in ids)
+    return to_device(flat, torch.int64, device)
+
+
+def _row_column(values: list[float], neutral: float, device: torch.device) -> torch.Tensor | None:
+    """A `[B, 1]` column of per-row values, or None when every row has the neutral one."""
+    if all(v == neutral for v in values):
+        return None
+    return to_device(values, torch.float32, device).unsqueeze(1)
+
+
+@dataclass(frozen=True, slots=True)
+class PenaltyParams:
+    output_index: torch.Tensor
+    prompt_index: torch.Tensor | None
+    repetition: torch.Tensor | None
+    frequency: torch.Tensor | None
+    presence: torch.Tensor | None
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        vocab_size: int,
+        device: torch.device,
+    ) -> "PenaltyParams | None":
+        penalised = [p.needs_penalties for p in params]
+        if not any(penalised):
+            return None
+        repetition = _row_column([p.repetition_penalty for p in params], 1.0, device)
+        return cls(
+            output_index=_flat_token_index(output_token_ids, penalised, vocab_size, device),
+            prompt_index=None if repetition is None else _flat_token_index(
+                prompt_token_ids, [p.repetition_penalty != 1.0 for p in params], vocab_size, device
+            ),
+            repetition=repetition,
+            frequency=_row_column([p.frequency_penalty for p in params], 0.0, device),
+            presence=_row_column([p.presence_penalty for p in params], 0.0, device),
+        )
+
+
+def apply_penalties(logits: torch.Tensor, penalties: PenaltyParams) -> torch.Tensor:
+    """Return `logits` with the penalties applied (written in place where the op allows)."""
+    index = penalties.output_index
+    counts = torch.zeros_like(logits)
+    counts.view(-1).index_add_(0, index, torch.ones(index.numel(), dtype=logits.dtype, device=logits.device))
+    output_seen = counts > 0
+    if penalties.repetition is not None:
+        seen = output_seen.clone()
+        seen.view(-1).index_fill_(0, penalties.prompt_index, True)
+        rep = penalties.repetition
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+    if penalties.frequency is not None:
+        logits.sub_(counts.mul_(penalties.frequency))
+    if penalties.presence is not None:
+        logits.sub_(output_seen * penalties.presence)
+    return logits

@@ -1,0 +1,78 @@
+"""Per-token logit edits: OpenAI's `logit_bias` and the stop-token suppression behind `min_tokens`.
+
+Both touch a handful of (row, token) cells, so they travel as one flat index into the
+contiguous `[B, V]` logits (`row * V + token`) and cost one indexed kernel each.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from ..errors import InvalidRequestError
+from ..sampling_params import SamplingParams
+from .transfer import to_device
+
+
+class LogitBias(NamedTuple):
+    """Cells of the flattened logits and the bias to add to each."""
+
+    flat_index: torch.Tensor
+    values: torch.Tensor
+
+
+def _check_token(token: int, vocab_size: int, field: str) -> None:
+    if not 0 <= token < vocab_size:
+        raise InvalidRequestError(
+            f"{field} names token id {token}, outside this model's vocabulary [0, {vocab_size})", param=field
+        )
+
+
+def build_logit_bias(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device
+) -> LogitBias | None:
+    if not any(p.logit_bias for p in params):
+        return None
+    flat_index: list[int] = []
+    values: list[float] = []
+    for row, p in enumerate(params):
+        for token, bias in (p.logit_bias or {}).items():
+            _check_token(token, vocab_size, "logit_bias")
+            flat_index.append(row * vocab_size + token)
+            values.append(bias)
+    return LogitBias(to_device(flat_index, torch.int64, device), to_device(values, torch.float32, device))
+
+
+def build_min_tokens(
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+    eos_token_id: int | None,
+    vocab_size: int,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Flat indices of the stop tokens to forbid in rows that have not yet produced `min_tokens` tokens.
+
+    EOS counts as a stop token unless the request ignores it (vLLM's rule: an ignored EOS cannot
+    end the request, so there is nothing to hold back).
+    """
+    flat_index: list[int] = []
+    for row, (p, output) in enumerate(zip(params, output_token_ids)):
+        if len(output) >= p.min_tokens:
+            continue
+        stops = set(p.stop_token_ids or ())
+        if eos_token_id is not None and not p.ignore_eos:
+            stops.add(eos_token_id)
+        for token in stops:
+            _check_token(token, vocab_size, "stop_token_ids")
+            flat_index.append(row * vocab_size + token)
+    if not flat_index:
+        return None
+    return to_device(flat_index, torch.int64, device)
+
+
+def add_logit_bias(logits: torch.Tensor, bias: LogitBias) -> None:
+    logits.view(-1).index_add_(0, bias.flat_index, bias.values)
+
+
+def suppress_tokens(logits: torch.Tensor, flat_index: torch.Tensor) -> None:
+    logits.view(-1).index_fill_(0, flat_index, float("-inf"))

@@ -1,0 +1,315 @@
+"""The scheduler: which requests run each step, with how many tokens, in which KV blocks.
+
+There are no prefill or decode phases, only tokens (vLLM V1's scheme). Every request has
+`num_computed_tokens`; each step hands out at most `max_num_batched_tokens`, giving each request
+up to `num_tokens - num_computed_tokens` tokens: 1 for a decode (its newest sampled token has no
+K/V yet), the rest of the prompt (or as much as the budget allows) for a prefill. Running requests
+are served first, in order, then waiting ones (prefix-cache lookup, then a chunk of the rest),
+while fewer than `max_num_seqs` run. `num_computed_tokens` advances when a step is scheduled, so
+chunked prefill and prefix hits need no special cases.
+
+When a running request cannot get KV blocks, the newest running request (FCFS) or the one with
+the largest (priority, arrival_time) is preempted: its blocks are freed, it restarts from zero at
+the front of the waiting queue, and it later returns to the worker as a new request carrying
+every token so far, which the worker recomputes (the same K/V, so greedy output is unchanged).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ..config import EngineConfig
+from ..errors import ConfigError, InvalidRequestError, QueueFullError
+from ..kv import KVCacheCoordinator, PrefixHit
+from ..request import Request, RequestStatus
+from ..wire import (
+    CachedRequestData,
+    EngineCoreOutput,
+    LogprobsLists,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from .outputs import PromptLogprobsBuffer, logprobs_row
+from .request_queue import create_request_queue
+
+
+@dataclass
+class _StepPlan:
+    """What one `schedule()` call has decided so far."""
+
+    budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    running: dict[str, tuple[Request, list[int]]] = field(default_factory=dict)
+    new: list[Request] = field(default_factory=list)
+    preempted: bool = False
+
+    def take(self, req: Request, num_tokens: int) -> None:
+        self.num_scheduled[req.request_id] = num_tokens
+        self.budget -= num_tokens
+
+    def drop(self, req: Request) -> None:
+        """Undo scheduling a running request that is preempted later in the same step."""
+        self.budget += self.num_scheduled.pop(req.request_id, 0)
+        self.running.pop(req.request_id, None)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, max_model_len: int, num_blocks: int):
+        self.kv = KVCacheCoordinator(num_blocks, config.block_size, config.enable_prefix_caching)
+        capacity = self.kv.num_usable_blocks * config.block_size
+        # A request that cannot fit the cache even alone would be preempted forever.
+        if capacity < max_model_len:
+            raise ConfigError(
+                "max_model_len",
+                f"{max_model_len} tokens do not fit the KV cache ({self.kv.num_usable_blocks} blocks of "
+                f"{config.block_size} = {capacity} tokens); lower max_model_len or give the KV cache more memory",
+            )
+        self.config = config
+        self.max_model_len = max_model_len
+        self.waiting = create_request_queue(config.scheduling_policy)
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        self._groups: dict[str, list[Request]] = {}
+        # Ordered set of ids the worker must forget at the next step (finished, aborted, preempted).
+        self._forget: dict[str, None] = {}
+        self._prompt_logprobs = PromptLogprobsBuffer()
+        self.num_preemptions = 0
+
+    # -- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request; raises InvalidRequestError or QueueFullError when it cannot be taken."""
+        if req.request_id in self._requests:
+            raise InvalidRequestError(f"request id {req.request_id!r} is already in use; ids must be unique")
+        if req.num_prompt_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{req.num_prompt_tokens} tokens; shorten the prompt.",
+                code="context_length_exceeded",
+            )
+        limit = self.config.max_queued_requests
+        # Samples of an already admitted request always join it: a request's n samples are all in or all out.
+        if limit is not None and req.group_id not in self._groups and len(self.waiting) >= limit:
+            raise QueueFullError(f"the request queue is full ({limit} requests waiting); retry later")
+        self.waiting.add(req)
+        self._requests[req.request_id] = req
+        self._groups.setdefault(req.group_id, []).append(req)
+
+    def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
+        """Finish the given requests as aborted and free their blocks; unknown ids are ignored."""
+        aborted = [req for req in map(self._requests.get, dict.fromkeys(req_ids)) if req is not None]
+        running = {req for req in aborted if req.status == RequestStatus.RUNNING}
+        if running:
+            self.running = [req for req in self.running if req not in running]
+        if len(running) < len(aborted):
+            self.waiting.remove({req for req in aborted if req not in running})
+        for req in aborted:
+            if req in running:
+                self._forget[req.request_id] = None
+            req.status = RequestStatus.FINISHED_ABORTED
+            self._release(req)
+        return aborted
+
+    def get_request(self, req_id: str) -> Request | None:
+        return self._requests.get(req_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # -- scheduling ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        # After a preemption the cache is short: admitting new work would only preempt again.
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        return self._emit(plan)
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        index = 0
+        while index < len(self.running) and plan.budget > 0:
+            req = self.running[index]
+            num_tokens = min(req.num_tokens - req.num_computed_tokens, plan.budget)
+            new_ids = self.kv.allocate(req, num_tokens)
+            while new_ids is None:
+                victim_index = self._victim_index()
+                victim = self.running.pop(victim_index)
+                self._preempt(victim, plan)
+                if victim is req:
+                    return
+                if victim_index < index:
+                    index -= 1
+                new_ids = self.kv.allocate(req, num_tokens)
+            plan.take(req, num_tokens)
+            plan.running[req.request_id] = (req, new_ids)
+            index += 1
+
+    def _victim_index(self) -> int:
+        if self.config.scheduling_policy == "priority":
+            running = self.running
+            # Ties go to the later index: the newest of equals is preempted first.
+            return max(range(len(running)), key=lambda i: (running[i].priority, running[i].arrival_time, i))
+        return len(self.running) - 1
+
+    def _preempt(self, req: Request, plan: _StepPlan) -> None:
+        plan.drop(req)
+        self.kv.free(req)
+        self._prompt_logprobs.pop(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._forget[req.request_id] = None
+        self.waiting.prepend([req])
+        plan.preempted = True
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        skipped: list[Request] = []
+        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.peek()
+            if self._sibling_prefilling(req):
+                skipped.append(self.waiting.pop())
+                continue
+            hit = self.kv.lookup_prefix(req)
+            num_tokens = min(req.num_tokens - hit.num_tokens, plan.budget)
+            if self.kv.allocate(req, num_tokens, hit) is None:
+                break
+            self.waiting.pop()
+            self._start(req, hit, num_tokens, plan)
+        self.waiting.prepend(skipped)
+
+    def _sibling_prefilling(self, req: Request) -> bool:
+        """Whether another sample of the same request is still filling prompt blocks it could share.
+
+        Only full blocks before the prompt's last token can be shared, so a sibling computing
+        its final partial block no longer holds the others back.
+        """
+        if not self.kv.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+            return False
+        group = self._groups[req.group_id]
+        if len(group) == 1:
+            return False
+        block_size = self.config.block_size
+        shareable = (req.num_prompt_tokens - 1) // block_size * block_size
+        return any(
+            s is not req and s.status == RequestStatus.RUNNING and s.num_computed_tokens < shareable for s in group
+        )
+
+    def _start(self, req: Request, hit: PrefixHit, num_tokens: int, plan: _StepPlan) -> None:
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = hit.num_tokens
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = hit.num_tokens
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        self.running.append(req)
+        plan.take(req, num_tokens)
+        plan.new.append(req)
+
+    def _emit(self, plan: _StepPlan) -> SchedulerOutput:
+        """Build the step's message (counts before this step), then advance and commit."""
+        new_requests = [
+            NewRequestData(
+                req_id=req.request_id,
+                token_ids=list(req.all_token_ids),
+                num_prompt_tokens=req.num_prompt_tokens,
+                sampling_params=req.sampling_params,
+                block_ids=self.kv.block_ids(req),
+                num_computed_tokens=req.num_computed_tokens,
+                sample_index=req.sample_index,
+            )
+            for req in plan.new
+        ]
+        running = [req for req, _ in plan.running.values()]
+        cached = CachedRequestData(
+            req_ids=list(plan.running),
+            new_block_ids=[ids for _, ids in plan.running.values()],
+            num_computed_tokens=[req.num_computed_tokens for req in running],
+        )
+        for req in running + plan.new:
+            req.num_computed_tokens += plan.num_scheduled[req.request_id]
+            self.kv.commit(req)
+        finished = list(self._forget)
+        self._forget.clear()
+        return SchedulerOutput(
+            new_requests=new_requests,
+            cached_requests=cached,
+            num_scheduled_tokens=plan.num_scheduled,
+            total_num_scheduled_tokens=sum(plan.num_scheduled.values()),
+            finished_req_ids=finished,
+        )
+
+    # -- results -------------------------------------------------------------------------------
+
+    def update(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Apply a step's sampled tokens; one output per request that produced a token."""
+        for req_id, chunk in runner_out.prompt_logprobs.items():
+            if req_id in self._requests:
+                self._prompt_logprobs.add(req_id, chunk)
+        outputs: list[EngineCoreOutput] = []
+        stopped: set[Request] = set()
+        for row, (req_id, token) in enumerate(zip(runner_out.req_ids, runner_out.sampled_token_ids)):
+            if req_id not in sched_out.num_scheduled_tokens:
+                raise RuntimeError(
+                    f"the worker sampled a token for request {req_id!r}, which this step did not schedule"
+                )
+            req = self._requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            outputs.append(self._append_token(req, token, runner_out.logprobs, row))
+            if req.is_finished:
+                stopped.add(req)
+        if stopped:
+            self.running = [req for req in self.running if req not in stopped]
+            for req in stopped:
+                self._forget[req.request_id] = None
+                self._release(req)
+        return outputs
+
+    def _append_token(self, req: Request, token: int, logprobs: LogprobsLists | None, row: int) -> EngineCoreOutput:
+        req.append_output_token(token)
+        if req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+        else:
+            req.check_stop()
+        return EngineCoreOutput(
+            req_id=req.request_id,
+            new_token_ids=[token],
+            finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason,
+            logprobs=logprobs_row(logprobs, row),
+            prompt_logprobs=self._prompt_logprobs.pop(req.request_id),
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+        )
+
+    def _release(self, req: Request) -> None:
+        """Forget a finished request: its blocks, its group membership, its pending logprobs."""
+        self.kv.free(req)
+        del self._requests[req.request_id]
+        group = self._groups[req.group_id]
+        group.remove(req)
+        if not group:
+            del self._groups[req.group_id]
+        self._prompt_logprobs.pop(req.request_id)

