@@ -136,7 +136,7 @@ class StopStringMatcher:
         best: tuple[int, int, str] | None = None
         for stop in self._stops:
             start = text.find(stop)
-            if start >= 0 and (best is None or start < best[1]):
+            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
                 best = (start + len(stop), start, stop)
         return None if best is None else (best[2], best[1])
 

@@ -6,9 +6,9 @@ import sys
 
 from corectl.errors import CorectlError
 
-from . import cli_generate, cli_plugins
+from . import cli_bench, cli_generate, cli_plugins, cli_serve
 
-SUBCOMMANDS = [cli_generate, cli_plugins]
+SUBCOMMANDS = [cli_generate, cli_plugins, cli_serve, cli_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

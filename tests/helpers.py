@@ -32,14 +32,17 @@ def smollm2_gguf() -> Path:
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens and their logprobs from a transformers model, one prompt at a time."""
+    """Greedy tokens (EOS not special) and their logprobs from a transformers model's own forward
+    and KV cache, one prompt at a time."""
+    tokens, logprobs = [], []
     with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-            output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-        )
-    tokens = out.sequences[0, len(prompt_ids):].tolist()
-    logprobs = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, tokens)]
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        for _ in range(max_new_tokens):
+            step_logprobs = torch.log_softmax(out.logits[0, -1].float(), -1)
+            token = int(step_logprobs.argmax())
+            tokens.append(token)
+            logprobs.append(step_logprobs[token].item())
+            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
     return tokens, logprobs
 
 

@@ -10,6 +10,7 @@ import torch
 
 from corectl.errors import InvalidRequestError
 from corectl.sample import Sampler, SamplingMetadata, compute_prompt_logprobs
+from corectl.sample.random_sampling import truncate
 from corectl.sample.sampler import edit_logits
 from corectl.sampling_params import SamplingParams
 
@@ -163,6 +164,17 @@ def test_truncation_ranks_only_the_candidates_it_needs():
     assert candidates(SamplingParams(temperature=1.0), SamplingParams(min_p=0.1)) == 0
     assert candidates(SamplingParams(top_k=5), SamplingParams(top_k=50, top_p=0.9), SamplingParams()) == 50
     assert candidates(SamplingParams(top_k=5), SamplingParams(top_p=0.9)) == 1000
+
+
+def test_top_p_of_one_keeps_the_whole_vocabulary_beside_a_top_p_row(device):
+    # fp32 cumulative mass reaches 1.0 before the far tail; a p of 1 must still keep that tail.
+    logits = torch.zeros(2, 64)
+    logits[:, 0] = 25.0
+    meta = build([SamplingParams(top_p=1.0), SamplingParams(top_p=0.5)], device=device, vocab=64)
+    truncated = logits.to(device)
+    truncate(truncated, meta.random)
+    assert torch.isfinite(truncated[0]).all()
+    assert torch.isfinite(truncated[1]).sum() == 1
 
 
 def _reference_penalties(row: list[float], p: SamplingParams, prompt: list[int], output: list[int]) -> list[float]:

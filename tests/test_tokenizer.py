@@ -153,7 +153,8 @@ def test_per_call_template_tools_and_kwargs(tok):
 
 
 def test_template_error_is_a_request_error(tok):
-    template = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('first message must be system') }}{% endif %}"
+    template = ("{% if messages[0]['role'] != 'system' %}"
+                "{{ raise_exception('first message must be system') }}{% endif %}")
     with pytest.raises(InvalidRequestError, match="first message must be system"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template)
 

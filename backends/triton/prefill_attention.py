@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .checks import (check_index, check_kv_cache, check_packed_heads, check_range, check_same_device,
                      require)
-from .paged_softmax import LOG2E, attend_paged, dot_precision, head_block
+from .paged_softmax import LOG2E, attend_paged, dot_dtype, head_block
 
 PREFILL_BLOCK_N = 64
 
@@ -42,7 +42,7 @@ def _prefill_kernel(
     q_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr, out_ptr, qk_scale, num_seqs,
     stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -63,19 +63,22 @@ def _prefill_kernel(
     row_mask = m_mask[:, None] & d_mask[None, :]
     head_offs = (kv_head * GROUP + offs_m % GROUP)[:, None] * HEAD_DIM + offs_d[None, :]
     q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head_offs, mask=row_mask, other=0.0)
-    q = q.to(tl.float32)
+    q = q.to(DOT_DTYPE)
     q_pos = prefix + token
-    # Keys past the tile's last token are invisible to every row: stop there.
-    hi = prefix + tl.minimum((local + 1) * BLOCK_Q, q_len)
 
     k_base = cache_ptr + kv_head * HEAD_DIM
+    v_base = k_base + stride_kind
+    table_row = table_ptr + seq * stride_table
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = attend_paged(
-        acc, m_i, l_i, q, q_pos, k_base, k_base + stride_kind, table_ptr + seq * stride_table, 0, hi,
-        qk_scale, stride_blk, stride_tok, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
-    )
+    # Keys up to the tile's first token are visible to all its rows; past its last token, to none.
+    bulk_end = (prefix + local * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
+    hi = prefix + tl.minimum((local + 1) * BLOCK_Q, q_len)
+    acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, 0, bulk_end, qk_scale,
+                                 stride_blk, stride_tok, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, False)
+    acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, bulk_end, hi, qk_scale,
+                                 stride_blk, stride_tok, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, True)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head_offs, out.to(out_ptr.dtype.element_ty),
              mask=row_mask)
@@ -162,6 +165,6 @@ def _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, s
         q.stride(0), out.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=head_block(head_dim),
-        BLOCK_N=PREFILL_BLOCK_N, BLOCK_SIZE=kv_cache.shape[2], DOT_PRECISION=dot_precision(q.dtype),
+        BLOCK_N=PREFILL_BLOCK_N, BLOCK_SIZE=kv_cache.shape[2], DOT_DTYPE=dot_dtype(q.dtype, q.device),
         num_warps=4, num_stages=2,
     )

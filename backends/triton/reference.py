@@ -21,7 +21,8 @@ def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     return result
 
 
-def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                   seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [seq_len, Hk, D] of one sequence, read through its block table."""
     block_size = kv_cache.shape[2]
     positions = torch.arange(seq_len, device=kv_cache.device)

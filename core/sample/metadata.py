@@ -52,6 +52,9 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device,
     ) -> "SamplingMetadata":
+        """One row per request that samples this step. `prompt_token_ids[i]` is read only for rows
+        with a repetition penalty and `output_token_ids[i]` for rows with penalties or min_tokens;
+        `generators[i]` (for seeded requests) only for random rows."""
         _check_rows(
             params, prompt_token_ids=prompt_token_ids, output_token_ids=output_token_ids, generators=generators
         )

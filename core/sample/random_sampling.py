@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from ..sampling_params import SamplingParams
-from .transfer import to_device
+from .transfer import row_column, to_device
 
 _NEG_INF = float("-inf")
 
@@ -50,10 +50,10 @@ class RandomParams:
         top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
         return cls(
             greedy_rows=to_device(list(greedy), torch.bool, device) if any(greedy) else None,
-            temperature=_column([1.0 if g else p.temperature for p, g in zip(params, greedy)], 1.0, device),
-            top_k=_column(top_k, 0, device, torch.int64),
-            top_p=_column(top_p, 1.0, device),
-            log_min_p=_column(
+            temperature=row_column([1.0 if g else p.temperature for p, g in zip(params, greedy)], 1.0, device),
+            top_k=row_column(top_k, 0, device, torch.int64),
+            top_p=row_column(top_p, 1.0, device),
+            log_min_p=row_column(
                 [_NEG_INF if g or p.min_p == 0.0 else math.log(p.min_p) for p, g in zip(params, greedy)],
                 _NEG_INF,
                 device,
@@ -63,12 +63,6 @@ class RandomParams:
                 row: gen for row, (gen, g) in enumerate(zip(generators, greedy)) if gen is not None and not g
             },
         )
-
-
-def _column(values: list, neutral, device: torch.device, dtype: torch.dtype = torch.float32):
-    if all(v == neutral for v in values):
-        return None
-    return to_device(values, dtype, device).unsqueeze(1)
 
 
 def _num_candidates(top_k: list[int], top_p: list[float], vocab_size: int) -> int:
@@ -88,11 +82,19 @@ def _top_p_threshold(ranked: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return threshold.masked_fill_(top_p >= 1.0, _NEG_INF)
 
 
+def _ranked(logits: torch.Tensor, num_candidates: int) -> torch.Tensor:
+    """The `num_candidates` largest logits of each row, in descending order."""
+    if num_candidates == logits.shape[1]:
+        # A full sort beats topk(V): 3.3 vs 4.8 ms on an H100 for 256 x 152k.
+        return logits.sort(dim=-1, descending=True).values
+    return logits.topk(num_candidates, dim=-1).values
+
+
 def _thresholds(logits: torch.Tensor, params: RandomParams) -> list[torch.Tensor]:
     thresholds = []
     row_max = None
     if params.num_candidates:
-        ranked = logits.topk(params.num_candidates, dim=-1).values
+        ranked = _ranked(logits, params.num_candidates)
         row_max = ranked[:, :1]
         if params.top_k is not None:
             kth = ranked.gather(1, (params.top_k - 1).clamp_(min=0))
@@ -120,24 +122,26 @@ def truncate(logits: torch.Tensor, params: RandomParams) -> None:
     logits.masked_fill_(logits < threshold, _NEG_INF)
 
 
-def _exponential_noise(like: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Exp(1) noise drawn as -log(U), U uniform in [tiny, 1), rather than with `exponential_`: on CPU
-    that is ~6x faster, and `exponential_` can return 0 there, turning a masked token's 0/0 into a
-    NaN that argmax picks. The noise is finite and positive, so masked tokens always lose."""
+def _log_exponential_noise(like: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """log(q) for q ~ Exp(1), with q = -log(U) and U uniform in [tiny, 1): q is then finite and
+    positive, so a masked (-inf) token always loses. `exponential_` would do for q on a GPU, but
+    on CPU it is ~6x slower than `uniform_` and can return 0, which would hand a masked token the
+    win (-inf - log 0 is NaN, and argmax picks NaN)."""
     noise = torch.empty_like(like)
     low = torch.finfo(noise.dtype).tiny
     if len(generators) < like.shape[0]:
         noise.uniform_(low, 1.0)
     for row, generator in generators.items():
         noise[row].uniform_(low, 1.0, generator=generator)
-    return noise.log_().neg_()
+    return noise.log_().neg_().log_()
 
 
 def sample_random(logits: torch.Tensor, params: RandomParams) -> torch.Tensor:
-    """One token per row by the exponential race: argmax(p_i / q_i), q_i ~ Exp(1), draws token i
-    with probability p_i. Modifies `logits` in place."""
+    """One token per row by the exponential race: token i wins argmax(p_i / q_i), q_i ~ Exp(1),
+    with probability p_i. It runs in log space, argmax(logit_i - log q_i), which needs no softmax
+    (a pass over the batch fewer, and on a GPU torch gives a single row's softmax to one block).
+    Modifies `logits` in place."""
     if params.temperature is not None:
         logits.div_(params.temperature)
     truncate(logits, params)
-    probs = logits.softmax(dim=-1)
-    return probs.div_(_exponential_noise(probs, params.generators)).argmax(dim=-1)
+    return logits.sub_(_log_exponential_noise(logits, params.generators)).argmax(dim=-1)

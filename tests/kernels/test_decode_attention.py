@@ -22,7 +22,7 @@ def _decode(batch, num_splits=None, max_seq_len=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_matches_reference(dtype, num_splits, assert_close):
-    seq_lens = [41, 3, 17]
+    seq_lens = [141, 3, 17]
     batch = random_paged_batch(seq_lens, [1, 1, 1], num_heads=6, num_kv_heads=2, head_dim=32, block_size=4,
                                dtype=dtype, store_new_tokens=True)
     out = _decode(batch, num_splits)
@@ -59,8 +59,9 @@ def test_zero_length_rows_yield_zeros(num_splits, assert_close):
 
 def test_split_choice_follows_batch_and_context():
     assert decode_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=4096, num_compute_units=132) == 16
-    assert decode_num_splits(num_seqs=64, num_kv_heads=8, max_seq_len=4096, num_compute_units=132) == 2
-    assert decode_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=100_000, num_compute_units=132) == MAX_SPLITS
+    assert decode_num_splits(num_seqs=64, num_kv_heads=8, max_seq_len=4096, num_compute_units=132) == 1
+    assert decode_num_splits(num_seqs=4, num_kv_heads=8, max_seq_len=32768, num_compute_units=132) == 8
+    assert decode_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=100_000, num_compute_units=132) == 33
     assert decode_num_splits(num_seqs=256, num_kv_heads=8, max_seq_len=4096, num_compute_units=132) == 1
     assert decode_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=100, num_compute_units=132) == 1
     assert decode_num_splits(num_seqs=4, num_kv_heads=2, max_seq_len=10**6, num_compute_units=1000) == MAX_SPLITS

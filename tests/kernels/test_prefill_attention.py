@@ -25,6 +25,8 @@ CASES = {
     "prefix_hits": ([21, 30, 9], [5, 14, 9]),
     "mixed_chunks_and_decodes": ([26, 11, 40, 6], [1, 11, 8, 1]),
     "long_query_wide_tiles": ([50, 33], [45, 30]),
+    # Contexts past two key tiles, so the unmasked bulk loop runs before the causal edge.
+    "long_contexts": ([150, 75], [20, 70]),
 }
 
 

@@ -1,0 +1,403 @@
+"""The engine core in its own process, reached over a unix socket (the server's default transport).
+
+    config = EngineConfig()
+    async with anyio.create_task_group() as tg:
+        transport = await RemoteEngine.start(config, tg)
+        async with EngineClient.serving(transport, config, tg) as client:
+            ...
+
+The child is started with multiprocessing's "spawn" method, which re-imports the parent's main
+module: a script using this transport needs the `if __name__ == "__main__":` guard.
+
+The child process builds `EngineCore(config)` and loops: apply the requests and aborts that arrived,
+step, send the step's `EngineCoreOutputs`. Its loop does no HTTP and no detokenization. Frames are
+msgspec-msgpack messages prefixed with their length (4 bytes, big endian).
+
+Liveness: the socket closing means the process is gone; a process that sends nothing for
+`hang_timeout` seconds while it owes a step (it holds unfinished requests, or has not yet seen the
+messages sent to it) is declared hung and killed. Either way `is_alive()` turns false and `outputs()`
+raises `EngineDeadError`, which the client passes to every waiting request.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import queue
+import shutil
+import signal
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+import anyio
+import msgspec
+from anyio.abc import SocketStream, TaskGroup
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from ..config import EngineConfig
+from ..errors import ConfigError, CorectlError, EngineDeadError, InvalidRequestError, ModelNotFoundError
+from ..wire import EngineCoreOutput
+from .core import EngineCore, EngineInfo
+from .messages import EngineCoreOutputs, EngineCoreRequest
+from .transport import EngineTransport
+
+logger = logging.getLogger("corectl.engine")
+
+_HEADER = struct.Struct(">I")
+_WATCH_INTERVAL_S = 0.25
+_CLOSE_GRACE_S = 10.0
+
+
+# -- the protocol ---------------------------------------------------------------------------------
+
+class _Add(msgspec.Struct, tag="add", array_like=True):
+    requests: list[EngineCoreRequest]
+
+
+class _Abort(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class _Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+class _Ready(msgspec.Struct, tag="ready", array_like=True):
+    info: EngineInfo
+
+
+class _Failed(msgspec.Struct, tag="failed", array_like=True):
+    """The engine could not start or its loop raised; `kind` names the exception class."""
+
+    kind: str
+    message: str
+    field: str | None = None
+    code: str | None = None
+
+
+class _Step(msgspec.Struct, tag="step", array_like=True):
+    """One step's outputs; `seen` counts the messages the engine had applied before this step."""
+
+    batch: EngineCoreOutputs
+    seen: int
+
+
+_ToEngine = _Add | _Abort | _Shutdown
+_FromEngine = _Ready | _Failed | _Step
+
+
+def _rebuild_error(failed: _Failed) -> CorectlError:
+    """The child's exception as the parent should raise it (user errors keep their class)."""
+    if failed.kind == "ConfigError" and failed.field:
+        prefix = f"{failed.field}: "
+        message = failed.message[len(prefix):] if failed.message.startswith(prefix) else failed.message
+        return ConfigError(failed.field, message)
+    if failed.kind == "ModelNotFoundError":
+        return ModelNotFoundError(failed.message)
+    if failed.kind == "InvalidRequestError":
+        return InvalidRequestError(failed.message, param=failed.field, code=failed.code or "invalid_request_error")
+    return EngineDeadError(f"engine process failed: {failed.kind}: {failed.message}")
+
+
+def _describe_failure(exc: BaseException) -> _Failed:
+    field = getattr(exc, "field", None) or getattr(exc, "param", None)
+    return _Failed(type(exc).__name__, str(exc), field, getattr(exc, "code", None))
+
+
+# -- the parent side ------------------------------------------------------------------------------
+
+class RemoteEngine(EngineTransport):
+    """An `EngineTransport` to an engine core running in a child process."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, stream: SocketStream,
+                 reader: BufferedByteReceiveStream, info: EngineInfo, socket_dir: str, hang_timeout: float):
+        self.info = info
+        self._process = process
+        self._stream = stream
+        self._reader = reader
+        self._socket_dir = socket_dir
+        self._hang_timeout = hang_timeout
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(_FromEngine)
+        self._send_lock = anyio.Lock()
+        self._sent = 0  # messages sent; compared with the engine's `seen` to know whether it owes a step
+        self._seen = 0
+        self._busy = False  # the last step left unfinished requests in the engine
+        self._last_heard = time.monotonic()
+        self._error: EngineDeadError | None = None
+        self._closed = False
+
+    @classmethod
+    async def start(cls, config: EngineConfig, task_group: TaskGroup, *, hang_timeout: float = 60.0,
+                    process_init: Callable[[], None] | None = None) -> "RemoteEngine":
+        """Spawn the engine process and wait until its model is loaded.
+
+        `process_init` (picklable, e.g. a module-level function) runs first in the child, e.g. to
+        set up logging like the parent's. Startup errors are raised here with the child's message.
+        """
+        if not hang_timeout > 0:
+            raise ConfigError("engine_hang_timeout", f"must be a positive number of seconds, got {hang_timeout!r}")
+        socket_dir = tempfile.mkdtemp(prefix="corectl-engine-")
+        path = os.path.join(socket_dir, "engine.sock")
+        process = multiprocessing.get_context("spawn").Process(
+            target=_engine_process_main, args=(config, path, process_init), name="corectl-engine")
+        try:
+            stream, reader, ready = await cls._launch(process, path)
+        except BaseException:
+            _stop_process(process, grace_s=0.0)
+            shutil.rmtree(socket_dir, ignore_errors=True)
+            raise
+        engine = cls(process, stream, reader, ready.info, socket_dir, hang_timeout)
+        task_group.start_soon(engine._watch)
+        return engine
+
+    @classmethod
+    async def _launch(cls, process, path: str) -> tuple[SocketStream, BufferedByteReceiveStream, _Ready]:
+        listener = await anyio.create_unix_listener(path)
+        try:
+            await anyio.to_thread.run_sync(process.start)
+            stream = await _accept_while_alive(listener, process)
+        finally:
+            await listener.aclose()
+        reader = BufferedByteReceiveStream(stream)
+        try:
+            first = msgspec.msgpack.decode(await _read_frame(reader), type=_FromEngine)
+        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
+            await anyio.to_thread.run_sync(process.join, 5.0)
+            raise EngineDeadError(f"the engine process exited while starting ({_exit_description(process)}); "
+                                  "its log above says why") from None
+        if isinstance(first, _Failed):
+            await stream.aclose()
+            raise _rebuild_error(first)
+        if not isinstance(first, _Ready):
+            raise EngineDeadError(f"the engine process sent {type(first).__name__} before it was ready")
+        return stream, reader, first
+
+    async def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        self._check_alive()
+        await self._send(_Add(requests))
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        if self.is_alive():
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                await self._send(_Abort(request_ids))
+
+    async def outputs(self) -> AsyncIterator[EngineCoreOutputs]:
+        while True:
+            try:
+                frame = await _read_frame(self._reader)
+            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
+                    anyio.ClosedResourceError) as exc:
+                if self._closed and self._error is None:
+                    return
+                raise self._fail(f"the engine process is gone ({_exit_description(self._process)})") from exc
+            message = self._decoder.decode(frame)
+            if isinstance(message, _Failed):
+                raise self._fail(str(_rebuild_error(message)))
+            self._last_heard = time.monotonic()
+            self._seen = message.seen
+            stats = message.batch.stats
+            self._busy = stats.num_running + stats.num_waiting > 0
+            yield message.batch
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            if self._error is None:
+                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    await self._send(_Shutdown())
+            await anyio.to_thread.run_sync(_stop_process, self._process, _CLOSE_GRACE_S)
+            await self._stream.aclose()
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+    def is_alive(self) -> bool:
+        return self._error is None and not self._closed and self._process.exitcode is None
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
+
+    async def _send(self, message: msgspec.Struct) -> None:
+        payload = self._encoder.encode(message)
+        async with self._send_lock:
+            if self._sent == self._seen:
+                self._last_heard = time.monotonic()  # the hang clock starts when the engine owes a step
+            self._sent += 1
+            await self._stream.send(_HEADER.pack(len(payload)) + payload)
+
+    def _fail(self, reason: str) -> EngineDeadError:
+        if self._error is None:
+            self._error = EngineDeadError(reason)
+            logger.error("engine failure: %s", reason)
+        return self._error
+
+    async def _watch(self) -> None:
+        """Notice a process that died or hung even while nobody is reading its socket."""
+        while not self._closed and self._error is None:
+            await anyio.sleep(_WATCH_INTERVAL_S)
+            if self._closed:
+                return
+            owes_step = self._busy or self._sent > self._seen
+            silent = time.monotonic() - self._last_heard
+            if self._process.exitcode is not None:
+                self._fail(f"the engine process is gone ({_exit_description(self._process)})")
+            elif owes_step and silent > self._hang_timeout:
+                self._fail(f"the engine sent nothing for {silent:.1f} s while requests were pending "
+                           f"(hang timeout {self._hang_timeout:g} s); killed it")
+                await anyio.to_thread.run_sync(_stop_process, self._process, 0.0)
+            else:
+                continue
+            await self._stream.aclose()  # wakes the reader, which raises the error to the client
+
+
+async def _read_frame(reader: BufferedByteReceiveStream) -> bytes:
+    (length,) = _HEADER.unpack(await reader.receive_exactly(_HEADER.size))
+    return await reader.receive_exactly(length)
+
+
+async def _accept_while_alive(listener, process) -> SocketStream:
+    """Accept the child's connection, or fail as soon as the child exits without connecting."""
+    accepted: list[SocketStream] = []
+    async with anyio.create_task_group() as tg:
+        async def accept() -> None:
+            accepted.append(await listener.accept())
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(accept)
+        while process.exitcode is None:
+            await anyio.sleep(0.1)
+        if not accepted:
+            await anyio.sleep(0.1)  # the child may have connected just before exiting
+        tg.cancel_scope.cancel()
+    if not accepted:
+        raise EngineDeadError(f"the engine process exited while starting ({_exit_description(process)}); "
+                              "its log above says why")
+    return accepted[0]
+
+
+def _exit_description(process) -> str:
+    code = process.exitcode
+    if code is None:
+        return "still running"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def _stop_process(process, grace_s: float) -> None:
+    if process.pid is None:
+        return
+    process.join(grace_s)
+    if process.exitcode is None:
+        process.kill()
+        process.join(5.0)
+
+
+# -- the child side -------------------------------------------------------------------------------
+
+class _Channel:
+    """The child's end of the socket: a reader thread queues decoded messages (None at EOF)."""
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(_ToEngine)
+        self.inbox: queue.SimpleQueue[_Add | _Abort | _Shutdown | None] = queue.SimpleQueue()
+        threading.Thread(target=self._read_loop, name="corectl-engine-inbox", daemon=True).start()
+
+    def send(self, message: msgspec.Struct) -> None:
+        payload = self._encoder.encode(message)
+        self._sock.sendall(_HEADER.pack(len(payload)) + payload)
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                header = self._recv_exactly(_HEADER.size)
+                (length,) = _HEADER.unpack(header)
+                self.inbox.put(self._decoder.decode(self._recv_exactly(length)))
+        except (ConnectionError, OSError, EOFError):
+            self.inbox.put(None)
+
+    def _recv_exactly(self, size: int) -> bytes:
+        chunks, remaining = [], size
+        while remaining:
+            chunk = self._sock.recv(min(remaining, 1 << 20))
+            if not chunk:
+                raise EOFError
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        return b"".join(chunks)
+
+
+def _engine_process_main(config: EngineConfig, socket_path: str, process_init: Callable[[], None] | None) -> None:
+    if process_init is not None:
+        process_init()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(socket_path)
+    channel = _Channel(sock)
+    try:
+        core = EngineCore(config)
+    except Exception as exc:
+        if not isinstance(exc, CorectlError):
+            logger.exception("the engine failed to start")
+        channel.send(_describe_failure(exc))
+        return
+    # From here on the parent decides when the engine stops: a Ctrl-C or a SIGTERM sent to the whole
+    # process group must let the server drain its requests first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    channel.send(_Ready(core.info))
+    try:
+        _serve(core, channel)
+    except (BrokenPipeError, ConnectionError):
+        return  # the parent went away: nobody is left to serve
+    except Exception as exc:
+        logger.exception("the engine loop failed")
+        with contextlib.suppress(OSError):
+            channel.send(_describe_failure(exc))
+        raise SystemExit(1) from exc
+
+
+def _serve(core: EngineCore, channel: _Channel) -> None:
+    seen = 0
+    rejected: list[EngineCoreOutput] = []
+    while True:
+        block = not core.has_unfinished_requests()
+        while True:
+            try:
+                message = channel.inbox.get(block=block, timeout=None if block else 0)
+            except queue.Empty:
+                break
+            block = False
+            if message is None or isinstance(message, _Shutdown):
+                return
+            seen += 1
+            _apply(core, message, rejected)
+        batch = core.step()
+        if rejected:
+            batch.outputs[:0], rejected = rejected, []
+        channel.send(_Step(batch, seen))
+
+
+def _apply(core: EngineCore, message: _Add | _Abort, rejected: list[EngineCoreOutput]) -> None:
+    if isinstance(message, _Abort):
+        core.abort_requests(message.request_ids)
+        return
+    for request in message.requests:
+        try:
+            core.add_request(request)
+        except CorectlError as exc:
+            # Clients validate first (and bound the queue); a request that still fails here ends alone.
+            logger.warning("engine rejected request %s: %s", request.request_id, exc)
+            rejected.append(EngineCoreOutput(request.request_id, [], finish_reason="abort"))
+

@@ -1,0 +1,165 @@
+"""`corectl serve`: the OpenAI-compatible HTTP server (uvicorn), the engine in its own process.
+
+Exit status: 0 after a clean shutdown (SIGTERM or Ctrl-C: new connections are refused, running
+requests get `--shutdown-timeout` seconds to finish), 1 when the engine died or hung while serving,
+2 when the server could not start (the message says why).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+
+import uvicorn
+
+from corectl import envs
+from corectl.errors import ConfigError
+
+from .engine_args import add_engine_args, config_from_args
+from .logs import LOG_FORMATS
+
+logger = logging.getLogger("corectl.server")
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                            description="Serve a model over an OpenAI-compatible HTTP API.")
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="model id(s) clients send; the first is reported in responses "
+                            "(default: the model argument, or the default model's file name)")
+    group.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on the API routes (repeatable)")
+    group.add_argument("--allowed-origins", default="", metavar="ORIGINS",
+                       help="comma-separated CORS origins, or '*' (default: none, no CORS headers)")
+    group.add_argument("--max-request-body", type=int, default=10 * 1024 * 1024, metavar="BYTES",
+                       help="larger request bodies get 413 (default: 10 MiB)")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                       help="after SIGTERM, seconds running requests get to finish (default: 30)")
+    group.add_argument("--engine-hang-timeout", type=float, default=60.0, metavar="S",
+                       help="declare the engine hung after this many silent seconds with requests pending "
+                            "(default: 60; one engine step must finish within it)")
+    group.add_argument("--engine-in-process", action="store_true",
+                       help="run the engine in the server's process (debugging)")
+    group = parser.add_argument_group("logging")
+    group.add_argument("--log-format", choices=LOG_FORMATS, default="auto",
+                       help="'human' lines, 'json' lines, or 'auto': human on a terminal (default: auto)")
+    group.add_argument("--log-prompts", action="store_true", help="include prompts in the per-request log lines")
+    add_engine_args(parser, model_positional=True)
+    parser.set_defaults(handler=run)
+
+
+def settings_from_args(args: argparse.Namespace):
+    from .state import ServeSettings, default_served_name
+
+    config = config_from_args(args)
+    if not 0 <= args.port <= 65535:
+        raise ConfigError("port", f"must be in [0, 65535], got {args.port}")
+    if args.max_request_body < 1:
+        raise ConfigError("max_request_body", f"must be a positive number of bytes, got {args.max_request_body}")
+    if args.shutdown_timeout < 0:
+        raise ConfigError("shutdown_timeout", f"must be a non-negative number of seconds, got {args.shutdown_timeout}")
+    if any(not key for key in args.api_key or []):
+        raise ConfigError("api_key", "must not be empty")
+    origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
+    return ServeSettings(
+        engine=config, served_model_names=args.served_model_name or [default_served_name(config)],
+        host=args.host, port=args.port, api_keys=args.api_key or [], allowed_origins=origins,
+        log_format=args.log_format, log_prompts=args.log_prompts, max_request_body=args.max_request_body,
+        engine_in_process=args.engine_in_process, engine_hang_timeout=args.engine_hang_timeout,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from .logs import configure_logging
+
+    configure_logging(args.log_format, envs.log_level())
+    settings = settings_from_args(args)
+    return serve(settings)
+
+
+def serve(settings) -> int:
+    """Run the server until it is stopped; returns the process exit status."""
+    from .app import create_app
+    from .state import ServerState
+
+    sock = _bind(settings)  # before the engine starts, so a taken port fails in a second, not after loading
+    settings.port = sock.getsockname()[1]
+    state = ServerState(settings)
+    config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, log_config=None,
+                            access_log=False, lifespan="on", timeout_graceful_shutdown=settings.shutdown_timeout)
+    server = _Server(config, state)
+    state.request_exit = server.request_exit
+    quiet = _QuietStartupTraceback(state)
+    logging.getLogger("uvicorn.error").addFilter(quiet)
+    # uvicorn re-raises the signal that stopped it once it is done; these handlers make that a no-op
+    # so a drained shutdown exits 0.
+    previous = {sig: signal.signal(sig, _ignore_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    except SystemExit:
+        if state.startup_error is None:
+            raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        logging.getLogger("uvicorn.error").removeFilter(quiet)
+    if state.startup_error is not None:
+        raise state.startup_error
+    logger.info("server stopped (exit status %d)", state.exit_code)
+    return state.exit_code
+
+
+def _bind(settings) -> socket.socket:
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((settings.host, settings.port))
+        sock.listen()  # with SO_REUSEADDR a taken port passes bind() and fails only here
+    except OSError as exc:
+        sock.close()
+        raise ConfigError("port", f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}") from None
+    return sock
+
+
+def _ignore_signal(signum, frame) -> None:
+    return None
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, told about SIGTERM (to refuse new requests) and about engine failures."""
+
+    def __init__(self, config: uvicorn.Config, state):
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.state.draining:
+            logger.info("shutting down: refusing new requests, waiting up to %g s for running ones",
+                        self.state.settings.shutdown_timeout)
+        self.state.draining = True
+        super().handle_exit(sig, frame)
+
+    def request_exit(self) -> None:
+        self.should_exit = True
+
+
+class _QuietStartupTraceback(logging.Filter):
+    """A startup error the user can act on (bad option, missing model) is reported once, in words;
+    uvicorn would also log its traceback."""
+
+    def __init__(self, state):
+        super().__init__()
+        self._state = state
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from corectl.errors import CorectlError
+
+        expected = isinstance(self._state.startup_error, CorectlError)
+        return not (expected and "Traceback" in str(record.msg).split("\n", 1)[0])
+

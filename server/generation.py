@@ -1,0 +1,235 @@
+"""The engine side of one HTTP request: start its prompts, follow their outputs, record what happened.
+
+A request is "started" once every prompt produced its first output, so validation errors (context
+length, queue full, bad token ids) become HTTP errors before any response byte is sent. While a
+request waits for the engine, a client that disconnects aborts it; once streaming, Litestar's
+`Stream` cancels the iterator on disconnect, which closes the generators, which abort the request
+(its KV blocks are freed within one engine step).
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+import structlog
+
+from corectl.outputs import RequestOutput
+from corectl.sampling_params import SamplingParams
+
+from .errors import APIError, ClientDisconnected
+from .responses import PromptTokensDetails, Usage
+from .state import ServerState
+
+T = TypeVar("T")
+request_log = structlog.get_logger("corectl.requests")
+
+
+class Generation:
+    """One prompt's request in the engine, with its metrics and its log line."""
+
+    def __init__(self, server: ServerState, prompt: str | list[int], params: SamplingParams, request_id: str,
+                 priority: int):
+        self.server = server
+        self.request_id = request_id
+        self.prompt = prompt
+        self.first: RequestOutput | None = None
+        self._outputs = server.engine.generate(prompt, params, request_id, priority)
+        self._finish_reasons: list[str | None] = [None] * params.n
+        self._last: RequestOutput | None = None
+        self._ended = False
+        self._started = False
+
+    async def start(self) -> None:
+        self._started = True
+        try:
+            first = await self._outputs.__anext__()
+        except Exception:
+            self._ended = True  # rejected before it ran (invalid, queue full): the 4xx says it all
+            raise
+        self.first = self._observe(first)
+
+    async def deltas(self) -> AsyncIterator[RequestOutput]:
+        """Every output delta, the first included."""
+        if self.first is None:
+            raise RuntimeError("start() the generation first")
+        yield self.first
+        if self.first.finished:
+            return
+        async for out in self._outputs:
+            yield self._observe(out)
+
+    async def aclose(self) -> None:
+        await self._outputs.aclose()
+        if self._started and not self._ended:
+            self._record("aborted")
+
+    def _observe(self, out: RequestOutput) -> RequestOutput:
+        metrics = self.server.metrics
+        if self._last is None and metrics is not None:
+            metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+        self._last = out
+        generated = 0
+        for sample in out.outputs:
+            generated += len(sample.token_ids)
+            if sample.finish_reason is not None:
+                self._finish_reasons[sample.index] = sample.finish_reason
+        if metrics is not None and generated:
+            metrics.generation_tokens.inc(generated)
+        if out.finished:
+            self._record("finished")
+            if "abort" in self._finish_reasons:
+                raise APIError(503, "the engine could not take this request (it is overloaded); retry later")
+        return out
+
+    def _record(self, status: str) -> None:
+        self._ended = True
+        out, now = self._last, time.monotonic()
+        reasons = [r or "abort" for r in self._finish_reasons]
+        timing = out.metrics if out is not None else None
+        if self.server.metrics is not None and timing is not None:
+            self.server.metrics.observe_finished(timing, reasons, now)
+        fields = dict(request_id=self.request_id, status=status, finish_reasons=reasons)
+        if timing is not None:
+            fields.update(
+                prompt_tokens=timing.num_prompt_tokens, generation_tokens=timing.num_generation_tokens,
+                cached_tokens=timing.num_cached_tokens,
+                queue_time_s=_seconds(timing.first_scheduled_time, timing.arrival_time),
+                ttft_s=_seconds(timing.first_token_time, timing.arrival_time),
+                total_s=_seconds(timing.finished_time or now, timing.arrival_time),
+            )
+        if self.server.settings.log_prompts:
+            fields["prompt"] = self.prompt
+        request_log.info("request " + status, **fields)
+
+
+def _seconds(later: float | None, earlier: float) -> float | None:
+    return None if later is None else round(later - earlier, 4)
+
+
+class GenerationGroup:
+    """All prompts of one HTTP request (completions accept several); choice i*n+j is prompt i, sample j."""
+
+    def __init__(self, server: ServerState, prompts: list[str | list[int]], params: SamplingParams,
+                 request_id: str, priority: int):
+        self.server = server
+        self.request_id = request_id
+        self.n = params.n
+        self.generations: list[Generation] = []
+        self._closed = False
+        server.in_flight += 1
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                self.generations.append(Generation(server, prompt, params, rid, priority))
+        except BaseException:
+            server.in_flight -= 1
+            raise
+
+    async def start(self, receive: Callable) -> None:
+        """Submit every prompt and wait for each first output; on failure everything is aborted."""
+        try:
+            await until_disconnected(receive, self._start_all)
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def _start_all(self) -> None:
+        errors: list[Exception] = []
+
+        async def start(generation: Generation) -> None:
+            try:
+                await generation.start()
+            except Exception as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for generation in self.generations:
+                tg.start_soon(start, generation)
+        if errors:
+            raise errors[0]
+
+    async def merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, delta) pairs as they arrive, across prompts."""
+        if len(self.generations) == 1:
+            async for out in self.generations[0].deltas():
+                yield 0, out
+            return
+        send, receive = anyio.create_memory_object_stream[tuple[int, RequestOutput] | Exception](math.inf)
+
+        async def pump(index: int, generation: Generation) -> None:
+            try:
+                async for out in generation.deltas():
+                    send.send_nowait((index, out))
+            except Exception as exc:
+                send.send_nowait(exc)
+
+        async with anyio.create_task_group() as tg:
+            for index, generation in enumerate(self.generations):
+                tg.start_soon(pump, index, generation)
+            remaining = len(self.generations)
+            while remaining:
+                item = await receive.receive()
+                if isinstance(item, Exception):
+                    tg.cancel_scope.cancel()
+                    raise item
+                yield item
+                if item[1].finished:
+                    remaining -= 1
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.server.in_flight -= 1
+        with anyio.CancelScope(shield=True):
+            for generation in self.generations:
+                await generation.aclose()
+
+
+async def until_disconnected(receive: Callable, work: Callable[[], Awaitable[T]]) -> T:
+    """Run `work` unless the HTTP client disconnects first (then raise ClientDisconnected)."""
+    outcome: list[tuple[bool, object]] = []
+    scope = anyio.CancelScope()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_cancel_on_disconnect, receive, scope)
+        with scope:
+            try:
+                outcome.append((True, await work()))
+            except Exception as exc:
+                outcome.append((False, exc))
+        tg.cancel_scope.cancel()
+    if not outcome:
+        raise ClientDisconnected()
+    ok, value = outcome[0]
+    if not ok:
+        raise value  # type: ignore[misc]
+    return value  # type: ignore[return-value]
+
+
+async def _cancel_on_disconnect(receive: Callable, scope: anyio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+class UsageCounter:
+    """Exact token usage of a request, counted from the deltas as they pass."""
+
+    def __init__(self):
+        self._prompt_tokens: dict[int, int] = {}
+        self._cached_tokens: dict[int, int] = {}
+        self.completion_tokens = 0
+
+    def add(self, prompt_index: int, out: RequestOutput) -> None:
+        self._prompt_tokens[prompt_index] = len(out.prompt_token_ids)
+        self._cached_tokens[prompt_index] = out.num_cached_tokens
+        self.completion_tokens += sum(len(sample.token_ids) for sample in out.outputs)
+
+    def usage(self) -> Usage:
+        prompt = sum(self._prompt_tokens.values())
+        cached = sum(self._cached_tokens.values())
+        return Usage(prompt, self.completion_tokens, prompt + self.completion_tokens,
+                     PromptTokensDetails(cached) if cached else None)

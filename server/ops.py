@@ -1,0 +1,102 @@
+"""Routes besides generation: models, tokenizer, health, load, version and Prometheus metrics."""
+from __future__ import annotations
+
+from litestar import Controller, MediaType, Response, get, post, route
+from litestar.enums import HttpMethod
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import corectl
+
+from .auth import require_api_key
+from .errors import APIError, error_response
+from .protocol import DetokenizeRequest, TokenizeRequest, message_dicts
+from .responses import (
+    DetokenizeResponse,
+    LoadResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    VersionResponse,
+)
+from .state import ServerState
+
+
+class ModelsController(Controller):
+    path = "/v1"
+    guards = [require_api_key]
+    tags = ["OpenAI"]
+
+    @get("/models")
+    async def list_models(self, server: ServerState) -> ModelList:
+        info = server.engine.info
+        created = int(server.started_at)
+        return ModelList([ModelCard(id=name, created=created, root=info.model_dir, max_model_len=info.max_model_len)
+                          for name in server.settings.served_model_names])
+
+
+class TokenizerController(Controller):
+    guards = [require_api_key]
+    tags = ["Tokenizer"]
+
+    @post("/tokenize", status_code=200)
+    async def tokenize(self, data: TokenizeRequest, server: ServerState) -> TokenizeResponse:
+        server.check_model(data.model)
+        tokenizer = server.engine.tokenizer
+        if (data.prompt is None) == (data.messages is None):
+            raise APIError(400, "send exactly one of prompt or messages", "prompt")
+        if data.prompt is not None:
+            tokens = tokenizer.encode(data.prompt, add_special_tokens=data.add_special_tokens)
+        else:
+            tokens = tokenizer.encode_chat(message_dicts(data.messages), add_generation_prompt=data.add_generation_prompt)
+        strs = tokenizer.convert_ids_to_tokens(tokens) if data.return_token_strs else None
+        return TokenizeResponse(len(tokens), server.engine.info.max_model_len, tokens, strs)
+
+    @post("/detokenize", status_code=200)
+    async def detokenize(self, data: DetokenizeRequest, server: ServerState) -> DetokenizeResponse:
+        server.check_model(data.model)
+        vocab = server.engine.info.vocab_size
+        bad = [t for t in data.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (size {vocab})", "tokens")
+        return DetokenizeResponse(server.engine.tokenizer.decode(data.tokens))
+
+
+class OpsController(Controller):
+    """Open routes (no API key): what load balancers, supervisors and scrapers call."""
+
+    tags = ["Operations"]
+
+    @get("/health")
+    async def health(self, server: ServerState) -> Response:
+        return _health(server)
+
+    @route("/ping", http_method=[HttpMethod.GET, HttpMethod.POST])
+    async def ping(self, server: ServerState) -> Response:
+        return _health(server)
+
+    @get("/version")
+    async def version(self) -> VersionResponse:
+        return VersionResponse(corectl.__version__)
+
+    @get("/metrics", media_type=MediaType.TEXT)
+    async def metrics(self, server: ServerState) -> Response:
+        body = server.metrics.render() if server.metrics is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+class LoadController(Controller):
+    guards = [require_api_key]
+    tags = ["Operations"]
+
+    @get("/load")
+    async def load(self, server: ServerState) -> LoadResponse:
+        stats = server.engine.stats
+        return LoadResponse(server.in_flight, stats.num_running, stats.num_waiting, stats.kv_cache_usage)
+
+
+def _health(server: ServerState) -> Response:
+    ok, reason = server.healthy()
+    if ok:
+        return Response(b"", status_code=200)
+    return error_response(503, reason)
+

@@ -1,0 +1,158 @@
+"""Response bodies and stream chunks of the OpenAI API as msgspec Structs (encoded once, no copies)."""
+from __future__ import annotations
+
+import msgspec
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class PromptLogprob(msgspec.Struct):
+    """vLLM's prompt-logprobs entry, keyed by token id in a per-position dict."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None
+
+
+PromptLogprobsList = list[dict[int, PromptLogprob] | None]
+
+
+# -- completions -------------------------------------------------------------------------------------
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsList | None = None
+
+
+class CompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# -- chat ----------------------------------------------------------------------------------------------
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatLogprob] | None
+
+
+class ChatMessageOut(msgspec.Struct):
+    role: str
+    content: str
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_logprobs: PromptLogprobsList | None = None
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# -- models, tokenizer, ops -------------------------------------------------------------------------
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "corectl"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class TokenizeResponse(msgspec.Struct, omit_defaults=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+class VersionResponse(msgspec.Struct):
+    version: str
+
+
+class LoadResponse(msgspec.Struct):
+    """`server_load`: generation requests this server is handling now (vLLM's field)."""
+
+    server_load: int
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage: float

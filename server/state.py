@@ -1,0 +1,105 @@
+"""What the running server knows: its settings, the engine client, metrics and its own health."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from corectl.config import EngineConfig
+from corectl.engine.client import EngineClient
+
+from .errors import APIError
+from .metrics import ServerMetrics
+
+logger = logging.getLogger("corectl.server")
+
+
+@dataclass
+class ServeSettings:
+    """`corectl serve` options that are not engine options.
+
+    engine_hang_timeout: seconds the engine process may stay silent while it owes a step before it
+    is declared hung. shutdown_timeout: seconds running requests get to finish after SIGTERM.
+    """
+
+    engine: EngineConfig
+    served_model_names: list[str]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: list[str] = field(default_factory=list)
+    allowed_origins: list[str] = field(default_factory=list)
+    log_format: str = "auto"
+    log_prompts: bool = False
+    max_request_body: int = 10 * 1024 * 1024
+    engine_in_process: bool = False
+    engine_hang_timeout: float = 60.0
+    shutdown_timeout: float = 30.0
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def default_served_name(config: EngineConfig) -> str:
+    """The model id clients send: the model as given, a file's stem, or the default model's stem."""
+    from corectl.loaders.resolve import default_model
+
+    spec = config.model or default_model()
+    path = Path(spec).expanduser()
+    return path.stem if path.is_file() else spec
+
+
+class ServerState:
+    """Shared by every route handler (through dependency injection) and by the lifespan."""
+
+    def __init__(self, settings: ServeSettings):
+        self.settings = settings
+        self.model_name = settings.served_model_names[0]
+        self.client: EngineClient | None = None
+        self.metrics: ServerMetrics | None = None
+        self.draining = False
+        self.failure: str | None = None  # why the engine stopped serving, once it has
+        self.startup_error: BaseException | None = None
+        self.exit_code = 0
+        self.in_flight = 0
+        self.started_at = time.time()
+        # Set by whoever runs the HTTP server: asks it to stop (after the engine died).
+        self.request_exit: Callable[[], None] = lambda: None
+
+    @property
+    def engine(self) -> EngineClient:
+        if self.client is None:
+            raise APIError(503, "the engine is not running")
+        return self.client
+
+    def healthy(self) -> tuple[bool, str]:
+        if self.failure is not None:
+            return False, self.failure
+        if self.client is None or not self.client.is_alive:
+            return False, "the engine is not running"
+        if self.draining:
+            return False, "the server is shutting down"
+        return True, "ok"
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.settings.served_model_names:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                           f"{', '.join(self.settings.served_model_names)}", "model", "model_not_found")
+
+    def check_priority(self, priority: int) -> None:
+        if priority != 0 and self.settings.engine.scheduling_policy != "priority":
+            raise APIError(400, "priority only applies with --scheduling-policy priority", "priority")
+
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry on another instance")
+
+    def engine_failed(self, reason: str) -> None:
+        """Mark the server failed: /health answers 503 and the process will exit with status 1."""
+        if self.failure is None:
+            self.failure = reason
+            self.exit_code = 1
+            logger.error("engine failed, shutting down: %s", reason)

@@ -1,0 +1,32 @@
+"""Fixtures: one shared real server (default model, API key) and clients for it."""
+from __future__ import annotations
+
+import httpx
+import pytest
+from server_process import API_KEY, SMALL_ENGINE, ServerProcess
+
+
+@pytest.fixture(scope="session")
+def server():
+    """One server for the read-mostly API tests: the default model, an API key, 32 sequences."""
+    proc = ServerProcess(*SMALL_ENGINE, "--api-key", API_KEY, "--max-num-seqs", "32").wait_ready()
+    yield proc
+    assert proc.stop() == 0
+
+
+@pytest.fixture(scope="session")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def openai_client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def model_id(openai_client) -> str:
+    return openai_client.models.list().data[0].id

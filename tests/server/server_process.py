@@ -1,0 +1,73 @@
+"""`corectl serve` in a subprocess on a free loopback port, for the server tests."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+API_KEY = "token-abc123"
+# Small context and cache so the engine starts in seconds on 2 CPU cores.
+SMALL_ENGINE = ["--max-model-len", "512", "--kv-cache-memory", "0.05", "--dtype", "float32"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`corectl serve` in a subprocess; its log goes to a file the tests can read."""
+
+    def __init__(self, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="corectl-serve-", suffix=".log", delete=False)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "corectl.server.cli", "serve", "--port", str(self.port), "--log-format", "json",
+             *args], stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 180.0) -> "ServerProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return Path(self._log.name).read_text()
+
+    def engine_pid(self) -> int:
+        """The engine process: the server's child started by multiprocessing's spawn."""
+        # Each thread lists the children it forked; the engine is started from a worker thread.
+        tasks = Path(f"/proc/{self.proc.pid}/task").iterdir()
+        children = [pid for task in tasks for pid in (task / "children").read_text().split()]
+        for pid in children:
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return int(pid)
+        raise LookupError(f"no engine process among the children {children} of {self.proc.pid}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        os.unlink(self._log.name)
+        return self.proc.returncode

@@ -1,0 +1,34 @@
+"""`corectl bench serve` arithmetic against numpy and vLLM's definitions (no server needed)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from corectl.server.bench_report import RequestResult, format_report, percentile, summarize
+from corectl.server.metrics import token_buckets
+
+
+@pytest.mark.parametrize("p", [0, 25, 50, 90, 99, 100])
+def test_percentile_matches_numpy(p):
+    values = list(np.random.default_rng(0).exponential(size=37))
+    assert percentile(values, p) == pytest.approx(np.percentile(values, p))
+
+
+def test_summary_uses_vllm_definitions():
+    fast = RequestResult(prompt_len=10, success=True, output_tokens=5, ttft=0.1, latency=0.5, itl=[0.1] * 4)
+    slow = RequestResult(prompt_len=10, success=True, output_tokens=3, ttft=0.2, latency=1.2, itl=[0.5, 0.5])
+    failed = RequestResult(prompt_len=10, error="HTTP 429: queue full")
+    summary = summarize([fast, slow, failed], duration=2.0, percentiles=[99])
+    assert (summary["completed"], summary["failed"]) == (2, 1)
+    assert summary["total_input_tokens"] == 20 and summary["total_output_tokens"] == 8
+    assert summary["output_throughput"] == 4.0 and summary["total_token_throughput"] == 14.0
+    assert summary["tpot_ms"]["mean"] == pytest.approx((100 + 500) / 2)  # (E2EL - TTFT) / (tokens - 1)
+    assert summary["itl_ms"]["mean"] == pytest.approx(1000 * (0.4 + 1.0) / 6)  # over all gaps
+    assert summary["ttft_ms"]["median"] == pytest.approx(150)
+    assert summary["errors"] == ["HTTP 429: queue full"]
+    report = format_report(summary, [99])
+    assert "Failed requests:                        1" in report and "P99 E2EL (ms):" in report
+
+
+def test_token_buckets_are_1_2_5_up_to_the_limit():
+    assert token_buckets(512) == [1, 2, 5, 10, 20, 50, 100, 200, 500]

@@ -1,0 +1,131 @@
+"""Process behaviour: queue bound, SIGTERM drain, dead and hung engines, startup errors."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from server_process import SMALL_ENGINE, ServerProcess, free_port
+
+
+def _health_until_down(url: str) -> list[int | str]:
+    """/health statuses on fresh connections until the server stops answering."""
+    seen: list[int | str] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            seen.append(httpx.get(url + "/health", timeout=5).status_code)
+        except httpx.TransportError:
+            seen.append("down")
+            return seen
+        time.sleep(0.02)
+    raise AssertionError(f"the server kept answering: {seen[-5:]}")
+
+
+def test_queue_full_is_429_and_sigterm_drains_running_requests():
+    server = ServerProcess(*SMALL_ENGINE, "--max-num-seqs", "1", "--max-queued-requests", "1").wait_ready()
+    try:
+        asyncio.run(_queue_then_drain(server))
+        assert server.proc.wait(60) == 0
+        assert "request finished" in server.log()
+    finally:
+        server.stop()
+
+
+async def _queue_then_drain(server: ServerProcess) -> None:
+    long = {"prompt": "Count from one to a hundred:", "max_tokens": 64, "ignore_eos": True, "stream": True}
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+        async with client.stream("POST", "/v1/completions", json=long) as running:
+            lines = running.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")
+            queued = asyncio.create_task(client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}))
+            while (await client.get("/load")).json()["num_requests_waiting"] < 1:
+                await asyncio.sleep(0.02)
+            refused = await client.post("/v1/completions", json={"prompt": "One more", "max_tokens": 4})
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+            server.proc.send_signal(signal.SIGTERM)
+            statuses = await asyncio.to_thread(_health_until_down, server.url)
+            assert set(statuses) <= {200, 503, "down"} and statuses[-1] == "down"
+            rest = [line async for line in lines if line]
+        frames = [json.loads(line[6:]) for line in rest[:-1]]
+        assert rest[-1] == "data: [DONE]" and frames[-1]["choices"][0]["finish_reason"] == "length"
+        done = await queued
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 4
+
+
+def test_dead_engine_fails_health_and_exits_nonzero():
+    server = ServerProcess(*SMALL_ENGINE).wait_ready()
+    try:
+        body = {"prompt": "Count from one to a thousand:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(server.engine_pid(), signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][6:])["error"]
+        assert error["code"] == "service_unavailable" and "engine" in error["message"]
+        statuses = _health_until_down(server.url)
+        assert 503 in statuses and statuses[-1] == "down"
+        assert server.proc.wait(60) == 1
+        assert "killed by SIGKILL" in server.log()
+    finally:
+        server.stop()
+
+
+def test_hung_engine_is_detected_and_killed():
+    server = ServerProcess(*SMALL_ENGINE, "--engine-hang-timeout", "2").wait_ready()
+    try:
+        engine = server.engine_pid()
+        os.kill(engine, signal.SIGSTOP)
+        response = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+        assert response.status_code == 503
+        assert "while requests were pending" in response.json()["error"]["message"]
+        assert server.proc.wait(60) == 1
+        with pytest.raises(ProcessLookupError):
+            os.kill(engine, 0)
+    finally:
+        server.stop()
+
+
+def _serve_expecting_failure(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "corectl.server.cli", "serve", "--log-format", "json", *args],
+                          capture_output=True, text=True, timeout=180)
+
+
+def test_startup_error_is_one_clear_line():
+    out = _serve_expecting_failure("--port", str(free_port()), "--max-model-len", "99999", "--kv-cache-memory", "0.05")
+    assert out.returncode == 2
+    assert "corectl: error: max_model_len: 99999 exceeds the model's limit" in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+
+
+def test_taken_port_fails_before_the_engine_starts():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _serve_expecting_failure("--port", str(port))
+    assert out.returncode == 2
+    assert f"corectl: error: port: cannot listen on 127.0.0.1:{port}" in out.stderr
+    assert "engine" not in out.stdout + out.stderr.replace("corectl: error", "")
+
+
+def test_engine_in_process_flag_serves_and_stops():
+    server = ServerProcess(*SMALL_ENGINE, "--engine-in-process").wait_ready()
+    try:
+        with pytest.raises(LookupError):
+            server.engine_pid()
+        out = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True},
+                         timeout=60).json()
+        assert out["usage"]["completion_tokens"] == 3
+    finally:
+        assert server.stop() == 0
