@@ -16,17 +16,22 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 class EngineConfig(msgspec.Struct, kw_only=True):
     """Engine options. A bad value raises `ConfigError` naming the field and what is allowed.
 
-    model: local HF directory, a `.gguf` file, a hub id, or None for the embedded default model.
+    model: local HF directory, a `.gguf` file, a hub id, a shape preset name (random weights only,
+        see `corectl.loaders.presets`), or None for the embedded default model.
     max_model_len: context length; None takes the model's own (capped by `max_position_embeddings`).
     kv_cache_memory_gib: KV-cache budget on platforms without memory profiling (CPU); None lets
         the platform choose.
     gpu_memory_utilization: fraction of device memory the engine may use (weights + activations
         + KV cache) on platforms that profile memory.
     max_num_batched_tokens: token budget per scheduler step (chunked prefill splits longer prompts).
+    skip_tokenizer_init: load no tokenizer: prompts are token ids, outputs carry token ids and empty
+        text. Shape presets, and dummy weights from a config with no tokenizer files beside it (and
+        no `tokenizer` given), always run this way.
     """
 
     model: str | None = None
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
     revision: str | None = None
     download_dir: str | None = None
     dtype: str = "auto"

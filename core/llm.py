@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .engine.core import EngineCore
+from .engine.intake import NO_TOKENIZER, text_prompt_error
 from .engine.output_processor import OutputProcessor
 from .errors import InvalidRequestError
 from .outputs import RequestOutput
@@ -23,16 +24,21 @@ class LLM:
 
         llm = LLM()                                   # embedded SmolLM2-135M-Instruct
         llm = LLM("path/to/hf_dir", dtype="float32")  # any EngineConfig option as a keyword
+        llm = LLM("llama-tiny", load_format="dummy")  # a shape preset: token-id prompts, no text
+
+    `tokenizer` is None when the engine runs without one (see `EngineConfig.skip_tokenizer_init`).
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any):
-        self.config = EngineConfig.from_kwargs(model=model, **engine_args)
-        self.engine = EngineCore(self.config)
-        self.tokenizer = Tokenizer.from_dir(self.config.tokenizer or self.engine.source.model_dir,
-                                            chat_template=self.config.chat_template)
+        self.engine = EngineCore(EngineConfig.from_kwargs(model=model, **engine_args))
+        self.config = self.engine.config
+        folder = self.engine.source.tokenizer_dir
+        self.tokenizer = None if folder is None else Tokenizer.from_dir(folder, chat_template=self.config.chat_template)
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise InvalidRequestError(f"{NO_TOKENIZER}, so there is no tokenizer to return")
         return self.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
@@ -54,19 +60,22 @@ class LLM:
              chat_template: str | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
         prompts = [
-            self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+            tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
                                                chat_template=chat_template)
             for conv in conversations
         ]
         params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
-        encoded = [(p, self.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+        encoded = [(p, tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
         return self._run(encoded, params, [0] * len(prompts), use_tqdm)
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        return None, list(prompt)
+        if not isinstance(prompt, str):
+            return None, list(prompt)
+        if self.tokenizer is None:
+            raise text_prompt_error()
+        return prompt, self.tokenizer.encode(prompt)
 
     def _run(self, encoded, params, priorities, use_tqdm) -> list[RequestOutput]:
         processor = OutputProcessor(self.tokenizer, stream_deltas=False)
@@ -74,8 +83,7 @@ class LLM:
         added: list[str] = []
         try:
             for rid, (text, token_ids), p, prio in zip(ids, encoded, params, priorities):
-                if not token_ids:
-                    raise InvalidRequestError("prompt is empty", param="prompt")
+                # The engine checks each request as it is added (EngineCore.add_request).
                 for core_request in processor.add_request(rid, text, token_ids, p, prio):
                     self.engine.add_request(core_request)
                     added.append(core_request.request_id)

@@ -75,6 +75,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
 
     `finish_reason` is "stop", "length" or "abort" once the request is done; `stop_reason` is the
     stop token id that ended it, if any. `num_cached_tokens` is the prefix-cache hit length.
+    `first_scheduled_time` (`time.monotonic()` in the engine's process, a clock shared by the
+    processes of one host) is when the request first got a step: it ends its queue time.
     """
 
     req_id: str
@@ -84,6 +86,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     logprobs: LogprobsLists | None = None
     prompt_logprobs: LogprobsLists | None = None
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, gc=False):

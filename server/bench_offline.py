@@ -1,6 +1,9 @@
 """`corectl bench throughput` and `corectl bench latency`: offline engine benchmarks (vLLM's shapes).
 
-Prompts are random token ids (seed 0) and EOS is ignored, so every run does the same work.
+Prompts are random token ids (seed 0) and EOS is ignored, so every run does the same work. Neither
+needs a tokenizer: a shape preset (`--model llama3-8b --load-format dummy`) runs with no hub access.
+Numbers are vLLM's: throughput in requests/s, output tokens/s and total tokens/s; latency as
+end-to-end percentiles of one batch plus per-step ones (a decode step is one TPOT).
 """
 from __future__ import annotations
 
@@ -9,8 +12,17 @@ import json
 import random
 import statistics
 import time
+from importlib import metadata
 
+import msgspec
+
+from .bench_report import percentile
 from .engine_args import add_engine_args, config_from_args
+
+PERCENTILES = (10, 25, 50, 75, 90, 99)
+# Distribution names to report, first one installed wins (ROCm wheels rename triton).
+PACKAGES = {"corectl": ("corectl",), "torch": ("torch",), "triton": ("triton", "pytorch-triton-rocm"),
+            "transformers": ("transformers",)}
 
 
 def register_throughput(sub) -> None:
@@ -35,7 +47,7 @@ def register_latency(sub) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-iters-warmup", type=int, default=1)
     p.add_argument("--num-iters", type=int, default=3)
-    p.add_argument("--save-result", default=None)
+    p.add_argument("--save-result", default=None, help="write the result as JSON to this file")
     add_engine_args(p)
     p.set_defaults(handler=run_latency)
 
@@ -51,6 +63,12 @@ def _random_prompts(rng: random.Random, lengths: list[int], vocab: int) -> list[
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
+def _prompt_vocab(llm) -> int:
+    """Ids every part of the engine knows: the model's rows, and the tokenizer's entries when there is one."""
+    vocab = llm.engine.info.vocab_size
+    return vocab if llm.tokenizer is None else min(vocab, llm.tokenizer.vocab_size)
+
+
 def run_throughput(args: argparse.Namespace) -> int:
     from corectl import SamplingParams
 
@@ -58,7 +76,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     rng = random.Random(0)
     in_lens = _lengths(rng, args, args.num_prompts, args.input_len)
     out_lens = _lengths(rng, args, args.num_prompts, args.output_len)
-    prompts = _random_prompts(rng, in_lens, min(llm.engine.info.vocab_size, llm.tokenizer.vocab_size))
+    prompts = _random_prompts(rng, in_lens, _prompt_vocab(llm))
     params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n, seed=None) for n in out_lens]
     llm.generate(prompts[:1], params[:1], use_tqdm=False)
     start = time.perf_counter()
@@ -70,11 +88,11 @@ def run_throughput(args: argparse.Namespace) -> int:
         "benchmark": "throughput", "num_prompts": len(prompts), "elapsed_s": elapsed,
         "requests_per_s": len(prompts) / elapsed, "output_tokens_per_s": n_out / elapsed,
         "total_tokens_per_s": (n_in + n_out) / elapsed, "input_tokens": n_in, "output_tokens": n_out,
-        "engine": _engine_summary(llm),
     }
-    print(f"Throughput: {result['requests_per_s']:.2f} requests/s, {result['total_tokens_per_s']:.1f} total tokens/s, "
-          f"{result['output_tokens_per_s']:.1f} output tokens/s")
-    _save(args.save_result, result)
+    print(f"Throughput: {result['requests_per_s']:.2f} requests/s, {result['total_tokens_per_s']:.2f} total tokens/s, "
+          f"{result['output_tokens_per_s']:.2f} output tokens/s")
+    print(f"Total num prompt tokens: {n_in}\nTotal num output tokens: {n_out}")
+    _save(args, llm, result)
     return 0
 
 
@@ -83,7 +101,7 @@ def run_latency(args: argparse.Namespace) -> int:
 
     llm = _make_llm(args)
     rng = random.Random(0)
-    vocab = min(llm.engine.info.vocab_size, llm.tokenizer.vocab_size)
+    vocab = _prompt_vocab(llm)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
     e2e, steps, prefills = [], [], []
     for it in range(args.num_iters_warmup + args.num_iters):
@@ -95,13 +113,16 @@ def run_latency(args: argparse.Namespace) -> int:
             steps.extend(times[1:])
     result = {
         "benchmark": "latency", "batch_size": args.batch_size, "input_len": args.input_len,
-        "output_len": args.output_len, "e2e_s": _percentiles(e2e), "prefill_step_s": _percentiles(prefills),
-        "decode_step_s": _percentiles(steps), "engine": _engine_summary(llm),
+        "output_len": args.output_len, "latencies_s": e2e, "e2e_s": _percentiles(e2e),
+        "prefill_step_s": _percentiles(prefills), "decode_step_s": _percentiles(steps),
     }
-    print(f"Avg latency: {statistics.mean(e2e):.4f} s; decode step (TPOT) median "
-          f"{result['decode_step_s']['p50'] * 1e3:.3f} ms, p99 {result['decode_step_s']['p99'] * 1e3:.3f} ms; "
-          f"prefill step median {result['prefill_step_s']['p50'] * 1e3:.2f} ms")
-    _save(args.save_result, result)
+    print(f"Avg latency: {statistics.mean(e2e):.6f} seconds")
+    for p in PERCENTILES:
+        print(f"{p}% percentile latency: {result['e2e_s'][f'p{p}']:.6f} seconds")
+    tpot = result["decode_step_s"]
+    print(f"TPOT (decode step): mean {tpot['mean'] * 1e3:.3f} ms, median {tpot['p50'] * 1e3:.3f} ms, "
+          f"p99 {tpot['p99'] * 1e3:.3f} ms; prefill step median {result['prefill_step_s']['p50'] * 1e3:.2f} ms")
+    _save(args, llm, result)
     return 0
 
 
@@ -128,21 +149,43 @@ def _make_llm(args):
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
+    if not values:
+        return {"mean": 0.0, **{f"p{p}": 0.0 for p in PERCENTILES}}
+    return {"mean": statistics.mean(values), **{f"p{p}": percentile(values, p) for p in PERCENTILES}}
 
-    def pct(p: float) -> float:
-        return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
 
-    return {"mean": statistics.mean(ordered), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
+def _save(args: argparse.Namespace, llm, result: dict) -> None:
+    """Write the result with everything needed to reproduce it: the workload, the engine config as
+    run, the device and the package versions."""
+    if not args.save_result:
+        return
+    skip = {"handler", "command", "bench_command", "save_result"}
+    record = {
+        **result,
+        "workload": {k: v for k, v in vars(args).items() if k not in skip and not hasattr(llm.config, k)},
+        "config": msgspec.to_builtins(llm.config),
+        "engine": _engine_summary(llm),
+        "versions": _versions(),
+    }
+    with open(args.save_result, "w") as f:
+        json.dump(record, f, indent=2)
 
 
 def _engine_summary(llm) -> dict:
     info = llm.engine.info
-    return {"platform": info.platform, "device": info.device, "dtype": info.dtype, "architecture": info.architecture,
-            "max_model_len": info.max_model_len, "kv_tokens": info.kv_capacity_tokens}
+    return {"model": info.model, "architecture": info.architecture, "platform": info.platform,
+            "device": info.device, "dtype": info.dtype, "max_model_len": info.max_model_len,
+            "kv_tokens": info.kv_capacity_tokens, "tokenizer": info.tokenizer_dir is not None}
 
 
-def _save(path: str | None, result: dict) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump(result, f, indent=2)
+def _versions() -> dict[str, str | None]:
+    found: dict[str, str | None] = {}
+    for name, distributions in PACKAGES.items():
+        found[name] = None
+        for dist in distributions:
+            try:
+                found[name] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return found

@@ -8,6 +8,7 @@ K/V, it depends on the whole prefix. The "sampled" token derives from the last e
 block, a block reused too early, a bad prefix hit or a lost token changes the output.
 """
 import random
+import time
 from collections import defaultdict
 
 import pytest
@@ -260,6 +261,19 @@ def test_preemption_drops_partial_prompt_logprobs():
                 prompt_rows.append(result.prompt_logprobs.token_ids)
     assert sched.num_preemptions == 1
     assert prompt_rows == [[[p] for p in range(23)]]
+
+
+def test_outputs_carry_when_the_request_was_first_scheduled():
+    sched = make_scheduler(max_num_seqs=1)
+    sched.add_request(make_req("a", range(4), max_tokens=2))
+    sched.add_request(make_req("b", range(4), max_tokens=1))
+    before = time.monotonic()
+    _, (first,) = step(sched)
+    assert before <= first.first_scheduled_time <= time.monotonic()
+    _, (second,) = step(sched)  # "a" takes the only seat: "b" still waits
+    assert (second.req_id, second.first_scheduled_time) == ("a", first.first_scheduled_time)
+    _, (third,) = step(sched)
+    assert third.req_id == "b" and third.first_scheduled_time >= second.first_scheduled_time
 
 
 # -- finish, abort, blocks -----------------------------------------------------------------------

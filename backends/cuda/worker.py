@@ -27,7 +27,9 @@ class CUDAWorker(Worker):
         """Memory left for the KV cache after weights, a worst-case step's activations and
         non-torch allocations, within `gpu_memory_utilization` of the device."""
         cfg = self.config
-        num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        # Enough sequences that none is longer than the model's context (its rotary table).
+        num_seqs = max(min(cfg.max_num_seqs, cfg.max_num_batched_tokens),
+                       -(-cfg.max_num_batched_tokens // self.max_model_len))
         per_seq_blocks = -(-max(1, cfg.max_num_batched_tokens // num_seqs) // cfg.block_size)
         self.init_kv_cache(num_seqs * per_seq_blocks)
         torch.cuda.synchronize()
@@ -61,4 +63,4 @@ class CUDAWorker(Worker):
     def warmup(self) -> None:
         if self.config.enforce_eager:
             return
-        self.runner.capture_graphs(self.config.max_num_seqs)
+        self.runner.capture_graphs(self.config.max_num_seqs, self.max_model_len)

@@ -6,6 +6,7 @@ never touched by two threads at once.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import AsyncIterator
 
@@ -13,11 +14,13 @@ import anyio
 from anyio.abc import TaskGroup
 
 from ..config import EngineConfig
-from ..errors import EngineDeadError, InvalidRequestError
+from ..errors import CorectlError, EngineDeadError
 from ..wire import EngineCoreOutput
 from .core import EngineCore
 from .messages import EngineCoreOutputs, EngineCoreRequest
 from .transport import EngineTransport
+
+logger = logging.getLogger("corectl.engine")
 
 
 class InProcessEngine(EngineTransport):
@@ -69,8 +72,10 @@ class InProcessEngine(EngineTransport):
             for request in payload:
                 try:
                     self.core.add_request(request)
-                except InvalidRequestError:
-                    # Clients validate first; a request that still fails here ends alone, the loop lives on.
+                except CorectlError as exc:
+                    # Clients validate first (and bound the queue); a request that still fails here
+                    # (invalid, or the queue is full) ends alone, the loop lives on.
+                    logger.warning("engine rejected request %s: %s", request.request_id, exc)
                     self._rejected.append(EngineCoreOutput(request.request_id, [], finish_reason="abort"))
         elif kind == "abort":
             self.core.abort_requests(payload)

@@ -22,6 +22,7 @@ from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
 from ..wire import SchedulerStats
+from .intake import check_token_ids, text_prompt_error
 from .output_processor import OutputProcessor
 from .transport import EngineTransport
 
@@ -64,12 +65,18 @@ def _merge_into(pending: RequestOutput, new: RequestOutput) -> None:
 
 
 class EngineClient:
-    def __init__(self, transport: EngineTransport, tokenizer: Tokenizer, config: EngineConfig):
+    """`tokenizer` is None when the engine runs without one: prompts must then be token ids."""
+
+    def __init__(self, transport: EngineTransport, tokenizer: Tokenizer | None, config: EngineConfig):
         self.transport = transport
         self.tokenizer = tokenizer
         self.config = config
         self.info = transport.info
         self.stats = SchedulerStats()
+        # Core requests sent, and how many of them the engine had taken in when `stats` was made:
+        # the difference is what the stats cannot count yet, so a burst meets the queue bound exactly.
+        self._num_sent = 0
+        self._num_received = 0
         self._processor = OutputProcessor(tokenizer, stream_deltas=True)
         self._collectors: dict[str, _OutputCollector] = {}
         self._dead: BaseException | None = None
@@ -89,7 +96,9 @@ class EngineClient:
     @contextlib.asynccontextmanager
     async def serving(cls, transport: EngineTransport, config: EngineConfig, tg) -> AsyncIterator["EngineClient"]:
         """Run the output handler for `transport` while the block is active; closes it on exit."""
-        tokenizer = Tokenizer.from_dir(config.tokenizer or transport.info.model_dir, chat_template=config.chat_template)
+        # The engine resolved the tokenizer (a hub id or GGUF becomes a folder), so both sides use the same one.
+        folder = transport.info.tokenizer_dir
+        tokenizer = None if folder is None else Tokenizer.from_dir(folder, chat_template=config.chat_template)
         client = cls(transport, tokenizer, config)
         tg.start_soon(client._handle_outputs)
         try:
@@ -104,10 +113,11 @@ class EngineClient:
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         request_id = request_id or uuid.uuid4().hex
-        text, token_ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
+        text, token_ids = self._encode(prompt)
         self._validate(token_ids, params)
         collector = _OutputCollector()
         core_requests = self._processor.add_request(request_id, text, token_ids, params, priority)
+        self._num_sent += len(core_requests)
         self._collectors[request_id] = collector
         finished = False
         try:
@@ -130,11 +140,17 @@ class EngineClient:
             with anyio.CancelScope(shield=True):
                 await self.transport.abort_requests(ids)
 
+    def _encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if not isinstance(prompt, str):
+            return None, list(prompt)
+        if self.tokenizer is None:
+            raise text_prompt_error()
+        return prompt, self.tokenizer.encode(prompt)
+
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"engine is dead: {self._dead!r}")
-        if not token_ids:
-            raise InvalidRequestError("prompt is empty", param="prompt")
+        check_token_ids(token_ids, params, self.info.vocab_size)
         limit = self.info.max_model_len
         requested = len(token_ids) + (params.max_tokens or 1)
         if len(token_ids) >= limit or requested > limit:
@@ -143,18 +159,15 @@ class EngineClient:
                 f"{len(token_ids)} prompt tokens plus {params.max_tokens or 1} completion tokens",
                 param="max_tokens" if len(token_ids) < limit else "prompt", code="context_length_exceeded",
             )
-        bad = [t for t in token_ids if not 0 <= t < self.info.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (size {self.info.vocab_size})",
-                                      param="prompt")
         limit_q = self.config.max_queued_requests
-        if limit_q is not None and self.stats.num_waiting >= limit_q:
-            raise QueueFullError(f"{self.stats.num_waiting} requests are already waiting (limit {limit_q})")
+        waiting = self.stats.num_waiting + self._num_sent - self._num_received
+        if limit_q is not None and waiting >= limit_q:
+            raise QueueFullError(f"{waiting} requests are already waiting (limit {limit_q})")
 
     async def _handle_outputs(self) -> None:
         try:
             async for batch in self.transport.outputs():
-                self.stats = batch.stats
+                self.stats, self._num_received = batch.stats, batch.num_requests_received
                 outputs, to_abort = self._processor.process_outputs(batch.outputs)
                 for out in outputs:
                     collector = self._collectors.get(out.request_id)

@@ -17,6 +17,7 @@ from ..platforms import resolve_attention_backend, resolve_platform
 from ..request import Request
 from ..scheduler import Scheduler
 from ..wire import EngineCoreOutput
+from .intake import check_token_ids
 from .messages import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger("corectl.engine")
@@ -24,10 +25,14 @@ logger = logging.getLogger("corectl.engine")
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """What clients need to know about a running engine."""
+    """What clients need to know about a running engine.
+
+    `tokenizer_dir` is None when the engine runs without a tokenizer (token-id prompts only).
+    """
 
     model: str
     model_dir: str
+    tokenizer_dir: str | None
     platform: str
     device: str
     dtype: str
@@ -45,8 +50,11 @@ class EngineInfo:
 class EngineCore:
     def __init__(self, config: EngineConfig):
         started = time.monotonic()
-        self.config = config
         self.source: ModelSource = resolve_model_source(config)
+        if self.source.tokenizer_dir is None and not config.skip_tokenizer_init:
+            # Presets and bare dummy configs run without a tokenizer: the config as run says so.
+            config = config.replace(skip_tokenizer_init=True)
+        self.config = config
         platform = resolve_platform(config.platform)
         platform.check_config(config)
         hf = self.source.hf_config
@@ -63,8 +71,11 @@ class EngineCore:
         self.worker.init_kv_cache(num_blocks)
         self.worker.warmup()
         self.scheduler = Scheduler(config, self.max_model_len, num_blocks)
+        self.num_requests_received = 0
+        tokenizer_dir = self.source.tokenizer_dir
         self.info = EngineInfo(
-            model=config.model or "default", model_dir=str(self.source.model_dir), platform=platform.name,
+            model=config.model or "default", model_dir=str(self.source.model_dir),
+            tokenizer_dir=None if tokenizer_dir is None else str(tokenizer_dir), platform=platform.name,
             device=platform.device_name(), dtype=dtype, max_model_len=self.max_model_len,
             num_kv_blocks=num_blocks, block_size=config.block_size, vocab_size=info.vocab_size,
             architecture=info.architecture,
@@ -74,12 +85,17 @@ class EngineCore:
             self.source.description, info.architecture, platform.name, dtype,
             self.info.kv_capacity_tokens, self.max_model_len, time.monotonic() - started,
         )
+        if tokenizer_dir is None:
+            logger.info("no tokenizer: prompts must be token ids and outputs carry no text")
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        """Admit a request; raises a CorectlError (invalid request, queue full) when it cannot be taken."""
+        self.num_requests_received += 1
         self.scheduler.add_request(self._make_request(request))
 
     def _make_request(self, request: EngineCoreRequest) -> Request:
         params = request.sampling_params
+        check_token_ids(request.prompt_token_ids, params, self.info.vocab_size)
         prompt_len = len(request.prompt_token_ids)
         if prompt_len >= self.max_model_len:
             raise InvalidRequestError(
@@ -110,7 +126,8 @@ class EngineCore:
         if not sched.is_empty or sched.finished_req_ids:
             runner_out = self.worker.execute_model(sched)
             outputs = self.scheduler.update(sched, runner_out)
-        return EngineCoreOutputs(outputs=outputs, stats=self.scheduler.make_stats(), timestamp=time.monotonic())
+        return EngineCoreOutputs(outputs=outputs, stats=self.scheduler.make_stats(), timestamp=time.monotonic(),
+                                 num_requests_received=self.num_requests_received)
 
 
 def resolve_max_model_len(config: EngineConfig, hf) -> int:

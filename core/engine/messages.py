@@ -21,8 +21,13 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
-    """One step's outputs plus the scheduler's stats after it."""
+    """One step's outputs plus the scheduler's stats after it.
+
+    `num_requests_received` counts the core requests the engine had taken in (admitted or refused)
+    before this step, so a client can tell which of the requests it sent the stats already count.
+    """
 
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats
     timestamp: float
+    num_requests_received: int = 0

@@ -1,7 +1,8 @@
 """Client-side output processing: fan-out of `n`, incremental detokenization, stop strings, logprobs.
 
 Runs where the caller lives (the API server's process, or the offline LLM), never in the engine loop.
-A stop-string hit finishes the sample here and asks the engine to abort it.
+A stop-string hit finishes the sample here and asks the engine to abort it. Without a tokenizer
+(`tokenizer=None`) outputs carry token ids and empty text.
 """
 from __future__ import annotations
 
@@ -13,15 +14,27 @@ from ..outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetric
 from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
 from ..wire import EngineCoreOutput, LogprobsLists
+from .intake import check_text_features
 from .messages import EngineCoreRequest
+
+
+class _NoText:
+    """The detokenizer of a tokenizer-free engine: token ids never become text."""
+
+    def push(self, token_ids: list[int]) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
 
 
 class _Sample:
     """One of the `n` sequences of a request."""
 
-    def __init__(self, index: int, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams):
+    def __init__(self, index: int, tokenizer: Tokenizer | None, prompt_ids: list[int], params: SamplingParams):
         self.index = index
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self.detok = (_NoText() if tokenizer is None
+                      else IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens))
         self.stop = StopStringMatcher(params.stop or [], params.include_stop_str_in_output)
         self.text = ""
         self.token_ids: list[int] = []
@@ -53,8 +66,22 @@ class RequestTracker:
         return all(s.finished for s in self.samples)
 
 
+def _update_metrics(metrics: RequestMetrics, out: EngineCoreOutput, now: float) -> None:
+    if out.num_cached_tokens:
+        metrics.num_cached_tokens = out.num_cached_tokens
+    scheduled = out.first_scheduled_time
+    # The n samples of a request queue separately: the request waited until the first of them ran.
+    if scheduled is not None and (metrics.first_scheduled_time is None or scheduled < metrics.first_scheduled_time):
+        metrics.first_scheduled_time = scheduled
+    if out.new_token_ids:
+        metrics.first_token_time = metrics.first_token_time or now
+        metrics.last_token_time = now
+        metrics.token_times.append(now)
+        metrics.num_generation_tokens += len(out.new_token_ids)
+
+
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, stream_deltas: bool):
+    def __init__(self, tokenizer: Tokenizer | None, stream_deltas: bool):
         self.tokenizer = tokenizer
         self.stream_deltas = stream_deltas
         self.trackers: dict[str, RequestTracker] = {}
@@ -67,6 +94,7 @@ class OutputProcessor:
             from ..errors import InvalidRequestError
 
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        check_text_features(params, has_tokenizer=self.tokenizer is not None)
         now = time.monotonic()
         samples = [_Sample(i, self.tokenizer, prompt_token_ids, params) for i in range(params.n)]
         tracker = RequestTracker(request_id, prompt, list(prompt_token_ids), params, samples,
@@ -124,22 +152,18 @@ class OutputProcessor:
         """Returns True when a stop string finished the sample (the engine must abort it)."""
         if sample.finished:
             return False
-        metrics = tracker.metrics
         if out.prompt_logprobs is not None and tracker.prompt_logprobs is not None and sample.index == 0:
             tracker.prompt_logprobs.extend(self._decode_logprobs(out.prompt_logprobs))
-        if out.num_cached_tokens:
-            metrics.num_cached_tokens = out.num_cached_tokens
-        if out.new_token_ids:
-            metrics.first_token_time = metrics.first_token_time or now
-            metrics.last_token_time = now
-            metrics.token_times.append(now)
-            metrics.num_generation_tokens += len(out.new_token_ids)
+        _update_metrics(tracker.metrics, out, now)
         sample.token_ids.extend(out.new_token_ids)
         if sample.logprobs is not None and out.logprobs is not None:
             decoded = self._decode_logprobs(out.logprobs)
             sample.logprobs.extend(decoded)
             sample.cumulative_logprob += sum(next(iter(d.values())).logprob for d in decoded)
         delta = sample.detok.push(out.new_token_ids)
+        if out.finish_reason is not None:
+            # Text held back for an unfinished character must not be lost with the last token.
+            delta += sample.detok.flush()
         text, hit = sample.stop.feed(delta)
         sample.text += text
         if hit is not None:
@@ -158,9 +182,14 @@ class OutputProcessor:
             for j, (tid, lp) in enumerate(zip(ids, lps)):
                 if tid in position:
                     continue
-                position[tid] = Logprob(lp, rank if j == 0 else j, self.tokenizer.decode([tid], skip_special_tokens=False))
+                position[tid] = Logprob(lp, rank if j == 0 else j, self._token_text(tid))
             decoded.append(position)
         return decoded
+
+    def _token_text(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _make_output(self, tracker: RequestTracker) -> RequestOutput:
         outputs = [self._sample_output(s) for s in tracker.samples]

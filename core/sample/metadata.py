@@ -16,6 +16,23 @@ from .random_sampling import RandomParams
 from .token_edits import LogitBias, build_logit_bias, build_min_tokens
 
 
+def is_plain_greedy(p: SamplingParams) -> bool:
+    """A row the sampler answers with a bare argmax: nothing edits its logits, nothing is drawn and
+    no logprobs are wanted. A batch of only such rows can use `PLAIN_GREEDY` without `build`."""
+    return (p.greedy and p.logprobs is None and not p.logit_bias and not p.needs_penalties
+            and p.min_tokens == 0)
+
+
+def reads_prompt_ids(p: SamplingParams) -> bool:
+    """Whether `build` reads this row's prompt ids (callers may pass an empty list otherwise)."""
+    return p.repetition_penalty != 1.0
+
+
+def reads_output_ids(p: SamplingParams) -> bool:
+    """Whether `build` reads this row's output ids (callers may pass an empty list otherwise)."""
+    return p.needs_penalties or p.min_tokens > 0
+
+
 def _check_rows(params: Sequence[SamplingParams], **per_row: Sequence) -> None:
     for name, values in per_row.items():
         if len(values) != len(params):
@@ -52,8 +69,8 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device,
     ) -> "SamplingMetadata":
-        """One row per request that samples this step. `prompt_token_ids[i]` is read only for rows
-        with a repetition penalty and `output_token_ids[i]` for rows with penalties or min_tokens;
+        """One row per request that samples this step. `prompt_token_ids[i]` is read only where
+        `reads_prompt_ids` and `output_token_ids[i]` only where `reads_output_ids` holds;
         `generators[i]` (for seeded requests) only for random rows."""
         _check_rows(
             params, prompt_token_ids=prompt_token_ids, output_token_ids=output_token_ids, generators=generators
@@ -67,3 +84,6 @@ class SamplingMetadata:
             penalties=PenaltyParams.build(params, prompt_token_ids, output_token_ids, vocab_size, device),
             max_num_logprobs=max(requested) if requested else None,
         )
+
+
+PLAIN_GREEDY = SamplingMetadata(random=None, logit_bias=None, min_tokens=None, penalties=None, max_num_logprobs=None)

@@ -302,6 +302,7 @@ class Scheduler:
             logprobs=logprobs_row(logprobs, row),
             prompt_logprobs=self._prompt_logprobs.pop(req.request_id),
             num_cached_tokens=max(req.num_cached_tokens, 0),
+            first_scheduled_time=req.first_scheduled_time,
         )
 
     def _release(self, req: Request) -> None:

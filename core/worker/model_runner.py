@@ -1,18 +1,24 @@
 """Hardware-neutral model runner: builds a step's inputs, runs the model, samples.
 
-Platforms subclass it only for what differs (device setup, graphs, pinned buffers); the input
-construction and sampling logic live here once.
+Platforms subclass it only for what differs (how host arrays reach the device, graphs, attention
+metadata options); the input construction and sampling logic live here once. A step reads the
+device back once, for the sampled ids: inputs travel as whole arrays, and the rows to sample are
+selected with an uploaded index, never a Python list (which torch would copy synchronously).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from ..attention import AttentionBackend, AttentionBatch, ForwardContext
 from ..sample import Sampler, SamplingMetadata, compute_prompt_logprobs
+from ..sample.metadata import PLAIN_GREEDY
+from ..sample.transfer import to_device
 from ..wire import LogprobsLists, ModelRunnerOutput, SchedulerOutput
-from .input_batch import CachedRequestState, RequestStates
+from .input_batch import CachedRequestState, HostStep, RequestStates
 
 _PROMPT_LOGPROB_CHUNK = 512
 _EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -20,13 +26,14 @@ _EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
 @dataclass
 class StepInputs:
+    """A step's device tensors beside the host arrays they came from."""
+
+    host: HostStep
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn: AttentionBatch
-    req_ids: list[str]
-    query_starts: list[int]
-    sample_req_ids: list[str]
-    sample_rows: list[int]
+    # Token rows whose hidden states are sampled; None when every row is (pure decode).
+    logits_indices: torch.Tensor | None
 
 
 class ModelRunner:
@@ -50,75 +57,53 @@ class ModelRunner:
         self.states.apply(sched)
         if sched.is_empty:
             return _EMPTY_OUTPUT
-        inputs = self.prepare_inputs(sched)
-        ctx = ForwardContext(self.backend, self.backend.build_metadata(inputs.attn), self.kv_caches)
-        hidden = self.run_model(inputs, ctx)
+        inputs = self.upload(self.states.build_step(sched, self.block_size))
+        hidden = self.run_model(inputs)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden, sched)
-        if not inputs.sample_req_ids:
+        if not inputs.host.sample_req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        return self._sample(inputs, logits, prompt_logprobs)
+        if inputs.logits_indices is not None:
+            hidden = hidden.index_select(0, inputs.logits_indices)
+        return self._sample(inputs.host, self.model.compute_logits(hidden), prompt_logprobs)
 
-    def run_model(self, inputs: StepInputs, ctx: ForwardContext) -> torch.Tensor:
-        """The forward pass; platforms override to replay captured graphs."""
+    def run_model(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward pass over the step's tokens; platforms override to replay captured graphs."""
+        ctx = ForwardContext(self.backend, self.attention_metadata(inputs.attn), self.kv_caches)
         return self.model(inputs.input_ids, inputs.positions, ctx)
 
-    def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
-        req_ids = list(sched.num_scheduled_tokens)
-        token_ids: list[int] = []
-        positions: list[int] = []
-        query_lens, seq_lens, query_starts, tables = [], [], [], []
-        sample_req_ids, sample_rows = [], []
-        for req_id in req_ids:
-            state = self.states[req_id]
-            start, n = state.num_computed_tokens, sched.num_scheduled_tokens[req_id]
-            query_starts.append(len(token_ids))
-            token_ids.extend(state.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            tables.append(state.block_ids)
-            if start + n == len(state.token_ids):
-                sample_req_ids.append(req_id)
-                sample_rows.append(len(token_ids) - 1)
-        attn = self._attention_batch(positions, query_lens, seq_lens, tables)
-        return StepInputs(
-            input_ids=torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True),
-            positions=attn.positions_tensor,
-            attn=attn.batch,
-            req_ids=req_ids,
-            query_starts=query_starts,
-            sample_req_ids=sample_req_ids,
-            sample_rows=sample_rows,
-        )
+    def attention_metadata(self, batch: AttentionBatch) -> Any:
+        """The backend's metadata for an eager step; platforms override to pass backend options."""
+        return self.backend.build_metadata(batch)
 
-    def _attention_batch(self, positions, query_lens, seq_lens, tables) -> "_AttnInputs":
-        width = max(len(t) for t in tables)
-        table = torch.zeros(len(tables), width, dtype=torch.int32)
-        for row, blocks in enumerate(tables):
-            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        pos = torch.tensor(positions, dtype=torch.long)
-        req_index = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
-        slots = table[req_index, pos // self.block_size].long() * self.block_size + pos % self.block_size
-        starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        starts[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0)
-        batch = AttentionBatch(
-            query_start_loc=starts.to(self.device, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(self.device, non_blocking=True),
-            block_tables=table.to(self.device, non_blocking=True),
-            slot_mapping=slots.to(self.device, non_blocking=True),
-            query_lens_host=query_lens,
-            seq_lens_host=seq_lens,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
+    def upload(self, host: HostStep) -> StepInputs:
+        """Move the step's host arrays to the device as the model and attention backend take them."""
+        arrays = [host.input_ids, host.positions, host.slot_mapping, host.query_start_loc, host.seq_lens,
+                  host.block_tables]
+        select_rows = bool(host.sample_rows) and not host.samples_every_row
+        if select_rows:
+            arrays.append(np.array(host.sample_rows, dtype=np.int64))
+        tensors = self.to_device(arrays)
+        input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables = tensors[:6]
+        attn = AttentionBatch(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
+            query_lens_host=host.query_lens,
+            seq_lens_host=host.seq_lens_list,
+            max_query_len=host.max_query_len,
+            max_seq_len=host.max_seq_len,
             block_size=self.block_size,
         )
-        return _AttnInputs(batch, pos.to(self.device, non_blocking=True))
+        return StepInputs(host, input_ids, positions, attn, tensors[6] if select_rows else None)
 
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor, prompt_logprobs) -> ModelRunnerOutput:
-        states = [self.states[r] for r in inputs.sample_req_ids]
-        meta = self._sampling_metadata(states)
-        out = self.sampler(logits, meta)
+    def to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """Host arrays as device tensors; on the CPU they are shared, not copied."""
+        return [torch.from_numpy(a).to(self.device, non_blocking=True) for a in arrays]
+
+    def _sample(self, host: HostStep, logits: torch.Tensor, prompt_logprobs) -> ModelRunnerOutput:
+        states = [self.states[r] for r in host.sample_req_ids]
+        out = self.sampler(logits, self._sampling_metadata(states))
         sampled = out.sampled_token_ids.tolist()
         for state, token in zip(states, sampled):
             state.token_ids.append(token)
@@ -126,17 +111,20 @@ class ModelRunner:
         if out.logprobs is not None:
             logprobs = out.logprobs.to_lists([s.sampling_params.logprobs or 0 for s in states])
         return ModelRunnerOutput(
-            req_ids=inputs.sample_req_ids,
+            req_ids=host.sample_req_ids,
             sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        if all(s.plain_greedy for s in states):
+            return PLAIN_GREEDY
+        # Token histories are copied only for the rows whose penalties or min_tokens read them.
         return SamplingMetadata.build(
             params=[s.sampling_params for s in states],
-            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states],
-            output_token_ids=[s.output_token_ids for s in states],
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] if s.reads_prompt else () for s in states],
+            output_token_ids=[s.output_token_ids if s.reads_output else () for s in states],
             generators=[s.seeded_generator() for s in states],
             eos_token_id=self.eos_token_id,
             vocab_size=self.vocab_size,
@@ -146,7 +134,7 @@ class ModelRunner:
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor,
                          sched: SchedulerOutput) -> dict[str, LogprobsLists]:
         result: dict[str, LogprobsLists] = {}
-        for req_id, q_start in zip(inputs.req_ids, inputs.query_starts):
+        for req_id, q_start in zip(inputs.host.req_ids, inputs.host.query_starts):
             state = self.states[req_id]
             k = state.sampling_params.prompt_logprobs
             if k is None or state.prompt_logprobs_done:
@@ -157,7 +145,7 @@ class ModelRunner:
                 state.prompt_logprobs_done = True
                 continue
             rows = hidden[q_start: q_start + end - start]
-            targets = torch.tensor(state.token_ids[start + 1: end + 1], device=self.device)
+            targets = to_device(state.token_ids[start + 1: end + 1], torch.int64, self.device)
             result[req_id] = self._chunked_prompt_logprobs(rows, targets, k)
             state.prompt_logprobs_done = end >= state.num_prompt_tokens - 1
         return result
@@ -172,9 +160,3 @@ class ModelRunner:
             logprobs += lists.logprobs
             ranks += lists.ranks
         return LogprobsLists(token_ids=token_ids, logprobs=logprobs, ranks=ranks)
-
-
-@dataclass
-class _AttnInputs:
-    batch: AttentionBatch
-    positions_tensor: torch.Tensor

@@ -1,0 +1,227 @@
+"""The model runner of the CUDA and ROCm platforms: one-copy pinned uploads and decode CUDA graphs.
+
+Uploads: a step's host arrays are packed into one pinned buffer and cross in one asynchronous
+copy; the tensors the model reads are views of the device copy. The staging buffer comes from
+torch's caching host allocator, which does not hand it out again before the copy has run, so a
+step never waits for the previous step's transfers.
+
+Graphs: a pure-decode step (one token per request) replays the graph captured for the smallest
+batch-size bucket that holds it, padded with rows that store nothing (slot -1) and attend to
+nothing (seq_len 0); backends/triton/attention.py lists what must stay fixed across replays.
+Buckets are captured largest first into one memory pool, so the smaller graphs reuse the largest
+one's activation memory (one graph runs at a time). Every graph reads the first rows of one set
+of static input buffers sized for the largest bucket, and keeps the output tensor its capture
+produced. Prefill, mixed and larger steps run eagerly.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from corectl.attention import AttentionBatch, ForwardContext
+from corectl.worker.input_batch import HostStep
+from corectl.worker.model_runner import ModelRunner, StepInputs
+
+from ..triton.attention import TritonAttentionBackend
+
+logger = logging.getLogger("corectl.cuda")
+
+# vLLM's default capture limit: past it a graph saves little launch time next to the step's work.
+MAX_GRAPH_BATCH = 512
+# Packed arrays start on multiples of the widest element, so each can be viewed in its own dtype.
+_ALIGN = 8
+_TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
+
+
+def graph_batch_sizes(max_num_seqs: int, limit: int = MAX_GRAPH_BATCH) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, then multiples of 8, up to and including
+    min(max_num_seqs, limit), so every batch up to that size pads by fewer than 8 rows."""
+    top = min(max_num_seqs, limit)
+    return [s for s in (1, 2, 4) if s < top] + list(range(8, top, 8)) + [top]
+
+
+def graph_bucket(sizes: Sequence[int], num_seqs: int) -> int | None:
+    """The smallest of the ascending `sizes` that holds `num_seqs` rows; None above the largest."""
+    i = bisect.bisect_left(sizes, num_seqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+def choose_graph_size(sizes: Sequence[int], max_blocks: int, host: HostStep) -> int | None:
+    """The captured batch size that replays this step, or None to run it eagerly."""
+    if not sizes or host.max_query_len != 1 or host.block_tables.shape[1] > max_blocks:
+        return None
+    return graph_bucket(sizes, host.num_seqs)
+
+
+def pad_decode_step(host: HostStep, size: int) -> list[np.ndarray]:
+    """A pure-decode step's input_ids, positions, slot_mapping, seq_lens and block_tables padded to
+    `size` rows. Padding rows read token 0 at position 0, store nothing (slot -1) and attend to
+    nothing (seq_len 0, a row of null blocks)."""
+    return [
+        _padded(host.input_ids, size, 0),
+        _padded(host.positions, size, 0),
+        _padded(host.slot_mapping, size, -1),
+        _padded(host.seq_lens, size, 0),
+        _padded(host.block_tables, size, 0),
+    ]
+
+
+def _padded(a: np.ndarray, size: int, fill: int) -> np.ndarray:
+    out = np.full((size, *a.shape[1:]), fill, dtype=a.dtype)
+    out[: a.shape[0]] = a
+    return out
+
+
+def packed_layout(arrays: Sequence[np.ndarray]) -> tuple[list[int], int]:
+    """Byte offset of each array in one buffer holding them all, and the buffer's size."""
+    offsets, end = [], 0
+    for a in arrays:
+        offsets.append(end)
+        end += -(-a.nbytes // _ALIGN) * _ALIGN
+    return offsets, end
+
+
+def pack(buffer: np.ndarray, arrays: Sequence[np.ndarray], offsets: Sequence[int]) -> None:
+    """Copy `arrays` into the uint8 `buffer` at `offsets`."""
+    for a, offset in zip(arrays, offsets):
+        buffer[offset: offset + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+
+
+def unpack(buffer: torch.Tensor, arrays: Sequence[np.ndarray], offsets: Sequence[int]) -> list[torch.Tensor]:
+    """Views of a packed uint8 `buffer` (on any device) with each array's dtype and shape."""
+    return [buffer[offset: offset + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
+            for a, offset in zip(arrays, offsets)]
+
+
+class _StaticDecodeInputs:
+    """The input tensors every decode graph reads; a graph of batch size n uses the first n rows."""
+
+    def __init__(self, max_batch: int, max_blocks: int, device: torch.device):
+        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        # One query token per row, padding included, so the starts never change.
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
+
+    @property
+    def max_blocks(self) -> int:
+        return self.block_tables.shape[1]
+
+    def attention_batch(self, size: int, max_model_len: int, block_size: int) -> AttentionBatch:
+        """The batch a graph of `size` rows is captured with: bounded by the model's max length, so
+        the kernels' launch choices (split count) hold for any context that can occur."""
+        return AttentionBatch(
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            slot_mapping=self.slot_mapping[:size],
+            query_lens_host=[1] * size,
+            seq_lens_host=[max_model_len] * size,
+            max_query_len=1,
+            max_seq_len=max_model_len,
+            block_size=block_size,
+        )
+
+    def load(self, size: int, padded: list[torch.Tensor]) -> None:
+        """Copy a step's padded device inputs (see `pad_decode_step`) into the first `size` rows."""
+        input_ids, positions, slot_mapping, seq_lens, block_tables = padded
+        self.input_ids[:size].copy_(input_ids)
+        self.positions[:size].copy_(positions)
+        self.slot_mapping[:size].copy_(slot_mapping)
+        self.seq_lens[:size].copy_(seq_lens)
+        # Columns past the step's longest sequence keep stale ids that no row reads.
+        self.block_tables[:size, : block_tables.shape[1]].copy_(block_tables)
+
+
+@dataclass
+class _DecodeGraph:
+    size: int
+    graph: torch.cuda.CUDAGraph
+    output: torch.Tensor
+    attn: AttentionBatch
+
+
+@dataclass
+class _GraphStepInputs(StepInputs):
+    graph: _DecodeGraph
+
+
+class CUDAGraphModelRunner(ModelRunner):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.graphs: dict[int, _DecodeGraph] = {}
+        self._graph_sizes: list[int] = []
+        self._static: _StaticDecodeInputs | None = None
+
+    def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        super().set_kv_caches(kv_caches)
+        # Captured launches hold the previous caches' addresses.
+        self.graphs, self._graph_sizes = {}, []
+
+    @torch.inference_mode()
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture decode graphs for every bucket up to `max_num_seqs` (the KV caches must be set)."""
+        if not isinstance(self.backend, TritonAttentionBackend):
+            logger.warning("attention backend %r cannot be captured in CUDA graphs; decoding eagerly",
+                           self.backend.name)
+            return
+        started, free_before = time.monotonic(), torch.cuda.mem_get_info()[0]
+        sizes = graph_batch_sizes(max_num_seqs)
+        self._static = _StaticDecodeInputs(sizes[-1], -(-max_model_len // self.block_size), self.device)
+        pool = torch.cuda.graph_pool_handle()
+        graphs = {size: self._capture(size, max_model_len, pool) for size in reversed(sizes)}
+        torch.cuda.synchronize()
+        self.graphs, self._graph_sizes = graphs, sizes
+        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s using %.2f GiB",
+                    len(sizes), sizes, time.monotonic() - started,
+                    (free_before - torch.cuda.mem_get_info()[0]) / 2**30)
+
+    def _capture(self, size: int, max_model_len: int, pool) -> _DecodeGraph:
+        static = self._static
+        attn = static.attention_batch(size, max_model_len, self.block_size)
+        ctx = ForwardContext(self.backend, self.backend.build_metadata(attn, check_indices=False), self.kv_caches)
+        input_ids, positions = static.input_ids[:size], static.positions[:size]
+        # Once eagerly first: compiles the kernels and sets up cuBLAS outside the capture.
+        self.model(input_ids, positions, ctx)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            output = self.model(input_ids, positions, ctx)
+        return _DecodeGraph(size, graph, output, attn)
+
+    def upload(self, host: HostStep) -> StepInputs:
+        size = None if self._static is None else choose_graph_size(
+            self._graph_sizes, self._static.max_blocks, host)
+        if size is None:
+            return super().upload(host)
+        static, graph = self._static, self.graphs[size]
+        static.load(size, self.to_device(pad_decode_step(host, size)))
+        return _GraphStepInputs(host, static.input_ids[:size], static.positions[:size], graph.attn, None, graph)
+
+    def to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        offsets, total = packed_layout(arrays)
+        staging = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        pack(staging.numpy(), arrays, offsets)
+        return unpack(staging.to(self.device, non_blocking=True), arrays, offsets)
+
+    def attention_metadata(self, batch: AttentionBatch) -> Any:
+        if isinstance(self.backend, TritonAttentionBackend):
+            # The indices come from the runner's own block tables; validating them would read
+            # them back, a host sync per step.
+            return self.backend.build_metadata(batch, check_indices=False)
+        return super().attention_metadata(batch)
+
+    def run_model(self, inputs: StepInputs) -> torch.Tensor:
+        if isinstance(inputs, _GraphStepInputs):
+            inputs.graph.graph.replay()
+            return inputs.graph.output[: inputs.host.num_seqs]
+        return super().run_model(inputs)

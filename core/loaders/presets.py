@@ -1,0 +1,61 @@
+"""Shape presets: model configs known by name, for random-weight benchmarks with no hub and no tokenizer.
+
+    corectl bench throughput --model llama3-8b --load-format dummy --platform cuda
+
+A preset is only a config: its config.json is written to the cache folder and then loads like any
+dummy-weight config folder (no tokenizer files, so the engine takes token-id prompts only). The
+shapes are those of the HF transformers peer benchmark (`hf_baseline.py` SHAPES, section 5 of the
+design), field for field, so both sides measure the same model; fields left out take the
+transformers config class's defaults, exactly as the peer's constructor calls do.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .. import envs
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama3-8b": {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "dtype": "bfloat16",
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+        "rope_theta": 500000.0, "max_position_embeddings": 8192,
+    },
+    "qwen3-0.6b": {
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "dtype": "bfloat16",
+        "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 151936, "tie_word_embeddings": True, "max_position_embeddings": 8192,
+    },
+    # Small enough for CPU tests of the whole preset path.
+    "llama-tiny": {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "dtype": "float32",
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+        "max_position_embeddings": 512,
+    },
+}
+
+
+def is_preset(name: str) -> bool:
+    return name in PRESETS
+
+
+def preset_config_dir(name: str) -> Path:
+    """The cache folder holding the preset's config.json, (re)written when its content changed."""
+    folder = envs.cache_dir() / "presets" / name
+    text = json.dumps(PRESETS[name], indent=2, sort_keys=True) + "\n"
+    target = folder / "config.json"
+    if target.is_file() and target.read_text() == text:
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    # Write then rename, so a concurrent reader never sees half a file.
+    fd, staging = tempfile.mkstemp(prefix=".config-", dir=folder)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(staging, target)
+    return folder

@@ -1,0 +1,37 @@
+"""`cpu_reference`: corectl's CPU worker in fp32 with the eager reference attention backend.
+
+It exists to check other backends and models against: every step runs in fp32 and attention is
+computed the way `transformers`' eager path computes it, one sequence at a time. It is slow by
+design, so its plugin priority sits below the built-in CPU platform and `auto` never chooses it.
+"""
+from __future__ import annotations
+
+from corectl.platform import Platform, PlatformCaps
+
+from .plugin import ATTENTION_BACKEND, PLATFORM
+
+
+class ReferenceCPUPlatform(Platform):
+    name = PLATFORM
+    device_type = "cpu"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    def capabilities(self) -> PlatformCaps:
+        return PlatformCaps(
+            dtypes=("float32",),
+            default_dtype="float32",
+            notes=("numerical reference: fp32 only, eager per-sequence attention",
+                   "KV cache sized by --kv-cache-memory (GiB)"),
+        )
+
+    def worker_cls(self):
+        # Imported on use: listing plugins must not import backend modules.
+        from corectl.backends.cpu.worker import CPUWorker
+
+        return CPUWorker
+
+    def default_attention_backend(self, model_config) -> str:
+        return ATTENTION_BACKEND

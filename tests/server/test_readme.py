@@ -1,0 +1,54 @@
+"""The README's usage examples run as written against a real server (no API key, as the README shows)."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from server_process import SMALL_ENGINE, ServerProcess
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+README_URL = "http://127.0.0.1:8000"
+
+
+def _blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", README.read_text(), flags=re.S)
+
+
+@pytest.fixture(scope="module")
+def open_server():
+    proc = ServerProcess(*SMALL_ENGINE).wait_ready()
+    yield proc
+    assert proc.stop() == 0
+
+
+def test_readme_curl_example(open_server):
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    (command,) = [b for b in _blocks("bash") if b.lstrip().startswith("curl")]
+    out = subprocess.run(["bash", "-c", command.replace(README_URL, open_server.url)],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    body = json.loads(out)
+    assert "Paris" in body["choices"][0]["message"]["content"]
+    assert body["usage"]["completion_tokens"] <= 16
+
+
+def test_readme_openai_client_example(open_server):
+    (code,) = [b for b in _blocks("python") if "from openai import OpenAI" in b]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code.replace(README_URL, open_server.url), "README.md", "exec"), {})
+    assert "Paris" in printed.getvalue()
+
+
+def test_readme_offline_example():
+    (code,) = [b for b in _blocks("python") if "from corectl import LLM" in b]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "README.md", "exec"), {})
+    assert "Paris" in printed.getvalue()
