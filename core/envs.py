@@ -26,3 +26,8 @@ def log_level() -> str:
 
 def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+
+
+def fused_kernels_enabled() -> bool:
+    """CORECTL_FUSED_KERNELS=0 makes workers keep the models' torch layer code (for measurement)."""
+    return os.environ.get("CORECTL_FUSED_KERNELS", "1").lower() not in ("0", "false", "no")

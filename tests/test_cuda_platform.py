@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from corectl.backends.cuda import platform as cuda_platform
-from corectl.backends.cuda.graph_runner import (MAX_GRAPH_BATCH, _StaticDecodeInputs, choose_graph_size,
-                                                graph_batch_sizes, graph_bucket, pack, packed_layout,
-                                                pad_decode_step, unpack)
+from corectl.backends.cuda.graph_runner import (MAX_GRAPH_BATCH, CUDAGraphModelRunner, _DecodeGraph,
+                                                _StaticDecodeInputs, choose_graph_size, graph_batch_sizes,
+                                                graph_bucket, pack, packed_layout, pad_decode_step, unpack)
 from corectl.backends.rocm import platform as rocm_platform
 from corectl.sampling_params import SamplingParams
 from corectl.wire import CachedRequestData, NewRequestData, SchedulerOutput
 from corectl.worker.input_batch import BlockTable, RequestStates
+from corectl.worker.model_runner import ModelRunner
 
 BS = 4
 
@@ -265,3 +266,23 @@ def _eager_batch(host):
         query_lens_host=host.query_lens, seq_lens_host=host.seq_lens_list, max_query_len=host.max_query_len,
         max_seq_len=host.max_seq_len, block_size=BS,
     )
+
+
+def test_graph_step_uploads_into_the_static_inputs_and_samples_only_finished_rows(monkeypatch):
+    """A one-token prefill chunk is decode-shaped, so it rides a graph, but it samples nothing."""
+    cpu = torch.device("cpu")
+    runner = CUDAGraphModelRunner(None, None, cpu, BS, 1000, None)
+    monkeypatch.setattr(runner, "to_device", lambda arrays: ModelRunner.to_device(runner, arrays))
+    static = _StaticDecodeInputs(max_batch=8, max_blocks=6, device=cpu)
+    runner._static, runner._graph_sizes = static, [1, 2, 4, 8]
+    runner.graphs = {size: _DecodeGraph(size, None, torch.zeros(size, 1), static.attention_batch(size, 24, BS))
+                     for size in runner._graph_sizes}
+    sched = _step(new=[_new("a", range(9), [1, 2, 3], computed=8), _new("chunk", range(20), [4, 5], computed=4),
+                       _new("b", range(6), [6, 7], computed=5)],
+                  scheduled={"a": 1, "chunk": 1, "b": 1})
+    runner.states.apply(sched)
+    inputs = runner.upload(runner.states.build_step(sched, BS))
+    assert inputs.graph.size == 4 and inputs.input_ids.data_ptr() == static.input_ids.data_ptr()
+    assert inputs.logits_indices.tolist() == [0, 2]
+    assert static.input_ids[:4].tolist() == [8, 4, 5, 0] and static.seq_lens[:4].tolist() == [9, 5, 6, 0]
+    assert static.slot_mapping[:4].tolist() == [3 * BS, 5 * BS, 7 * BS + 1, -1]

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import anyio
@@ -81,6 +84,18 @@ def test_bench_latency_reports_step_and_end_to_end_percentiles(tmp_path, capsys)
     result = json.loads(result_file.read_text())
     assert len(result["latencies_s"]) == 2
     assert 0 < result["decode_step_s"]["p50"] <= result["e2e_s"]["p50"]
+
+
+def test_presets_load_where_the_gguf_package_is_missing(tmp_path):
+    # GPU images may lack gguf: only GGUF checkpoints may need it.
+    script = ("import sys; sys.modules['gguf'] = None\n"
+              "from corectl.server import cli, bench_offline\n"
+              "from corectl.loaders import resolve_model_source\nfrom corectl import EngineConfig\n"
+              "print(resolve_model_source(EngineConfig(model='llama3-8b', load_format='dummy')).description)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CORECTL_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert "preset llama3-8b" in done.stdout
 
 
 def test_a_preset_needs_dummy_weights(capsys):
@@ -171,7 +186,8 @@ def test_llm_and_client_use_the_tokenizer_the_engine_resolved(tmp_path):
     config = EngineConfig(**TINY, tokenizer="org/words", download_dir=str(tmp_path))
     llm = LLM(**{f: getattr(config, f) for f in config.__struct_fields__})
     assert Path(llm.tokenizer.path) == snapshot and not llm.config.skip_tokenizer_init
-    assert llm.generate("w1 w2", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0].prompt_token_ids == [1, 2]
+    out = llm.generate("w1 w2", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0]
+    assert out.prompt_token_ids == [1, 2]
 
     async def run():
         async with EngineClient.in_process(config) as client:

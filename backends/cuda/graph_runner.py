@@ -27,7 +27,7 @@ import torch
 
 from corectl.attention import AttentionBatch, ForwardContext
 from corectl.worker.input_batch import HostStep
-from corectl.worker.model_runner import ModelRunner, StepInputs
+from corectl.worker.model_runner import ModelRunner, StepInputs, logits_index
 
 from ..triton.attention import TritonAttentionBackend
 
@@ -181,8 +181,8 @@ class CUDAGraphModelRunner(ModelRunner):
         graphs = {size: self._capture(size, max_model_len, pool) for size in reversed(sizes)}
         torch.cuda.synchronize()
         self.graphs, self._graph_sizes = graphs, sizes
-        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s using %.2f GiB",
-                    len(sizes), sizes, time.monotonic() - started,
+        logger.info("captured %d decode CUDA graphs (batch sizes 1 to %d) in %.1f s using %.2f GiB",
+                    len(sizes), sizes[-1], time.monotonic() - started,
                     (free_before - torch.cuda.mem_get_info()[0]) / 2**30)
 
     def _capture(self, size: int, max_model_len: int, pool) -> _DecodeGraph:
@@ -204,8 +204,13 @@ class CUDAGraphModelRunner(ModelRunner):
         if size is None:
             return super().upload(host)
         static, graph = self._static, self.graphs[size]
-        static.load(size, self.to_device(pad_decode_step(host, size)))
-        return _GraphStepInputs(host, static.input_ids[:size], static.positions[:size], graph.attn, None, graph)
+        # A one-token prefill chunk makes a decode-shaped row that samples nothing.
+        index = logits_index(host)
+        padded = pad_decode_step(host, size)
+        tensors = self.to_device(padded if index is None else [*padded, index])
+        static.load(size, tensors[:5])
+        return _GraphStepInputs(host, static.input_ids[:size], static.positions[:size], graph.attn,
+                                None if index is None else tensors[5], graph)
 
     def to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         offsets, total = packed_layout(arrays)

@@ -6,8 +6,10 @@ import logging
 import torch
 
 from corectl.errors import ConfigError
+from corectl.models.kernels import LayerKernels
 from corectl.worker.worker import Worker
 
+from ..triton.layer_kernels import triton_layer_kernels
 from .graph_runner import CUDAGraphModelRunner
 
 logger = logging.getLogger("corectl.cuda")
@@ -59,6 +61,9 @@ class CUDAWorker(Worker):
                     num_blocks, tokens, num_blocks * per_block / 2**30, self.max_model_len,
                     tokens / self.max_model_len)
         return num_blocks
+
+    def layer_kernels(self) -> LayerKernels:
+        return triton_layer_kernels()
 
     def warmup(self) -> None:
         if self.config.enforce_eager:

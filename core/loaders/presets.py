@@ -3,7 +3,8 @@
     corectl bench throughput --model llama3-8b --load-format dummy --platform cuda
 
 A preset is only a config: its config.json is written to the cache folder and then loads like any
-dummy-weight config folder (no tokenizer files, so the engine takes token-id prompts only). The
+dummy-weight config folder (no tokenizer files, so the engine takes token-id prompts only); a local
+path of the same name is loaded instead. The
 shapes are those of the HF transformers peer benchmark (`hf_baseline.py` SHAPES, section 5 of the
 design), field for field, so both sides measure the same model; fields left out take the
 transformers config class's defaults, exactly as the peer's constructor calls do.

@@ -11,7 +11,6 @@ from ..config import EngineConfig
 from ..errors import ConfigError, ModelNotFoundError
 from . import hub
 from .checkpoint_files import safetensors_files
-from .gguf_cache import ensure_converted
 from .hf_config import load_hf_config
 from .presets import PRESETS, is_preset, preset_config_dir
 from .source import ModelSource
@@ -98,7 +97,7 @@ def _file_checkpoint(path: Path, load_format: str) -> _Checkpoint:
     if path.suffix == ".gguf" or load_format == "gguf":
         if load_format == "safetensors":
             raise ConfigError("load_format", f"'safetensors' does not read the GGUF file {path}; use 'auto' or 'gguf'")
-        cache = ensure_converted(path)
+        cache = _converted_gguf(path)
         return _dir_checkpoint(cache, f"gguf {path} (cached at {cache})", load_format)
     if load_format == "dummy" and path.suffix == ".json":
         return _Checkpoint(path, f"config {path}", ())
@@ -139,12 +138,20 @@ def _tokenizer_dir(config: EngineConfig, model_dir: Path) -> Path | None:
 def _resolve_tokenizer(spec: str, config: EngineConfig) -> Path:
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return ensure_converted(path)
+        return _converted_gguf(path)
     if path.is_dir():
         return path
     if _is_path_like(spec):
         raise ModelNotFoundError(f"tokenizer path {spec!r} does not exist")
     return hub.download_tokenizer(spec, config.download_dir)
+
+
+def _converted_gguf(path: Path) -> Path:
+    # Imported here: only GGUF files need the gguf package, which GPU images running safetensors
+    # checkpoints or random weights may not carry.
+    from .gguf_cache import ensure_converted
+
+    return ensure_converted(path)
 
 
 def _is_path_like(spec: str) -> bool:

@@ -11,9 +11,10 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..attention import ForwardContext
+from .kernels import UsesLayerKernels
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(UsesLayerKernels, nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
@@ -27,13 +28,23 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
+        if self.kernels is not None:
+            return self._fused(x, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
 
+    def _fused(self, x: torch.Tensor, residual: torch.Tensor | None):
+        # The kernel normalises rows of a 2-D tensor; per-head norms (Qwen3's q/k) arrive as [T, H, D].
+        rows = x.reshape(-1, x.shape[-1])
+        if residual is None:
+            return self.kernels.rms_norm(rows, self.weight, self.eps, None).view(x.shape)
+        out, summed = self.kernels.rms_norm(rows, self.weight, self.eps, residual.reshape(rows.shape))
+        return out.view(x.shape), summed.view(x.shape)
 
-class RotaryEmbedding(nn.Module):
+
+class RotaryEmbedding(UsesLayerKernels, nn.Module):
     """cos/sin tables for every position up to `max_positions`, looked up by absolute position."""
 
     def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype):
@@ -54,7 +65,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D] -> rotated copies."""
+        """q: [T, Hq, D], k: [T, Hk, D] -> rotated q, k (the same tensors, rotated in place, when
+        fused kernels are installed)."""
+        if self.kernels is not None:
+            self.kernels.rotary_embedding(positions, q, k, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

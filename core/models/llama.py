@@ -13,6 +13,7 @@ from torch import nn
 
 from ..attention import ForwardContext
 from .base import CausalLM
+from .kernels import UsesLayerKernels
 from .layers import Attention, PackedLinear, RMSNorm, RotaryEmbedding, default_weight_loader
 
 # checkpoint projection -> (packed parameter, shard id)
@@ -53,7 +54,7 @@ class DecoderAttention(nn.Module):
         return self.o_proj(out)
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(UsesLayerKernels, nn.Module):
     def __init__(self, config):
         super().__init__()
         size = config.intermediate_size
@@ -63,6 +64,8 @@ class GatedMLP(nn.Module):
         self.act = nn.SiLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

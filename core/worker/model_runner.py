@@ -36,6 +36,13 @@ class StepInputs:
     logits_indices: torch.Tensor | None
 
 
+def logits_index(host: HostStep) -> np.ndarray | None:
+    """The token rows to sample, as an index to upload; None when every row is, in order."""
+    if not host.sample_rows or host.samples_every_row:
+        return None
+    return np.array(host.sample_rows, dtype=np.int64)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, device: torch.device,
                  block_size: int, vocab_size: int, eos_token_id: int | None):
@@ -79,10 +86,8 @@ class ModelRunner:
         """Move the step's host arrays to the device as the model and attention backend take them."""
         arrays = [host.input_ids, host.positions, host.slot_mapping, host.query_start_loc, host.seq_lens,
                   host.block_tables]
-        select_rows = bool(host.sample_rows) and not host.samples_every_row
-        if select_rows:
-            arrays.append(np.array(host.sample_rows, dtype=np.int64))
-        tensors = self.to_device(arrays)
+        index = logits_index(host)
+        tensors = self.to_device(arrays if index is None else [*arrays, index])
         input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables = tensors[:6]
         attn = AttentionBatch(
             query_start_loc=query_start_loc,
@@ -95,7 +100,7 @@ class ModelRunner:
             max_seq_len=host.max_seq_len,
             block_size=self.block_size,
         )
-        return StepInputs(host, input_ids, positions, attn, tensors[6] if select_rows else None)
+        return StepInputs(host, input_ids, positions, attn, None if index is None else tensors[6])
 
     def to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """Host arrays as device tensors; on the CPU they are shared, not copied."""

@@ -14,6 +14,7 @@ import torch
 
 from ..attention import AttentionBackend
 from ..config import EngineConfig
+from ..models.kernels import LayerKernels, install_layer_kernels
 from ..models.registry import resolve_model_class
 from ..platform import Platform
 from .model_runner import ModelRunner
@@ -81,6 +82,7 @@ class Worker(abc.ABC):
             model = model_cls(hf, max_positions=self.max_model_len, dtype=self.torch_dtype)
         self.source.load_weights(model)
         model.eval()
+        install_layer_kernels(model, self.layer_kernels())
         info = _model_info(hf, model, self.dtype)
         backend = self.attention_backend_cls(
             info.num_heads, info.num_kv_heads, info.head_dim, self.torch_dtype, self.device, self.config.block_size
@@ -98,6 +100,10 @@ class Worker(abc.ABC):
 
     def warmup(self) -> None:
         """Compile or capture ahead of serving; nothing to do by default."""
+
+    def layer_kernels(self) -> LayerKernels | None:
+        """Fused kernels for the model's layers (see corectl.models.kernels); None keeps the torch code."""
+        return None
 
     def run_dummy_step(self, num_tokens: int, num_seqs: int) -> None:
         """Run one full step (forward, logits, sampling) on synthetic prefills through the real

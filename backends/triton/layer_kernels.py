@@ -1,0 +1,21 @@
+"""The Triton kernels as the models' fused layer kernels (corectl.models.kernels.LayerKernels)."""
+from __future__ import annotations
+
+import functools
+
+from corectl.models.kernels import LayerKernels
+
+from .activation import silu_and_mul
+from .rms_norm import rms_norm
+from .rotary import rotary_embedding
+
+
+def _rotary_trusted(positions, q, k, cos, sin) -> None:
+    # Positions come from the model runner, bounded by max_model_len; validating them would read
+    # them back to the host (a sync per layer) and cannot run inside a CUDA graph capture.
+    rotary_embedding(positions, q, k, cos, sin, check_indices=False)
+
+
+@functools.lru_cache(maxsize=1)
+def triton_layer_kernels() -> LayerKernels:
+    return LayerKernels(rms_norm=rms_norm, silu_and_mul=silu_and_mul, rotary_embedding=_rotary_trusted)

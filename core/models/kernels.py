@@ -1,0 +1,44 @@
+"""Fused kernels a worker may hand the model's layers in place of their torch code.
+
+The layers' torch code is the numerical reference (HF-exact, see layers.py) and runs wherever no
+kernels are installed. On GPUs each torch expression is several kernel launches (RMSNorm alone is
+six), which dominates small-batch decode even inside a CUDA graph; a platform's worker installs
+fused equivalents with `install_layer_kernels` after building the model. Core never names a
+backend: the worker decides what to install.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .. import envs
+
+
+@dataclass(frozen=True)
+class LayerKernels:
+    # (x [T, N], weight [N], eps, residual [T, N] | None) -> out, or (out, x + residual) with a residual
+    rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
+    # x [T, 2I], gate first -> silu(gate) * up [T, I]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    # (positions [T], q [T, Hq, D], k [T, Hk, D], cos [P, D], sin [P, D]) -> None; rotates q, k in place
+    rotary_embedding: Callable[..., None]
+
+
+class UsesLayerKernels:
+    """Mixin for layers with a fused path: `kernels` is None until a worker installs some."""
+
+    kernels: LayerKernels | None = None
+
+
+def install_layer_kernels(model: torch.nn.Module, kernels: LayerKernels | None) -> int:
+    """Give every layer of `model` that has a fused path these kernels (None: the torch code).
+    CORECTL_FUSED_KERNELS=0 keeps the torch code, to measure what the kernels are worth.
+    Returns how many layers took them."""
+    if kernels is not None and not envs.fused_kernels_enabled():
+        kernels = None
+    layers = [m for m in model.modules() if isinstance(m, UsesLayerKernels)]
+    for layer in layers:
+        layer.kernels = kernels
+    return len(layers) if kernels is not None else 0

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One device call: install corectl there, then run the named stages; logs and JSON results go to $OUT.
+#   bash scripts/device_bench.sh tests kernels w3 w2        (first call)
+#   bash scripts/device_bench.sh w1 w4                       (second call)
+# Needs, carried: .whl (corectl's pure-Python deps missing from the device image) and .peers
+# (DESIGN.md's HF peer harness, not project code). Every stage's peer runs in the same call.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())'
+
+PEER=".peers/hf_baseline.py"
+bench() { corectl bench "$@" --platform cuda --load-format dummy --seed 0 --max-num-seqs 256 --max-num-batched-tokens 8192; }
+
+stage_tests() { python3 -m pytest -q -x tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15; }
+stage_kernels() {
+  python3 "$PEER" ceilings
+  python3 -m corectl.backends.triton.bench_kernels 2>&1 | tail -20
+}
+stage_w3() {
+  bench latency --model qwen3-0.6b --batch-size 1 --input-len 512 --output-len 128 --save-result "$OUT/w3.json"
+  bench latency --model qwen3-0.6b --batch-size 1 --input-len 512 --output-len 128 --enforce-eager --save-result "$OUT/w3_eager.json"
+  python3 "$PEER" static --shape qwen3-0.6b --batch 1 --input-len 512 --output-len 128
+}
+stage_w2() {
+  bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --save-result "$OUT/w2.json"
+  python3 "$PEER" static --shape llama3-8b --batch 1 --input-len 512 --output-len 128
+}
+stage_w1() {
+  bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 --save-result "$OUT/w1.json"
+  python3 "$PEER" static --shape llama3-8b --batch 128 --input-len 512 --output-len 128
+}
+stage_w4() {
+  bench throughput --model qwen3-0.6b --num-prompts 256 --min-len 100 --max-len 1024 --save-result "$OUT/w4.json"
+  python3 "$PEER" static --shape qwen3-0.6b --batch 128 --input-len 512 --output-len 512
+}
+
+for stage in "$@"; do
+  echo "=== $stage"
+  start=$(date +%s)
+  "stage_$stage" 2>&1 | tee "$OUT/$stage.log" | grep -vE "^\s*$|it/s\]|Warning|warn\(" | tail -25
+  echo "=== $stage took $(( $(date +%s) - start )) s"
+done

@@ -1,0 +1,94 @@
+"""Models, engines and comparisons shared by the GPU tests.
+
+Models are small random-weight checkpoints of real architectures, written with a word-level
+tokenizer covering their vocabulary: nothing is downloaded and no GGUF conversion is needed.
+"""
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB_SIZE = 16384
+# A few layers of real head sizes: Llama's 64-wide heads in groups of 4, Qwen3's 128-wide heads
+# with q/k norms and tied embeddings.
+ARCHITECTURES = {
+    "llama": dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False),
+    "qwen3": dict(num_attention_heads=8, num_key_value_heads=4, head_dim=128, tie_word_embeddings=True),
+}
+# Scores of a few units: attention neither uniform nor one-hot, so which keys it reads matters.
+INIT_STD = 0.1
+
+
+def write_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level tokenizer whose tokens are `t0`..`t{n-1}` (t1 = BOS, t2 = EOS)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "t1", "eos_token": "t2",
+              "unk_token": "t0", "model_max_length": 4096}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def build_checkpoint(arch: str, folder: Path, seed: int = 0) -> Path:
+    """Save a random-weight bf16 model of `arch` with its tokenizer as an HF directory."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    config_cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[arch]
+    config = config_cls(vocab_size=VOCAB_SIZE, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                        max_position_embeddings=2048, initializer_range=INIT_STD, bos_token_id=1, eos_token_id=2,
+                        **ARCHITECTURES[arch])
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    write_tokenizer(folder, VOCAB_SIZE)
+    return folder
+
+
+def generate(folder: Path, prompts, params, prepare=None, **options):
+    """Outputs of a fresh GPU `LLM` over `folder`, which is freed before returning so the next one can
+    size its KV cache. `prepare(llm)` runs before generating (to watch the engine's steps)."""
+    from corectl import LLM
+
+    settings = dict(platform="cuda", dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
+                    max_num_seqs=32)
+    llm = LLM(str(folder), **{**settings, **options})
+    if prepare is not None:
+        prepare(llm)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return outputs
+
+
+def random_prompts(lengths, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB_SIZE, (n,), generator=generator).tolist() for n in lengths]
+
+
+def compare_greedy(expected: list[int], got: list[int], expected_logprob, got_logprobs: list[float],
+                   tie_tolerance: float) -> tuple[int, float]:
+    """Compare a greedy continuation with a reference; returns (positions matched, max |logprob error|).
+
+    Token-exact, except where two implementations round differently at a near-tie: at the first
+    differing position the reference must rate our token within `tie_tolerance` nats of its own
+    (`expected_logprob(position, token)`, None when it did not keep that token). The sequences
+    continue from different tokens after that, so the comparison stops there.
+    """
+    max_error = 0.0
+    for pos, (want, have) in enumerate(zip(expected, got)):
+        if want != have:
+            ours = expected_logprob(pos, have)
+            gap = None if ours is None else expected_logprob(pos, want) - ours
+            assert gap is not None and gap <= tie_tolerance, (
+                f"position {pos}: got token {have}, reference {want} (reference logprob gap {gap}); "
+                f"tokens so far {got[:pos + 1]} vs {expected[:pos + 1]}")
+            return pos, max_error
+        max_error = max(max_error, abs(expected_logprob(pos, want) - got_logprobs[pos]))
+    return min(len(expected), len(got)), max_error

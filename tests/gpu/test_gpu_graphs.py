@@ -1,0 +1,92 @@
+"""Decode CUDA graphs give eager execution's tokens across buckets; a step syncs with the host once."""
+import warnings
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA or ROCm GPU", allow_module_level=True)
+
+from corectl import SamplingParams  # noqa: E402
+from corectl.backends.cuda.graph_runner import CUDAGraphModelRunner, _GraphStepInputs  # noqa: E402
+
+from gpu_helpers import compare_greedy, generate, random_prompts  # noqa: E402
+
+# Requests finishing one after another: decode batches shrink from 13 to 1 through buckets 16, 8, 4, 2, 1.
+PROMPT_LENGTHS = [3, 250, 17, 64, 9, 130, 33, 1, 90, 47, 5, 200, 12]
+MAX_TOKENS = [6 + 3 * i for i in range(len(PROMPT_LENGTHS))]
+# Graphs pad GEMMs to the bucket and split decode attention for the model's max length, so bf16
+# results may differ from eager by a rounding; fp32 ones by far less than any logit gap.
+TIE_TOLERANCE = {"float32": 0.0, "bfloat16": 0.25}
+# A graph's decode kernel splits the context as for max_model_len, eager as for the actual length:
+# the fp32 partial sums combine in another order, and bf16 rounds the results differently.
+LOGPROB_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25}
+
+
+@pytest.fixture
+def replayed_sizes(monkeypatch) -> list[int]:
+    """Batch size of every graph replay from here on."""
+    sizes: list[int] = []
+    run_model = CUDAGraphModelRunner.run_model
+
+    def watched(self, inputs):
+        if isinstance(inputs, _GraphStepInputs):
+            sizes.append(inputs.graph.size)
+        return run_model(self, inputs)
+
+    monkeypatch.setattr(CUDAGraphModelRunner, "run_model", watched)
+    return sizes
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graphs_decode_the_tokens_eager_execution_does(dtype, checkpoint, replayed_sizes):
+    prompts = random_prompts(PROMPT_LENGTHS, seed=1)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=5, ignore_eos=True) for n in MAX_TOKENS]
+    eager = generate(checkpoint, prompts, params, dtype=dtype, max_num_seqs=16, enforce_eager=True)
+    assert not replayed_sizes
+    graphs = generate(checkpoint, prompts, params, dtype=dtype, max_num_seqs=16)
+    assert {1, 2, 4, 8, 16} <= set(replayed_sizes)
+    worst = 0.0
+    for reference, candidate in zip(eager, graphs):
+        expected, got = reference.outputs[0], candidate.outputs[0]
+
+        def expected_logprob(pos, token, expected=expected):
+            entry = expected.logprobs[pos].get(token)
+            return None if entry is None else entry.logprob
+
+        chosen = [next(iter(position.values())).logprob for position in got.logprobs]
+        matched, error = compare_greedy(expected.token_ids, got.token_ids, expected_logprob, chosen,
+                                        TIE_TOLERANCE[dtype])
+        worst = max(worst, error)
+        if dtype == "float32":
+            assert matched == len(expected.token_ids)
+    print(f"{checkpoint.name} {dtype}: max logprob difference graphs vs eager {worst:.2e}")
+    assert worst < LOGPROB_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_each_step_waits_for_the_device_only_for_its_sampled_ids(enforce_eager, checkpoint):
+    syncs_per_step: list[int] = []
+
+    def count_syncs(llm):
+        execute = llm.engine.worker.execute_model
+
+        def counted(sched):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    result = execute(sched)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs_per_step.append(sum("synchroniz" in str(w.message) for w in caught))
+            return result
+
+        llm.engine.worker.execute_model = counted
+
+    # A small token budget chunks the long prompt: steps that sample nothing, mixed steps, decodes.
+    prompts = random_prompts([700, 40, 9, 300], seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    generate(checkpoint, prompts, params, prepare=count_syncs, max_num_batched_tokens=256,
+             enforce_eager=enforce_eager)
+    assert len(syncs_per_step) > 12 and max(syncs_per_step) <= 1, syncs_per_step
