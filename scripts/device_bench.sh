@@ -7,42 +7,49 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/out}"
-mkdir -p "$OUT"
+RES=/tmp/corectl-results   # everything lands here, then goes back as one tarball ($OUT takes 8 files)
+mkdir -p "$OUT" "$RES"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$RES/install.log" 2>&1 || { cat "$RES/install.log"; exit 1; }
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())'
 
 PEER=".peers/hf_baseline.py"
 bench() { corectl bench "$@" --platform cuda --load-format dummy --seed 0 --max-num-seqs 256 --max-num-batched-tokens 8192; }
 
-stage_tests() { python3 -m pytest -q -x tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15; }
+stage_tests() { python3 -m pytest -q -x tests/gpu -p no:cacheprovider 2>&1 | tee "$RES/gpu_tests.log" | tail -15; }
 stage_kernels() {
   python3 "$PEER" ceilings
   python3 -m corectl.backends.triton.bench_kernels 2>&1 | tail -20
 }
 stage_w3() {
-  bench latency --model qwen3-0.6b --batch-size 1 --input-len 512 --output-len 128 --save-result "$OUT/w3.json"
-  bench latency --model qwen3-0.6b --batch-size 1 --input-len 512 --output-len 128 --enforce-eager --save-result "$OUT/w3_eager.json"
+  bench latency --model qwen3-0.6b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w3.json"
+  CORECTL_FUSED_KERNELS=0 bench latency --model qwen3-0.6b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w3_unfused.json"
+  bench latency --model qwen3-0.6b --batch-size 1 --input-len 512 --output-len 128 --enforce-eager --save-result "$RES/w3_eager.json"
   python3 "$PEER" static --shape qwen3-0.6b --batch 1 --input-len 512 --output-len 128
 }
+stage_prof3() {
+  bench latency --model qwen3-0.6b --batch-size 1 --input-len 512 --output-len 128 --num-iters 1 --profile > "$RES/prof3.txt"
+  grep -A40 "Python functions" "$RES/prof3.txt" | head -45; grep -A30 "operators by" "$RES/prof3.txt" | cut -c1-60,100-200 | head -34
+}
 stage_w2() {
-  bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --save-result "$OUT/w2.json"
+  bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w2.json"
   python3 "$PEER" static --shape llama3-8b --batch 1 --input-len 512 --output-len 128
 }
 stage_w1() {
-  bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 --save-result "$OUT/w1.json"
+  bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 --save-result "$RES/w1.json"
   python3 "$PEER" static --shape llama3-8b --batch 128 --input-len 512 --output-len 128
 }
 stage_w4() {
-  bench throughput --model qwen3-0.6b --num-prompts 256 --min-len 100 --max-len 1024 --save-result "$OUT/w4.json"
+  bench throughput --model qwen3-0.6b --num-prompts 256 --min-len 100 --max-len 1024 --save-result "$RES/w4.json"
   python3 "$PEER" static --shape qwen3-0.6b --batch 128 --input-len 512 --output-len 512
 }
 
 for stage in "$@"; do
   echo "=== $stage"
   start=$(date +%s)
-  "stage_$stage" 2>&1 | tee "$OUT/$stage.log" | grep -vE "^\s*$|it/s\]|Warning|warn\(" | tail -25
+  "stage_$stage" 2>&1 | tee "$RES/$stage.log" | grep -vE "^\s*$|it/s\]|Warning|warn\(" | tail -60
   echo "=== $stage took $(( $(date +%s) - start )) s"
 done
+tar czf "$OUT/results.tgz" -C "$RES" .

@@ -47,6 +47,8 @@ def register_latency(sub) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-iters-warmup", type=int, default=1)
     p.add_argument("--num-iters", type=int, default=3)
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, run one more batch under cProfile and torch.profiler and print both")
     p.add_argument("--save-result", default=None, help="write the result as JSON to this file")
     add_engine_args(p)
     p.set_defaults(handler=run_latency)
@@ -123,6 +125,11 @@ def run_latency(args: argparse.Namespace) -> int:
     print(f"TPOT (decode step): mean {tpot['mean'] * 1e3:.3f} ms, median {tpot['p50'] * 1e3:.3f} ms, "
           f"p99 {tpot['p99'] * 1e3:.3f} ms; prefill step median {result['prefill_step_s']['p50'] * 1e3:.2f} ms")
     _save(args, llm, result)
+    if args.profile:
+        from .bench_profile import profile_batch
+
+        prompts = _random_prompts(rng, [args.input_len] * args.batch_size, vocab)
+        print(profile_batch(lambda: _timed_steps(llm, prompts, params)))
     return 0
 
 

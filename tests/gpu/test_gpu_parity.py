@@ -11,8 +11,9 @@ from gpu_helpers import compare_greedy, generate, random_prompts  # noqa: E402
 
 NEW_TOKENS = 16
 PROMPT_LENGTHS = (5, 17, 40, 64, 100, 130, 257, 600)
-# bf16 logits move by a few units in the last place (1/16 nat near 10) between implementations.
-TIE_TOLERANCE = 0.25
+# bf16 logits move by a few units in the last place (1/16 nat near 10, 1/8 near 20) between
+# implementations; a tie can part by two such steps on each side.
+TIE_TOLERANCE = 0.5
 # Chosen-token logprobs on positions that match: bf16 noise is ~0.01-0.05 nat; a wrong key or
 # position costs whole nats.
 LOGPROB_TOLERANCE = 0.3
