@@ -41,6 +41,11 @@ stage_w1() {
   bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 --save-result "$RES/w1.json"
   python3 "$PEER" static --shape llama3-8b --batch 128 --input-len 512 --output-len 128
 }
+stage_prof1() {
+  bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 --profile > "$RES/prof1.txt"
+  grep Throughput "$RES/prof1.txt"; grep -A22 "Python functions" "$RES/prof1.txt" | cut -c1-150 | tail -14
+  grep -A24 "operators by" "$RES/prof1.txt" | cut -c1-60,100-200 | tail -20
+}
 stage_w4() {
   bench throughput --model qwen3-0.6b --num-prompts 256 --min-len 100 --max-len 1024 --save-result "$RES/w4.json"
   python3 "$PEER" static --shape qwen3-0.6b --batch 128 --input-len 512 --output-len 512
