@@ -78,7 +78,7 @@ class LLM:
         return prompt, self.tokenizer.encode(prompt)
 
     def _run(self, encoded, params, priorities, use_tqdm) -> list[RequestOutput]:
-        processor = OutputProcessor(self.tokenizer, stream_deltas=False)
+        processor = OutputProcessor(self.tokenizer, stream_deltas=False, final_only=True)
         ids = [str(next(self._counter)) for _ in encoded]
         added: list[str] = []
         try:

@@ -106,7 +106,9 @@ def run_throughput(args: argparse.Namespace) -> int:
     if args.profile:
         from .bench_profile import profile_batch
 
-        print(profile_batch(lambda: llm.generate(prompts, params, use_tqdm=False)))
+        # Fresh prompts again: the timed ones sit in the prefix cache now.
+        fresh = [_random_prompts(random.Random(2 + i), in_lens, _prompt_vocab(llm)) for i in range(2)]
+        print(profile_batch(lambda: llm.generate(fresh.pop(), params, use_tqdm=False)))
     return 0
 
 

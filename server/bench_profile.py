@@ -8,6 +8,7 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
+import time
 from collections.abc import Callable
 
 ROWS = 25
@@ -30,8 +31,11 @@ def profile_batch(run_batch: Callable[[], object]) -> str:
         activities.append(ProfilerActivity.CUDA)
         sort_by = "self_cuda_time_total"
     with profile(activities=activities) as prof:
+        start = time.perf_counter()
         run_batch()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        wall = time.perf_counter() - start
     table = prof.key_averages().table(sort_by=sort_by, row_limit=ROWS)
-    return f"== Python functions by own time (cProfile)\n{text.getvalue()}\n== operators by {sort_by}\n{table}"
+    return (f"== Python functions by own time (cProfile)\n{text.getvalue()}\n== operators by {sort_by}\n{table}\n"
+            f"Wall time of the profiled run: {wall * 1e3:.1f} ms (compare with the device time total above)")

@@ -81,9 +81,13 @@ def _update_metrics(metrics: RequestMetrics, out: EngineCoreOutput, now: float) 
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None, stream_deltas: bool):
+    def __init__(self, tokenizer: Tokenizer | None, stream_deltas: bool, final_only: bool = False):
+        """`stream_deltas`: outputs carry what is new since the last one (servers); otherwise the
+        whole text so far. `final_only`: emit a request's output only once it has finished (offline
+        batches), which saves copying every request's tokens on every step."""
         self.tokenizer = tokenizer
         self.stream_deltas = stream_deltas
+        self.final_only = final_only
         self.trackers: dict[str, RequestTracker] = {}
         self._children: dict[str, tuple[RequestTracker, int]] = {}
 
@@ -142,8 +146,10 @@ class OutputProcessor:
             touched[tracker.request_id] = tracker
         results = []
         for tracker in touched.values():
-            results.append(self._make_output(tracker))
-            if tracker.finished:
+            finished = tracker.finished
+            if finished or not self.final_only:
+                results.append(self._make_output(tracker))
+            if finished:
                 tracker.metrics.finished_time = now
                 self.abort_request(tracker.request_id)
         return results, to_abort
