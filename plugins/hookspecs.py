@@ -36,8 +36,11 @@ def corectl_platforms() -> Iterable[PlatformSpec]:
 def corectl_model_architectures() -> Iterable[ModelSpec]:
     """Yield model implementations, keyed by the Hugging Face ``architectures`` name they serve.
 
-    The class must accept ``(config, model_config)`` and implement ``load_weights`` and the
-    forward signature of ``corectl.models.base.CausalLM``.
+    The worker builds the model as ``model_cls(hf_config, max_positions=..., dtype=...)``:
+    ``hf_config`` is the transformers config, ``max_positions`` the engine's max_model_len (the
+    rotary table's length) and ``dtype`` the torch compute dtype, which is also the default dtype
+    while the constructor runs, on the target device. The class must implement ``load_weights``
+    and the forward signature of ``corectl.models.base.CausalLM``.
     """
 
 

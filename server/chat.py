@@ -46,8 +46,9 @@ class ChatController(Controller):
         server.check_priority(data.priority)
         data.check_supported()
         params = data.sampling_params()
-        prompt = server.engine.tokenizer.encode_chat(message_dicts(data.messages),
-                                                     add_generation_prompt=data.add_generation_prompt)
+        tokenizer = server.require_tokenizer(
+            "messages", "chat messages cannot be rendered; use /v1/completions with token-id prompts")
+        prompt = tokenizer.encode_chat(message_dicts(data.messages), add_generation_prompt=data.add_generation_prompt)
         group = GenerationGroup(server, [prompt], params, f"chatcmpl-{uuid.uuid4().hex}", data.priority)
         await group.start(request.receive)
         head = dict(id=group.request_id, created=int(time.time()), model=server.model_name)

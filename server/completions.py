@@ -25,12 +25,16 @@ from .state import ServerState
 class _Choice:
     """One choice (prompt i, sample j) of a completion: turns its output deltas into pieces."""
 
-    def __init__(self, index: int, with_logprobs: bool, echo: str, echo_logprobs: CompletionLogprobs | None):
+    def __init__(self, index: int, with_logprobs: bool, echo: str, echo_logprobs: CompletionLogprobs | None,
+                 prompt_token_ids: list[int] | None):
+        """`prompt_token_ids` is None unless the request asked for token ids (return_token_ids)."""
         self.index = index
         self.with_logprobs = with_logprobs
+        self.with_token_ids = prompt_token_ids is not None
         self.offset = len(echo)
         self._echo = echo
         self._echo_logprobs = echo_logprobs
+        self._prompt_token_ids = prompt_token_ids
 
     def piece(self, sample: CompletionOutput) -> CompletionChoice:
         text, logprobs = sample.text, None
@@ -42,14 +46,20 @@ class _Choice:
                 extend_completion_logprobs(self._echo_logprobs, logprobs)
                 logprobs = self._echo_logprobs
             self._echo, self._echo_logprobs = "", None
-        return CompletionChoice(index=self.index, text=text, logprobs=logprobs, finish_reason=sample.finish_reason,
-                                stop_reason=sample.stop_reason)
+        piece = CompletionChoice(index=self.index, text=text, logprobs=logprobs, finish_reason=sample.finish_reason,
+                                 stop_reason=sample.stop_reason)
+        if self.with_token_ids:
+            piece.token_ids = list(sample.token_ids)
+        if self._prompt_token_ids is not None:
+            # Streamed, the prompt's ids come with the choice's first chunk only.
+            piece.prompt_token_ids, self._prompt_token_ids = self._prompt_token_ids, None
+        return piece
 
 
 class _Choices:
     """Every choice of a request, created from each prompt's first output (echo needs the prompt)."""
 
-    def __init__(self, body: CompletionRequest, tokenizer: Tokenizer, n: int):
+    def __init__(self, body: CompletionRequest, tokenizer: Tokenizer | None, n: int):
         self.body = body
         self.tokenizer = tokenizer
         self.n = n
@@ -63,6 +73,14 @@ class _Choices:
             pieces.append(choice.piece(sample))
         return pieces
 
+    def stream_pieces(self, prompt_index: int, out: RequestOutput) -> list[CompletionChoice]:
+        """The pieces worth a chunk. New tokens count even without text when the client asked for their
+        ids or when there is no tokenizer (else a tokenizer-free stream would be silent until its end)."""
+        show_tokens = self.body.return_token_ids or self.tokenizer is None
+        return [piece for sample, piece in zip(out.outputs, self.pieces(prompt_index, out))
+                if piece.text or piece.finish_reason is not None or (show_tokens and sample.token_ids)
+                or (piece.logprobs is not None and piece.logprobs.tokens)]
+
     def _create(self, index: int, out: RequestOutput) -> _Choice:
         echo, echo_logprobs = "", None
         if self.body.echo:
@@ -72,9 +90,21 @@ class _Choices:
                 unscored = [self.tokenizer.decode([t], skip_special_tokens=False) if p is None else ""
                             for t, p in zip(ids, out.prompt_logprobs)]
                 echo_logprobs, _ = completion_logprobs(out.prompt_logprobs, 0, unscored)
-        choice = _Choice(index, self.body.logprobs is not None, echo, echo_logprobs)
+        prompt_ids = list(out.prompt_token_ids) if self.body.return_token_ids else None
+        choice = _Choice(index, self.body.logprobs is not None, echo, echo_logprobs, prompt_ids)
         self.choices[index] = choice
         return choice
+
+
+def _check_text_fields(data: CompletionRequest, server: ServerState) -> None:
+    """The fields that need the tokenizer here (the engine itself refuses text prompts and stop strings
+    when it has none)."""
+    if data.echo:
+        server.require_tokenizer("echo", "the prompt cannot be echoed as text; "
+                                 "return_token_ids returns its token ids instead")
+    if data.logprobs is not None:
+        server.require_tokenizer("logprobs", "logprobs cannot name their tokens as text; "
+                                 "prompt_logprobs (keyed by token id) still works")
 
 
 class CompletionsController(Controller):
@@ -89,6 +119,7 @@ class CompletionsController(Controller):
         server.check_model(data.model)
         server.check_priority(data.priority)
         data.check_supported()
+        _check_text_fields(data, server)
         params = data.sampling_params()
         group = GenerationGroup(server, data.prompts(), params, f"cmpl-{uuid.uuid4().hex}", data.priority)
         await group.start(request.receive)
@@ -112,6 +143,8 @@ async def _collect(group: GenerationGroup, choices: _Choices, head: dict) -> Com
             total = merged.setdefault(piece.index, piece)
             if total is not piece:
                 total.text += piece.text
+                if piece.token_ids:
+                    total.token_ids += piece.token_ids
                 if piece.logprobs is not None:
                     extend_completion_logprobs(total.logprobs, piece.logprobs)
                 total.finish_reason, total.stop_reason = piece.finish_reason, piece.stop_reason
@@ -126,8 +159,7 @@ async def _chunks(group: GenerationGroup, choices: _Choices, head: dict, include
     usage = UsageCounter()
     async for prompt_index, out in group.merged():
         usage.add(prompt_index, out)
-        pieces = [p for p in choices.pieces(prompt_index, out)
-                  if p.text or p.finish_reason is not None or (p.logprobs is not None and p.logprobs.tokens)]
+        pieces = choices.stream_pieces(prompt_index, out)
         if pieces:
             yield sse.frame(CompletionResponse(**head, choices=pieces))
     if include_usage:

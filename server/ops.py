@@ -41,9 +41,10 @@ class TokenizerController(Controller):
     @post("/tokenize", status_code=200)
     async def tokenize(self, data: TokenizeRequest, server: ServerState) -> TokenizeResponse:
         server.check_model(data.model)
-        tokenizer = server.engine.tokenizer
         if (data.prompt is None) == (data.messages is None):
             raise APIError(400, "send exactly one of prompt or messages", "prompt")
+        tokenizer = server.require_tokenizer("prompt" if data.prompt is not None else "messages",
+                                             "text cannot be tokenized; send token ids to the generation routes")
         if data.prompt is not None:
             tokens = tokenizer.encode(data.prompt, add_special_tokens=data.add_special_tokens)
         else:
@@ -58,7 +59,8 @@ class TokenizerController(Controller):
         bad = [t for t in data.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary (size {vocab})", "tokens")
-        return DetokenizeResponse(server.engine.tokenizer.decode(data.tokens))
+        tokenizer = server.require_tokenizer("tokens", "token ids cannot be turned into text")
+        return DetokenizeResponse(tokenizer.decode(data.tokens))
 
 
 class OpsController(Controller):

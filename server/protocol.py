@@ -95,6 +95,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's extension: each choice also carries prompt_token_ids and token_ids.
+    return_token_ids: bool = False
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request, each a string or a list of token ids."""

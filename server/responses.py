@@ -42,6 +42,10 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobsList | None = None
+    # Only with return_token_ids (UNSET fields are left out, so plain responses keep OpenAI's shape);
+    # streamed, prompt_token_ids comes in a choice's first chunk and token_ids is each chunk's delta.
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from corectl.config import EngineConfig
 from corectl.engine.client import EngineClient
+from corectl.engine.intake import NO_TOKENIZER
+from corectl.tokenizer import Tokenizer
 
 from .errors import APIError
 from .metrics import ServerMetrics
@@ -92,6 +94,14 @@ class ServerState:
     def check_priority(self, priority: int) -> None:
         if priority != 0 and self.settings.engine.scheduling_policy != "priority":
             raise APIError(400, "priority only applies with --scheduling-policy priority", "priority")
+
+    def require_tokenizer(self, param: str, consequence: str) -> Tokenizer:
+        """The tokenizer, or a 400 naming `param` when the model runs without one (`consequence`
+        says what that rules out and what to send instead)."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise APIError(400, f"{NO_TOKENIZER}, so {consequence}", param)
+        return tokenizer
 
     def check_accepting(self) -> None:
         if self.draining:

@@ -108,7 +108,11 @@ class Worker(abc.ABC):
     def run_dummy_step(self, num_tokens: int, num_seqs: int) -> None:
         """Run one full step (forward, logits, sampling) on synthetic prefills through the real
         runner path, to measure peak activation memory or warm kernels up. Uses blocks from the
-        start of the KV cache, which must be allocated and hold at least that many tokens."""
+        start of the KV cache, which must be allocated and hold at least that many tokens.
+
+        No sequence is longer than max_model_len (positions past it have no rotary entry): more
+        sequences than `num_seqs` are used when that is needed to cover `num_tokens`."""
+        num_seqs = max(num_seqs, -(-num_tokens // self.max_model_len))
         per_seq = max(1, num_tokens // num_seqs)
         blocks_per_seq = -(-per_seq // self.config.block_size)
         vocab = self.model_info.vocab_size
