@@ -1,6 +1,8 @@
 """Choosing a platform and an attention backend through the plugin manager."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from corectl.plugins import PlatformSpec, get_plugin_manager, import_dotted
 
 from .attention import AttentionBackend
@@ -48,3 +50,28 @@ def resolve_attention_backend(platform: Platform, requested: str | None, model_c
             f"backend {name!r} runs on {', '.join(spec.platforms)}, not on platform {platform.name!r}",
         )
     return import_dotted(spec.path)
+
+
+@dataclass(frozen=True)
+class InventoryRow:
+    kind: str  # "platform", "model" or "attention"
+    name: str
+    plugin: str
+    package: str
+    priority: str = ""
+    detail: str = ""
+
+
+def plugin_inventory() -> list[InventoryRow]:
+    """Everything the installed plugins provide, with the package behind each entry: platforms by
+    priority (with whether this machine can run them), then architectures, then attention backends."""
+    pm = get_plugin_manager()
+    rows = [InventoryRow("platform", s.name, s.plugin, pm.provider(s.plugin), str(s.priority),
+                         "yes" if spec_available(s) else "no")
+            for s in sorted(pm.platforms().values(), key=lambda s: -s.priority)]
+    rows += [InventoryRow("model", s.architecture, s.plugin, pm.provider(s.plugin))
+             for s in sorted(pm.model_architectures().values(), key=lambda s: s.architecture)]
+    rows += [InventoryRow("attention", s.name, s.plugin, pm.provider(s.plugin), "",
+                          "platforms: " + ",".join(s.platforms))
+             for s in sorted(pm.attention_backends().values(), key=lambda s: s.name)]
+    return rows

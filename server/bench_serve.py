@@ -1,7 +1,8 @@
 """`corectl bench serve`: load an OpenAI-compatible server (ours or any other) and report latencies.
 
 Prompts are random token ids decoded to text of the requested token length (vLLM's random dataset),
-sent as streamed requests with `stream_options.include_usage` so output tokens are counted by the
+or with `--prompt-token-ids` the random token ids themselves (no tokenizer needed: for servers whose
+model has none, such as a shape preset), sent as streamed requests with `stream_options.include_usage` so output tokens are counted by the
 server; arrivals are all at once (`--request-rate inf`) or Poisson, optionally capped by
 `--max-concurrency`.
 """
@@ -30,6 +31,11 @@ def register(sub) -> None:
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer directory used to build prompts (default: the default model's)")
+    p.add_argument("--prompt-token-ids", action="store_true",
+                   help="send prompts as token-id lists (completions only); needed when the server's model "
+                        "has no tokenizer, and needs no tokenizer here")
+    p.add_argument("--vocab-size", type=int, default=256,
+                   help="with --prompt-token-ids: ids are drawn from [0, N) (default 256, within any vocabulary)")
     p.add_argument("--dataset", choices=["random"], default="random")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
@@ -56,8 +62,15 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("range_ratio", f"must be in [0, 1), got {args.range_ratio}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ConfigError("max_concurrency", f"must be at least 1, got {args.max_concurrency}")
+    if args.prompt_token_ids and args.endpoint != "/v1/completions":
+        raise ConfigError("endpoint", "--prompt-token-ids needs /v1/completions: chat messages are text")
+    if args.vocab_size < 1:
+        raise ConfigError("vocab_size", f"must be at least 1, got {args.vocab_size}")
     percentiles = [float(p) for p in args.percentiles.split(",") if p.strip()]
-    requests = random_requests(_load_tokenizer(args.tokenizer), args)
+    if args.prompt_token_ids:
+        requests = random_token_id_requests(args)
+    else:
+        requests = random_requests(_load_tokenizer(args.tokenizer), args)
     results, duration = anyio.run(_benchmark, args, requests)
     summary = summarize(results, duration, percentiles)
     print(format_report(summary, percentiles))
@@ -65,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
         config = {"base_url": args.base_url, "endpoint": args.endpoint, "model": args.model,
                   "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
                   "range_ratio": args.range_ratio, "request_rate": str(args.request_rate),
-                  "max_concurrency": args.max_concurrency, "ignore_eos": args.ignore_eos, "seed": args.seed}
+                  "max_concurrency": args.max_concurrency, "ignore_eos": args.ignore_eos, "seed": args.seed,
+                  "prompt_token_ids": args.prompt_token_ids}
         save_result(args.save_result, summary, config, results)
     return 0 if summary["completed"] else 1
 
@@ -78,18 +92,30 @@ def _load_tokenizer(path: str | None):
     return Tokenizer.from_dir(path or resolve_model_source(EngineConfig()).tokenizer_dir)
 
 
+def _length(rng: random.Random, base: int, ratio: float) -> int:
+    return rng.randint(max(1, int(base * (1 - ratio))), max(1, int(base * (1 + ratio))))
+
+
+def random_token_id_requests(args) -> list[tuple[list[int], int, int]]:
+    """(prompt token ids, prompt tokens, output tokens) per request, ids uniform in [0, vocab_size) (seeded)."""
+    rng = random.Random(args.seed)
+    out = []
+    for _ in range(args.num_prompts):
+        target = _length(rng, args.input_len, args.range_ratio)
+        output_len = _length(rng, args.output_len, args.range_ratio)
+        out.append(([rng.randrange(args.vocab_size) for _ in range(target)], target, output_len))
+    return out
+
+
 def random_requests(tokenizer, args) -> list[tuple[str, int, int]]:
     """(prompt text, prompt tokens, output tokens) per request, from random token ids (seeded)."""
     rng = random.Random(args.seed)
     special = set(tokenizer.all_special_ids)
     vocab = [t for t in range(tokenizer.vocab_size) if t not in special]
-
-    def length(base: int) -> int:
-        return rng.randint(max(1, int(base * (1 - args.range_ratio))), max(1, int(base * (1 + args.range_ratio))))
-
     out = []
     for _ in range(args.num_prompts):
-        target, output_len = length(args.input_len), length(args.output_len)
+        target = _length(rng, args.input_len, args.range_ratio)
+        output_len = _length(rng, args.output_len, args.range_ratio)
         ids = [rng.choice(vocab) for _ in range(target)]
         # Decoded text re-encodes to a slightly different length: pad or cut until it matches.
         for _ in range(10):
@@ -128,13 +154,16 @@ async def _first_model(client: httpx.AsyncClient) -> str:
     return response.json()["data"][0]["id"]
 
 
-def _body(args, model: str, prompt: str, output_len: int) -> dict:
+def _body(args, model: str, prompt: str | list[int], output_len: int) -> dict:
     body = {"model": model, "max_tokens": output_len, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
     if args.endpoint == "/v1/chat/completions":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
+    if args.prompt_token_ids:
+        # A model without a tokenizer streams no text: the chunks' token ids show each token's arrival.
+        body["return_token_ids"] = True
     if args.ignore_eos:
         body["ignore_eos"] = True
     return body
@@ -163,7 +192,7 @@ async def send_request(client: httpx.AsyncClient, endpoint: str, body: dict, res
                     return
                 if data.get("usage"):
                     result.output_tokens = data["usage"]["completion_tokens"]
-                if _chunk_text(data):
+                if _chunk_has_output(data):
                     now = time.perf_counter()
                     if chunks == 0:
                         result.ttft = now - start
@@ -174,16 +203,17 @@ async def send_request(client: httpx.AsyncClient, endpoint: str, body: dict, res
         result.output_tokens = result.output_tokens or chunks
         result.success = chunks > 0
         if not result.success:
-            result.error = "the response carried no text"
+            result.error = "the response carried no text or token ids"
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
 
 
-def _chunk_text(data: dict) -> str:
+def _chunk_has_output(data: dict) -> bool:
+    """Whether a chunk carries generated text, or token ids (vLLM's return_token_ids)."""
     choices = data.get("choices") or []
     if not choices:
-        return ""
+        return False
     choice = choices[0]
     if "delta" in choice:
-        return choice["delta"].get("content") or ""
-    return choice.get("text") or ""
+        return bool(choice["delta"].get("content"))
+    return bool(choice.get("text") or choice.get("token_ids"))
