@@ -2,9 +2,9 @@
 
 Prompts are random token ids decoded to text of the requested token length (vLLM's random dataset),
 or with `--prompt-token-ids` the random token ids themselves (no tokenizer needed: for servers whose
-model has none, such as a shape preset), sent as streamed requests with `stream_options.include_usage` so output tokens are counted by the
-server; arrivals are all at once (`--request-rate inf`) or Poisson, optionally capped by
-`--max-concurrency`.
+model has none, such as a shape preset), sent as streamed requests with `stream_options.include_usage`
+so output tokens are counted by the server; arrivals are all at once (`--request-rate inf`) or
+Poisson, optionally capped by `--max-concurrency`.
 """
 from __future__ import annotations
 

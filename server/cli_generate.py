@@ -72,6 +72,7 @@ async def _stream(config, args, prompt, params) -> None:
         async for out in client.generate(prompt, params):
             sample = out.outputs[0]
             # Without a tokenizer the samples carry no text: the token ids are the output.
-            sys.stdout.write(sample.text if client.tokenizer is not None else "".join(f"{t} " for t in sample.token_ids))
+            text = sample.text if client.tokenizer is not None else "".join(f"{t} " for t in sample.token_ids)
+            sys.stdout.write(text)
             sys.stdout.flush()
         sys.stdout.write("\n")

@@ -14,8 +14,8 @@ _PLATFORM = "platform"
 ENGINE_FLAGS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     "tokenizer": ("--tokenizer", _MODEL, "tokenizer directory (default: the model's)", {}),
     "skip_tokenizer_init": ("--skip-tokenizer-init", _MODEL, "load no tokenizer: prompts must be token ids and "
-                            "outputs carry no text (automatic for presets and dummy configs without tokenizer files)",
-                            {"action": "store_true"}),
+                            "outputs carry no text (automatic for presets and dummy configs without "
+                            "tokenizer files)", {"action": "store_true"}),
     "revision": ("--revision", _MODEL, "hub revision (branch, tag or commit)", {}),
     "download_dir": ("--download-dir", _MODEL, "hub cache directory", {}),
     "load_format": ("--load-format", _MODEL, "weight format; 'dummy' makes random weights", {"choices": LOAD_FORMATS}),

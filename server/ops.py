@@ -43,8 +43,8 @@ class TokenizerController(Controller):
         server.check_model(data.model)
         if (data.prompt is None) == (data.messages is None):
             raise APIError(400, "send exactly one of prompt or messages", "prompt")
-        tokenizer = server.require_tokenizer("prompt" if data.prompt is not None else "messages",
-                                             "text cannot be tokenized; send token ids to the generation routes")
+        param = "prompt" if data.prompt is not None else "messages"
+        tokenizer = server.require_tokenizer(param, "text cannot be tokenized; send token ids to /v1/completions")
         if data.prompt is not None:
             tokens = tokenizer.encode(data.prompt, add_special_tokens=data.add_special_tokens)
         else:

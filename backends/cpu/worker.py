@@ -1,10 +1,12 @@
-"""CPU worker: thread count and a KV cache sized from a memory budget in GiB."""
+"""CPU worker: thread count, prepacked linear weights and a KV cache sized from a memory budget in GiB."""
 from __future__ import annotations
 
 import torch
 
 from corectl.errors import ConfigError
-from corectl.worker.worker import Worker
+from corectl.worker.worker import ModelInfo, Worker
+
+from .prepack import prepack_linears
 
 DEFAULT_KV_CACHE_GIB = 2.0
 
@@ -14,6 +16,11 @@ class CPUWorker(Worker):
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
         return torch.device("cpu")
+
+    def load_model(self) -> ModelInfo:
+        info = super().load_model()
+        prepack_linears(self.runner.model, self.torch_dtype)
+        return info
 
     def profile_num_kv_blocks(self) -> int:
         budget_gib = self.config.kv_cache_memory_gib or DEFAULT_KV_CACHE_GIB

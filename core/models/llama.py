@@ -119,17 +119,18 @@ class LlamaForCausalLM(CausalLM):
         qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
         self.model = DecoderModel(config, max_positions, dtype, qkv_bias, self.qk_norm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # A tied head is a Linear over the embedding's own Parameter, so a platform can swap the
+        # module (e.g. for a prepacked one) without knowing about tying.
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
+                                 device="meta" if self.tie_word_embeddings else None)
         if self.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())

@@ -30,7 +30,9 @@ def _health_until_down(url: str) -> list[int | str]:
 
 
 def test_queue_full_is_429_and_sigterm_drains_running_requests():
-    server = ServerProcess(*SMALL_ENGINE, "--max-num-seqs", "1", "--max-queued-requests", "1").wait_ready()
+    # A generous drain window: the running stream must finish however loaded the machine is.
+    server = ServerProcess(*SMALL_ENGINE, "--max-num-seqs", "1", "--max-queued-requests", "1",
+                           "--shutdown-timeout", "300").wait_ready()
     try:
         asyncio.run(_queue_then_drain(server))
         assert server.proc.wait(60) == 0
@@ -40,7 +42,7 @@ def test_queue_full_is_429_and_sigterm_drains_running_requests():
 
 
 async def _queue_then_drain(server: ServerProcess) -> None:
-    long = {"prompt": "Count from one to a hundred:", "max_tokens": 64, "ignore_eos": True, "stream": True}
+    long = {"prompt": "Count from one to a hundred:", "max_tokens": 32, "ignore_eos": True, "stream": True}
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
         async with client.stream("POST", "/v1/completions", json=long) as running:
             lines = running.aiter_lines()
