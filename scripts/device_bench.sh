@@ -50,6 +50,21 @@ stage_prof2() {
   bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --num-iters 1 --profile > "$RES/prof2.txt"
   grep TPOT "$RES/prof2.txt"; grep -A24 "operators by" "$RES/prof2.txt" | cut -c1-60,100-200 | tail -20; grep -E "Self CUDA time total|Wall time" "$RES/prof2.txt"
 }
+stage_w5() {
+  # Online: the server with the llama3-8b shape, token-id prompts (no tokenizer), then the same
+  # batch-1 shape offline, so the HTTP share of TPOT at concurrency 1 is measured in one call.
+  corectl serve llama3-8b --load-format dummy --platform cuda --port 8011 --max-num-seqs 256 \
+    --max-num-batched-tokens 8192 > "$RES/w5_server.log" 2>&1 &
+  local server=$!
+  for _ in $(seq 300); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 1; done
+  for c in 1 64; do
+    corectl bench serve --base-url http://127.0.0.1:8011 --endpoint /v1/completions --prompt-token-ids \
+      --vocab-size 128000 --input-len 1024 --output-len 128 --ignore-eos --seed 0 \
+      --num-prompts $(( c == 1 ? 16 : 256 )) --max-concurrency $c --save-result "$RES/w5_c$c.json" | grep -E "Mean|P99|Median|throughput"
+  done
+  kill -TERM $server; wait $server
+  bench latency --model llama3-8b --batch-size 1 --input-len 1024 --output-len 128 --save-result "$RES/w5_offline.json" | grep TPOT
+}
 stage_w4() {
   bench throughput --model qwen3-0.6b --num-prompts 256 --min-len 100 --max-len 1024 --save-result "$RES/w4.json"
   python3 "$PEER" static --shape qwen3-0.6b --batch 128 --input-len 512 --output-len 512
