@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import functools
 
-from corectl.platform import Platform, PlatformCaps
+from corectl.platform import PlatformCaps
 
-from ..cuda.platform import gpu_caps
+from ..cuda.platform import CUDAPlatform, gpu_caps
 
 # gfx architecture prefix -> (bf16, fp8)
 _ARCH_FEATURES = {"gfx90a": (True, False), "gfx94": (True, True), "gfx95": (True, True), "gfx11": (True, False),
@@ -28,9 +28,10 @@ def rocm_caps(arch: str) -> PlatformCaps:
     return gpu_caps((9, 0) if fp8 else (8, 0) if bf16 else (7, 0), notes=(f"ROCm {arch}",))
 
 
-class ROCmPlatform(Platform):
+class ROCmPlatform(CUDAPlatform):
+    """The CUDA platform's device, worker and attention backend; its own detection and capabilities."""
+
     name = "rocm"
-    device_type = "cuda"
 
     @classmethod
     def is_available(cls) -> bool:
@@ -44,16 +45,3 @@ class ROCmPlatform(Platform):
 
     def capabilities(self) -> PlatformCaps:
         return rocm_caps(_gcn_arch())
-
-    def device_name(self) -> str:
-        import torch
-
-        return torch.cuda.get_device_name(0)
-
-    def worker_cls(self):
-        from ..cuda.worker import CUDAWorker
-
-        return CUDAWorker
-
-    def default_attention_backend(self, model_config) -> str:
-        return "triton"

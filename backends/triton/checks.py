@@ -66,3 +66,13 @@ def check_packed_heads(name: str, t: torch.Tensor, num_tokens: int, num_heads: i
     expected = (num_tokens, num_heads * head_dim)
     require(tuple(t.shape) == expected,
             f"{name} must be [num_tokens, num_heads * head_dim] = {list(expected)}, got {list(t.shape)}")
+
+
+def attention_output(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """The attention kernels' output: a new tensor shaped like q, or a caller's `out` checked to match."""
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    require(out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1,
+            f"out must be {q.dtype} of shape {tuple(q.shape)}, contiguous in its last dimension; "
+            f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    return out

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (check_index, check_kv_cache, check_packed_heads, check_range, check_same_device,
-                     require)
+from .checks import (attention_output, check_index, check_kv_cache, check_packed_heads, check_range,
+                     check_same_device, require)
 from .paged_softmax import LOG2E, attend_paged, dot_dtype, head_block
 
 # Fewest keys worth a program of its own: below this the combine step costs more than it saves.
@@ -148,7 +148,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     splits = num_splits if num_splits is not None else choose_decode_splits(
         num_seqs, num_kv_heads, max_seq_len, q.device)
     require(1 <= splits <= MAX_SPLITS, f"num_splits must lie in [1, {MAX_SPLITS}], got {splits}")
-    out = _decode_output(out, q)
+    out = attention_output(out, q)
     check_same_device(q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens, out=out)
     if check_indices:
         check_range("block_tables", block_tables, 0, num_blocks)
@@ -156,15 +156,6 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     if num_seqs == 0:
         return out
     _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, num_heads // num_kv_heads, splits)
-    return out
-
-
-def _decode_output(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
-    if out is None:
-        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    require(out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1,
-            f"out must be {q.dtype} of shape {tuple(q.shape)}, contiguous in its last dimension; "
-            f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
     return out
 
 

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (check_index, check_kv_cache, check_packed_heads, check_range, check_same_device,
-                     require)
+from .checks import (attention_output, check_index, check_kv_cache, check_packed_heads, check_range,
+                     check_same_device, require)
 from .paged_softmax import LOG2E, attend_paged, dot_dtype, head_block
 
 PREFILL_BLOCK_N = 64
@@ -116,7 +116,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     check_packed_heads("q", q, num_tokens, num_heads, head_dim)
     require(q.dtype == kv_cache.dtype, f"q and kv_cache must share a dtype, got {q.dtype} and {kv_cache.dtype}")
     require(max_query_len >= 1, f"max_query_len must be >= 1, got {max_query_len}")
-    out = _prefill_output(out, q)
+    out = attention_output(out, q)
     check_same_device(q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens,
                       query_start_loc=query_start_loc, out=out)
     if check_indices:
@@ -125,15 +125,6 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     if num_tokens == 0:
         return out
     _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, max_query_len)
-    return out
-
-
-def _prefill_output(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
-    if out is None:
-        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    require(out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1,
-            f"out must be {q.dtype} of shape {tuple(q.shape)}, contiguous in its last dimension; "
-            f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
     return out
 
 
