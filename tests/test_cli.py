@@ -1,0 +1,33 @@
+"""The console script as a user runs it: `corectl generate --chat` answers from the default model and
+`corectl plugins` lists the built-in plugins with their package and availability."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def _corectl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "corectl.server.cli", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_generate_chat_answers_from_the_default_model():
+    done = _corectl("generate", "--chat", "What is the capital of France?", "--temperature", "0",
+                    "--max-tokens", "16", "--max-model-len", "512")
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout
+
+
+def test_generate_reports_bad_input_in_one_line():
+    done = _corectl("generate", "--temperature", "-1", "Hello")
+    assert done.returncode != 0
+    assert "temperature" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_plugins_lists_builtins_with_package_and_availability():
+    done = _corectl("plugins")
+    assert done.returncode == 0, done.stderr
+    rows = {tuple(line.split()[:2]): line.split() for line in done.stdout.splitlines()[1:]}
+    assert rows[("platform", "cpu")][3:] == ["corectl", "0", "yes"]
+    assert rows[("platform", "cuda")][-1] in ("yes", "no")
+    assert ("model", "Qwen3ForCausalLM") in rows and ("attention", "triton") in rows
