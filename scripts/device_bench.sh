@@ -26,7 +26,6 @@ stage_kernels() {
 stage_w3() {
   bench latency --model qwen3-0.6b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w3.json"
   CORECTL_FUSED_KERNELS=0 bench latency --model qwen3-0.6b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w3_unfused.json"
-  bench latency --model qwen3-0.6b --batch-size 1 --input-len 512 --output-len 128 --enforce-eager --save-result "$RES/w3_eager.json"
   python3 "$PEER" static --shape qwen3-0.6b --batch 1 --input-len 512 --output-len 128
 }
 stage_prof3() {

@@ -26,20 +26,23 @@ PACKED_MODULES = {
 }
 
 
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class DecoderAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, max_positions: int, dtype: torch.dtype,
-                 qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.head_dim = head_dim(config)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_size, self.kv_size = q_size, kv_size
         self.qkv_proj = PackedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.rotary = RotaryEmbedding(config, self.head_dim, max_positions, dtype)
+        self.rotary = rotary
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -71,10 +74,9 @@ class GatedMLP(UsesLayerKernels, nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, max_positions: int, dtype: torch.dtype,
-                 qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
         super().__init__()
-        self.self_attn = DecoderAttention(config, layer_idx, max_positions, dtype, qkv_bias, qk_norm)
+        self.self_attn = DecoderAttention(config, layer_idx, rotary, qkv_bias, qk_norm)
         self.mlp = GatedMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -94,8 +96,10 @@ class DecoderModel(nn.Module):
     def __init__(self, config, max_positions: int, dtype: torch.dtype, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # One set of cos/sin tables for every layer: they are identical.
+        rotary = RotaryEmbedding(config, head_dim(config), max_positions, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, max_positions, dtype, qkv_bias, qk_norm)
+            DecoderLayer(config, i, rotary, qkv_bias, qk_norm)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
