@@ -1,20 +1,18 @@
 """POST /v1/chat/completions: messages rendered with the model's chat template, then generated."""
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator
 
 from litestar import Controller, Request, Response, post
 from litestar.openapi import ResponseSpec
-from litestar.response import Stream
 
 from corectl.outputs import CompletionOutput
 
 from . import sse
 from .auth import require_api_key
 from .errors import ERROR_RESPONSES
-from .generation import GenerationGroup, UsageCounter, until_disconnected
+from .generation import GenerationGroup, UsageCounter
 from .logprobs import chat_logprobs, prompt_logprobs
 from .protocol import ChatCompletionRequest, message_dicts
 from .responses import (
@@ -51,15 +49,11 @@ class ChatController(Controller):
         prompt = tokenizer.encode_chat(message_dicts(data.messages), add_generation_prompt=data.add_generation_prompt)
         group = GenerationGroup(server, [prompt], params, f"chatcmpl-{uuid.uuid4().hex}", data.priority)
         await group.start(request.receive)
-        head = dict(id=group.request_id, created=int(time.time()), model=server.model_name)
+        head = group.response_head()
         top_n = (data.top_logprobs or 0) if data.logprobs else None
-        if data.stream:
-            return Stream(sse.with_done(_chunks(group, head, top_n, data.include_usage), group.aclose),
-                          media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
-        try:
-            return Response(await until_disconnected(request.receive, lambda: _collect(group, head, top_n)))
-        finally:
-            await group.aclose()
+        return await group.respond(request.receive, data.stream,
+                                   lambda: _chunks(group, head, top_n, data.include_usage),
+                                   lambda: _collect(group, head, top_n))
 
 
 def _logprobs(sample: CompletionOutput, top_n: int | None) -> ChatLogprobs | None:

@@ -1,13 +1,11 @@
 """POST /v1/completions: prompts in, text out, whole or streamed as server-sent events."""
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator
 
 from litestar import Controller, Request, Response, post
 from litestar.openapi import ResponseSpec
-from litestar.response import Stream
 
 from corectl.outputs import CompletionOutput, RequestOutput
 from corectl.tokenizer import Tokenizer
@@ -15,7 +13,7 @@ from corectl.tokenizer import Tokenizer
 from . import sse
 from .auth import require_api_key
 from .errors import ERROR_RESPONSES
-from .generation import GenerationGroup, UsageCounter, until_disconnected
+from .generation import GenerationGroup, UsageCounter
 from .logprobs import completion_logprobs, extend_completion_logprobs, prompt_logprobs
 from .protocol import CompletionRequest
 from .responses import CompletionChoice, CompletionLogprobs, CompletionResponse
@@ -123,15 +121,11 @@ class CompletionsController(Controller):
         params = data.sampling_params()
         group = GenerationGroup(server, data.prompts(), params, f"cmpl-{uuid.uuid4().hex}", data.priority)
         await group.start(request.receive)
-        head = dict(id=group.request_id, created=int(time.time()), model=server.model_name)
+        head = group.response_head()
         choices = _Choices(data, server.engine.tokenizer, params.n)
-        if data.stream:
-            return Stream(sse.with_done(_chunks(group, choices, head, data.include_usage), group.aclose),
-                          media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
-        try:
-            return Response(await until_disconnected(request.receive, lambda: _collect(group, choices, head)))
-        finally:
-            await group.aclose()
+        return await group.respond(request.receive, data.stream,
+                                   lambda: _chunks(group, choices, head, data.include_usage),
+                                   lambda: _collect(group, choices, head))
 
 
 async def _collect(group: GenerationGroup, choices: _Choices, head: dict) -> CompletionResponse:

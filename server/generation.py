@@ -15,10 +15,13 @@ from typing import TypeVar
 
 import anyio
 import structlog
+from litestar import Response
+from litestar.response import Stream
 
 from corectl.outputs import RequestOutput
 from corectl.sampling_params import SamplingParams
 
+from . import sse
 from .errors import APIError, ClientDisconnected
 from .responses import PromptTokensDetails, Usage
 from .state import ServerState
@@ -127,6 +130,21 @@ class GenerationGroup:
         except BaseException:
             server.in_flight -= 1
             raise
+
+    def response_head(self) -> dict:
+        """The id, created and model fields every response and chunk of this group carries."""
+        return dict(id=self.request_id, created=int(time.time()), model=self.server.model_name)
+
+    async def respond(self, receive: Callable, stream: bool, chunks: Callable[[], AsyncIterator[bytes]],
+                      collect: Callable[[], Awaitable[T]]) -> Response | Stream:
+        """The route's answer: an SSE stream of `chunks()` ending in [DONE], or `collect()`'s body once
+        every sample finished; either way the group is closed (its requests aborted) when it ends."""
+        if stream:
+            return Stream(sse.with_done(chunks(), self.aclose), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+        try:
+            return Response(await until_disconnected(receive, collect))
+        finally:
+            await self.aclose()
 
     async def start(self, receive: Callable) -> None:
         """Submit every prompt and wait for each first output; on failure everything is aborted."""

@@ -14,16 +14,7 @@ from torch import nn
 from ..attention import ForwardContext
 from .base import CausalLM
 from .kernels import UsesLayerKernels
-from .layers import Attention, PackedLinear, RMSNorm, RotaryEmbedding, default_weight_loader
-
-# checkpoint projection -> (packed parameter, shard id)
-PACKED_MODULES = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
-}
+from .layers import Attention, PackedLinear, RMSNorm, RotaryEmbedding, load_packed_weights
 
 
 def head_dim(config) -> int:
@@ -137,28 +128,8 @@ class LlamaForCausalLM(CausalLM):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
-                continue
-            target, shard_id = _packed_target(name)
-            if target not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            param = params[target]
-            if shard_id is None:
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-            else:
-                param.weight_loader(param, tensor, shard_id)
-            loaded.add(target)
-        return loaded
-
-
-def _packed_target(name: str) -> tuple[str, str | None]:
-    for proj, (packed, shard_id) in PACKED_MODULES.items():
-        if f".{proj}." in name:
-            return name.replace(f".{proj}.", f".{packed}."), shard_id
-    return name, None
+        return load_packed_weights(self, weights, lambda name: "rotary_emb.inv_freq" in name or (
+            self.tie_word_embeddings and name == "lm_head.weight"))
 
 
 class MistralForCausalLM(LlamaForCausalLM):

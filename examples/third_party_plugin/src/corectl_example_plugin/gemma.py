@@ -17,17 +17,7 @@ from transformers.activations import ACT2FN
 
 from corectl.attention import ForwardContext
 from corectl.models.base import CausalLM
-from corectl.models.layers import Attention, PackedLinear, RotaryEmbedding, default_weight_loader
-
-# checkpoint projection -> (packed parameter, shard id): one GEMM computes q, k and v (and gate, up)
-PACKED_MODULES = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
-}
-
+from corectl.models.layers import Attention, PackedLinear, RotaryEmbedding, load_packed_weights
 
 class GemmaRMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
@@ -130,25 +120,4 @@ class GemmaForCausalLM(CausalLM):
         return nn.functional.linear(hidden, weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if self.tie_word_embeddings and name == "lm_head.weight":
-                continue
-            target, shard_id = _packed_target(name)
-            if target not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            param = params[target]
-            if shard_id is None:
-                default_weight_loader(param, tensor)
-            else:
-                param.weight_loader(param, tensor, shard_id)
-            loaded.add(target)
-        return loaded
-
-
-def _packed_target(name: str) -> tuple[str, str | None]:
-    for proj, (packed, shard_id) in PACKED_MODULES.items():
-        if f".{proj}." in name:
-            return name.replace(f".{proj}.", f".{packed}."), shard_id
-    return name, None
+        return load_packed_weights(self, weights, lambda name: self.tie_word_embeddings and name == "lm_head.weight")

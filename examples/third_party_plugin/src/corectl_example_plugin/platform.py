@@ -6,18 +6,16 @@ design, so its plugin priority sits below the built-in CPU platform and `auto` n
 """
 from __future__ import annotations
 
-from corectl.platform import Platform, PlatformCaps
+from corectl.backends.cpu.platform import CPUPlatform
+from corectl.platform import PlatformCaps
 
 from .plugin import ATTENTION_BACKEND, PLATFORM
 
 
-class ReferenceCPUPlatform(Platform):
-    name = PLATFORM
-    device_type = "cpu"
+class ReferenceCPUPlatform(CPUPlatform):
+    """corectl's CPU platform (detection, worker) with its own name, dtype and attention backend."""
 
-    @classmethod
-    def is_available(cls) -> bool:
-        return True
+    name = PLATFORM
 
     def capabilities(self) -> PlatformCaps:
         return PlatformCaps(
@@ -26,12 +24,6 @@ class ReferenceCPUPlatform(Platform):
             notes=("numerical reference: fp32 only, eager per-sequence attention",
                    "KV cache sized by --kv-cache-memory (GiB)"),
         )
-
-    def worker_cls(self):
-        # Imported on use: listing plugins must not import backend modules.
-        from corectl.backends.cpu.worker import CPUWorker
-
-        return CPUWorker
 
     def default_attention_backend(self, model_config) -> str:
         return ATTENTION_BACKEND
