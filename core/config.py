@@ -24,6 +24,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     gpu_memory_utilization: fraction of device memory the engine may use (weights + activations
         + KV cache) on platforms that profile memory.
     max_num_batched_tokens: token budget per scheduler step (chunked prefill splits longer prompts).
+    async_scheduling: schedule and launch step N+1 before step N's sampled ids reach the host, so
+        host work overlaps the device; None turns it on where the platform's device runs
+        asynchronously (GPUs). Outputs are the same either way.
     skip_tokenizer_init: load no tokenizer: prompts are token ids, outputs carry token ids and empty
         text. Shape presets, and dummy weights from a config with no tokenizer files beside it (and
         no `tokenizer` given), always run this way.
@@ -49,6 +52,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     attention_backend: str | None = None
     seed: int = 0
     enforce_eager: bool = False
+    async_scheduling: bool | None = None
     num_threads: int | None = None
     chat_template: str | None = None
     hf_overrides: dict[str, Any] | None = None

@@ -102,6 +102,10 @@ class LLM:
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)
+        # With async scheduling a step launched for requests that have since finished is still
+        # in flight; completing it leaves the engine idle between calls.
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
         return [finished[rid] for rid in ids]
 
 

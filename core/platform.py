@@ -23,6 +23,9 @@ class PlatformCaps:
     pinned_memory: bool = False
     profiles_memory: bool = False
     fp8: bool = False
+    # The device runs queued work while the host goes on, so scheduling the next step before
+    # reading this one's ids overlaps host and device (async scheduling's default).
+    async_output: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 

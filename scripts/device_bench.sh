@@ -25,7 +25,7 @@ stage_kernels() {
 }
 stage_w3() {
   bench latency --model qwen3-0.6b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w3.json"
-  CORECTL_FUSED_KERNELS=0 bench latency --model qwen3-0.6b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w3_unfused.json"
+  bench latency --model qwen3-0.6b --batch-size 1 --input-len 512 --output-len 128 --no-async-scheduling --save-result "$RES/w3_sync.json"
   python3 "$PEER" static --shape qwen3-0.6b --batch 1 --input-len 512 --output-len 128
 }
 stage_prof3() {
@@ -34,6 +34,7 @@ stage_prof3() {
 }
 stage_w2() {
   bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w2.json"
+  bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --no-async-scheduling --save-result "$RES/w2_sync.json"
   python3 "$PEER" static --shape llama3-8b --batch 1 --input-len 512 --output-len 128
 }
 stage_w1() {

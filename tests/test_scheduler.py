@@ -66,18 +66,23 @@ class PagedOracle:
         req_ids, sampled = [], []
         for req_id, n in out.num_scheduled_tokens.items():
             state = self.states[req_id]
-            start, end = state.num_computed_tokens, state.num_computed_tokens + n
-            assert end <= len(state.token_ids)
-            assert len(state.block_ids) * BS >= end and NULL_BLOCK_ID not in state.block_ids
-            for pos in range(start, end):
-                prev = self.cache[self._slot(state, pos - 1)] if pos else 0
-                self.cache[self._slot(state, pos)] = hash((prev, state.token_ids[pos]))
-            if end == len(state.token_ids):
-                token = self.cache[self._slot(state, end - 1)] % VOCAB
+            token = self.compute(state, state.token_ids, n)
+            if token is not None:
                 state.token_ids.append(token)
                 req_ids.append(req_id)
                 sampled.append(token)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+    def compute(self, state, token_ids, n) -> int | None:
+        """Write the entries of `n` tokens from the state's computed count; the sampled token
+        when they reach the end of `token_ids`."""
+        start, end = state.num_computed_tokens, state.num_computed_tokens + n
+        assert end <= len(token_ids)
+        assert len(state.block_ids) * BS >= end and NULL_BLOCK_ID not in state.block_ids
+        for pos in range(start, end):
+            prev = self.cache[self._slot(state, pos - 1)] if pos else 0
+            self.cache[self._slot(state, pos)] = hash((prev, token_ids[pos]))
+        return self.cache[self._slot(state, end - 1)] % VOCAB if end == len(token_ids) else None
 
     @staticmethod
     def _slot(state, pos):

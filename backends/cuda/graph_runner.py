@@ -28,6 +28,7 @@ import torch
 from corectl.attention import AttentionBatch, ForwardContext
 from corectl.worker.input_batch import HostStep
 from corectl.worker.model_runner import ModelRunner, StepInputs, logits_index
+from corectl.worker.pending import HostFetch
 
 from ..triton.attention import TritonAttentionBackend
 
@@ -217,6 +218,16 @@ class CUDAGraphModelRunner(ModelRunner):
         staging = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         pack(staging.numpy(), arrays, offsets)
         return unpack(staging.to(self.device, non_blocking=True), arrays, offsets)
+
+    def fetch_to_host(self, tensors: list[torch.Tensor]) -> HostFetch:
+        # Pinned targets make the copies asynchronous; the event marks where this step's copies
+        # end in the stream, so waiting on it ignores the step launched after.
+        hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for host, t in zip(hosts, tensors):
+            host.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return HostFetch(hosts, done.synchronize)
 
     def attention_metadata(self, batch: AttentionBatch) -> Any:
         if isinstance(self.backend, TritonAttentionBackend):

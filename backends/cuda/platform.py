@@ -26,6 +26,7 @@ def gpu_caps(capability: tuple[int, int], notes: tuple[str, ...] = ()) -> Platfo
         pinned_memory=True,
         profiles_memory=True,
         fp8=capability >= (8, 9),
+        async_output=True,
         notes=notes,
     )
 

@@ -2,6 +2,10 @@
 
 It owns the scheduler and KV coordinator: nothing else writes them. Clients talk to it through an
 actor (in-process) or a socket (its own process); tests and the offline `LLM` may drive `step()`.
+
+With async scheduling one step stays in flight across `step()` calls: each call schedules and
+launches the next step, then reads the previous one's ids and returns its outputs, so the host's
+scheduling and output handling run while the device computes.
 """
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ from ..loaders import ModelSource, resolve_model_source
 from ..platforms import resolve_attention_backend, resolve_platform
 from ..request import Request
 from ..scheduler import Scheduler
-from ..wire import EngineCoreOutput
+from ..wire import EngineCoreOutput, SchedulerOutput
+from ..worker.pending import PendingStep
 from .intake import check_token_ids
 from .messages import EngineCoreOutputs, EngineCoreRequest
 
@@ -71,6 +76,9 @@ class EngineCore:
         self.worker.init_kv_cache(num_blocks)
         self.worker.warmup()
         self.scheduler = Scheduler(config, self.max_model_len, num_blocks)
+        self.async_scheduling = (platform.capabilities().async_output if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
         self.num_requests_received = 0
         tokenizer_dir = self.source.tokenizer_dir
         self.info = EngineInfo(
@@ -118,16 +126,34 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> EngineCoreOutputs:
         sched = self.scheduler.schedule()
-        outputs: list[EngineCoreOutput] = []
-        if not sched.is_empty or sched.finished_req_ids:
-            runner_out = self.worker.execute_model(sched)
-            outputs = self.scheduler.update(sched, runner_out)
+        launches = not sched.is_empty or bool(sched.finished_req_ids)
+        if not self.async_scheduling:
+            outputs = self._complete(sched, self.worker.launch(sched)) if launches else []
+        elif not launches:
+            outputs = self._complete_in_flight()
+        elif self._in_flight is None or self.worker.can_launch_ahead(sched):
+            pending = self.worker.launch(sched)
+            outputs = self._complete_in_flight()
+            self._in_flight = (sched, pending)
+        else:
+            outputs = self._complete_in_flight()
+            self._in_flight = (sched, self.worker.launch(sched))
         return EngineCoreOutputs(outputs=outputs, stats=self.scheduler.make_stats(), timestamp=time.monotonic(),
                                  num_requests_received=self.num_requests_received)
+
+    def _complete_in_flight(self) -> list[EngineCoreOutput]:
+        if self._in_flight is None:
+            return []
+        sched, pending = self._in_flight
+        self._in_flight = None
+        return self._complete(sched, pending)
+
+    def _complete(self, sched: SchedulerOutput, pending: PendingStep) -> list[EngineCoreOutput]:
+        return self.scheduler.update(sched, pending.result())
 
 
 def resolve_max_model_len(config: EngineConfig, hf) -> int:

@@ -111,14 +111,15 @@ class KVCacheCoordinator:
         return [b.block_id for b in new_blocks]
 
     def commit(self, req: Request) -> None:
-        """Register the hashes of the request's blocks that are full up to `num_computed_tokens`."""
+        """Register the hashes of the request's blocks that are full up to `num_computed_tokens`
+        and whose token ids are all known (a pending sampled token has no id yet)."""
         if not self.enable_prefix_caching:
             return
         blocks = self._req_blocks.get(req.request_id)
         if not blocks:
             return
         start = self._num_committed[req.request_id]
-        num_full = min(req.num_computed_tokens // self.block_size, len(blocks))
+        num_full = min(min(req.num_computed_tokens, req.num_tokens) // self.block_size, len(blocks))
         if num_full <= start:
             return
         hashes = self._block_hashes(req, num_full)

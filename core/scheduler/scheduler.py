@@ -12,6 +12,13 @@ When a running request cannot get KV blocks, the newest running request (FCFS) o
 the largest (priority, arrival_time) is preempted: its blocks are freed, it restarts from zero at
 the front of the waiting queue, and it later returns to the worker as a new request carrying
 every token so far, which the worker recomputes (the same K/V, so greedy output is unchanged).
+
+Async scheduling: the engine may schedule step N+1 before step N's sampled ids arrive. A request
+then counts its unarrived tokens in `num_pending_tokens`; step N+1 gives it the next position and
+the worker feeds the id from the device. Tokens that arrive for a request finished or aborted
+meanwhile are dropped; one that arrives for a request preempted meanwhile joins its tokens (it is
+recomputed with them on resume). A request whose pending token will end it by length is not
+scheduled again.
 """
 from __future__ import annotations
 
@@ -151,7 +158,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and plan.budget > 0:
             req = self.running[index]
-            num_tokens = min(req.num_tokens - req.num_computed_tokens, plan.budget)
+            if self._ends_by_length(req):
+                index += 1
+                continue
+            num_tokens = min(req.num_tokens + req.num_pending_tokens - req.num_computed_tokens, plan.budget)
             new_ids = self.kv.allocate(req, num_tokens)
             while new_ids is None:
                 victim_index = self._victim_index()
@@ -165,6 +175,13 @@ class Scheduler:
             plan.take(req, num_tokens)
             plan.running[req.request_id] = (req, new_ids)
             index += 1
+
+    def _ends_by_length(self, req: Request) -> bool:
+        """Whether the request's pending tokens already bring it to max_tokens or max_model_len."""
+        if not req.num_pending_tokens:
+            return False
+        total = req.num_tokens + req.num_pending_tokens
+        return total - req.num_prompt_tokens >= req.max_tokens or total >= self.max_model_len
 
     def _victim_index(self) -> int:
         if self.config.scheduling_policy == "priority":
@@ -250,6 +267,8 @@ class Scheduler:
         )
         for req in running + plan.new:
             req.num_computed_tokens += plan.num_scheduled[req.request_id]
+            if req.num_computed_tokens == req.num_tokens + req.num_pending_tokens:
+                req.num_pending_tokens += 1  # the step samples this request's next token
             self.kv.commit(req)
         finished = list(self._forget)
         self._forget.clear()
@@ -276,17 +295,25 @@ class Scheduler:
                     f"the worker sampled a token for request {req_id!r}, which this step did not schedule"
                 )
             req = self._requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            if req is None:
+                continue  # finished or aborted while the step ran
+            req.num_pending_tokens -= 1
             outputs.append(self._append_token(req, token, runner_out.logprobs, row))
             if req.is_finished:
                 stopped.add(req)
         if stopped:
-            self.running = [req for req in self.running if req not in stopped]
-            for req in stopped:
-                self._forget[req.request_id] = None
-                self._release(req)
+            self._finish(stopped)
         return outputs
+
+    def _finish(self, stopped: set[Request]) -> None:
+        """Release requests that stopped; with async scheduling some may be preempted (waiting)."""
+        preempted = stopped.difference(self.running)
+        self.running = [req for req in self.running if req not in stopped]
+        if preempted:
+            self.waiting.remove(preempted)
+        for req in stopped:
+            self._forget[req.request_id] = None
+            self._release(req)
 
     def _append_token(self, req: Request, token: int, logprobs: LogprobsLists | None, row: int) -> EngineCoreOutput:
         req.append_output_token(token)

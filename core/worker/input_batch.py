@@ -28,6 +28,8 @@ class CachedRequestState:
     num_computed_tokens: int
     table_row: int
     generator: torch.Generator | None = None
+    # Tokens sampled by a launched step whose ids have not been read back yet (0 or 1).
+    num_pending: int = 0
     prompt_logprobs_done: bool = field(default=False)
     # What the sampler needs from this request, fixed with its parameters.
     plain_greedy: bool = False
@@ -45,7 +47,7 @@ class CachedRequestState:
         request's tokens independent of batching and identical after a preemption resume.
         """
         if self.generator is not None:
-            step = len(self.token_ids) - self.num_prompt_tokens
+            step = len(self.token_ids) + self.num_pending - self.num_prompt_tokens
             self.generator.manual_seed((self.sampling_params.seed * 1_000_003 + step) % (1 << 63))
         return self.generator
 
@@ -108,6 +110,10 @@ class HostStep:
     max_seq_len: int
     sample_req_ids: list[str]      # requests whose last token is in this step
     sample_rows: list[int]         # the token row of each one's last token
+    # Token rows whose ids the previous step sampled and the host has not read yet (async
+    # scheduling): `input_ids` holds 0 there until the runner fills them on the device.
+    pending_req_ids: list[str] = field(default_factory=list)
+    pending_rows: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -151,14 +157,23 @@ class RequestStates:
         query_lens = list(sched.num_scheduled_tokens.values())
         token_ids: list[int] = []
         starts, rows, query_starts, sample_req_ids, sample_rows = [], [], [], [], []
+        pending_req_ids, pending_rows = [], []
         for req_id, n in zip(req_ids, query_lens):
             state = self.states[req_id]
             start = state.num_computed_tokens
             query_starts.append(len(token_ids))
-            token_ids += state.token_ids[start:start + n]
+            known = state.token_ids[start:start + n]
+            token_ids += known
+            if len(known) < n:
+                if len(known) + 1 < n or not state.num_pending:
+                    raise RuntimeError(f"request {req_id!r}: {n} tokens scheduled from position {start}, "
+                                       f"only {len(known)} known and {state.num_pending} pending")
+                pending_req_ids.append(req_id)
+                pending_rows.append(len(token_ids))
+                token_ids.append(0)
             starts.append(start)
             rows.append(state.table_row)
-            if start + n == len(state.token_ids):
+            if start + n == len(state.token_ids) + state.num_pending:
                 sample_req_ids.append(req_id)
                 sample_rows.append(len(token_ids) - 1)
         lens = np.array(query_lens, dtype=np.int64)
@@ -186,6 +201,8 @@ class RequestStates:
             max_seq_len=max_seq_len,
             sample_req_ids=sample_req_ids,
             sample_rows=sample_rows,
+            pending_req_ids=pending_req_ids,
+            pending_rows=pending_rows,
         )
 
     def _forget(self, req_id: str) -> None:

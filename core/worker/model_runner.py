@@ -19,9 +19,9 @@ from ..sample.metadata import PLAIN_GREEDY
 from ..sample.transfer import to_device
 from ..wire import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from .input_batch import CachedRequestState, HostStep, RequestStates
+from .pending import HostFetch, PendingStep, fetch_now
 
 _PROMPT_LOGPROB_CHUNK = 512
-_EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
 
 @dataclass
@@ -55,23 +55,61 @@ class ModelRunner:
         self.sampler = Sampler()
         self.states = RequestStates(device)
         self.kv_caches: list[torch.Tensor] = []
+        # The latest launched step's sampled ids on the device, and each request's row in them.
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
 
     def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
 
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run a step and wait for its sampled ids."""
+        return self.launch(sched).result()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> PendingStep:
+        """Queue a step's forward pass and sampling on the device; the ids come with `result()`.
+
+        At most one launched step may be unread when the next is launched: its ids feed the
+        rows of the new step that decode its requests (`HostStep.pending_rows`).
+        """
         self.states.apply(sched)
         if sched.is_empty:
-            return _EMPTY_OUTPUT
+            return PendingStep.done()
         inputs = self.upload(self.states.build_step(sched, self.block_size))
+        self._fill_pending_ids(inputs)
         hidden = self.run_model(inputs)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden, sched)
         if not inputs.host.sample_req_ids:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
+            self._last_sampled = None
+            return PendingStep.done(prompt_logprobs)
         if inputs.logits_indices is not None:
             hidden = hidden.index_select(0, inputs.logits_indices)
         return self._sample(inputs.host, self.model.compute_logits(hidden), prompt_logprobs)
+
+    def can_launch_ahead(self, sched: SchedulerOutput) -> bool:
+        """Whether `sched` may launch before the unread step's ids reach the host: not when a
+        request in it needs its full output history on the host (penalties, min_tokens)."""
+        for req_id in sched.num_scheduled_tokens:
+            state = self.states.states.get(req_id)
+            if state is not None and state.num_pending and state.reads_output:
+                return False
+        return True
+
+    def _fill_pending_ids(self, inputs: StepInputs) -> None:
+        """Write the previous step's sampled ids, still on the device, into the rows waiting for them."""
+        host = inputs.host
+        if not host.pending_rows:
+            return
+        sampled, row_of = self._last_sampled
+        sources = [row_of[req_id] for req_id in host.pending_req_ids]
+        count = len(sources)
+        if host.pending_rows == sources == list(range(count)):
+            # Steady decode: the same requests in the same order as the step before.
+            inputs.input_ids[:count].copy_(sampled[:count])
+            return
+        rows, sources = self.to_device([np.array(host.pending_rows, dtype=np.int64),
+                                        np.array(sources, dtype=np.int64)])
+        inputs.input_ids.index_copy_(0, rows, sampled.index_select(0, sources))
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass over the step's tokens; platforms override to replay captured graphs."""
@@ -106,21 +144,22 @@ class ModelRunner:
         """Host arrays as device tensors; on the CPU they are shared, not copied."""
         return [torch.from_numpy(a).to(self.device, non_blocking=True) for a in arrays]
 
-    def _sample(self, host: HostStep, logits: torch.Tensor, prompt_logprobs) -> ModelRunnerOutput:
+    def _sample(self, host: HostStep, logits: torch.Tensor, prompt_logprobs) -> PendingStep:
         states = [self.states[r] for r in host.sample_req_ids]
         out = self.sampler(logits, self._sampling_metadata(states))
-        sampled = out.sampled_token_ids.tolist()
-        for state, token in zip(states, sampled):
-            state.token_ids.append(token)
-        logprobs = None
+        for state in states:
+            state.num_pending += 1
+        self._last_sampled = (out.sampled_token_ids, {r: i for i, r in enumerate(host.sample_req_ids)})
+        tensors, num_logprobs = [out.sampled_token_ids], None
         if out.logprobs is not None:
-            logprobs = out.logprobs.to_lists([s.sampling_params.logprobs or 0 for s in states])
-        return ModelRunnerOutput(
-            req_ids=host.sample_req_ids,
-            sampled_token_ids=sampled,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-        )
+            tensors += [out.logprobs.token_ids, out.logprobs.logprobs, out.logprobs.ranks]
+            num_logprobs = [s.sampling_params.logprobs or 0 for s in states]
+        return PendingStep(states, host.sample_req_ids, self.fetch_to_host(tensors), num_logprobs, prompt_logprobs)
+
+    def fetch_to_host(self, tensors: list[torch.Tensor]) -> HostFetch:
+        """Start copying a step's results to the host; platforms with an asynchronous device
+        override this so the copy does not wait for work queued after it."""
+        return fetch_now(tensors)
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         if all(s.plain_greedy for s in states):

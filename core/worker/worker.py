@@ -18,6 +18,7 @@ from ..models.kernels import LayerKernels, install_layer_kernels
 from ..models.registry import resolve_model_class
 from ..platform import Platform
 from .model_runner import ModelRunner
+from .pending import PendingStep
 from ..sampling_params import SamplingParams
 from ..wire import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
@@ -131,6 +132,13 @@ class Worker(abc.ABC):
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)
+
+    def launch(self, sched: SchedulerOutput) -> PendingStep:
+        """Queue a step; its output comes with `result()` (see corectl.worker.pending)."""
+        return self.runner.launch(sched)
+
+    def can_launch_ahead(self, sched: SchedulerOutput) -> bool:
+        return self.runner.can_launch_ahead(sched)
 
 
 def _model_info(hf, model: torch.nn.Module, dtype: str) -> ModelInfo:
