@@ -101,10 +101,11 @@ class Request:
     def check_stop(self) -> bool:
         """Finish the request if its newest token ends it; returns whether it finished."""
         params = self.sampling_params
-        if self.num_output_tokens >= self.max_tokens:
+        num_output = len(self.all_token_ids) - len(self.prompt_token_ids)
+        if num_output >= self.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH
             return True
-        if self.num_output_tokens < params.min_tokens:
+        if num_output < params.min_tokens:
             return False
         last = self.all_token_ids[-1]
         if not params.ignore_eos and last == self.eos_token_id:

@@ -88,6 +88,12 @@ class KVCacheCoordinator:
         not suffice.
         """
         blocks = self._req_blocks.get(req.request_id)
+        if prefix_hit is None and blocks is not None:
+            # The common case, a running request whose blocks still hold the new tokens (a decode
+            # needs a new block once every block_size steps).
+            num_needed = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(blocks)
+            if num_needed <= 0:
+                return []
         if prefix_hit is not None and blocks:
             raise RuntimeError(f"request {req.request_id} already holds KV blocks; a prefix hit only applies first")
         hit_blocks = [self.pool.blocks[i] for i in prefix_hit.block_ids] if prefix_hit else []
@@ -115,10 +121,10 @@ class KVCacheCoordinator:
         and whose token ids are all known (a pending sampled token has no id yet)."""
         if not self.enable_prefix_caching:
             return
-        blocks = self._req_blocks.get(req.request_id)
-        if not blocks:
+        start = self._num_committed.get(req.request_id)
+        if start is None or min(req.num_computed_tokens, req.num_tokens) < (start + 1) * self.block_size:
             return
-        start = self._num_committed[req.request_id]
+        blocks = self._req_blocks[req.request_id]
         num_full = min(min(req.num_computed_tokens, req.num_tokens) // self.block_size, len(blocks))
         if num_full <= start:
             return

@@ -289,17 +289,19 @@ class Scheduler:
                 self._prompt_logprobs.add(req_id, chunk)
         outputs: list[EngineCoreOutput] = []
         stopped: set[Request] = set()
+        scheduled, requests, logprobs = sched_out.num_scheduled_tokens, self._requests, runner_out.logprobs
         for row, (req_id, token) in enumerate(zip(runner_out.req_ids, runner_out.sampled_token_ids)):
-            if req_id not in sched_out.num_scheduled_tokens:
+            if req_id not in scheduled:
                 raise RuntimeError(
                     f"the worker sampled a token for request {req_id!r}, which this step did not schedule"
                 )
-            req = self._requests.get(req_id)
+            req = requests.get(req_id)
             if req is None:
                 continue  # finished or aborted while the step ran
             req.num_pending_tokens -= 1
-            outputs.append(self._append_token(req, token, runner_out.logprobs, row))
-            if req.is_finished:
+            output = self._append_token(req, token, logprobs, row)
+            outputs.append(output)
+            if output.finish_reason is not None:
                 stopped.add(req)
         if stopped:
             self._finish(stopped)
@@ -317,7 +319,7 @@ class Scheduler:
 
     def _append_token(self, req: Request, token: int, logprobs: LogprobsLists | None, row: int) -> EngineCoreOutput:
         req.append_output_token(token)
-        if req.num_tokens >= self.max_model_len:
+        if len(req.all_token_ids) >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
         else:
             req.check_stop()

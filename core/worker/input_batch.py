@@ -30,7 +30,6 @@ class CachedRequestState:
     generator: torch.Generator | None = None
     # Tokens sampled by a launched step whose ids have not been read back yet (0 or 1).
     num_pending: int = 0
-    prompt_logprobs_done: bool = field(default=False)
     # What the sampler needs from this request, fixed with its parameters.
     plain_greedy: bool = False
     reads_prompt: bool = False
@@ -136,6 +135,8 @@ class RequestStates:
         self.device = device
         self.states: dict[str, CachedRequestState] = {}
         self.block_table = BlockTable()
+        # Requests asking for prompt logprobs whose prompt positions are not all reported yet.
+        self.prompt_logprobs_pending: set[str] = set()
 
     def apply(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
@@ -206,12 +207,17 @@ class RequestStates:
         )
 
     def _forget(self, req_id: str) -> None:
+        self.prompt_logprobs_pending.discard(req_id)
         state = self.states.pop(req_id, None)
         if state is not None:
             self.block_table.release(state.table_row, len(state.block_ids))
 
     def _make_state(self, new: NewRequestData) -> CachedRequestState:
         params = new.sampling_params
+        # A resumed request already reported its prompt logprobs before it was preempted.
+        if (params.prompt_logprobs is not None and len(new.token_ids) == new.num_prompt_tokens
+                and new.num_computed_tokens < new.num_prompt_tokens):
+            self.prompt_logprobs_pending.add(new.req_id)
         generator = None
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(device=self.device)
@@ -224,9 +230,6 @@ class RequestStates:
             num_computed_tokens=new.num_computed_tokens,
             table_row=self.block_table.add(new.block_ids),
             generator=generator,
-            # A resumed request already reported its prompt logprobs before it was preempted.
-            prompt_logprobs_done=len(new.token_ids) > new.num_prompt_tokens
-            or new.num_computed_tokens >= new.num_prompt_tokens,
             plain_greedy=is_plain_greedy(params),
             reads_prompt=reads_prompt_ids(params),
             reads_output=reads_output_ids(params),

@@ -178,20 +178,21 @@ class ModelRunner:
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor,
                          sched: SchedulerOutput) -> dict[str, LogprobsLists]:
         result: dict[str, LogprobsLists] = {}
+        pending = self.states.prompt_logprobs_pending
+        if not pending:
+            return result
         for req_id, q_start in zip(inputs.host.req_ids, inputs.host.query_starts):
-            state = self.states[req_id]
-            k = state.sampling_params.prompt_logprobs
-            if k is None or state.prompt_logprobs_done:
+            if req_id not in pending:
                 continue
+            state = self.states[req_id]
             start = state.num_computed_tokens
             end = min(start + sched.num_scheduled_tokens[req_id], state.num_prompt_tokens - 1)
-            if end <= start:
-                state.prompt_logprobs_done = True
-                continue
-            rows = hidden[q_start: q_start + end - start]
-            targets = to_device(state.token_ids[start + 1: end + 1], torch.int64, self.device)
-            result[req_id] = self._chunked_prompt_logprobs(rows, targets, k)
-            state.prompt_logprobs_done = end >= state.num_prompt_tokens - 1
+            if end > start:
+                rows = hidden[q_start: q_start + end - start]
+                targets = to_device(state.token_ids[start + 1: end + 1], torch.int64, self.device)
+                result[req_id] = self._chunked_prompt_logprobs(rows, targets, state.sampling_params.prompt_logprobs)
+            if end >= state.num_prompt_tokens - 1:
+                pending.discard(req_id)
         return result
 
     def _chunked_prompt_logprobs(self, rows: torch.Tensor, targets: torch.Tensor, k: int) -> LogprobsLists:
