@@ -89,9 +89,10 @@ class EngineCore:
             architecture=info.architecture,
         )
         logger.info(
-            "engine ready: %s (%s) on %s, %s, %d KV tokens, max_model_len %d, %.1f s",
+            "engine ready: %s (%s) on %s, %s, %d KV tokens, max_model_len %d, %s scheduling, %.1f s",
             self.source.description, info.architecture, platform.name, dtype,
-            self.info.kv_capacity_tokens, self.max_model_len, time.monotonic() - started,
+            self.info.kv_capacity_tokens, self.max_model_len, "async" if self.async_scheduling else "synchronous",
+            time.monotonic() - started,
         )
         if tokenizer_dir is None:
             logger.info("no tokenizer: prompts must be token ids and outputs carry no text")

@@ -8,8 +8,10 @@ from server_process import API_KEY, SMALL_ENGINE, ServerProcess
 
 @pytest.fixture(scope="session")
 def server():
-    """One server for the read-mostly API tests: the default model, an API key, 32 sequences."""
-    proc = ServerProcess(*SMALL_ENGINE, "--api-key", API_KEY, "--max-num-seqs", "32").wait_ready()
+    """One server for the read-mostly API tests: the default model, an API key, 32 sequences, and
+    async scheduling, as on GPUs (the lifecycle tests' servers keep the CPU's synchronous loop)."""
+    proc = ServerProcess(*SMALL_ENGINE, "--api-key", API_KEY, "--max-num-seqs", "32",
+                         "--async-scheduling").wait_ready()
     yield proc
     assert proc.stop() == 0
 

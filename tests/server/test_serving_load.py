@@ -36,6 +36,10 @@ def _wait_idle(http: httpx.Client) -> dict[str, float]:
     raise AssertionError(f"the engine did not go idle: {metrics}")
 
 
+def test_the_shared_server_runs_the_async_scheduling_loop(server):
+    assert "async scheduling" in server.log()
+
+
 def test_metrics_move_with_a_request(http):
     before = _wait_idle(http)
     out = http.post("/v1/completions", json={"prompt": "Metrics are", "max_tokens": 5, "ignore_eos": True}).json()
