@@ -52,7 +52,7 @@ def check_correctness(shapes: Shapes, device: str) -> list[tuple[str, float]]:
     from .kv_cache_store import store_kvcache
     from .prefill_attention import paged_prefill_attention
     from .rms_norm import rms_norm
-    from .rotary import rotary_embedding
+    from .rotary import qk_norm_rotary, rotary_embedding
     from .testing import contiguous_attention_ref, random_paged_batch
 
     s, scale, results = shapes, shapes.head_dim ** -0.5, []
@@ -73,11 +73,12 @@ def check_correctness(shapes: Shapes, device: str) -> list[tuple[str, float]]:
     out = paged_prefill_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
                                   batch.query_start_loc, scale, max_query_len=max(batch.query_lens))
     results.append(("prefill with cached prefix", rel_error(out, contiguous_attention_ref(batch, scale))))
-    results += _check_elementwise(shapes, device, ref, rms_norm, silu_and_mul, rotary_embedding)
+    results += _check_elementwise(shapes, device, ref, rms_norm, silu_and_mul, rotary_embedding, qk_norm_rotary)
     return results
 
 
-def _check_elementwise(s: Shapes, device, ref, rms_norm, silu_and_mul, rotary_embedding) -> list[tuple[str, float]]:
+def _check_elementwise(s: Shapes, device, ref, rms_norm, silu_and_mul, rotary_embedding,
+                       qk_norm_rotary) -> list[tuple[str, float]]:
     tokens = 2 * s.num_seqs
 
     def randn(*shape):
@@ -91,11 +92,17 @@ def _check_elementwise(s: Shapes, device, ref, rms_norm, silu_and_mul, rotary_em
     cos, sin = randn(s.context, s.head_dim), randn(s.context, s.head_dim)
     positions = torch.randint(0, s.context, (tokens,), device=device)
     ref_q, ref_k = ref.rotary_embedding_ref(positions, q, k, cos, sin)
+    q_weight, k_weight = randn(s.head_dim), randn(s.head_dim)
+    normed_q, normed_k = q.clone(), k.clone()
+    ref_normed_q, ref_normed_k = ref.rotary_embedding_ref(
+        positions, ref.rms_norm_ref(q, q_weight, 1e-6), ref.rms_norm_ref(k, k_weight, 1e-6), cos, sin)
     rotary_embedding(positions, q, k, cos, sin)
+    qk_norm_rotary(positions, normed_q, normed_k, q_weight, k_weight, 1e-6, cos, sin)
     return [
         ("rms_norm + residual", max(rel_error(out, ref_out), rel_error(new_res, ref_res))),
         ("silu_and_mul", rel_error(silu_and_mul(gate_up), ref.silu_and_mul_ref(gate_up))),
         ("rotary_embedding", max(rel_error(q, ref_q), rel_error(k, ref_k))),
+        ("qk_norm_rotary", max(rel_error(normed_q, ref_normed_q), rel_error(normed_k, ref_normed_k))),
     ]
 
 

@@ -7,7 +7,7 @@ from corectl.models.kernels import LayerKernels
 
 from .activation import silu_and_mul
 from .rms_norm import rms_norm
-from .rotary import rotary_embedding
+from .rotary import qk_norm_rotary, rotary_embedding
 
 
 def _rotary_trusted(positions, q, k, cos, sin) -> None:
@@ -16,6 +16,11 @@ def _rotary_trusted(positions, q, k, cos, sin) -> None:
     rotary_embedding(positions, q, k, cos, sin, check_indices=False)
 
 
+def _qk_norm_rotary_trusted(positions, q, k, q_weight, k_weight, eps, cos, sin) -> None:
+    qk_norm_rotary(positions, q, k, q_weight, k_weight, eps, cos, sin, check_indices=False)
+
+
 @functools.lru_cache(maxsize=1)
 def triton_layer_kernels() -> LayerKernels:
-    return LayerKernels(rms_norm=rms_norm, silu_and_mul=silu_and_mul, rotary_embedding=_rotary_trusted)
+    return LayerKernels(rms_norm=rms_norm, silu_and_mul=silu_and_mul, rotary_embedding=_rotary_trusted,
+                        qk_norm_rotary=_qk_norm_rotary_trusted)

@@ -24,6 +24,9 @@ class LayerKernels:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     # (positions [T], q [T, Hq, D], k [T, Hk, D], cos [P, D], sin [P, D]) -> None; rotates q, k in place
     rotary_embedding: Callable[..., None]
+    # (positions, q, k, q_weight [D], k_weight [D], eps, cos, sin) -> None: per-head RMSNorm of q and k
+    # (Qwen3) then the rotation, in place; None runs the norms and `rotary_embedding` separately
+    qk_norm_rotary: Callable[..., None] | None = None
 
 
 class UsesLayerKernels:

@@ -66,11 +66,19 @@ class RotaryEmbedding(UsesLayerKernels, nn.Module):
         self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                norms: tuple["RMSNorm", "RMSNorm"] | None = None):
         """q: [T, Hq, D], k: [T, Hk, D] -> rotated q, k (the same tensors, rotated in place, when
-        fused kernels are installed)."""
-        if self.kernels is not None:
-            self.kernels.rotary_embedding(positions, q, k, self.cos, self.sin)
+        fused kernels are installed). `norms`: per-head RMSNorms of q and k to apply first (Qwen3)."""
+        kernels = self.kernels
+        if kernels is not None and norms is not None and kernels.qk_norm_rotary is not None:
+            q_norm, k_norm = norms
+            kernels.qk_norm_rotary(positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps, self.cos, self.sin)
+            return q, k
+        if norms is not None:
+            q, k = norms[0](q), norms[1](k)
+        if kernels is not None:
+            kernels.rotary_embedding(positions, q, k, self.cos, self.sin)
             return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)

@@ -5,7 +5,7 @@ import torch
 from corectl.backends.triton.activation import silu_and_mul
 from corectl.backends.triton.reference import rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
 from corectl.backends.triton.rms_norm import rms_norm
-from corectl.backends.triton.rotary import rotary_embedding
+from corectl.backends.triton.rotary import qk_norm_rotary, rotary_embedding
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -110,3 +110,40 @@ def test_rotary_rejects_bad_positions_and_widths():
         rotary_embedding(torch.tensor([0, 1, 2]), q, k, torch.randn(8, 32), torch.randn(8, 32))
     with pytest.raises(ValueError, match="q and k must share a dtype"):
         rotary_embedding(torch.tensor([0, 1, 2]), q, k.bfloat16(), cos, sin)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rotary_equals_norms_then_rotation(dtype, assert_close):
+    qkv, q, k = _qkv_views(9, 6, 2, 32, dtype)
+    q_weight, k_weight = torch.randn(32).to(dtype), torch.randn(32).to(dtype)
+    cos, sin = torch.randn(64, 32).to(dtype), torch.randn(64, 32).to(dtype)
+    positions = torch.randint(0, 64, (9,))
+    v_before = qkv[:, 8 * 32:].clone()
+    ref_q, ref_k = rotary_embedding_ref(positions, rms_norm_ref(q, q_weight, 1e-6), rms_norm_ref(k, k_weight, 1e-6),
+                                        cos, sin)
+    # The unfused kernels on copies: the fused launch must round exactly as they do in sequence.
+    two_step_q, two_step_k = q.clone(), k.clone()
+    normed_q = rms_norm(two_step_q.reshape(-1, 32), q_weight, 1e-6).view(9, 6, 32)
+    normed_k = rms_norm(two_step_k.reshape(-1, 32), k_weight, 1e-6).view(9, 2, 32)
+    rotary_embedding(positions, normed_q, normed_k, cos, sin)
+    qk_norm_rotary(positions, q, k, q_weight, k_weight, 1e-6, cos, sin)
+    for out, ref, two_step in ((q, ref_q, normed_q), (k, ref_k, normed_k)):
+        if dtype == torch.float32:
+            assert_close(out, ref)
+        else:
+            # The normed row and the weight product are rounded before the rotation subtracts
+            # products of them: a step off there moves a (possibly cancelled) result by steps of
+            # the inputs' magnitude, not of its own.
+            torch.testing.assert_close(out.float(), ref.float(), rtol=0,
+                                       atol=3 * torch.finfo(dtype).eps * ref.abs().amax().item())
+        assert_close(out, two_step)
+    assert torch.equal(qkv[:, 8 * 32:], v_before)
+
+
+def test_qk_norm_rotary_rejects_partial_rotation_and_bad_weights():
+    _, q, k = _qkv_views(3, 6, 2, 16, torch.float32)
+    positions, weight = torch.tensor([0, 1, 2]), torch.randn(16)
+    with pytest.raises(ValueError, match="cos_cache width must be head_dim=16, got 8"):
+        qk_norm_rotary(positions, q, k, weight, weight, 1e-6, torch.randn(8, 8), torch.randn(8, 8))
+    with pytest.raises(ValueError, match=r"k_weight must be torch.float32 \[16\]"):
+        qk_norm_rotary(positions, q, k, weight, torch.randn(8), 1e-6, torch.randn(8, 16), torch.randn(8, 16))

@@ -2,6 +2,8 @@
 models' torch code does: same greedy tokens, logprobs within fp32 rounding."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -30,11 +32,20 @@ def test_fused_layers_match_torch_layers(arch, tmp_path, default_model_dir):
     prompts = [torch.randint(0, 49152, (n,), generator=generator).tolist() for n in (3, 11)]
     model = llm.engine.worker.runner.model
     reference_tokens, reference_logprobs = _decode(llm, prompts)
-    assert install_layer_kernels(model, triton_layer_kernels()) > 0
+    kernels = triton_layer_kernels()
+    fused_qk_calls = []
+
+    def counted_qk_norm_rotary(*args):
+        fused_qk_calls.append(1)
+        kernels.qk_norm_rotary(*args)
+
+    assert install_layer_kernels(model, dataclasses.replace(kernels, qk_norm_rotary=counted_qk_norm_rotary)) > 0
     try:
         tokens, logprobs = _decode(llm, prompts)
     finally:
         install_layer_kernels(model, None)
+    # Qwen3's q/k norms go through the fused norm-and-rotary kernel; Llama has none.
+    assert bool(fused_qk_calls) == (arch == "qwen3")
     assert tokens == reference_tokens
     worst = max(abs(a - b) for row, ref in zip(logprobs, reference_logprobs) for a, b in zip(row, ref))
     assert worst < 1e-4
