@@ -208,7 +208,7 @@ def test_packed_arrays_come_back_with_their_dtypes_and_shapes():
     arrays = [np.arange(3, dtype=np.int64), np.arange(5, dtype=np.int32), np.arange(6, dtype=np.int32).reshape(2, 3),
               np.array([-1, 7], dtype=np.int64)]
     offsets, total = packed_layout(arrays)
-    assert all(offset % 8 == 0 for offset in offsets) and total >= sum(a.nbytes for a in arrays)
+    assert all(offset % 16 == 0 for offset in offsets) and total >= sum(a.nbytes for a in arrays)
     buffer = torch.zeros(total, dtype=torch.uint8)
     pack(buffer.numpy(), arrays, offsets)
     for array, tensor in zip(arrays, unpack(buffer, arrays, offsets)):

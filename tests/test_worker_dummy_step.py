@@ -37,3 +37,26 @@ def test_dummy_step_keeps_the_requested_sequences_when_they_fit(worker, monkeypa
     monkeypatch.setattr(worker.runner, "execute_model", lambda sched: steps.append(sched) or run(sched))
     worker.run_dummy_step(num_tokens=64, num_seqs=4)
     assert [len(new.token_ids) for new in steps[0].new_requests] == [16] * 4
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8, 16])
+def test_cuda_warmup_steps_reach_both_prefill_tile_sizes(group):
+    from corectl.backends.cuda.worker import warmup_prefill_shapes
+    from corectl.backends.triton.prefill_attention import prefill_block_m
+
+    query_lens = [tokens // seqs for tokens, seqs in warmup_prefill_shapes(2048, 8192)]
+    assert min(query_lens) > 1  # a one-token query per sequence would take the decode kernel
+    assert len({prefill_block_m(group, q) for q in query_lens}) == 2
+
+
+def test_cuda_warmup_steps_fit_a_small_context_and_budget(worker, monkeypatch):
+    from corectl.backends.cuda.worker import warmup_prefill_shapes
+
+    steps = []
+    run = worker.runner.execute_model
+    monkeypatch.setattr(worker.runner, "execute_model", lambda sched: steps.append(sched) or run(sched))
+    for tokens, seqs in warmup_prefill_shapes(24, MAX_MODEL_LEN):
+        assert tokens <= 24
+        worker.run_dummy_step(tokens, seqs)
+    prefills = [s for s in steps if s.new_requests]
+    assert [max(len(n.token_ids) for n in s.new_requests) for s in prefills] == [2, 24]

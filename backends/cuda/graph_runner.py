@@ -36,8 +36,10 @@ logger = logging.getLogger("corectl.cuda")
 
 # vLLM's default capture limit: past it a graph saves little launch time next to the step's work.
 MAX_GRAPH_BATCH = 512
-# Packed arrays start on multiples of the widest element, so each can be viewed in its own dtype.
-_ALIGN = 8
+# Every packed array starts 16-byte aligned: Triton specializes kernels on whether a pointer is
+# 16-byte aligned, so an offset that shifted with the step's sizes would compile new variants of
+# the attention kernels in the middle of serving.
+_ALIGN = 16
 _TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
 
 

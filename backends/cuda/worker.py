@@ -66,6 +66,23 @@ class CUDAWorker(Worker):
         return triton_layer_kernels()
 
     def warmup(self) -> None:
+        """Compile the kernels' variants before the first request, then capture decode graphs.
+
+        The profiling step compiled the prefill path for one tile size (`prefill_block_m`); short
+        queries (a few tokens per sequence, mixed steps) and long ones use the other. Each Triton
+        compile takes about a second, which the first request needing it would otherwise wait.
+        """
+        for num_tokens, num_seqs in warmup_prefill_shapes(self.config.max_num_batched_tokens, self.max_model_len):
+            self.run_dummy_step(num_tokens, num_seqs)
+        torch.cuda.synchronize()
         if self.config.enforce_eager:
             return
         self.runner.capture_graphs(self.config.max_num_seqs, self.max_model_len)
+
+
+def warmup_prefill_shapes(max_num_batched_tokens: int, max_model_len: int) -> list[tuple[int, int]]:
+    """(tokens, sequences) of the warm-up steps: 2-token queries (small prefill tiles) and one long
+    query (large tiles), within the step's token budget and the KV cache (which holds at least
+    one max_model_len sequence, and the steps use blocks from its start)."""
+    short = min(8, max_num_batched_tokens, max_model_len)
+    return [(short, max(1, short // 2)), (min(512, max_num_batched_tokens, max_model_len), 1)]

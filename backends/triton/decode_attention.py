@@ -29,7 +29,8 @@ MAX_SPLITS = 64
 DECODE_BLOCK_N = 64
 
 
-@triton.jit
+# The block-table width changes every eager step (see the prefill kernel).
+@triton.jit(do_not_specialize=["stride_table"])
 def _decode_kernel(
     q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
     stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table, num_heads,

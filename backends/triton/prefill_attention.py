@@ -37,7 +37,9 @@ def _find_sequence(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return left - 1
 
 
-@triton.jit
+# The batch size and the block-table width change every step: specializing on them (Triton does
+# for integers divisible by 16) would compile variants at first use while serving.
+@triton.jit(do_not_specialize=["num_seqs", "stride_table"])
 def _prefill_kernel(
     q_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr, out_ptr, qk_scale, num_seqs,
     stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table,
