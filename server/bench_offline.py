@@ -3,7 +3,8 @@
 Prompts are random token ids (seed 0) and EOS is ignored, so every run does the same work. Neither
 needs a tokenizer: a shape preset (`--model llama3-8b --load-format dummy`) runs with no hub access.
 Numbers are vLLM's: throughput in requests/s, output tokens/s and total tokens/s; latency as
-end-to-end percentiles of one batch plus per-step ones (a decode step is one TPOT).
+end-to-end percentiles of one batch plus per-step ones (a decode step is one TPOT), timed by when
+each step's tokens arrive.
 """
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ def run_latency(args: argparse.Namespace) -> int:
     e2e, steps, prefills = [], [], []
     for it in range(args.num_iters_warmup + args.num_iters):
         prompts = _random_prompts(rng, [args.input_len] * args.batch_size, vocab)
-        times = _timed_steps(llm, prompts, params)
+        times = _token_intervals(llm, prompts, params)
         if it >= args.num_iters_warmup:
             e2e.append(sum(times))
             prefills.append(times[0])
@@ -130,6 +131,7 @@ def run_latency(args: argparse.Namespace) -> int:
         "benchmark": "latency", "batch_size": args.batch_size, "input_len": args.input_len,
         "output_len": args.output_len, "latencies_s": e2e, "e2e_s": _percentiles(e2e),
         "prefill_step_s": _percentiles(prefills), "decode_step_s": _percentiles(steps),
+        "num_decode_steps": len(steps),
     }
     print(f"Avg latency: {statistics.mean(e2e):.6f} seconds")
     for p in PERCENTILES:
@@ -142,22 +144,28 @@ def run_latency(args: argparse.Namespace) -> int:
         from .bench_profile import profile_batch
 
         prompts = _random_prompts(rng, [args.input_len] * args.batch_size, vocab)
-        print(profile_batch(lambda: _timed_steps(llm, prompts, params)))
+        print(profile_batch(lambda: _token_intervals(llm, prompts, params)))
     return 0
 
 
-def _timed_steps(llm, prompts, params) -> list[float]:
-    """Run one batch to completion, timing each engine step (the first is the prefill)."""
+def _token_intervals(llm, prompts, params) -> list[float]:
+    """Run one batch to completion; returns the time to the step that produced the first tokens
+    (the prefill), then the time between each step producing tokens and the next (one TPOT each).
+
+    Timing the arrival of tokens rather than `step()` calls keeps the numbers true with async
+    scheduling, where a call launches one step and returns the tokens of the one before.
+    """
     from corectl.engine.messages import EngineCoreRequest
 
     engine = llm.engine
     for i, ids in enumerate(prompts):
         engine.add_request(EngineCoreRequest(f"lat-{time.monotonic_ns()}-{i}", ids, params, time.monotonic()))
-    times = []
+    times, last = [], time.perf_counter()
     while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
+        if engine.step().outputs:
+            now = time.perf_counter()
+            times.append(now - last)
+            last = now
     return times
 
 

@@ -74,16 +74,21 @@ def test_bench_throughput_runs_on_a_preset_without_tokenizer_or_hub(tmp_path, ca
     assert result["versions"]["torch"] and "triton" in result["versions"]
 
 
-def test_bench_latency_reports_step_and_end_to_end_percentiles(tmp_path, capsys):
+@pytest.mark.parametrize("scheduling", ["--async-scheduling", "--no-async-scheduling"])
+def test_bench_latency_reports_step_and_end_to_end_percentiles(scheduling, tmp_path, capsys):
     result_file = tmp_path / "result.json"
     code = main(["bench", "latency", "--model", "llama-tiny", "--load-format", "dummy", "--platform", "cpu",
                  "--kv-cache-memory", "0.01", "--input-len", "8", "--output-len", "3", "--num-iters", "2",
-                 "--save-result", str(result_file)])
+                 scheduling, "--save-result", str(result_file)])
     assert code == 0
     assert "Avg latency" in capsys.readouterr().out
     result = json.loads(result_file.read_text())
     assert len(result["latencies_s"]) == 2
+    # Each batch: the prefill yields token 1, then two decode steps; async scheduling's extra
+    # launch that yields nothing is not a step.
+    assert result["num_decode_steps"] == 2 * 2
     assert 0 < result["decode_step_s"]["p50"] <= result["e2e_s"]["p50"]
+    assert 0 < result["prefill_step_s"]["p50"] <= result["e2e_s"]["p50"]
 
 
 def test_presets_load_where_the_gguf_package_is_missing(tmp_path):
