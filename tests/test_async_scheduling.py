@@ -157,3 +157,27 @@ def test_async_scheduling_defaults_follow_the_platform(llm_fp32):
 
     assert not llm_fp32.engine.async_scheduling
     assert gpu_caps((9, 0)).async_output
+
+
+def test_an_id_reused_right_after_an_abort_gets_only_its_own_tokens():
+    expected, _ = run(make_scheduler(), [make_req("r", [7, 8, 9, 10], max_tokens=3)])
+    sched, oracle = make_scheduler(), LaggedOracle()
+    sched.add_request(make_req("r", [1, 2, 3], max_tokens=8))
+    first = sched.schedule()
+    first_launch = oracle.launch(first)
+    second = sched.schedule()
+    second_launch = oracle.launch(second)
+    sched.update(first, oracle.read(first_launch))
+    # The second step is in flight with a token for "r" when it is aborted and the id taken again.
+    sched.abort_requests(["r"])
+    replacement = make_req("r", [7, 8, 9, 10], max_tokens=3)
+    sched.add_request(replacement)
+    in_flight = (second, second_launch)
+    tokens = []
+    while sched.has_unfinished_requests() or in_flight is not None:
+        out = sched.schedule()
+        launched = oracle.launch(out)
+        tokens += [t for result in sched.update(in_flight[0], oracle.read(in_flight[1])) for t in result.new_token_ids]
+        in_flight = (out, launched) if out.num_scheduled_tokens else None
+    assert tokens == expected["r"] and replacement.output_token_ids == expected["r"]
+    assert_all_blocks_free(sched)

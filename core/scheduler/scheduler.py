@@ -16,7 +16,7 @@ every token so far, which the worker recomputes (the same K/V, so greedy output 
 Async scheduling: the engine may schedule step N+1 before step N's sampled ids arrive. A request
 then counts its unarrived tokens in `num_pending_tokens`; step N+1 gives it the next position and
 the worker feeds the id from the device. Tokens that arrive for a request finished or aborted
-meanwhile are dropped; one that arrives for a request preempted meanwhile joins its tokens (it is
+meanwhile are dropped, even if a new request has taken its id; one that arrives for a request preempted meanwhile joins its tokens (it is
 recomputed with them on resume). A request whose pending token will end it by length is not
 scheduled again.
 """
@@ -82,6 +82,9 @@ class Scheduler:
         self._groups: dict[str, list[Request]] = {}
         # Ordered set of ids the worker must forget at the next step (finished, aborted, preempted).
         self._forget: dict[str, None] = {}
+        # Ids of released requests that a step in flight still samples for (async scheduling), so
+        # that token is dropped even if a new request has taken the id meanwhile.
+        self._late: set[str] = set()
         self._prompt_logprobs = PromptLogprobsBuffer()
         self.num_preemptions = 0
 
@@ -295,9 +298,12 @@ class Scheduler:
                 raise RuntimeError(
                     f"the worker sampled a token for request {req_id!r}, which this step did not schedule"
                 )
+            if req_id in self._late:
+                self._late.discard(req_id)  # finished or aborted while the step ran
+                continue
             req = requests.get(req_id)
             if req is None:
-                continue  # finished or aborted while the step ran
+                continue  # aborted while the step ran (synchronous loop)
             req.num_pending_tokens -= 1
             output = self._append_token(req, token, logprobs, row)
             outputs.append(output)
@@ -336,6 +342,8 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         """Forget a finished request: its blocks, its group membership, its pending logprobs."""
+        if req.num_pending_tokens:
+            self._late.add(req.request_id)
         self.kv.free(req)
         del self._requests[req.request_id]
         group = self._groups[req.group_id]
