@@ -10,7 +10,7 @@ import pytest
 
 from corectl import LLM, SamplingParams
 from corectl.request import RequestStatus
-from corectl.wire import ModelRunnerOutput
+from corectl.wire import LogprobsLists, ModelRunnerOutput
 from test_scheduler import PagedOracle, assert_all_blocks_free, make_req, make_scheduler, random_requests, run
 
 
@@ -180,4 +180,42 @@ def test_an_id_reused_right_after_an_abort_gets_only_its_own_tokens():
         tokens += [t for result in sched.update(in_flight[0], oracle.read(in_flight[1])) for t in result.new_token_ids]
         in_flight = (out, launched) if out.num_scheduled_tokens else None
     assert tokens == expected["r"] and replacement.output_token_ids == expected["r"]
+    assert_all_blocks_free(sched)
+
+
+def test_prompt_logprobs_survive_preemption_in_the_middle_of_chunked_prefills():
+    """Chunks computed by the step in flight when their request is preempted: recomputed ones must
+    not be reported twice, and those travelling with the first token must not be lost."""
+    prompts = [[(7 * i + j) % 1000 + 10 for j in range(40 + 23 * i)] for i in range(6)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=1) for _ in prompts]
+    results = {}
+    for overlap in (False, True):
+        llm = LLM(dtype="float32", async_scheduling=overlap, max_model_len=256, kv_cache_memory_gib=0.012,
+                  max_num_batched_tokens=32)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0
+        results[overlap] = [
+            ([None if p is None else sorted(p) for p in o.prompt_logprobs], o.outputs[0].token_ids,
+             [lp.logprob for p in o.prompt_logprobs[1:] for lp in p.values()]) for o in outputs]
+    for prompt, (sync_ids, sync_tokens, sync_values), (ids, tokens, values) in zip(prompts, results[False],
+                                                                                   results[True]):
+        assert len(ids) == len(prompt)
+        assert (ids, tokens) == (sync_ids, sync_tokens)
+        assert values == pytest.approx(sync_values, abs=1e-4)
+
+
+def test_prompt_logprobs_of_an_aborted_request_never_reach_a_request_reusing_its_id():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    sched.add_request(make_req("r", range(1, 21), max_tokens=2, prompt_logprobs=0))
+    first = sched.schedule()  # the first 8-token chunk of "r", in flight while "r" is aborted
+    sched.abort_requests(["r"])
+    sched.add_request(make_req("r", [5, 6, 7], max_tokens=1, prompt_logprobs=0))
+    second = sched.schedule()
+    stale_rows = LogprobsLists(token_ids=[[p] for p in range(8)], logprobs=[[-9.0]] * 8, ranks=[1] * 8)
+    assert sched.update(first, ModelRunnerOutput(req_ids=[], sampled_token_ids=[],
+                                                 prompt_logprobs={"r": stale_rows})) == []
+    own_rows = LogprobsLists(token_ids=[[6], [7]], logprobs=[[-1.0], [-2.0]], ranks=[1, 1])
+    [result] = sched.update(second, ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[3],
+                                                      prompt_logprobs={"r": own_rows}))
+    assert result.prompt_logprobs == own_rows and result.finish_reason == "length"
     assert_all_blocks_free(sched)

@@ -82,9 +82,9 @@ class Scheduler:
         self._groups: dict[str, list[Request]] = {}
         # Ordered set of ids the worker must forget at the next step (finished, aborted, preempted).
         self._forget: dict[str, None] = {}
-        # Ids of released requests that a step in flight still samples for (async scheduling), so
-        # that token is dropped even if a new request has taken the id meanwhile.
-        self._late: set[str] = set()
+        # Released requests that steps in flight still hold (how many steps), so their results are
+        # dropped even if a new request has taken the id meanwhile.
+        self._late: dict[str, int] = {}
         self._prompt_logprobs = PromptLogprobsBuffer()
         self.num_preemptions = 0
 
@@ -196,7 +196,10 @@ class Scheduler:
     def _preempt(self, req: Request, plan: _StepPlan) -> None:
         plan.drop(req)
         self.kv.free(req)
-        self._prompt_logprobs.pop(req.request_id)
+        if not req.num_pending_tokens:
+            # Resumed, it recomputes its prompt and reports its prompt logprobs again. With its first
+            # token still on its way they travel with that token, and are not recomputed.
+            self._prompt_logprobs.pop(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -269,6 +272,7 @@ class Scheduler:
             num_computed_tokens=[req.num_computed_tokens for req in running],
         )
         for req in running + plan.new:
+            req.num_inflight_steps += 1
             req.num_computed_tokens += plan.num_scheduled[req.request_id]
             if req.num_computed_tokens == req.num_tokens + req.num_pending_tokens:
                 req.num_pending_tokens += 1  # the step samples this request's next token
@@ -287,23 +291,26 @@ class Scheduler:
 
     def update(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Apply a step's sampled tokens; one output per request that produced a token."""
+        stale = self._settle(sched_out)
+        requests = self._requests
         for req_id, chunk in runner_out.prompt_logprobs.items():
-            if req_id in self._requests:
+            req = requests.get(req_id)
+            # A request preempted mid-prefill since recomputes these rows; one whose first token is
+            # still pending keeps them (see _preempt).
+            if req_id not in stale and req is not None and (
+                    req.status == RequestStatus.RUNNING or req.num_pending_tokens):
                 self._prompt_logprobs.add(req_id, chunk)
         outputs: list[EngineCoreOutput] = []
         stopped: set[Request] = set()
-        scheduled, requests, logprobs = sched_out.num_scheduled_tokens, self._requests, runner_out.logprobs
+        scheduled, logprobs = sched_out.num_scheduled_tokens, runner_out.logprobs
         for row, (req_id, token) in enumerate(zip(runner_out.req_ids, runner_out.sampled_token_ids)):
             if req_id not in scheduled:
                 raise RuntimeError(
                     f"the worker sampled a token for request {req_id!r}, which this step did not schedule"
                 )
-            if req_id in self._late:
-                self._late.discard(req_id)  # finished or aborted while the step ran
-                continue
             req = requests.get(req_id)
-            if req is None:
-                continue  # aborted while the step ran (synchronous loop)
+            if req_id in stale or req is None:
+                continue  # finished or aborted while the step ran
             req.num_pending_tokens -= 1
             output = self._append_token(req, token, logprobs, row)
             outputs.append(output)
@@ -312,6 +319,22 @@ class Scheduler:
         if stopped:
             self._finish(stopped)
         return outputs
+
+    def _settle(self, sched_out: SchedulerOutput) -> set[str]:
+        """Count the step as applied for the requests it held; returns the ids whose request was
+        released while it ran (their results belong to no live request)."""
+        stale = set()
+        for req_id in sched_out.num_scheduled_tokens:
+            left = self._late.get(req_id)
+            if left is not None:
+                stale.add(req_id)
+                if left > 1:
+                    self._late[req_id] = left - 1
+                else:
+                    del self._late[req_id]
+            elif (req := self._requests.get(req_id)) is not None:
+                req.num_inflight_steps -= 1
+        return stale
 
     def _finish(self, stopped: set[Request]) -> None:
         """Release requests that stopped; with async scheduling some may be preempted (waiting)."""
@@ -342,8 +365,8 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         """Forget a finished request: its blocks, its group membership, its pending logprobs."""
-        if req.num_pending_tokens:
-            self._late.add(req.request_id)
+        if req.num_inflight_steps:
+            self._late[req.request_id] = req.num_inflight_steps
         self.kv.free(req)
         del self._requests[req.request_id]
         group = self._groups[req.group_id]
