@@ -48,10 +48,10 @@ class LaggedOracle(PagedOracle):
         return ModelRunnerOutput(req_ids=list(sampled), sampled_token_ids=list(sampled.values()))
 
 
-def run_lagged(sched, requests, abort_at=None):
+def run_lagged(sched, requests, abort_at=None, oracle=None):
     """`run` with each step's results applied after the next step is launched. Also returns how
     many tokens arrived for requests preempted while their step ran."""
-    oracle, tokens, outs, late_for_preempted = LaggedOracle(), defaultdict(list), [], 0
+    oracle, tokens, outs, late_for_preempted = oracle or LaggedOracle(), defaultdict(list), [], 0
     for req in requests:
         sched.add_request(req)
     in_flight = None
@@ -219,3 +219,16 @@ def test_prompt_logprobs_of_an_aborted_request_never_reach_a_request_reusing_its
                                                       prompt_logprobs={"r": own_rows}))
     assert result.prompt_logprobs == own_rows and result.finish_reason == "length"
     assert_all_blocks_free(sched)
+
+
+@pytest.mark.parametrize("lagged", [False, True], ids=["sync", "lagged"])
+def test_a_finished_requests_blocks_serve_a_follow_up_turn(lagged):
+    """The block holding positions 8-15 fills in the request's last step, whose input token is still
+    pending under async scheduling; it must still reach the prefix cache for the next turn."""
+    sched = make_scheduler()
+    oracle = LaggedOracle() if lagged else PagedOracle()
+    runner = run_lagged if lagged else run
+    tokens = runner(sched, [make_req("a", range(1, 10), max_tokens=8)], oracle=oracle)[0]
+    hits_before = sched.kv.prefix_hits
+    runner(sched, [make_req("b", list(range(1, 10)) + tokens["a"] + [99], max_tokens=1)], oracle=oracle)
+    assert sched.kv.prefix_hits - hits_before == 16

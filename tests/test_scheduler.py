@@ -89,9 +89,10 @@ class PagedOracle:
         return state.block_ids[pos // BS] * BS + pos % BS
 
 
-def run(sched, requests, abort_at=None):
-    """Drive scheduler + oracle until done; `abort_at` maps a step number to request ids to abort."""
-    oracle, tokens, outs = PagedOracle(), defaultdict(list), []
+def run(sched, requests, abort_at=None, oracle=None):
+    """Drive scheduler + oracle until done; `abort_at` maps a step number to request ids to abort.
+    Pass the `oracle` of an earlier run on the same scheduler to keep its cache contents."""
+    oracle, tokens, outs = oracle or PagedOracle(), defaultdict(list), []
     for req in requests:
         sched.add_request(req)
     for number in range(500):

@@ -367,6 +367,10 @@ class Scheduler:
         """Forget a finished request: its blocks, its group membership, its pending logprobs."""
         if req.num_inflight_steps:
             self._late[req.request_id] = req.num_inflight_steps
+        # Blocks whose last token id arrived after they were scheduled (async scheduling) are
+        # cached now: a follow-up turn's prompt starts with this request's tokens. Any step that
+        # reuses them runs after the steps in flight that write them.
+        self.kv.commit(req)
         self.kv.free(req)
         del self._requests[req.request_id]
         group = self._groups[req.group_id]
