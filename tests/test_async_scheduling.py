@@ -232,3 +232,22 @@ def test_a_finished_requests_blocks_serve_a_follow_up_turn(lagged):
     hits_before = sched.kv.prefix_hits
     runner(sched, [make_req("b", list(range(1, 10)) + tokens["a"] + [99], max_tokens=1)], oracle=oracle)
     assert sched.kv.prefix_hits - hits_before == 16
+
+
+def test_results_of_two_released_holders_of_one_id_never_reach_the_third():
+    """Direct scheduler use may keep several steps outstanding: each released holder of an id
+    counts its own steps in flight."""
+    sched = make_scheduler()
+    outs = []
+    for prompt in ([1, 2, 3], [4, 5]):
+        sched.add_request(make_req("r", prompt, max_tokens=8))
+        outs.append(sched.schedule())
+        sched.abort_requests(["r"])
+    third = make_req("r", [6, 7, 8], max_tokens=8)
+    sched.add_request(third)
+    outs.append(sched.schedule())
+    for out, token in zip(outs[:2], (111, 222)):
+        assert sched.update(out, ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[token])) == []
+    [result] = sched.update(outs[2], ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[333]))
+    assert result.new_token_ids == [333] and third.output_token_ids == [333]
+    assert third.num_inflight_steps == 0 and third.num_pending_tokens == 0

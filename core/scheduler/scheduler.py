@@ -212,7 +212,9 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
-            if self._sibling_prefilling(req):
+            # A request preempted while a step held it waits for that step's results (its pending
+            # token); the engine applies them before the next schedule, direct callers may not.
+            if req.num_inflight_steps or self._sibling_prefilling(req):
                 skipped.append(self.waiting.pop())
                 continue
             hit = self.kv.lookup_prefix(req)
@@ -366,7 +368,7 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         """Forget a finished request: its blocks, its group membership, its pending logprobs."""
         if req.num_inflight_steps:
-            self._late[req.request_id] = req.num_inflight_steps
+            self._late[req.request_id] = self._late.get(req.request_id, 0) + req.num_inflight_steps
         # Blocks whose last token id arrived after they were scheduled (async scheduling) are
         # cached now: a follow-up turn's prompt starts with this request's tokens. Any step that
         # reuses them runs after the steps in flight that write them.
