@@ -10,6 +10,7 @@ import torch
 
 from corectl.errors import InvalidRequestError
 from corectl.sample import Sampler, SamplingMetadata, compute_prompt_logprobs
+from corectl.sample.metadata import PendingOutputTokens
 from corectl.sample.random_sampling import truncate
 from corectl.sample.sampler import edit_logits
 from corectl.sampling_params import SamplingParams
@@ -208,6 +209,27 @@ def test_penalties_match_a_per_row_reference(device):
     torch.testing.assert_close(edit_logits(logits.to(device), meta).cpu(), expected)
     tokens, _ = sample(logits.to(device), params, prompts=prompts, outputs=outputs)
     assert torch.equal(tokens, expected.argmax(dim=-1))
+
+
+def test_output_tokens_still_on_the_device_count_as_history(device):
+    """Async scheduling: the previous step's token joins penalties and min_tokens on the device."""
+    vocab, eos = 20, 5
+    logits = randn(3, vocab, seed=6, scale=3.0)
+    logits[2, eos] = 50.0
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, presence_penalty=1.5),
+        SamplingParams(temperature=0.0, min_tokens=2),
+    ]
+    prompts = [[1, 2], [3], [4]]
+    known = [[7, 7], [4], [8]]
+    pending = PendingOutputTokens([0, 2], torch.tensor([9, 1], device=device))
+    with_pending = SamplingMetadata.build(params, prompts, known, [None] * 3, eos, vocab, device, pending=pending)
+    whole = build(params, device=device, prompts=prompts, outputs=[[7, 7, 9], [4], [8, 1]], eos=eos, vocab=vocab)
+    torch.testing.assert_close(edit_logits(logits.to(device), with_pending).cpu(),
+                               edit_logits(logits.to(device), whole).cpu())
+    # Two outputs, one of them pending, satisfy min_tokens=2: EOS is allowed again.
+    assert Sampler()(logits.to(device), with_pending).sampled_token_ids.tolist()[2] == eos
 
 
 def test_logit_bias_is_added_and_steers_greedy(device):

@@ -136,13 +136,10 @@ class EngineCore:
             outputs = self._complete(sched, self.worker.launch(sched)) if launches else []
         elif not launches:
             outputs = self._complete_in_flight()
-        elif self._in_flight is None or self.worker.can_launch_ahead(sched):
+        else:
             pending = self.worker.launch(sched)
             outputs = self._complete_in_flight()
             self._in_flight = (sched, pending)
-        else:
-            outputs = self._complete_in_flight()
-            self._in_flight = (sched, self.worker.launch(sched))
         return EngineCoreOutputs(outputs=outputs, stats=self.scheduler.make_stats(), timestamp=time.monotonic(),
                                  num_requests_received=self.num_requests_received)
 

@@ -14,6 +14,7 @@ from ..sampling_params import SamplingParams
 from .penalties import PenaltyParams
 from .random_sampling import RandomParams
 from .token_edits import LogitBias, build_logit_bias, build_min_tokens
+from .transfer import to_device
 
 
 def is_plain_greedy(p: SamplingParams) -> bool:
@@ -37,6 +38,15 @@ def _check_rows(params: Sequence[SamplingParams], **per_row: Sequence) -> None:
     for name, values in per_row.items():
         if len(values) != len(params):
             raise ValueError(f"{name} has {len(values)} rows for {len(params)} sampling params")
+
+
+@dataclass(frozen=True, slots=True)
+class PendingOutputTokens:
+    """Output tokens the host has not read yet (async scheduling): one per row in `rows`, its id
+    in `token_ids` on the device. Penalties count them there; min_tokens needs only their number."""
+
+    rows: list[int]
+    token_ids: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,20 +78,30 @@ class SamplingMetadata:
         eos_token_id: int | None,
         vocab_size: int,
         device: torch.device,
+        pending: PendingOutputTokens | None = None,
     ) -> "SamplingMetadata":
         """One row per request that samples this step. `prompt_token_ids[i]` is read only where
         `reads_prompt_ids` and `output_token_ids[i]` only where `reads_output_ids` holds;
-        `generators[i]` (for seeded requests) only for random rows."""
+        `generators[i]` (for seeded requests) only for random rows. `pending` adds output tokens
+        whose ids are still on the device to the rows' histories."""
         _check_rows(
             params, prompt_token_ids=prompt_token_ids, output_token_ids=output_token_ids, generators=generators
         )
         greedy = [p.greedy for p in params]
         requested = [p.logprobs for p in params if p.logprobs is not None]
+        num_output = [len(ids) for ids in output_token_ids]
+        penalties = PenaltyParams.build(params, prompt_token_ids, output_token_ids, vocab_size, device)
+        if pending is not None:
+            for row in pending.rows:
+                num_output[row] += 1
+            if penalties is not None:
+                rows = to_device(pending.rows, torch.int64, device)
+                penalties = penalties.with_output_tokens(rows, pending.token_ids, vocab_size)
         return cls(
             random=None if all(greedy) else RandomParams.build(params, greedy, generators, vocab_size, device),
             logit_bias=build_logit_bias(params, vocab_size, device),
-            min_tokens=build_min_tokens(params, output_token_ids, eos_token_id, vocab_size, device),
-            penalties=PenaltyParams.build(params, prompt_token_ids, output_token_ids, vocab_size, device),
+            min_tokens=build_min_tokens(params, num_output, eos_token_id, vocab_size, device),
+            penalties=penalties,
             max_num_logprobs=max(requested) if requested else None,
         )
 

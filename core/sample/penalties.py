@@ -7,6 +7,7 @@ output only. Token occurrences travel as flat indices (`row * V + token`) so cou
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Sequence
@@ -65,6 +66,12 @@ class PenaltyParams:
             frequency=row_column([p.frequency_penalty for p in params], 0.0, device),
             presence=row_column([p.presence_penalty for p in params], 0.0, device),
         )
+
+
+    def with_output_tokens(self, rows: torch.Tensor, tokens: torch.Tensor, vocab_size: int) -> "PenaltyParams":
+        """These params counting one more output token per row of `rows` (device tensors): the ids
+        of tokens still on the device, sampled by a step whose results the host has not read."""
+        return dataclasses.replace(self, output_index=torch.cat((self.output_index, rows * vocab_size + tokens)))
 
 
 def apply_penalties(logits: torch.Tensor, penalties: PenaltyParams) -> torch.Tensor:

@@ -45,7 +45,7 @@ def build_logit_bias(
 
 def build_min_tokens(
     params: Sequence[SamplingParams],
-    output_token_ids: Sequence[Sequence[int]],
+    num_output_tokens: Sequence[int],
     eos_token_id: int | None,
     vocab_size: int,
     device: torch.device,
@@ -56,8 +56,8 @@ def build_min_tokens(
     end the request, so there is nothing to hold back).
     """
     flat_index: list[int] = []
-    for row, (p, output) in enumerate(zip(params, output_token_ids)):
-        if len(output) >= p.min_tokens:
+    for row, (p, num_output) in enumerate(zip(params, num_output_tokens)):
+        if num_output >= p.min_tokens:
             continue
         stops = set(p.stop_token_ids or ())
         if eos_token_id is not None and not p.ignore_eos:

@@ -15,7 +15,7 @@ import torch
 
 from ..attention import AttentionBackend, AttentionBatch, ForwardContext
 from ..sample import Sampler, SamplingMetadata, compute_prompt_logprobs
-from ..sample.metadata import PLAIN_GREEDY
+from ..sample.metadata import PLAIN_GREEDY, PendingOutputTokens
 from ..sample.transfer import to_device
 from ..wire import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from .input_batch import CachedRequestState, HostStep, RequestStates
@@ -85,15 +85,6 @@ class ModelRunner:
         if inputs.logits_indices is not None:
             hidden = hidden.index_select(0, inputs.logits_indices)
         return self._sample(inputs.host, self.model.compute_logits(hidden), prompt_logprobs)
-
-    def can_launch_ahead(self, sched: SchedulerOutput) -> bool:
-        """Whether `sched` may launch before the unread step's ids reach the host: not when a
-        request in it needs its full output history on the host (penalties, min_tokens)."""
-        for req_id in sched.num_scheduled_tokens:
-            state = self.states.states.get(req_id)
-            if state is not None and state.num_pending and state.reads_output:
-                return False
-        return True
 
     def _fill_pending_ids(self, inputs: StepInputs) -> None:
         """Write the previous step's sampled ids, still on the device, into the rows waiting for them."""
@@ -173,7 +164,17 @@ class ModelRunner:
             eos_token_id=self.eos_token_id,
             vocab_size=self.vocab_size,
             device=self.device,
+            pending=self._pending_output_tokens(states),
         )
+
+    def _pending_output_tokens(self, states: list[CachedRequestState]) -> PendingOutputTokens | None:
+        """The history rows' tokens that the previous step sampled and the host has not read."""
+        rows = [row for row, s in enumerate(states) if s.num_pending and s.reads_output]
+        if not rows:
+            return None
+        sampled, row_of = self._last_sampled
+        (sources,) = self.to_device([np.array([row_of[states[row].req_id] for row in rows], dtype=np.int64)])
+        return PendingOutputTokens(rows, sampled.index_select(0, sources))
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor,
                          sched: SchedulerOutput) -> dict[str, LogprobsLists]:

@@ -137,9 +137,6 @@ class Worker(abc.ABC):
         """Queue a step; its output comes with `result()` (see corectl.worker.pending)."""
         return self.runner.launch(sched)
 
-    def can_launch_ahead(self, sched: SchedulerOutput) -> bool:
-        return self.runner.can_launch_ahead(sched)
-
 
 def _model_info(hf, model: torch.nn.Module, dtype: str) -> ModelInfo:
     num_heads = hf.num_attention_heads
