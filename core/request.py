@@ -38,8 +38,9 @@ class Request:
     step); the scheduler advances it when it schedules, so a request is "prefilling" while it is
     below `num_prompt_tokens`. `num_pending_tokens` counts tokens a scheduled step will sample but
     whose ids have not arrived (with async scheduling, the next step is scheduled before they do);
-    `num_inflight_steps` counts scheduled steps whose results the scheduler has not applied yet. `group_id` ties together the `n` samples of one user request so the
-    scheduler can let one of them fill the shared prompt blocks first.
+    `num_inflight_steps` counts scheduled steps whose results the scheduler has not applied yet.
+    `group_id` ties together the `n` samples of one user request so the scheduler can let one of
+    them fill the shared prompt blocks first.
     """
 
     def __init__(
@@ -92,10 +93,6 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids):]
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status.finished
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

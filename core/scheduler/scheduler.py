@@ -16,9 +16,9 @@ every token so far, which the worker recomputes (the same K/V, so greedy output 
 Async scheduling: the engine may schedule step N+1 before step N's sampled ids arrive. A request
 then counts its unarrived tokens in `num_pending_tokens`; step N+1 gives it the next position and
 the worker feeds the id from the device. Tokens that arrive for a request finished or aborted
-meanwhile are dropped, even if a new request has taken its id; one that arrives for a request preempted meanwhile joins its tokens (it is
-recomputed with them on resume). A request whose pending token will end it by length is not
-scheduled again.
+meanwhile are dropped, even if a new request has taken its id; one that arrives for a request
+preempted meanwhile joins its tokens (it is recomputed with them on resume). A request whose
+pending token will end it by length is not scheduled again.
 """
 from __future__ import annotations
 

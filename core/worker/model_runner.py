@@ -91,16 +91,22 @@ class ModelRunner:
         host = inputs.host
         if not host.pending_rows:
             return
-        sampled, row_of = self._last_sampled
-        sources = [row_of[req_id] for req_id in host.pending_req_ids]
-        count = len(sources)
-        if host.pending_rows == sources == list(range(count)):
-            # Steady decode: the same requests in the same order as the step before.
-            inputs.input_ids[:count].copy_(sampled[:count])
+        ids = self._previous_ids(host.pending_req_ids)
+        if host.pending_rows == list(range(len(ids))):
+            inputs.input_ids[:len(ids)].copy_(ids)
             return
-        rows, sources = self.to_device([np.array(host.pending_rows, dtype=np.int64),
-                                        np.array(sources, dtype=np.int64)])
-        inputs.input_ids.index_copy_(0, rows, sampled.index_select(0, sources))
+        (rows,) = self.to_device([np.array(host.pending_rows, dtype=np.int64)])
+        inputs.input_ids.index_copy_(0, rows, ids)
+
+    def _previous_ids(self, req_ids: list[str]) -> torch.Tensor:
+        """These requests' ids sampled by the previous step, on the device (the host has not read them)."""
+        sampled, row_of = self._last_sampled
+        sources = [row_of[req_id] for req_id in req_ids]
+        if sources == list(range(len(sources))):
+            # Steady decode: the same requests in the same order as the step before.
+            return sampled[:len(sources)]
+        (index,) = self.to_device([np.array(sources, dtype=np.int64)])
+        return sampled.index_select(0, index)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass over the step's tokens; platforms override to replay captured graphs."""
@@ -172,9 +178,7 @@ class ModelRunner:
         rows = [row for row, s in enumerate(states) if s.num_pending and s.reads_output]
         if not rows:
             return None
-        sampled, row_of = self._last_sampled
-        (sources,) = self.to_device([np.array([row_of[states[row].req_id] for row in rows], dtype=np.int64)])
-        return PendingOutputTokens(rows, sampled.index_select(0, sources))
+        return PendingOutputTokens(rows, self._previous_ids([states[row].req_id for row in rows]))
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor,
                          sched: SchedulerOutput) -> dict[str, LogprobsLists]:

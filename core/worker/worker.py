@@ -20,7 +20,7 @@ from ..platform import Platform
 from .model_runner import ModelRunner
 from .pending import PendingStep
 from ..sampling_params import SamplingParams
-from ..wire import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from ..wire import CachedRequestData, NewRequestData, SchedulerOutput
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -129,9 +129,6 @@ class Worker(abc.ABC):
         self.runner.execute_model(SchedulerOutput(new, CachedRequestData(), {i: per_seq for i in ids},
                                                   per_seq * num_seqs, []))
         self.runner.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, ids))
-
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(sched)
 
     def launch(self, sched: SchedulerOutput) -> PendingStep:
         """Queue a step; its output comes with `result()` (see corectl.worker.pending)."""
