@@ -1,4 +1,4 @@
-"""One request's state as the engine actor sees it (the scheduler and KV coordinator read and write it)."""
+"""One request's state as the engine actor sees it (the scheduler and KV cache manager read and write it)."""
 from __future__ import annotations
 
 import enum

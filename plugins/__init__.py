@@ -4,7 +4,12 @@ Only this package knows about entry points. Everything it hands out is a frozen 
 paths, so discovering plugins never imports torch.cuda, triton or any backend module.
 """
 from .hookspecs import hookimpl, hookspec
-from .manager import PluginConflictError, PluginManager, get_plugin_manager, reset_plugin_manager
+from .manager import (
+    PluginConflictError,
+    PluginManager,
+    get_plugin_manager,
+    reset_plugin_manager,
+)
 from .specs import AttentionBackendSpec, ModelSpec, PlatformSpec, import_dotted
 
 __all__ = [

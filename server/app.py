@@ -8,16 +8,15 @@ import logging
 from collections.abc import AsyncIterator
 
 import anyio
+import corectl
+from corectl.engine.client import EngineClient
+from corectl.engine.transport import EngineTransport
 from litestar import Litestar
 from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
-
-import corectl
-from corectl.engine.client import EngineClient
-from corectl.engine.transport import EngineTransport
 
 from .chat import ChatController
 from .completions import CompletionsController

@@ -4,10 +4,9 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 
+from corectl.outputs import CompletionOutput
 from litestar import Controller, Request, Response, post
 from litestar.openapi import ResponseSpec
-
-from corectl.outputs import CompletionOutput
 
 from . import sse
 from .auth import require_api_key

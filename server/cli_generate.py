@@ -5,7 +5,6 @@ import argparse
 import sys
 
 import anyio
-
 from corectl.engine.intake import NO_TOKENIZER
 from corectl.errors import ConfigError, CorectlError
 

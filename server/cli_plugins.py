@@ -10,7 +10,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from corectl.platforms import plugin_inventory
+    from corectl.discovery import plugin_inventory
 
     rows = [("kind", "name", "plugin", "package", "priority", "available")]
     rows += [(r.kind, r.name, r.plugin, r.package, r.priority, r.detail) for r in plugin_inventory()]

@@ -12,7 +12,6 @@ import signal
 import socket
 
 import uvicorn
-
 from corectl import envs
 from corectl.errors import ConfigError
 

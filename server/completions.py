@@ -4,11 +4,10 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 
-from litestar import Controller, Request, Response, post
-from litestar.openapi import ResponseSpec
-
 from corectl.outputs import CompletionOutput, RequestOutput
 from corectl.tokenizer import Tokenizer
+from litestar import Controller, Request, Response, post
+from litestar.openapi import ResponseSpec
 
 from . import sse
 from .auth import require_api_key

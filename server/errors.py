@@ -9,10 +9,6 @@ import logging
 import re
 
 import msgspec
-from litestar import Request, Response
-from litestar.exceptions import HTTPException, ValidationException
-from litestar.openapi import ResponseSpec
-
 from corectl.errors import (
     ConfigError,
     CorectlError,
@@ -21,6 +17,9 @@ from corectl.errors import (
     ModelNotFoundError,
     QueueFullError,
 )
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi import ResponseSpec
 
 logger = logging.getLogger("corectl.server")
 

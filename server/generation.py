@@ -15,11 +15,10 @@ from typing import TypeVar
 
 import anyio
 import structlog
-from litestar import Response
-from litestar.response import Stream
-
 from corectl.outputs import RequestOutput
 from corectl.sampling_params import SamplingParams
+from litestar import Response
+from litestar.response import Stream
 
 from . import sse
 from .errors import APIError, ClientDisconnected

@@ -3,7 +3,13 @@ from __future__ import annotations
 
 from corectl.outputs import PositionLogprobs
 
-from .responses import ChatLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobsList, TopLogprob
+from .responses import (
+    ChatLogprob,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobsList,
+    TopLogprob,
+)
 
 
 def _text(entry) -> str:

@@ -1,11 +1,10 @@
 """Routes besides generation: models, tokenizer, health, load, version and Prometheus metrics."""
 from __future__ import annotations
 
+import corectl
 from litestar import Controller, MediaType, Response, get, post, route
 from litestar.enums import HttpMethod
 from prometheus_client import CONTENT_TYPE_LATEST
-
-import corectl
 
 from .auth import require_api_key
 from .errors import APIError, error_response

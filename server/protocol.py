@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-
 from corectl.errors import InvalidRequestError
 from corectl.sampling_params import SamplingParams
 

@@ -7,6 +7,8 @@ import shutil
 from pathlib import Path
 
 import torch
+from corectl.sampling_params import SamplingParams
+from corectl.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -66,3 +68,14 @@ def build_random_checkpoint(arch: str, folder: Path, tokenizer_dir: Path, seed: 
         if item.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(item, folder / item.name)
     return folder
+
+
+def new_request_data(req_id, tokens, blocks, computed=0, prompt=None):
+    return NewRequestData(req_id=req_id, token_ids=list(tokens), num_prompt_tokens=prompt or len(tokens),
+                          sampling_params=SamplingParams(temperature=0.0), block_ids=list(blocks),
+                          num_computed_tokens=computed)
+
+
+def scheduler_output(new=(), scheduled=None, cached=None, finished=()):
+    scheduled = scheduled or {}
+    return SchedulerOutput(list(new), cached or CachedRequestData(), scheduled, sum(scheduled.values()), list(finished))

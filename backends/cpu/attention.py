@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 from corectl.attention import AttentionBackend, AttentionBatch
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-
 from corectl.errors import ConfigError
 from corectl.worker.worker import ModelInfo, Worker
 

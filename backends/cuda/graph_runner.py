@@ -24,11 +24,10 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from corectl.attention import AttentionBatch, ForwardContext
-from corectl.worker.input_batch import HostStep
 from corectl.worker.model_runner import ModelRunner, StepInputs, logits_index
 from corectl.worker.pending import HostFetch
+from corectl.worker.request_states import HostStep
 
 from ..triton.attention import TritonAttentionBackend
 

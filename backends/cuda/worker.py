@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 
 import torch
-
 from corectl.errors import ConfigError
 from corectl.models.kernels import LayerKernels
 from corectl.worker.worker import Worker

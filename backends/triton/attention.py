@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from corectl.attention import AttentionBackend, AttentionBatch
 
 from .checks import check_packed_heads, require

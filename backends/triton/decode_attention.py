@@ -19,8 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (attention_output, check_index, check_kv_cache, check_packed_heads, check_range,
-                     check_same_device, require)
+from .checks import (
+    attention_output,
+    check_index,
+    check_kv_cache,
+    check_packed_heads,
+    check_range,
+    check_same_device,
+    require,
+)
 from .paged_softmax import LOG2E, attend_paged, dot_dtype, head_block
 
 # Fewest keys worth a program of its own: below this the combine step costs more than it saves.

@@ -5,7 +5,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_index, check_kv_cache, check_packed_heads, check_range, check_same_device, require
+from .checks import (
+    check_index,
+    check_kv_cache,
+    check_packed_heads,
+    check_range,
+    check_same_device,
+    require,
+)
 
 
 @triton.jit

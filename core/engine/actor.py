@@ -15,9 +15,8 @@ from anyio.abc import TaskGroup
 
 from ..config import EngineConfig
 from ..errors import CorectlError, EngineDeadError
-from ..wire import EngineCoreOutput
 from .core import EngineCore
-from .messages import EngineCoreOutputs, EngineCoreRequest
+from .messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from .transport import EngineTransport
 
 logger = logging.getLogger("corectl.engine")

@@ -21,8 +21,8 @@ from ..errors import EngineDeadError, InvalidRequestError, QueueFullError
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
-from ..wire import SchedulerStats
 from .intake import check_token_ids, text_prompt_error
+from .messages import SchedulerStats
 from .output_processor import OutputProcessor
 from .transport import EngineTransport
 

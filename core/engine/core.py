@@ -1,6 +1,6 @@
 """EngineCore: the synchronous heart of the engine actor (scheduler, KV state and worker).
 
-It owns the scheduler and KV coordinator: nothing else writes them. Clients talk to it through an
+It owns the scheduler and KV cache manager: nothing else writes them. Clients talk to it through an
 actor (in-process) or a socket (its own process); tests and the offline `LLM` may drive `step()`.
 
 With async scheduling one step stays in flight across `step()` calls: each call schedules and
@@ -15,15 +15,15 @@ import time
 from dataclasses import dataclass
 
 from ..config import EngineConfig
+from ..discovery import resolve_attention_backend, resolve_platform
 from ..errors import InvalidRequestError
 from ..loaders import ModelSource, resolve_model_source
-from ..platforms import resolve_attention_backend, resolve_platform
 from ..request import Request
 from ..scheduler import Scheduler
-from ..wire import EngineCoreOutput, SchedulerOutput
+from ..scheduler.output import SchedulerOutput
 from ..worker.pending import PendingStep
 from .intake import check_token_ids
-from .messages import EngineCoreOutputs, EngineCoreRequest
+from .messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger("corectl.engine")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import msgspec
 
 from ..sampling_params import SamplingParams
-from ..wire import EngineCoreOutput, SchedulerStats
+from ..worker.output import LogprobsLists
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
@@ -18,6 +18,36 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
     priority: int = 0
     group_id: str | None = None
     sample_index: int = 0
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
+    """Per-request result of one engine step: the token ids produced since the last output.
+
+    `finish_reason` is "stop", "length" or "abort" once the request is done; `stop_reason` is the
+    stop token id that ended it, if any. `num_cached_tokens` is the prefix-cache hit length.
+    `first_scheduled_time` (`time.monotonic()` in the engine's process, a clock shared by the
+    processes of one host) is when the request first got a step: it ends its queue time.
+    """
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: LogprobsLists | None = None
+    prompt_logprobs: LogprobsLists | None = None
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
+    """Gauges and counters the scheduler exposes after each step (counters are cumulative)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):

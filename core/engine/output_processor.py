@@ -10,12 +10,18 @@ import time
 from dataclasses import dataclass, field
 
 from ..detokenizer import IncrementalDetokenizer, StopStringMatcher
-from ..outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from ..outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
-from ..wire import EngineCoreOutput, LogprobsLists
+from ..worker.output import LogprobsLists
 from .intake import check_text_features
-from .messages import EngineCoreRequest
+from .messages import EngineCoreOutput, EngineCoreRequest
 
 
 class _NoText:

@@ -40,10 +40,15 @@ from anyio.abc import SocketStream, TaskGroup
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from ..config import EngineConfig
-from ..errors import ConfigError, CorectlError, EngineDeadError, InvalidRequestError, ModelNotFoundError
-from ..wire import EngineCoreOutput
+from ..errors import (
+    ConfigError,
+    CorectlError,
+    EngineDeadError,
+    InvalidRequestError,
+    ModelNotFoundError,
+)
 from .core import EngineCore, EngineInfo
-from .messages import EngineCoreOutputs, EngineCoreRequest
+from .messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from .transport import EngineTransport
 
 logger = logging.getLogger("corectl.engine")

@@ -1,5 +1,5 @@
 """The paged KV cache as the scheduler sees it: block allocation and prefix caching."""
 from .block_pool import NULL_BLOCK_ID
-from .coordinator import KVCacheCoordinator, PrefixHit
+from .manager import KVCacheManager, PrefixHit
 
-__all__ = ["KVCacheCoordinator", "NULL_BLOCK_ID", "PrefixHit"]
+__all__ = ["KVCacheManager", "NULL_BLOCK_ID", "PrefixHit"]

@@ -14,7 +14,13 @@ from torch import nn
 from ..attention import ForwardContext
 from .base import CausalLM
 from .kernels import UsesLayerKernels
-from .layers import Attention, PackedLinear, RMSNorm, RotaryEmbedding, load_packed_weights
+from .layers import (
+    Attention,
+    PackedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    load_packed_weights,
+)
 
 
 def head_dim(config) -> int:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..wire import LogprobsLists
+from ..worker.output import LogprobsLists
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,19 +27,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..config import EngineConfig
+from ..engine.messages import EngineCoreOutput, SchedulerStats
 from ..errors import ConfigError, InvalidRequestError, QueueFullError
-from ..kv import KVCacheCoordinator, PrefixHit
+from ..kv import KVCacheManager, PrefixHit
 from ..request import Request, RequestStatus
-from ..wire import (
-    CachedRequestData,
-    EngineCoreOutput,
-    LogprobsLists,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-    SchedulerStats,
-)
-from .outputs import PromptLogprobsBuffer, logprobs_row
+from ..worker.output import LogprobsLists, ModelRunnerOutput
+from .output import CachedRequestData, NewRequestData, SchedulerOutput
+from .prompt_logprobs import PromptLogprobsBuffer, logprobs_row
 from .request_queue import create_request_queue
 
 
@@ -65,7 +59,7 @@ class _StepPlan:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, max_model_len: int, num_blocks: int):
-        self.kv = KVCacheCoordinator(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         capacity = self.kv.num_usable_blocks * config.block_size
         # A request that cannot fit the cache even alone would be preempted forever.
         if capacity < max_model_len:

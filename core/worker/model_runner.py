@@ -17,9 +17,10 @@ from ..attention import AttentionBackend, AttentionBatch, ForwardContext
 from ..sample import Sampler, SamplingMetadata, compute_prompt_logprobs
 from ..sample.metadata import PLAIN_GREEDY, PendingOutputTokens
 from ..sample.transfer import to_device
-from ..wire import LogprobsLists, ModelRunnerOutput, SchedulerOutput
-from .input_batch import CachedRequestState, HostStep, RequestStates
+from ..scheduler.output import SchedulerOutput
+from .output import LogprobsLists, ModelRunnerOutput
 from .pending import HostFetch, PendingStep, fetch_now
+from .request_states import CachedRequestState, HostStep, RequestStates
 
 _PROMPT_LOGPROB_CHUNK = 512
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..sample.logprobs import LogprobsTensors
-from ..wire import LogprobsLists, ModelRunnerOutput
-from .input_batch import CachedRequestState
+from .output import LogprobsLists, ModelRunnerOutput
+from .request_states import CachedRequestState
 
 
 @dataclass

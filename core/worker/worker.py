@@ -17,10 +17,10 @@ from ..config import EngineConfig
 from ..models.kernels import LayerKernels, install_layer_kernels
 from ..models.registry import resolve_model_class
 from ..platform import Platform
+from ..sampling_params import SamplingParams
+from ..scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from .model_runner import ModelRunner
 from .pending import PendingStep
-from ..sampling_params import SamplingParams
-from ..wire import CachedRequestData, NewRequestData, SchedulerOutput
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

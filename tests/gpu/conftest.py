@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from gpu_helpers import ARCHITECTURES, build_checkpoint
 
 GPU_DIR = Path(__file__).parent.resolve()
@@ -30,9 +29,8 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session", autouse=True)
 def compiled_kernels():
-    from triton.runtime.interpreter import InterpretedFunction
-
     from corectl.backends.triton import decode_attention
+    from triton.runtime.interpreter import InterpretedFunction
 
     if isinstance(decode_attention._decode_kernel, InterpretedFunction):
         pytest.skip("the Triton kernels were loaded for the CPU interpreter (TRITON_INTERPRET=1) by another "

@@ -10,7 +10,6 @@ if not torch.cuda.is_available():
 
 from corectl import SamplingParams  # noqa: E402
 from corectl.backends.cuda.graph_runner import CUDAGraphModelRunner, _GraphStepInputs  # noqa: E402
-
 from gpu_helpers import compare_greedy, generate, random_prompts  # noqa: E402
 
 # Requests finishing one after another: decode batches shrink from 13 to 1 through buckets 16, 8, 4, 2, 1.

@@ -6,7 +6,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA or ROCm GPU", allow_module_level=True)
 
 from corectl.backends.triton.bench_kernels import SMOLLM2, W6, Shapes, check_correctness  # noqa: E402
-from corectl.backends.triton.decode_attention import choose_decode_splits, paged_decode_attention  # noqa: E402
+from corectl.backends.triton.decode_attention import (  # noqa: E402
+    choose_decode_splits,
+    paged_decode_attention,
+)
 from corectl.backends.triton.reference import paged_attention_ref  # noqa: E402
 
 QWEN3_06B = Shapes(num_seqs=32, context=2048, num_heads=16, num_kv_heads=8, head_dim=128, block_size=16,

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from corectl.server.bench_report import RequestResult, format_report, percentile, summarize
+from corectl.server.bench_report import (
+    RequestResult,
+    format_report,
+    percentile,
+    summarize,
+)
 from corectl.server.metrics import token_buckets
 
 

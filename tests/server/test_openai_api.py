@@ -6,7 +6,6 @@ import json
 import httpx
 import openai
 import pytest
-
 from server_process import API_KEY
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

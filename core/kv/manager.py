@@ -1,0 +1,145 @@
+"""KVCacheManager: the one interface the scheduler has to the paged KV cache.
+
+The scheduler speaks in requests and token counts and gets block ids back; blocks, reference
+counts and hashes stay inside (vLLM's `KVCacheBlocks` idea).
+
+Prefix caching: each FULL block of a request is keyed by a chained hash of its tokens
+(`block_hash.py`). `lookup_prefix` returns the longest run of cached full blocks, never covering
+every token of the request (the last token must be computed so the model yields logits).
+`commit` makes a request's newly full blocks findable. The scheduler commits right after it
+schedules the tokens that fill them, before the step runs: the next lookup happens only after
+that step has written the K/V.
+
+`n` samples of one request share their prompt blocks through this cache: the scheduler lets one
+sample prefill and commit first, the others then hit its blocks. With prefix caching disabled
+nothing is shared and each sample prefills on its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..request import Request
+from .block_hash import extend_block_hashes
+from .block_pool import BlockPool, KVBlock
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """Cached blocks a request can start from; pass it to `allocate` at once (it is not pinned).
+
+    `num_queried_tokens` is the number of tokens looked up (0 when the lookup was skipped).
+    """
+
+    block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+    num_queried_tokens: int = 0
+
+
+_NO_HIT = PrefixHit()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._req_blocks: dict[str, list[KVBlock]] = {}
+        self._num_committed: dict[str, int] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.pool.num_usable_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by requests (free cached blocks count as free)."""
+        return 1.0 - self.pool.num_free / self.pool.num_usable_blocks
+
+    def block_ids(self, req: Request) -> list[int]:
+        return [b.block_id for b in self._req_blocks.get(req.request_id, ())]
+
+    def lookup_prefix(self, req: Request) -> PrefixHit:
+        """Longest run of cached full blocks at the start of the request's tokens.
+
+        Requests asking for prompt logprobs skip the lookup: they need logits at every position.
+        """
+        if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+            return _NO_HIT
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hit: list[int] = []
+        for block_hash in self._block_hashes(req, max_blocks)[:max_blocks]:
+            block = self.pool.cached_block(block_hash)
+            if block is None:
+                break
+            hit.append(block.block_id)
+        return PrefixHit(tuple(hit), len(hit) * self.block_size, req.num_tokens)
+
+    def allocate(self, req: Request, num_new_tokens: int, prefix_hit: PrefixHit | None = None) -> list[int] | None:
+        """Give the request room for `num_new_tokens` more tokens; returns the new block ids.
+
+        With `prefix_hit` (a request's first allocation) the hit blocks become its first blocks
+        and the new tokens follow them. Returns None, changing nothing, when the free blocks do
+        not suffice.
+        """
+        blocks = self._req_blocks.get(req.request_id)
+        if prefix_hit is None and blocks is not None:
+            # The common case, a running request whose blocks still hold the new tokens (a decode
+            # needs a new block once every block_size steps).
+            num_needed = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(blocks)
+            if num_needed <= 0:
+                return []
+        if prefix_hit is not None and blocks:
+            raise RuntimeError(f"request {req.request_id} already holds KV blocks; a prefix hit only applies first")
+        hit_blocks = [self.pool.blocks[i] for i in prefix_hit.block_ids] if prefix_hit else []
+        num_computed = prefix_hit.num_tokens if prefix_hit else req.num_computed_tokens
+        num_held = len(hit_blocks) + (len(blocks) if blocks else 0)
+        num_needed = max(0, -(-(num_computed + num_new_tokens) // self.block_size) - num_held)
+        # Hit blocks sitting in the free list leave it when touched, so they count against it.
+        num_revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        if num_needed + num_revived > self.pool.num_free:
+            return None
+        if blocks is None:
+            blocks = self._req_blocks[req.request_id] = []
+            self._num_committed[req.request_id] = len(hit_blocks)
+        if prefix_hit is not None:
+            self.pool.touch(hit_blocks)
+            blocks.extend(hit_blocks)
+            self.prefix_queries += prefix_hit.num_queried_tokens
+            self.prefix_hits += prefix_hit.num_tokens
+        new_blocks = self.pool.allocate(num_needed)
+        blocks.extend(new_blocks)
+        return [b.block_id for b in new_blocks]
+
+    def commit(self, req: Request) -> None:
+        """Register the hashes of the request's blocks that are full up to `num_computed_tokens`
+        and whose token ids are all known (a pending sampled token has no id yet)."""
+        if not self.enable_prefix_caching:
+            return
+        start = self._num_committed.get(req.request_id)
+        if start is None or min(req.num_computed_tokens, req.num_tokens) < (start + 1) * self.block_size:
+            return
+        blocks = self._req_blocks[req.request_id]
+        num_full = min(min(req.num_computed_tokens, req.num_tokens) // self.block_size, len(blocks))
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(req, num_full)
+        for index in range(start, num_full):
+            self.pool.cache(blocks[index], hashes[index])
+        self._num_committed[req.request_id] = num_full
+
+    def free(self, req: Request) -> None:
+        """Return the request's blocks to the pool (a no-op for a request holding none)."""
+        blocks = self._req_blocks.pop(req.request_id, None)
+        self._num_committed.pop(req.request_id, None)
+        if blocks:
+            # Tail blocks first: they are the least shared, so they should be evicted first.
+            self.pool.free(reversed(blocks))
+
+    def _block_hashes(self, req: Request, num_blocks: int) -> list[int]:
+        return extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, num_blocks)

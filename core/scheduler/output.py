@@ -1,0 +1,45 @@
+"""What the scheduler hands the worker each step (scheduler -> worker).
+
+It carries diffs, as vLLM V1 does: a request travels in full once (`NewRequestData`, also after a
+preemption), afterwards only its new block ids and computed-token count, so a worker may live in
+another process and keep its own per-request state.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from ..sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True, gc=False):
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    sample_index: int = 0
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
+    req_ids: list[str] = []
+    new_block_ids: list[list[int]] = []
+    num_computed_tokens: list[int] = []
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
+    """One step's work. `num_computed_tokens` values are counts *before* this step's tokens.
+
+    `finished_req_ids` lists requests the worker must forget (finished, aborted or preempted
+    since the previous step); a preempted request comes back later as a new request.
+    """
+
+    new_requests: list[NewRequestData]
+    cached_requests: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: list[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

@@ -1,0 +1,29 @@
+"""What a step gives back to the scheduler (worker -> scheduler)."""
+from __future__ import annotations
+
+import msgspec
+
+
+class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs for a run of positions: row i holds the chosen token first, then the top-k.
+
+    `ranks[i]` is the chosen token's rank in the distribution (1 = most likely).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
+    """What a step produced: one sampled token for every request that reached the end of its tokens.
+
+    Requests still in a partial (chunked) prefill produce no token and are absent from `req_ids`.
+    `logprobs` rows align with `req_ids`; `prompt_logprobs` holds, per request, the logprobs of
+    the prompt positions computed this step (position 0 has none and is skipped).
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: LogprobsLists | None = None
+    prompt_logprobs: dict[str, LogprobsLists] = {}

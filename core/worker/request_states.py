@@ -1,0 +1,239 @@
+"""The worker's own copy of each running request, kept in sync from SchedulerOutput diffs, and the
+host arrays of one step built from it.
+
+Per step the Python work is one short loop over the scheduled requests; everything per token or
+per block is numpy over whole arrays. Block ids live in a persistent host table (one row per
+request, appended to as blocks arrive, as vLLM's persistent batch keeps them), so a step gathers
+its rows in one take instead of re-reading every request's list.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..sample.metadata import is_plain_greedy, reads_output_ids, reads_prompt_ids
+from ..sampling_params import SamplingParams
+from ..scheduler.output import NewRequestData, SchedulerOutput
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    table_row: int
+    generator: torch.Generator | None = None
+    # Tokens sampled by a launched step whose ids have not been read back yet (0 or 1).
+    num_pending: int = 0
+    # What the sampler needs from this request, fixed with its parameters.
+    plain_greedy: bool = False
+    reads_prompt: bool = False
+    reads_output: bool = False
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def seeded_generator(self) -> torch.Generator | None:
+        """The request's generator, reseeded from (seed, output position).
+
+        Deriving each draw from the position rather than from generator history makes a seeded
+        request's tokens independent of batching and identical after a preemption resume.
+        """
+        if self.generator is not None:
+            step = len(self.token_ids) + self.num_pending - self.num_prompt_tokens
+            self.generator.manual_seed((self.sampling_params.seed * 1_000_003 + step) % (1 << 63))
+        return self.generator
+
+
+class BlockTable:
+    """Block ids of every live request, one int32 row each, zero past a row's blocks (block 0 is
+    the null block). Grows in both directions on demand."""
+
+    def __init__(self, rows: int = 64, width: int = 64):
+        self.table = np.zeros((rows, width), dtype=np.int32)
+        self._free_rows = list(range(rows - 1, -1, -1))
+
+    def add(self, block_ids: list[int]) -> int:
+        if not self._free_rows:
+            self._grow(rows=2 * self.table.shape[0])
+        row = self._free_rows.pop()
+        self.write(row, 0, block_ids)
+        return row
+
+    def write(self, row: int, start: int, block_ids: list[int]) -> None:
+        end = start + len(block_ids)
+        if end > self.table.shape[1]:
+            self._grow(width=max(end, 2 * self.table.shape[1]))
+        self.table[row, start:end] = block_ids
+
+    def release(self, row: int, num_blocks: int) -> None:
+        self.table[row, :num_blocks] = 0
+        self._free_rows.append(row)
+
+    def gather(self, rows: list[int], width: int) -> np.ndarray:
+        """A fresh [len(rows), width] array of those rows' first `width` block ids."""
+        if width > self.table.shape[1]:
+            self._grow(width=width)
+        return self.table[rows, :width]
+
+    def _grow(self, rows: int | None = None, width: int | None = None) -> None:
+        old_rows, old_width = self.table.shape
+        grown = np.zeros((rows or old_rows, width or old_width), dtype=np.int32)
+        grown[:old_rows, :old_width] = self.table
+        self._free_rows.extend(range(grown.shape[0] - 1, old_rows - 1, -1))
+        self.table = grown
+
+
+@dataclass
+class HostStep:
+    """One step's model inputs as host arrays: B requests in `req_ids` order, their T new tokens
+    packed one request after another."""
+
+    req_ids: list[str]
+    input_ids: np.ndarray          # int64 [T]
+    positions: np.ndarray          # int64 [T]
+    slot_mapping: np.ndarray       # int64 [T]
+    query_start_loc: np.ndarray    # int32 [B + 1]
+    seq_lens: np.ndarray           # int32 [B]
+    block_tables: np.ndarray       # int32 [B, W], W = blocks of the longest sequence
+    query_lens: list[int]
+    seq_lens_list: list[int]
+    query_starts: list[int]
+    max_query_len: int
+    max_seq_len: int
+    sample_req_ids: list[str]      # requests whose last token is in this step
+    sample_rows: list[int]         # the token row of each one's last token
+    # Token rows whose ids the previous step sampled and the host has not read yet (async
+    # scheduling): `input_ids` holds 0 there until the runner fills them on the device.
+    pending_req_ids: list[str] = field(default_factory=list)
+    pending_rows: list[int] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def samples_every_row(self) -> bool:
+        """Every token row is sampled, in order (a pure-decode step): no row selection needed."""
+        return len(self.sample_rows) == self.num_tokens
+
+
+class RequestStates:
+    """Per-request state owned by the worker; applies each step's diff before the forward pass."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.states: dict[str, CachedRequestState] = {}
+        self.block_table = BlockTable()
+        # Requests asking for prompt logprobs whose prompt positions are not all reported yet.
+        self.prompt_logprobs_pending: set[str] = set()
+
+    def apply(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids:
+            self._forget(req_id)
+        for new in sched.new_requests:
+            self._forget(new.req_id)
+            self.states[new.req_id] = self._make_state(new)
+        cached = sched.cached_requests
+        for req_id, new_blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            state = self.states[req_id]
+            if new_blocks:
+                self.block_table.write(state.table_row, len(state.block_ids), new_blocks)
+                state.block_ids.extend(new_blocks)
+            state.num_computed_tokens = computed
+
+    def build_step(self, sched: SchedulerOutput, block_size: int) -> HostStep:
+        """The host arrays of a non-empty step whose diff has been applied."""
+        req_ids = list(sched.num_scheduled_tokens)
+        query_lens = list(sched.num_scheduled_tokens.values())
+        token_ids: list[int] = []
+        starts, rows, query_starts, sample_req_ids, sample_rows = [], [], [], [], []
+        pending_req_ids, pending_rows = [], []
+        for req_id, n in zip(req_ids, query_lens):
+            state = self.states[req_id]
+            start = state.num_computed_tokens
+            query_starts.append(len(token_ids))
+            known = state.token_ids[start:start + n]
+            token_ids += known
+            if len(known) < n:
+                if len(known) + 1 < n or not state.num_pending:
+                    raise RuntimeError(f"request {req_id!r}: {n} tokens scheduled from position {start}, "
+                                       f"only {len(known)} known and {state.num_pending} pending")
+                pending_req_ids.append(req_id)
+                pending_rows.append(len(token_ids))
+                token_ids.append(0)
+            starts.append(start)
+            rows.append(state.table_row)
+            if start + n == len(state.token_ids) + state.num_pending:
+                sample_req_ids.append(req_id)
+                sample_rows.append(len(token_ids) - 1)
+        lens = np.array(query_lens, dtype=np.int64)
+        seq_lens = np.array(starts, dtype=np.int64) + lens
+        query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int32)
+        query_start_loc[1:] = np.cumsum(lens)
+        # Position of token t of request i: t - query_start[i] + start[i].
+        positions = np.arange(len(token_ids), dtype=np.int64) + np.repeat(seq_lens - lens - query_start_loc[:-1], lens)
+        max_seq_len = int(seq_lens.max())
+        tables = self.block_table.gather(rows, -(-max_seq_len // block_size))
+        token_rows = np.repeat(np.arange(len(req_ids)), lens)
+        blocks = tables[token_rows, positions // block_size].astype(np.int64)
+        return HostStep(
+            req_ids=req_ids,
+            input_ids=np.array(token_ids, dtype=np.int64),
+            positions=positions,
+            slot_mapping=blocks * block_size + positions % block_size,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens.astype(np.int32),
+            block_tables=tables,
+            query_lens=query_lens,
+            seq_lens_list=seq_lens.tolist(),
+            query_starts=query_starts,
+            max_query_len=max(query_lens),
+            max_seq_len=max_seq_len,
+            sample_req_ids=sample_req_ids,
+            sample_rows=sample_rows,
+            pending_req_ids=pending_req_ids,
+            pending_rows=pending_rows,
+        )
+
+    def _forget(self, req_id: str) -> None:
+        self.prompt_logprobs_pending.discard(req_id)
+        state = self.states.pop(req_id, None)
+        if state is not None:
+            self.block_table.release(state.table_row, len(state.block_ids))
+
+    def _make_state(self, new: NewRequestData) -> CachedRequestState:
+        params = new.sampling_params
+        # A resumed request already reported its prompt logprobs before it was preempted.
+        if (params.prompt_logprobs is not None and len(new.token_ids) == new.num_prompt_tokens
+                and new.num_computed_tokens < new.num_prompt_tokens):
+            self.prompt_logprobs_pending.add(new.req_id)
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator(device=self.device)
+        return CachedRequestState(
+            req_id=new.req_id,
+            token_ids=list(new.token_ids),
+            num_prompt_tokens=new.num_prompt_tokens,
+            sampling_params=params,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            table_row=self.block_table.add(new.block_ids),
+            generator=generator,
+            plain_greedy=is_plain_greedy(params),
+            reads_prompt=reads_prompt_ids(params),
+            reads_output=reads_output_ids(params),
+        )
+
+    def __getitem__(self, req_id: str) -> CachedRequestState:
+        return self.states[req_id]

@@ -1,0 +1,107 @@
+"""Paged decode attention against torch references, split-KV included.
+
+Contexts live in shuffled, non-contiguous blocks; every cache slot outside a context is NaN.
+"""
+import pytest
+import torch
+from corectl.backends.triton.decode_attention import (
+    MAX_SPLITS,
+    decode_num_splits,
+    paged_decode_attention,
+)
+from corectl.backends.triton.reference import paged_attention_ref
+from corectl.backends.triton.testing import contiguous_attention_ref, random_paged_batch
+
+SCALE = 0.25
+
+
+def _decode(batch, num_splits=None, max_seq_len=None):
+    out = torch.full(batch.q.shape, float("nan"), dtype=batch.q.dtype)
+    max_seq_len = max(batch.seq_lens_list) if max_seq_len is None else max_seq_len
+    return paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, SCALE,
+                                  max_seq_len=max_seq_len, num_splits=num_splits, out=out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_matches_reference(dtype, num_splits, assert_close):
+    seq_lens = [141, 3, 17]
+    batch = random_paged_batch(seq_lens, [1, 1, 1], num_heads=6, num_kv_heads=2, head_dim=32, block_size=4,
+                               dtype=dtype, store_new_tokens=True)
+    out = _decode(batch, num_splits)
+    assert_close(out, contiguous_attention_ref(batch, SCALE))
+    paged = paged_attention_ref(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                                batch.query_start_loc, SCALE)
+    assert_close(out, paged, roundings=2)
+
+
+def test_many_splits_of_long_and_short_contexts(assert_close):
+    """More splits than some sequences have keys: the empty splits must drop out of the combine."""
+    batch = random_paged_batch([130, 2], [1, 1], num_heads=4, num_kv_heads=1, head_dim=16, block_size=16,
+                               dtype=torch.float32, store_new_tokens=True)
+    assert_close(_decode(batch, num_splits=5), contiguous_attention_ref(batch, SCALE))
+
+
+def test_head_dim_not_a_power_of_two(assert_close):
+    batch = random_paged_batch([9, 20], [1, 1], num_heads=6, num_kv_heads=2, head_dim=24, block_size=4,
+                               dtype=torch.bfloat16, store_new_tokens=True)
+    assert_close(_decode(batch, num_splits=2), contiguous_attention_ref(batch, SCALE))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_zero_length_rows_yield_zeros(num_splits, assert_close):
+    """CUDA-graph padding rows have seq_len 0: they must produce zeros, not NaN, and leave others intact."""
+    batch = random_paged_batch([12, 12], [1, 1], num_heads=6, num_kv_heads=2, head_dim=16, block_size=4,
+                               dtype=torch.float32, store_new_tokens=True)
+    expected = contiguous_attention_ref(batch, SCALE)
+    batch.seq_lens[1] = 0
+    out = _decode(batch, num_splits)
+    assert_close(out[0], expected[0])
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def test_split_choice_follows_batch_and_context():
+    assert decode_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=4096, num_compute_units=132) == 16
+    assert decode_num_splits(num_seqs=64, num_kv_heads=8, max_seq_len=4096, num_compute_units=132) == 1
+    assert decode_num_splits(num_seqs=4, num_kv_heads=8, max_seq_len=32768, num_compute_units=132) == 8
+    assert decode_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=100_000, num_compute_units=132) == 33
+    assert decode_num_splits(num_seqs=256, num_kv_heads=8, max_seq_len=4096, num_compute_units=132) == 1
+    assert decode_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=100, num_compute_units=132) == 1
+    assert decode_num_splits(num_seqs=4, num_kv_heads=2, max_seq_len=10**6, num_compute_units=1000) == MAX_SPLITS
+
+
+def _small_batch():
+    return random_paged_batch([9, 5], [1, 1], num_heads=6, num_kv_heads=2, head_dim=16, block_size=4,
+                              dtype=torch.float32, store_new_tokens=True)
+
+
+def test_rejects_out_of_range_indices():
+    batch = _small_batch()
+    num_blocks = batch.kv_cache.shape[1]
+    batch.block_tables[1, 0] = num_blocks
+    with pytest.raises(ValueError, match=rf"block_tables values must lie in \[0, {num_blocks}\)"):
+        _decode(batch)
+    batch = _small_batch()
+    capacity = batch.block_tables.shape[1] * 4
+    batch.seq_lens[0] = capacity + 1
+    with pytest.raises(ValueError, match=rf"seq_lens values must lie in \[0, {capacity + 1}\)"):
+        _decode(batch)
+
+
+def test_rejects_wrong_shapes_and_dtypes():
+    batch = _small_batch()
+    args = (batch.kv_cache, batch.block_tables, batch.seq_lens, SCALE)
+    with pytest.raises(ValueError, match="q must be \\[num_seqs, num_heads \\* 16\\] with num_heads a multiple of 2"):
+        paged_decode_attention(batch.q[:, :80], *args, max_seq_len=9)
+    with pytest.raises(ValueError, match=r"q must be \[num_tokens, num_heads \* head_dim\] = \[2, 96\]"):
+        paged_decode_attention(batch.q[:1], *args, max_seq_len=9)
+    with pytest.raises(ValueError, match="q and kv_cache must share a dtype"):
+        paged_decode_attention(batch.q.bfloat16(), *args, max_seq_len=9)
+    with pytest.raises(ValueError, match="block_tables must be int32, got torch.int64"):
+        paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables.long(), batch.seq_lens, SCALE,
+                               max_seq_len=9)
+    with pytest.raises(ValueError, match="seq_lens has 1 entries but block_tables has 2 rows"):
+        paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens[:1], SCALE,
+                               max_seq_len=9)
+    with pytest.raises(ValueError, match=rf"num_splits must lie in \[1, {MAX_SPLITS}\], got 0"):
+        paged_decode_attention(batch.q, *args, max_seq_len=9, num_splits=0)
