@@ -152,7 +152,7 @@ def test_decode_step_is_graphable_and_pads_with_inert_rows():
     assert choose_graph_size([1, 2, 4, 8], 3, host) == 4
     assert choose_graph_size([1, 2], 3, host) is None
     assert choose_graph_size([1, 2, 4, 8], 2, host) is None      # wider than the captured block tables
-    input_ids, positions, slots, seq_lens, tables = pad_decodescheduler_output(host, 4)
+    input_ids, positions, slots, seq_lens, tables = pad_decode_step(host, 4)
     assert input_ids.tolist() == host.input_ids.tolist() + [0]
     assert positions.tolist() == host.positions.tolist() + [0]
     assert slots.tolist() == host.slot_mapping.tolist() + [-1]
@@ -178,7 +178,7 @@ def test_static_inputs_take_each_step_whole_whatever_the_previous_step_left():
     for num_seqs in (4, 3):
         states, sched = _decode_states(num_seqs)
         host = states.build_step(sched, BS)
-        static.load(4, [torch.from_numpy(a) for a in pad_decodescheduler_output(host, 4)])
+        static.load(4, [torch.from_numpy(a) for a in pad_decode_step(host, 4)])
     assert static.seq_lens[:4].tolist() == [9, 10, 11, 0]
     assert static.slot_mapping[:4].tolist() == host.slot_mapping.tolist() + [-1]
     assert static.block_tables[:3, :3].tolist() == host.block_tables.tolist()
@@ -187,7 +187,7 @@ def test_static_inputs_take_each_step_whole_whatever_the_previous_step_left():
     assert batch.block_tables.shape == (4, 6) and batch.max_seq_len == 24 and batch.is_pure_decode
 
 
-def test_padded_decode_through_the_triton_backend_matches_the_unpaddedscheduler_output():
+def test_padded_decode_through_the_triton_backend_matches_the_unpadded_step():
     """The graph's view of a step (padded rows, stale block-table columns, split count chosen for the
     model's max length) attends and stores exactly as the eager step does."""
     from corectl.backends.triton.attention import TritonAttentionBackend
@@ -205,7 +205,7 @@ def test_padded_decode_through_the_triton_backend_matches_the_unpaddedscheduler_
 
     static = _StaticDecodeInputs(max_batch=8, max_blocks=max_model_len // BS, device=torch.device("cpu"))
     static.block_tables.fill_(39)   # stale ids from earlier, wider steps
-    static.load(4, [torch.from_numpy(a) for a in pad_decodescheduler_output(host, 4)])
+    static.load(4, [torch.from_numpy(a) for a in pad_decode_step(host, 4)])
     meta = backend.build_metadata(static.attention_batch(4, max_model_len, BS), check_indices=False)
     meta.num_splits = 3
     graph_cache = kv_cache.clone()

@@ -14,7 +14,7 @@ def _reference_slots(blocks, start, end):
     return [blocks[p // BS] * BS + p % BS for p in range(start, end)]
 
 
-def test_step_arrays_of_a_mixedscheduler_output():
+def test_step_arrays_of_a_mixed_step():
     """A cold prefill, a chunk after a prefix hit and a decode, checked against per-token Python."""
     states = RequestStates(torch.device("cpu"))
     sched = scheduler_output(
