@@ -65,6 +65,28 @@ stage_w5() {
   kill -TERM $server; wait $server
   bench latency --model llama3-8b --batch-size 1 --input-len 1024 --output-len 128 --save-result "$RES/w5_offline.json" | grep TPOT
 }
+stage_w5budget() {
+  # Online latency against the step token budget: W5's concurrency-64 load on the llama3-8b shape, one
+  # server per budget (W5_BUDGETS, default "8192 2048 1024"), each warmed up by a first pass before the
+  # measured one; 8192 with 256 sequences is the setting of the earlier W5 figures.
+  local port=8012
+  for budget in ${W5_BUDGETS:-8192 2048 1024}; do
+    local seqs=$(( budget == 8192 ? 256 : 128 ))
+    corectl serve llama3-8b --load-format dummy --platform cuda --port $port --max-num-seqs $seqs \
+      --max-num-batched-tokens $budget > "$RES/w5_server_$budget.log" 2>&1 &
+    local server=$!
+    for _ in $(seq 300); do curl -sf http://127.0.0.1:$port/health >/dev/null && break; sleep 1; done
+    for pass in warm run; do
+      local prompts=256; [ $pass = warm ] && prompts=64
+      corectl bench serve --base-url http://127.0.0.1:$port --endpoint /v1/completions --prompt-token-ids \
+        --vocab-size 128000 --input-len 1024 --output-len 128 --ignore-eos --seed 0 \
+        --num-prompts $prompts --max-concurrency 64 \
+        --save-result "$RES/w5_b${budget}_$pass.json" > "$RES/w5_b${budget}_$pass.txt" 2>&1
+    done
+    echo "budget $budget seqs $seqs:"; grep -iE "throughput|ITL|TTFT|TPOT|failed" "$RES/w5_b${budget}_run.txt"
+    kill -TERM $server; wait $server; port=$(( port + 1 ))
+  done
+}
 stage_w4() {
   bench throughput --model qwen3-0.6b --num-prompts 256 --min-len 100 --max-len 1024 --save-result "$RES/w4.json"
   python3 "$PEER" static --shape qwen3-0.6b --batch 128 --input-len 512 --output-len 512
