@@ -21,6 +21,12 @@ from .logs import LOG_FORMATS
 logger = logging.getLogger("corectl.server")
 
 
+# Online latency: a step's prefill chunk delays every running decode, so the server takes a smaller
+# token budget than the offline engine. On the H100 (docs/performance.md, W5 at concurrency 64) 1024
+# kept ITL p99 at 49 ms where 2048 gave 69 ms and 8192 189 ms, at the same output throughput.
+SERVE_DEFAULTS = {"max_num_batched_tokens": 1024}
+
+
 def register(sub) -> None:
     parser = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                             description="Serve a model over an OpenAI-compatible HTTP API.")
@@ -47,7 +53,7 @@ def register(sub) -> None:
     group.add_argument("--log-format", choices=LOG_FORMATS, default="auto",
                        help="'human' lines, 'json' lines, or 'auto': human on a terminal (default: auto)")
     group.add_argument("--log-prompts", action="store_true", help="include prompts in the per-request log lines")
-    add_engine_args(parser, model_positional=True)
+    add_engine_args(parser, model_positional=True, defaults=SERVE_DEFAULTS)
     parser.set_defaults(handler=run)
 
 

@@ -44,7 +44,9 @@ ENGINE_FLAGS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
 }
 
 
-def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False,
+                    defaults: dict[str, Any] | None = None) -> None:
+    """Add every engine flag; `defaults` replaces EngineConfig's defaults for this subcommand."""
     if model_positional:
         parser.add_argument("model", nargs="?", default=None,
                             help="HF directory, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
@@ -52,10 +54,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         parser.add_argument("--model", default=None,
                             help="HF directory, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
     groups: dict[str, argparse._ArgumentGroup] = {}
-    defaults = EngineConfig()
+    config_defaults = EngineConfig()
     for field, (flag, group, help_text, extra) in ENGINE_FLAGS.items():
         grp = groups.setdefault(group, parser.add_argument_group(group))
-        default = getattr(defaults, field)
+        default = (defaults or {}).get(field, getattr(config_defaults, field))
         grp.add_argument(flag, dest=field, default=default, help=f"{help_text} (default: {default})", **extra)
 
 

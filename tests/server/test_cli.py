@@ -31,3 +31,17 @@ def test_plugins_lists_builtins_with_package_and_availability():
     assert rows[("platform", "cpu")][3:] == ["corectl", "0", "yes"]
     assert rows[("platform", "cuda")][-1] in ("yes", "no")
     assert ("model", "Qwen3ForCausalLM") in rows and ("attention", "triton") in rows
+
+
+def test_serve_takes_the_online_token_budget_and_offline_keeps_its_own():
+    from corectl.config import EngineConfig
+    from corectl.server.cli import build_parser
+    from corectl.server.cli_serve import settings_from_args
+
+    parser = build_parser()
+    served = settings_from_args(parser.parse_args(["serve"]))
+    assert served.engine.max_num_batched_tokens == 1024
+    explicit = settings_from_args(parser.parse_args(["serve", "--max-num-batched-tokens", "8192"]))
+    assert explicit.engine.max_num_batched_tokens == 8192
+    generate = parser.parse_args(["generate", "hi"])
+    assert generate.max_num_batched_tokens == EngineConfig().max_num_batched_tokens == 2048
