@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "corectl.llm",
     "SamplingParams": "corectl.sampling_params",
+    "StructuredOutputsParams": "corectl.sampling_params",
     "EngineConfig": "corectl.config",
     "RequestOutput": "corectl.outputs",
     "CompletionOutput": "corectl.outputs",
@@ -39,4 +40,4 @@ if TYPE_CHECKING:
     from .engine.client import EngineClient
     from .llm import LLM
     from .outputs import CompletionOutput, RequestOutput
-    from .sampling_params import SamplingParams
+    from .sampling_params import SamplingParams, StructuredOutputsParams

@@ -46,6 +46,13 @@ class AttentionBackend(abc.ABC):
     """One instance per worker; `forward` is called by every attention layer of the model."""
 
     name: str = ""
+    #: Whether a pure-decode step's forward can be captured in a device graph (CUDA or HIP graphs)
+    #: and replayed with new inputs. A backend that says so, given metadata built with
+    #: `check_indices=False` for a batch of fixed size, reads nothing back from the device during
+    #: `forward`, launches the same work on every replay, and takes everything that changes
+    #: between steps from the metadata's tensors, which the runner refills in place. Graph
+    #: runners run every step eagerly with any other backend.
+    supports_graph_capture: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, block_size: int):
@@ -63,8 +70,14 @@ class AttentionBackend(abc.ABC):
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
     @abc.abstractmethod
-    def build_metadata(self, batch: AttentionBatch) -> Any:
-        """Turn the neutral batch description into whatever `forward` needs (built once per step)."""
+    def build_metadata(self, batch: AttentionBatch, check_indices: bool = True) -> Any:
+        """Turn the neutral batch description into whatever `forward` needs (built once per step).
+
+        `check_indices=False` says the batch's block tables, slot mapping and lengths come from
+        the engine's own runner, so the backend need not validate them: validation that reads
+        device tensors back is a host sync each step, and a graph capture forbids it. Model
+        runners always pass False; the default serves direct callers.
+        """
 
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -10,6 +10,7 @@ from .errors import ConfigError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 POLICIES = ("fcfs", "priority")
+EXECUTOR_BACKENDS = ("mp", "ray")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 
 
@@ -27,6 +28,19 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     async_scheduling: schedule and launch step N+1 before step N's sampled ids reach the host, so
         host work overlaps the device; None turns it on where the platform's device runs
         asynchronously (GPUs). Outputs are the same either way.
+    tensor_parallel_size: ranks that split the model's heads, MLP rows and vocabulary (one device
+        each); it must divide the attention heads.
+    distributed_executor_backend: how ranks are started: "mp" (one process per rank on this
+        host) or "ray" (one Ray actor per rank in a placement group, on the cluster `RAY_ADDRESS`
+        names, else a local one). None: in the engine's own process at tensor-parallel size 1,
+        "mp" above it.
+    data_parallel_size: engine cores serving the same model behind one server, each with its own
+        tensor-parallel group (`corectl.engine.dp`); the server routes each request to one of them.
+        The offline `LLM` runs a single engine core.
+    structured_outputs_backend: the grammar backend for requests with `structured_outputs`
+        (a name registered through the `corectl_structured_output_backends` hook).
+    structured_outputs_compile_timeout: seconds a request's grammar may take to compile (from its
+        arrival) before the request ends with an error instead of waiting on.
     skip_tokenizer_init: load no tokenizer: prompts are token ids, outputs carry token ids and empty
         text. Shape presets, and dummy weights from a config with no tokenizer files beside it (and
         no `tokenizer` given), always run this way.
@@ -54,8 +68,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enforce_eager: bool = False
     async_scheduling: bool | None = None
     num_threads: int | None = None
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
     chat_template: str | None = None
     hf_overrides: dict[str, Any] | None = None
+    structured_outputs_backend: str = "xgrammar"
+    structured_outputs_compile_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)
@@ -70,8 +89,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             self._check_positive("max_queued_requests")
         if self.num_threads is not None:
             self._check_positive("num_threads")
+        self._check_positive("tensor_parallel_size")
+        self._check_positive("data_parallel_size")
+        if self.distributed_executor_backend is not None:
+            self._check_choice("distributed_executor_backend", EXECUTOR_BACKENDS)
         if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
             raise ConfigError("kv_cache_memory_gib", f"must be a positive number of GiB, got {self.kv_cache_memory_gib!r}")
+        if not self.structured_outputs_compile_timeout > 0:
+            raise ConfigError("structured_outputs_compile_timeout",
+                              f"must be a positive number of seconds, got {self.structured_outputs_compile_timeout!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not self.platform or not isinstance(self.platform, str):

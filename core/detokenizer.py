@@ -1,9 +1,12 @@
 """Per-stream text output: incremental detokenization and stop strings.
 
 Both run once per generated token per stream in the caller's process, so they stay small: the
-detokenizer leans on the Rust `DecodeStream`, the matcher scans only the last few characters.
+detokenizer leans on the Rust `DecodeStream`, the matcher advances one automaton per stop string
+over the new characters only.
 """
 from __future__ import annotations
+
+import functools
 
 from tokenizers.decoders import DecodeStream
 
@@ -27,15 +30,15 @@ class IncrementalDetokenizer:
     byte-level tokenizers is `tokenizer.decode(output_ids)` itself.
     """
 
-    __slots__ = ("_backend", "_skip_special", "_stream", "_context", "_pending")
+    __slots__ = ("_backend", "_skip_special", "_stream", "_context", "_held_ids")
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool):
         self._backend = tokenizer.backend_tokenizer
         self._skip_special = skip_special_tokens
         prime = self._prompt_tail(prompt_token_ids)
         self._stream = DecodeStream(ids=prime, skip_special_tokens=skip_special_tokens)
-        self._context = prime  # ids decoded just before the pending ones, for `flush`
-        self._pending: list[int] = []  # ids whose text is still held back
+        self._context = prime  # ids decoded just before the held ones, for `flush`
+        self._held_ids: list[int] = []  # ids whose text is still held back
 
     def push(self, token_ids: list[int]) -> str:
         """Add generated ids; returns the text they finalised (possibly empty)."""
@@ -43,22 +46,22 @@ class IncrementalDetokenizer:
         for token_id in token_ids:
             piece = self._step(token_id)
             if piece is None:
-                self._pending.append(token_id)
+                self._held_ids.append(token_id)
             else:
                 pieces.append(piece)
                 self._context = [token_id]
-                if self._pending:
-                    self._pending = []
+                if self._held_ids:
+                    self._held_ids = []
         return "".join(pieces)
 
     def flush(self) -> str:
         """Text still held back when generation ends: an unfinished character decodes to U+FFFD, as in
         a full decode of the output."""
-        if not self._pending:
+        if not self._held_ids:
             return ""
         base = self._backend.decode(self._context, skip_special_tokens=self._skip_special)
-        text = self._backend.decode(self._context + self._pending, skip_special_tokens=self._skip_special)
-        self._pending = []
+        text = self._backend.decode(self._context + self._held_ids, skip_special_tokens=self._skip_special)
+        self._held_ids = []
         return text[len(base):] if text.startswith(base) else text
 
     def _step(self, token_id: int) -> str | None:
@@ -70,7 +73,7 @@ class IncrementalDetokenizer:
             # Byte-fallback decoders write one U+FFFD per stray byte, so a window the stream re-decodes
             # can stop extending the text it already sent (vLLM #17448): restart from this token.
             self._stream = DecodeStream(skip_special_tokens=self._skip_special)
-            self._pending = []
+            self._held_ids = []
             return self._stream.step(self._backend, token_id)
 
     def _prompt_tail(self, prompt_token_ids: list[int]) -> list[int]:
@@ -91,20 +94,21 @@ class StopStringMatcher:
     Text that might be the start of a stop string is held back (when the stop string is excluded from
     the output), so a stream never shows a partial match that is later cut. The first stop string to
     *complete* wins, so the result does not depend on how the text was split into deltas.
+
+    Clients choose the stop strings, so time and memory stay linear in their length: each stop string
+    is followed by a Knuth-Morris-Pratt automaton whose state is the longest suffix of the text so far
+    that begins it. A character costs O(1) amortised per stop string, and at most the longest stop
+    string's length minus one characters are held back.
     """
 
-    __slots__ = ("_stops", "_include", "_prefixes", "_first_chars", "_window_max", "_window", "_held",
-                 "_stopped")
+    __slots__ = ("_stops", "_include", "_borders", "_states", "_held", "_stopped")
 
     def __init__(self, stop: list[str], include_stop_str_in_output: bool):
         self._stops = tuple(stop)
         self._include = include_stop_str_in_output
-        self._prefixes = frozenset(s[:k] for s in stop for k in range(1, len(s)))
-        self._first_chars = frozenset(s[0] for s in stop if s)
-        # A stop string can span deltas: keep this many trailing characters to search again.
-        self._window_max = max((len(s) for s in stop), default=1) - 1
-        self._window = ""  # the last characters seen, emitted or held
-        self._held = 0  # how many of the window's trailing characters are not emitted yet
+        self._borders = [_borders(s) for s in self._stops]
+        self._states = [0] * len(self._stops)
+        self._held = ""  # text not emitted yet: it may begin a stop string
         self._stopped = False
 
     def feed(self, delta: str) -> tuple[str, str | None]:
@@ -114,35 +118,68 @@ class StopStringMatcher:
             return delta, None
         if self._stopped:
             return "", None
-        text = self._window + delta
-        emitted = len(self._window) - self._held
-        hit = self._first_hit(text)
+        text = self._held + delta
+        hit = self._first_hit(delta)
         if hit is not None:
-            stop, start = hit
-            self._stopped, self._window, self._held = True, "", 0
-            return text[emitted:start + len(stop) if self._include else start], stop
-        held = 0 if self._include else self._partial_suffix_len(text)
-        self._window = text[-self._window_max:] if self._window_max else ""
-        self._held = held
-        return text[emitted:len(text) - held], None
+            stop, end = hit
+            end += len(self._held)
+            self._stopped, self._held = True, ""
+            return text[:end if self._include else end - len(stop)], stop
+        keep = 0 if self._include else max(self._states)
+        self._held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep], None
 
     def flush(self) -> str:
         """Held-back text, for a request that ends without a stop string."""
-        held = self._window[len(self._window) - self._held:] if self._held else ""
-        self._held = 0
+        held, self._held = self._held, ""
         return held
 
-    def _first_hit(self, text: str) -> tuple[str, int] | None:
-        best: tuple[int, int, str] | None = None
-        for stop in self._stops:
-            start = text.find(stop)
-            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
-                best = (start + len(stop), start, stop)
-        return None if best is None else (best[2], best[1])
+    def _first_hit(self, delta: str) -> tuple[str, int] | None:
+        """Advance every automaton over `delta`; the stop string that completes first (the longest
+        of those completing at the same character) and where in `delta` it ends."""
+        best: tuple[str, int] | None = None
+        for i, stop in enumerate(self._stops):
+            limit = len(delta) if best is None else best[1]
+            self._states[i], end = _advance(stop, self._borders[i], self._states[i], delta, limit)
+            if end >= 0 and (best is None or end < best[1] or len(stop) > len(best[0])):
+                best = (stop, end)
+        return best
 
-    def _partial_suffix_len(self, text: str) -> int:
-        """Length of the longest suffix of `text` that begins some stop string."""
-        for k in range(min(self._window_max, len(text)), 0, -1):
-            if text[-k] in self._first_chars and text[-k:] in self._prefixes:
-                return k
-        return 0
+
+@functools.lru_cache(maxsize=256)
+def _borders(stop: str) -> tuple[int, ...]:
+    """KMP failure function: entry k is the length of the longest proper border of stop[:k + 1].
+    Cached, so the samples of an n > 1 request share their stop strings' tables."""
+    table = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        char = stop[i]
+        while k and stop[k] != char:
+            k = table[k - 1]
+        if stop[k] == char:
+            k += 1
+        table[i] = k
+    return tuple(table)
+
+
+def _advance(stop: str, borders: tuple[int, ...], state: int, delta: str, limit: int) -> tuple[int, int]:
+    """Run `stop`'s automaton from `state` over delta[:limit]; returns the new state and the end of
+    the first complete match in `delta`, or -1. While nothing is matched, `str.find` skips ahead to
+    the next occurrence of the stop string's first character."""
+    j = 0
+    while j < limit:
+        if state == 0:
+            j = delta.find(stop[0], j, limit)
+            if j < 0:
+                return 0, -1
+            state = 1
+        else:
+            char = delta[j]
+            while state and stop[state] != char:
+                state = borders[state - 1]
+            if stop[state] == char:
+                state += 1
+        j += 1
+        if state == len(stop):
+            return state, j
+    return state, -1

@@ -1,4 +1,4 @@
-"""Choosing a platform and an attention backend through the plugin manager."""
+"""Choosing a platform, an attention backend and a structured-output backend through the plugin manager."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,9 +52,19 @@ def resolve_attention_backend(platform: Platform, requested: str | None, model_c
     return import_dotted(spec.path)
 
 
+def resolve_structured_output_backend(name: str) -> type:
+    """The `corectl.structured.backend.StructuredOutputBackend` class registered under `name`."""
+    specs = get_plugin_manager().structured_output_backends()
+    spec = specs.get(name)
+    if spec is None:
+        raise ConfigError("structured_outputs_backend",
+                          f"unknown structured-output backend {name!r}; registered: {', '.join(sorted(specs)) or '(none)'}")
+    return import_dotted(spec.path)
+
+
 @dataclass(frozen=True)
 class InventoryRow:
-    kind: str  # "platform", "model" or "attention"
+    kind: str  # "platform", "model", "attention" or "structured"
     name: str
     plugin: str
     package: str
@@ -64,7 +74,8 @@ class InventoryRow:
 
 def plugin_inventory() -> list[InventoryRow]:
     """Everything the installed plugins provide, with the package behind each entry: platforms by
-    priority (with whether this machine can run them), then architectures, then attention backends."""
+    priority (with whether this machine can run them), then architectures, attention backends and
+    structured-output backends."""
     pm = get_plugin_manager()
     rows = [InventoryRow("platform", s.name, s.plugin, pm.provider(s.plugin), str(s.priority),
                          "yes" if spec_available(s) else "no")
@@ -74,4 +85,6 @@ def plugin_inventory() -> list[InventoryRow]:
     rows += [InventoryRow("attention", s.name, s.plugin, pm.provider(s.plugin), "",
                           "platforms: " + ",".join(s.platforms))
              for s in sorted(pm.attention_backends().values(), key=lambda s: s.name)]
+    rows += [InventoryRow("structured", s.name, s.plugin, pm.provider(s.plugin), "", s.description)
+             for s in sorted(pm.structured_output_backends().values(), key=lambda s: s.name)]
     return rows

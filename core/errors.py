@@ -12,6 +12,10 @@ class ConfigError(CorectlError, ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+
+    def __reduce__(self):  # keeps the field when it crosses a process (a tensor-parallel rank's error)
+        return type(self), (self.field, self.message)
 
 
 class InvalidRequestError(CorectlError, ValueError):
@@ -21,6 +25,9 @@ class InvalidRequestError(CorectlError, ValueError):
         super().__init__(message)
         self.param = param
         self.code = code
+
+    def __reduce__(self):
+        return type(self), (str(self), self.param, self.code)
 
 
 class EngineDeadError(CorectlError, RuntimeError):

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .engine.core import EngineCore
-from .engine.intake import NO_TOKENIZER, text_prompt_error
+from .engine.intake import NO_TOKENIZER, encode_prompt
 from .engine.output_processor import OutputProcessor
 from .errors import InvalidRequestError
 from .outputs import RequestOutput
@@ -51,7 +51,7 @@ class LLM:
         batch = _as_prompt_list(prompts)
         params = _broadcast(sampling_params or SamplingParams(), len(batch), "sampling_params")
         priorities = _broadcast(list(priority) if priority is not None else 0, len(batch), "priority")
-        encoded = [self._encode(p) for p in batch]
+        encoded = [encode_prompt(self.tokenizer, p) for p in batch]
         return self._run(encoded, params, priorities, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -70,42 +70,27 @@ class LLM:
         encoded = [(p, tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
         return self._run(encoded, params, [0] * len(prompts), use_tqdm)
 
-    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if not isinstance(prompt, str):
-            return None, list(prompt)
-        if self.tokenizer is None:
-            raise text_prompt_error()
-        return prompt, self.tokenizer.encode(prompt)
-
     def _run(self, encoded, params, priorities, use_tqdm) -> list[RequestOutput]:
-        processor = OutputProcessor(self.tokenizer, stream_deltas=False, final_only=True)
+        processor = OutputProcessor(self.engine.info, self.tokenizer, stream_deltas=False, final_only=True)
         ids = [str(next(self._counter)) for _ in encoded]
-        added: list[str] = []
-        try:
-            for rid, (text, token_ids), p, prio in zip(ids, encoded, params, priorities):
-                # The engine checks each request as it is added (EngineCore.add_request).
-                for core_request in processor.add_request(rid, text, token_ids, p, prio):
-                    self.engine.add_request(core_request)
-                    added.append(core_request.request_id)
-        except Exception:
-            # A bad prompt rejects the whole batch without leaving its siblings in the engine.
-            self.engine.abort_requests(added)
-            raise
+        # Intake checks every prompt before any reaches the engine: a bad one refuses the whole batch.
+        self.engine.add_requests([
+            core_request
+            for rid, (text, token_ids), p, prio in zip(ids, encoded, params, priorities)
+            for core_request in processor.add_request(rid, text, token_ids, p, prio)
+        ])
         finished: dict[str, RequestOutput] = {}
+        # Stepping until the engine has nothing left (not merely until every output is in) also
+        # completes a step still in flight under async scheduling: the engine is idle between calls.
         with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
-            while len(finished) < len(ids):
-                step = self.engine.step()
-                outputs, to_abort = processor.process_outputs(step.outputs)
+            while self.engine.has_unfinished_requests():
+                outputs, to_abort = processor.process_outputs(self.engine.step().outputs)
                 if to_abort:
                     self.engine.abort_requests(to_abort)
                 for out in outputs:
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)
-        # With async scheduling a step launched for requests that have since finished is still
-        # in flight; completing it leaves the engine idle between calls.
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
         return [finished[rid] for rid in ids]
 
 

@@ -1,11 +1,12 @@
 """The hardware-neutral platform contract. Backends implement it; core only calls it.
 
-Core never asks "is this CUDA?": it asks a platform for its capabilities.
+Core never asks "is this CUDA?": it asks a platform for its capabilities, and the platform's
+worker, runner and attention backend do the device-specific work.
 """
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -15,53 +16,126 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PlatformCaps:
-    """What a platform can do; core decides behaviour from these flags."""
+    """What a platform's device can do. Core decides behaviour from these fields, never from a
+    device's name; each comment says who reads the field."""
 
+    # The compute dtypes the platform runs (`--dtype` names); an explicit `--dtype` must be one
+    # of them (`Platform.resolve_dtype`).
     dtypes: tuple[str, ...] = ("float32",)
+    # What `--dtype auto` takes when the checkpoint's dtype is not kept (`Platform.resolve_dtype`).
     default_dtype: str = "float32"
-    graphs: bool = False
+    # Host memory can be page-locked, so a host-to-device copy staged there runs asynchronously
+    # instead of waiting for the device's queue: the model runner stages the sampler's per-step
+    # tensors so (`corectl.sample.transfer.DeviceTarget`).
     pinned_memory: bool = False
-    profiles_memory: bool = False
-    fp8: bool = False
     # The device runs queued work while the host goes on, so scheduling the next step before
-    # reading this one's ids overlaps host and device (async scheduling's default).
+    # reading this one's ids overlaps host and device (async scheduling's default, `EngineCore`).
     async_output: bool = False
-    notes: tuple[str, ...] = field(default_factory=tuple)
+    # How the sampler draws a random row's token: "exponential_race" (vocabulary-sized noise in
+    # one parallel pass, for GPUs) or "inverse_cdf" (one number per row and a search, for CPUs),
+    # handed to the runner's `Sampler` (`corectl.sample.random_sampling.sample_random`).
+    sampling_draw: str = "exponential_race"
+    # The worker sizes the KV cache from the device's memory (`gpu_memory_utilization` of it, less
+    # the weights and a profiled step's peak), not from `kv_cache_memory_gib`: `corectl plan`
+    # (`corectl.planning`) sizes it the same way.
+    profiles_memory: bool = False
 
 
 class Platform(abc.ABC):
-    """A kind of hardware: how to detect it, what it supports, and which worker drives it."""
+    """A kind of hardware: how to detect it, what it supports, and which worker drives it.
 
+    A plugin yields a ``PlatformSpec`` with the dotted path of its subclass
+    (``corectl.plugins.hookspecs.corectl_platforms``). Discovery (``corectl.discovery``) imports
+    the class, asks ``is_available()`` and instantiates the chosen one with no arguments. At
+    engine start core then calls ``check_config``, ``resolve_dtype``, ``default_attention_backend``
+    (unless ``--attention-backend`` names one), ``worker_cls``, ``capabilities`` and
+    ``device_name``. An instance holds no state of its own and may be pickled to other processes
+    (one per tensor-parallel rank), so every method may run more than once, anywhere.
+    """
+
+    #: The name of ``--platform``; it must equal the ``PlatformSpec`` name, and attention backends
+    #: list it in ``AttentionBackendSpec.platforms`` to be allowed here.
     name: str = ""
+    #: The torch device type the worker's tensors live on ("cpu", "cuda", ...), as
+    #: ``torch.get_device_module`` takes it: the executor selects each rank's device through it
+    #: (``core/executor/``), and it is the default of ``device_name``.
     device_type: str = "cpu"
 
     @classmethod
     @abc.abstractmethod
     def is_available(cls) -> bool:
-        """Whether this machine can run the platform. Must not raise."""
+        """Whether this machine can run the platform.
+
+        Called during discovery, for ``--platform auto`` on every platform in priority order and
+        for a named platform before it is used, and by ``corectl plugins``. It must not raise (a
+        missing or broken driver reads as False) and should stay cheap: ask the runtime whether a
+        device exists, without allocating on it.
+        """
 
     @abc.abstractmethod
     def capabilities(self) -> PlatformCaps:
-        ...
+        """What this machine's device can do, as a ``PlatformCaps``.
+
+        Called only on the chosen platform, after ``is_available()`` returned True, so it may query
+        the device (compute capability, CPU flags); it must return the same value on every call.
+        Core reads it at engine start: ``resolve_dtype`` checks ``dtypes`` and ``default_dtype``,
+        ``EngineCore`` turns async scheduling on by default where ``async_output`` is set,
+        ``Worker.load_model`` hands it to the ``ModelRunner`` (``pinned_memory``,
+        ``sampling_draw``), and ``corectl plan`` sizes the KV cache by ``profiles_memory``.
+        """
 
     @abc.abstractmethod
     def worker_cls(self) -> type["Worker"]:
-        ...
+        """The ``corectl.worker.worker.Worker`` subclass that drives one device of this platform.
+
+        Import it inside the method: discovery imports the platform's module on every start and in
+        ``corectl plugins``, so that module must not import torch.cuda, Triton or the worker. Core
+        builds one worker per rank as ``worker_cls()(config, platform, source, dtype=...,
+        max_model_len=..., eos_token_id=..., attention_backend_cls=...)`` (``WorkerSpec.build``),
+        then calls ``load_model``, ``profile_num_kv_blocks``, ``init_kv_cache`` and ``warmup`` in
+        that order, and ``launch`` once per step. A worker implements ``init_device`` and
+        ``profile_num_kv_blocks``; it may override ``warmup``, ``layer_kernels`` and
+        ``runner_cls``, a ``ModelRunner`` subclass for how inputs reach the device, how results
+        come back and whether steps replay captured graphs.
+        """
 
     @abc.abstractmethod
     def default_attention_backend(self, model_config) -> str:
-        """Name of the attention backend (a registered AttentionBackendSpec) to use for a model."""
+        """The name of the attention backend (a registered ``AttentionBackendSpec`` allowed on this
+        platform) to use for a model when ``--attention-backend`` names none.
+
+        ``model_config`` is the model's transformers config, so a platform may choose by head size
+        or architecture. Discovery then checks that the backend exists and allows this platform.
+        """
 
     def device_name(self) -> str:
+        """A human-readable name of the device (``EngineInfo.device``: the startup log, benchmark
+        results); the device type by default. Called on the chosen platform only, so it may query
+        the device."""
         return self.device_type
 
+    def distributed_backend(self) -> str:
+        """The torch.distributed backend tensor-parallel ranks on this platform join ("gloo",
+        "nccl", ...); core passes it to `init_process_group` and never names one itself."""
+        from .errors import ConfigError
+
+        raise ConfigError("tensor_parallel_size", f"platform {self.name!r} does not support tensor parallelism")
+
+    def device_memory(self) -> int | None:
+        """Bytes of memory on the device the engine would use (what `corectl plan` sizes for by
+        default); None when the platform cannot tell."""
+        return None
+
     def unavailable_reason(self) -> str:
+        """Why ``is_available()`` is False, for the ``ConfigError`` a user sees when asking for this
+        platform by name: say what hardware and software it needs."""
         return f"platform {self.name!r} is not available on this machine"
 
     def resolve_dtype(self, requested: str, model_dtype: str | None) -> str:
-        """Pick the compute dtype: an explicit request must be supported; 'auto' keeps a 16-bit
-        checkpoint dtype the platform runs well and otherwise (fp32 or quantized checkpoints, as
-        vLLM does) takes the platform default."""
+        """Pick the compute dtype from ``--dtype`` and the checkpoint's dtype, from
+        ``capabilities()``: an explicit request must be in ``dtypes``; 'auto' keeps a bf16
+        checkpoint when the platform runs bf16 and otherwise (fp32 or quantized checkpoints, as
+        vLLM does) takes ``default_dtype``. Platforms rarely override it."""
         caps = self.capabilities()
         if requested != "auto":
             if requested not in caps.dtypes:
@@ -76,4 +150,5 @@ class Platform(abc.ABC):
         return caps.default_dtype
 
     def check_config(self, config: "EngineConfig") -> None:
-        """Reject options the platform cannot honour (called once at engine start)."""
+        """Reject engine options the platform cannot honour by raising ``ConfigError`` (called
+        once at engine start, before the model loads); accepts everything by default."""

@@ -36,9 +36,8 @@ class Request:
 
     `num_computed_tokens` counts tokens whose K/V are in the cache (or scheduled into it this
     step); the scheduler advances it when it schedules, so a request is "prefilling" while it is
-    below `num_prompt_tokens`. `num_pending_tokens` counts tokens a scheduled step will sample but
-    whose ids have not arrived (with async scheduling, the next step is scheduled before they do);
-    `num_inflight_steps` counts scheduled steps whose results the scheduler has not applied yet.
+    below `num_prompt_tokens`. What scheduled steps still owe it under async scheduling (tokens
+    sampled but not arrived, steps not applied) is the scheduler's `StepsInFlight`'s to count.
     `group_id` ties together the `n` samples of one user request so the scheduler can let one of
     them fill the shared prompt blocks first.
     """
@@ -69,8 +68,6 @@ class Request:
         self.sample_index = sample_index
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.num_pending_tokens = 0
-        self.num_inflight_steps = 0
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

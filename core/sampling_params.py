@@ -1,12 +1,58 @@
 """Per-request sampling parameters, validated when built."""
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from .errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Constrain a request's output to a language (vLLM's `StructuredOutputsParams`); set exactly one of:
+
+    json: a JSON schema (a dict, or its JSON text); json_object: any JSON object; regex: a regular
+    expression; choice: one of these strings; grammar: an EBNF grammar (GBNF style, a `root` rule);
+    structural_tag: a structural tag in the backend's JSON format (text with tagged, schema-checked
+    regions). `disable_any_whitespace` makes JSON compact, without optional whitespace.
+    The engine compiles it with its structured-output backend (`EngineConfig.structured_outputs_backend`).
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        chosen = [kind for kind in _STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
+        if len(chosen) != 1:
+            raise InvalidRequestError(
+                f"structured_outputs must set exactly one of {', '.join(_STRUCTURED_KINDS)}; "
+                f"got {', '.join(chosen) if chosen else 'none'}", param="structured_outputs")
+        kind = chosen[0]
+        value = getattr(self, kind)
+        ok = {
+            "json": isinstance(value, (dict, str)) and bool(value),
+            "json_object": value is True,
+            "choice": isinstance(value, list) and bool(value) and all(isinstance(c, str) and c for c in value),
+        }.get(kind, isinstance(value, str) and bool(value.strip()))
+        if not ok:
+            expected = {"json": "a JSON schema (an object or its JSON text)", "json_object": "true",
+                        "choice": "a non-empty list of non-empty strings"}.get(kind, "a non-empty string")
+            raise InvalidRequestError(f"structured_outputs.{kind} must be {expected}, got {value!r}",
+                                      param=f"structured_outputs.{kind}")
+
+    @property
+    def kind(self) -> str:
+        """The one constraint that is set: json, json_object, regex, choice, grammar or structural_tag."""
+        return next(kind for kind in _STRUCTURED_KINDS if getattr(self, kind) not in (None, False))
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -14,7 +60,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     temperature 0 means greedy. top_k 0 or -1 disables top-k. `seed` makes the random path
     reproducible for this request whatever else is batched with it. `logprobs` returns that many
-    top alternatives per generated token (0: only the chosen token's logprob).
+    top alternatives per generated token (0: only the chosen token's logprob). `structured_outputs`
+    constrains the output to a grammar (JSON schema, regex, choice, EBNF): see `StructuredOutputsParams`.
     """
 
     n: int = 1
@@ -36,6 +83,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

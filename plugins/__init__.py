@@ -10,7 +10,13 @@ from .manager import (
     get_plugin_manager,
     reset_plugin_manager,
 )
-from .specs import AttentionBackendSpec, ModelSpec, PlatformSpec, import_dotted
+from .specs import (
+    AttentionBackendSpec,
+    ModelSpec,
+    PlatformSpec,
+    StructuredOutputBackendSpec,
+    import_dotted,
+)
 
 __all__ = [
     "AttentionBackendSpec",
@@ -18,6 +24,7 @@ __all__ = [
     "PlatformSpec",
     "PluginConflictError",
     "PluginManager",
+    "StructuredOutputBackendSpec",
     "get_plugin_manager",
     "hookimpl",
     "hookspec",

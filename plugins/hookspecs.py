@@ -8,7 +8,7 @@ A plugin is a module (or object) registered under the entry-point group ``corect
 and implementing any of the hooks below with ``@corectl.plugins.hookimpl``. Each hook yields
 frozen spec records holding dotted paths; corectl imports the target only when it is used, so
 listing plugins stays cheap and never initialises a device runtime. The built-in platforms (cpu,
-cuda, rocm) and models register through the same entry points.
+cuda, rocm), models and the xgrammar structured-output backend register through the same entry points.
 """
 from __future__ import annotations
 
@@ -16,7 +16,12 @@ from collections.abc import Iterable
 
 import pluggy
 
-from .specs import AttentionBackendSpec, ModelSpec, PlatformSpec
+from .specs import (
+    AttentionBackendSpec,
+    ModelSpec,
+    PlatformSpec,
+    StructuredOutputBackendSpec,
+)
 
 PROJECT = "corectl"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -49,4 +54,14 @@ def corectl_attention_backends() -> Iterable[AttentionBackendSpec]:
     """Yield attention backends and the platforms they run on.
 
     The class must implement ``corectl.attention.AttentionBackend``.
+    """
+
+
+@hookspec
+def corectl_structured_output_backends() -> Iterable[StructuredOutputBackendSpec]:
+    """Yield grammar backends for structured outputs (JSON schema, regex, choice, EBNF).
+
+    The class must implement ``corectl.structured.backend.StructuredOutputBackend``: it is built
+    in the engine process from the tokenizer folder, and its matchers fill xgrammar's bitmask
+    layout (int32 words, bit ``t % 32`` of word ``t // 32`` set when token ``t`` is allowed).
     """

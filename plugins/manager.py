@@ -10,7 +10,12 @@ from typing import Any
 import pluggy
 
 from . import hookspecs
-from .specs import AttentionBackendSpec, ModelSpec, PlatformSpec
+from .specs import (
+    AttentionBackendSpec,
+    ModelSpec,
+    PlatformSpec,
+    StructuredOutputBackendSpec,
+)
 
 ENTRY_POINT_GROUP = "corectl"
 DISABLE_ENV = "CORECTL_DISABLE_PLUGINS"
@@ -88,6 +93,9 @@ class PluginManager:
 
     def attention_backends(self) -> dict[str, AttentionBackendSpec]:
         return self._collect("corectl_attention_backends", "name")
+
+    def structured_output_backends(self) -> dict[str, StructuredOutputBackendSpec]:
+        return self._collect("corectl_structured_output_backends", "name")
 
 
 _MANAGER: PluginManager | None = None

@@ -43,6 +43,18 @@ class AttentionBackendSpec:
     plugin: str = field(default="", compare=False)
 
 
+@dataclass(frozen=True)
+class StructuredOutputBackendSpec:
+    """A grammar backend for structured outputs: `path` names a
+    `corectl.structured.backend.StructuredOutputBackend` subclass, chosen by `name` with
+    `EngineConfig.structured_outputs_backend`."""
+
+    name: str
+    path: str
+    description: str = ""
+    plugin: str = field(default="", compare=False)
+
+
 def import_dotted(path: str) -> Any:
     """Import `package.module:attr` or `package.module.attr` and return the attribute."""
     module_name, sep, attr = path.partition(":")

@@ -10,21 +10,25 @@ from collections.abc import AsyncIterator
 import anyio
 import corectl
 from corectl.engine.client import EngineClient
+from corectl.engine.dp import EngineProcessInit, start_engines
 from corectl.engine.transport import EngineTransport
-from litestar import Litestar
+from litestar import Litestar, Request
 from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.di import Provide
+from litestar.exceptions import SerializationException
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
 
 from .chat import ChatController
 from .completions import CompletionsController
-from .errors import EXCEPTION_HANDLERS
+from .dashboard import DashboardController
+from .errors import EXCEPTION_HANDLERS, APIError
 from .logs import configure_logging
 from .metrics import ServerMetrics
 from .ops import LoadController, ModelsController, OpsController, TokenizerController
 from .state import ServerState
+from .tracing import RequestTracer
 
 logger = logging.getLogger("corectl.server")
 
@@ -39,13 +43,18 @@ def create_app(server: ServerState) -> Litestar:
     cors = None
     if settings.allowed_origins:
         cors = CORSConfig(allow_origins=settings.allowed_origins, allow_methods=["*"], allow_headers=["*"])
+    tracer = _tracer(server)
     return Litestar(
         route_handlers=[CompletionsController, ChatController, ModelsController, TokenizerController,
-                        LoadController, OpsController],
+                        LoadController, OpsController, DashboardController],
         dependencies={"server": Provide(_provide_server, sync_to_thread=False)},
         lifespan=[_engine_lifespan],
+        middleware=[] if tracer is None else [tracer.middleware],
+        on_shutdown=[] if tracer is None else [tracer.shutdown],
         exception_handlers=EXCEPTION_HANDLERS,
         cors_config=cors,
+        request_class=_JSONRequest,
+        before_request=_require_json_body,
         request_max_body_size=settings.max_request_body,
         openapi_config=OpenAPIConfig(title="corectl", version=corectl.__version__, path="/docs",
                                      render_plugins=[SwaggerRenderPlugin(path="/")]),
@@ -58,6 +67,41 @@ def _provide_server(state: State) -> ServerState:
     return state.server
 
 
+def _tracer(server: ServerState) -> RequestTracer | None:
+    """The server's request tracer (tests hand one in), else one exporting to --otlp-traces-endpoint."""
+    if server.tracer is None and server.settings.otlp_traces_endpoint:
+        server.tracer = RequestTracer.export_to(server.settings.otlp_traces_endpoint)
+    return server.tracer
+
+
+class _JSONRequest(Request):
+    """Litestar's request, with every body-decoding failure a 400 that says the body is at fault
+    (msgspec leaves invalid UTF-8 and deep nesting to Python's exceptions)."""
+
+    async def json(self):
+        try:
+            return await super().json()
+        except SerializationException as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc.detail}") from None
+        except UnicodeDecodeError as exc:
+            raise APIError(400, f"the request body is not valid UTF-8 (byte {exc.start}); send UTF-8 JSON") from None
+        except RecursionError:
+            raise APIError(400, "the request body nests arrays or objects too deeply") from None
+
+
+async def _require_json_body(request: Request) -> None:
+    """Routes that read a body take JSON only. A web page may POST text/plain, form or untyped bodies
+    to any origin without a CORS preflight; refusing them keeps a server without an API key from
+    generating for whatever page its users visit (vLLM refuses them too)."""
+    if "data" not in request.route_handler.parsed_fn_signature.parameters:
+        return
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";", 1)[0].strip().lower() == "application/json":
+        return
+    got = f"not {content_type[:100]!r}" if content_type else "and this request has none"
+    raise APIError(415, f"the request body must be sent with Content-Type: application/json, {got}")
+
+
 @contextlib.asynccontextmanager
 async def _engine_lifespan(app: Litestar) -> AsyncIterator[None]:
     server: ServerState = app.state.server
@@ -66,7 +110,7 @@ async def _engine_lifespan(app: Litestar) -> AsyncIterator[None]:
             transport = await _start_engine(server, tg)
             async with EngineClient.serving(transport, server.settings.engine, tg) as client:
                 server.client = client
-                server.metrics = ServerMetrics(server.model_name, client.info.max_model_len, lambda: client.stats)
+                server.metrics = ServerMetrics(server.model_name, client.info.max_model_len, lambda: client.engine_stats)
                 _log_ready(server)
                 stop = anyio.Event()
                 tg.start_soon(_watch_engine, server, client, stop)
@@ -85,16 +129,19 @@ async def _engine_lifespan(app: Litestar) -> AsyncIterator[None]:
 
 
 async def _start_engine(server: ServerState, tg) -> EngineTransport:
+    """The engine core, or one per data-parallel engine behind one transport (`corectl.engine.dp`)."""
     settings = server.settings
     if settings.engine_in_process:
         from corectl.engine.actor import InProcessEngine
 
-        return await InProcessEngine.start(settings.engine, tg)
+        return await start_engines(settings.engine, tg, lambda config, index: InProcessEngine.start(config, tg))
     from corectl.engine.remote import RemoteEngine
 
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-    return await RemoteEngine.start(settings.engine, tg, hang_timeout=settings.engine_hang_timeout,
-                                    process_init=functools.partial(configure_logging, settings.log_format, level))
+    setup_logging = functools.partial(configure_logging, settings.log_format, level)
+    return await start_engines(settings.engine, tg, lambda config, index: RemoteEngine.start(
+        config, tg, hang_timeout=settings.engine_hang_timeout,
+        process_init=EngineProcessInit(index, settings.engine, setup_logging)))
 
 
 async def _watch_engine(server: ServerState, client: EngineClient, stop: anyio.Event) -> None:
@@ -111,13 +158,16 @@ async def _watch_engine(server: ServerState, client: EngineClient, stop: anyio.E
 
 
 def _log_ready(server: ServerState) -> None:
-    info = server.engine.info
+    info, settings = server.engine.info, server.settings
+    engines = settings.engine.data_parallel_size
+    where = ("in process" if settings.engine_in_process else
+             "in its own process" if engines == 1 else "in their own processes")
     logger.info(
         "serving %s (%s) on %s (%s), %s, KV cache %d tokens (%.1f requests at max_model_len %d), "
-        "engine %s; %s", ", ".join(server.settings.served_model_names), info.architecture, info.platform,
+        "%s %s; %s", ", ".join(settings.served_model_names), info.architecture, info.platform,
         info.device, info.dtype, info.kv_capacity_tokens, info.kv_capacity_tokens / info.max_model_len,
-        info.max_model_len, "in process" if server.settings.engine_in_process else "in its own process",
-        f"API at {server.settings.url}/v1, docs at {server.settings.url}/docs",
+        info.max_model_len, "engine" if engines == 1 else f"{engines} data-parallel engines", where,
+        f"API at {settings.url}/v1, docs at {settings.url}/docs",
     )
 
 

@@ -158,8 +158,8 @@ def _token_intervals(llm, prompts, params) -> list[float]:
     from corectl.engine.messages import EngineCoreRequest
 
     engine = llm.engine
-    for i, ids in enumerate(prompts):
-        engine.add_request(EngineCoreRequest(f"lat-{time.monotonic_ns()}-{i}", ids, params, time.monotonic()))
+    engine.add_requests([EngineCoreRequest(f"lat-{time.monotonic_ns()}-{i}", ids, params, time.monotonic())
+                         for i, ids in enumerate(prompts)])
     times, last = [], time.perf_counter()
     while engine.has_unfinished_requests():
         if engine.step().outputs:

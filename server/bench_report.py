@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
+
+# A client process busy this share of the wall time was probably slowing the benchmark down.
+CLIENT_BOUND_CPU_SHARE = 0.9
 
 
 @dataclass
@@ -48,7 +52,9 @@ def _summary(values: list[float], percentiles: list[float]) -> dict[str, float]:
     return out
 
 
-def summarize(results: list[RequestResult], duration: float, percentiles: list[float]) -> dict:
+def summarize(results: list[RequestResult], duration: float, percentiles: list[float],
+              client_cpu: list[float] | None = None) -> dict:
+    """`client_cpu`: each client process's CPU seconds per wall second over the run."""
     ok = [r for r in results if r.success]
     input_tokens = sum(r.prompt_len for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
@@ -65,7 +71,8 @@ def summarize(results: list[RequestResult], duration: float, percentiles: list[f
         "tpot_ms": _summary([t for r in ok if (t := r.tpot) is not None], percentiles),
         "itl_ms": _summary([gap for r in ok for gap in r.itl], percentiles),
         "e2el_ms": _summary([r.latency for r in ok], percentiles),
-        "errors": sorted({r.error for r in results if not r.success})[:10],
+        "errors": dict(Counter(r.error or "unknown" for r in results if not r.success).most_common(10)),
+        "client_cpu_share": client_cpu or [],
     }
 
 
@@ -97,8 +104,14 @@ def format_report(summary: dict, percentiles: list[float]) -> str:
         for p in percentiles:
             row(f"P{p:g} {short} (ms):", stats[f"p{p:g}"])
     lines.append("=" * 50)
-    for error in summary["errors"]:
-        lines.append(f"error: {error}")
+    for error, count in summary["errors"].items():
+        lines.append(f"error ({count} request{'s' if count > 1 else ''}): {error}")
+    cpu = summary["client_cpu_share"]
+    if cpu:
+        lines.append("client CPU, share of one core: " + ", ".join(f"{share:.0%}" for share in cpu))
+        if max(cpu) >= CLIENT_BOUND_CPU_SHARE:
+            lines.append(f"warning: a client was busy {max(cpu):.0%} of the time, so the load generator may have "
+                         "been the bottleneck; run again with more --num-clients")
     return "\n".join(lines)
 
 

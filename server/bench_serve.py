@@ -5,17 +5,23 @@ or with `--prompt-token-ids` the random token ids themselves (no tokenizer neede
 model has none, such as a shape preset), sent as streamed requests with `stream_options.include_usage`
 so output tokens are counted by the server; arrivals are all at once (`--request-rate inf`) or
 Poisson, optionally capped by `--max-concurrency`.
+
+The load generator must not be the bottleneck: connections are pooled to the concurrency, chunks
+are split by hand and decoded by msgspec into the few fields that are timed, `--num-clients` spreads
+the requests over several processes, and the report gives each client's CPU share.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import multiprocessing
 import random
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import anyio
 import httpx
+import msgspec
 
 from .bench_report import RequestResult, format_report, save_result, summarize
 
@@ -45,6 +51,9 @@ def register(sub) -> None:
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests per second, Poisson arrivals (default: inf, all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument("--num-clients", type=int, default=1,
+                   help="client processes sharing the requests, concurrency and rate (default 1); add some when "
+                        "the report says a client was busy nearly all the time")
     p.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos so every request runs to length")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--percentiles", default="99", help="comma-separated percentiles to report (default: 99)")
@@ -66,20 +75,22 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("endpoint", "--prompt-token-ids needs /v1/completions: chat messages are text")
     if args.vocab_size < 1:
         raise ConfigError("vocab_size", f"must be at least 1, got {args.vocab_size}")
+    if not 1 <= args.num_clients <= (args.max_concurrency or args.num_prompts):
+        raise ConfigError("num_clients", f"must be from 1 to the concurrency (or prompts), got {args.num_clients}")
     percentiles = [float(p) for p in args.percentiles.split(",") if p.strip()]
     if args.prompt_token_ids:
         requests = random_token_id_requests(args)
     else:
         requests = random_requests(_load_tokenizer(args.tokenizer), args)
-    results, duration = anyio.run(_benchmark, args, requests)
-    summary = summarize(results, duration, percentiles)
+    results, duration, client_cpu = _run_clients(args, requests)
+    summary = summarize(results, duration, percentiles, client_cpu)
     print(format_report(summary, percentiles))
     if args.save_result:
         config = {"base_url": args.base_url, "endpoint": args.endpoint, "model": args.model,
                   "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
                   "range_ratio": args.range_ratio, "request_rate": str(args.request_rate),
                   "max_concurrency": args.max_concurrency, "ignore_eos": args.ignore_eos, "seed": args.seed,
-                  "prompt_token_ids": args.prompt_token_ids}
+                  "prompt_token_ids": args.prompt_token_ids, "num_clients": args.num_clients}
         save_result(args.save_result, summary, config, results)
     return 0 if summary["completed"] else 1
 
@@ -128,28 +139,60 @@ def random_requests(tokenizer, args) -> list[tuple[str, int, int]]:
     return out
 
 
-async def _benchmark(args, requests) -> tuple[list[RequestResult], float]:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+def _run_clients(args, requests) -> tuple[list[RequestResult], float, list[float]]:
+    """Every request's result in order, the wall time from the first start to the last end, and each
+    client's CPU share. Client k sends requests k, k+N, ... at 1/N of the rate and concurrency."""
+    n = args.num_clients
     limit = args.max_concurrency or len(requests)
+    model = args.model or _first_model(args)
+    # Clients start together once every process is up (spawning one takes about a second).
+    start_at = time.time() + (2.0 if n > 1 else 0.0)
+    jobs = [(args, model, k, requests[k::n], limit // n + (k < limit % n), args.request_rate / n, start_at)
+            for k in range(n)]
+    if n == 1:
+        outcomes = [_client(*jobs[0])]
+    else:
+        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+            outcomes = list(pool.map(_client, *zip(*jobs)))
+    results: list[RequestResult] = [None] * len(requests)  # type: ignore[list-item]
+    for k, (share, _, _, _) in enumerate(outcomes):
+        results[k::n] = share
+    duration = max(end for _, _, end, _ in outcomes) - min(begin for _, begin, _, _ in outcomes)
+    return results, duration, [cpu for *_, cpu in outcomes]
+
+
+def _client(args, model: str, index: int, requests, limit: int, rate: float, start_at: float):
+    """Client `index` (a process, or the caller itself): (results, start, end, CPU seconds per wall second)."""
+    return anyio.run(_benchmark, args, model, index, requests, limit, rate, start_at)
+
+
+async def _benchmark(args, model: str, index: int, requests, limit: int, rate: float, start_at: float):
+    # The pool holds a connection per request in flight, so no request waits for one.
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(6 * 3600.0, connect=30.0)) as client:
-        model = args.model or await _first_model(client)
-        rng = random.Random(args.seed)
+    timeout = httpx.Timeout(6 * 3600.0, connect=300.0, pool=None)
+    async with httpx.AsyncClient(base_url=args.base_url, headers=_headers(args), limits=limits,
+                                 timeout=timeout) as client:
+        rng = random.Random(args.seed + index)  # independent arrivals: their sum is Poisson at the full rate
         gate = anyio.Semaphore(limit)
         results = [RequestResult(prompt_len=n) for _, n, _ in requests]
-        start = time.perf_counter()
+        await anyio.sleep(max(0.0, start_at - time.time()))
+        start, cpu = time.time(), time.process_time()
         async with anyio.create_task_group() as tg:
             for i, (prompt, _, output_len) in enumerate(requests):
                 body = _body(args, model, prompt, output_len)
                 tg.start_soon(_send_gated, client, args.endpoint, body, results[i], gate)
-                if math.isfinite(args.request_rate) and i + 1 < len(requests):
-                    await anyio.sleep(rng.expovariate(args.request_rate))
-        return results, time.perf_counter() - start
+                if math.isfinite(rate) and i + 1 < len(requests):
+                    await anyio.sleep(rng.expovariate(rate))
+        end = time.time()
+        return results, start, end, (time.process_time() - cpu) / max(end - start, 1e-9)
 
 
-async def _first_model(client: httpx.AsyncClient) -> str:
-    response = await client.get("/v1/models")
+def _headers(args) -> dict[str, str]:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
+def _first_model(args) -> str:
+    response = httpx.get(args.base_url + "/v1/models", headers=_headers(args), timeout=30.0)
     response.raise_for_status()
     return response.json()["data"][0]["id"]
 
@@ -174,46 +217,85 @@ async def _send_gated(client, endpoint, body, result: RequestResult, gate: anyio
         await send_request(client, endpoint, body, result)
 
 
+class _Delta(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    text: str | None = None
+    delta: _Delta | None = None
+    token_ids: list[int] | None = None
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: int = 0
+
+
+class _Error(msgspec.Struct):
+    message: str | None = None
+
+
+class _Chunk(msgspec.Struct):
+    """The fields of a stream chunk that the benchmark reads; msgspec skips the rest unparsed."""
+
+    choices: list[_Choice] = []
+    usage: _Usage | None = None
+    error: _Error | None = None
+
+    def has_output(self) -> bool:
+        """Whether the chunk carries generated text, or token ids (vLLM's return_token_ids)."""
+        if not self.choices:
+            return False
+        choice = self.choices[0]
+        if choice.delta is not None:
+            return bool(choice.delta.content)
+        return bool(choice.text or choice.token_ids)
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+
+
 async def send_request(client: httpx.AsyncClient, endpoint: str, body: dict, result: RequestResult) -> None:
-    """Send one streamed request, timing it the way vLLM's benchmark does."""
-    chunks = 0
-    start = last = time.perf_counter()
+    """Send one streamed request, timing it the way vLLM's benchmark does. Any failure is recorded in
+    `result.error` with its reason; none escapes to stop the other requests."""
+    start = time.perf_counter()
     try:
         async with client.stream("POST", endpoint, json=body) as response:
             if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:200]}"
                 return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
-                if "error" in data:
-                    result.error = str(data["error"].get("message"))
-                    return
-                if data.get("usage"):
-                    result.output_tokens = data["usage"]["completion_tokens"]
-                if _chunk_has_output(data):
-                    now = time.perf_counter()
-                    if chunks == 0:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last, chunks = now, chunks + 1
+            chunks = await _read_stream(response, result, start)
         result.latency = time.perf_counter() - start
         result.output_tokens = result.output_tokens or chunks
-        result.success = chunks > 0
-        if not result.success:
+        result.success = not result.error and chunks > 0
+        if not result.error and not chunks:
             result.error = "the response carried no text or token ids"
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
+    except Exception as exc:
+        result.error = f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)
 
 
-def _chunk_has_output(data: dict) -> bool:
-    """Whether a chunk carries generated text, or token ids (vLLM's return_token_ids)."""
-    choices = data.get("choices") or []
-    if not choices:
-        return False
-    choice = choices[0]
-    if "delta" in choice:
-        return bool(choice["delta"].get("content"))
-    return bool(choice.get("text") or choice.get("token_ids"))
+async def _read_stream(response: httpx.Response, result: RequestResult, start: float) -> int:
+    """Read server-sent events, timing each chunk with output; returns how many there were."""
+    chunks, last, pending = 0, start, b""
+    async for data in response.aiter_bytes():
+        *lines, pending = (pending + data).split(b"\n")
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                continue
+            chunk = _decode_chunk(payload)
+            if chunk.error is not None:
+                result.error = f"error event: {chunk.error.message}"
+                return chunks
+            if chunk.usage is not None:
+                result.output_tokens = chunk.usage.completion_tokens
+            if chunk.has_output():
+                now = time.perf_counter()
+                if chunks == 0:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last, chunks = now, chunks + 1
+    return chunks

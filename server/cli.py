@@ -6,9 +6,9 @@ import sys
 
 from corectl.errors import CorectlError
 
-from . import cli_bench, cli_generate, cli_plugins, cli_serve
+from . import cli_bench, cli_generate, cli_plan, cli_plugins, cli_serve
 
-SUBCOMMANDS = [cli_generate, cli_plugins, cli_serve, cli_bench]
+SUBCOMMANDS = [cli_generate, cli_plugins, cli_serve, cli_plan, cli_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

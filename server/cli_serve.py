@@ -49,6 +49,9 @@ def register(sub) -> None:
                             "(default: 60; one engine step must finish within it)")
     group.add_argument("--engine-in-process", action="store_true",
                        help="run the engine in the server's process (debugging)")
+    group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="export one OpenTelemetry span per request over OTLP to URL (needs corectl[otel]; "
+                            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks grpc, the default, or http/protobuf)")
     group = parser.add_argument_group("logging")
     group.add_argument("--log-format", choices=LOG_FORMATS, default="auto",
                        help="'human' lines, 'json' lines, or 'auto': human on a terminal (default: auto)")
@@ -69,13 +72,17 @@ def settings_from_args(args: argparse.Namespace):
         raise ConfigError("shutdown_timeout", f"must be a non-negative number of seconds, got {args.shutdown_timeout}")
     if any(not key for key in args.api_key or []):
         raise ConfigError("api_key", "must not be empty")
+    if args.otlp_traces_endpoint:
+        from .tracing import exporter_class
+
+        exporter_class()  # a missing extra fails here, before the engine loads
     origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
     return ServeSettings(
         engine=config, served_model_names=args.served_model_name or [default_served_name(config)],
         host=args.host, port=args.port, api_keys=args.api_key or [], allowed_origins=origins,
         log_format=args.log_format, log_prompts=args.log_prompts, max_request_body=args.max_request_body,
         engine_in_process=args.engine_in_process, engine_hang_timeout=args.engine_hang_timeout,
-        shutdown_timeout=args.shutdown_timeout,
+        shutdown_timeout=args.shutdown_timeout, otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 

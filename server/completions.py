@@ -62,6 +62,16 @@ class _Choices:
         self.n = n
         self.choices: dict[int, _Choice] = {}
 
+    def visible(self, out: RequestOutput) -> RequestOutput:
+        """`out` as the client sees it: for echo_only, without the token generated only to score the
+        prompt, and ending for `length` as OpenAI's max_tokens 0 does."""
+        if self.body.echo_only:
+            for sample in out.outputs:
+                sample.text, sample.token_ids, sample.logprobs = "", [], []
+                if sample.finish_reason is not None:
+                    sample.finish_reason, sample.stop_reason = "length", None
+        return out
+
     def pieces(self, prompt_index: int, out: RequestOutput) -> list[CompletionChoice]:
         pieces = []
         for sample in out.outputs:
@@ -131,6 +141,7 @@ async def _collect(group: GenerationGroup, choices: _Choices, head: dict) -> Com
     usage = UsageCounter()
     merged: dict[int, CompletionChoice] = {}
     async for prompt_index, out in group.merged():
+        out = choices.visible(out)
         usage.add(prompt_index, out)
         for piece in choices.pieces(prompt_index, out):
             total = merged.setdefault(piece.index, piece)
@@ -151,6 +162,7 @@ async def _collect(group: GenerationGroup, choices: _Choices, head: dict) -> Com
 async def _chunks(group: GenerationGroup, choices: _Choices, head: dict, include_usage: bool) -> AsyncIterator[bytes]:
     usage = UsageCounter()
     async for prompt_index, out in group.merged():
+        out = choices.visible(out)
         usage.add(prompt_index, out)
         pieces = choices.stream_pieces(prompt_index, out)
         if pieces:

@@ -5,13 +5,15 @@ import argparse
 import json
 from typing import Any
 
-from corectl.config import BLOCK_SIZES, DTYPES, LOAD_FORMATS, POLICIES, EngineConfig
+from corectl.config import BLOCK_SIZES, DTYPES, EXECUTOR_BACKENDS, LOAD_FORMATS, POLICIES, EngineConfig
 
 # field -> (flag, help, argparse extras); the field order here is the order in --help.
 _MODEL = "model loading"
 _CACHE = "KV cache and scheduling"
 _PLATFORM = "platform"
-ENGINE_FLAGS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
+_PARALLEL = "parallelism"
+# field -> (flag or flags, group, help, argparse extras)
+ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] = {
     "tokenizer": ("--tokenizer", _MODEL, "tokenizer directory (default: the model's)", {}),
     "skip_tokenizer_init": ("--skip-tokenizer-init", _MODEL, "load no tokenizer: prompts must be token ids and "
                             "outputs carry no text (automatic for presets and dummy configs without "
@@ -41,6 +43,16 @@ ENGINE_FLAGS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
                          "(default: on where the device runs asynchronously)",
                          {"action": argparse.BooleanOptionalAction}),
     "num_threads": ("--num-threads", _PLATFORM, "CPU threads for torch", {"type": int}),
+    "tensor_parallel_size": (("--tensor-parallel-size", "-tp"), _PARALLEL,
+                             "ranks (devices) that split the model; must divide its attention heads", {"type": int}),
+    "data_parallel_size": (("--data-parallel-size", "-dp"), _PARALLEL,
+                           "engine cores serving the model behind this server, each with its own "
+                           "tensor-parallel ranks; requests go to the engine holding their prefix, else "
+                           "the least loaded", {"type": int}),
+    "distributed_executor_backend": ("--distributed-executor-backend", _PARALLEL,
+                                     "how ranks start: one process each on this host (mp), or Ray actors "
+                                     "(ray; RAY_ADDRESS names the cluster); unset: mp above one rank",
+                                     {"choices": EXECUTOR_BACKENDS}),
 }
 
 
@@ -55,10 +67,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                             help="HF directory, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
     groups: dict[str, argparse._ArgumentGroup] = {}
     config_defaults = EngineConfig()
-    for field, (flag, group, help_text, extra) in ENGINE_FLAGS.items():
+    for field, (flags, group, help_text, extra) in ENGINE_FLAGS.items():
         grp = groups.setdefault(group, parser.add_argument_group(group))
         default = (defaults or {}).get(field, getattr(config_defaults, field))
-        grp.add_argument(flag, dest=field, default=default, help=f"{help_text} (default: {default})", **extra)
+        grp.add_argument(*((flags,) if isinstance(flags, str) else flags), dest=field, default=default,
+                         help=f"{help_text} (default: {default})", **extra)
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -29,10 +29,10 @@ RETRY_AFTER_S = 1
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-          429: "rate_limit_error"}
+          415: "invalid_request_error", 429: "rate_limit_error"}
 _CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
-          429: "rate_limit_exceeded", 499: "client_closed_request", 500: "internal_error",
-          503: "service_unavailable"}
+          415: "unsupported_media_type", 429: "rate_limit_exceeded", 499: "client_closed_request",
+          500: "internal_error", 503: "service_unavailable"}
 
 
 class ErrorInfo(msgspec.Struct):
@@ -138,6 +138,7 @@ ERROR_RESPONSES = {
         (401, "missing or wrong API key"),
         (404, "model_not_found"),
         (413, "request body too large"),
+        (415, "the body is not sent as application/json"),
         (429, "the request queue is full; retry after `Retry-After` seconds"),
         (503, "the engine is not available, or the server is shutting down"),
     ]

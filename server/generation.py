@@ -38,6 +38,8 @@ class Generation:
         self.request_id = request_id
         self.prompt = prompt
         self.first: RequestOutput | None = None
+        self._params = params
+        self._trace_parent = None if server.tracer is None else server.tracer.parent()
         self._outputs = server.engine.generate(prompt, params, request_id, priority)
         self._finish_reasons: list[str | None] = [None] * params.n
         self._last: RequestOutput | None = None
@@ -93,6 +95,9 @@ class Generation:
         timing = out.metrics if out is not None else None
         if self.server.metrics is not None and timing is not None:
             self.server.metrics.observe_finished(timing, reasons, now)
+        if self.server.tracer is not None and timing is not None:
+            self.server.tracer.emit(self._trace_parent, self.request_id, self.server.model_name, self._params,
+                                    timing, reasons, now)
         fields = dict(request_id=self.request_id, status=status, finish_reasons=reasons)
         if timing is not None:
             fields.update(

@@ -1,7 +1,9 @@
 """Prometheus metrics (vLLM V1's set under the `corectl:` prefix, label `model_name`).
 
-Gauges and the engine's cumulative counters are read from the latest `SchedulerStats` at scrape
-time; per-request counters and histograms are updated by the request tracker as outputs arrive.
+Gauges and the engine's cumulative counters are read from each engine core's latest
+`SchedulerStats` at scrape time, one sample per engine labelled `engine` ("0", "1", ... with
+`--data-parallel-size`; always "0" without); per-request counters and histograms are updated by the
+request tracker as outputs arrive and cover the whole server.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ _ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0, 7680.0]
 _LABELS = ["model_name"]
+_ENGINE_LABELS = ["model_name", "engine"]
 
 
 def token_buckets(max_value: int) -> list[float]:
@@ -35,41 +38,40 @@ def token_buckets(max_value: int) -> list[float]:
 
 
 class _SchedulerCollector(Collector):
-    """Exposes the engine's latest stats: gauges, and counters the scheduler keeps cumulatively."""
+    """Exposes each engine core's latest stats: gauges, and counters the scheduler keeps cumulatively."""
 
-    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats]):
+    _GAUGES = (
+        ("corectl:num_requests_running", "Sequences in the running batch.", "num_running"),
+        ("corectl:num_requests_waiting", "Sequences waiting to be scheduled.", "num_waiting"),
+        ("corectl:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", "kv_cache_usage"),
+    )
+    _COUNTERS = (
+        ("corectl:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+        ("corectl:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+        ("corectl:num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.",
+         "num_preemptions"),
+    )
+
+    def __init__(self, model_name: str, engine_stats: Callable[[], list[SchedulerStats]]):
         self._model_name = model_name
-        self._stats = stats
+        self._engine_stats = engine_stats
 
     def collect(self) -> Iterable:
-        stats, label = self._stats(), [self._model_name]
-        gauges = [
-            ("corectl:num_requests_running", "Sequences in the running batch.", stats.num_running),
-            ("corectl:num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting),
-            ("corectl:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", stats.kv_cache_usage),
-        ]
-        for name, doc, value in gauges:
-            family = GaugeMetricFamily(name, doc, labels=_LABELS)
-            family.add_metric(label, value)
-            yield family
-        counters = [
-            ("corectl:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-             stats.prefix_cache_queries),
-            ("corectl:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
-            ("corectl:num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.",
-             stats.num_preemptions),
-        ]
-        for name, doc, value in counters:
-            family = CounterMetricFamily(name, doc, labels=_LABELS)
-            family.add_metric(label, value)
-            yield family
+        engines = list(enumerate(self._engine_stats()))
+        for family_cls, metrics in ((GaugeMetricFamily, self._GAUGES), (CounterMetricFamily, self._COUNTERS)):
+            for name, doc, field in metrics:
+                family = family_cls(name, doc, labels=_ENGINE_LABELS)
+                for index, stats in engines:
+                    family.add_metric([self._model_name, str(index)], getattr(stats, field))
+                yield family
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, max_model_len: int, stats: Callable[[], SchedulerStats]):
+    def __init__(self, model_name: str, max_model_len: int, engine_stats: Callable[[], list[SchedulerStats]]):
+        """`engine_stats` gives each engine core's latest stats, in engine order."""
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(_SchedulerCollector(model_name, stats))
+        self.registry.register(_SchedulerCollector(model_name, engine_stats))
         reg, name = self.registry, model_name
         self.prompt_tokens = Counter("corectl:prompt_tokens", "Prompt tokens of admitted requests.",
                                      _LABELS, registry=reg).labels(name)

@@ -11,6 +11,7 @@ from .errors import APIError, error_response
 from .protocol import DetokenizeRequest, TokenizeRequest, message_dicts
 from .responses import (
     DetokenizeResponse,
+    EngineLoad,
     LoadResponse,
     ModelCard,
     ModelList,
@@ -91,8 +92,11 @@ class LoadController(Controller):
 
     @get("/load")
     async def load(self, server: ServerState) -> LoadResponse:
-        stats = server.engine.stats
-        return LoadResponse(server.in_flight, stats.num_running, stats.num_waiting, stats.kv_cache_usage)
+        client = server.engine
+        stats = client.stats
+        engines = [EngineLoad(str(index), s.num_running, s.num_waiting, s.kv_cache_usage)
+                   for index, s in enumerate(client.engine_stats)]
+        return LoadResponse(server.in_flight, stats.num_running, stats.num_waiting, stats.kv_cache_usage, engines)
 
 
 def _health(server: ServerState) -> Response:

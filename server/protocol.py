@@ -3,16 +3,41 @@
 Fields follow the OpenAI reference; unknown fields are ignored as OpenAI clients send extras.
 `sampling_params()` turns a request into `SamplingParams`, which validates the ranges and names the
 field at fault.
+
+Everything a client controls is bounded here, before any work is done for it (docs/serving.md,
+"Request bounds"): integers to what the engine's generators and the msgpack wire hold, and sizes that
+cost host work per token or per engine step (samples, stop lists, logit_bias) to small constants.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 from corectl.errors import InvalidRequestError
-from corectl.sampling_params import SamplingParams
+from corectl.sampling_params import MAX_LOGPROBS, SamplingParams
 
 from .errors import APIError
+
+
+# OpenAI's cap on `n`; a completions request also holds at most MAX_CHOICES samples over all its prompts
+# (each is an engine request: one HTTP request must not flood the engine).
+MAX_N = 128
+MAX_CHOICES = 256
+# Stop strings are matched per generated token in this process; stop token ids and logit_bias entries
+# are read by the engine in every step.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300
+MAX_MESSAGES = 4096
+MAX_DETOKENIZE_TOKENS = 1 << 20
+INT32_MAX = (1 << 31) - 1
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+Count = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+StopString = Annotated[str, Meta(max_length=MAX_STOP_CHARS)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -23,27 +48,27 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    logit_bias: Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    seed: Int64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extensions
-    top_k: int | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Count = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[int], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: Int64 = 0
     prompt_logprobs: int | None = None
 
     @property
@@ -70,8 +95,6 @@ class SamplingFields(msgspec.Struct, kw_only=True):
                         presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                         repetition_penalty=self.repetition_penalty)
         values.update({k: v for k, v in optional.items() if v is not None})
-        if values["n"] < 1:
-            raise InvalidRequestError(f"n must be at least 1, got {self.n}", param="n")
         return SamplingParams(**values)
 
     def _logit_bias(self) -> dict[int, float] | None:
@@ -89,7 +112,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     token-id lists."""
 
     prompt: str | list[str | int | list[int]]
-    max_tokens: int | None = 16
+    max_tokens: Count | None = 16
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
@@ -108,6 +131,9 @@ class CompletionRequest(SamplingFields, kw_only=True):
         if kinds == {int}:
             return [list(prompt)]  # type: ignore[arg-type]
         if len(kinds) == 1 and kinds <= {str, list}:
+            if len(prompt) * self.n > MAX_CHOICES:
+                raise InvalidRequestError(f"{len(prompt)} prompts with n={self.n} ask for {len(prompt) * self.n} "
+                                          f"choices; a request may have at most {MAX_CHOICES}", param="prompt")
             return list(prompt)  # type: ignore[arg-type]
         raise InvalidRequestError("prompt must be a string, a list of strings, a list of token ids or a list "
                                   "of token-id lists, not a mix", param="prompt")
@@ -120,13 +146,24 @@ class CompletionRequest(SamplingFields, kw_only=True):
             raise APIError(400, "best_of is not supported (it must be unset or equal to n)", "best_of")
         if self.echo and self.stream and self.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not available when stream is true", "prompt_logprobs")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 is only allowed with echo, which then returns "
+                           "the prompt alone)", "max_tokens")
+
+    @property
+    def echo_only(self) -> bool:
+        """OpenAI's `echo` with `max_tokens` 0: the prompt comes back and nothing is generated."""
+        return self.echo and self.max_tokens == 0
 
     def sampling_params(self) -> SamplingParams:
         # Echoing with logprobs returns the prompt's logprobs too, as OpenAI does.
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
-        return self.build_sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        # The engine computes prompt logprobs on the way to a first token, so echo_only runs one token
+        # and the response leaves it out (vLLM does the same).
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        return self.build_sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ContentPart(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -151,11 +188,11 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Meta(max_length=MAX_MESSAGES)]
+    max_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -187,7 +224,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -195,5 +232,5 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
-    tokens: list[int]
+    tokens: Annotated[list[int], Meta(max_length=MAX_DETOKENIZE_TOKENS)]
 

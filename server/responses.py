@@ -153,10 +153,21 @@ class VersionResponse(msgspec.Struct):
     version: str
 
 
+class EngineLoad(msgspec.Struct):
+    """One engine core's gauges; `engine` is its label in `/metrics` ("0" without data parallelism)."""
+
+    engine: str
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage: float
+
+
 class LoadResponse(msgspec.Struct):
-    """`server_load`: generation requests this server is handling now (vLLM's field)."""
+    """`server_load`: generation requests this server is handling now (vLLM's field); the gauges
+    cover every engine core, and `engines` gives each one's."""
 
     server_load: int
     num_requests_running: int
     num_requests_waiting: int
     kv_cache_usage: float
+    engines: list[EngineLoad]

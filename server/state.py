@@ -24,6 +24,7 @@ class ServeSettings:
 
     engine_hang_timeout: seconds the engine process may stay silent while it owes a step before it
     is declared hung. shutdown_timeout: seconds running requests get to finish after SIGTERM.
+    otlp_traces_endpoint: where request spans are exported over OTLP (None: no tracing).
     """
 
     engine: EngineConfig
@@ -38,6 +39,7 @@ class ServeSettings:
     engine_in_process: bool = False
     engine_hang_timeout: float = 60.0
     shutdown_timeout: float = 30.0
+    otlp_traces_endpoint: str | None = None
 
     @property
     def url(self) -> str:
@@ -62,6 +64,7 @@ class ServerState:
         self.model_name = settings.served_model_names[0]
         self.client: EngineClient | None = None
         self.metrics: ServerMetrics | None = None
+        self.tracer = None  # a tracing.RequestTracer when spans are exported
         self.draining = False
         self.failure: str | None = None  # why the engine stopped serving, once it has
         self.startup_error: BaseException | None = None

@@ -48,14 +48,14 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
     return tokens, logprobs
 
 
-def build_random_checkpoint(arch: str, folder: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+def build_random_checkpoint(arch: str, folder: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
     """Save a small random-weight model of a real architecture (Qwen2/Qwen3/Llama) with the
-    SmolLM2 tokenizer next to it, as an HF safetensors directory."""
+    SmolLM2 tokenizer next to it, as an HF safetensors directory; `overrides` change the config."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  initializer_range=0.5, bos_token_id=1, eos_token_id=2)
+    common = {**dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                     initializer_range=0.5, bos_token_id=1, eos_token_id=2), **overrides}
     configs = {
         "qwen2": lambda: Qwen2Config(**common, tie_word_embeddings=False),
         "qwen3": lambda: Qwen3Config(**common, head_dim=16, tie_word_embeddings=True),

@@ -86,3 +86,8 @@ def test_wheel_imports_and_lists_plugins_without_the_source_tree(installed_wheel
     rows = {tuple(line.split()[:4]) for line in out.splitlines()}
     assert ("platform", "cpu", "cpu", "corectl") in rows, out
     assert ("model", "LlamaForCausalLM", "models", "corectl") in rows, out
+
+
+def test_wheel_ships_the_dashboard_page(installed_wheel):
+    static = installed_wheel / "corectl" / "server" / "dashboard_static"
+    assert sorted(p.name for p in static.iterdir()) == ["dashboard.css", "dashboard.js", "index.html"]

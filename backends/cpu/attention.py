@@ -79,7 +79,8 @@ def _padded_metadata(batch: AttentionBatch, cols: torch.Tensor) -> SDPAMetadata:
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
 
-    def build_metadata(self, batch: AttentionBatch) -> SDPAMetadata:
+    def build_metadata(self, batch: AttentionBatch, check_indices: bool = True) -> SDPAMetadata:
+        # Indices are never read back here, so there is nothing to skip.
         if batch.num_seqs == 1 and batch.query_lens_host[0] == batch.seq_lens_host[0]:
             return SDPAMetadata(batch.slot_mapping, None, None, None, None, 1, batch.max_query_len,
                                 batch.max_seq_len, True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 from corectl.platform import Platform, PlatformCaps
@@ -29,8 +30,14 @@ class CPUPlatform(Platform):
         return PlatformCaps(
             dtypes=("float32", "bfloat16"),
             default_dtype="bfloat16" if has_native_bf16() else "float32",
-            notes=("KV cache sized by --kv-cache-memory (GiB)",),
+            sampling_draw="inverse_cdf",
         )
+
+    def device_memory(self) -> int:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def distributed_backend(self) -> str:
+        return "gloo"
 
     def worker_cls(self):
         from .worker import CPUWorker

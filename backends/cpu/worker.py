@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import torch
 from corectl.errors import ConfigError
+from corectl.kv.sizing import DEFAULT_KV_CACHE_GIB, blocks_per_sequence, fixed_kv_blocks
 from corectl.worker.worker import ModelInfo, Worker
 
 from .prepack import prepack_linears
-
-DEFAULT_KV_CACHE_GIB = 2.0
 
 
 class CPUWorker(Worker):
@@ -24,8 +23,8 @@ class CPUWorker(Worker):
     def profile_num_kv_blocks(self) -> int:
         budget_gib = self.config.kv_cache_memory_gib or DEFAULT_KV_CACHE_GIB
         per_block = self.model_info.kv_bytes_per_block(self.config.block_size)
-        num_blocks = int(budget_gib * (1 << 30)) // per_block
-        needed = -(-self.max_model_len // self.config.block_size)
+        num_blocks = fixed_kv_blocks(budget_gib, per_block)
+        needed = blocks_per_sequence(self.max_model_len, self.config.block_size)
         if num_blocks < needed:
             raise ConfigError(
                 "kv_cache_memory_gib",

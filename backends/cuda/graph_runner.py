@@ -20,16 +20,13 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 from corectl.attention import AttentionBatch, ForwardContext
+from corectl.worker.inflight import HostFetch
 from corectl.worker.model_runner import ModelRunner, StepInputs, logits_index
-from corectl.worker.pending import HostFetch
 from corectl.worker.request_states import HostStep
-
-from ..triton.attention import TritonAttentionBackend
 
 logger = logging.getLogger("corectl.cuda")
 
@@ -172,7 +169,7 @@ class CUDAGraphModelRunner(ModelRunner):
     @torch.inference_mode()
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode graphs for every bucket up to `max_num_seqs` (the KV caches must be set)."""
-        if not isinstance(self.backend, TritonAttentionBackend):
+        if not self.backend.supports_graph_capture:
             logger.warning("attention backend %r cannot be captured in CUDA graphs; decoding eagerly",
                            self.backend.name)
             return
@@ -229,13 +226,6 @@ class CUDAGraphModelRunner(ModelRunner):
         done = torch.cuda.Event()
         done.record()
         return HostFetch(hosts, done.synchronize)
-
-    def attention_metadata(self, batch: AttentionBatch) -> Any:
-        if isinstance(self.backend, TritonAttentionBackend):
-            # The indices come from the runner's own block tables; validating them would read
-            # them back, a host sync per step.
-            return self.backend.build_metadata(batch, check_indices=False)
-        return super().attention_metadata(batch)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         if isinstance(inputs, _GraphStepInputs):

@@ -15,19 +15,17 @@ def _device_capability() -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(0)
 
 
-def gpu_caps(capability: tuple[int, int], notes: tuple[str, ...] = ()) -> PlatformCaps:
-    """Capabilities of a GPU from its compute capability (shared with ROCm, whose torch maps gfx
-    targets onto the same query)."""
+def gpu_caps(capability: tuple[int, int]) -> PlatformCaps:
+    """Capabilities of a GPU from its compute capability (shared with ROCm, which passes the
+    capability whose features its gfx target has)."""
     bf16 = capability >= (8, 0)
     return PlatformCaps(
         dtypes=("bfloat16", "float16", "float32") if bf16 else ("float16", "float32"),
         default_dtype="bfloat16" if bf16 else "float16",
-        graphs=True,
         pinned_memory=True,
-        profiles_memory=True,
-        fp8=capability >= (8, 9),
         async_output=True,
-        notes=notes,
+        sampling_draw="exponential_race",
+        profiles_memory=True,
     )
 
 
@@ -54,6 +52,24 @@ class CUDAPlatform(Platform):
         import torch
 
         return torch.cuda.get_device_name(0)
+
+    def device_memory(self) -> int:
+        import torch
+
+        return torch.cuda.mem_get_info()[1]  # the total the worker sizes the KV cache against
+
+    def distributed_backend(self) -> str:
+        return "nccl"  # ROCm's torch maps it to RCCL
+
+    def check_config(self, config) -> None:
+        import torch
+        from corectl.errors import ConfigError
+
+        # Ray places each rank on a GPU of the cluster; this host's count matters to "mp" only.
+        ranks = config.tensor_parallel_size
+        if config.distributed_executor_backend != "ray" and ranks > torch.cuda.device_count():
+            raise ConfigError("tensor_parallel_size", f"{ranks} ranks need {ranks} GPUs; this host has "
+                              f"{torch.cuda.device_count()} (use the ray backend to span machines)")
 
     def worker_cls(self):
         from .worker import CUDAWorker

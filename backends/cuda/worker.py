@@ -5,6 +5,7 @@ import logging
 
 import torch
 from corectl.errors import ConfigError
+from corectl.kv.sizing import blocks_per_sequence, profile_num_seqs, profiled_kv_blocks
 from corectl.models.kernels import LayerKernels
 from corectl.worker.worker import Worker
 
@@ -28,9 +29,7 @@ class CUDAWorker(Worker):
         """Memory left for the KV cache after weights, a worst-case step's activations and
         non-torch allocations, within `gpu_memory_utilization` of the device."""
         cfg = self.config
-        # Enough sequences that none is longer than the model's context (its rotary table).
-        num_seqs = max(min(cfg.max_num_seqs, cfg.max_num_batched_tokens),
-                       -(-cfg.max_num_batched_tokens // self.max_model_len))
+        num_seqs = profile_num_seqs(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len)
         per_seq_blocks = -(-max(1, cfg.max_num_batched_tokens // num_seqs) // cfg.block_size)
         self.init_kv_cache(num_seqs * per_seq_blocks)
         torch.cuda.synchronize()
@@ -43,10 +42,9 @@ class CUDAWorker(Worker):
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         non_torch = (total - free) - torch.cuda.memory_reserved()
-        budget = total * cfg.gpu_memory_utilization - peak - max(non_torch, 0)
         per_block = self.model_info.kv_bytes_per_block(cfg.block_size)
-        num_blocks = int(budget // per_block)
-        needed = -(-self.max_model_len // cfg.block_size)
+        num_blocks = profiled_kv_blocks(total, cfg.gpu_memory_utilization, peak, non_torch, per_block)
+        needed = blocks_per_sequence(self.max_model_len, cfg.block_size)
         if num_blocks < needed:
             raise ConfigError(
                 "gpu_memory_utilization",

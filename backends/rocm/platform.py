@@ -1,6 +1,6 @@
 """ROCm platform. torch's HIP build exposes AMD GPUs as the `cuda` device with `torch.version.hip`
 set, so the CUDA worker, graph capture (hipGraph) and Triton kernels serve both; what differs is
-detection and capabilities (bf16 from gfx90a/MI200 on, fp8 on gfx94x/MI300)."""
+detection and capabilities (bf16 from gfx90a/MI200 on)."""
 from __future__ import annotations
 
 import functools
@@ -9,9 +9,8 @@ from corectl.platform import PlatformCaps
 
 from ..cuda.platform import CUDAPlatform, gpu_caps
 
-# gfx architecture prefix -> (bf16, fp8)
-_ARCH_FEATURES = {"gfx90a": (True, False), "gfx94": (True, True), "gfx95": (True, True), "gfx11": (True, False),
-                  "gfx12": (True, True)}
+# gfx architecture prefixes of the GPUs that run bf16
+_BF16_ARCHS = ("gfx90a", "gfx94", "gfx95", "gfx11", "gfx12")
 
 
 @functools.lru_cache(maxsize=1)
@@ -24,8 +23,7 @@ def _gcn_arch() -> str | None:
 
 
 def rocm_caps(arch: str) -> PlatformCaps:
-    bf16, fp8 = next((feat for prefix, feat in _ARCH_FEATURES.items() if arch.startswith(prefix)), (False, False))
-    return gpu_caps((9, 0) if fp8 else (8, 0) if bf16 else (7, 0), notes=(f"ROCm {arch}",))
+    return gpu_caps((8, 0) if arch.startswith(_BF16_ARCHS) else (7, 0))
 
 
 class ROCmPlatform(CUDAPlatform):

@@ -41,6 +41,7 @@ class TritonAttentionMetadata:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_graph_capture = True
 
     def build_metadata(self, batch: AttentionBatch, check_indices: bool = True) -> TritonAttentionMetadata:
         require(batch.block_size == self.block_size,

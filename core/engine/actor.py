@@ -2,11 +2,12 @@
 
 The step itself runs in a worker thread (torch releases the GIL) so the event loop keeps serving
 HTTP and detokenization meanwhile; inbox messages are applied only between steps, so the core is
-never touched by two threads at once.
+never touched by two threads at once. The inbox holds the messages a socket would carry
+(`messages.ClientMessage`); what to do with them is `EngineCore`'s business.
 """
 from __future__ import annotations
 
-import logging
+import contextlib
 import math
 from collections.abc import AsyncIterator
 
@@ -14,22 +15,28 @@ import anyio
 from anyio.abc import TaskGroup
 
 from ..config import EngineConfig
-from ..errors import CorectlError, EngineDeadError
+from ..errors import EngineDeadError
 from .core import EngineCore
-from .messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from .messages import (
+    AbortRequests,
+    AddRequests,
+    ClientMessage,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ShutdownEngine,
+)
 from .transport import EngineTransport
-
-logger = logging.getLogger("corectl.engine")
 
 
 class InProcessEngine(EngineTransport):
     def __init__(self, core: EngineCore):
         self.core = core
         self.info = core.info
-        self._inbox_send, self._inbox = anyio.create_memory_object_stream(math.inf)
-        self._out_send, self._out_recv = anyio.create_memory_object_stream(math.inf)
+        # Unbounded, and written with send_nowait: nothing yields between a caller's decision and
+        # the enqueue, so an abort the client queues precedes any later add that reuses the id.
+        self._inbox_send, self._inbox = anyio.create_memory_object_stream[ClientMessage](math.inf)
+        self._out_send, self._out_recv = anyio.create_memory_object_stream[EngineCoreOutputs](math.inf)
         self._error: BaseException | None = None
-        self._rejected: list[EngineCoreOutput] = []
         self._closed = False
 
     @classmethod
@@ -41,11 +48,11 @@ class InProcessEngine(EngineTransport):
 
     async def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         self._check_alive()
-        await self._inbox_send.send(("add", requests))
+        self._inbox_send.send_nowait(AddRequests(requests))
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         if self._error is None and not self._closed:
-            await self._inbox_send.send(("abort", request_ids))
+            self._inbox_send.send_nowait(AbortRequests(request_ids))
 
     async def outputs(self) -> AsyncIterator[EngineCoreOutputs]:
         async for batch in self._out_recv:
@@ -55,7 +62,7 @@ class InProcessEngine(EngineTransport):
 
     async def close(self) -> None:
         self._closed = True
-        await self._inbox_send.send(("stop", None))
+        self._inbox_send.send_nowait(ShutdownEngine())
 
     def is_alive(self) -> bool:
         return self._error is None and not self._closed
@@ -66,20 +73,6 @@ class InProcessEngine(EngineTransport):
         if self._closed:
             raise EngineDeadError("engine is shut down")
 
-    def _handle(self, kind: str, payload) -> bool:
-        if kind == "add":
-            for request in payload:
-                try:
-                    self.core.add_request(request)
-                except CorectlError as exc:
-                    # Clients validate first (and bound the queue); a request that still fails here
-                    # (invalid, or the queue is full) ends alone, the loop lives on.
-                    logger.warning("engine rejected request %s: %s", request.request_id, exc)
-                    self._rejected.append(EngineCoreOutput(request.request_id, [], finish_reason="abort"))
-        elif kind == "abort":
-            self.core.abort_requests(payload)
-        return kind != "stop"
-
     async def _run(self) -> None:
         try:
             async with self._out_send:
@@ -89,18 +82,12 @@ class InProcessEngine(EngineTransport):
 
     async def _loop(self) -> None:
         while True:
-            if not self.core.has_unfinished_requests():
-                kind, payload = await self._inbox.receive()
-                if not self._handle(kind, payload):
+            messages = [] if self.core.has_unfinished_requests() else [await self._inbox.receive()]
+            with contextlib.suppress(anyio.WouldBlock):
+                while True:
+                    messages.append(self._inbox.receive_nowait())
+            for message in messages:
+                if isinstance(message, ShutdownEngine):
                     return
-            while True:
-                try:
-                    kind, payload = self._inbox.receive_nowait()
-                except anyio.WouldBlock:
-                    break
-                if not self._handle(kind, payload):
-                    return
-            batch = await anyio.to_thread.run_sync(self.core.step)
-            if self._rejected:
-                batch.outputs[:0], self._rejected = self._rejected, []
-            await self._out_send.send(batch)
+                self.core.apply(message)
+            self._out_send.send_nowait(await anyio.to_thread.run_sync(self.core.step))

@@ -17,12 +17,13 @@ from collections.abc import AsyncIterator
 import anyio
 
 from ..config import EngineConfig
-from ..errors import EngineDeadError, InvalidRequestError, QueueFullError
+from ..errors import EngineDeadError, QueueFullError
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
-from .intake import check_token_ids, text_prompt_error
-from .messages import SchedulerStats
+from .intake import encode_prompt
+from .live import LiveRequest, RecentActivity, live_requests
+from .messages import EngineCoreRequest, EngineSnapshot, SchedulerStats
 from .output_processor import OutputProcessor
 from .transport import EngineTransport
 
@@ -31,37 +32,37 @@ class _OutputCollector:
     """A one-slot mailbox per request that merges deltas the consumer has not picked up yet."""
 
     def __init__(self):
-        self._pending: RequestOutput | BaseException | None = None
+        self._undelivered: RequestOutput | BaseException | None = None
         self._ready = anyio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        if isinstance(self._pending, RequestOutput) and isinstance(item, RequestOutput):
-            _merge_into(self._pending, item)
-        elif not isinstance(self._pending, BaseException):
-            self._pending = item
+        if isinstance(self._undelivered, RequestOutput) and isinstance(item, RequestOutput):
+            _merge_into(self._undelivered, item)
+        elif not isinstance(self._undelivered, BaseException):
+            self._undelivered = item
         self._ready.set()
 
     async def get(self) -> RequestOutput:
         await self._ready.wait()
-        item, self._pending = self._pending, None
+        item, self._undelivered = self._undelivered, None
         self._ready = anyio.Event()
         if isinstance(item, BaseException):
             raise item
         return item
 
 
-def _merge_into(pending: RequestOutput, new: RequestOutput) -> None:
-    for old, fresh in zip(pending.outputs, new.outputs):
+def _merge_into(undelivered: RequestOutput, new: RequestOutput) -> None:
+    for old, fresh in zip(undelivered.outputs, new.outputs):
         old.text += fresh.text
         old.token_ids = old.token_ids + fresh.token_ids
         if fresh.logprobs is not None:
             old.logprobs = (old.logprobs or []) + fresh.logprobs
         old.cumulative_logprob = fresh.cumulative_logprob
-        old.finish_reason, old.stop_reason = fresh.finish_reason, fresh.stop_reason
-    pending.finished = new.finished
-    pending.prompt_logprobs = new.prompt_logprobs
-    pending.num_cached_tokens = new.num_cached_tokens
-    pending.metrics = new.metrics
+        old.finish_reason, old.stop_reason, old.error = fresh.finish_reason, fresh.stop_reason, fresh.error
+    undelivered.finished = new.finished
+    undelivered.prompt_logprobs = new.prompt_logprobs
+    undelivered.num_cached_tokens = new.num_cached_tokens
+    undelivered.metrics = new.metrics
 
 
 class EngineClient:
@@ -73,22 +74,27 @@ class EngineClient:
         self.config = config
         self.info = transport.info
         self.stats = SchedulerStats()
+        # For live views: the engine's latest snapshot, and rolling windows of what arrived.
+        self.snapshot: EngineSnapshot | None = None
+        self.activity = RecentActivity()
         # Core requests sent, and how many of them the engine had taken in when `stats` was made:
         # the difference is what the stats cannot count yet, so a burst meets the queue bound exactly.
         self._num_sent = 0
         self._num_received = 0
-        self._processor = OutputProcessor(tokenizer, stream_deltas=True)
+        self._processor = OutputProcessor(self.info, tokenizer, stream_deltas=True)
         self._collectors: dict[str, _OutputCollector] = {}
         self._dead: BaseException | None = None
 
     @classmethod
     @contextlib.asynccontextmanager
     async def in_process(cls, config: EngineConfig) -> AsyncIterator["EngineClient"]:
-        """An engine actor in this process (tests, embedding); the server uses its own process."""
+        """An engine actor in this process (tests, embedding), one per data-parallel engine; the
+        server uses engine processes."""
         from .actor import InProcessEngine
+        from .dp import start_engines
 
         async with anyio.create_task_group() as tg:
-            transport = await InProcessEngine.start(config, tg)
+            transport = await start_engines(config, tg, lambda one, index: InProcessEngine.start(one, tg))
             async with cls.serving(transport, config, tg) as client:
                 yield client
 
@@ -110,18 +116,26 @@ class EngineClient:
     def is_alive(self) -> bool:
         return self._dead is None and self.transport.is_alive()
 
+    @property
+    def engine_stats(self) -> list[SchedulerStats]:
+        """Each engine core's latest stats, in engine order (one per data-parallel engine);
+        `stats` adds them up."""
+        return self.transport.engine_stats(self.stats)
+
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         request_id = request_id or uuid.uuid4().hex
-        text, token_ids = self._encode(prompt)
-        self._validate(token_ids, params)
-        collector = _OutputCollector()
+        if self._dead is not None:
+            raise EngineDeadError(f"engine is dead: {self._dead!r}")
+        text, token_ids = encode_prompt(self.tokenizer, prompt)
         core_requests = self._processor.add_request(request_id, text, token_ids, params, priority)
-        self._num_sent += len(core_requests)
+        collector = _OutputCollector()
         self._collectors[request_id] = collector
-        finished = False
+        sent = finished = False
         try:
-            await self.transport.add_requests(core_requests)
+            self._check_queue()
+            await self._send(core_requests)
+            sent = True
             while not finished:
                 out = await collector.get()
                 finished = out.finished
@@ -129,46 +143,56 @@ class EngineClient:
         finally:
             self._collectors.pop(request_id, None)
             if not finished:
-                await self._abort_quietly(request_id)
+                await self._abort_quietly(request_id, in_engine=sent)
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, error: Exception) -> bool:
+        """Abort a request from outside its consumer (an operator): its `generate()` raises `error`.
+        Returns False when no such request is live."""
+        if request_id not in self._processor.trackers:
+            return False  # finished (its last output may still be on its way to the consumer) or unknown
+        self._collectors[request_id].put(error)
         await self._abort_quietly(request_id)
+        return True
 
-    async def _abort_quietly(self, request_id: str) -> None:
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._processor.trackers)
+
+    def live_requests(self, limit: int) -> list[LiveRequest]:
+        """The `limit` oldest requests being served, with their state from the latest snapshot."""
+        return live_requests(self._processor, self.snapshot, limit)
+
+    async def _abort_quietly(self, request_id: str, in_engine: bool = True) -> None:
         ids = self._processor.abort_request(request_id)
-        if ids and self.is_alive:
+        if ids and in_engine and self.is_alive:
             with anyio.CancelScope(shield=True):
                 await self.transport.abort_requests(ids)
 
-    def _encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if not isinstance(prompt, str):
-            return None, list(prompt)
-        if self.tokenizer is None:
-            raise text_prompt_error()
-        return prompt, self.tokenizer.encode(prompt)
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(f"engine is dead: {self._dead!r}")
-        check_token_ids(token_ids, params, self.info.vocab_size)
-        limit = self.info.max_model_len
-        requested = len(token_ids) + (params.max_tokens or 1)
-        if len(token_ids) >= limit or requested > limit:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {limit} tokens; the request asks for "
-                f"{len(token_ids)} prompt tokens plus {params.max_tokens or 1} completion tokens",
-                param="max_tokens" if len(token_ids) < limit else "prompt", code="context_length_exceeded",
-            )
-        limit_q = self.config.max_queued_requests
+    def _check_queue(self) -> None:
+        limit = self.config.max_queued_requests
         waiting = self.stats.num_waiting + self._num_sent - self._num_received
-        if limit_q is not None and waiting >= limit_q:
-            raise QueueFullError(f"{waiting} requests are already waiting (limit {limit_q})")
+        if limit is not None and waiting >= limit:
+            raise QueueFullError(f"{waiting} requests are already waiting (limit {limit})")
+
+    async def _send(self, core_requests: list[EngineCoreRequest]) -> None:
+        """Send requests to the engine. They count toward the queue bound from here on; a send that
+        fails delivered nothing (the transport's contract), so it un-counts them: a request the
+        wire cannot carry must not hold a queue slot forever."""
+        self._num_sent += len(core_requests)
+        try:
+            await self.transport.add_requests(core_requests)
+        except BaseException:
+            self._num_sent -= len(core_requests)
+            raise
 
     async def _handle_outputs(self) -> None:
         try:
             async for batch in self.transport.outputs():
                 self.stats, self._num_received = batch.stats, batch.num_requests_received
+                if batch.snapshot is not None:
+                    self.snapshot = batch.snapshot
                 outputs, to_abort = self._processor.process_outputs(batch.outputs)
+                self.activity.observe(outputs, batch.stats)
                 for out in outputs:
                     collector = self._collectors.get(out.request_id)
                     if collector is not None:

@@ -1,7 +1,11 @@
 """EngineCore: the synchronous heart of the engine actor (scheduler, KV state and worker).
 
-It owns the scheduler and KV cache manager: nothing else writes them. Clients talk to it through an
-actor (in-process) or a socket (its own process); tests and the offline `LLM` may drive `step()`.
+It owns the scheduler and KV cache manager: nothing else writes them. It also owns the engine loop's
+rules, so every driver (the in-process actor, the engine process, the offline `LLM`) only moves
+messages: `apply` (or `add_requests` / `abort_requests`) whatever arrived, `step()` while
+`has_unfinished_requests()`, and wait for messages otherwise. A request the scheduler refuses
+(its queue is full), or whose grammar does not compile in time, ends alone: the next `step()`
+reports it first, as an abort (with an `error` in the second case).
 
 With async scheduling one step stays in flight across `step()` calls: each call schedules and
 launches the next step, then reads the previous one's ids and returns its outputs, so the host's
@@ -12,49 +16,41 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
 
 from ..config import EngineConfig
-from ..discovery import resolve_attention_backend, resolve_platform
-from ..errors import InvalidRequestError
+from ..discovery import (
+    resolve_attention_backend,
+    resolve_platform,
+    resolve_structured_output_backend,
+)
+from ..errors import ConfigError, CorectlError, InvalidRequestError
+from ..executor import StepHandle, WorkerSpec, create_executor
 from ..loaders import ModelSource, resolve_model_source
 from ..request import Request
 from ..scheduler import Scheduler
 from ..scheduler.output import SchedulerOutput
-from ..worker.pending import PendingStep
-from .intake import check_token_ids
-from .messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from ..scheduler.snapshot import SnapshotPublisher
+from ..structured.manager import StructuredOutputManager
+from .messages import (
+    AbortRequests,
+    AddRequests,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+)
 
 logger = logging.getLogger("corectl.engine")
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What clients need to know about a running engine.
-
-    `tokenizer_dir` is None when the engine runs without a tokenizer (token-id prompts only).
-    """
-
-    model: str
-    model_dir: str
-    tokenizer_dir: str | None
-    platform: str
-    device: str
-    dtype: str
-    max_model_len: int
-    num_kv_blocks: int
-    block_size: int
-    vocab_size: int
-    architecture: str
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        return self.num_kv_blocks * self.block_size
+# How long an idle loop sleeps on compiling grammars before it looks at its inbox again.
+_IDLE_COMPILE_WAIT_S = 0.02
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
         started = time.monotonic()
+        if config.data_parallel_size != 1:
+            raise ConfigError("data_parallel_size", "one EngineCore is one engine: data parallelism runs one per "
+                              "engine behind a client (`corectl serve -dp`, `EngineClient.in_process`), not offline")
         self.source: ModelSource = resolve_model_source(config)
         if self.source.tokenizer_dir is None and not config.skip_tokenizer_init:
             # Presets and bare dummy configs run without a tokenizer: the config as run says so.
@@ -67,19 +63,22 @@ class EngineCore:
         self.eos_token_id, self.extra_eos_ids = _eos_token_ids(self.source)
         dtype = platform.resolve_dtype(config.dtype, self.source.model_dtype)
         backend_cls = resolve_attention_backend(platform, config.attention_backend, hf)
-        self.worker = platform.worker_cls()(
+        self.executor = create_executor(WorkerSpec(
             config, platform, self.source, dtype=dtype, max_model_len=self.max_model_len,
             eos_token_id=self.eos_token_id, attention_backend_cls=backend_cls,
-        )
-        info = self.worker.load_model()
-        num_blocks = self.worker.profile_num_kv_blocks()
-        self.worker.init_kv_cache(num_blocks)
-        self.worker.warmup()
-        self.scheduler = Scheduler(config, self.max_model_len, num_blocks)
+        ))
+        info = self.executor.load_model()
+        num_blocks = self.executor.profile_num_kv_blocks()
+        self.executor.init_kv_cache(num_blocks)
+        self.executor.warmup()
+        self.structured = self._structured_outputs(info.vocab_size)
+        self.scheduler = Scheduler(config, self.max_model_len, num_blocks, self.structured)
+        self.snapshots = SnapshotPublisher(self.scheduler)
         self.async_scheduling = (platform.capabilities().async_output if config.async_scheduling is None
                                  else config.async_scheduling)
-        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self.num_requests_received = 0
+        self._refused: list[EngineCoreOutput] = []  # abort outputs the next step reports first
         tokenizer_dir = self.source.tokenizer_dir
         self.info = EngineInfo(
             model=config.model or "default", model_dir=str(self.source.model_dir),
@@ -87,6 +86,7 @@ class EngineCore:
             device=platform.device_name(), dtype=dtype, max_model_len=self.max_model_len,
             num_kv_blocks=num_blocks, block_size=config.block_size, vocab_size=info.vocab_size,
             architecture=info.architecture,
+            structured_outputs_backend=None if self.structured is None else config.structured_outputs_backend,
         )
         logger.info(
             "engine ready: %s (%s) on %s, %s, %d KV tokens, max_model_len %d, %s scheduling, %.1f s",
@@ -97,24 +97,42 @@ class EngineCore:
         if tokenizer_dir is None:
             logger.info("no tokenizer: prompts must be token ids and outputs carry no text")
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        """Admit a request; raises a CorectlError (invalid request, queue full) when it cannot be taken."""
-        self.num_requests_received += 1
-        self.scheduler.add_request(self._make_request(request))
+    def _structured_outputs(self, vocab_size: int) -> StructuredOutputManager | None:
+        """Grammars need the tokenizer's vocabulary: without one, structured output is refused."""
+        if self.source.tokenizer_dir is None:
+            return None
+        backend_cls = resolve_structured_output_backend(self.config.structured_outputs_backend)
+        stop_ids = [] if self.eos_token_id is None else [self.eos_token_id, *sorted(self.extra_eos_ids)]
+        return StructuredOutputManager(backend_cls, str(self.source.tokenizer_dir), vocab_size, stop_ids,
+                                       self.config.structured_outputs_compile_timeout)
+
+    def apply(self, message: AddRequests | AbortRequests) -> None:
+        """Apply one message a client sent."""
+        if isinstance(message, AddRequests):
+            self.add_requests(message.requests)
+        else:
+            self.abort_requests(message.request_ids)
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Queue requests that passed intake (`engine/intake.py`, on the client's side).
+
+        One the scheduler cannot take (its queue is full) is refused alone, as an abort output that
+        the next `step()` reports first; the loop and the other requests go on.
+        """
+        for request in requests:
+            self.num_requests_received += 1
+            try:
+                self.scheduler.add_request(self._make_request(request))
+            except CorectlError as exc:
+                logger.warning("engine refused request %s: %s", request.request_id, exc)
+                error = str(exc) if isinstance(exc, InvalidRequestError) else None
+                self._refused.append(EngineCoreOutput(request.request_id, [], finish_reason="abort", error=error))
 
     def _make_request(self, request: EngineCoreRequest) -> Request:
         params = request.sampling_params
-        check_token_ids(request.prompt_token_ids, params, self.info.vocab_size)
-        prompt_len = len(request.prompt_token_ids)
-        if prompt_len >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {prompt_len} tokens; this model's context is {self.max_model_len} tokens "
-                "and at least one must remain for the completion",
-                param="prompt", code="context_length_exceeded",
-            )
         if self.extra_eos_ids and not params.ignore_eos:
             params = params.clone(stop_token_ids=sorted(set(params.stop_token_ids or ()) | self.extra_eos_ids))
-        remaining = self.max_model_len - prompt_len
+        remaining = self.max_model_len - len(request.prompt_token_ids)
         return Request(
             request.request_id, request.prompt_token_ids, params,
             eos_token_id=self.eos_token_id,
@@ -127,21 +145,35 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        """Whether `step()` has work: requests queued, running or in flight, or refusals to report."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._refused)
 
     def step(self) -> EngineCoreOutputs:
+        self._refused += self.scheduler.reap_grammar_failures()
+        # A constrained request's next mask needs its token still on the device: such steps run
+        # as under synchronous scheduling (docs/architecture.md, "Structured outputs").
+        outputs = self._complete_in_flight() if self.scheduler.needs_tokens_in_flight() else []
         sched = self.scheduler.schedule()
         launches = not sched.is_empty or bool(sched.finished_req_ids)
+        if not sched.is_empty:
+            self.snapshots.record(sched)
         if not self.async_scheduling:
-            outputs = self._complete(sched, self.worker.launch(sched)) if launches else []
+            outputs += self._complete(sched, self.executor.launch(sched)) if launches else []
         elif not launches:
-            outputs = self._complete_in_flight()
+            outputs += self._complete_in_flight()
         else:
-            pending = self.worker.launch(sched)
-            outputs = self._complete_in_flight()
+            pending = self.executor.launch(sched)
+            outputs += self._complete_in_flight()
             self._in_flight = (sched, pending)
-        return EngineCoreOutputs(outputs=outputs, stats=self.scheduler.make_stats(), timestamp=time.monotonic(),
-                                 num_requests_received=self.num_requests_received)
+        if not launches and not outputs and self._in_flight is None and self.structured is not None:
+            # Only grammars still compiling hold work back: sleep on them rather than spin.
+            self.structured.wait_for_compile(_IDLE_COMPILE_WAIT_S)
+        if self._refused:
+            outputs[:0], self._refused = self._refused, []
+        now = time.monotonic()
+        return EngineCoreOutputs(outputs=outputs, stats=self.scheduler.make_stats(), timestamp=now,
+                                 num_requests_received=self.num_requests_received,
+                                 snapshot=self.snapshots.poll(now))
 
     def _complete_in_flight(self) -> list[EngineCoreOutput]:
         if self._in_flight is None:
@@ -150,7 +182,7 @@ class EngineCore:
         self._in_flight = None
         return self._complete(sched, pending)
 
-    def _complete(self, sched: SchedulerOutput, pending: PendingStep) -> list[EngineCoreOutput]:
+    def _complete(self, sched: SchedulerOutput, pending: StepHandle) -> list[EngineCoreOutput]:
         return self.scheduler.update(sched, pending.result())
 
 
@@ -165,8 +197,6 @@ def resolve_max_model_len(config: EngineConfig, hf) -> int:
                                       param="max_model_len")
         return limit
     if limit is not None and config.max_model_len > limit:
-        from ..errors import ConfigError
-
         raise ConfigError("max_model_len", f"{config.max_model_len} exceeds the model's limit of {limit} tokens")
     return config.max_model_len
 

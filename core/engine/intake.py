@@ -1,37 +1,69 @@
-"""Checks every request passes before it reaches the engine, shared by the async client and the
-offline path: a token id outside the vocabulary would otherwise fail inside a step, and with it
-every request batched alongside."""
+"""Request intake: the one check every request passes, on the client's side, before the engine sees it.
+
+Every path registers its requests through `OutputProcessor.add_request` (the async `EngineClient`,
+whether its engine runs in another process or in this one, and the offline `LLM`), which calls
+`check_request` once. The engine trusts what arrives: a token id outside the vocabulary would
+otherwise fail inside a step, and with it every request batched alongside; a reused id would mix
+two requests' state. Only admission (the queue bound) is decided later, where the queue is known.
+"""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
+from ..discovery import resolve_structured_output_backend
 from ..errors import InvalidRequestError
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutputsParams
+from .messages import EngineInfo
+
+if TYPE_CHECKING:
+    from ..tokenizer import Tokenizer
 
 NO_TOKENIZER = ("this model runs without a tokenizer (skip_tokenizer_init, a shape preset, or dummy weights "
                 "with no tokenizer files)")
 
 
-def check_token_ids(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int) -> None:
-    """Raise InvalidRequestError naming the field whose token ids the model cannot take."""
-    if not prompt_token_ids:
-        raise InvalidRequestError("prompt is empty", param="prompt")
-    _check_in_vocab(prompt_token_ids, vocab_size, "prompt")
-    if params.logit_bias:
-        _check_in_vocab(params.logit_bias, vocab_size, "logit_bias")
-    if params.stop_token_ids:
-        _check_in_vocab(params.stop_token_ids, vocab_size, "stop_token_ids")
+def encode_prompt(tokenizer: Tokenizer | None, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    """A prompt as (its text, or None for token ids; its token ids)."""
+    if not isinstance(prompt, str):
+        return None, list(prompt)
+    if tokenizer is None:
+        raise InvalidRequestError(f"{NO_TOKENIZER}, so prompts must be lists of token ids, not text", param="prompt")
+    return prompt, tokenizer.encode(prompt)
 
 
-def check_text_features(params: SamplingParams, has_tokenizer: bool) -> None:
-    """Stop strings are matched on detokenized text, which a tokenizer-free engine never produces."""
-    if params.stop and not has_tokenizer:
+def check_request(request_ids: list[str], prompt_token_ids: list[int], params: SamplingParams, info: EngineInfo,
+                  in_use: Callable[[str], bool]) -> None:
+    """Raise InvalidRequestError naming the field the engine cannot take.
+
+    `request_ids` are the user's id and the ids of its core requests (one per sample); none may be
+    `in_use`. The context must hold the prompt plus `max_tokens` (at least one token when unset).
+    A grammar (`structured_outputs`) must parse with the engine's backend.
+    """
+    taken = next((rid for rid in request_ids if in_use(rid)), None)
+    if taken is not None:
+        raise InvalidRequestError(f"request id {taken!r} is already in use; ids must be unique", param="request_id")
+    if params.stop and info.tokenizer_dir is None:
         raise InvalidRequestError(f"{NO_TOKENIZER}, so stop strings cannot be matched; use stop_token_ids",
                                   param="stop")
+    if not prompt_token_ids:
+        raise InvalidRequestError("prompt is empty", param="prompt")
+    if params.structured_outputs is not None:
+        _check_structured_outputs(params.structured_outputs, info)
+    _check_in_vocab(prompt_token_ids, info.vocab_size, "prompt")
+    if params.logit_bias:
+        _check_in_vocab(params.logit_bias, info.vocab_size, "logit_bias")
+    if params.stop_token_ids:
+        _check_in_vocab(params.stop_token_ids, info.vocab_size, "stop_token_ids")
+    _check_context_length(len(prompt_token_ids), params.max_tokens or 1, info.max_model_len)
 
 
-def text_prompt_error() -> InvalidRequestError:
-    return InvalidRequestError(f"{NO_TOKENIZER}, so prompts must be lists of token ids, not text", param="prompt")
+def _check_structured_outputs(spec: StructuredOutputsParams, info: EngineInfo) -> None:
+    """Refuse a grammar the engine's backend cannot parse here, before the engine compiles it."""
+    if info.structured_outputs_backend is None:
+        raise InvalidRequestError(f"{NO_TOKENIZER}, so output cannot be constrained to a grammar",
+                                  param="structured_outputs")
+    resolve_structured_output_backend(info.structured_outputs_backend).validate(spec)
 
 
 def _check_in_vocab(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
@@ -39,3 +71,12 @@ def _check_in_vocab(token_ids: Iterable[int], vocab_size: int, param: str) -> No
     if bad is not None:
         raise InvalidRequestError(f"{param} names token id {bad}, outside this model's vocabulary [0, {vocab_size})",
                                   param=param)
+
+
+def _check_context_length(num_prompt_tokens: int, num_completion_tokens: int, max_model_len: int) -> None:
+    if num_prompt_tokens + num_completion_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"this model's maximum context length is {max_model_len} tokens; the request asks for "
+            f"{num_prompt_tokens} prompt tokens plus {num_completion_tokens} completion tokens",
+            param="max_tokens" if num_prompt_tokens < max_model_len else "prompt", code="context_length_exceeded",
+        )

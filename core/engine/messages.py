@@ -1,10 +1,44 @@
-"""Messages between an engine client and the engine core (in-process or over a socket)."""
+"""Every type that crosses the client<->engine boundary, in-process or over a socket.
+
+What the engine is (`EngineInfo`), what a client asks for (`EngineCoreRequest`), what a step gives
+back (`EngineCoreOutputs`), and the messages a transport carries between them: `ClientMessage` to
+the engine, `EngineMessage` back. The in-process actor queues the same messages it would send.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import msgspec
 
+from ..kv.block_map import KVBlockMap
 from ..sampling_params import SamplingParams
 from ..worker.output import LogprobsLists
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What clients need to know about a running engine.
+
+    `tokenizer_dir` is None when the engine runs without a tokenizer (token-id prompts only).
+    """
+
+    model: str
+    model_dir: str
+    tokenizer_dir: str | None
+    platform: str
+    device: str
+    dtype: str
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+    architecture: str
+    # The grammar backend for structured outputs; None without a tokenizer (no structured output).
+    structured_outputs_backend: str | None = None
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
@@ -27,6 +61,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     stop token id that ended it, if any. `num_cached_tokens` is the prefix-cache hit length.
     `first_scheduled_time` (`time.monotonic()` in the engine's process, a clock shared by the
     processes of one host) is when the request first got a step: it ends its queue time.
+    `error` says why the engine ended a request it could not serve as asked (an "abort" whose
+    cause is the request: a grammar that does not compile in time); None for a full queue.
     """
 
     req_id: str
@@ -37,6 +73,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     prompt_logprobs: LogprobsLists | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    error: str | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
@@ -50,14 +87,75 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     num_preemptions: int = 0
 
 
+class EngineSnapshot(msgspec.Struct, array_like=True, gc=False):
+    """A live view of the engine for operators, published at most a few times a second.
+
+    `step_num_seqs` / `step_num_tokens` are the batch size and the scheduled tokens of the last
+    steps (oldest first; `num_steps` counts every step so far); `token_budget` and `max_num_seqs`
+    are their limits. `running_ids` lists the running core requests (at most `max_num_seqs`), so
+    every other live request is waiting. `timestamp` is the engine's `time.monotonic()`.
+    """
+
+    timestamp: float
+    num_steps: int
+    step_num_seqs: list[int]
+    step_num_tokens: list[int]
+    token_budget: int
+    max_num_seqs: int
+    running_ids: list[str]
+    blocks: KVBlockMap
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
     """One step's outputs plus the scheduler's stats after it.
 
     `num_requests_received` counts the core requests the engine had taken in (admitted or refused)
     before this step, so a client can tell which of the requests it sent the stats already count.
+    `snapshot` is set on the steps that publish one (see `EngineSnapshot`).
     """
 
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats
     timestamp: float
     num_requests_received: int = 0
+    snapshot: EngineSnapshot | None = None
+
+
+# -- what a transport carries (msgspec tagged unions, so one decoder reads either direction) -------
+
+class AddRequests(msgspec.Struct, tag="add", array_like=True):
+    requests: list[EngineCoreRequest]
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class ShutdownEngine(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+class EngineReady(msgspec.Struct, tag="ready", array_like=True):
+    info: EngineInfo
+
+
+class EngineFailed(msgspec.Struct, tag="failed", array_like=True):
+    """The engine could not start or its loop raised; `kind` names the exception class, `field` and
+    `code` are a user error's `param`/`field` and `code`, so the client can raise it again."""
+
+    kind: str
+    message: str
+    field: str | None = None
+    code: str | None = None
+
+
+class EngineStep(msgspec.Struct, tag="step", array_like=True):
+    """One step's outputs; `num_messages_applied` counts the client messages the engine had applied
+    before the step, so the client knows whether the engine still owes it a step."""
+
+    outputs: EngineCoreOutputs
+    num_messages_applied: int
+
+
+ClientMessage = AddRequests | AbortRequests | ShutdownEngine
+EngineMessage = EngineReady | EngineFailed | EngineStep

@@ -1,6 +1,8 @@
-"""Client-side output processing: fan-out of `n`, incremental detokenization, stop strings, logprobs.
+"""Client-side request registry and output processing: intake, fan-out of `n`, incremental
+detokenization, stop strings, logprobs.
 
-Runs where the caller lives (the API server's process, or the offline LLM), never in the engine loop.
+`add_request` is where every path (the async client, the offline `LLM`) registers a request, so it is
+where intake runs (`intake.check_request`). Runs where the caller lives (the API server's process, or the offline LLM), never in the engine loop.
 A stop-string hit finishes the sample here and asks the engine to abort it. Without a tokenizer
 (`tokenizer=None`) outputs carry token ids and empty text.
 """
@@ -20,8 +22,8 @@ from ..outputs import (
 from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
 from ..worker.output import LogprobsLists
-from .intake import check_text_features
-from .messages import EngineCoreOutput, EngineCoreRequest
+from .intake import check_request
+from .messages import EngineCoreOutput, EngineCoreRequest, EngineInfo
 
 
 class _NoText:
@@ -48,6 +50,7 @@ class _Sample:
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.error: str | None = None
         self.sent_text = 0
         self.sent_tokens = 0
 
@@ -72,6 +75,11 @@ class RequestTracker:
         return all(s.finished for s in self.samples)
 
 
+def _child_ids(request_id: str, n: int) -> list[str]:
+    """The core request ids of a user request's `n` samples."""
+    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+
+
 def _update_metrics(metrics: RequestMetrics, out: EngineCoreOutput, now: float) -> None:
     if out.num_cached_tokens:
         metrics.num_cached_tokens = out.num_cached_tokens
@@ -87,10 +95,13 @@ def _update_metrics(metrics: RequestMetrics, out: EngineCoreOutput, now: float) 
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None, stream_deltas: bool, final_only: bool = False):
-        """`stream_deltas`: outputs carry what is new since the last one (servers); otherwise the
-        whole text so far. `final_only`: emit a request's output only once it has finished (offline
-        batches), which saves copying every request's tokens on every step."""
+    def __init__(self, info: EngineInfo, tokenizer: Tokenizer | None, stream_deltas: bool,
+                 final_only: bool = False):
+        """`info`: the engine's limits, which intake checks against. `stream_deltas`: outputs carry
+        what is new since the last one (servers); otherwise the whole text so far. `final_only`: emit
+        a request's output only once it has finished (offline batches), which saves copying every
+        request's tokens on every step."""
+        self.info = info
         self.tokenizer = tokenizer
         self.stream_deltas = stream_deltas
         self.final_only = final_only
@@ -99,12 +110,11 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0) -> list[EngineCoreRequest]:
-        """Register a user request; returns the core requests (one per sample) to send."""
-        if request_id in self.trackers:
-            from ..errors import InvalidRequestError
+        """Check and register a user request; returns the core requests (one per sample) to send.
 
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        check_text_features(params, has_tokenizer=self.tokenizer is not None)
+        Raises InvalidRequestError, registering nothing, when intake refuses it."""
+        child_ids = _child_ids(request_id, params.n)
+        check_request([request_id, *child_ids], prompt_token_ids, params, self.info, self._in_use)
         now = time.monotonic()
         samples = [_Sample(i, self.tokenizer, prompt_token_ids, params) for i in range(params.n)]
         tracker = RequestTracker(request_id, prompt, list(prompt_token_ids), params, samples,
@@ -112,8 +122,7 @@ class OutputProcessor:
                                  prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         self.trackers[request_id] = tracker
         core_requests = []
-        for i in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+        for i, child_id in enumerate(child_ids):
             child_params = params
             if params.n > 1:
                 child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
@@ -124,10 +133,10 @@ class OutputProcessor:
 
     def child_ids(self, request_id: str) -> list[str]:
         tracker = self.trackers.get(request_id)
-        if tracker is None:
-            return []
-        n = len(tracker.samples)
-        return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+        return [] if tracker is None else _child_ids(request_id, len(tracker.samples))
+
+    def _in_use(self, request_id: str) -> bool:
+        return request_id in self.trackers or request_id in self._children
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request (client went away); returns the core request ids to abort."""
@@ -185,6 +194,7 @@ class OutputProcessor:
             sample.text += sample.stop.flush()
             sample.finish_reason = out.finish_reason
             sample.stop_reason = out.stop_reason
+            sample.error = out.error
         return False
 
     def _decode_logprobs(self, lists: LogprobsLists) -> list[PositionLogprobs]:
@@ -214,8 +224,9 @@ class OutputProcessor:
     def _sample_output(self, s: _Sample) -> CompletionOutput:
         if not self.stream_deltas:
             return CompletionOutput(s.index, s.text, list(s.token_ids), s.cumulative_logprob,
-                                    s.logprobs, s.finish_reason, s.stop_reason)
+                                    s.logprobs, s.finish_reason, s.stop_reason, s.error)
         text, tokens = s.text[s.sent_text:], s.token_ids[s.sent_tokens:]
         logprobs = None if s.logprobs is None else s.logprobs[s.sent_tokens:]
         s.sent_text, s.sent_tokens = len(s.text), len(s.token_ids)
-        return CompletionOutput(s.index, text, tokens, s.cumulative_logprob, logprobs, s.finish_reason, s.stop_reason)
+        return CompletionOutput(s.index, text, tokens, s.cumulative_logprob, logprobs, s.finish_reason, s.stop_reason,
+                                s.error)

@@ -9,9 +9,10 @@
 The child is started with multiprocessing's "spawn" method, which re-imports the parent's main
 module: a script using this transport needs the `if __name__ == "__main__":` guard.
 
-The child process builds `EngineCore(config)` and loops: apply the requests and aborts that arrived,
-step, send the step's `EngineCoreOutputs`. Its loop does no HTTP and no detokenization. Frames are
-msgspec-msgpack messages prefixed with their length (4 bytes, big endian).
+The child process builds `EngineCore(config)` and loops: apply the messages that arrived, step, send
+the step's outputs; `EngineCore` decides what each message does. Its loop does no HTTP and no
+detokenization. Frames are msgspec-msgpack messages (`messages.ClientMessage` one way,
+`messages.EngineMessage` the other) prefixed with their length (4 bytes, big endian).
 
 Liveness: the socket closing means the process is gone; a process that sends nothing for
 `hang_timeout` seconds while it owes a step (it holds unfinished requests, or has not yet seen the
@@ -47,8 +48,20 @@ from ..errors import (
     InvalidRequestError,
     ModelNotFoundError,
 )
-from .core import EngineCore, EngineInfo
-from .messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from .core import EngineCore
+from .messages import (
+    AbortRequests,
+    AddRequests,
+    ClientMessage,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineFailed,
+    EngineInfo,
+    EngineMessage,
+    EngineReady,
+    EngineStep,
+    ShutdownEngine,
+)
 from .transport import EngineTransport
 
 logger = logging.getLogger("corectl.engine")
@@ -58,45 +71,9 @@ _WATCH_INTERVAL_S = 0.25
 _CLOSE_GRACE_S = 10.0
 
 
-# -- the protocol ---------------------------------------------------------------------------------
+# -- errors across the socket ---------------------------------------------------------------------
 
-class _Add(msgspec.Struct, tag="add", array_like=True):
-    requests: list[EngineCoreRequest]
-
-
-class _Abort(msgspec.Struct, tag="abort", array_like=True):
-    request_ids: list[str]
-
-
-class _Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
-    pass
-
-
-class _Ready(msgspec.Struct, tag="ready", array_like=True):
-    info: EngineInfo
-
-
-class _Failed(msgspec.Struct, tag="failed", array_like=True):
-    """The engine could not start or its loop raised; `kind` names the exception class."""
-
-    kind: str
-    message: str
-    field: str | None = None
-    code: str | None = None
-
-
-class _Step(msgspec.Struct, tag="step", array_like=True):
-    """One step's outputs; `seen` counts the messages the engine had applied before this step."""
-
-    batch: EngineCoreOutputs
-    seen: int
-
-
-_ToEngine = _Add | _Abort | _Shutdown
-_FromEngine = _Ready | _Failed | _Step
-
-
-def _rebuild_error(failed: _Failed) -> CorectlError:
+def _rebuild_error(failed: EngineFailed) -> CorectlError:
     """The child's exception as the parent should raise it (user errors keep their class)."""
     if failed.kind == "ConfigError" and failed.field:
         prefix = f"{failed.field}: "
@@ -109,9 +86,9 @@ def _rebuild_error(failed: _Failed) -> CorectlError:
     return EngineDeadError(f"engine process failed: {failed.kind}: {failed.message}")
 
 
-def _describe_failure(exc: BaseException) -> _Failed:
+def _describe_failure(exc: BaseException) -> EngineFailed:
     field = getattr(exc, "field", None) or getattr(exc, "param", None)
-    return _Failed(type(exc).__name__, str(exc), field, getattr(exc, "code", None))
+    return EngineFailed(type(exc).__name__, str(exc), field, getattr(exc, "code", None))
 
 
 # -- the parent side ------------------------------------------------------------------------------
@@ -128,10 +105,11 @@ class RemoteEngine(EngineTransport):
         self._socket_dir = socket_dir
         self._hang_timeout = hang_timeout
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(_FromEngine)
+        self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self._send_lock = anyio.Lock()
-        self._sent = 0  # messages sent; compared with the engine's `seen` to know whether it owes a step
-        self._seen = 0
+        # Messages sent and messages the engine says it applied: while they differ it owes a step.
+        self._sent = 0
+        self._applied = 0
         self._busy = False  # the last step left unfinished requests in the engine
         self._last_heard = time.monotonic()
         self._error: EngineDeadError | None = None
@@ -162,7 +140,7 @@ class RemoteEngine(EngineTransport):
         return engine
 
     @classmethod
-    async def _launch(cls, process, path: str) -> tuple[SocketStream, BufferedByteReceiveStream, _Ready]:
+    async def _launch(cls, process, path: str) -> tuple[SocketStream, BufferedByteReceiveStream, EngineReady]:
         listener = await anyio.create_unix_listener(path)
         try:
             await anyio.to_thread.run_sync(process.start)
@@ -171,26 +149,30 @@ class RemoteEngine(EngineTransport):
             await listener.aclose()
         reader = BufferedByteReceiveStream(stream)
         try:
-            first = msgspec.msgpack.decode(await _read_frame(reader), type=_FromEngine)
+            first = msgspec.msgpack.decode(await _read_frame(reader), type=EngineMessage)
         except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
             await anyio.to_thread.run_sync(process.join, 5.0)
             raise EngineDeadError(f"the engine process exited while starting ({_exit_description(process)}); "
                                   "its log above says why") from None
-        if isinstance(first, _Failed):
+        if isinstance(first, EngineFailed):
             await stream.aclose()
             raise _rebuild_error(first)
-        if not isinstance(first, _Ready):
+        if not isinstance(first, EngineReady):
             raise EngineDeadError(f"the engine process sent {type(first).__name__} before it was ready")
         return stream, reader, first
 
     async def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         self._check_alive()
-        await self._send(_Add(requests))
+        try:
+            payload = self._encoder.encode(AddRequests(requests))
+        except (OverflowError, msgspec.EncodeError) as exc:  # e.g. a seed or top_k past 64 bits
+            raise InvalidRequestError(f"the request cannot be sent to the engine: {exc}") from exc
+        await self._send(payload)
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         if self.is_alive():
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                await self._send(_Abort(request_ids))
+                await self._send(self._encoder.encode(AbortRequests(request_ids)))
 
     async def outputs(self) -> AsyncIterator[EngineCoreOutputs]:
         while True:
@@ -204,13 +186,13 @@ class RemoteEngine(EngineTransport):
                 await anyio.to_thread.run_sync(self._process.join, 2.0)
                 raise self._fail(f"the engine process is gone ({_exit_description(self._process)})") from exc
             message = self._decoder.decode(frame)
-            if isinstance(message, _Failed):
+            if isinstance(message, EngineFailed):
                 raise self._fail(str(_rebuild_error(message)))
             self._last_heard = time.monotonic()
-            self._seen = message.seen
-            stats = message.batch.stats
+            self._applied = message.num_messages_applied
+            stats = message.outputs.stats
             self._busy = stats.num_running + stats.num_waiting > 0
-            yield message.batch
+            yield message.outputs
 
     async def close(self) -> None:
         if self._closed:
@@ -219,7 +201,7 @@ class RemoteEngine(EngineTransport):
         with anyio.CancelScope(shield=True):
             if self._error is None:
                 with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    await self._send(_Shutdown())
+                    await self._send(self._encoder.encode(ShutdownEngine()))
             await anyio.to_thread.run_sync(_stop_process, self._process, _CLOSE_GRACE_S)
             await self._stream.aclose()
             shutil.rmtree(self._socket_dir, ignore_errors=True)
@@ -233,13 +215,15 @@ class RemoteEngine(EngineTransport):
         if self._closed:
             raise EngineDeadError("the engine is shut down")
 
-    async def _send(self, message: msgspec.Struct) -> None:
-        payload = self._encoder.encode(message)
-        async with self._send_lock:
-            if self._sent == self._seen:
-                self._last_heard = time.monotonic()  # the hang clock starts when the engine owes a step
-            self._sent += 1
-            await self._stream.send(_HEADER.pack(len(payload)) + payload)
+    async def _send(self, payload: bytes) -> None:
+        # Shielded: a frame cut short would garble the stream, and a message counted but never
+        # written would leave the engine "owing" a step for a message it never got (then killed as hung).
+        with anyio.CancelScope(shield=True):
+            async with self._send_lock:
+                if self._sent == self._applied:
+                    self._last_heard = time.monotonic()  # the hang clock starts when the engine owes a step
+                self._sent += 1
+                await self._stream.send(_HEADER.pack(len(payload)) + payload)
 
     def _fail(self, reason: str) -> EngineDeadError:
         if self._error is None:
@@ -253,7 +237,7 @@ class RemoteEngine(EngineTransport):
             await anyio.sleep(_WATCH_INTERVAL_S)
             if self._closed:
                 return
-            owes_step = self._busy or self._sent > self._seen
+            owes_step = self._busy or self._sent > self._applied
             silent = time.monotonic() - self._last_heard
             if self._process.exitcode is not None:
                 self._fail(f"the engine process is gone ({_exit_description(self._process)})")
@@ -318,11 +302,11 @@ class _Channel:
     def __init__(self, sock: socket.socket):
         self._sock = sock
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(_ToEngine)
-        self.inbox: queue.SimpleQueue[_Add | _Abort | _Shutdown | None] = queue.SimpleQueue()
+        self._decoder = msgspec.msgpack.Decoder(ClientMessage)
+        self.inbox: queue.SimpleQueue[ClientMessage | None] = queue.SimpleQueue()
         threading.Thread(target=self._read_loop, name="corectl-engine-inbox", daemon=True).start()
 
-    def send(self, message: msgspec.Struct) -> None:
+    def send(self, message: EngineMessage) -> None:
         payload = self._encoder.encode(message)
         self._sock.sendall(_HEADER.pack(len(payload)) + payload)
 
@@ -363,7 +347,7 @@ def _engine_process_main(config: EngineConfig, socket_path: str, process_init: C
     # process group must let the server drain its requests first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    channel.send(_Ready(core.info))
+    channel.send(EngineReady(core.info))
     try:
         _serve(core, channel)
     except (BrokenPipeError, ConnectionError):
@@ -376,35 +360,18 @@ def _engine_process_main(config: EngineConfig, socket_path: str, process_init: C
 
 
 def _serve(core: EngineCore, channel: _Channel) -> None:
-    seen = 0
-    rejected: list[EngineCoreOutput] = []
+    applied = 0
     while True:
         block = not core.has_unfinished_requests()
         while True:
             try:
-                message = channel.inbox.get(block=block, timeout=None if block else 0)
+                message = channel.inbox.get(block)
             except queue.Empty:
                 break
             block = False
-            if message is None or isinstance(message, _Shutdown):
+            if message is None or isinstance(message, ShutdownEngine):
                 return
-            seen += 1
-            _apply(core, message, rejected)
-        batch = core.step()
-        if rejected:
-            batch.outputs[:0], rejected = rejected, []
-        channel.send(_Step(batch, seen))
-
-
-def _apply(core: EngineCore, message: _Add | _Abort, rejected: list[EngineCoreOutput]) -> None:
-    if isinstance(message, _Abort):
-        core.abort_requests(message.request_ids)
-        return
-    for request in message.requests:
-        try:
-            core.add_request(request)
-        except CorectlError as exc:
-            # Clients validate first (and bound the queue); a request that still fails here ends alone.
-            logger.warning("engine rejected request %s: %s", request.request_id, exc)
-            rejected.append(EngineCoreOutput(request.request_id, [], finish_reason="abort"))
+            applied += 1
+            core.apply(message)
+        channel.send(EngineStep(core.step(), applied))
 

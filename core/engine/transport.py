@@ -4,8 +4,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 
-from .core import EngineInfo
-from .messages import EngineCoreOutputs, EngineCoreRequest
+from .messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo, SchedulerStats
 
 
 class EngineTransport(abc.ABC):
@@ -15,7 +14,8 @@ class EngineTransport(abc.ABC):
 
     @abc.abstractmethod
     async def add_requests(self, requests: list[EngineCoreRequest]) -> None:
-        ...
+        """Deliver the requests whole or, by raising, not at all: the client then takes them off its
+        queue count. Messages of all kinds reach the engine in the order they were sent."""
 
     @abc.abstractmethod
     async def abort_requests(self, request_ids: list[str]) -> None:
@@ -31,3 +31,8 @@ class EngineTransport(abc.ABC):
 
     def is_alive(self) -> bool:
         return True
+
+    def engine_stats(self, latest: SchedulerStats) -> list[SchedulerStats]:
+        """The latest stats of each engine core behind this transport, given `latest`, those of
+        its last step report (a data-parallel transport reports the sum and keeps each engine's)."""
+        return [latest]

@@ -6,6 +6,9 @@ captured graphs may write there), so it never holds a request's K/V and is never
 
 A freed block keeps its hash and stays findable by prefix lookups until it reaches the head of
 the free list and is reused; only then is its hash evicted.
+
+`states` holds one byte per block (FREE, USED, or CACHED: free but still findable), kept up to date
+at each change so a live view can summarize the pool without walking 100k block objects.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 NULL_BLOCK_ID = 0
+FREE, USED, CACHED = 0, 1, 2
 
 
 class KVBlock:
@@ -38,6 +42,8 @@ class BlockPool:
             )
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.blocks[NULL_BLOCK_ID].ref_cnt = 1
+        self.states = bytearray(num_blocks)
+        self.states[NULL_BLOCK_ID] = USED
         # Insertion order is eviction order: head = least recently freed. OrderedDict gives O(1)
         # removal from the middle, needed when a prefix hit revives a free cached block.
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
@@ -65,6 +71,7 @@ class BlockPool:
                 del self._cached[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
+            self.states[block.block_id] = USED
             taken.append(block)
         return taken
 
@@ -73,6 +80,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
+                self.states[block.block_id] = USED
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -81,6 +89,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
+                self.states[block.block_id] = FREE if block.block_hash is None else CACHED
 
     def cache(self, block: KVBlock, block_hash: int) -> None:
         """Make a full, computed block findable by its hash.

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from ..request import Request
 from .block_hash import extend_block_hashes
+from .block_map import MAX_CELLS, KVBlockMap, summarize_block_states
 from .block_pool import BlockPool, KVBlock
 
 
@@ -60,6 +61,10 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of usable blocks held by requests (free cached blocks count as free)."""
         return 1.0 - self.pool.num_free / self.pool.num_usable_blocks
+
+    def block_map(self, max_cells: int = MAX_CELLS) -> KVBlockMap:
+        """Used, cached and free blocks, summarized in at most `max_cells` cells (live views)."""
+        return summarize_block_states(self.pool.states, max_cells)
 
     def block_ids(self, req: Request) -> list[int]:
         return [b.block_id for b in self._req_blocks.get(req.request_id, ())]

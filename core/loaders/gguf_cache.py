@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 from safetensors.torch import save_file
-from transformers import CONFIG_MAPPING, AutoTokenizer
+from transformers import CONFIG_MAPPING, AutoTokenizer, PretrainedConfig
 
 from .. import envs
 from ..errors import ConfigError, ModelNotFoundError
@@ -84,8 +85,25 @@ def ensure_converted(path: Path) -> Path:
     return target
 
 
-def convert_gguf(path: Path, out: Path) -> None:
-    """Write config, tokenizer, generation config and fp32 safetensors for the GGUF at `path` into `out`."""
+@dataclass(frozen=True)
+class GGUFHeader:
+    """A GGUF file's metadata and the HF config it converts to; tensor data stays on disk (mapped)."""
+
+    reader: gguf.GGUFReader
+    meta: dict
+    arch: str
+    hf_config: PretrainedConfig
+
+    def tensor_bytes(self) -> dict[str, int]:
+        """Bytes of the file's tensors by storage type (quantizations such as Q4_1, or F32)."""
+        sizes: dict[str, int] = {}
+        for tensor in self.reader.tensors:
+            sizes[tensor.tensor_type.name] = sizes.get(tensor.tensor_type.name, 0) + int(tensor.n_bytes)
+        return sizes
+
+
+def read_gguf_header(path: Path) -> GGUFHeader:
+    """Parse the GGUF at `path` without reading its weights; raise if the loader cannot convert it."""
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, OSError) as exc:
@@ -100,11 +118,16 @@ def convert_gguf(path: Path, out: Path) -> None:
         )
     tensor_names = {t.name for t in reader.tensors}
     _check_rope(path, arch, meta, tensor_names)
-    hf_config = _hf_config(reader, meta, arch, tensor_names)
-    hf_config.save_pretrained(out)
-    _write_generation_config(meta, out)
+    return GGUFHeader(reader, meta, arch, _hf_config(reader, meta, arch, tensor_names))
+
+
+def convert_gguf(path: Path, out: Path) -> None:
+    """Write config, tokenizer, generation config and fp32 safetensors for the GGUF at `path` into `out`."""
+    header = read_gguf_header(path)
+    header.hf_config.save_pretrained(out)
+    _write_generation_config(header.meta, out)
     _write_tokenizer(path, out)
-    _write_weights(reader, arch, hf_config, out)
+    _write_weights(header.reader, header.arch, header.hf_config, out)
 
 
 def _scalar_metadata(reader) -> dict:

@@ -14,6 +14,10 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..attention import ForwardContext
 from .kernels import UsesLayerKernels
+from .parallel import PackedLinear
+
+__all__ = ["PACKED_MODULES", "Attention", "PackedLinear", "RMSNorm", "RotaryEmbedding", "default_weight_loader",
+           "load_packed_weights"]
 
 
 class RMSNorm(UsesLayerKernels, nn.Module):
@@ -88,30 +92,6 @@ class RotaryEmbedding(UsesLayerKernels, nn.Module):
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class PackedLinear(nn.Linear):
-    """Several checkpoint projections stored as one matrix (qkv, gate_up) so one GEMM computes them.
-
-    `shards` maps each checkpoint shard id to its (offset, size) along the output dimension; the
-    per-parameter `weight_loader` copies a checkpoint tensor into its slice.
-    """
-
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool):
-        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
-        self.shards: dict[str, tuple[int, int]] = {}
-        offset = 0
-        for shard_id, size in shard_sizes.items():
-            self.shards[shard_id] = (offset, size)
-            offset += size
-        for param in self.parameters():
-            param.weight_loader = self._load_shard
-
-    def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
-        offset, size = self.shards[shard_id]
-        if loaded.shape[0] != size:
-            raise ValueError(f"shard {shard_id!r} expects {size} rows, checkpoint has {tuple(loaded.shape)}")
-        param.data.narrow(0, offset, size).copy_(loaded)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:

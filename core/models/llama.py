@@ -2,7 +2,7 @@
 
 One implementation serves Llama 2/3 (incl. Llama-3 RoPE scaling), SmolLM2, TinyLlama, Mistral
 (full attention), Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm); the subclasses in
-`qwen2.py`/`qwen3.py` only switch features on.
+`qwen.py` only switch features on. Every projection is tensor parallel (`parallel.py`).
 """
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ from torch import nn
 from ..attention import ForwardContext
 from .base import CausalLM
 from .kernels import UsesLayerKernels
-from .layers import (
-    Attention,
+from .layers import Attention, RMSNorm, RotaryEmbedding, load_packed_weights
+from .parallel import (
     PackedLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    load_packed_weights,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_logits,
 )
 
 
@@ -28,15 +29,19 @@ def head_dim(config) -> int:
 
 
 class DecoderAttention(nn.Module):
+    """Self-attention over this rank's heads (all of them at tensor-parallel size 1)."""
+
     def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.head_dim = head_dim(config)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_size, self.kv_size = q_size, kv_size
-        self.qkv_proj = PackedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
+        self.qkv_proj = PackedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
+                                     bias=qkv_bias, unit=self.head_dim)
+        self.q_size, self.kv_size = self.qkv_proj.shards["q"][1], self.qkv_proj.shards["k"][1]
+        self.num_heads, self.num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
@@ -58,7 +63,7 @@ class GatedMLP(UsesLayerKernels, nn.Module):
         size = config.intermediate_size
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = PackedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
         self.act = nn.SiLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,7 +95,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config, max_positions: int, dtype: torch.dtype, qkv_bias: bool, qk_norm: bool):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One set of cos/sin tables for every layer: they are identical.
         rotary = RotaryEmbedding(config, head_dim(config), max_positions, dtype)
         self.layers = nn.ModuleList(
@@ -120,8 +125,8 @@ class LlamaForCausalLM(CausalLM):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # A tied head is a Linear over the embedding's own Parameter, so a platform can swap the
         # module (e.g. for a prepacked one) without knowing about tying.
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
-                                 device="meta" if self.tie_word_embeddings else None)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size,
+                                      device="meta" if self.tie_word_embeddings else None)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -129,7 +134,7 @@ class LlamaForCausalLM(CausalLM):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return gather_logits(self.lm_head(hidden), self.config.vocab_size).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_packed_weights(self, weights, lambda name: "rotary_emb.inv_freq" in name or (

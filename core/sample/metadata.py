@@ -14,7 +14,7 @@ from ..sampling_params import SamplingParams
 from .penalties import PenaltyParams
 from .random_sampling import RandomParams
 from .token_edits import LogitBias, build_logit_bias, build_min_tokens
-from .transfer import to_device
+from .transfer import DeviceTarget, to_device
 
 
 def is_plain_greedy(p: SamplingParams) -> bool:
@@ -41,7 +41,7 @@ def _check_rows(params: Sequence[SamplingParams], **per_row: Sequence) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class PendingOutputTokens:
+class UnreadOutputTokens:
     """Output tokens the host has not read yet (async scheduling): one per row in `rows`, its id
     in `token_ids` on the device. Penalties count them there; min_tokens needs only their number."""
 
@@ -77,12 +77,12 @@ class SamplingMetadata:
         generators: Sequence[torch.Generator | None],
         eos_token_id: int | None,
         vocab_size: int,
-        device: torch.device,
-        pending: PendingOutputTokens | None = None,
+        target: DeviceTarget,
+        unread: UnreadOutputTokens | None = None,
     ) -> "SamplingMetadata":
         """One row per request that samples this step. `prompt_token_ids[i]` is read only where
         `reads_prompt_ids` and `output_token_ids[i]` only where `reads_output_ids` holds;
-        `generators[i]` (for seeded requests) only for random rows. `pending` adds output tokens
+        `generators[i]` (for seeded requests) only for random rows. `unread` adds output tokens
         whose ids are still on the device to the rows' histories."""
         _check_rows(
             params, prompt_token_ids=prompt_token_ids, output_token_ids=output_token_ids, generators=generators
@@ -90,17 +90,17 @@ class SamplingMetadata:
         greedy = [p.greedy for p in params]
         requested = [p.logprobs for p in params if p.logprobs is not None]
         num_output = [len(ids) for ids in output_token_ids]
-        penalties = PenaltyParams.build(params, prompt_token_ids, output_token_ids, vocab_size, device)
-        if pending is not None:
-            for row in pending.rows:
+        penalties = PenaltyParams.build(params, prompt_token_ids, output_token_ids, vocab_size, target)
+        if unread is not None:
+            for row in unread.rows:
                 num_output[row] += 1
             if penalties is not None:
-                rows = to_device(pending.rows, torch.int64, device)
-                penalties = penalties.with_output_tokens(rows, pending.token_ids, vocab_size)
+                rows = to_device(unread.rows, torch.int64, target)
+                penalties = penalties.with_output_tokens(rows, unread.token_ids, vocab_size)
         return cls(
-            random=None if all(greedy) else RandomParams.build(params, greedy, generators, vocab_size, device),
-            logit_bias=build_logit_bias(params, vocab_size, device),
-            min_tokens=build_min_tokens(params, num_output, eos_token_id, vocab_size, device),
+            random=None if all(greedy) else RandomParams.build(params, greedy, generators, vocab_size, target),
+            logit_bias=build_logit_bias(params, vocab_size, target),
+            min_tokens=build_min_tokens(params, num_output, eos_token_id, vocab_size, target),
             penalties=penalties,
             max_num_logprobs=max(requested) if requested else None,
         )

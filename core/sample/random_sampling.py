@@ -19,9 +19,11 @@ from typing import Sequence
 import torch
 
 from ..sampling_params import SamplingParams
-from .transfer import row_column, to_device
+from .transfer import DeviceTarget, row_column, to_device
 
 _NEG_INF = float("-inf")
+# How a random row's token is drawn, as the platform says (`PlatformCaps.sampling_draw`).
+DRAWS = ("exponential_race", "inverse_cdf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,19 +46,19 @@ class RandomParams:
         greedy: Sequence[bool],
         generators: Sequence[torch.Generator | None],
         vocab_size: int,
-        device: torch.device,
+        target: DeviceTarget,
     ) -> "RandomParams":
         top_k = [0 if g or p.top_k >= vocab_size else p.top_k for p, g in zip(params, greedy)]
         top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
         return cls(
-            greedy_rows=to_device(list(greedy), torch.bool, device) if any(greedy) else None,
-            temperature=row_column([1.0 if g else p.temperature for p, g in zip(params, greedy)], 1.0, device),
-            top_k=row_column(top_k, 0, device, torch.int64),
-            top_p=row_column(top_p, 1.0, device),
+            greedy_rows=to_device(list(greedy), torch.bool, target) if any(greedy) else None,
+            temperature=row_column([1.0 if g else p.temperature for p, g in zip(params, greedy)], 1.0, target),
+            top_k=row_column(top_k, 0, target, torch.int64),
+            top_p=row_column(top_p, 1.0, target),
             log_min_p=row_column(
                 [_NEG_INF if g or p.min_p == 0.0 else math.log(p.min_p) for p, g in zip(params, greedy)],
                 _NEG_INF,
-                device,
+                target,
             ),
             num_candidates=_num_candidates(top_k, top_p, vocab_size),
             generators={
@@ -142,7 +144,7 @@ def _inverse_cdf_draw(logits: torch.Tensor, generators: dict[int, torch.Generato
     that tokens far below fp32's resolution of the running total keep their share."""
     weights = logits.sub(logits.amax(dim=-1, keepdim=True)).exp_()
     cdf = weights.cumsum(dim=-1, dtype=torch.float64)
-    draws = torch.empty(logits.shape[0], 1, dtype=torch.float64)
+    draws = torch.empty(logits.shape[0], 1, dtype=torch.float64, device=logits.device)
     if len(generators) < logits.shape[0]:
         draws.uniform_()
     for row, generator in generators.items():
@@ -151,18 +153,18 @@ def _inverse_cdf_draw(logits: torch.Tensor, generators: dict[int, torch.Generato
     return torch.searchsorted(cdf, targets).squeeze(1)
 
 
-def sample_random(logits: torch.Tensor, params: RandomParams) -> torch.Tensor:
+def sample_random(logits: torch.Tensor, params: RandomParams, draw: str) -> torch.Tensor:
     """One token per row with probability softmax(logits)_i after temperature and truncation.
-    Modifies `logits` in place.
+    Modifies `logits` in place. `draw` is one of `DRAWS`, chosen by the platform.
 
-    On a GPU, by the exponential race: token i wins argmax(p_i / q_i), q_i ~ Exp(1), with
-    probability p_i. It runs in log space, argmax(logit_i - log q_i), which needs no softmax (a
-    pass over the batch fewer, and on a GPU torch gives a single row's softmax to one block). On a
-    CPU the race's vocabulary-sized noise dominates (16 x 49k: 7.8 ms, one uniform per row and an
-    inverse-CDF search 1.2 ms), so there each row draws a single number instead."""
+    "exponential_race" (GPUs): token i wins argmax(p_i / q_i), q_i ~ Exp(1), with probability
+    p_i. It runs in log space, argmax(logit_i - log q_i), which needs no softmax (a pass over the
+    batch fewer, and on a GPU torch gives a single row's softmax to one block). "inverse_cdf"
+    (CPUs, where the race's vocabulary-sized noise dominates: 16 x 49k takes 7.8 ms, one uniform
+    per row and an inverse-CDF search 1.2 ms): each row draws a single number instead."""
     if params.temperature is not None:
         logits.div_(params.temperature)
     truncate(logits, params)
-    if logits.device.type == "cpu":
+    if draw == "inverse_cdf":
         return _inverse_cdf_draw(logits, params.generators)
     return logits.sub_(_log_exponential_noise(logits, params.generators)).argmax(dim=-1)

@@ -1,7 +1,7 @@
 """One token per row from a step's logits, vLLM V1's order of operations.
 
 logit_bias -> min_tokens suppression -> penalties; greedy rows take the argmax of those logits,
-random rows go on through temperature, top-k, top-p, min-p and the exponential race. Logprobs
+random rows go on through temperature, top-k, top-p, min-p and the platform's draw. Logprobs
 come from the raw logits (vLLM V1's default), before any of it.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from .logprobs import LogprobsTensors, gather_logprobs
 from .metadata import SamplingMetadata
 from .penalties import apply_penalties
-from .random_sampling import RandomParams, sample_random
+from .random_sampling import DRAWS, RandomParams, sample_random
 from .token_edits import add_logit_bias, suppress_tokens
 
 
@@ -35,15 +35,21 @@ def edit_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     return logits
 
 
-def _sample(logits: torch.Tensor, params: RandomParams) -> torch.Tensor:
+def _sample(logits: torch.Tensor, params: RandomParams, draw: str) -> torch.Tensor:
     if params.greedy_rows is None:
-        return sample_random(logits, params)
+        return sample_random(logits, params, draw)
     greedy = logits.argmax(dim=-1)
-    return torch.where(params.greedy_rows, greedy, sample_random(logits, params))
+    return torch.where(params.greedy_rows, greedy, sample_random(logits, params, draw))
 
 
 class Sampler:
-    """Stateless; per-request state (generators, token histories) arrives in `SamplingMetadata`."""
+    """Stateless; per-request state (generators, token histories) arrives in `SamplingMetadata`.
+    `draw` is how random rows draw their token (`PlatformCaps.sampling_draw`, one of `DRAWS`)."""
+
+    def __init__(self, draw: str = "exponential_race"):
+        if draw not in DRAWS:
+            raise ValueError(f"unknown sampling draw {draw!r}; expected one of {', '.join(DRAWS)}")
+        self.draw = draw
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample from fp32 `logits` [B, V]. `logits` may be modified in place."""
@@ -53,7 +59,7 @@ class Sampler:
         if meta.random is None:
             sampled = logits.argmax(dim=-1)
         else:
-            sampled = _sample(logits, meta.random)
+            sampled = _sample(logits, meta.random, self.draw)
         if raw_logprobs is None:
             return SamplerOutput(sampled, None)
         return SamplerOutput(sampled, gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs))

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import InvalidRequestError
 from ..sampling_params import SamplingParams
-from .transfer import to_device
+from .transfer import DeviceTarget, to_device
 
 
 class LogitBias(NamedTuple):
@@ -29,7 +29,7 @@ def _check_token(token: int, vocab_size: int, field: str) -> None:
 
 
 def build_logit_bias(
-    params: Sequence[SamplingParams], vocab_size: int, device: torch.device
+    params: Sequence[SamplingParams], vocab_size: int, target: DeviceTarget
 ) -> LogitBias | None:
     if not any(p.logit_bias for p in params):
         return None
@@ -40,7 +40,7 @@ def build_logit_bias(
             _check_token(token, vocab_size, "logit_bias")
             flat_index.append(row * vocab_size + token)
             values.append(bias)
-    return LogitBias(to_device(flat_index, torch.int64, device), to_device(values, torch.float32, device))
+    return LogitBias(to_device(flat_index, torch.int64, target), to_device(values, torch.float32, target))
 
 
 def build_min_tokens(
@@ -48,16 +48,17 @@ def build_min_tokens(
     num_output_tokens: Sequence[int],
     eos_token_id: int | None,
     vocab_size: int,
-    device: torch.device,
+    target: DeviceTarget,
 ) -> torch.Tensor | None:
     """Flat indices of the stop tokens to forbid in rows that have not yet produced `min_tokens` tokens.
 
     EOS counts as a stop token unless the request ignores it (vLLM's rule: an ignored EOS cannot
-    end the request, so there is nothing to hold back).
+    end the request, so there is nothing to hold back). A row under a grammar is skipped: its
+    bitmask already holds the stop tokens back unless the grammar allows nothing else.
     """
     flat_index: list[int] = []
     for row, (p, num_output) in enumerate(zip(params, num_output_tokens)):
-        if num_output >= p.min_tokens:
+        if num_output >= p.min_tokens or p.structured_outputs is not None:
             continue
         stops = set(p.stop_token_ids or ())
         if eos_token_id is not None and not p.ignore_eos:
@@ -67,7 +68,7 @@ def build_min_tokens(
             flat_index.append(row * vocab_size + token)
     if not flat_index:
         return None
-    return to_device(flat_index, torch.int64, device)
+    return to_device(flat_index, torch.int64, target)
 
 
 def add_logit_bias(logits: torch.Tensor, bias: LogitBias) -> None:

@@ -27,11 +27,22 @@ class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
     num_computed_tokens: list[int] = []
 
 
+class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):
+    """Which tokens each constrained request of a step may sample next: row i of `bitmask` is
+    request `req_ids[i]`'s, int32 words in xgrammar's layout (bit `t % 32` of word `t // 32` set
+    when token `t` is allowed), `width` words a row, as little-endian bytes."""
+
+    req_ids: list[str]
+    width: int
+    bitmask: bytes
+
+
 class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     """One step's work. `num_computed_tokens` values are counts *before* this step's tokens.
 
     `finished_req_ids` lists requests the worker must forget (finished, aborted or preempted
     since the previous step); a preempted request comes back later as a new request.
+    `grammar_bitmask` masks the logits of the rows that sample under a grammar this step.
     """
 
     new_requests: list[NewRequestData]
@@ -39,6 +50,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -13,18 +13,26 @@ the largest (priority, arrival_time) is preempted: its blocks are freed, it rest
 the front of the waiting queue, and it later returns to the worker as a new request carrying
 every token so far, which the worker recomputes (the same K/V, so greedy output is unchanged).
 
-Async scheduling: the engine may schedule step N+1 before step N's sampled ids arrive. A request
-then counts its unarrived tokens in `num_pending_tokens`; step N+1 gives it the next position and
-the worker feeds the id from the device. Tokens that arrive for a request finished or aborted
-meanwhile are dropped, even if a new request has taken its id; one that arrives for a request
-preempted meanwhile joins its tokens (it is recomputed with them on resume). A request whose
-pending token will end it by length is not scheduled again.
+Async scheduling: the engine may schedule step N+1 before step N's sampled ids arrive. What the
+steps in flight owe is counted in `inflight.py` (`StepsInFlight`): a request's tokens in flight
+let step N+1 give it the next position while the worker feeds the id from the device. Tokens that
+arrive for a request finished or aborted meanwhile are dropped, even if a new request has taken its
+id; one that arrives for a request preempted meanwhile joins its tokens (it is recomputed with them
+on resume). A request whose tokens in flight will end it by length is not scheduled again.
+
+Structured outputs (`self.structured`, see `corectl/structured/manager.py`): a constrained request
+waits in the queue until its grammar has compiled, each step carries the masks of the constrained
+rows it samples, and every token a constrained request accepts advances its grammar, which ends the
+request when it terminates. Its mask needs its previous token, so it is not scheduled while that
+token is in flight (the engine completes the step in flight first).
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..config import EngineConfig
 from ..engine.messages import EngineCoreOutput, SchedulerStats
@@ -32,9 +40,15 @@ from ..errors import ConfigError, InvalidRequestError, QueueFullError
 from ..kv import KVCacheManager, PrefixHit
 from ..request import Request, RequestStatus
 from ..worker.output import LogprobsLists, ModelRunnerOutput
-from .output import CachedRequestData, NewRequestData, SchedulerOutput
+from .inflight import StepsInFlight
+from .output import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
 from .prompt_logprobs import PromptLogprobsBuffer, logprobs_row
 from .request_queue import create_request_queue
+
+if TYPE_CHECKING:
+    from ..structured.manager import StructuredOutputManager
+
+logger = logging.getLogger("corectl.scheduler")
 
 
 @dataclass
@@ -58,7 +72,9 @@ class _StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, max_model_len: int, num_blocks: int):
+    def __init__(self, config: EngineConfig, max_model_len: int, num_blocks: int,
+                 structured: StructuredOutputManager | None = None):
+        """`structured` serves requests that ask for structured output (None: refuse them)."""
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         capacity = self.kv.num_usable_blocks * config.block_size
         # A request that cannot fit the cache even alone would be preempted forever.
@@ -76,28 +92,25 @@ class Scheduler:
         self._groups: dict[str, list[Request]] = {}
         # Ordered set of ids the worker must forget at the next step (finished, aborted, preempted).
         self._forget: dict[str, None] = {}
-        # Released requests that steps in flight still hold (how many steps), so their results are
-        # dropped even if a new request has taken the id meanwhile.
-        self._late: dict[str, int] = {}
+        self.in_flight = StepsInFlight()
         self._prompt_logprobs = PromptLogprobsBuffer()
         self.num_preemptions = 0
+        self.structured = structured
 
     # -- requests in and out -------------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
-        """Queue a request; raises InvalidRequestError or QueueFullError when it cannot be taken."""
-        if req.request_id in self._requests:
-            raise InvalidRequestError(f"request id {req.request_id!r} is already in use; ids must be unique")
-        if req.num_prompt_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "
-                f"{req.num_prompt_tokens} tokens; shorten the prompt.",
-                code="context_length_exceeded",
-            )
+        """Queue a request that passed intake (`engine/intake.py`: a unique id, a prompt and max_tokens
+        that fit the context); raises QueueFullError when the queue bound leaves no room."""
         limit = self.config.max_queued_requests
         # Samples of an already admitted request always join it: a request's n samples are all in or all out.
         if limit is not None and req.group_id not in self._groups and len(self.waiting) >= limit:
             raise QueueFullError(f"the request queue is full ({limit} requests waiting); retry later")
+        if req.sampling_params.structured_outputs is not None:
+            if self.structured is None:
+                raise InvalidRequestError("this engine runs without a tokenizer, so it cannot constrain output "
+                                          "to a grammar", param="structured_outputs")
+            self.structured.add(req)
         self.waiting.add(req)
         self._requests[req.request_id] = req
         self._groups.setdefault(req.group_id, []).append(req)
@@ -116,6 +129,19 @@ class Scheduler:
             req.status = RequestStatus.FINISHED_ABORTED
             self._release(req)
         return aborted
+
+    def reap_grammar_failures(self) -> list[EngineCoreOutput]:
+        """End the waiting requests whose grammar failed to compile or overran the compile bound;
+        their abort outputs carry the reason."""
+        failed = self.structured.failures() if self.structured is not None else []
+        self.abort_requests([req.request_id for req, _ in failed])
+        return [EngineCoreOutput(req.request_id, [], finish_reason="abort", error=reason) for req, reason in failed]
+
+    def needs_tokens_in_flight(self) -> bool:
+        """Whether a running constrained request has a token in flight: its next mask needs that
+        token accepted first, so the engine completes the step in flight before scheduling."""
+        return self.structured is not None and any(
+            req.status == RequestStatus.RUNNING and self.in_flight.num_tokens(req) for req in self.structured.constrained)
 
     def get_request(self, req_id: str) -> Request | None:
         return self._requests.get(req_id)
@@ -155,10 +181,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and plan.budget > 0:
             req = self.running[index]
-            if self._ends_by_length(req):
+            if self._ends_by_length(req) or self._awaits_grammar_token(req):
                 index += 1
                 continue
-            num_tokens = min(req.num_tokens + req.num_pending_tokens - req.num_computed_tokens, plan.budget)
+            num_tokens = min(req.num_tokens + self.in_flight.num_tokens(req) - req.num_computed_tokens, plan.budget)
             new_ids = self.kv.allocate(req, num_tokens)
             while new_ids is None:
                 victim_index = self._victim_index()
@@ -174,11 +200,16 @@ class Scheduler:
             index += 1
 
     def _ends_by_length(self, req: Request) -> bool:
-        """Whether the request's pending tokens already bring it to max_tokens or max_model_len."""
-        if not req.num_pending_tokens:
+        """Whether the request's tokens in flight already bring it to max_tokens or max_model_len."""
+        in_flight = self.in_flight.num_tokens(req)
+        if not in_flight:
             return False
-        total = req.num_tokens + req.num_pending_tokens
+        total = req.num_tokens + in_flight
         return total - req.num_prompt_tokens >= req.max_tokens or total >= self.max_model_len
+
+    def _awaits_grammar_token(self, req: Request) -> bool:
+        """A constrained request's token in flight must reach its matcher before its next mask."""
+        return self.structured is not None and req in self.structured and self.in_flight.num_tokens(req) > 0
 
     def _victim_index(self) -> int:
         if self.config.scheduling_policy == "priority":
@@ -190,7 +221,7 @@ class Scheduler:
     def _preempt(self, req: Request, plan: _StepPlan) -> None:
         plan.drop(req)
         self.kv.free(req)
-        if not req.num_pending_tokens:
+        if not self.in_flight.num_tokens(req):
             # Resumed, it recomputes its prompt and reports its prompt logprobs again. With its first
             # token still on its way they travel with that token, and are not recomputed.
             self._prompt_logprobs.pop(req.request_id)
@@ -206,9 +237,9 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
-            # A request preempted while a step held it waits for that step's results (its pending
-            # token); the engine applies them before the next schedule, direct callers may not.
-            if req.num_inflight_steps or self._sibling_prefilling(req):
+            # A request preempted while a step held it waits for that step's results (its token in
+            # flight); the engine applies them before the next schedule, direct callers may not.
+            if self.in_flight.holds(req) or self._sibling_prefilling(req) or self._grammar_compiling(req):
                 skipped.append(self.waiting.pop())
                 continue
             hit = self.kv.lookup_prefix(req)
@@ -218,6 +249,9 @@ class Scheduler:
             self.waiting.pop()
             self._start(req, hit, num_tokens, plan)
         self.waiting.prepend(skipped)
+
+    def _grammar_compiling(self, req: Request) -> bool:
+        return self.structured is not None and req in self.structured and not self.structured.ready(req)
 
     def _sibling_prefilling(self, req: Request) -> bool:
         """Whether another sample of the same request is still filling prompt blocks it could share.
@@ -262,16 +296,15 @@ class Scheduler:
             for req in plan.new
         ]
         running = [req for req, _ in plan.running.values()]
+        grammar_bitmask = self._grammar_bitmask(running + plan.new, plan)
         cached = CachedRequestData(
             req_ids=list(plan.running),
             new_block_ids=[ids for _, ids in plan.running.values()],
             num_computed_tokens=[req.num_computed_tokens for req in running],
         )
         for req in running + plan.new:
-            req.num_inflight_steps += 1
             req.num_computed_tokens += plan.num_scheduled[req.request_id]
-            if req.num_computed_tokens == req.num_tokens + req.num_pending_tokens:
-                req.num_pending_tokens += 1  # the step samples this request's next token
+            self.in_flight.schedule(req)
             self.kv.commit(req)
         finished = list(self._forget)
         self._forget.clear()
@@ -281,20 +314,29 @@ class Scheduler:
             num_scheduled_tokens=plan.num_scheduled,
             total_num_scheduled_tokens=sum(plan.num_scheduled.values()),
             finished_req_ids=finished,
+            grammar_bitmask=grammar_bitmask,
         )
+
+    def _grammar_bitmask(self, scheduled: list[Request], plan: _StepPlan) -> GrammarBitmask | None:
+        """The masks of the constrained requests this step samples for (counts before the step)."""
+        if self.structured is None or not self.structured.constrained:
+            return None
+        sampling = [req for req in scheduled if req in self.structured
+                    and req.num_computed_tokens + plan.num_scheduled[req.request_id] == req.num_tokens]
+        return self.structured.bitmask(sampling) if sampling else None
 
     # -- results -------------------------------------------------------------------------------
 
     def update(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Apply a step's sampled tokens; one output per request that produced a token."""
-        stale = self._settle(sched_out)
+        stale = self.in_flight.settle(sched_out.num_scheduled_tokens, self._requests)
         requests = self._requests
         for req_id, chunk in runner_out.prompt_logprobs.items():
             req = requests.get(req_id)
             # A request preempted mid-prefill since recomputes these rows; one whose first token is
-            # still pending keeps them (see _preempt).
+            # still in flight keeps them (see _preempt).
             if req_id not in stale and req is not None and (
-                    req.status == RequestStatus.RUNNING or req.num_pending_tokens):
+                    req.status == RequestStatus.RUNNING or self.in_flight.num_tokens(req)):
                 self._prompt_logprobs.add(req_id, chunk)
         outputs: list[EngineCoreOutput] = []
         stopped: set[Request] = set()
@@ -307,7 +349,7 @@ class Scheduler:
             req = requests.get(req_id)
             if req_id in stale or req is None:
                 continue  # finished or aborted while the step ran
-            req.num_pending_tokens -= 1
+            self.in_flight.arrive(req)
             output = self._append_token(req, token, logprobs, row)
             outputs.append(output)
             if output.finish_reason is not None:
@@ -315,22 +357,6 @@ class Scheduler:
         if stopped:
             self._finish(stopped)
         return outputs
-
-    def _settle(self, sched_out: SchedulerOutput) -> set[str]:
-        """Count the step as applied for the requests it held; returns the ids whose request was
-        released while it ran (their results belong to no live request)."""
-        stale = set()
-        for req_id in sched_out.num_scheduled_tokens:
-            left = self._late.get(req_id)
-            if left is not None:
-                stale.add(req_id)
-                if left > 1:
-                    self._late[req_id] = left - 1
-                else:
-                    del self._late[req_id]
-            elif (req := self._requests.get(req_id)) is not None:
-                req.num_inflight_steps -= 1
-        return stale
 
     def _finish(self, stopped: set[Request]) -> None:
         """Release requests that stopped; with async scheduling some may be preempted (waiting)."""
@@ -346,7 +372,7 @@ class Scheduler:
         req.append_output_token(token)
         if len(req.all_token_ids) >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
-        else:
+        elif not self._grammar_ends(req, token):
             req.check_stop()
         return EngineCoreOutput(
             req_id=req.request_id,
@@ -359,10 +385,22 @@ class Scheduler:
             first_scheduled_time=req.first_scheduled_time,
         )
 
+    def _grammar_ends(self, req: Request, token: int) -> bool:
+        """Advance a constrained request's grammar: it ends the request when it terminates (a stop,
+        whatever min_tokens says: the output must stay valid), or aborts it on a token it refuses."""
+        if self.structured is None or req not in self.structured:
+            return False
+        if not self.structured.accept(req, token):
+            logger.warning("request %s sampled token %d, which its grammar refuses; aborting it", req.request_id, token)
+            req.status = RequestStatus.FINISHED_ABORTED
+        elif self.structured.is_terminated(req):
+            req.status = RequestStatus.FINISHED_STOPPED
+        return req.status.finished
+
     def _release(self, req: Request) -> None:
-        """Forget a finished request: its blocks, its group membership, its pending logprobs."""
-        if req.num_inflight_steps:
-            self._late[req.request_id] = self._late.get(req.request_id, 0) + req.num_inflight_steps
+        """Forget a finished request: its blocks, its group membership, its unreported prompt
+        logprobs; steps in flight that hold it now hold only its id."""
+        self.in_flight.release(req)
         # Blocks whose last token id arrived after they were scheduled (async scheduling) are
         # cached now: a follow-up turn's prompt starts with this request's tokens. Any step that
         # reuses them runs after the steps in flight that write them.
@@ -374,3 +412,5 @@ class Scheduler:
         if not group:
             del self._groups[req.group_id]
         self._prompt_logprobs.pop(req.request_id)
+        if self.structured is not None:
+            self.structured.remove(req)

@@ -1,25 +1,26 @@
 """Hardware-neutral model runner: builds a step's inputs, runs the model, samples.
 
-Platforms subclass it only for what differs (how host arrays reach the device, graphs, attention
-metadata options); the input construction and sampling logic live here once. A step reads the
+Platforms subclass it only for what differs (how host arrays reach the device and results come
+back, graphs); the input construction and sampling logic live here once. A step reads the
 device back once, for the sampled ids: inputs travel as whole arrays, and the rows to sample are
 selected with an uploaded index, never a Python list (which torch would copy synchronously).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from ..attention import AttentionBackend, AttentionBatch, ForwardContext
+from ..platform import PlatformCaps
 from ..sample import Sampler, SamplingMetadata, compute_prompt_logprobs
-from ..sample.metadata import PLAIN_GREEDY, PendingOutputTokens
-from ..sample.transfer import to_device
-from ..scheduler.output import SchedulerOutput
+from ..sample.grammar import apply_grammar_bitmask
+from ..sample.metadata import PLAIN_GREEDY, UnreadOutputTokens
+from ..sample.transfer import DeviceTarget, to_device
+from ..scheduler.output import GrammarBitmask, SchedulerOutput
+from .inflight import HostFetch, InflightStep, SampledRows, fetch_now
 from .output import LogprobsLists, ModelRunnerOutput
-from .pending import HostFetch, PendingStep, fetch_now
 from .request_states import CachedRequestState, HostStep, RequestStates
 
 _PROMPT_LOGPROB_CHUNK = 512
@@ -45,15 +46,19 @@ def logits_index(host: HostStep) -> np.ndarray | None:
 
 
 class ModelRunner:
+    """`caps` are the platform's: how the sampler draws and whether host data bound for the device
+    can be staged in pinned memory."""
+
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, device: torch.device,
-                 block_size: int, vocab_size: int, eos_token_id: int | None):
+                 block_size: int, vocab_size: int, eos_token_id: int | None, caps: PlatformCaps):
         self.model = model
         self.backend = backend
         self.device = device
+        self.target = DeviceTarget(device, caps.pinned_memory)
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
-        self.sampler = Sampler()
+        self.sampler = Sampler(caps.sampling_draw)
         self.states = RequestStates(device)
         self.kv_caches: list[torch.Tensor] = []
         # The latest launched step's sampled ids on the device, and each request's row in them.
@@ -67,36 +72,51 @@ class ModelRunner:
         return self.launch(sched).result()
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput) -> PendingStep:
+    def launch(self, sched: SchedulerOutput) -> InflightStep:
         """Queue a step's forward pass and sampling on the device; the ids come with `result()`.
 
         At most one launched step may be unread when the next is launched: its ids feed the
-        rows of the new step that decode its requests (`HostStep.pending_rows`).
+        rows of the new step that decode its requests (`HostStep.device_fed_rows`).
         """
         self.states.apply(sched)
         if sched.is_empty:
-            return PendingStep.done()
+            return InflightStep.done()
         inputs = self.upload(self.states.build_step(sched, self.block_size))
-        self._fill_pending_ids(inputs)
+        self._feed_unread_ids(inputs)
         hidden = self.run_model(inputs)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden, sched)
         if not inputs.host.sample_req_ids:
             self._last_sampled = None
-            return PendingStep.done(prompt_logprobs)
+            return InflightStep.done(prompt_logprobs)
         if inputs.logits_indices is not None:
             hidden = hidden.index_select(0, inputs.logits_indices)
-        return self._sample(inputs.host, self.model.compute_logits(hidden), prompt_logprobs)
+        logits = self.model.compute_logits(hidden)
+        if sched.grammar_bitmask is not None:
+            self._apply_grammar(inputs.host, logits, sched.grammar_bitmask)
+        return self._sample(inputs.host, logits, prompt_logprobs)
 
-    def _fill_pending_ids(self, inputs: StepInputs) -> None:
-        """Write the previous step's sampled ids, still on the device, into the rows waiting for them."""
+    def _apply_grammar(self, host: HostStep, logits: torch.Tensor, grammar: GrammarBitmask) -> None:
+        """Forbid what each constrained row's grammar does not allow next, before the sampler reads
+        the logits (logprobs included, as vLLM does); the other rows are not touched."""
+        row_of = {req_id: row for row, req_id in enumerate(host.sample_req_ids)}
+        rows = [row_of[req_id] for req_id in grammar.req_ids]
+        # A copy: torch will not share the read-only buffer of the message's bytes.
+        arrays = [np.frombuffer(grammar.bitmask, dtype=np.int32).reshape(len(rows), grammar.width).copy()]
+        if rows != list(range(len(row_of))):
+            arrays.append(np.array(rows, dtype=np.int64))
+        bitmask, *index = self.to_device(arrays)
+        apply_grammar_bitmask(logits, bitmask, index[0] if index else None)
+
+    def _feed_unread_ids(self, inputs: StepInputs) -> None:
+        """Write the previous step's sampled ids, still on the device, into the rows fed from them."""
         host = inputs.host
-        if not host.pending_rows:
+        if not host.device_fed_rows:
             return
-        ids = self._previous_ids(host.pending_req_ids)
-        if host.pending_rows == list(range(len(ids))):
+        ids = self._previous_ids(host.device_fed_req_ids)
+        if host.device_fed_rows == list(range(len(ids))):
             inputs.input_ids[:len(ids)].copy_(ids)
             return
-        (rows,) = self.to_device([np.array(host.pending_rows, dtype=np.int64)])
+        (rows,) = self.to_device([np.array(host.device_fed_rows, dtype=np.int64)])
         inputs.input_ids.index_copy_(0, rows, ids)
 
     def _previous_ids(self, req_ids: list[str]) -> torch.Tensor:
@@ -111,12 +131,10 @@ class ModelRunner:
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass over the step's tokens; platforms override to replay captured graphs."""
-        ctx = ForwardContext(self.backend, self.attention_metadata(inputs.attn), self.kv_caches)
-        return self.model(inputs.input_ids, inputs.positions, ctx)
-
-    def attention_metadata(self, batch: AttentionBatch) -> Any:
-        """The backend's metadata for an eager step; platforms override to pass backend options."""
-        return self.backend.build_metadata(batch)
+        # The indices come from the runner's own block tables: validating them would only read
+        # them back from the device, a host sync per step.
+        metadata = self.backend.build_metadata(inputs.attn, check_indices=False)
+        return self.model(inputs.input_ids, inputs.positions, ForwardContext(self.backend, metadata, self.kv_caches))
 
     def upload(self, host: HostStep) -> StepInputs:
         """Move the step's host arrays to the device as the model and attention backend take them."""
@@ -142,17 +160,17 @@ class ModelRunner:
         """Host arrays as device tensors; on the CPU they are shared, not copied."""
         return [torch.from_numpy(a).to(self.device, non_blocking=True) for a in arrays]
 
-    def _sample(self, host: HostStep, logits: torch.Tensor, prompt_logprobs) -> PendingStep:
+    def _sample(self, host: HostStep, logits: torch.Tensor, prompt_logprobs) -> InflightStep:
         states = [self.states[r] for r in host.sample_req_ids]
         out = self.sampler(logits, self._sampling_metadata(states))
-        for state in states:
-            state.num_pending += 1
+        self.states.expect_sampled(states)
         self._last_sampled = (out.sampled_token_ids, {r: i for i, r in enumerate(host.sample_req_ids)})
         tensors, num_logprobs = [out.sampled_token_ids], None
         if out.logprobs is not None:
             tensors += [out.logprobs.token_ids, out.logprobs.logprobs, out.logprobs.ranks]
             num_logprobs = [s.sampling_params.logprobs or 0 for s in states]
-        return PendingStep(states, host.sample_req_ids, self.fetch_to_host(tensors), num_logprobs, prompt_logprobs)
+        sampled = SampledRows(self.states, states, self.fetch_to_host(tensors), num_logprobs)
+        return InflightStep(sampled, prompt_logprobs)
 
     def fetch_to_host(self, tensors: list[torch.Tensor]) -> HostFetch:
         """Start copying a step's results to the host; platforms with an asynchronous device
@@ -170,35 +188,35 @@ class ModelRunner:
             generators=[s.seeded_generator() for s in states],
             eos_token_id=self.eos_token_id,
             vocab_size=self.vocab_size,
-            device=self.device,
-            pending=self._pending_output_tokens(states),
+            target=self.target,
+            unread=self._unread_output_tokens(states),
         )
 
-    def _pending_output_tokens(self, states: list[CachedRequestState]) -> PendingOutputTokens | None:
+    def _unread_output_tokens(self, states: list[CachedRequestState]) -> UnreadOutputTokens | None:
         """The history rows' tokens that the previous step sampled and the host has not read."""
-        rows = [row for row, s in enumerate(states) if s.num_pending and s.reads_output]
+        rows = [row for row, s in enumerate(states) if s.num_unread_tokens and s.reads_output]
         if not rows:
             return None
-        return PendingOutputTokens(rows, self._previous_ids([states[row].req_id for row in rows]))
+        return UnreadOutputTokens(rows, self._previous_ids([states[row].req_id for row in rows]))
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor,
                          sched: SchedulerOutput) -> dict[str, LogprobsLists]:
         result: dict[str, LogprobsLists] = {}
-        pending = self.states.prompt_logprobs_pending
-        if not pending:
+        awaiting = self.states.awaiting_prompt_logprobs
+        if not awaiting:
             return result
         for req_id, q_start in zip(inputs.host.req_ids, inputs.host.query_starts):
-            if req_id not in pending:
+            if req_id not in awaiting:
                 continue
             state = self.states[req_id]
             start = state.num_computed_tokens
             end = min(start + sched.num_scheduled_tokens[req_id], state.num_prompt_tokens - 1)
             if end > start:
                 rows = hidden[q_start: q_start + end - start]
-                targets = to_device(state.token_ids[start + 1: end + 1], torch.int64, self.device)
+                targets = to_device(state.token_ids[start + 1: end + 1], torch.int64, self.target)
                 result[req_id] = self._chunked_prompt_logprobs(rows, targets, state.sampling_params.prompt_logprobs)
             if end >= state.num_prompt_tokens - 1:
-                pending.discard(req_id)
+                self.states.prompt_logprobs_done(req_id)
         return result
 
     def _chunked_prompt_logprobs(self, rows: torch.Tensor, targets: torch.Tensor, k: int) -> LogprobsLists:

@@ -28,8 +28,9 @@ class CachedRequestState:
     num_computed_tokens: int
     table_row: int
     generator: torch.Generator | None = None
-    # Tokens sampled by a launched step whose ids have not been read back yet (0 or 1).
-    num_pending: int = 0
+    # Tokens a launched step sampled whose ids the host has not read back yet (0 or 1); they
+    # follow `token_ids`.
+    num_unread_tokens: int = 0
     # What the sampler needs from this request, fixed with its parameters.
     plain_greedy: bool = False
     reads_prompt: bool = False
@@ -46,7 +47,7 @@ class CachedRequestState:
         request's tokens independent of batching and identical after a preemption resume.
         """
         if self.generator is not None:
-            step = len(self.token_ids) + self.num_pending - self.num_prompt_tokens
+            step = len(self.token_ids) + self.num_unread_tokens - self.num_prompt_tokens
             self.generator.manual_seed((self.sampling_params.seed * 1_000_003 + step) % (1 << 63))
         return self.generator
 
@@ -109,10 +110,10 @@ class HostStep:
     max_seq_len: int
     sample_req_ids: list[str]      # requests whose last token is in this step
     sample_rows: list[int]         # the token row of each one's last token
-    # Token rows whose ids the previous step sampled and the host has not read yet (async
-    # scheduling): `input_ids` holds 0 there until the runner fills them on the device.
-    pending_req_ids: list[str] = field(default_factory=list)
-    pending_rows: list[int] = field(default_factory=list)
+    # Token rows fed from the device (async scheduling): their ids are the previous step's unread
+    # samples, so `input_ids` holds 0 there until the runner copies them in on the device.
+    device_fed_req_ids: list[str] = field(default_factory=list)
+    device_fed_rows: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -129,14 +130,16 @@ class HostStep:
 
 
 class RequestStates:
-    """Per-request state owned by the worker; applies each step's diff before the forward pass."""
+    """Per-request state owned by the worker, and its only writer: it applies each step's diff
+    before the forward pass and records what launched steps sample (`expect_sampled` at launch,
+    `receive_sampled` when the host reads the ids)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.states: dict[str, CachedRequestState] = {}
         self.block_table = BlockTable()
-        # Requests asking for prompt logprobs whose prompt positions are not all reported yet.
-        self.prompt_logprobs_pending: set[str] = set()
+        # Requests asking for prompt logprobs with prompt positions still to compute them for.
+        self.awaiting_prompt_logprobs: set[str] = set()
 
     def apply(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
@@ -152,13 +155,32 @@ class RequestStates:
                 state.block_ids.extend(new_blocks)
             state.num_computed_tokens = computed
 
+    def expect_sampled(self, states: list[CachedRequestState]) -> None:
+        """A step being launched samples one token for each of these requests; its id stays on
+        the device (and the next step is built as if it were known) until `receive_sampled`."""
+        for state in states:
+            state.num_unread_tokens += 1
+
+    def receive_sampled(self, states: list[CachedRequestState], token_ids: list[int]) -> None:
+        """The host has read the ids that `expect_sampled` announced, one per state, in order."""
+        for state, token in zip(states, token_ids):
+            # A request forgotten since launch (finished, aborted, preempted) is nobody's state
+            # any more: the scheduler decides what becomes of its token.
+            if self.states.get(state.req_id) is state:
+                state.token_ids.append(token)
+                state.num_unread_tokens -= 1
+
+    def prompt_logprobs_done(self, req_id: str) -> None:
+        """Every prompt position of the request has had its logprobs computed."""
+        self.awaiting_prompt_logprobs.discard(req_id)
+
     def build_step(self, sched: SchedulerOutput, block_size: int) -> HostStep:
         """The host arrays of a non-empty step whose diff has been applied."""
         req_ids = list(sched.num_scheduled_tokens)
         query_lens = list(sched.num_scheduled_tokens.values())
         token_ids: list[int] = []
         starts, rows, query_starts, sample_req_ids, sample_rows = [], [], [], [], []
-        pending_req_ids, pending_rows = [], []
+        fed_req_ids, fed_rows = [], []
         for req_id, n in zip(req_ids, query_lens):
             state = self.states[req_id]
             start = state.num_computed_tokens
@@ -166,15 +188,15 @@ class RequestStates:
             known = state.token_ids[start:start + n]
             token_ids += known
             if len(known) < n:
-                if len(known) + 1 < n or not state.num_pending:
+                if len(known) + 1 < n or not state.num_unread_tokens:
                     raise RuntimeError(f"request {req_id!r}: {n} tokens scheduled from position {start}, "
-                                       f"only {len(known)} known and {state.num_pending} pending")
-                pending_req_ids.append(req_id)
-                pending_rows.append(len(token_ids))
+                                       f"only {len(known)} known and {state.num_unread_tokens} unread")
+                fed_req_ids.append(req_id)
+                fed_rows.append(len(token_ids))
                 token_ids.append(0)
             starts.append(start)
             rows.append(state.table_row)
-            if start + n == len(state.token_ids) + state.num_pending:
+            if start + n == len(state.token_ids) + state.num_unread_tokens:
                 sample_req_ids.append(req_id)
                 sample_rows.append(len(token_ids) - 1)
         lens = np.array(query_lens, dtype=np.int64)
@@ -202,12 +224,12 @@ class RequestStates:
             max_seq_len=max_seq_len,
             sample_req_ids=sample_req_ids,
             sample_rows=sample_rows,
-            pending_req_ids=pending_req_ids,
-            pending_rows=pending_rows,
+            device_fed_req_ids=fed_req_ids,
+            device_fed_rows=fed_rows,
         )
 
     def _forget(self, req_id: str) -> None:
-        self.prompt_logprobs_pending.discard(req_id)
+        self.awaiting_prompt_logprobs.discard(req_id)
         state = self.states.pop(req_id, None)
         if state is not None:
             self.block_table.release(state.table_row, len(state.block_ids))
@@ -217,7 +239,7 @@ class RequestStates:
         # A resumed request already reported its prompt logprobs before it was preempted.
         if (params.prompt_logprobs is not None and len(new.token_ids) == new.num_prompt_tokens
                 and new.num_computed_tokens < new.num_prompt_tokens):
-            self.prompt_logprobs_pending.add(new.req_id)
+            self.awaiting_prompt_logprobs.add(new.req_id)
         generator = None
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(device=self.device)

@@ -14,13 +14,14 @@ import torch
 
 from ..attention import AttentionBackend
 from ..config import EngineConfig
+from ..distributed import get_tp, shard_range
 from ..models.kernels import LayerKernels, install_layer_kernels
 from ..models.registry import resolve_model_class
 from ..platform import Platform
 from ..sampling_params import SamplingParams
 from ..scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from .inflight import InflightStep
 from .model_runner import ModelRunner
-from .pending import PendingStep
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -89,7 +90,7 @@ class Worker(abc.ABC):
             info.num_heads, info.num_kv_heads, info.head_dim, self.torch_dtype, self.device, self.config.block_size
         )
         self.runner = self.runner_cls(model, backend, self.device, self.config.block_size,
-                                      hf.vocab_size, self.eos_token_id)
+                                      hf.vocab_size, self.eos_token_id, self.platform.capabilities())
         self.model_info = info
         return info
 
@@ -130,18 +131,20 @@ class Worker(abc.ABC):
                                                   per_seq * num_seqs, []))
         self.runner.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, ids))
 
-    def launch(self, sched: SchedulerOutput) -> PendingStep:
-        """Queue a step; its output comes with `result()` (see corectl.worker.pending)."""
+    def launch(self, sched: SchedulerOutput) -> InflightStep:
+        """Queue a step; its output comes with `result()` (see corectl.worker.inflight)."""
         return self.runner.launch(sched)
 
 
 def _model_info(hf, model: torch.nn.Module, dtype: str) -> ModelInfo:
+    """The model as this rank holds it: its share of the heads under tensor parallelism."""
     num_heads = hf.num_attention_heads
+    tp = get_tp()
     return ModelInfo(
         architecture=type(model).__name__,
         num_layers=hf.num_hidden_layers,
-        num_heads=num_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+        num_heads=num_heads // tp.world_size,
+        num_kv_heads=shard_range(getattr(hf, "num_key_value_heads", None) or num_heads, tp.rank, tp.world_size)[1],
         head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
         vocab_size=hf.vocab_size,
         dtype=dtype,

@@ -284,3 +284,40 @@ def test_matches_reference_for_any_split(include):
         for piece in pieces:
             emitted += piece
             assert expected_text.startswith(emitted), (text, stops)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_self_overlapping_stops_match_reference(include):
+    """Two-letter texts and stops of up to 9 characters make the automata fall back often."""
+    rng = random.Random(10 + int(include))
+    for _ in range(1000):
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 40)))
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 9))) for _ in range(rng.randint(1, 4))]
+        expected_text, expected_hit = reference_stop(text, stops, include)
+        pieces, hit = run_matcher(stops, include, split_randomly(text, rng))
+        assert ("".join(pieces), hit) == (expected_text, expected_hit), (text, stops)
+
+
+def test_held_back_text_is_shorter_than_the_longest_stop():
+    stop = "y" + "x" * 99
+    matcher = StopStringMatcher([stop, "zz"], False)
+    emitted = "".join(matcher.feed("x" * 7 + "y" + "x" * 50)[0] for _ in range(3))
+    assert len(emitted) + len(matcher.flush()) == 3 * 58
+    assert matcher.feed("yxx") == ("", None)  # "yxx" may begin the stop: held
+    assert matcher.feed("x" * 97) == ("", stop)
+
+
+def test_long_stop_strings_take_linear_memory():
+    """The matcher once kept every prefix of every stop string: 20,000 characters needed 200 MB."""
+    import tracemalloc
+
+    stop = "x" * 20_000
+    tracemalloc.start()
+    try:
+        matcher = StopStringMatcher([stop, "ab" * 10_000], False)
+        pieces = [matcher.feed("x" * 7) for _ in range(3_000)]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 10 * 2 ** 20
+    assert [(text, hit) for text, hit in pieces if text or hit] == [("", stop)]

@@ -21,6 +21,9 @@ TIE_TOLERANCE = {"float32": 0.0, "bfloat16": 0.25}
 # A graph's decode kernel splits the context as for max_model_len, eager as for the actual length:
 # the fp32 partial sums combine in another order, and bf16 rounds the results differently.
 LOGPROB_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25}
+# What torch's sync debug mode says at a synchronizing call. Switching the mode on also warns,
+# once per process, that it is a prototype ("Synchronization debug mode ..."): that is no sync.
+SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
 @pytest.fixture
@@ -66,13 +69,13 @@ def test_graphs_decode_the_tokens_eager_execution_does(dtype, checkpoint, replay
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 def test_launching_a_step_never_waits_for_the_device(enforce_eager, checkpoint):
-    """With async scheduling the host reads a step's ids only in `PendingStep.result()`, after the
+    """With async scheduling the host reads a step's ids only in `InflightStep.result()`, after the
     next step is queued; `launch` itself must not synchronize."""
     syncs_per_launch: list[int] = []
 
     def count_syncs(llm):
         assert llm.engine.async_scheduling
-        launch = llm.engine.worker.launch
+        launch = llm.engine.executor.worker.launch
 
         def counted(sched):
             with warnings.catch_warnings(record=True) as caught:
@@ -82,10 +85,10 @@ def test_launching_a_step_never_waits_for_the_device(enforce_eager, checkpoint):
                     result = launch(sched)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            syncs_per_launch.append(sum("synchroniz" in str(w.message) for w in caught))
+            syncs_per_launch.append(sum(SYNC_WARNING in str(w.message) for w in caught))
             return result
 
-        llm.engine.worker.launch = counted
+        llm.engine.executor.worker.launch = counted
 
     # A small token budget chunks the long prompt: steps that sample nothing, mixed steps, decodes.
     prompts = random_prompts([700, 40, 9, 300], seed=2)

@@ -6,6 +6,7 @@ import json
 import httpx
 import openai
 import pytest
+from api_errors import expect_error as _error
 from server_process import API_KEY
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -127,18 +128,6 @@ def test_stops_and_vllm_extras(openai_client, model_id):
     assert topk.choices[0].message.content == text
 
 
-def _error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert isinstance(error["code"], str)
-    if param is not None:
-        assert error["param"] == param
-    if code is not None:
-        assert error["code"] == code
-    return error
-
-
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": "hi", "temperature": -1}, "temperature"),
@@ -177,10 +166,10 @@ def test_request_level_errors(http, server):
     _error(http.post("/v1/completions", json={"prompt": "hi " * 600}), 400, "prompt", "context_length_exceeded")
     _error(http.post("/v1/completions", json={"prompt": "hi", "model": "gpt-4"}), 404, "model", "model_not_found")
     _error(http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 400)
-    _error(http.post("/v1/completions", content=b""), 400)
+    _error(http.post("/v1/completions", content=b"", headers={"content-type": "application/json"}), 400)
     _error(http.get("/v1/nothing-here"), 404, code="not_found")
-    _error(http.post("/v1/completions", content=b'{"prompt": "' + b"a" * (11 * 1024 * 1024) + b'"}'), 413,
-           code="request_too_large")
+    _error(http.post("/v1/completions", content=b'{"prompt": "' + b"a" * (11 * 1024 * 1024) + b'"}',
+                     headers={"content-type": "application/json"}), 413, code="request_too_large")
     assert http.post("/v1/completions", json={"prompt": "still serving", "max_tokens": 2}).status_code == 200
 
 

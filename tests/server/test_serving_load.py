@@ -17,11 +17,11 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 
 
 def _metrics(http: httpx.Client) -> dict[str, float]:
-    """Every sample as 'name{label=value,...}' -> value (model_name left out)."""
+    """Every sample as 'name{label=value,...}' -> value (model_name and the one engine left out)."""
     samples = {}
     for family in text_string_to_metric_families(http.get("/metrics").text):
         for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in ("model_name", "engine"))
             samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return samples
 
@@ -143,14 +143,15 @@ def test_bench_serve_reports_against_our_server(server, tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "corectl.server.cli", "bench", "serve", "--base-url", server.url, "--api-key", API_KEY,
          "--input-len", "24", "--output-len", "6", "--num-prompts", "6", "--max-concurrency", "3", "--ignore-eos",
-         "--endpoint", "/v1/chat/completions", "--save-result", str(result)],
+         "--endpoint", "/v1/chat/completions", "--num-clients", "2", "--save-result", str(result)],
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     for label in ("Successful requests:", "Mean TTFT (ms):", "P99 TPOT (ms):", "Median ITL (ms):",
-                  "Output token throughput (tok/s):"):
+                  "Output token throughput (tok/s):", "client CPU, share of one core:"):
         assert label in out.stdout
     saved = json.loads(result.read_text())
-    assert saved["completed"] == 6 and saved["failed"] == 0
+    assert saved["completed"] == 6 and saved["failed"] == 0 and saved["errors"] == {}
+    assert saved["num_clients"] == 2 and len(saved["client_cpu_share"]) == 2
     assert saved["output_lens"] == [6] * 6 and saved["total_output_tokens"] == 36
     assert saved["input_lens"] == [24] * 6
     assert saved["ttft_ms"]["mean"] > 0 and saved["e2el_ms"]["p99"] >= saved["e2el_ms"]["median"]

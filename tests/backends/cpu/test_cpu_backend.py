@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 from corectl.attention import AttentionBatch
 from corectl.backends.cpu.attention import TorchSDPABackend
+from corectl.backends.cpu.platform import CPUPlatform
 from corectl.backends.cpu.prepack import PrepackedLinear, can_prepack
 from corectl.sample.random_sampling import RandomParams, sample_random
+from corectl.sample.transfer import DeviceTarget
 from corectl.sampling_params import SamplingParams
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -64,10 +66,12 @@ def test_paged_decode_attention_matches_dense_sdpa(seq_lens):
 
 
 def test_cpu_draw_never_picks_a_masked_token():
+    caps = CPUPlatform().capabilities()
+    assert caps.sampling_draw == "inverse_cdf" and not caps.pinned_memory
     logits = torch.full((4, 1000), float("-inf"))
     logits[:, 3], logits[:, 997] = 0.0, -30.0
     params = RandomParams.build([SamplingParams(temperature=1.0)] * 4, [False] * 4, [None] * 4, 1000,
-                                torch.device("cpu"))
+                                DeviceTarget(torch.device("cpu")))
     torch.manual_seed(0)
     for _ in range(50):
-        assert set(sample_random(logits.clone(), params).tolist()) <= {3, 997}
+        assert set(sample_random(logits.clone(), params, caps.sampling_draw).tolist()) <= {3, 997}

@@ -28,7 +28,7 @@ def test_fused_layers_match_torch_layers(arch, tmp_path, default_model_dir):
               enable_prefix_caching=False)
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 49152, (n,), generator=generator).tolist() for n in (3, 11)]
-    model = llm.engine.worker.runner.model
+    model = llm.engine.executor.worker.runner.model
     reference_tokens, reference_logprobs = _decode(llm, prompts)
     kernels = triton_layer_kernels()
     fused_qk_calls = []

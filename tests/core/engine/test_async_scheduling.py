@@ -36,21 +36,18 @@ class LaggedOracle(PagedOracle):
         states, sampled = [], {}
         for req_id, n in out.num_scheduled_tokens.items():
             state = self.states[req_id]
-            token_ids = state.token_ids + ([self.unread[req_id]] if state.num_pending else [])
+            token_ids = state.token_ids + ([self.unread[req_id]] if state.num_unread_tokens else [])
             token = self.compute(state, token_ids, n)
             if token is not None:
-                state.num_pending += 1
                 states.append(state)
                 sampled[req_id] = token
+        self.states.expect_sampled(states)
         self.unread = sampled
         return states, sampled
 
-    @staticmethod
-    def read(launched) -> ModelRunnerOutput:
+    def read(self, launched) -> ModelRunnerOutput:
         states, sampled = launched
-        for state, token in zip(states, sampled.values()):
-            state.token_ids.append(token)
-            state.num_pending -= 1
+        self.states.receive_sampled(states, list(sampled.values()))
         return ModelRunnerOutput(req_ids=list(sampled), sampled_token_ids=list(sampled.values()))
 
 
@@ -256,4 +253,4 @@ def test_results_of_two_released_holders_of_one_id_never_reach_the_third():
         assert sched.update(out, ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[token])) == []
     [result] = sched.update(outs[2], ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[333]))
     assert result.new_token_ids == [333] and third.output_token_ids == [333]
-    assert third.num_inflight_steps == 0 and third.num_pending_tokens == 0
+    assert not sched.in_flight.holds(third) and sched.in_flight.num_tokens(third) == 0

@@ -9,9 +9,10 @@ import pytest
 import torch
 from corectl.errors import InvalidRequestError
 from corectl.sample import Sampler, SamplingMetadata, compute_prompt_logprobs
-from corectl.sample.metadata import PendingOutputTokens
+from corectl.sample.metadata import UnreadOutputTokens
 from corectl.sample.random_sampling import truncate
 from corectl.sample.sampler import edit_logits
+from corectl.sample.transfer import DeviceTarget
 from corectl.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -31,7 +32,7 @@ def build(params, *, device=torch.device("cpu"), outputs=None, prompts=None, gen
         generators or [None] * rows,
         eos,
         vocab,
-        device,
+        DeviceTarget(device, pinned_memory=device.type == "cuda"),
     )
 
 
@@ -222,13 +223,14 @@ def test_output_tokens_still_on_the_device_count_as_history(device):
     ]
     prompts = [[1, 2], [3], [4]]
     known = [[7, 7], [4], [8]]
-    pending = PendingOutputTokens([0, 2], torch.tensor([9, 1], device=device))
-    with_pending = SamplingMetadata.build(params, prompts, known, [None] * 3, eos, vocab, device, pending=pending)
+    unread = UnreadOutputTokens([0, 2], torch.tensor([9, 1], device=device))
+    with_unread = SamplingMetadata.build(params, prompts, known, [None] * 3, eos, vocab, DeviceTarget(device),
+                                          unread=unread)
     whole = build(params, device=device, prompts=prompts, outputs=[[7, 7, 9], [4], [8, 1]], eos=eos, vocab=vocab)
-    torch.testing.assert_close(edit_logits(logits.to(device), with_pending).cpu(),
+    torch.testing.assert_close(edit_logits(logits.to(device), with_unread).cpu(),
                                edit_logits(logits.to(device), whole).cpu())
-    # Two outputs, one of them pending, satisfy min_tokens=2: EOS is allowed again.
-    assert Sampler()(logits.to(device), with_pending).sampled_token_ids.tolist()[2] == eos
+    # Two outputs, one of them unread, satisfy min_tokens=2: EOS is allowed again.
+    assert Sampler()(logits.to(device), with_unread).sampled_token_ids.tolist()[2] == eos
 
 
 def test_logit_bias_is_added_and_steers_greedy(device):

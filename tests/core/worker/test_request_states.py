@@ -1,9 +1,11 @@
-"""The worker's per-request state: applying scheduler diffs, the persistent block table, and the
-flat host arrays of one step."""
+"""The worker's per-request state: applying scheduler diffs, the persistent block table, the
+flat host arrays of one step, and the tokens of launched steps until the host reads them."""
 from __future__ import annotations
 
 import torch
-from corectl.scheduler.output import CachedRequestData
+from corectl.sampling_params import SamplingParams
+from corectl.scheduler.output import CachedRequestData, NewRequestData
+from corectl.worker.inflight import InflightStep, SampledRows, fetch_now
 from corectl.worker.request_states import BlockTable, RequestStates
 from helpers import new_request_data, scheduler_output
 
@@ -57,3 +59,57 @@ def test_request_states_keep_table_rows_in_step_with_their_blocks():
     for req_id in ("b", "c"):
         state = states[req_id]
         assert states.block_table.gather([state.table_row], 4)[0].tolist() == (state.block_ids + [0] * 4)[:4]
+
+
+def _launched(states, req_ids, token_ids):
+    """A step that sampled `token_ids` for `req_ids`, as the runner launches it."""
+    launched = [states[r] for r in req_ids]
+    states.expect_sampled(launched)
+    return InflightStep(SampledRows(states, launched, fetch_now([torch.tensor(token_ids)]), None), {})
+
+
+def test_a_token_in_flight_feeds_the_next_step_from_the_device_until_it_is_read():
+    states = RequestStates(torch.device("cpu"))
+    prefill = scheduler_output(new=[new_request_data("a", range(100, 105), [1, 2]),
+                                    new_request_data("b", range(200, 203), [3])], scheduled={"a": 5, "b": 3})
+    states.apply(prefill)
+    step = _launched(states, ["a", "b"], [42, 43])
+    assert states["a"].num_unread_tokens == 1 and states["a"].token_ids == list(range(100, 105))
+    # The next step decodes both before the host has read their tokens.
+    decode = scheduler_output(cached=CachedRequestData(["b", "a"], [[], []], [3, 5]), scheduled={"b": 1, "a": 1})
+    states.apply(decode)
+    host = states.build_step(decode, BS)
+    assert host.device_fed_req_ids == ["b", "a"] and host.device_fed_rows == [0, 1]
+    assert host.input_ids.tolist() == [0, 0] and host.positions.tolist() == [3, 5]
+    assert host.sample_req_ids == ["b", "a"]
+    out = step.result()
+    assert (out.req_ids, out.sampled_token_ids) == (["a", "b"], [42, 43])
+    assert states["a"].token_ids[-1] == 42 and states["b"].token_ids[-1] == 43
+    assert states["a"].num_unread_tokens == states["b"].num_unread_tokens == 0
+    assert step.result() is out
+
+
+def test_a_token_read_after_its_request_was_forgotten_changes_no_live_state():
+    states = RequestStates(torch.device("cpu"))
+    states.apply(scheduler_output(new=[new_request_data("r", range(4), [1])], scheduled={"r": 4}))
+    forgotten = states["r"]
+    step = _launched(states, ["r"], [9])
+    # Aborted while the step ran, then the id is taken again by a new request.
+    states.apply(scheduler_output(new=[new_request_data("r", [7, 8], [2])], finished=["r"]))
+    assert step.result().sampled_token_ids == [9]
+    assert states["r"].token_ids == [7, 8] and states["r"].num_unread_tokens == 0
+    assert forgotten.token_ids == [0, 1, 2, 3]
+
+
+def test_prompt_logprobs_are_awaited_until_the_prompt_is_covered():
+    def wanting(req_id, tokens, computed=0):
+        return NewRequestData(req_id=req_id, token_ids=list(tokens), num_prompt_tokens=5,
+                              sampling_params=SamplingParams(prompt_logprobs=1), block_ids=[1, 2],
+                              num_computed_tokens=computed)
+
+    states = RequestStates(torch.device("cpu"))
+    states.apply(scheduler_output(new=[wanting("p", range(5)), wanting("resumed", range(6), computed=0)]))
+    # A request resumed with output tokens reported its prompt logprobs before it was preempted.
+    assert states.awaiting_prompt_logprobs == {"p"}
+    states.prompt_logprobs_done("p")
+    assert not states.awaiting_prompt_logprobs

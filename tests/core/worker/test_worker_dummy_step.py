@@ -15,7 +15,7 @@ def worker(tmp_path_factory):
         mp.setenv("HF_HUB_OFFLINE", "1")
         core = EngineCore(EngineConfig(model="llama-tiny", load_format="dummy", platform="cpu",
                                        kv_cache_memory_gib=0.01, max_model_len=MAX_MODEL_LEN))
-    return core.worker
+    return core.executor.worker
 
 
 def test_dummy_step_splits_tokens_into_sequences_no_longer_than_max_model_len(worker, monkeypatch):

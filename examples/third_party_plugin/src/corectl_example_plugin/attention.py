@@ -29,7 +29,8 @@ class EagerMetadata:
 class EagerReferenceBackend(AttentionBackend):
     name = "torch_eager"
 
-    def build_metadata(self, batch: AttentionBatch) -> EagerMetadata:
+    def build_metadata(self, batch: AttentionBatch, check_indices: bool = True) -> EagerMetadata:
+        # A reference backend trusts its caller's indices: it validates nothing.
         sequences, start = [], 0
         for i, (query_len, seq_len) in enumerate(zip(batch.query_lens_host, batch.seq_lens_host)):
             positions = torch.arange(seq_len, device=batch.block_tables.device)

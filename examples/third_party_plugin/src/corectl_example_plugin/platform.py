@@ -21,8 +21,7 @@ class ReferenceCPUPlatform(CPUPlatform):
         return PlatformCaps(
             dtypes=("float32",),
             default_dtype="float32",
-            notes=("numerical reference: fp32 only, eager per-sequence attention",
-                   "KV cache sized by --kv-cache-memory (GiB)"),
+            sampling_draw="inverse_cdf",
         )
 
     def default_attention_backend(self, model_config) -> str:

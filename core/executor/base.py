@@ -1,0 +1,80 @@
+"""The executor contract: how the engine core starts its ranks, feeds them steps and stops them.
+
+`EngineCore` reaches its workers only through an `Executor`. Each rank holds one `Worker` (a
+platform's) with its slice of the model; the executor
+  - starts the ranks (`create_executor` picks the implementation from the config),
+  - runs the startup calls on every rank: `load_model`, `profile_num_kv_blocks` (the smallest
+    count over the ranks, so every rank's cache holds the blocks the scheduler hands out),
+    `init_kv_cache`, `warmup`,
+  - launches each step on every rank and returns a `StepHandle` whose `result()` is rank 0's
+    `ModelRunnerOutput` (every rank samples the same ids from the same gathered logits),
+  - reports liveness and stops the ranks.
+One step may stay in flight while the next is launched (async scheduling), as with one worker.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..config import EngineConfig
+from ..loaders import ModelSource
+from ..platform import Platform
+from ..scheduler.output import SchedulerOutput
+from ..worker.output import ModelRunnerOutput
+from ..worker.worker import ModelInfo, Worker
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a rank needs to build its `Worker`; pickled once per rank when the ranks start."""
+
+    config: EngineConfig
+    platform: Platform
+    source: ModelSource
+    dtype: str
+    max_model_len: int
+    eos_token_id: int | None
+    attention_backend_cls: type
+
+    def build(self) -> Worker:
+        return self.platform.worker_cls()(
+            self.config, self.platform, self.source, dtype=self.dtype, max_model_len=self.max_model_len,
+            eos_token_id=self.eos_token_id, attention_backend_cls=self.attention_backend_cls,
+        )
+
+
+class StepHandle(Protocol):
+    """A launched step; `result()` waits for its sampled ids (once; later calls return the same)."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+class Executor(abc.ABC):
+    @abc.abstractmethod
+    def load_model(self) -> ModelInfo:
+        """Build and load the model on every rank; rank 0's description."""
+
+    @abc.abstractmethod
+    def profile_num_kv_blocks(self) -> int:
+        """The KV blocks every rank can hold (the minimum over the ranks)."""
+
+    @abc.abstractmethod
+    def init_kv_cache(self, num_blocks: int) -> None:
+        ...
+
+    @abc.abstractmethod
+    def warmup(self) -> None:
+        ...
+
+    @abc.abstractmethod
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        """Start a step on every rank; at most one earlier step may still be unread."""
+
+    @abc.abstractmethod
+    def is_alive(self) -> bool:
+        ...
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop every rank; idempotent."""

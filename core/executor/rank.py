@@ -1,0 +1,66 @@
+"""What one tensor-parallel rank runs, in a worker process (mp) or a Ray actor alike.
+
+A rank joins the group, builds its platform's `Worker` and then serves three kinds of request:
+a startup call by name, a step (a `SchedulerOutput` as msgspec bytes), and a flush. Steps are
+pipelined as in the engine's own process: a step is launched before the previous one is read,
+so the reply to step N (rank 0's `ModelRunnerOutput` as bytes) comes with step N+1's request, or
+with a flush when the engine reads N before it has anything else to launch. Every rank reads its
+own results (they advance its request states); only rank 0 returns them.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import msgspec
+import torch
+
+from ..distributed import destroy_tensor_parallel, init_tensor_parallel
+from ..scheduler.output import SchedulerOutput
+from .base import StepHandle, WorkerSpec
+
+
+class RankWorker:
+    def __init__(self, spec: WorkerSpec, rank: int, world_size: int, init_method: str, device_index: int):
+        config = spec.config
+        # Ranks share the host's cores; oversubscribing them (each taking all) slows every rank.
+        torch.set_num_threads(config.num_threads or max(1, len(os.sched_getaffinity(0)) // world_size))
+        # Unseeded sampling draws from the global generator: every rank must draw the same.
+        torch.manual_seed(config.seed)
+        if spec.platform.device_type != "cpu":
+            torch.get_device_module(spec.platform.device_type).set_device(device_index)
+        init_tensor_parallel(rank, world_size, spec.platform.distributed_backend(), init_method)
+        self.rank = rank
+        self.worker = spec.build()
+        self._in_flight: StepHandle | None = None
+        self._decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def call(self, method: str, *args):
+        """A startup call (`load_model`, `profile_num_kv_blocks`, `init_kv_cache`, `warmup`)."""
+        return getattr(self.worker, method)(*args)
+
+    def step(self, payload: bytes | memoryview) -> bytes | None:
+        """Launch a step; returns the previous step's output (rank 0) if one was in flight."""
+        pending = self.worker.launch(self._decoder.decode(payload))
+        previous, self._in_flight = self._in_flight, pending
+        return None if previous is None else self._finish(previous)
+
+    def flush(self) -> bytes | None:
+        """Finish the step in flight; returns its output (rank 0)."""
+        previous, self._in_flight = self._in_flight, None
+        return None if previous is None else self._finish(previous)
+
+    def _finish(self, pending: StepHandle) -> bytes | None:
+        output = pending.result()
+        return self._encoder.encode(output) if self.rank == 0 else None
+
+    def shutdown(self) -> None:
+        destroy_tensor_parallel()
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for the group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]

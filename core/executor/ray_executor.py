@@ -1,0 +1,133 @@
+"""The `ray` executor: one Ray actor per tensor-parallel rank, placed by a placement group.
+
+It joins the cluster `RAY_ADDRESS` names (`ray start --head` on one machine, `ray start
+--address=...` on the others), or starts a local one when none is set; a process that has
+already called `ray.init` keeps its own. The placement group reserves one bundle per rank (a GPU
+each, or a CPU on the CPU platform) and packs them onto as few machines as it can. The group's
+rendezvous is rank 0's node address and a port free there. Actors are owned by the engine
+process: when it exits, however it ends, Ray ends them too.
+
+Steps go to every actor as the same msgspec bytes (Ray puts them in its object store once per
+call); rank 0's return value carries the previous step's output, as with the mp executor.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import ray
+from ray.exceptions import GetTimeoutError, RayError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ..errors import ConfigError, CorectlError, EngineDeadError
+from .base import WorkerSpec
+from .rank import RankWorker, free_port
+from .remote_ranks import RemoteRanksExecutor
+
+_PLACEMENT_TIMEOUT_S = 60.0
+
+
+class RankActor:
+    """A `RankWorker` inside a Ray actor (Ray restricts the actor to its bundle's device)."""
+
+    def __init__(self) -> None:
+        self.rank_worker: RankWorker | None = None
+
+    def rendezvous(self) -> str:
+        return f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
+
+    def start(self, spec: WorkerSpec, rank: int, world_size: int, init_method: str) -> None:
+        self.rank_worker = RankWorker(spec, rank, world_size, init_method, device_index=0)
+
+    def call(self, method: str, *args):
+        return self.rank_worker.call(method, *args)
+
+    def step(self, payload: bytes) -> bytes | None:
+        return self.rank_worker.step(payload)
+
+    def flush(self) -> bytes | None:
+        return self.rank_worker.flush()
+
+
+class RayExecutor(RemoteRanksExecutor):
+    def __init__(self, spec: WorkerSpec):
+        super().__init__()
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(address=os.environ.get("RAY_ADDRESS"))
+        world_size = spec.config.tensor_parallel_size
+        bundle = {"CPU": 1.0} if spec.platform.device_type == "cpu" else {"GPU": 1.0}
+        self._group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+        self._actors: list = []
+        self._error: EngineDeadError | None = None
+        try:
+            self._place(bundle, world_size)
+            actor_cls = ray.remote(RankActor)
+            self._actors = [
+                actor_cls.options(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                                  scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                      self._group, placement_group_bundle_index=rank)).remote()
+                for rank in range(world_size)
+            ]
+            init_method = ray.get(self._actors[0].rendezvous.remote())
+            self._get([a.start.remote(spec, r, world_size, init_method) for r, a in enumerate(self._actors)],
+                      startup=True)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _place(self, bundle: dict, world_size: int) -> None:
+        try:
+            ray.get(self._group.ready(), timeout=_PLACEMENT_TIMEOUT_S)
+        except GetTimeoutError:
+            raise ConfigError("tensor_parallel_size", f"the Ray cluster cannot place {world_size} ranks of "
+                              f"{bundle} within {_PLACEMENT_TIMEOUT_S:g} s; it has {ray.cluster_resources()}") from None
+
+    def _call_all(self, method: str, *args) -> list:
+        return self._get([a.call.remote(method, *args) for a in self._actors], startup=True)
+
+    def _send_step(self, payload: bytes):
+        replies = [a.step.remote(payload) for a in self._actors]
+        return replies[0]  # every rank runs the step; rank 0's reply carries the output
+
+    def _send_flush(self):
+        replies = [a.flush.remote() for a in self._actors]
+        return replies[0]
+
+    def _wait(self, reply) -> bytes:
+        return self._get(reply, startup=False)
+
+    def _get(self, refs, startup: bool):
+        if self._error is not None:
+            raise self._error
+        try:
+            return ray.get(refs)
+        except RayTaskError as exc:
+            cause = exc.cause
+            if startup and isinstance(cause, CorectlError):
+                raise cause from None
+            raise self._dead(f"a tensor-parallel rank failed: {type(cause).__name__}: {cause}") from None
+        except RayError as exc:
+            raise self._dead(f"a tensor-parallel rank's actor is gone: {exc}") from None
+
+    def _dead(self, reason: str) -> EngineDeadError:
+        if self._error is None:
+            self._error = EngineDeadError(reason)
+        return self._error
+
+    def is_alive(self) -> bool:
+        return self._error is None
+
+    def shutdown(self) -> None:
+        for actor in self._actors:
+            with contextlib.suppress(RayError):
+                ray.kill(actor)
+        self._actors = []
+        if self._group is not None:
+            with contextlib.suppress(RayError):
+                remove_placement_group(self._group)
+            self._group = None
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+            self._owns_ray = False

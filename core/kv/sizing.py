@@ -1,0 +1,31 @@
+"""How many KV blocks fit: the rules the workers apply at startup and `corectl plan` applies ahead
+of it (`corectl.planning`), kept in one place so a plan and the engine it describes agree."""
+from __future__ import annotations
+
+# The KV budget of a platform that does not profile memory (CPU) when `kv_cache_memory_gib` is unset.
+DEFAULT_KV_CACHE_GIB = 2.0
+
+
+def blocks_per_sequence(max_model_len: int, block_size: int) -> int:
+    """Blocks one sequence of `max_model_len` tokens needs; fewer and the engine refuses to start."""
+    return -(-max_model_len // block_size)
+
+
+def fixed_kv_blocks(budget_gib: float, bytes_per_block: int) -> int:
+    """Blocks in a KV budget given in GiB (platforms that do not profile memory)."""
+    return int(budget_gib * (1 << 30)) // bytes_per_block
+
+
+def profiled_kv_blocks(total_bytes: float, utilization: float, peak_bytes: float, non_torch_bytes: float,
+                       bytes_per_block: int) -> int:
+    """Blocks left within `utilization` of the device once the weights and a worst-case step's
+    activations (`peak_bytes`) and the memory torch does not manage are taken; negative when
+    even those do not fit."""
+    budget = total_bytes * utilization - peak_bytes - max(non_torch_bytes, 0)
+    return int(budget // bytes_per_block)
+
+
+def profile_num_seqs(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> int:
+    """Sequences of the memory-profiling step: a full batch, but enough that none is longer than the
+    model's context (its rotary table)."""
+    return max(min(max_num_seqs, max_num_batched_tokens), -(-max_num_batched_tokens // max_model_len))

@@ -1,0 +1,175 @@
+"""Tensor-parallel building blocks: each rank holds and loads only its slice of a weight.
+
+vLLM's split (`linear.py`, `vocab_parallel_embedding.py`), written for this engine:
+  - `PackedLinear` is column parallel: each packed shard (q, k, v; gate, up) is split along its
+    output rows in whole units (a head's `head_dim` rows for q/k/v, single rows for gate/up);
+    KV heads are shared by consecutive ranks when there are more ranks than KV heads.
+  - `RowParallelLinear` splits the input features and sums the partial products over the ranks.
+  - `VocabParallelEmbedding` and `ParallelLMHead` split the vocabulary into equal ranges (the last
+    padded with zero rows); the logits are gathered on every rank (`gather_logits`), so every rank
+    samples the same ids and can feed them to its next step.
+
+The layout comes from `corectl.distributed.get_tp()` when a layer is built. At world size 1 every
+layer is the plain torch layer: no collective, no mask and no copy (the checks are one attribute
+read). A checkpoint tensor reaches a parameter through the parameter's `weight_loader`, which
+narrows it to the rank's slice before copying; checkpoint tensors map the file
+(`safe_open(...).get_tensor` in safetensors >= 0.8), so a rank reads only the rows it keeps.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..distributed import all_gather, all_reduce, get_tp, shard_range
+from ..errors import ConfigError
+
+
+class PackedLinear(nn.Linear):
+    """Several checkpoint projections stored as one matrix (qkv, gate_up) so one GEMM computes
+    them, column parallel: each rank holds its units of every shard.
+
+    `shard_sizes` maps each checkpoint shard id to its full output size; `unit` is the number of
+    rows that stay together on one rank (a head's `head_dim` for attention projections). `shards`
+    maps each shard id to (offset in this rank's matrix, rows held, first checkpoint row held).
+    """
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool, unit: int = 1):
+        tp = get_tp()
+        shards: dict[str, tuple[int, int, int]] = {}
+        offset = 0
+        for shard_id, size in shard_sizes.items():
+            first, count = shard_range(size // unit, tp.rank, tp.world_size)
+            shards[shard_id] = (offset, count * unit, first * unit)
+            offset += count * unit
+        super().__init__(in_features, offset, bias=bias)
+        self.shards = shards
+        self.full_sizes = dict(shard_sizes)
+        for param in self.parameters():
+            param.weight_loader = self._load_shard
+
+    def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        offset, size, first = self.shards[shard_id]
+        if loaded.shape[0] != self.full_sizes[shard_id]:
+            raise ValueError(f"shard {shard_id!r} expects {self.full_sizes[shard_id]} rows, "
+                             f"checkpoint has {tuple(loaded.shape)}")
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, first, size))
+
+
+class RowParallelLinear(nn.Linear):
+    """A linear layer whose input features are split over the ranks; the partial outputs are
+    summed. The bias is added once: rank 0 holds it, the other ranks hold zeros.
+
+    `reduce_output` is the sum over ranks (None at world size 1); a platform that swaps the GEMM
+    (the CPU's prepacked linear) keeps calling it.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        tp = get_tp()
+        first, count = shard_range(in_features, tp.rank, tp.world_size)
+        super().__init__(count, out_features, bias=bias)
+        self.first_input, self.full_in_features = first, in_features
+        self.rank = tp.rank
+        self.reduce_output = all_reduce if tp.world_size > 1 else None
+        self.weight.weight_loader = self._load_weight
+        if self.bias is not None:
+            self.bias.weight_loader = self._load_bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out if self.reduce_output is None else self.reduce_output(out)
+
+    def _load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        expected = (self.out_features, self.full_in_features)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"shape mismatch: parameter {expected} vs checkpoint {tuple(loaded.shape)}")
+        param.data.copy_(loaded.narrow(1, self.first_input, self.in_features))
+
+    def _load_bias(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+        if self.rank == 0:
+            param.data.copy_(loaded)
+        else:
+            param.data.zero_()
+
+
+def vocab_shard(vocab_size: int) -> tuple[int, int]:
+    """(first token id, rows) of this rank's vocabulary range: ceil(vocab / N) rows each."""
+    tp = get_tp()
+    rows = -(-vocab_size // tp.world_size)
+    return tp.rank * rows, rows
+
+
+def _load_vocab_rows(param: nn.Parameter, loaded: torch.Tensor, first: int, vocab_size: int) -> None:
+    if loaded.shape[0] != vocab_size or loaded.shape[1:] != param.shape[1:]:
+        raise ValueError(f"vocabulary rows: expected ({vocab_size}, {param.shape[1]}), checkpoint has "
+                         f"{tuple(loaded.shape)}")
+    held = max(0, min(vocab_size - first, param.shape[0]))
+    param.data.narrow(0, 0, held).copy_(loaded.narrow(0, first, held))
+    param.data[held:].zero_()
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Token embeddings split by vocabulary range; a token outside a rank's range embeds as zeros
+    there, and the sum over ranks gives every token its row."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        first, rows = vocab_shard(vocab_size)
+        super().__init__(rows, hidden_size)
+        self.first_token = first
+        self.vocab_size = vocab_size
+        self.sharded = get_tp().world_size > 1
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        _load_vocab_rows(param, loaded, self.first_token, self.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.sharded:
+            return super().forward(input_ids)
+        local = input_ids - self.first_token
+        outside = (local < 0) | (local >= self.num_embeddings)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0.0))
+
+
+class ParallelLMHead(nn.Linear):
+    """The output projection over this rank's vocabulary range (the embedding's layout, so a tied
+    head shares the embedding's Parameter); `gather_logits` assembles the full rows."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, device=None):
+        first, rows = vocab_shard(vocab_size)
+        super().__init__(hidden_size, rows, bias=False, device=device)
+        self.first_token = first
+        self.vocab_size = vocab_size
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        _load_vocab_rows(param, loaded, self.first_token, self.vocab_size)
+
+
+def gather_logits(local: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, vocab] logits from every rank's [N, vocab / ranks] slice (the input itself at world size 1)."""
+    if get_tp().world_size == 1:
+        return local
+    return all_gather(local)[:, :vocab_size]
+
+
+def check_tensor_parallel(hf_config, size: int) -> None:
+    """Raise ConfigError when `size` ranks cannot split this model (heads, KV heads, MLP rows)."""
+    if size == 1:
+        return
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    ffn = getattr(hf_config, "intermediate_size", None)
+    problems = []
+    if heads % size:
+        problems.append(f"its {heads} attention heads")
+    if (kv_heads % size) if kv_heads >= size else (size % kv_heads):
+        problems.append(f"its {kv_heads} KV heads (N must divide them, or be a multiple of them)")
+    if ffn is not None and ffn % size:
+        problems.append(f"its MLP width {ffn}")
+    if problems:
+        raise ConfigError("tensor_parallel_size", f"{size} does not divide {' or '.join(problems)}; "
+                          "choose a tensor-parallel size that does")

@@ -1,0 +1,342 @@
+"""Sizing a deployment from a model's config alone, before anything loads (`corectl plan`).
+
+The model is built on torch's meta device (shapes, no memory, no weights), so the parameters
+counted are exactly those the engine would load, and `ModelInfo` gives the engine's own KV bytes
+per block. The KV cache is sized with the workers' rules (`corectl.kv.sizing`): a budget in GiB
+on platforms that do not profile memory (CPU), what is left of `gpu_memory_utilization` of the
+device on those that do. Two numbers a plan can only estimate, where the engine measures them:
+the activation peak of a full token budget, and the memory a GPU process holds outside torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import EngineConfig
+from .discovery import resolve_platform
+from .distributed import shard_range
+from .engine.core import resolve_max_model_len
+from .errors import ConfigError, ModelNotFoundError
+from .kv.sizing import (
+    DEFAULT_KV_CACHE_GIB,
+    blocks_per_sequence,
+    fixed_kv_blocks,
+    profile_num_seqs,
+    profiled_kv_blocks,
+)
+from .loaders.checkpoint_files import safetensors_files
+from .loaders.hf_config import checkpoint_dtype
+from .loaders.presets import PRESETS, is_preset
+from .loaders.resolve import default_model, resolve_model_source
+from .models.registry import resolve_model_class
+from .worker.worker import _DTYPES, ModelInfo, _default_dtype, _model_info
+
+GIB = 1 << 30
+DEVICES = ("auto", "cpu", "gpu")
+# What a GPU process holds outside torch's allocator (driver context, kernel images, library
+# handles): the CUDA worker measures it, a plan assumes it. With it, the plan's memory besides the
+# KV cache came within 0.1 GiB of what the worker measured for qwen3-0.6b on an H100 (torch 2.11).
+NON_TORCH_BYTES = 512 << 20
+# Tensor-parallel sizes tried when suggesting one.
+TP_SIZES = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A model's config and what its files hold, read without loading any weight.
+
+    stored_bytes: bytes of the checkpoint's tensors by storage type (safetensors dtypes such as
+    BF16, or GGUF quantizations such as Q4_1); empty for shape presets and hub ids (config only).
+    """
+
+    name: str
+    hf_config: Any
+    model_dtype: str | None
+    stored_bytes: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Target:
+    """The device a plan is for. With `profiles_memory` (GPUs) the KV cache gets what is left of
+    `memory_bytes * gpu_memory_utilization`; otherwise (CPU) it gets `kv_cache_memory_gib`, and
+    everything must fit in `memory_bytes`."""
+
+    name: str
+    profiles_memory: bool
+    memory_bytes: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a model fits a device, per tensor-parallel rank; `remedies` are flags that would make
+    a plan that does not fit fit."""
+
+    model: str
+    architecture: str
+    dtype: str
+    stored_bytes: dict[str, int]
+    num_params: int
+    weight_bytes: int
+    tensor_parallel_size: int
+    weight_bytes_per_rank: int
+    buffer_bytes: int
+    num_kv_heads_per_rank: int
+    kv_bytes_per_token: int
+    block_size: int
+    max_num_batched_tokens: int
+    activation_bytes: int
+    device: str
+    profiles_memory: bool
+    device_memory_bytes: int
+    usable_bytes: int
+    non_torch_bytes: int
+    num_kv_blocks: int
+    min_kv_blocks: int
+    max_model_len: int
+    problem: str | None
+    remedies: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.problem is None
+
+    @property
+    def kv_tokens(self) -> int:
+        return max(self.num_kv_blocks, 0) * self.block_size
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return max(self.num_kv_blocks, 0) * self.block_size * self.kv_bytes_per_token
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Everything but the KV cache: weights, buffers, activations and non-torch memory."""
+        return self.weight_bytes_per_rank + self.buffer_bytes + self.activation_bytes + self.non_torch_bytes
+
+    @property
+    def max_concurrency(self) -> float:
+        """Sequences of `max_model_len` tokens the KV cache holds at once (what the engine logs)."""
+        return self.kv_tokens / self.max_model_len
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "fits": self.fits, "kv_tokens": self.kv_tokens,
+                "kv_cache_bytes": self.kv_cache_bytes, "max_concurrency": round(self.max_concurrency, 3)}
+
+
+@dataclass(frozen=True)
+class _Shape:
+    info: ModelInfo
+    hidden_size: int
+    intermediate_size: int
+    weight_bytes: int
+    matrix_bytes: int  # in tensors of two or more dimensions, which tensor parallelism splits
+    buffer_bytes: int
+
+
+def plan_deployment(config: EngineConfig, *, device: str = "auto", device_memory: int | None = None) -> Plan:
+    """The plan for `config`'s model, per rank of `config.tensor_parallel_size`, on `device`
+    ('auto', 'cpu' or 'gpu'; see `resolve_target`) of `device_memory` bytes."""
+    checkpoint = read_checkpoint(config)
+    target = resolve_target(config, checkpoint.model_dtype, device, device_memory)
+    max_model_len = resolve_max_model_len(config, checkpoint.hf_config)
+    shape = _model_shape(checkpoint.hf_config, max_model_len, target.dtype)
+    result = _size(checkpoint, shape, config, target, config.tensor_parallel_size, max_model_len)
+    if result.fits:
+        return result
+    return dataclasses.replace(result, remedies=_remedies(result, checkpoint, shape, config, target))
+
+
+def read_checkpoint(config: EngineConfig) -> Checkpoint:
+    """The config of `config.model` (a GGUF header, a folder's config.json, a preset or a hub id's
+    config), and what the checkpoint's files hold; no weight is read."""
+    spec = config.model or default_model()
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _gguf_checkpoint(path, config.hf_overrides)
+    try:
+        # Random weights need only the config: no weight file is listed or downloaded.
+        source = resolve_model_source(config.replace(model=spec, load_format="dummy"))
+    except ModelNotFoundError as exc:
+        raise ModelNotFoundError(f"{exc} (shape presets: {', '.join(PRESETS)})") from None
+    preset = is_preset(spec) and not path.exists()
+    stored = {} if preset else _safetensors_bytes(safetensors_files(source.model_dir))
+    return Checkpoint(spec, source.hf_config, source.model_dtype, stored)
+
+
+def resolve_target(config: EngineConfig, model_dtype: str | None, device: str = "auto",
+                   memory_bytes: int | None = None) -> Target:
+    """'cpu': this machine's CPU; 'gpu': this machine's GPU, or one it does not have (then
+    `memory_bytes` is required); 'auto': 'gpu' when `memory_bytes` is given, else the platform the
+    engine would pick here (`config.platform`). Memory defaults to what the platform reports."""
+    if device not in DEVICES:
+        raise ConfigError("device", f"must be one of {', '.join(DEVICES)}; got {device!r}")
+    if device == "auto" and memory_bytes is not None:
+        device = "gpu"
+    platform = resolve_platform("cpu" if device == "cpu" else config.platform)
+    caps = platform.capabilities()
+    if device == "gpu" and not caps.profiles_memory:
+        if memory_bytes is None:
+            raise ConfigError("device_memory", "this machine has no GPU: give the memory of the one to plan "
+                                               "for (--device-memory 80GiB)")
+        # The GPU is not here to ask: every GPU from Ampere (and MI200) on takes bf16 for 'auto'.
+        return Target("gpu", True, memory_bytes, "bfloat16" if config.dtype == "auto" else config.dtype)
+    memory = memory_bytes or platform.device_memory()
+    if memory is None:
+        raise ConfigError("device_memory", f"platform {platform.name!r} does not report its memory; "
+                                           "give it (--device-memory 80GiB)")
+    return Target(platform.name, caps.profiles_memory, memory, platform.resolve_dtype(config.dtype, model_dtype))
+
+
+def _gguf_checkpoint(path: Path, overrides: dict | None) -> Checkpoint:
+    # Imported here: only GGUF files need the gguf package (as in corectl.loaders.resolve).
+    from .loaders.gguf_cache import read_gguf_header
+
+    header = read_gguf_header(path)
+    hf = header.hf_config
+    if overrides:
+        hf = type(hf).from_dict({**hf.to_dict(), **overrides})
+    return Checkpoint(str(path), hf, checkpoint_dtype(hf.to_dict()), header.tensor_bytes())
+
+
+def _safetensors_bytes(files: list[Path]) -> dict[str, int]:
+    """Bytes by dtype of the tensors in safetensors files, from their headers alone."""
+    sizes: dict[str, int] = {}
+    for file in files:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                start, end = entry["data_offsets"]
+                sizes[entry["dtype"]] = sizes.get(entry["dtype"], 0) + end - start
+    return sizes
+
+
+def _model_shape(hf, max_model_len: int, dtype: str) -> _Shape:
+    """The engine's model built on the meta device, as `Worker.load_model` builds it."""
+    torch_dtype = _DTYPES[dtype]
+    with _default_dtype(torch_dtype), torch.device("meta"):
+        model = resolve_model_class(hf)(hf, max_positions=max_model_len, dtype=torch_dtype)
+    params = list(model.parameters())
+    return _Shape(
+        info=_model_info(hf, model, dtype), hidden_size=hf.hidden_size,
+        intermediate_size=getattr(hf, "intermediate_size", 4 * hf.hidden_size),
+        weight_bytes=_nbytes(params), matrix_bytes=_nbytes(p for p in params if p.dim() > 1),
+        buffer_bytes=_nbytes(model.buffers()),
+    )
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _kv_heads_per_rank(info: ModelInfo, tp: int) -> int:
+    """A rank's KV heads as the engine shards them (one, shared, when ranks outnumber them)."""
+    try:
+        shard_range(info.num_heads, 0, tp)
+        return shard_range(info.num_kv_heads, 0, tp)[1]
+    except ValueError:
+        raise ConfigError("tensor_parallel_size", f"{tp} must divide the model's {info.num_heads} attention heads, "
+                          f"and divide or be a multiple of its {info.num_kv_heads} KV heads") from None
+
+
+def _weight_bytes_per_rank(shape: _Shape, kv_heads: int, tp: int) -> int:
+    """Matrices split across ranks (vectors such as norms replicated), plus the K/V projection rows
+    each rank repeats when KV heads are replicated."""
+    info = shape.info
+    itemsize = _DTYPES[info.dtype].itemsize
+    kv_head_bytes = 2 * info.num_layers * shape.hidden_size * info.head_dim * itemsize
+    repeated = kv_head_bytes * (kv_heads * tp - info.num_kv_heads)
+    return math.ceil((shape.matrix_bytes + repeated) / tp) + shape.weight_bytes - shape.matrix_bytes
+
+
+def _activation_bytes(shape: _Shape, kv_heads: int, tp: int, tokens: int, num_seqs: int) -> int:
+    """Peak of one step's intermediate tensors: per token the residual stream and the normed input,
+    plus the larger of the attention block (q, k, v, its output, the projection) and the MLP (gate
+    and up, their product, the projection); then logits in the model dtype and fp32, and the
+    sampler's fp32 work on them, for each sampled row (one per sequence)."""
+    info = shape.info
+    itemsize = _DTYPES[info.dtype].itemsize
+    q_size = info.num_heads // tp * info.head_dim
+    attention = 2 * q_size + 2 * kv_heads * info.head_dim + shape.hidden_size
+    mlp = 3 * shape.intermediate_size // tp + shape.hidden_size
+    per_token = (2 * shape.hidden_size + max(attention, mlp)) * itemsize
+    return tokens * per_token + num_seqs * info.vocab_size * (itemsize + 2 * 4)
+
+
+def _size(checkpoint: Checkpoint, shape: _Shape, config: EngineConfig, target: Target, tp: int,
+          max_model_len: int) -> Plan:
+    info = shape.info
+    kv_heads = _kv_heads_per_rank(info, tp)
+    per_token = dataclasses.replace(info, num_kv_heads=kv_heads).kv_bytes_per_block(1)
+    num_seqs = profile_num_seqs(config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
+    weights = _weight_bytes_per_rank(shape, kv_heads, tp)
+    activations = _activation_bytes(shape, kv_heads, tp, config.max_num_batched_tokens, num_seqs)
+    per_block = per_token * config.block_size
+    if target.profiles_memory:
+        non_torch, usable = NON_TORCH_BYTES, int(target.memory_bytes * config.gpu_memory_utilization)
+        blocks = profiled_kv_blocks(target.memory_bytes, config.gpu_memory_utilization,
+                                    weights + shape.buffer_bytes + activations, non_torch, per_block)
+    else:
+        non_torch, usable = 0, target.memory_bytes
+        blocks = fixed_kv_blocks(config.kv_cache_memory_gib or DEFAULT_KV_CACHE_GIB, per_block)
+    plan = Plan(
+        model=checkpoint.name, architecture=info.architecture, dtype=target.dtype,
+        stored_bytes=checkpoint.stored_bytes, num_params=info.num_params, weight_bytes=shape.weight_bytes,
+        tensor_parallel_size=tp, weight_bytes_per_rank=weights, buffer_bytes=shape.buffer_bytes,
+        num_kv_heads_per_rank=kv_heads, kv_bytes_per_token=per_token, block_size=config.block_size,
+        max_num_batched_tokens=config.max_num_batched_tokens, activation_bytes=activations,
+        device=target.name, profiles_memory=target.profiles_memory, device_memory_bytes=target.memory_bytes,
+        usable_bytes=usable, non_torch_bytes=non_torch, num_kv_blocks=blocks,
+        min_kv_blocks=blocks_per_sequence(max_model_len, config.block_size), max_model_len=max_model_len,
+        problem=None,
+    )
+    return dataclasses.replace(plan, problem=_problem(plan))
+
+
+def _problem(plan: Plan) -> str | None:
+    if plan.fixed_bytes > plan.usable_bytes:
+        return (f"weights and activations need {plan.fixed_bytes / GIB:.2f} GiB of the "
+                f"{plan.usable_bytes / GIB:.2f} GiB usable, before any KV cache")
+    if plan.num_kv_blocks < plan.min_kv_blocks:
+        return (f"the KV cache holds {plan.kv_tokens} tokens, fewer than one sequence of "
+                f"max_model_len {plan.max_model_len}")
+    if plan.fixed_bytes + plan.kv_cache_bytes > plan.usable_bytes:
+        return (f"weights, activations and the KV cache need "
+                f"{(plan.fixed_bytes + plan.kv_cache_bytes) / GIB:.2f} GiB of the {plan.usable_bytes / GIB:.2f} GiB")
+    return None
+
+
+def _remedies(plan: Plan, checkpoint: Checkpoint, shape: _Shape, config: EngineConfig, target: Target) -> list[str]:
+    """Flags that each alone would make `plan` fit."""
+    needed_kv = plan.min_kv_blocks * plan.block_size * plan.kv_bytes_per_token
+    room = plan.usable_bytes - plan.fixed_bytes
+    remedies = []
+    if plan.block_size <= plan.kv_tokens < plan.max_model_len and plan.kv_cache_bytes <= room:
+        remedies.append(f"--max-model-len {plan.kv_tokens}")
+    if target.profiles_memory:
+        utilization = math.ceil((plan.fixed_bytes + needed_kv) / plan.device_memory_bytes * 100) / 100
+        if config.gpu_memory_utilization < utilization <= 1.0:
+            remedies.append(f"--gpu-memory-utilization {utilization:.2f}")
+    elif needed_kv <= room:
+        if plan.num_kv_blocks < plan.min_kv_blocks:  # the budget is too small: the least holding one sequence
+            gib = math.ceil(needed_kv / GIB * 1000) / 1000
+        else:  # the budget is too large for the memory: the most that fits
+            gib = math.floor(room / GIB * 1000) / 1000
+        remedies.append(f"--kv-cache-memory {gib:g}")
+    for tp in (n for n in TP_SIZES if n > plan.tensor_parallel_size):
+        try:
+            if _size(checkpoint, shape, config, target, tp, plan.max_model_len).fits:
+                remedies.append(f"--tensor-parallel-size {tp}")
+                break
+        except ConfigError:
+            continue
+    return remedies

@@ -1,0 +1,123 @@
+"""The built-in structured-output backend, on xgrammar (0.2.x).
+
+xgrammar compiles a grammar against the tokenizer's vocabulary once (JSON schema ~130 ms, builtin
+JSON ~7 ms, a regex under 1 ms here), then a matcher fills a request's next-token bitmask in ~0.01 ms.
+It is imported only when a request asks for structured output.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidRequestError
+from ..sampling_params import StructuredOutputsParams
+from .backend import GrammarMatcher, StructuredOutputBackend
+
+# xgrammar's C++ errors start with a timestamp and a source location the user has no use for.
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+def _choice_ebnf(choices: list[str]) -> str:
+    # JSON string escapes are EBNF string escapes.
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+def _json_schema_text(spec: StructuredOutputsParams) -> str:
+    if isinstance(spec.json, dict):
+        return json.dumps(spec.json)
+    try:
+        json.loads(spec.json)
+    except ValueError as exc:
+        raise InvalidRequestError(f"structured_outputs.json is not valid JSON: {exc}",
+                                  param="structured_outputs.json") from exc
+    return spec.json
+
+
+def _structural_tag_args(text: str) -> tuple:
+    """xgrammar's structural-tag JSON as is, or vLLM's older {"structures", "triggers"} form."""
+    import xgrammar as xgr
+
+    tag = json.loads(text)
+    if isinstance(tag, dict) and "structures" in tag:
+        items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                 for s in tag["structures"]]
+        return items, tag["triggers"]
+    return (text,)
+
+
+def _refusal(spec: StructuredOutputsParams, exc: Exception) -> InvalidRequestError:
+    message = _CPP_PREFIX.sub("", str(exc).strip()).strip() or type(exc).__name__
+    return InvalidRequestError(f"structured_outputs.{spec.kind} cannot be compiled: {message}",
+                               param=f"structured_outputs.{spec.kind}")
+
+
+class XGrammarMatcher(GrammarMatcher):
+    def __init__(self, matcher: Any):
+        self._matcher = matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        return self._matcher.accept_token(token_id)
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+
+class XGrammarBackend(StructuredOutputBackend):
+    def __init__(self, tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int]):
+        import xgrammar as xgr
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        # The engine's manager caches compiled grammars by spec; a second cache would only hold memory.
+        self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+
+    @classmethod
+    def validate(cls, spec: StructuredOutputsParams) -> None:
+        import xgrammar as xgr
+
+        kind = spec.kind
+        try:
+            if kind == "json":
+                xgr.Grammar.from_json_schema(_json_schema_text(spec), any_whitespace=not spec.disable_any_whitespace)
+            elif kind == "regex":
+                xgr.Grammar.from_regex(spec.regex)
+            elif kind == "grammar":
+                xgr.Grammar.from_ebnf(spec.grammar)
+            elif kind == "structural_tag":
+                xgr.Grammar.from_structural_tag(*_structural_tag_args(spec.structural_tag))
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # xgrammar raises RuntimeError, ValueError, TypeError or its own errors
+            raise _refusal(spec, exc) from exc
+
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        compiler, kind = self._compiler, spec.kind
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(_json_schema_text(spec),
+                                                    any_whitespace=not spec.disable_any_whitespace)
+            if kind == "json_object":
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=not spec.disable_any_whitespace)
+            if kind == "regex":
+                return compiler.compile_regex(spec.regex)
+            if kind == "choice":
+                return compiler.compile_grammar(_choice_ebnf(spec.choice))
+            if kind == "grammar":
+                return compiler.compile_grammar(spec.grammar)
+            return compiler.compile_structural_tag(*_structural_tag_args(spec.structural_tag))
+        except InvalidRequestError:
+            raise
+        except Exception as exc:
+            raise _refusal(spec, exc) from exc
+
+    def new_matcher(self, grammar: Any) -> GrammarMatcher:
+        import xgrammar as xgr
+
+        return XGrammarMatcher(xgr.GrammarMatcher(grammar))

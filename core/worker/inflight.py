@@ -1,0 +1,78 @@
+"""A launched step whose sampled ids are still on their way to the host.
+
+`ModelRunner.launch` queues a step's forward pass and sampling and returns an `InflightStep`; the
+host reads the ids with `result()`. With async scheduling the engine launches step N+1 before it
+calls `result()` on step N, so the host's scheduling, input building and output handling overlap
+the device's work. Every device-to-host copy of a step starts at launch, in one `HostFetch`, so
+`result()` waits for that step alone and never for the step queued behind it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..sample.logprobs import LogprobsTensors
+from .output import LogprobsLists, ModelRunnerOutput
+from .request_states import CachedRequestState, RequestStates
+
+
+@dataclass
+class HostFetch:
+    """Host copies of device tensors, usable once `wait()` has returned."""
+
+    tensors: list[torch.Tensor]
+    wait: Callable[[], None]
+
+
+def fetch_now(tensors: Sequence[torch.Tensor]) -> HostFetch:
+    """Copy to the host synchronously (any device; free for tensors already on the CPU)."""
+    return HostFetch([t.cpu() for t in tensors], lambda: None)
+
+
+@dataclass
+class SampledRows:
+    """What a launched step sampled: the requests' states in row order and the `RequestStates`
+    holding them, the copy of their ids (and logprobs) under way, and how many top logprobs each
+    row keeps (None: no logprobs)."""
+
+    request_states: RequestStates
+    states: list[CachedRequestState]
+    fetch: HostFetch
+    num_logprobs: list[int] | None
+
+
+class InflightStep:
+    """The sampled ids (and logprobs) of one launched step; `result()` reads them once and hands
+    them to the `RequestStates` of the runner that launched it, the only writer of the requests' tokens."""
+
+    def __init__(self, sampled: SampledRows | None, prompt_logprobs: dict[str, LogprobsLists]):
+        self._sampled = sampled
+        self._prompt_logprobs = prompt_logprobs
+        self._output: ModelRunnerOutput | None = None
+
+    @classmethod
+    def done(cls, prompt_logprobs: dict[str, LogprobsLists] | None = None) -> "InflightStep":
+        """A step that sampled nothing."""
+        return cls(None, prompt_logprobs or {})
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the ids, record them in the worker's request states and return the output."""
+        if self._output is None:
+            self._output = self._read()
+        return self._output
+
+    def _read(self) -> ModelRunnerOutput:
+        sampled = self._sampled
+        if sampled is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=self._prompt_logprobs)
+        sampled.fetch.wait()
+        ids_host, *logprob_host = sampled.fetch.tensors
+        token_ids = ids_host.tolist()
+        sampled.request_states.receive_sampled(sampled.states, token_ids)
+        logprobs = None
+        if sampled.num_logprobs is not None:
+            logprobs = LogprobsTensors(*logprob_host).to_lists(sampled.num_logprobs)
+        return ModelRunnerOutput(req_ids=[s.req_id for s in sampled.states], sampled_token_ids=token_ids,
+                                 logprobs=logprobs, prompt_logprobs=self._prompt_logprobs)

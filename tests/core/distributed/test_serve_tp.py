@@ -1,0 +1,79 @@
+"""`corectl serve -tp 2`: the OpenAI API answers as one device does, and a rank's death ends the
+server cleanly (the client gets an error, /health turns 503, the server exits 1, no process stays)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from corectl import LLM, SamplingParams
+from helpers import build_random_checkpoint
+from server_process import SMALL_ENGINE, ServerProcess
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3,"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, default_model_dir):
+    return build_random_checkpoint("qwen2", tmp_path_factory.mktemp("serve-tp") / "qwen2", default_model_dir)
+
+
+@pytest.fixture
+def server(checkpoint):
+    process = ServerProcess(str(checkpoint), "-tp", "2", "--served-model-name", "tiny", *SMALL_ENGINE)
+    try:
+        yield process.wait_ready()
+    finally:
+        process.stop()
+
+
+def descendants(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            found += [int(child), *descendants(int(child))]
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_serve_tp2_completes_like_one_device(server, checkpoint):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    served = [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0.0,
+                                        extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
+    llm = LLM(str(checkpoint), dtype="float32", max_model_len=512, kv_cache_memory_gib=0.05)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert served == [out.outputs[0].text for out in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def test_a_rank_killed_mid_stream_ends_the_server_cleanly(server):
+    engine = server.engine_pid()
+    ranks = [pid for pid in descendants(engine) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(ranks) == 2, ranks
+    started = descendants(server.proc.pid)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    stream = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=400, temperature=0.0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    received = [next(iter(stream))]
+    os.kill(ranks[1], signal.SIGKILL)
+    killed_at = time.monotonic()
+    with pytest.raises(openai.APIError, match="rank"):
+        received.extend(stream)
+    assert time.monotonic() - killed_at < 10 and len(received) < 400
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 503
+    assert server.proc.wait(30) == 1
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in started if alive(pid)] == []

@@ -1,0 +1,37 @@
+"""`corectl plan` against the CUDA worker: the KV capacity planned from the config alone is the one
+the worker measures by profiling, within 10%."""
+import gc
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA or ROCm GPU", allow_module_level=True)
+
+from corectl import LLM  # noqa: E402
+from corectl.config import EngineConfig  # noqa: E402
+from corectl.planning import plan_deployment  # noqa: E402
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    # A third of the device and a 4x token budget: activations weigh more against the KV cache.
+    {"gpu_memory_utilization": 0.3, "max_num_batched_tokens": 8192, "max_model_len": 4096},
+], ids=["defaults", "budget-8192-utilization-0.3"])
+def test_plan_agrees_with_the_measured_kv_capacity(options):
+    args = {"model": "qwen3-0.6b", "load_format": "dummy", "enforce_eager": True, **options}
+    plan = plan_deployment(EngineConfig(**args))
+    llm = LLM(**args)
+    try:
+        info = llm.engine.info
+        measured_fixed = plan.usable_bytes - info.num_kv_blocks * plan.block_size * plan.kv_bytes_per_token
+        print(f"\n{options}: planned {plan.num_kv_blocks} KV blocks, measured {info.num_kv_blocks}; "
+              f"weights + activations + non-torch planned {plan.fixed_bytes / 2**30:.3f} GiB, "
+              f"measured {measured_fixed / 2**30:.3f} GiB")
+        assert plan.device == info.platform and plan.dtype == info.dtype and plan.profiles_memory
+        assert abs(plan.num_kv_blocks - info.num_kv_blocks) <= 0.1 * info.num_kv_blocks
+        assert plan.max_concurrency == pytest.approx(info.kv_capacity_tokens / info.max_model_len, rel=0.1)
+    finally:
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()

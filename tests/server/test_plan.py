@@ -1,0 +1,124 @@
+"""`corectl plan`: sizes from the config alone agree with what the engine measures when it starts,
+tensor parallelism splits weights and KV heads, a plan that does not fit names flags that do fit,
+and an unknown model is a one-line error."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from corectl import LLM
+from corectl.config import EngineConfig
+from corectl.loaders.resolve import default_model
+from corectl.planning import plan_deployment
+from corectl.server.cli import main
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+LLAMA3_8B_KV_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K and V, layers, KV heads, head_dim, bf16 bytes
+
+
+def _agrees_with_engine(plan, engine) -> None:
+    """On the CPU nothing is estimated: blocks, weights and concurrency are the engine's exactly."""
+    info, model = engine.info, engine.executor.worker.model_info  # counted once the weights loaded
+    assert plan.dtype == info.dtype and plan.max_model_len == info.max_model_len
+    assert plan.num_kv_blocks == info.num_kv_blocks
+    itemsize = torch.empty((), dtype=getattr(torch, info.dtype)).element_size()
+    assert plan.num_params == model.num_params and plan.weight_bytes == model.num_params * itemsize
+    assert plan.max_concurrency == info.kv_capacity_tokens / info.max_model_len
+
+
+def test_plan_of_the_default_gguf_agrees_with_the_engine(llm_fp32):
+    config = llm_fp32.config
+    plan = plan_deployment(EngineConfig(dtype="float32", max_model_len=1024, kv_cache_memory_gib=0.25,
+                                        max_num_seqs=32), device="cpu")
+    assert config.kv_cache_memory_gib == 0.25 and config.max_num_seqs == 32
+    _agrees_with_engine(plan, llm_fp32.engine)
+    assert plan.fits and plan.model == default_model()
+    # Read from the GGUF header: SmolLM2's Q4_1 file keeps some tensors in Q8_0 and the norms in F32.
+    assert set(plan.stored_bytes) == {"Q4_1", "Q8_0", "F32"}
+    assert sum(plan.stored_bytes.values()) < plan.weight_bytes / 4
+
+
+def test_plan_of_a_random_weight_preset_agrees_with_the_engine():
+    args = {"model": "llama-tiny", "load_format": "dummy", "max_model_len": 256, "kv_cache_memory_gib": 0.01}
+    plan = plan_deployment(EngineConfig(**args), device="cpu")
+    _agrees_with_engine(plan, LLM(**args).engine)
+    assert plan.stored_bytes == {}
+
+
+def test_plan_reads_a_safetensors_checkpoint_without_loading_it(tmp_path):
+    config = Qwen3Config(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                         max_position_embeddings=512)
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    plan = plan_deployment(EngineConfig(model=str(tmp_path), dtype="float32"), device="cpu")
+    assert plan.architecture == "Qwen3ForCausalLM"
+    # The file holds bf16 weights (the tied head once); the engine holds them as fp32.
+    assert list(plan.stored_bytes) == ["BF16"] and plan.weight_bytes == 2 * plan.stored_bytes["BF16"]
+    assert plan.kv_bytes_per_token == 2 * 2 * 2 * 32 * 4
+
+
+def _plan(capsys, *args: str) -> tuple[int, str]:
+    code = main(["plan", *args])
+    return code, capsys.readouterr().out
+
+
+def test_plan_json_for_a_gpu_of_named_memory(capsys):
+    code, out = _plan(capsys, "llama3-8b", "--device-memory", "80GiB", "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["fits"] and plan["device"] == "gpu" and plan["dtype"] == "bfloat16"
+    assert plan["num_params"] == 8_030_261_248 and plan["weight_bytes"] == 2 * plan["num_params"]
+    assert plan["kv_bytes_per_token"] == LLAMA3_8B_KV_PER_TOKEN
+    # The KV cache takes what weights, activations and non-torch memory leave of 0.9 x 80 GiB.
+    left = 0.9 * 80 * 2**30 - plan["weight_bytes"] - plan["buffer_bytes"] - plan["activation_bytes"] \
+        - plan["non_torch_bytes"]
+    assert 0 <= left - plan["kv_cache_bytes"] < plan["block_size"] * LLAMA3_8B_KV_PER_TOKEN
+    assert plan["max_concurrency"] == pytest.approx(plan["kv_tokens"] / 8192, abs=1e-3)
+
+
+def test_tensor_parallelism_splits_weights_and_kv_heads(capsys):
+    def plan(tp: int) -> dict:
+        code, out = _plan(capsys, "llama3-8b", "--device-memory", "80GiB", "--json", "-tp", str(tp))
+        assert code == 0
+        return json.loads(out)
+
+    one, two, sixteen = plan(1), plan(2), plan(16)
+    assert two["kv_bytes_per_token"] == LLAMA3_8B_KV_PER_TOKEN // 2
+    assert two["weight_bytes_per_rank"] == pytest.approx(one["weight_bytes"] / 2, rel=0.01)
+    # 16 ranks share 8 KV heads: each holds one, so K/V per token stop shrinking past 8 ranks.
+    assert sixteen["num_kv_heads_per_rank"] == 1
+    assert sixteen["kv_bytes_per_token"] == LLAMA3_8B_KV_PER_TOKEN // 8
+    assert two["kv_tokens"] > 2 * one["kv_tokens"]
+
+
+@pytest.mark.parametrize("args", [
+    ("llama3-8b", "--device-memory", "18GiB"),
+    ("qwen3-0.6b", "--device", "cpu", "--kv-cache-memory", "0.01"),
+])
+def test_a_plan_that_does_not_fit_names_flags_that_make_it_fit(capsys, args):
+    code, out = _plan(capsys, *args, "--json")
+    plan = json.loads(out)
+    assert code == 1 and not plan["fits"] and plan["problem"]
+    assert plan["remedies"], out
+    for remedy in plan["remedies"]:
+        code, out = _plan(capsys, *args, *remedy.split(), "--json")
+        assert code == 0, (remedy, out)
+    code, table = _plan(capsys, *args)
+    assert "fits          no: " in table and "to fit" in table
+
+
+def test_plan_table_of_the_default_model(capsys):
+    code, table = _plan(capsys, "--device", "cpu", "--kv-cache-memory", "0.25", "--max-model-len", "1024")
+    rows = dict(line.split(None, 1) for line in table.splitlines() if not line.startswith(("KV ", "to fit")))
+    assert code == 0 and rows["fits"] == "yes"
+    assert "Q4_1" in rows["checkpoint"] and "LlamaForCausalLM" in rows["model"]
+
+
+def test_an_unknown_model_is_a_one_line_error(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["plan", "no-such-preset"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no-such-preset" in err and "shape presets: llama3-8b" in err
+    with pytest.raises(SystemExit):
+        main(["plan", "llama3-8b", "--device-memory", "80"])
+    assert "is not a size with a unit" in capsys.readouterr().err
