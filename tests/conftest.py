@@ -6,6 +6,16 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def isolated_env(tmp_path_factory):
+    """For modules that build shape presets: presets write their config to a cache folder of the
+    module's own, and no test may reach the hub."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CORECTL_CACHE_DIR", str(tmp_path_factory.mktemp("corectl-cache")))
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        yield
+
+
 @pytest.fixture(scope="session")
 def default_model_dir():
     """The embedded model converted to an HF directory (cached across runs in CORECTL_CACHE_DIR)."""

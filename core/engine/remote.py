@@ -41,6 +41,7 @@ from anyio.abc import SocketStream, TaskGroup
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from ..config import EngineConfig
+from ..process_exit import describe_exit
 from ..errors import (
     ConfigError,
     CorectlError,
@@ -152,7 +153,7 @@ class RemoteEngine(EngineTransport):
             first = msgspec.msgpack.decode(await _read_frame(reader), type=EngineMessage)
         except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
             await anyio.to_thread.run_sync(process.join, 5.0)
-            raise EngineDeadError(f"the engine process exited while starting ({_exit_description(process)}); "
+            raise EngineDeadError(f"the engine process exited while starting ({describe_exit(process)}); "
                                   "its log above says why") from None
         if isinstance(first, EngineFailed):
             await stream.aclose()
@@ -184,7 +185,7 @@ class RemoteEngine(EngineTransport):
                     return
                 # The socket closes a moment before the dead process is reaped; wait so the error says how it died.
                 await anyio.to_thread.run_sync(self._process.join, 2.0)
-                raise self._fail(f"the engine process is gone ({_exit_description(self._process)})") from exc
+                raise self._fail(f"the engine process is gone ({describe_exit(self._process)})") from exc
             message = self._decoder.decode(frame)
             if isinstance(message, EngineFailed):
                 raise self._fail(str(_rebuild_error(message)))
@@ -240,7 +241,7 @@ class RemoteEngine(EngineTransport):
             owes_step = self._busy or self._sent > self._applied
             silent = time.monotonic() - self._last_heard
             if self._process.exitcode is not None:
-                self._fail(f"the engine process is gone ({_exit_description(self._process)})")
+                self._fail(f"the engine process is gone ({describe_exit(self._process)})")
             elif owes_step and silent > self._hang_timeout:
                 self._fail(f"the engine sent nothing for {silent:.1f} s while requests were pending "
                            f"(hang timeout {self._hang_timeout:g} s); killed it")
@@ -270,19 +271,10 @@ async def _accept_while_alive(listener, process) -> SocketStream:
             await anyio.sleep(0.1)  # the child may have connected just before exiting
         tg.cancel_scope.cancel()
     if not accepted:
-        raise EngineDeadError(f"the engine process exited while starting ({_exit_description(process)}); "
+        raise EngineDeadError(f"the engine process exited while starting ({describe_exit(process)}); "
                               "its log above says why")
     return accepted[0]
 
-
-def _exit_description(process) -> str:
-    code = process.exitcode
-    if code is None:
-        return "still running"
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-code).name}"
-    return f"exit code {code}"
 
 
 def _stop_process(process, grace_s: float) -> None:

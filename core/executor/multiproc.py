@@ -21,6 +21,7 @@ import threading
 from multiprocessing.connection import Connection, wait
 
 from ..errors import CorectlError, EngineDeadError
+from ..process_exit import describe_exit
 from .base import WorkerSpec
 from .rank import RankWorker, free_port
 from .remote_ranks import RemoteRanksExecutor
@@ -113,7 +114,7 @@ class MultiprocExecutor(RemoteRanksExecutor):
                 if data[:1] == _ERROR:
                     return self._rank_error(rank, pickle.loads(data[1:]), startup)
         proc.join(1.0)
-        return self._dead(f"tensor-parallel rank {rank} (pid {proc.pid}) is gone ({_exit_description(proc)})")
+        return self._dead(f"tensor-parallel rank {rank} (pid {proc.pid}) is gone ({describe_exit(proc)})")
 
     def _rank_error(self, rank: int, exc: BaseException, startup: bool) -> BaseException:
         if startup and isinstance(exc, CorectlError):
@@ -144,15 +145,6 @@ def _stop_ranks(procs, conns: list[Connection], death_writer: Connection) -> Non
     for conn in [*conns, death_writer]:
         conn.close()
 
-
-def _exit_description(proc) -> str:
-    code = proc.exitcode
-    if code is None:
-        return "still running"
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-code).name}"
-    return f"exit code {code}"
 
 
 # -- the rank's process --------------------------------------------------------------------------

@@ -16,13 +16,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[(7 * i + j) % 500 + 1 for j in range(20 + 9 * i)] for i in range(6)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def isolated_env(tmp_path_factory):
-    """Presets write their config to the cache folder; no test may reach the hub."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CORECTL_CACHE_DIR", str(tmp_path_factory.mktemp("corectl-cache")))
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        yield
+pytestmark = pytest.mark.usefixtures("isolated_env")
 
 
 async def _generate(client: EngineClient, prompt: list[int], params: SamplingParams = GREEDY):

@@ -34,13 +34,7 @@ NOT_COMPARED = {"architectures", "dtype", "transformers_version", "_name_or_path
 TINY = dict(model="llama-tiny", load_format="dummy", platform="cpu", kv_cache_memory_gib=0.01)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def isolated_env(tmp_path_factory):
-    """Presets write their config to the cache folder; no test may reach the hub."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CORECTL_CACHE_DIR", str(tmp_path_factory.mktemp("corectl-cache")))
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        yield
+pytestmark = pytest.mark.usefixtures("isolated_env")
 
 
 @pytest.fixture(scope="module")
