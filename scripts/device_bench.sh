@@ -92,6 +92,50 @@ stage_w4() {
   python3 "$PEER" static --shape qwen3-0.6b --batch 128 --input-len 512 --output-len 512
 }
 
+# -- several GPUs (issue 13: nvidia-h200-x2) -------------------------------------------------------
+# Ray travels as a slimmed tarball (the wheel is over the device tool's size limit): .peers/ray-slim.tar.xz.
+ray_site() { [ -f .peers/ray-slim.tar.xz ] && tar xJf .peers/ray-slim.tar.xz -C /tmp/site 2>/dev/null; python3 -c "import ray" 2>/dev/null; }
+stage_tp_tests() {
+  ray_site || echo "ray not importable: the Ray parity test skips"
+  RAY_AUTH_MODE=disabled python3 -m pytest -q -rs tests/gpu/test_gpu_tensor_parallel.py -p no:cacheprovider -s 2>&1 | grep -E "TP=2|passed|failed|Error|SKIP" | tail -12
+}
+stage_w2tp() {
+  for tp in 1 2; do
+    bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 -tp $tp --save-result "$RES/w2_tp$tp.json" | grep TPOT | sed "s/^/TP=$tp /"
+  done
+}
+stage_w1tp() {
+  for tp in 1 2; do
+    bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 -tp $tp --save-result "$RES/w1_tp$tp.json" | grep Throughput | sed "s/^/TP=$tp /"
+  done
+}
+stage_w8() {
+  python3 "$PEER" ceilings
+  bench latency --model llama3-70b --batch-size 1 --input-len 512 --output-len 128 -tp 2 --num-iters 3 --save-result "$RES/w8_tpot.json" | grep TPOT
+  bench throughput --model llama3-70b --num-prompts 256 --input-len 512 --output-len 128 -tp 2 --save-result "$RES/w8_w1.json" | grep Throughput
+}
+cpu_seconds() { awk '{print ($14 + $15) / 100}' /proc/$1/stat; }
+stage_dp() {
+  # W5's load (1024 in / 128 out, concurrency 256) against one engine and two; the API process's CPU share.
+  local port=8021
+  for dp in 1 2; do
+    corectl serve llama3-8b --load-format dummy --platform cuda --port $port -dp $dp > "$RES/dp${dp}_server.log" 2>&1 &
+    local server=$!
+    for _ in $(seq 300); do curl -sf http://127.0.0.1:$port/health >/dev/null && break; sleep 1; done
+    local args="--base-url http://127.0.0.1:$port --endpoint /v1/completions --prompt-token-ids --vocab-size 128000 --input-len 1024 --output-len 128 --ignore-eos --seed 0 --max-concurrency 256"
+    corectl bench serve $args --num-prompts 256 > /dev/null 2>&1
+    local c0=$(cpu_seconds $server) t0=$(date +%s.%N)
+    corectl bench serve $args --num-prompts 768 --save-result "$RES/dp$dp.json" > "$RES/dp$dp.txt" 2>&1
+    local c1=$(cpu_seconds $server) t1=$(date +%s.%N)
+    echo "DP=$dp: $(grep -iE 'output token throughput' "$RES/dp$dp.txt")  API process CPU $(python3 -c "print(f'{($c1 - $c0) / ($t1 - $t0):.2f}')") cores; $(grep -iE 'failed|client' "$RES/dp$dp.txt" | tr '\n' ' ')"
+    kill -TERM $server; wait $server; port=$(( port + 1 ))
+  done
+}
+stage_w2ray() {
+  ray_site || { echo "ray not importable"; return; }
+  RAY_AUTH_MODE=disabled bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 -tp 2 --distributed-executor-backend ray --save-result "$RES/w2_ray.json" | grep TPOT | sed "s/^/TP=2 ray /"
+}
+
 for stage in "$@"; do
   echo "=== $stage"
   start=$(date +%s)

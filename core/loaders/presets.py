@@ -26,6 +26,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
         "rope_theta": 500000.0, "max_position_embeddings": 8192,
     },
+    # W8 (DESIGN.md section 5): ~141 GB of bf16 weights, for tensor parallelism over two H200s.
+    "llama3-70b": {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "dtype": "bfloat16",
+        "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+        "rope_theta": 500000.0, "max_position_embeddings": 8192,
+    },
     "qwen3-0.6b": {
         "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "dtype": "bfloat16",
         "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,

@@ -1,0 +1,61 @@
+"""Tensor parallelism on real GPUs through NCCL: TP = 2 against TP = 1 in bf16, CUDA graphs on and off.
+
+The ranks add their partial sums in another order than one GPU's GEMM, so bf16 logits move by a
+few units in the last place: TP = 2 must give TP = 1's greedy tokens, except where TP = 1 itself
+rates the two tokens within a near-tie (judged by TP = 1's own top logprobs).
+"""
+import pytest
+import torch
+
+if torch.cuda.device_count() < 2:
+    pytest.skip("needs two CUDA or ROCm GPUs", allow_module_level=True)
+
+from corectl import SamplingParams  # noqa: E402
+from gpu_helpers import compare_greedy, generate, random_prompts  # noqa: E402
+
+NEW_TOKENS = 16
+PROMPT_LENGTHS = (5, 17, 40, 64, 100, 130, 257, 600)
+TOP_LOGPROBS = 5
+TIE_TOLERANCE = 0.5
+LOGPROB_TOLERANCE = 0.3
+
+
+def _logprob_lookup(completion):
+    """`(position, token) -> logprob` from a completion's top logprobs (None when not kept)."""
+    def lookup(pos: int, token: int):
+        entry = completion.logprobs[pos].get(token)
+        return None if entry is None else entry.logprob
+    return lookup
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_tp2_gives_the_tokens_of_one_gpu(checkpoint, enforce_eager):
+    prompts = random_prompts(PROMPT_LENGTHS, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=TOP_LOGPROBS, ignore_eos=True)
+    one = generate(checkpoint, prompts, params, enforce_eager=enforce_eager)
+    two = generate(checkpoint, prompts, params, enforce_eager=enforce_eager, tensor_parallel_size=2)
+    worst, parted = 0.0, 0
+    for reference, out in zip(one, two):
+        expected, got = reference.outputs[0], out.outputs[0]
+        got_logprobs = [position[token].logprob for position, token in zip(got.logprobs, got.token_ids)]
+        matched, error = compare_greedy(expected.token_ids, got.token_ids, _logprob_lookup(expected),
+                                        got_logprobs, TIE_TOLERANCE)
+        worst, parted = max(worst, error), parted + (matched < NEW_TOKENS)
+    print(f"{checkpoint.name} {'eager' if enforce_eager else 'graphs'}: TP=2 vs TP=1 max chosen-token logprob "
+          f"difference {worst:.4f} nat; {parted} of {len(prompts)} prompts parted at a near-tie")
+    assert worst < LOGPROB_TOLERANCE
+
+
+def test_the_ray_executor_gives_the_tokens_of_rank_processes(checkpoint, tmp_path_factory, monkeypatch):
+    ray = pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    prompts = random_prompts(PROMPT_LENGTHS, seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    ray.init(num_gpus=2, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    try:
+        over_ray = generate(checkpoint, prompts, params, tensor_parallel_size=2, distributed_executor_backend="ray")
+    finally:
+        ray.shutdown()
+    over_processes = generate(checkpoint, prompts, params, tensor_parallel_size=2)
+    assert [o.outputs[0].token_ids for o in over_ray] == [o.outputs[0].token_ids for o in over_processes]
