@@ -134,10 +134,11 @@ class MultiprocExecutor(RemoteRanksExecutor):
 
 
 def _stop_ranks(procs, conns: list[Connection], death_writer: Connection) -> None:
-    for conn in conns:
+    # Highest rank first, rank 0 last: rank 0 hosts the group's TCP store, and a peer still alive
+    # when it goes (NCCL's heartbeat thread polls the store) fills the log with connection errors.
+    for proc, conn in reversed(list(zip(procs, conns))):
         with contextlib.suppress(OSError, ValueError):
             conn.send_bytes(_STOP)
-    for proc in procs:
         proc.join(_STOP_GRACE_S)
         if proc.exitcode is None:
             proc.kill()
