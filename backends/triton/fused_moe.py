@@ -1,5 +1,6 @@
-"""Fused mixture-of-experts: the experts of one layer as two grouped GEMMs over tokens sorted by expert.
+"""Fused mixture-of-experts: the experts of one layer in two Triton kernels, by one of two paths.
 
+Sorted path (batches with several pairs per expert):
 1. `align_to_experts` sorts the (token, slot) pairs by the expert they were routed to and pads each
    expert's run to a whole number of BLOCK_M rows, so every row block of the GEMMs belongs to one
    expert. It runs as torch ops on the device with no read-back: the buffers are sized for the
@@ -10,10 +11,16 @@
    expert's gate and up rows and stores silu(gate) * up ([pairs, I]).
 3. The same kernel without GATED: the down projection of those rows, scaled by the pair's routing
    weight ([pairs, H]).
-4. The k weighted rows of each token are summed in fp32, in slot order (deterministic: a token's
-   output does not depend on which other tokens share its blocks).
+4. The k weighted rows of each token are summed in fp32, in slot order.
 
-The torch reference is the models' own CPU path, `corectl.models.moe.fused_moe_torch`.
+Pair path (small decode batches, at most one pair per two experts): no sort. One program per
+(pair, column block) computes silu(gate) * up from its expert's rows (`_pair_gate_up_kernel`);
+one per (token, column block) runs the down projection of the token's k pairs and sums them,
+weighted, in slot order (`_pair_down_sum_kernel`). Two launches per layer, every expert's weights
+read once per pair: at batch 1 that is exactly the weights the token needs.
+
+Both paths are deterministic: a token's output does not depend on which other tokens share the
+step. The torch reference is the models' own CPU path, `corectl.models.moe.fused_moe_torch`.
 Numerics: fp32 accumulation; dot operands in the weights' dtype on GPUs (fp32 as IEEE fp32, never
 TF32); the interpreter computes in fp32 (see paged_softmax.dot_dtype).
 """
@@ -69,6 +76,55 @@ def _moe_gemm_kernel(
         acc *= tl.load(pair_weight_ptr + pairs, mask=row_ok, other=0.0)[:, None]
     out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, top_k, stride_xm, stride_we, stride_wn, stride_om,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[pair, n] = silu(gate[e] @ x) * (up[e] @ x) for columns [pid_n * BLOCK_N, +BLOCK_N) of N,
+    x the pair's token row, e its expert; `w` holds gate rows [0, N) and up rows [N, 2N)."""
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // top_k) * stride_xm
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    gate_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(x_row + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        mask = n_ok[:, None] & k_ok[None, :]
+        acc_gate += tl.load(gate_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        acc_up += tl.load(gate_rows + N * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+    gate, up = tl.sum(acc_gate, 1), tl.sum(acc_up, 1)
+    tl.store(out_ptr + pair * stride_om + offs_n, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty),
+             mask=n_ok)
+
+
+@triton.jit
+def _pair_down_sum_kernel(act_ptr, w_ptr, ids_ptr, pair_weight_ptr, out_ptr, N, K,
+                          stride_am, stride_we, stride_wn, stride_om,
+                          TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[token, n] = sum over the token's k pairs, in slot order, of weight * (down[e] @ act[pair])."""
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in range(TOP_K):
+        pair = token * TOP_K + slot
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            act = tl.load(act_ptr + pair * stride_am + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc += w * act[None, :]
+        total += tl.load(pair_weight_ptr + pair) * tl.sum(acc, 1)
+    tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def align_to_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int
@@ -133,16 +189,52 @@ def _check_inputs(hidden, gate_up, down, topk_weights, topk_ids, check_indices: 
 
 
 def fused_moe(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, *, check_indices: bool = True) -> torch.Tensor:
+              topk_ids: torch.Tensor, *, check_indices: bool = True, path: str | None = None) -> torch.Tensor:
     """hidden [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I]; topk_weights
     [T, k] fp32; topk_ids [T, k] -> [T, H] in hidden's dtype: sum_j w[t, j] * expert_j(x_t).
-    `check_indices` reads topk_ids back to check them (a sync; off inside CUDA graphs)."""
+    `check_indices` reads topk_ids back to check them (a sync; off inside CUDA graphs). `path`
+    ("pairs" or "sorted", module doc) is chosen from the batch when None."""
     _check_inputs(hidden, gate_up, down, topk_weights, topk_ids, check_indices)
+    num_tokens, top_k = topk_ids.shape
+    num_experts = gate_up.shape[0]
+    if num_tokens * top_k == 0:
+        return torch.zeros_like(hidden)
+    if path is None:
+        path = "pairs" if num_tokens * top_k <= num_experts // 2 else "sorted"
+    require(path in ("pairs", "sorted"), f"path must be 'pairs' or 'sorted', got {path!r}")
+    run = _by_pair if path == "pairs" else _sorted
+    return run(hidden, gate_up, down, topk_weights, topk_ids)
+
+
+def _by_pair(hidden, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
+    num_tokens, top_k = topk_ids.shape
+    _, two_inter, hidden_size = gate_up.shape
+    inter = two_inter // 2
+    interpreted = hidden.device.type == "cpu"
+    block_k = 32 if interpreted else 128
+    activated = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
+    block_n = 16 if interpreted else 32
+    _pair_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, block_n))](
+        hidden, gate_up, topk_ids, activated, inter, hidden_size, top_k,
+        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), activated.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )
+    out = torch.empty_like(hidden)
+    # One program per token and column block: narrow blocks keep enough programs for the memory
+    # system at batch 1 (2048 / 16 = 128 for Qwen3-30B-A3B).
+    block_n = 16
+    _pair_down_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
+        activated, down, topk_ids, topk_weights, out, hidden_size, inter,
+        activated.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )
+    return out
+
+
+def _sorted(hidden, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden_size = gate_up.shape
     inter, num_pairs = two_inter // 2, num_tokens * top_k
-    if num_pairs == 0:
-        return torch.zeros_like(hidden)
     dot = dot_dtype(hidden.dtype, hidden.device)
     block_m = _block_m(num_pairs, num_experts, hidden.device)
     block_n, block_k = _block_nk(block_m, inter, hidden_size, hidden.device)

@@ -30,31 +30,34 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-@pytest.mark.parametrize("num_tokens", [1, 16, 300, 4096])
-def test_kernel_matches_the_torch_path_at_qwen3_30b_a3b_sizes(num_tokens):
+# The pair path reads an expert's weights once per pair: decode batches only.
+@pytest.mark.parametrize(("num_tokens", "path"), [(1, "pairs"), (4, "pairs"), (16, "pairs"), (1, "sorted"),
+                                                  (16, "sorted"), (300, "sorted"), (4096, "sorted")])
+def test_kernel_matches_the_torch_path_at_qwen3_30b_a3b_sizes(num_tokens, path):
     torch.manual_seed(num_tokens)
     hidden, gate_up, down, weights, ids = layer_inputs(num_tokens, torch.bfloat16)
     # The reference in fp32 on the same bf16 values: the kernel's error is its own roundings.
     ref = fused_moe_torch(hidden.float(), gate_up.float(), down.float(), weights, ids)
-    error = relative_error(fused_moe(hidden, gate_up, down, weights, ids), ref)
-    print(f"{num_tokens} tokens: bf16 relative error {error:.2e}")
+    error = relative_error(fused_moe(hidden, gate_up, down, weights, ids, path=path), ref)
+    print(f"{num_tokens} tokens, {path} path: bf16 relative error {error:.2e}")
     assert error < REL_TOL
-    fp32 = fused_moe(hidden.float(), gate_up.float(), down.float(), weights, ids)
+    fp32 = fused_moe(hidden.float(), gate_up.float(), down.float(), weights, ids, path=path)
     assert relative_error(fp32, ref) < 1e-5  # IEEE fp32 dots, never TF32
 
 
-def test_kernel_replays_in_a_cuda_graph_without_host_syncs():
+@pytest.mark.parametrize("path", ["pairs", "sorted"])
+def test_kernel_replays_in_a_cuda_graph_without_host_syncs(path):
     """Captured once at a decode bucket's shape, the launch serves new routes through the same tensors."""
     torch.manual_seed(0)
     hidden, gate_up, down, weights, ids = layer_inputs(8, torch.bfloat16)
-    fused_moe(hidden, gate_up, down, weights, ids, check_indices=False)  # compile outside the capture
+    fused_moe(hidden, gate_up, down, weights, ids, check_indices=False, path=path)  # compile outside the capture
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        fused_moe(hidden, gate_up, down, weights, ids, check_indices=False)
+        fused_moe(hidden, gate_up, down, weights, ids, check_indices=False, path=path)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = fused_moe(hidden, gate_up, down, weights, ids, check_indices=False)
+            out = fused_moe(hidden, gate_up, down, weights, ids, check_indices=False, path=path)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for seed in (1, 2):
@@ -65,7 +68,7 @@ def test_kernel_replays_in_a_cuda_graph_without_host_syncs():
         weights.copy_(new_weights)
         ids.copy_(new_ids)
         graph.replay()
-        torch.testing.assert_close(out, fused_moe(hidden, gate_up, down, weights, ids), rtol=0, atol=0)
+        torch.testing.assert_close(out, fused_moe(hidden, gate_up, down, weights, ids, path=path), rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module")

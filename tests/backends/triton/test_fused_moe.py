@@ -1,4 +1,4 @@
-"""The fused MoE kernel against the models' torch path (`fused_moe_torch`), under the interpreter."""
+"""The fused MoE kernels (both paths) against the models' torch path (`fused_moe_torch`), under the interpreter."""
 from __future__ import annotations
 
 import pytest
@@ -19,15 +19,16 @@ def moe_inputs(num_tokens, num_experts, hidden_size, inter, top_k, dtype, skip_e
     return hidden, gate_up, down, weights, ids
 
 
+@pytest.mark.parametrize("path", ["pairs", "sorted"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("num_tokens", "num_experts", "hidden_size", "inter", "top_k"), [
     (1, 8, 32, 16, 2),     # decode: one token, pairs in separate blocks
     (5, 4, 40, 24, 2),     # widths that are not powers of two: masked columns and reduction
     (21, 3, 48, 20, 2),    # more pairs per expert than one row block
 ])
-def test_fused_moe_matches_the_torch_path(num_tokens, num_experts, hidden_size, inter, top_k, dtype):
+def test_fused_moe_matches_the_torch_path(num_tokens, num_experts, hidden_size, inter, top_k, dtype, path):
     inputs = moe_inputs(num_tokens, num_experts, hidden_size, inter, top_k, dtype, skip_expert=num_experts - 1)
-    out, ref = fused_moe(*inputs), fused_moe_torch(*inputs)
+    out, ref = fused_moe(*inputs, path=path), fused_moe_torch(*inputs)
     assert out.dtype == dtype and out.shape == ref.shape and torch.isfinite(out).all()
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
@@ -68,5 +69,7 @@ def test_launcher_refuses_inputs_that_do_not_fit():
         fused_moe(hidden[:2], gate_up, down, weights, ids)
     with pytest.raises(ValueError, match=r"topk_ids values must lie in \[0, 4\)"):
         fused_moe(hidden, gate_up, down, weights, ids + 3)
+    with pytest.raises(ValueError, match="path must be 'pairs' or 'sorted'"):
+        fused_moe(hidden, gate_up, down, weights, ids, path="dense")
     with pytest.raises(ValueError, match="contiguous in its last dimension"):
         fused_moe(hidden, gate_up.transpose(1, 2).contiguous().transpose(1, 2), down, weights, ids)
