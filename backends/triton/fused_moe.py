@@ -1,12 +1,11 @@
 """Fused mixture-of-experts: the experts of one layer in two Triton kernels, by one of two paths.
 
 Sorted path (batches with several pairs per expert):
-1. `align_to_experts` sorts the (token, slot) pairs by the expert they were routed to and pads each
-   expert's run to a whole number of BLOCK_M rows, so every row block of the GEMMs belongs to one
-   expert. It runs as torch ops on the device with no read-back: the buffers are sized for the
-   worst case (every used expert padded by BLOCK_M - 1 rows), which depends only on the number of
-   tokens, so a decode step has static shapes and can be captured in a CUDA graph; blocks past
-   the real padded length exit at once.
+1. `align_to_experts` (moe_align.py) sorts the (token, slot) pairs by the expert they were routed
+   to and pads each expert's run to a whole number of BLOCK_M rows, so every row block of the GEMMs
+   belongs to one expert. It runs on the device with no read-back, in buffers sized for the worst
+   case of the step's token count, so a decode step has static shapes and can be captured in a
+   CUDA graph; blocks past the real padded length exit at once.
 2. `_moe_gemm_kernel` with GATED: each row block multiplies its tokens' hidden rows by its
    expert's gate and up rows and stores silu(gate) * up ([pairs, I]).
 3. The same kernel without GATED: the down projection of those rows, scaled by the pair's routing
@@ -31,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_float, check_index, check_range, check_same_device, require
+from .moe_align import align_to_experts
 from .paged_softmax import dot_dtype
 
 
@@ -125,31 +125,6 @@ def _pair_down_sum_kernel(act_ptr, w_ptr, ids_ptr, pair_weight_ptr, out_ptr, N, 
             acc += w * act[None, :]
         total += tl.load(pair_weight_ptr + pair) * tl.sum(acc, 1)
     tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-def align_to_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pairs (flat index token * k + slot) sorted by expert, each expert's run padded to whole
-    `block_m` blocks. Returns sorted_pairs [P] int32 (padding rows hold num_pairs), block_expert
-    [P / block_m] int32 (each block's expert) and num_padded [1] (the length in use), where P is
-    the worst case for this many pairs."""
-    flat = topk_ids.flatten()
-    num_pairs = flat.numel()
-    used_experts = min(num_experts, num_pairs)
-    capacity = triton.cdiv(num_pairs + used_experts * (block_m - 1), block_m) * block_m
-    order = flat.argsort(stable=True)
-    sorted_experts = flat[order]
-    expert_ids = torch.arange(num_experts + 1, device=flat.device, dtype=sorted_experts.dtype)
-    bounds = torch.searchsorted(sorted_experts, expert_ids)         # first sorted pair of each expert
-    counts = bounds[1:] - bounds[:-1]
-    padded_ends = ((counts + block_m - 1) // block_m * block_m).cumsum(0)
-    padded_starts = padded_ends - (counts + block_m - 1) // block_m * block_m
-    rank_in_expert = torch.arange(num_pairs, device=flat.device) - bounds[sorted_experts]
-    sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int32, device=flat.device)
-    sorted_pairs[padded_starts[sorted_experts] + rank_in_expert] = order.to(torch.int32)
-    block_starts = torch.arange(0, capacity, block_m, device=flat.device, dtype=padded_ends.dtype)
-    block_expert = torch.searchsorted(padded_ends, block_starts, right=True).clamp_(max=num_experts - 1)
-    return sorted_pairs, block_expert.to(torch.int32), padded_ends[-1:]
 
 
 def _block_m(num_pairs: int, num_experts: int, device: torch.device) -> int:

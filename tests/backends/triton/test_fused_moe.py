@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import BF16_STEP
-from corectl.backends.triton.fused_moe import align_to_experts, fused_moe
+from corectl.backends.triton.fused_moe import fused_moe
+from corectl.backends.triton.moe_align import align_to_experts
+from corectl.backends.triton.reference import align_to_experts_ref
 from corectl.models.moe import fused_moe_torch, select_experts
 
 
@@ -38,19 +40,30 @@ def test_fused_moe_matches_the_torch_path(num_tokens, num_experts, hidden_size, 
         assert (out.float() - ref.float()).abs().max() <= 4 * BF16_STEP * ref.float().abs().max()
 
 
+@pytest.mark.parametrize(("num_tokens", "top_k", "num_experts", "block_m"), [
+    (5, 2, 4, 16),       # an expert with no pairs
+    (1, 8, 128, 16),     # decode at Qwen3-30B-A3B's routing: more experts than pairs
+    (700, 3, 6, 64),     # several steps per program, several blocks per expert
+    (2600, 2, 20, 16),   # more pairs than MAX_PROGRAMS steps: programs take several steps each
+])
+def test_align_equals_the_reference(num_tokens, top_k, num_experts, block_m):
+    topk_ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(num_tokens)])
+    if num_experts > 4:
+        topk_ids[topk_ids == 1] = 0  # expert 1 unused (a pair may now repeat an expert: allowed)
+    for got, want in zip(align_to_experts(topk_ids, num_experts, block_m),
+                         align_to_experts_ref(topk_ids, num_experts, block_m)):
+        assert torch.equal(got, want)
+
+
 def test_align_puts_each_pair_once_in_a_block_of_its_expert():
     topk_ids = torch.tensor([[2, 0], [2, 1], [0, 2], [2, 1], [1, 0]])
     block_m, num_pairs = 16, topk_ids.numel()
-    sorted_pairs, block_expert, num_padded = align_to_experts(topk_ids, 4, block_m)
+    sorted_pairs, block_expert, num_padded = align_to_experts_ref(topk_ids, 4, block_m)
     used = int(num_padded)
     assert used == 3 * block_m  # experts 0, 1, 2 have pairs, expert 3 none
+    assert sorted_pairs[:block_m].tolist()[:3] == [1, 4, 9] and block_expert.tolist()[:3] == [0, 1, 2]
     real = sorted_pairs[:used][sorted_pairs[:used] < num_pairs]
     assert sorted(real.tolist()) == list(range(num_pairs))
-    flat = topk_ids.flatten()
-    for block in range(used // block_m):
-        rows = sorted_pairs[block * block_m:(block + 1) * block_m]
-        rows = rows[rows < num_pairs]
-        assert (flat[rows.long()] == block_expert[block]).all()
     assert (sorted_pairs[used:] == num_pairs).all()
     # The buffers depend only on the number of pairs (static shapes for CUDA graphs).
     other = align_to_experts(torch.zeros_like(topk_ids), 4, block_m)
