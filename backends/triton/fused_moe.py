@@ -79,6 +79,32 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
+def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
+                         TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    """One token: softmax over its router logits (fp32), the top k by repeated argmax (largest
+    first, ties to the lower expert), renormalised to sum to 1 when RENORMALIZE."""
+    token = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, BLOCK_E)
+    valid = lanes < num_experts
+    logits = tl.load(logits_ptr + token * stride_l + lanes, mask=valid, other=float("-inf")).to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, 0))
+    probs = tl.where(valid, probs / tl.sum(probs, 0), -1.0)  # -1: below every probability
+    slots = tl.arange(0, BLOCK_K)
+    chosen = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    chosen_ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    for slot in tl.static_range(TOP_K):
+        best = tl.argmax(probs, 0)
+        chosen = tl.where(slots == slot, tl.max(probs, 0), chosen)
+        chosen_ids = tl.where(slots == slot, best, chosen_ids)
+        probs = tl.where(lanes == best, -1.0, probs)
+    if RENORMALIZE:
+        chosen = chosen / tl.sum(chosen, 0)
+    tl.store(weights_ptr + token * TOP_K + slots, chosen, mask=slots < TOP_K)
+    tl.store(ids_ptr + token * TOP_K + slots, chosen_ids, mask=slots < TOP_K)
+
+
+@triton.jit
 def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, top_k, stride_xm, stride_we, stride_wn, stride_om,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[pair, n] = silu(gate[e] @ x) * (up[e] @ x) for columns [pid_n * BLOCK_N, +BLOCK_N) of N,
@@ -137,6 +163,23 @@ def _block_nk(block_m: int, n: int, k: int, device: torch.device) -> tuple[int, 
     if device.type == "cpu":  # the interpreter runs one program at a time: small tiles
         return max(16, min(32, triton.next_power_of_2(n))), max(16, min(32, triton.next_power_of_2(k)))
     return (32, 64) if block_m == 16 else (64, 64)
+
+
+def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """corectl.models.moe.select_experts in one launch: router_logits [T, E] -> (weights [T, k]
+    fp32, expert ids [T, k] int32)."""
+    check_float("router_logits", router_logits, 2)
+    num_tokens, num_experts = router_logits.shape
+    require(0 < top_k <= num_experts, f"top_k must lie in [1, {num_experts}], got {top_k}")
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if num_tokens:
+        _topk_softmax_kernel[(num_tokens,)](
+            router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
+            RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
+            BLOCK_K=triton.next_power_of_2(top_k), num_warps=1 if num_experts <= 64 else 4,
+        )
+    return weights, ids
 
 
 def _check_inputs(hidden, gate_up, down, topk_weights, topk_ids, check_indices: bool) -> None:

@@ -12,8 +12,9 @@ down projection, summed by the same all-reduce as a dense MLP's row-parallel out
 expert dimension is never split, so expert parallelism can later hand each rank a range of it
 (and mask the routes to other ranks' experts) without changing the parameter layout or the kernel.
 
-The torch path (`fused_moe_torch`) is the numerical reference and runs where no fused kernel is
-installed (CPU); a platform installs its kernel through `LayerKernels.fused_moe`.
+The torch path (`select_experts`, then `fused_moe_torch`) is the numerical reference and runs where
+no fused kernel is installed (CPU); a platform installs its kernel, routing included, through
+`LayerKernels.fused_moe`.
 """
 from __future__ import annotations
 
@@ -70,10 +71,12 @@ def fused_moe_torch(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
 
 
 class FusedMoE(UsesLayerKernels, nn.Module):
-    """The experts of one layer, tensor parallel along their intermediate dimension (module doc)."""
+    """The experts of one layer, tensor parallel along their intermediate dimension (module doc):
+    routes each token to its top-k experts (`select_experts`) and sums their weighted outputs."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int, renormalize: bool):
         super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
         tp = get_tp()
         self.first_row, rows = shard_range(intermediate_size, tp.rank, tp.world_size)
         self.num_experts, self.intermediate_size, self.rows = num_experts, intermediate_size, rows
@@ -83,9 +86,13 @@ class FusedMoE(UsesLayerKernels, nn.Module):
         self.down_proj.weight_loader = self._load_down
         self.reduce_output = all_reduce if tp.world_size > 1 else None
 
-    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         kernel = self.kernels.fused_moe if self.kernels is not None else None
-        out = (kernel or fused_moe_torch)(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        if kernel is not None:
+            out = kernel(hidden, self.gate_up_proj, self.down_proj, router_logits, self.top_k, self.renormalize)
+        else:
+            weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+            out = fused_moe_torch(hidden, self.gate_up_proj, self.down_proj, weights, ids)
         return out if self.reduce_output is None else self.reduce_output(out)
 
     def _load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, proj: str, expert: int) -> None:
@@ -111,13 +118,11 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool):
         super().__init__()
-        self.top_k, self.renormalize = top_k, renormalize
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, top_k, renormalize)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(hidden), self.top_k, self.renormalize)
-        return self.experts(hidden, weights, ids)
+        return self.experts(hidden, self.gate(hidden))
 
 
 def load_moe_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],

@@ -8,6 +8,7 @@ if not torch.cuda.is_available():
 
 from corectl import SamplingParams  # noqa: E402
 from corectl.backends.triton.fused_moe import fused_moe  # noqa: E402
+from corectl.backends.triton.layer_kernels import triton_layer_kernels  # noqa: E402
 from corectl.models.moe import fused_moe_torch, select_experts  # noqa: E402
 from gpu_helpers import build_checkpoint, compare_greedy, generate, random_prompts  # noqa: E402
 
@@ -45,30 +46,35 @@ def test_kernel_matches_the_torch_path_at_qwen3_30b_a3b_sizes(num_tokens, path):
     assert relative_error(fp32, ref) < 1e-5  # IEEE fp32 dots, never TF32
 
 
-@pytest.mark.parametrize("path", ["pairs", "sorted"])
-def test_kernel_replays_in_a_cuda_graph_without_host_syncs(path):
-    """Captured once at a decode bucket's shape, the launch serves new routes through the same tensors."""
+# 8 tokens take the pair path (64 pairs for 128 experts), 16 the sorted one.
+@pytest.mark.parametrize("num_tokens", [8, 16])
+def test_routed_kernel_replays_in_a_cuda_graph_without_host_syncs(num_tokens):
+    """The layer kernel the CUDA worker installs (routing, then the experts), captured once at a
+    decode bucket's shape, serves new router logits through the same tensors."""
+    routed_moe = triton_layer_kernels().fused_moe
     torch.manual_seed(0)
-    hidden, gate_up, down, weights, ids = layer_inputs(8, torch.bfloat16)
-    fused_moe(hidden, gate_up, down, weights, ids, check_indices=False, path=path)  # compile outside the capture
+    hidden, gate_up, down, _, _ = layer_inputs(num_tokens, torch.bfloat16)
+    logits = torch.randn(num_tokens, EXPERTS, device="cuda", dtype=torch.bfloat16)
+    routed_moe(hidden, gate_up, down, logits, TOP_K, True)  # compile outside the capture
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        fused_moe(hidden, gate_up, down, weights, ids, check_indices=False, path=path)
+        routed_moe(hidden, gate_up, down, logits, TOP_K, True)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = fused_moe(hidden, gate_up, down, weights, ids, check_indices=False, path=path)
+            out = routed_moe(hidden, gate_up, down, logits, TOP_K, True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for seed in (1, 2):
         torch.manual_seed(seed)
-        new_hidden, _, _, new_weights, new_ids = layer_inputs(8, torch.bfloat16)
-        new_ids[0] = new_ids[1]  # two tokens routed alike: experts with several pairs
-        hidden.copy_(new_hidden)
-        weights.copy_(new_weights)
-        ids.copy_(new_ids)
+        hidden.copy_(torch.randn_like(hidden))
+        logits.copy_(torch.randn_like(logits))
+        logits[1] = logits[0]  # two tokens routed alike: experts with several pairs
         graph.replay()
-        torch.testing.assert_close(out, fused_moe(hidden, gate_up, down, weights, ids, path=path), rtol=0, atol=0)
+        weights, ids = select_experts(logits, TOP_K, renormalize=True)
+        ref = fused_moe_torch(hidden.float(), gate_up.float(), down.float(), weights, ids)
+        assert relative_error(out, ref) < REL_TOL
+        torch.testing.assert_close(out, routed_moe(hidden, gate_up, down, logits, TOP_K, True), rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module")

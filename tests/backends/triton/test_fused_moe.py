@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import BF16_STEP
-from corectl.backends.triton.fused_moe import fused_moe
+from corectl.backends.triton.fused_moe import fused_moe, topk_softmax
 from corectl.backends.triton.moe_align import align_to_experts
 from corectl.backends.triton.reference import align_to_experts_ref
 from corectl.models.moe import fused_moe_torch, select_experts
@@ -86,3 +86,15 @@ def test_launcher_refuses_inputs_that_do_not_fit():
         fused_moe(hidden, gate_up, down, weights, ids, path="dense")
     with pytest.raises(ValueError, match="contiguous in its last dimension"):
         fused_moe(hidden, gate_up.transpose(1, 2).contiguous().transpose(1, 2), down, weights, ids)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize(("num_experts", "top_k"), [(8, 2), (20, 3), (128, 8)])
+def test_topk_softmax_routes_like_select_experts(num_experts, top_k, renormalize):
+    logits = torch.randn(9, num_experts) * 3
+    weights, ids = topk_softmax(logits, top_k, renormalize)
+    ref_weights, ref_ids = select_experts(logits, top_k, renormalize)
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="top_k must lie in"):
+        topk_softmax(logits, num_experts + 1, renormalize)

@@ -60,7 +60,7 @@ class Holder(torch.nn.Module):
     def __init__(self, num_experts, hidden_size, inter):
         super().__init__()
         self.layer = torch.nn.Module()
-        self.layer.experts = FusedMoE(num_experts, hidden_size, inter)
+        self.layer.experts = FusedMoE(num_experts, hidden_size, inter, top_k=2, renormalize=False)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
