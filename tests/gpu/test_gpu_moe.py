@@ -12,6 +12,13 @@ from corectl.backends.triton.layer_kernels import triton_layer_kernels  # noqa: 
 from corectl.models.moe import fused_moe_torch, select_experts  # noqa: E402
 from gpu_helpers import build_checkpoint, compare_greedy, generate, random_prompts  # noqa: E402
 
+# The graphs module's engine checks, collected here again to run on the MoE model (the `checkpoint`
+# fixture below): a launch never waits for the device; async scheduling gives the synchronous tokens.
+from test_gpu_graphs import (  # noqa: E402, F401
+    test_async_scheduling_gives_the_tokens_of_the_synchronous_loop,
+    test_launching_a_step_never_waits_for_the_device,
+)
+
 # Qwen3-30B-A3B: hidden 2048, 128 experts of width 768, top 8.
 HIDDEN, EXPERTS, INTER, TOP_K = 2048, 128, 768, 8
 # Relative L2 error of bf16 against an fp32 computation: a few bf16 roundings (2**-8 each).
@@ -81,6 +88,11 @@ def test_routed_kernel_replays_in_a_cuda_graph_without_host_syncs(num_tokens):
 @pytest.fixture(scope="module")
 def moe_checkpoint(tmp_path_factory):
     return build_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(moe_checkpoint):
+    return moe_checkpoint
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
