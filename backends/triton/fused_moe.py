@@ -18,8 +18,8 @@ one per (token, column block) runs the down projection of the token's k pairs an
 weighted, in slot order (`_pair_down_sum_kernel`). Two launches per layer, every expert's weights
 read once per pair: at batch 1 that is exactly the weights the token needs.
 
-Both paths are deterministic: a token's output does not depend on which other tokens share the
-step. The torch reference is the models' own CPU path, `corectl.models.moe.fused_moe_torch`.
+Both paths are deterministic (no atomics; a token's k outputs are summed in slot order); which
+path runs, and the tile sizes, depend on the batch size (docs/models.md). The torch reference is the models' own CPU path, `corectl.models.moe.fused_moe_torch`.
 Numerics: fp32 accumulation; dot operands in the weights' dtype on GPUs (fp32 as IEEE fp32, never
 TF32); the interpreter computes in fp32 (see paged_softmax.dot_dtype).
 """
