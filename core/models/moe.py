@@ -50,8 +50,8 @@ def fused_moe_torch(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
 
     hidden [T, H]; gate_up [E, 2I, H]; down [E, H, I]; topk_weights [T, k]; topk_ids [T, k].
     Each expert multiplies all its routed rows at once (rows sorted by expert); the k results of a
-    token are weighted and summed in fp32, in slot order, so a token's output does not depend on
-    the rest of the batch. Reads the per-expert counts back to the host: the CPU path."""
+    token are weighted and summed in fp32, in slot order. Reads the per-expert counts back to the
+    host: the CPU path, and eager execution elsewhere."""
     num_tokens, top_k = topk_ids.shape
     flat = topk_ids.flatten()
     order = flat.argsort(stable=True)
