@@ -93,9 +93,10 @@ stage_w4() {
   python3 "$PEER" static --shape qwen3-0.6b --batch 128 --input-len 512 --output-len 512
 }
 stage_w7() {
-  # Mixture of experts: the qwen3-30b-a3b shape (61 GB of bf16 weights, ~3.3B active per token), W1's
-  # offline workload and batch-1 TPOT. The peer's SHAPES needs the same config as the preset
+  # Mixture of experts: one layer's kernels alone (bench_moe), then the qwen3-30b-a3b shape (61 GB of
+  # bf16 weights, ~3.3B active per token): W1's offline workload and batch-1 TPOT. The peer's SHAPES needs the same config as the preset
   # (core/loaders/presets.py; tests/core/loaders/test_presets.py PEER_SHAPES holds the constructor call).
+  python3 -m corectl.backends.triton.bench_moe 2>&1 | tail -20
   bench throughput --model qwen3-30b-a3b --num-prompts 256 --input-len 512 --output-len 128 --save-result "$RES/w7.json"
   bench latency --model qwen3-30b-a3b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w7_latency.json"
   python3 "$PEER" static --shape qwen3-30b-a3b --batch 1 64 128 --input-len 512 --output-len 128
