@@ -19,7 +19,8 @@ weighted, in slot order (`_pair_down_sum_kernel`). Two launches per layer, every
 read once per pair: at batch 1 that is exactly the weights the token needs.
 
 Both paths are deterministic (no atomics; a token's k outputs are summed in slot order); which
-path runs, and the tile sizes, depend on the batch size (docs/models.md). The torch reference is the models' own CPU path, `corectl.models.moe.fused_moe_torch`.
+path runs, and the tile sizes, depend on the batch size (docs/models.md). The torch reference is
+the models' own CPU path, `corectl.models.moe.fused_moe_torch`.
 Numerics: fp32 accumulation; dot operands in the weights' dtype on GPUs (fp32 as IEEE fp32, never
 TF32); the interpreter computes in fp32 (see paged_softmax.dot_dtype).
 """

@@ -75,9 +75,11 @@ def test_each_rank_loads_its_rows_of_every_expert_and_the_partial_sums_add_up(wo
     for r, holder in enumerate(ranks):
         experts = holder.layer.experts
         assert experts.gate_up_proj.shape == (num_experts, 2 * rows, hidden_size)
+        held = slice(r * rows, (r + 1) * rows)
         for e in range(num_experts):
-            assert torch.equal(experts.gate_up_proj[e, :rows], tensors[f"layer.experts.{e}.gate_proj.weight"][r * rows:(r + 1) * rows])
-            assert torch.equal(experts.gate_up_proj[e, rows:], tensors[f"layer.experts.{e}.up_proj.weight"][r * rows:(r + 1) * rows])
+            assert torch.equal(experts.gate_up_proj[e, :rows], tensors[f"layer.experts.{e}.gate_proj.weight"][held])
+            assert torch.equal(experts.gate_up_proj[e, rows:], tensors[f"layer.experts.{e}.up_proj.weight"][held])
+            assert torch.equal(experts.down_proj[e], tensors[f"layer.experts.{e}.down_proj.weight"][:, held])
     full_gate_up = torch.stack([torch.cat([tensors[f"layer.experts.{e}.{p}.weight"] for p in ("gate_proj", "up_proj")])
                                 for e in range(num_experts)])
     full_down = torch.stack([tensors[f"layer.experts.{e}.down_proj.weight"] for e in range(num_experts)])
