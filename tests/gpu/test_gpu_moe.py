@@ -1,5 +1,6 @@
 """The fused MoE kernel on the GPU: at Qwen3-30B-A3B's layer sizes against the torch path, inside a
-CUDA graph without host syncs, and in a random-weight Qwen3-MoE against the models' torch code."""
+CUDA graph without host syncs, and in random-weight Qwen3-MoE and Mixtral models against the models'
+torch code."""
 import pytest
 import torch
 
@@ -10,7 +11,7 @@ from corectl import SamplingParams  # noqa: E402
 from corectl.backends.triton.fused_moe import fused_moe  # noqa: E402
 from corectl.backends.triton.layer_kernels import triton_layer_kernels  # noqa: E402
 from corectl.models.moe import fused_moe_torch, select_experts  # noqa: E402
-from gpu_helpers import build_checkpoint, compare_greedy, generate, random_prompts  # noqa: E402
+from gpu_helpers import MOE_ARCHITECTURES, build_checkpoint, compare_greedy, generate, random_prompts  # noqa: E402
 
 # The graphs module's engine checks, collected here again to run on the MoE model (the `checkpoint`
 # fixture below): a launch never waits for the device; async scheduling gives the synchronous tokens.
@@ -85,14 +86,14 @@ def test_routed_kernel_replays_in_a_cuda_graph_without_host_syncs(num_tokens):
         torch.testing.assert_close(out, routed_moe(hidden, gate_up, down, logits, TOP_K, True), rtol=0, atol=0)
 
 
-@pytest.fixture(scope="module")
-def moe_checkpoint(tmp_path_factory):
-    return build_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
+@pytest.fixture(scope="module", params=sorted(MOE_ARCHITECTURES))
+def moe_checkpoint(request, tmp_path_factory):
+    return build_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="module")
-def checkpoint(moe_checkpoint):
-    return moe_checkpoint
+def checkpoint(tmp_path_factory):
+    return build_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe_engine"))
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
