@@ -228,10 +228,20 @@ def _model_shape(hf, max_model_len: int, dtype: str) -> _Shape:
     params = list(model.parameters())
     return _Shape(
         info=_model_info(hf, model, dtype), hidden_size=hf.hidden_size,
-        intermediate_size=getattr(hf, "intermediate_size", 4 * hf.hidden_size),
+        intermediate_size=_mlp_rows_per_token(hf),
         weight_bytes=_nbytes(params), matrix_bytes=_nbytes(p for p in params if p.dim() > 1),
         buffer_bytes=_nbytes(model.buffers()),
     )
+
+
+def _mlp_rows_per_token(hf) -> int:
+    """The MLP width a token's activations take: the dense width, or for a mixture of experts its
+    k routed experts' widths (each (token, expert) pair has rows of its own), whichever is larger."""
+    dense = getattr(hf, "intermediate_size", 4 * hf.hidden_size)
+    experts_per_token = getattr(hf, "num_experts_per_tok", None)
+    if not experts_per_token:
+        return dense
+    return max(dense, experts_per_token * (getattr(hf, "moe_intermediate_size", None) or dense))
 
 
 def _nbytes(tensors) -> int:

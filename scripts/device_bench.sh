@@ -2,6 +2,7 @@
 # One device call: install corectl there, then run the named stages; logs and JSON results go to $OUT.
 #   bash scripts/device_bench.sh tests kernels w3 w2        (first call)
 #   bash scripts/device_bench.sh w1 w4                       (second call)
+#   bash scripts/device_bench.sh w7                          (mixture of experts, its own call)
 # Needs, carried: .whl (corectl's pure-Python deps missing from the device image) and .peers
 # (DESIGN.md's HF peer harness, not project code). Every stage's peer runs in the same call.
 set -uo pipefail
@@ -90,6 +91,15 @@ stage_w5budget() {
 stage_w4() {
   bench throughput --model qwen3-0.6b --num-prompts 256 --min-len 100 --max-len 1024 --save-result "$RES/w4.json"
   python3 "$PEER" static --shape qwen3-0.6b --batch 128 --input-len 512 --output-len 512
+}
+stage_w7() {
+  # Mixture of experts: one layer's kernels alone (bench_moe), then the qwen3-30b-a3b shape (61 GB of
+  # bf16 weights, ~3.3B active per token): W1's offline workload and batch-1 TPOT. The peer's SHAPES needs the same config as the preset
+  # (core/loaders/presets.py; tests/core/loaders/test_presets.py PEER_SHAPES holds the constructor call).
+  python3 -m corectl.backends.triton.bench_moe 2>&1 | tail -20
+  bench throughput --model qwen3-30b-a3b --num-prompts 256 --input-len 512 --output-len 128 --save-result "$RES/w7.json"
+  bench latency --model qwen3-30b-a3b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w7_latency.json"
+  python3 "$PEER" static --shape qwen3-30b-a3b --batch 1 64 128 --input-len 512 --output-len 128
 }
 
 # -- several GPUs (issue 13: nvidia-h200-x2) -------------------------------------------------------

@@ -49,9 +49,16 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
 
 
 def build_random_checkpoint(arch: str, folder: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
-    """Save a small random-weight model of a real architecture (Qwen2/Qwen3/Llama) with the
+    """Save a small random-weight model of a real architecture (Qwen2/Qwen3/Llama/Qwen3-MoE/Mixtral) with the
     SmolLM2 tokenizer next to it, as an HF safetensors directory; `overrides` change the config."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        AutoModelForCausalLM,
+        LlamaConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = {**dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -60,6 +67,12 @@ def build_random_checkpoint(arch: str, folder: Path, tokenizer_dir: Path, seed: 
         "qwen2": lambda: Qwen2Config(**common, tie_word_embeddings=False),
         "qwen3": lambda: Qwen3Config(**common, head_dim=16, tie_word_embeddings=True),
         "llama": lambda: LlamaConfig(**common, tie_word_embeddings=False),
+        # Mixtures of experts: 8 experts, top 2; Qwen3-MoE's dense layers (mlp_only_layers) keep
+        # `intermediate_size`, its experts `moe_intermediate_size`.
+        "qwen3_moe": lambda: Qwen3MoeConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                               "head_dim": 16, "tie_word_embeddings": False, **common}),
+        "mixtral": lambda: MixtralConfig(**{"num_local_experts": 8, "num_experts_per_tok": 2,
+                                            "tie_word_embeddings": False, **common}),
     }
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(configs[arch](), dtype=torch.float32)

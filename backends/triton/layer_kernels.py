@@ -6,6 +6,7 @@ import functools
 from corectl.models.kernels import LayerKernels
 
 from .activation import silu_and_mul
+from .fused_moe import fused_moe, topk_softmax
 from .rms_norm import rms_norm
 from .rotary import qk_norm_rotary, rotary_embedding
 
@@ -20,7 +21,14 @@ def _qk_norm_rotary_trusted(positions, q, k, q_weight, k_weight, eps, cos, sin) 
     qk_norm_rotary(positions, q, k, q_weight, k_weight, eps, cos, sin, check_indices=False)
 
 
+def _routed_fused_moe(hidden, gate_up, down, router_logits, top_k, renormalize):
+    # Expert ids come from our own top-k over the router (always in range); checking them would be
+    # a host sync per layer.
+    topk_weights, topk_ids = topk_softmax(router_logits, top_k, renormalize)
+    return fused_moe(hidden, gate_up, down, topk_weights, topk_ids, check_indices=False)
+
+
 @functools.lru_cache(maxsize=1)
 def triton_layer_kernels() -> LayerKernels:
     return LayerKernels(rms_norm=rms_norm, silu_and_mul=silu_and_mul, rotary_embedding=_rotary_trusted,
-                        qk_norm_rotary=_qk_norm_rotary_trusted)
+                        qk_norm_rotary=_qk_norm_rotary_trusted, fused_moe=_routed_fused_moe)

@@ -94,3 +94,23 @@ def rotary_embedding_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
         return torch.cat((head * cos + rotated_half * sin, tail), dim=-1)
 
     return rotate(q).to(q.dtype), rotate(k).to(k.dtype)
+
+
+def align_to_experts_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What moe_align.align_to_experts returns: the pairs (token * k + slot) of each expert in
+    order, each expert's run padded to whole `block_m` blocks with the value T * k; each block's
+    expert (the last expert past the rows in use); the rows in use."""
+    flat = topk_ids.flatten().tolist()
+    num_pairs = len(flat)
+    capacity = -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m) * block_m
+    sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int32)
+    block_expert = torch.full((capacity // block_m,), num_experts - 1, dtype=torch.int32)
+    row = 0
+    for expert in range(num_experts):
+        pairs = [p for p, e in enumerate(flat) if e == expert]
+        blocks = -(-len(pairs) // block_m)
+        sorted_pairs[row:row + len(pairs)] = torch.tensor(pairs, dtype=torch.int32)
+        block_expert[row // block_m:row // block_m + blocks] = expert
+        row += blocks * block_m
+    return sorted_pairs, block_expert, torch.tensor([row], dtype=torch.int32)

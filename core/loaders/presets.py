@@ -39,12 +39,33 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
         "vocab_size": 151936, "tie_word_embeddings": True, "max_position_embeddings": 8192,
     },
+    # Mixtures of experts (W7): Qwen3-30B-A3B (128 experts, top 8, ~3.3B active parameters per
+    # token) and Mixtral-8x7B (8 experts, top 2), as their published configs.
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "dtype": "bfloat16",
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "vocab_size": 151936, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
+    },
+    "mixtral-8x7b": {
+        "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "dtype": "bfloat16",
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "vocab_size": 32000, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 32768,
+    },
     # Small enough for CPU tests of the whole preset path.
     "llama-tiny": {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "dtype": "float32",
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
         "max_position_embeddings": 512,
+    },
+    "qwen3-moe-tiny": {
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "dtype": "float32",
+        "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+        "num_experts_per_tok": 2, "norm_topk_prob": True, "vocab_size": 512, "max_position_embeddings": 512,
     },
 }
 

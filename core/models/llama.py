@@ -6,7 +6,7 @@ One implementation serves Llama 2/3 (incl. Llama-3 RoPE scaling), SmolLM2, TinyL
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -74,10 +74,11 @@ class GatedMLP(UsesLayerKernels, nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
+                 mlp: nn.Module):
         super().__init__()
         self.self_attn = DecoderAttention(config, layer_idx, rotary, qkv_bias, qk_norm)
-        self.mlp = GatedMLP(config)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -93,13 +94,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, max_positions: int, dtype: torch.dtype, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config, max_positions: int, dtype: torch.dtype, qkv_bias: bool, qk_norm: bool,
+                 make_mlp: Callable[[object, int], nn.Module]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One set of cos/sin tables for every layer: they are identical.
         rotary = RotaryEmbedding(config, head_dim(config), max_positions, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, rotary, qkv_bias, qk_norm)
+            DecoderLayer(config, i, rotary, qkv_bias, qk_norm, make_mlp(config, i))
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -121,7 +123,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
-        self.model = DecoderModel(config, max_positions, dtype, qkv_bias, self.qk_norm)
+        self.model = DecoderModel(config, max_positions, dtype, qkv_bias, self.qk_norm, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # A tied head is a Linear over the embedding's own Parameter, so a platform can swap the
         # module (e.g. for a prepacked one) without knowing about tying.
@@ -130,6 +132,10 @@ class LlamaForCausalLM(CausalLM):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def make_mlp(self, config, layer_idx: int) -> nn.Module:
+        """Layer `layer_idx`'s MLP (mixture-of-experts models choose per layer)."""
+        return GatedMLP(config)
+
     def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
@@ -137,8 +143,11 @@ class LlamaForCausalLM(CausalLM):
         return gather_logits(self.lm_head(hidden), self.config.vocab_size).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_packed_weights(self, weights, lambda name: "rotary_emb.inv_freq" in name or (
-            self.tie_word_embeddings and name == "lm_head.weight"))
+        return load_packed_weights(self, weights, self.skips_weight)
+
+    def skips_weight(self, name: str) -> bool:
+        """Checkpoint tensors the model does not hold: rotary buffers, a tied head."""
+        return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight")
 
 
 class MistralForCausalLM(LlamaForCausalLM):

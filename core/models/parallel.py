@@ -163,6 +163,7 @@ def check_tensor_parallel(hf_config, size: int) -> None:
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     ffn = getattr(hf_config, "intermediate_size", None)
+    expert_ffn = getattr(hf_config, "moe_intermediate_size", None)
     problems = []
     if heads % size:
         problems.append(f"its {heads} attention heads")
@@ -170,6 +171,8 @@ def check_tensor_parallel(hf_config, size: int) -> None:
         problems.append(f"its {kv_heads} KV heads (N must divide them, or be a multiple of them)")
     if ffn is not None and ffn % size:
         problems.append(f"its MLP width {ffn}")
+    if expert_ffn is not None and expert_ffn % size:
+        problems.append(f"its expert MLP width {expert_ffn}")
     if problems:
         raise ConfigError("tensor_parallel_size", f"{size} does not divide {' or '.join(problems)}; "
                           "choose a tensor-parallel size that does")

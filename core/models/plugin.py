@@ -10,3 +10,5 @@ def corectl_model_architectures():
     yield ModelSpec("MistralForCausalLM", "corectl.models.llama:MistralForCausalLM")
     yield ModelSpec("Qwen2ForCausalLM", "corectl.models.qwen:Qwen2ForCausalLM")
     yield ModelSpec("Qwen3ForCausalLM", "corectl.models.qwen:Qwen3ForCausalLM")
+    yield ModelSpec("Qwen3MoeForCausalLM", "corectl.models.qwen3_moe:Qwen3MoeForCausalLM")
+    yield ModelSpec("MixtralForCausalLM", "corectl.models.mixtral:MixtralForCausalLM")

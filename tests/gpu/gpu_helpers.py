@@ -18,6 +18,15 @@ ARCHITECTURES = {
     "llama": dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False),
     "qwen3": dict(num_attention_heads=8, num_key_value_heads=4, head_dim=128, tie_word_embeddings=True),
 }
+# Mixtures of experts, tested by their own module (test_gpu_moe.py) rather than by every test
+# above: Qwen3-MoE with 16 experts, top 4, layer 0 dense; Mixtral with 8, top 2.
+MOE_ARCHITECTURES = {
+    "qwen3_moe": dict(num_attention_heads=8, num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
+                      num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256, norm_topk_prob=True,
+                      mlp_only_layers=[0]),
+    "mixtral": dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False, num_local_experts=8,
+                    num_experts_per_tok=2),
+}
 # Scores of a few units: attention neither uniform nor one-hot, so which keys it reads matters.
 INIT_STD = 0.1
 
@@ -36,12 +45,13 @@ def write_tokenizer(folder: Path, vocab_size: int) -> None:
 
 def build_checkpoint(arch: str, folder: Path, seed: int = 0) -> Path:
     """Save a random-weight bf16 model of `arch` with its tokenizer as an HF directory."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
-    config_cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[arch]
+    config_cls = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig,
+                  "mixtral": MixtralConfig}[arch]
     config = config_cls(vocab_size=VOCAB_SIZE, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
                         max_position_embeddings=2048, initializer_range=INIT_STD, bos_token_id=1, eos_token_id=2,
-                        **ARCHITECTURES[arch])
+                        **{**ARCHITECTURES, **MOE_ARCHITECTURES}[arch])
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     folder.mkdir(parents=True, exist_ok=True)

@@ -46,6 +46,16 @@ def test_plan_of_a_random_weight_preset_agrees_with_the_engine():
     assert plan.stored_bytes == {}
 
 
+def test_plan_of_a_mixture_of_experts_agrees_with_the_engine_and_counts_routed_experts():
+    args = {"model": "qwen3-moe-tiny", "load_format": "dummy", "max_model_len": 256, "kv_cache_memory_gib": 0.01}
+    plan = plan_deployment(EngineConfig(**args), device="cpu")
+    _agrees_with_engine(plan, LLM(**args).engine)
+    # Each routed (token, expert) pair has activation rows of its own: 8 experts of width 32 per
+    # token outgrow the dense width of 128, 2 of them do not.
+    wider = plan_deployment(EngineConfig(**args, hf_overrides={"num_experts_per_tok": 8}), device="cpu")
+    assert wider.activation_bytes > plan.activation_bytes
+
+
 def test_plan_reads_a_safetensors_checkpoint_without_loading_it(tmp_path):
     config = Qwen3Config(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,

@@ -21,7 +21,7 @@ def _decode(llm: LLM, prompts):
     return tokens, logprobs
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 def test_fused_layers_match_torch_layers(arch, tmp_path, default_model_dir):
     folder = build_random_checkpoint(arch, tmp_path / arch, default_model_dir, seed=2)
     llm = LLM(str(folder), dtype="float32", kv_cache_memory_gib=0.01, max_model_len=128,
@@ -31,19 +31,26 @@ def test_fused_layers_match_torch_layers(arch, tmp_path, default_model_dir):
     model = llm.engine.executor.worker.runner.model
     reference_tokens, reference_logprobs = _decode(llm, prompts)
     kernels = triton_layer_kernels()
-    fused_qk_calls = []
+    fused_qk_calls, fused_moe_calls = [], []
 
     def counted_qk_norm_rotary(*args):
         fused_qk_calls.append(1)
         kernels.qk_norm_rotary(*args)
 
-    assert install_layer_kernels(model, dataclasses.replace(kernels, qk_norm_rotary=counted_qk_norm_rotary)) > 0
+    def counted_fused_moe(*args):
+        fused_moe_calls.append(1)
+        return kernels.fused_moe(*args)
+
+    counted = dataclasses.replace(kernels, qk_norm_rotary=counted_qk_norm_rotary, fused_moe=counted_fused_moe)
+    assert install_layer_kernels(model, counted) > 0
     try:
         tokens, logprobs = _decode(llm, prompts)
     finally:
         install_layer_kernels(model, None)
     # Qwen3's q/k norms go through the fused norm-and-rotary kernel; Llama has none.
-    assert bool(fused_qk_calls) == (arch == "qwen3")
+    assert bool(fused_qk_calls) == arch.startswith("qwen3")
+    # The experts of a mixture-of-experts layer go through the fused MoE kernel.
+    assert bool(fused_moe_calls) == (arch == "qwen3_moe")
     assert tokens == reference_tokens
     worst = max(abs(a - b) for row, ref in zip(logprobs, reference_logprobs) for a, b in zip(row, ref))
     assert worst < 1e-4

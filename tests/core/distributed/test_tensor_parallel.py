@@ -70,6 +70,10 @@ def checkpoints(tmp_path_factory, default_model_dir):
         "qwen3": build_random_checkpoint("qwen3", root / "qwen3", default_model_dir),
         # One KV head for two ranks: both hold it.
         "llama-kv1": build_random_checkpoint("llama", root / "llama-kv1", default_model_dir, num_key_value_heads=1),
+        # Experts split along their intermediate rows; layer 0 dense beside a sparse layer 1.
+        "qwen3-moe": build_random_checkpoint("qwen3_moe", root / "qwen3-moe", default_model_dir,
+                                             norm_topk_prob=True, mlp_only_layers=[0]),
+        "mixtral": build_random_checkpoint("mixtral", root / "mixtral", default_model_dir),
     }
 
 
@@ -90,7 +94,9 @@ def reference(checkpoints):
     ("qwen2", {"async_scheduling": True}),
     ("qwen3", {"async_scheduling": True}),
     ("llama-kv1", {}),
-], ids=["llama", "qwen2-async", "qwen3-async", "llama-kv-head-replicated"])
+    ("qwen3-moe", {"async_scheduling": True}),
+    ("mixtral", {}),
+], ids=["llama", "qwen2-async", "qwen3-async", "llama-kv-head-replicated", "qwen3-moe-async", "mixtral"])
 def test_tp2_over_processes_matches_tp1(arch, options, checkpoints, reference):
     tokens, stats = generate(checkpoints[arch], 2, distributed_executor_backend="mp", **options)
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0, stats

@@ -17,7 +17,7 @@ from corectl.loaders.presets import PRESETS
 from corectl.server.cli import main
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers
-from transformers import LlamaConfig, Qwen3Config
+from transformers import LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
 # The peer benchmark's model configs (hf_baseline.py SHAPES), which the presets must equal.
 PEER_SHAPES = {
@@ -31,6 +31,15 @@ PEER_SHAPES = {
                                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                                       vocab_size=151936, tie_word_embeddings=True,
                                       max_position_embeddings=8192),
+    "qwen3-30b-a3b": lambda: Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                            num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                            head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                            norm_topk_prob=True, vocab_size=151936, rope_theta=1000000.0,
+                                            max_position_embeddings=40960),
+    "mixtral-8x7b": lambda: MixtralConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                          num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                                          num_experts_per_tok=2, vocab_size=32000, rope_theta=1000000.0,
+                                          rms_norm_eps=1e-5, max_position_embeddings=32768),
 }
 # What the peer's constructor calls leave unset: it passes dtype to from_config and needs no architecture.
 NOT_COMPARED = {"architectures", "dtype", "transformers_version", "_name_or_path"}
@@ -53,6 +62,13 @@ def test_presets_equal_the_peer_shapes_field_by_field(name):
         {k: v for k, v in peer.items() if k not in NOT_COMPARED}
     assert ours["architectures"] == PRESETS[name]["architectures"]
     assert source.model_dtype == "bfloat16" and source.tokenizer_dir is None and source.weight_files == ()
+
+
+def test_a_mixture_of_experts_preset_generates_from_dummy_weights():
+    llm = LLM(**{**TINY, "model": "qwen3-moe-tiny"})
+    assert llm.engine.info.architecture == "Qwen3MoeForCausalLM"
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
 
 
 def test_bench_throughput_runs_on_a_preset_without_tokenizer_or_hub(tmp_path, capsys):

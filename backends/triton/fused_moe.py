@@ -1,0 +1,278 @@
+"""Fused mixture-of-experts: the experts of one layer in two Triton kernels, by one of two paths.
+
+Sorted path (batches with several pairs per expert):
+1. `align_to_experts` (moe_align.py) sorts the (token, slot) pairs by the expert they were routed
+   to and pads each expert's run to a whole number of BLOCK_M rows, so every row block of the GEMMs
+   belongs to one expert. It runs on the device with no read-back, in buffers sized for the worst
+   case of the step's token count, so a decode step has static shapes and can be captured in a
+   CUDA graph; blocks past the real padded length exit at once.
+2. `_moe_gemm_kernel` with GATED: each row block multiplies its tokens' hidden rows by its
+   expert's gate and up rows and stores silu(gate) * up ([pairs, I]).
+3. The same kernel without GATED: the down projection of those rows, scaled by the pair's routing
+   weight ([pairs, H]).
+4. The k weighted rows of each token are summed in fp32, in slot order.
+
+Pair path (small decode batches, at most one pair per two experts): no sort. One program per
+(pair, column block) computes silu(gate) * up from its expert's rows (`_pair_gate_up_kernel`);
+one per (token, column block) runs the down projection of the token's k pairs and sums them,
+weighted, in slot order (`_pair_down_sum_kernel`). Two launches per layer, every expert's weights
+read once per pair: at batch 1 that is exactly the weights the token needs.
+
+Both paths are deterministic (no atomics; a token's k outputs are summed in slot order); which
+path runs, and the tile sizes, depend on the batch size (docs/models.md). The torch reference is
+the models' own CPU path, `corectl.models.moe.fused_moe_torch`.
+Numerics: fp32 accumulation; dot operands in the weights' dtype on GPUs (fp32 as IEEE fp32, never
+TF32); the interpreter computes in fp32 (see paged_softmax.dot_dtype).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import check_float, check_index, check_range, check_same_device, require
+from .moe_align import align_to_experts
+from .paged_softmax import dot_dtype
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, pair_weight_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
+    num_pairs, N, K, a_rows_per_pair,
+    stride_am, stride_we, stride_wn, stride_wk, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr, WEIGHTED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    """out[pair, n] for this block's pairs and columns [pid_n * BLOCK_N, +BLOCK_N) of N.
+
+    A row of `a` is pair // a_rows_per_pair (the token for the gate/up GEMM, the pair itself for
+    the down GEMM). GATED: `w` holds gate rows [0, N) and up rows [N, 2N) per expert and the
+    output is silu(gate) * up. WEIGHTED: the output row is scaled by the pair's routing weight."""
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pairs < num_pairs
+    a_rows = (pairs // a_rows_per_pair).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_base = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(DOT_DTYPE)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        w = tl.load(w_base + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0).to(DOT_DTYPE)
+        acc += tl.dot(a, w, input_precision="ieee")
+        if GATED:
+            w_up = tl.load(w_base + N * stride_wn + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
+            acc_up += tl.dot(a, w_up.to(DOT_DTYPE), input_precision="ieee")
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if WEIGHTED:
+        acc *= tl.load(pair_weight_ptr + pairs, mask=row_ok, other=0.0)[:, None]
+    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
+                         TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    """One token: softmax over its router logits (fp32), the top k by repeated argmax (largest
+    first, ties to the lower expert), renormalised to sum to 1 when RENORMALIZE."""
+    token = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, BLOCK_E)
+    valid = lanes < num_experts
+    logits = tl.load(logits_ptr + token * stride_l + lanes, mask=valid, other=float("-inf")).to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, 0))
+    probs = tl.where(valid, probs / tl.sum(probs, 0), -1.0)  # -1: below every probability
+    slots = tl.arange(0, BLOCK_K)
+    chosen = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    chosen_ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    for slot in tl.static_range(TOP_K):
+        best = tl.argmax(probs, 0)
+        chosen = tl.where(slots == slot, tl.max(probs, 0), chosen)
+        chosen_ids = tl.where(slots == slot, best, chosen_ids)
+        probs = tl.where(lanes == best, -1.0, probs)
+    if RENORMALIZE:
+        chosen = chosen / tl.sum(chosen, 0)
+    tl.store(weights_ptr + token * TOP_K + slots, chosen, mask=slots < TOP_K)
+    tl.store(ids_ptr + token * TOP_K + slots, chosen_ids, mask=slots < TOP_K)
+
+
+@triton.jit
+def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, top_k, stride_xm, stride_we, stride_wn, stride_om,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[pair, n] = silu(gate[e] @ x) * (up[e] @ x) for columns [pid_n * BLOCK_N, +BLOCK_N) of N,
+    x the pair's token row, e its expert; `w` holds gate rows [0, N) and up rows [N, 2N)."""
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // top_k) * stride_xm
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    gate_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(x_row + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        mask = n_ok[:, None] & k_ok[None, :]
+        acc_gate += tl.load(gate_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        acc_up += tl.load(gate_rows + N * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+    gate, up = tl.sum(acc_gate, 1), tl.sum(acc_up, 1)
+    tl.store(out_ptr + pair * stride_om + offs_n, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty),
+             mask=n_ok)
+
+
+@triton.jit
+def _pair_down_sum_kernel(act_ptr, w_ptr, ids_ptr, pair_weight_ptr, out_ptr, N, K,
+                          stride_am, stride_we, stride_wn, stride_om,
+                          TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[token, n] = sum over the token's k pairs, in slot order, of weight * (down[e] @ act[pair])."""
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in range(TOP_K):
+        pair = token * TOP_K + slot
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            act = tl.load(act_ptr + pair * stride_am + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc += w * act[None, :]
+        total += tl.load(pair_weight_ptr + pair) * tl.sum(acc, 1)
+    tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def _block_m(num_pairs: int, num_experts: int, device: torch.device) -> int:
+    """Row block of both GEMMs: small when pairs are few per expert (decode), where padding would
+    waste most of a larger block; tl.dot needs every dimension >= 16."""
+    return 16 if device.type == "cpu" or num_pairs <= 2 * num_experts else 64
+
+
+def _block_nk(block_m: int, n: int, k: int, device: torch.device) -> tuple[int, int]:
+    if device.type == "cpu":  # the interpreter runs one program at a time: small tiles
+        return max(16, min(32, triton.next_power_of_2(n))), max(16, min(32, triton.next_power_of_2(k)))
+    return (32, 64) if block_m == 16 else (64, 64)
+
+
+def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """corectl.models.moe.select_experts in one launch: router_logits [T, E] -> (weights [T, k]
+    fp32, expert ids [T, k] int32)."""
+    check_float("router_logits", router_logits, 2)
+    num_tokens, num_experts = router_logits.shape
+    require(0 < top_k <= num_experts, f"top_k must lie in [1, {num_experts}], got {top_k}")
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if num_tokens:
+        _topk_softmax_kernel[(num_tokens,)](
+            router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
+            RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
+            BLOCK_K=triton.next_power_of_2(top_k), num_warps=1 if num_experts <= 64 else 4,
+        )
+    return weights, ids
+
+
+def _check_inputs(hidden, gate_up, down, topk_weights, topk_ids, check_indices: bool) -> None:
+    check_float("hidden", hidden, 2)
+    check_float("gate_up", gate_up, 3)
+    check_float("down", down, 3)
+    check_float("topk_weights", topk_weights, 2)
+    check_index("topk_ids", topk_ids, 2, (torch.int32, torch.int64))
+    check_same_device(hidden=hidden, gate_up=gate_up, down=down, topk_weights=topk_weights, topk_ids=topk_ids)
+    require(gate_up.dtype == down.dtype == hidden.dtype,
+            f"hidden, gate_up and down must share a dtype, got {hidden.dtype}, {gate_up.dtype}, {down.dtype}")
+    require(topk_weights.dtype == torch.float32, f"topk_weights must be float32, got {topk_weights.dtype}")
+    num_experts, two_inter, hidden_size = gate_up.shape
+    inter = two_inter // 2
+    require(two_inter % 2 == 0 and hidden.shape[1] == hidden_size,
+            f"gate_up must be [E, 2 * I, H] with H = {hidden.shape[1]}, got {list(gate_up.shape)}")
+    require(tuple(down.shape) == (num_experts, hidden_size, inter),
+            f"down must be [E, H, I] = {[num_experts, hidden_size, inter]}, got {list(down.shape)}")
+    require(topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == hidden.shape[0],
+            f"topk_ids and topk_weights must both be [T, k] with T = {hidden.shape[0]}, "
+            f"got {list(topk_ids.shape)} and {list(topk_weights.shape)}")
+    require(topk_weights.is_contiguous() and topk_ids.is_contiguous(), "topk_weights and topk_ids must be contiguous")
+    if check_indices:
+        check_range("topk_ids", topk_ids, 0, num_experts)
+
+
+def fused_moe(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, *, check_indices: bool = True, path: str | None = None) -> torch.Tensor:
+    """hidden [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I]; topk_weights
+    [T, k] fp32; topk_ids [T, k] -> [T, H] in hidden's dtype: sum_j w[t, j] * expert_j(x_t).
+    `check_indices` reads topk_ids back to check them (a sync; off inside CUDA graphs). `path`
+    ("pairs" or "sorted", module doc) is chosen from the batch when None."""
+    _check_inputs(hidden, gate_up, down, topk_weights, topk_ids, check_indices)
+    num_tokens, top_k = topk_ids.shape
+    num_experts = gate_up.shape[0]
+    if num_tokens * top_k == 0:
+        return torch.zeros_like(hidden)
+    if path is None:
+        path = "pairs" if num_tokens * top_k <= num_experts // 2 else "sorted"
+    require(path in ("pairs", "sorted"), f"path must be 'pairs' or 'sorted', got {path!r}")
+    run = _by_pair if path == "pairs" else _sorted
+    return run(hidden, gate_up, down, topk_weights, topk_ids)
+
+
+def _by_pair(hidden, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
+    num_tokens, top_k = topk_ids.shape
+    _, two_inter, hidden_size = gate_up.shape
+    inter = two_inter // 2
+    interpreted = hidden.device.type == "cpu"
+    block_k = 32 if interpreted else 128
+    activated = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
+    block_n = 16 if interpreted else 32
+    _pair_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, block_n))](
+        hidden, gate_up, topk_ids, activated, inter, hidden_size, top_k,
+        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), activated.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )
+    out = torch.empty_like(hidden)
+    # One program per token and column block: narrow blocks keep enough programs for the memory
+    # system at batch 1 (2048 / 16 = 128 for Qwen3-30B-A3B).
+    block_n = 16
+    _pair_down_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
+        activated, down, topk_ids, topk_weights, out, hidden_size, inter,
+        activated.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )
+    return out
+
+
+def _sorted(hidden, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_inter, hidden_size = gate_up.shape
+    inter, num_pairs = two_inter // 2, num_tokens * top_k
+    dot = dot_dtype(hidden.dtype, hidden.device)
+    block_m = _block_m(num_pairs, num_experts, hidden.device)
+    block_n, block_k = _block_nk(block_m, inter, hidden_size, hidden.device)
+    sorted_pairs, block_expert, num_padded = align_to_experts(topk_ids, num_experts, block_m)
+    activated = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    _moe_gemm_kernel[(sorted_pairs.numel() // block_m, triton.cdiv(inter, block_n))](
+        hidden, gate_up, activated, topk_weights, sorted_pairs, block_expert, num_padded,
+        num_pairs, inter, hidden_size, top_k,
+        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), activated.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=True, WEIGHTED=False, DOT_DTYPE=dot,
+        num_warps=4, num_stages=3,
+    )
+    block_n, block_k = _block_nk(block_m, hidden_size, inter, hidden.device)
+    weighted = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    _moe_gemm_kernel[(sorted_pairs.numel() // block_m, triton.cdiv(hidden_size, block_n))](
+        activated, down, weighted, topk_weights, sorted_pairs, block_expert, num_padded,
+        num_pairs, hidden_size, inter, 1,
+        activated.stride(0), down.stride(0), down.stride(1), down.stride(2), weighted.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=False, WEIGHTED=True, DOT_DTYPE=dot,
+        num_warps=4, num_stages=3,
+    )
+    return weighted.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)

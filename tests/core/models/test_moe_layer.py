@@ -1,0 +1,110 @@
+"""The mixture-of-experts layer's parts: routing, the torch path, per-expert loading and TP slices."""
+from __future__ import annotations
+
+import pytest
+import torch
+from corectl.distributed import TensorParallel, parallel_state
+from corectl.errors import ConfigError
+from corectl.models.moe import FusedMoE, fused_moe_torch, load_moe_weights, select_experts
+from corectl.models.parallel import check_tensor_parallel
+from torch.nn import functional as F
+from transformers import Qwen3MoeConfig
+
+
+def build_as(rank: int, world_size: int, make):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(parallel_state, "_state", TensorParallel(rank, world_size))
+        return make()
+
+
+def per_token_moe(hidden, gate_up, down, weights, ids):
+    """One token and one chosen expert at a time: the definition the batched path must meet."""
+    out = torch.zeros_like(hidden)
+    for t in range(hidden.shape[0]):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
+            gate, up = F.linear(hidden[t], gate_up[e]).chunk(2)
+            out[t] += w * F.linear(F.silu(gate) * up, down[e])
+    return out
+
+
+def test_select_experts_takes_the_top_k_and_renormalises_on_request():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 0.0, 0.0, 3.5]])
+    probs = logits.softmax(-1)
+    weights, ids = select_experts(logits, 2, renormalize=False)
+    assert ids.tolist() == [[1, 2], [3, 0]]
+    torch.testing.assert_close(weights, probs.gather(1, ids))
+    renormed, same_ids = select_experts(logits, 2, renormalize=True)
+    assert torch.equal(same_ids, ids)
+    torch.testing.assert_close(renormed, weights / weights.sum(-1, keepdim=True))
+
+
+def test_torch_path_equals_the_per_token_definition():
+    num_experts, hidden_size, inter, top_k = 6, 16, 8, 3
+    hidden = torch.randn(11, hidden_size)
+    gate_up, down = torch.randn(num_experts, 2 * inter, hidden_size), torch.randn(num_experts, hidden_size, inter)
+    weights, ids = select_experts(torch.randn(11, num_experts), top_k, renormalize=True)
+    torch.testing.assert_close(fused_moe_torch(hidden, gate_up, down, weights, ids),
+                               per_token_moe(hidden, gate_up, down, weights, ids))
+
+
+def checkpoint_experts(num_experts: int, hidden_size: int, inter: int) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for e in range(num_experts):
+        tensors[f"layer.experts.{e}.gate_proj.weight"] = torch.randn(inter, hidden_size)
+        tensors[f"layer.experts.{e}.up_proj.weight"] = torch.randn(inter, hidden_size)
+        tensors[f"layer.experts.{e}.down_proj.weight"] = torch.randn(hidden_size, inter)
+    return tensors
+
+
+class Holder(torch.nn.Module):
+    def __init__(self, num_experts, hidden_size, inter):
+        super().__init__()
+        self.layer = torch.nn.Module()
+        self.layer.experts = FusedMoE(num_experts, hidden_size, inter, top_k=2, renormalize=False)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_each_rank_loads_its_rows_of_every_expert_and_the_partial_sums_add_up(world_size):
+    num_experts, hidden_size, inter = 4, 8, 6
+    tensors = checkpoint_experts(num_experts, hidden_size, inter)
+    ranks = [build_as(r, world_size, lambda: Holder(num_experts, hidden_size, inter)) for r in range(world_size)]
+    for holder in ranks:
+        filled = load_moe_weights(holder, tensors.items(), lambda name: False)
+        assert filled == {"layer.experts.gate_up_proj", "layer.experts.down_proj"}
+    rows = inter // world_size
+    for r, holder in enumerate(ranks):
+        experts = holder.layer.experts
+        assert experts.gate_up_proj.shape == (num_experts, 2 * rows, hidden_size)
+        held = slice(r * rows, (r + 1) * rows)
+        for e in range(num_experts):
+            assert torch.equal(experts.gate_up_proj[e, :rows], tensors[f"layer.experts.{e}.gate_proj.weight"][held])
+            assert torch.equal(experts.gate_up_proj[e, rows:], tensors[f"layer.experts.{e}.up_proj.weight"][held])
+            assert torch.equal(experts.down_proj[e], tensors[f"layer.experts.{e}.down_proj.weight"][:, held])
+    full_gate_up = torch.stack([torch.cat([tensors[f"layer.experts.{e}.{p}.weight"] for p in ("gate_proj", "up_proj")])
+                                for e in range(num_experts)])
+    full_down = torch.stack([tensors[f"layer.experts.{e}.down_proj.weight"] for e in range(num_experts)])
+    hidden = torch.randn(5, hidden_size)
+    weights, ids = select_experts(torch.randn(5, num_experts), 2, renormalize=False)
+    # The sum of the ranks' outputs (what the all-reduce does) is the whole layer's output.
+    total = sum(fused_moe_torch(hidden, h.layer.experts.gate_up_proj, h.layer.experts.down_proj, weights, ids)
+                for h in ranks)
+    torch.testing.assert_close(total, fused_moe_torch(hidden, full_gate_up, full_down, weights, ids))
+
+
+def test_a_missing_expert_leaves_its_parameter_unfilled_and_a_wrong_shape_is_refused():
+    tensors = checkpoint_experts(3, 8, 4)
+    del tensors["layer.experts.2.up_proj.weight"]
+    assert load_moe_weights(Holder(3, 8, 4), tensors.items(), lambda name: False) == {"layer.experts.down_proj"}
+    tensors["layer.experts.2.up_proj.weight"] = torch.randn(5, 8)
+    with pytest.raises(ValueError, match=r"expert 2 up_proj: expected \(4, 8\)"):
+        load_moe_weights(Holder(3, 8, 4), tensors.items(), lambda name: False)
+    with pytest.raises(ValueError, match="names expert 7; the model has 3 experts"):
+        load_moe_weights(Holder(3, 8, 4), [("layer.experts.7.down_proj.weight", torch.randn(8, 4))], lambda n: False)
+
+
+def test_a_tensor_parallel_size_that_does_not_split_the_experts_is_refused():
+    config = Qwen3MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                            moe_intermediate_size=18)
+    check_tensor_parallel(config, 2)
+    with pytest.raises(ConfigError, match="expert MLP width 18"):
+        check_tensor_parallel(config, 4)

@@ -1,0 +1,117 @@
+"""The fused MoE kernel on the GPU: at Qwen3-30B-A3B's layer sizes against the torch path, inside a
+CUDA graph without host syncs, and in random-weight Qwen3-MoE and Mixtral models against the models'
+torch code."""
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA or ROCm GPU", allow_module_level=True)
+
+from corectl import SamplingParams  # noqa: E402
+from corectl.backends.triton.fused_moe import fused_moe  # noqa: E402
+from corectl.backends.triton.layer_kernels import triton_layer_kernels  # noqa: E402
+from corectl.models.moe import fused_moe_torch, select_experts  # noqa: E402
+from gpu_helpers import MOE_ARCHITECTURES, build_checkpoint, compare_greedy, generate, random_prompts  # noqa: E402
+
+# The graphs module's engine checks, collected here again to run on the MoE model (the `checkpoint`
+# fixture below): a launch never waits for the device; async scheduling gives the synchronous tokens.
+from test_gpu_graphs import (  # noqa: E402, F401
+    test_async_scheduling_gives_the_tokens_of_the_synchronous_loop,
+    test_launching_a_step_never_waits_for_the_device,
+)
+
+# Qwen3-30B-A3B: hidden 2048, 128 experts of width 768, top 8.
+HIDDEN, EXPERTS, INTER, TOP_K = 2048, 128, 768, 8
+# Relative L2 error of bf16 against an fp32 computation: a few bf16 roundings (2**-8 each).
+REL_TOL = 1e-2
+
+
+def layer_inputs(num_tokens: int, dtype: torch.dtype):
+    device = torch.device("cuda")
+    hidden = torch.randn(num_tokens, HIDDEN, device=device).to(dtype)
+    gate_up = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, device=device) / HIDDEN ** 0.5).to(dtype)
+    down = (torch.randn(EXPERTS, HIDDEN, INTER, device=device) / INTER ** 0.5).to(dtype)
+    weights, ids = select_experts(torch.randn(num_tokens, EXPERTS, device=device), TOP_K, renormalize=True)
+    return hidden, gate_up, down, weights, ids
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+# The pair path reads an expert's weights once per pair: decode batches only.
+@pytest.mark.parametrize(("num_tokens", "path"), [(1, "pairs"), (4, "pairs"), (16, "pairs"), (1, "sorted"),
+                                                  (16, "sorted"), (300, "sorted"), (4096, "sorted")])
+def test_kernel_matches_the_torch_path_at_qwen3_30b_a3b_sizes(num_tokens, path):
+    torch.manual_seed(num_tokens)
+    hidden, gate_up, down, weights, ids = layer_inputs(num_tokens, torch.bfloat16)
+    # The reference in fp32 on the same bf16 values: the kernel's error is its own roundings.
+    ref = fused_moe_torch(hidden.float(), gate_up.float(), down.float(), weights, ids)
+    error = relative_error(fused_moe(hidden, gate_up, down, weights, ids, path=path), ref)
+    print(f"{num_tokens} tokens, {path} path: bf16 relative error {error:.2e}")
+    assert error < REL_TOL
+    fp32 = fused_moe(hidden.float(), gate_up.float(), down.float(), weights, ids, path=path)
+    assert relative_error(fp32, ref) < 1e-5  # IEEE fp32 dots, never TF32
+
+
+# 8 tokens take the pair path (64 pairs for 128 experts), 16 the sorted one.
+@pytest.mark.parametrize("num_tokens", [8, 16])
+def test_routed_kernel_replays_in_a_cuda_graph_without_host_syncs(num_tokens):
+    """The layer kernel the CUDA worker installs (routing, then the experts), captured once at a
+    decode bucket's shape, serves new router logits through the same tensors."""
+    routed_moe = triton_layer_kernels().fused_moe
+    torch.manual_seed(0)
+    hidden, gate_up, down, _, _ = layer_inputs(num_tokens, torch.bfloat16)
+    # fp32 logits: bf16 ones tie often among 128 experts, and torch breaks ties its own way.
+    logits = torch.randn(num_tokens, EXPERTS, device="cuda")
+    routed_moe(hidden, gate_up, down, logits, TOP_K, True)  # compile outside the capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        routed_moe(hidden, gate_up, down, logits, TOP_K, True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = routed_moe(hidden, gate_up, down, logits, TOP_K, True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        hidden.copy_(torch.randn_like(hidden))
+        logits.copy_(torch.randn_like(logits))
+        logits[1] = logits[0]  # two tokens routed alike: experts with several pairs
+        graph.replay()
+        weights, ids = select_experts(logits, TOP_K, renormalize=True)
+        ref = fused_moe_torch(hidden.float(), gate_up.float(), down.float(), weights, ids)
+        assert relative_error(out, ref) < REL_TOL
+        torch.testing.assert_close(out, routed_moe(hidden, gate_up, down, logits, TOP_K, True), rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module", params=sorted(MOE_ARCHITECTURES))
+def moe_checkpoint(request, tmp_path_factory):
+    return build_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe_engine"))
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_moe_model_decodes_the_tokens_of_the_torch_path(enforce_eager, moe_checkpoint, monkeypatch):
+    prompts = random_prompts([3, 250, 17, 64, 9, 130, 33, 1], seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5, ignore_eos=True)
+    # The torch layers read per-expert counts back to the host, so they run eagerly.
+    with monkeypatch.context() as torch_layers:
+        torch_layers.setenv("CORECTL_FUSED_KERNELS", "0")
+        reference = generate(moe_checkpoint, prompts, params, dtype="float32", enforce_eager=True)
+    fused = generate(moe_checkpoint, prompts, params, dtype="float32", enforce_eager=enforce_eager)
+    for expected, got in zip(reference, fused):
+        expected, got = expected.outputs[0], got.outputs[0]
+        chosen = [next(iter(position.values())).logprob for position in got.logprobs]
+
+        def expected_logprob(pos, token, expected=expected):
+            entry = expected.logprobs[pos].get(token)
+            return None if entry is None else entry.logprob
+
+        matched, error = compare_greedy(expected.token_ids, got.token_ids, expected_logprob, chosen, 0.0)
+        assert matched == len(expected.token_ids) and error < 1e-3
