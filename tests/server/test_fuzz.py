@@ -221,5 +221,5 @@ def test_server_answers_after_fuzzing(http, unhandled):
 
 
 def test_pooling_server_answers_after_fuzzing(pooling_http, pooling_unhandled):
-    out = pooling_http.post("/v1/embeddings", json={"input": ["Hi", [1, 2, 3]]})
+    out = pooling_http.post("/v1/embeddings", json={"input": ["Hi", "there"]})
     assert out.status_code == 200 and len(out.json()["data"]) == 2
