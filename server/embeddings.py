@@ -78,9 +78,10 @@ def _token_ids(data: EmbeddingRequest, server: ServerState) -> list[tuple[str | 
 
 
 def _check_lengths(prompts: list[tuple[str | None, list[int]]], server: ServerState) -> None:
-    limit = server.engine.info.max_model_len
+    """Refuse an input past the context, unless the server embeds such inputs in chunks."""
     if server.settings.embed_chunking:
         return
+    limit = server.engine.info.max_model_len
     for i, (_, ids) in enumerate(prompts):
         if len(ids) > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; input {i} has {len(ids)} "

@@ -106,6 +106,7 @@ def test_model_context_and_route_checks(pooling_http, http):
                  400, "model")
     expect_error(http.post("/v1/embeddings", json={"input": "Hi"}), 400, "model")
     assert pooling_http.get("/health").status_code == 200
+    assert "post" in pooling_http.get("/docs/openapi.json").json()["paths"]["/v1/embeddings"]
 
 
 def _counter(text: str, name: str, **labels: str) -> float:
