@@ -138,3 +138,16 @@ def test_pooling_and_generation_refuse_each_other(qwen3, llm_fp32):
     assert len(pooling.embed([[5] * 512], use_tqdm=False)[0].outputs.embedding) == 64  # the whole context
     with pytest.raises(InvalidRequestError, match="makes no embeddings"):
         llm_fp32.embed("hello", use_tqdm=False)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_pooling_like_transformers(qwen3):
+    """Two ranks (mp executor, gloo): each holds half the heads; rank 0's vectors come back."""
+    folder, hf_model = qwen3
+    llm = LLM(str(folder), runner="pooling", pooling_type="MEAN", dtype="float32", kv_cache_memory_gib=0.05,
+              max_num_batched_tokens=CHUNK, tensor_parallel_size=2)
+    try:
+        prompts = _prompts(seed=6)
+        assert_close(llm.embed(prompts, use_tqdm=False), [reference(hf_model, p, "MEAN") for p in prompts])
+    finally:
+        llm.engine.executor.shutdown()
