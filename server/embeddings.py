@@ -41,7 +41,8 @@ class EmbeddingsController(Controller):
 
     @post("/embeddings", status_code=200, responses={
         200: ResponseSpec(EmbeddingResponse, description="one embedding per input"), **ERROR_RESPONSES})
-    async def create_embedding(self, data: EmbeddingRequest, request: Request, server: ServerState) -> EmbeddingResponse:
+    async def create_embedding(self, data: EmbeddingRequest, request: Request,
+                               server: ServerState) -> EmbeddingResponse:
         server.check_accepting()
         server.check_model(data.model)
         server.check_priority(data.priority)
