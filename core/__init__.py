@@ -20,6 +20,9 @@ _EXPORTS = {
     "EngineConfig": "corectl.config",
     "RequestOutput": "corectl.outputs",
     "CompletionOutput": "corectl.outputs",
+    "EmbeddingRequestOutput": "corectl.outputs",
+    "EmbeddingOutput": "corectl.outputs",
+    "PoolingParams": "corectl.pooling",
     "EngineClient": "corectl.engine.client",
 }
 
@@ -39,5 +42,6 @@ if TYPE_CHECKING:
     from .config import EngineConfig
     from .engine.client import EngineClient
     from .llm import LLM
-    from .outputs import CompletionOutput, RequestOutput
+    from .outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+    from .pooling import PoolingParams
     from .sampling_params import SamplingParams, StructuredOutputsParams

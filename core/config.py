@@ -6,6 +6,7 @@ from typing import Any
 import msgspec
 
 from .errors import ConfigError
+from .pooling import POOLING_TYPES, RUNNER_ALIASES, RUNNERS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -41,6 +42,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         (a name registered through the `corectl_structured_output_backends` hook).
     structured_outputs_compile_timeout: seconds a request's grammar may take to compile (from its
         arrival) before the request ends with an error instead of waiting on.
+    runner: "generate" (text), "pooling" (embeddings: every request is prefill only and ends with
+        one pooled vector; see `corectl.pooling`), or "auto": pooling for sentence-transformers
+        checkpoints and bare backbones (`Qwen3Model`). "embed" (vLLM's `--task embed`) means "pooling".
+    pooling_type: LAST, MEAN or CLS for a pooling engine; None: the checkpoint's
+        (`1_Pooling/config.json`), else LAST. MEAN and CLS need every prompt token's hidden state,
+        so such an engine runs without prefix caching.
+    normalize: L2-normalise pooled vectors; None: the checkpoint's (a Normalize module), else True.
     skip_tokenizer_init: load no tokenizer: prompts are token ids, outputs carry token ids and empty
         text. Shape presets, and dummy weights from a config with no tokenizer files beside it (and
         no `tokenizer` given), always run this way.
@@ -75,12 +83,20 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     hf_overrides: dict[str, Any] | None = None
     structured_outputs_backend: str = "xgrammar"
     structured_outputs_compile_timeout: float = 10.0
+    runner: str = "auto"
+    pooling_type: str | None = None
+    normalize: bool | None = None
 
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)
         self._check_choice("load_format", LOAD_FORMATS)
         self._check_choice("scheduling_policy", POLICIES)
         self._check_choice("block_size", BLOCK_SIZES)
+        self.runner = RUNNER_ALIASES.get(self.runner, self.runner)
+        self._check_choice("runner", RUNNERS)
+        if self.pooling_type is not None:
+            self.pooling_type = self.pooling_type.upper()
+            self._check_choice("pooling_type", POOLING_TYPES)
         self._check_positive("max_num_seqs")
         self._check_positive("max_num_batched_tokens")
         if self.max_model_len is not None:

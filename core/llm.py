@@ -12,7 +12,8 @@ from .engine.core import EngineCore
 from .engine.intake import NO_TOKENIZER, encode_prompt
 from .engine.output_processor import OutputProcessor
 from .errors import InvalidRequestError
-from .outputs import RequestOutput
+from .outputs import EmbeddingRequestOutput, RequestOutput
+from .pooling import PoolingParams
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -25,6 +26,7 @@ class LLM:
         llm = LLM()                                   # embedded SmolLM2-135M-Instruct
         llm = LLM("path/to/hf_dir", dtype="float32")  # any EngineConfig option as a keyword
         llm = LLM("llama-tiny", load_format="dummy")  # a shape preset: token-id prompts, no text
+        llm = LLM("Qwen/Qwen3-Embedding-0.6B")         # an embedding model: llm.embed(["text", ...])
 
     `tokenizer` is None when the engine runs without one (see `EngineConfig.skip_tokenizer_init`).
     """
@@ -70,19 +72,42 @@ class LLM:
         encoded = [(p, tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
         return self._run(encoded, params, [0] * len(prompts), use_tqdm)
 
-    def _run(self, encoded, params, priorities, use_tqdm) -> list[RequestOutput]:
-        processor = OutputProcessor(self.engine.info, self.tokenizer, stream_deltas=False, final_only=True)
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[EmbeddingRequestOutput]:
+        """Embed one prompt or a batch with a pooling model (`runner="pooling"`, or an embedding
+        checkpoint); `outputs.embedding` of each result is its vector, in input order."""
+        batch = _as_prompt_list(prompts)
+        params = _broadcast(pooling_params or PoolingParams(), len(batch), "pooling_params")
+        priorities = _broadcast(list(priority) if priority is not None else 0, len(batch), "priority")
+        encoded = [encode_prompt(self.tokenizer, p) for p in batch]
+        processor = self._processor()
         ids = [str(next(self._counter)) for _ in encoded]
-        # Intake checks every prompt before any reaches the engine: a bad one refuses the whole batch.
-        self.engine.add_requests([
+        requests = [processor.add_pooling_request(rid, text, token_ids, p, prio)
+                    for rid, (text, token_ids), p, prio in zip(ids, encoded, params, priorities)]
+        return self._drive(processor, ids, requests, use_tqdm, "Embedding")
+
+    def _processor(self) -> OutputProcessor:
+        return OutputProcessor(self.engine.info, self.tokenizer, stream_deltas=False, final_only=True)
+
+    def _run(self, encoded, params, priorities, use_tqdm) -> list[RequestOutput]:
+        processor = self._processor()
+        ids = [str(next(self._counter)) for _ in encoded]
+        requests = [
             core_request
             for rid, (text, token_ids), p, prio in zip(ids, encoded, params, priorities)
             for core_request in processor.add_request(rid, text, token_ids, p, prio)
-        ])
-        finished: dict[str, RequestOutput] = {}
+        ]
+        return self._drive(processor, ids, requests, use_tqdm, "Generating")
+
+    def _drive(self, processor: OutputProcessor, ids: list[str], requests: list, use_tqdm: bool, desc: str) -> list:
+        """Run registered requests to the end; their outputs in `ids` order. Intake has checked every
+        prompt before any reaches the engine: a bad one refuses the whole batch."""
+        self.engine.add_requests(requests)
+        finished: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
         # Stepping until the engine has nothing left (not merely until every output is in) also
         # completes a step still in flight under async scheduling: the engine is idle between calls.
-        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
+        with tqdm(total=len(ids), desc=desc, unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
             while self.engine.has_unfinished_requests():
                 outputs, to_abort = processor.process_outputs(self.engine.step().outputs)
                 if to_abort:

@@ -1,4 +1,5 @@
-"""What callers receive: vLLM-shaped RequestOutput / CompletionOutput."""
+"""What callers receive: vLLM-shaped RequestOutput / CompletionOutput, and EmbeddingRequestOutput
+from a pooling engine."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -57,5 +58,32 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding, truncated and normalised as its request asked (vLLM's shape)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """A pooling engine's answer to one prompt (vLLM's `EmbeddingRequestOutput`), delivered once,
+    finished. `finish_reason` is "stop", or "abort" (with an empty embedding) when the engine
+    could not take the request (its queue was full)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    finish_reason: str | None = "stop"
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None

@@ -23,6 +23,7 @@ from litestar.openapi.plugins import SwaggerRenderPlugin
 from .chat import ChatController
 from .completions import CompletionsController
 from .dashboard import DashboardController
+from .embeddings import EmbeddingsController
 from .errors import EXCEPTION_HANDLERS, APIError
 from .logs import configure_logging
 from .metrics import ServerMetrics
@@ -45,8 +46,8 @@ def create_app(server: ServerState) -> Litestar:
         cors = CORSConfig(allow_origins=settings.allowed_origins, allow_methods=["*"], allow_headers=["*"])
     tracer = _tracer(server)
     return Litestar(
-        route_handlers=[CompletionsController, ChatController, ModelsController, TokenizerController,
-                        LoadController, OpsController, DashboardController],
+        route_handlers=[CompletionsController, ChatController, EmbeddingsController, ModelsController,
+                        TokenizerController, LoadController, OpsController, DashboardController],
         dependencies={"server": Provide(_provide_server, sync_to_thread=False)},
         lifespan=[_engine_lifespan],
         middleware=[] if tracer is None else [tracer.middleware],

@@ -52,6 +52,9 @@ def register(sub) -> None:
     group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                        help="export one OpenTelemetry span per request over OTLP to URL (needs corectl[otel]; "
                             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks grpc, the default, or http/protobuf)")
+    group.add_argument("--embed-chunking", action="store_true",
+                       help="/v1/embeddings embeds an input longer than the context in chunks of max_model_len "
+                            "tokens, averaged by token count (default: refuse it with context_length_exceeded)")
     group = parser.add_argument_group("logging")
     group.add_argument("--log-format", choices=LOG_FORMATS, default="auto",
                        help="'human' lines, 'json' lines, or 'auto': human on a terminal (default: auto)")
@@ -83,6 +86,7 @@ def settings_from_args(args: argparse.Namespace):
         log_format=args.log_format, log_prompts=args.log_prompts, max_request_body=args.max_request_body,
         engine_in_process=args.engine_in_process, engine_hang_timeout=args.engine_hang_timeout,
         shutdown_timeout=args.shutdown_timeout, otlp_traces_endpoint=args.otlp_traces_endpoint,
+        embed_chunking=args.embed_chunking,
     )
 
 

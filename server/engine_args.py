@@ -6,12 +6,14 @@ import json
 from typing import Any
 
 from corectl.config import BLOCK_SIZES, DTYPES, EXECUTOR_BACKENDS, LOAD_FORMATS, POLICIES, EngineConfig
+from corectl.pooling import POOLING_TYPES, RUNNER_ALIASES, RUNNERS
 
 # field -> (flag, help, argparse extras); the field order here is the order in --help.
 _MODEL = "model loading"
 _CACHE = "KV cache and scheduling"
 _PLATFORM = "platform"
 _PARALLEL = "parallelism"
+_POOLING = "pooling (embedding models)"
 # field -> (flag or flags, group, help, argparse extras)
 ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] = {
     "tokenizer": ("--tokenizer", _MODEL, "tokenizer directory (default: the model's)", {}),
@@ -49,6 +51,14 @@ ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] 
                            "engine cores serving the model behind this server, each with its own "
                            "tensor-parallel ranks; requests go to the engine holding their prefix, else "
                            "the least loaded", {"type": int}),
+    "runner": (("--runner", "--task"), _POOLING, "generate text, or pool prompts into embeddings "
+               "(pooling; 'embed' is vLLM's older --task spelling); auto: pooling for sentence-transformers "
+               "checkpoints and bare backbones (e.g. Qwen3Model)", {"choices": (*RUNNERS, *RUNNER_ALIASES)}),
+    "pooling_type": ("--pooling-type", _POOLING, "how a pooling model pools a prompt's hidden states "
+                     "(default: the checkpoint's 1_Pooling config, else LAST); MEAN and CLS turn prefix caching off",
+                     {"type": str.upper, "choices": POOLING_TYPES}),
+    "normalize": ("--normalize", _POOLING, "L2-normalise embeddings (default: the checkpoint's Normalize module, "
+                  "else on)", {"action": argparse.BooleanOptionalAction}),
     "distributed_executor_backend": ("--distributed-executor-backend", _PARALLEL,
                                      "how ranks start: one process each on this host (mp), or Ray actors "
                                      "(ray; RAY_ADDRESS names the cluster); unset: mp above one rank",

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import anyio
 import structlog
-from corectl.outputs import RequestOutput
+from corectl.outputs import RequestMetrics, RequestOutput
 from corectl.sampling_params import SamplingParams
 from litestar import Response
 from litestar.response import Stream
@@ -93,23 +93,29 @@ class Generation:
         out, now = self._last, time.monotonic()
         reasons = [r or "abort" for r in self._finish_reasons]
         timing = out.metrics if out is not None else None
-        if self.server.metrics is not None and timing is not None:
-            self.server.metrics.observe_finished(timing, reasons, now)
         if self.server.tracer is not None and timing is not None:
             self.server.tracer.emit(self._trace_parent, self.request_id, self.server.model_name, self._params,
                                     timing, reasons, now)
-        fields = dict(request_id=self.request_id, status=status, finish_reasons=reasons)
-        if timing is not None:
-            fields.update(
-                prompt_tokens=timing.num_prompt_tokens, generation_tokens=timing.num_generation_tokens,
-                cached_tokens=timing.num_cached_tokens,
-                queue_time_s=_seconds(timing.first_scheduled_time, timing.arrival_time),
-                ttft_s=_seconds(timing.first_token_time, timing.arrival_time),
-                total_s=_seconds(timing.finished_time or now, timing.arrival_time),
-            )
-        if self.server.settings.log_prompts:
-            fields["prompt"] = self.prompt
-        request_log.info("request " + status, **fields)
+        record_request(self.server, self.request_id, status, reasons, timing, self.prompt, now)
+
+
+def record_request(server: ServerState, request_id: str, status: str, reasons: list[str],
+                   timing: RequestMetrics | None, prompt: str | list[int], now: float) -> None:
+    """The metrics and the log line of one engine request that ended (a generation or an embedding)."""
+    if server.metrics is not None and timing is not None:
+        server.metrics.observe_finished(timing, reasons, now)
+    fields = dict(request_id=request_id, status=status, finish_reasons=reasons)
+    if timing is not None:
+        fields.update(
+            prompt_tokens=timing.num_prompt_tokens, generation_tokens=timing.num_generation_tokens,
+            cached_tokens=timing.num_cached_tokens,
+            queue_time_s=_seconds(timing.first_scheduled_time, timing.arrival_time),
+            ttft_s=_seconds(timing.first_token_time, timing.arrival_time),
+            total_s=_seconds(timing.finished_time or now, timing.arrival_time),
+        )
+    if server.settings.log_prompts:
+        fields["prompt"] = prompt
+    request_log.info("request " + status, **fields)
 
 
 def _seconds(later: float | None, earlier: float) -> float | None:

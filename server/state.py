@@ -25,6 +25,8 @@ class ServeSettings:
     engine_hang_timeout: seconds the engine process may stay silent while it owes a step before it
     is declared hung. shutdown_timeout: seconds running requests get to finish after SIGTERM.
     otlp_traces_endpoint: where request spans are exported over OTLP (None: no tracing).
+    embed_chunking: /v1/embeddings splits an input longer than the context into chunks and averages
+    their vectors, instead of refusing it.
     """
 
     engine: EngineConfig
@@ -40,6 +42,7 @@ class ServeSettings:
     engine_hang_timeout: float = 60.0
     shutdown_timeout: float = 30.0
     otlp_traces_endpoint: str | None = None
+    embed_chunking: bool = False
 
     @property
     def url(self) -> str:

@@ -18,7 +18,8 @@ import anyio
 
 from ..config import EngineConfig
 from ..errors import EngineDeadError, QueueFullError
-from ..outputs import RequestOutput
+from ..outputs import EmbeddingRequestOutput, RequestOutput
+from ..pooling import PoolingParams
 from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
 from .intake import encode_prompt
@@ -125,10 +126,31 @@ class EngineClient:
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         request_id = request_id or uuid.uuid4().hex
-        if self._dead is not None:
-            raise EngineDeadError(f"engine is dead: {self._dead!r}")
+        self._check_alive()
         text, token_ids = encode_prompt(self.tokenizer, prompt)
         core_requests = self._processor.add_request(request_id, text, token_ids, params, priority)
+        async with contextlib.aclosing(self._follow(request_id, core_requests)) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def encode(self, prompt: str | list[int], params: PoolingParams, request_id: str | None = None,
+                     priority: int = 0) -> AsyncIterator[EmbeddingRequestOutput]:
+        """Embed a prompt with a pooling engine (vLLM's `AsyncLLM.encode`): yields one finished output."""
+        request_id = request_id or uuid.uuid4().hex
+        self._check_alive()
+        text, token_ids = encode_prompt(self.tokenizer, prompt)
+        core_request = self._processor.add_pooling_request(request_id, text, token_ids, params, priority)
+        async with contextlib.aclosing(self._follow(request_id, [core_request])) as outputs:
+            async for out in outputs:
+                yield out
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine is dead: {self._dead!r}")
+
+    async def _follow(self, request_id: str, core_requests: list[EngineCoreRequest]) -> AsyncIterator:
+        """Send a registered request's core requests and yield its outputs until it finishes; a
+        consumer that stops early aborts it."""
         collector = _OutputCollector()
         self._collectors[request_id] = collector
         sent = finished = False

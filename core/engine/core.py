@@ -26,6 +26,7 @@ from ..discovery import (
 from ..errors import ConfigError, CorectlError, InvalidRequestError
 from ..executor import StepHandle, WorkerSpec, create_executor
 from ..loaders import ModelSource, resolve_model_source
+from ..pooling import PoolingInfo, resolve_pooling
 from ..request import Request
 from ..scheduler import Scheduler
 from ..scheduler.output import SchedulerOutput
@@ -55,6 +56,8 @@ class EngineCore:
         if self.source.tokenizer_dir is None and not config.skip_tokenizer_init:
             # Presets and bare dummy configs run without a tokenizer: the config as run says so.
             config = config.replace(skip_tokenizer_init=True)
+        self.pooling = resolve_pooling(config, self.source.model_dir, self.source.hf_config)
+        config = _runner_config(config, self.pooling)
         self.config = config
         platform = resolve_platform(config.platform)
         platform.check_config(config)
@@ -87,6 +90,7 @@ class EngineCore:
             num_kv_blocks=num_blocks, block_size=config.block_size, vocab_size=info.vocab_size,
             architecture=info.architecture,
             structured_outputs_backend=None if self.structured is None else config.structured_outputs_backend,
+            pooling=self.pooling,
         )
         logger.info(
             "engine ready: %s (%s) on %s, %s, %d KV tokens, max_model_len %d, %s scheduling, %.1f s",
@@ -94,6 +98,9 @@ class EngineCore:
             self.info.kv_capacity_tokens, self.max_model_len, "async" if self.async_scheduling else "synchronous",
             time.monotonic() - started,
         )
+        if self.pooling is not None:
+            logger.info("pooling model: %s pooling%s, %d-dimensional embeddings", self.pooling.pooling_type,
+                        ", normalized" if self.pooling.normalize else "", self.pooling.hidden_size)
         if tokenizer_dir is None:
             logger.info("no tokenizer: prompts must be token ids and outputs carry no text")
 
@@ -184,6 +191,16 @@ class EngineCore:
 
     def _complete(self, sched: SchedulerOutput, pending: StepHandle) -> list[EngineCoreOutput]:
         return self.scheduler.update(sched, pending.result())
+
+
+def _runner_config(config: EngineConfig, pooling: PoolingInfo | None) -> EngineConfig:
+    """The config as the engine runs it: the runner decided, and the pooling the workers apply.
+    MEAN and CLS pooling read hidden states that a prefix-cache hit would skip computing, so their
+    engines run without prefix caching (LAST pooling never hits the prompt's last token)."""
+    if pooling is None:
+        return config.replace(runner="generate")
+    return config.replace(runner="pooling", pooling_type=pooling.pooling_type, normalize=pooling.normalize,
+                          enable_prefix_caching=config.enable_prefix_caching and pooling.pooling_type == "LAST")
 
 
 def resolve_max_model_len(config: EngineConfig, hf) -> int:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..discovery import resolve_structured_output_backend
 from ..errors import InvalidRequestError
+from ..pooling import PoolingParams, check_pooling_params
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .messages import EngineInfo
 
@@ -40,9 +41,10 @@ def check_request(request_ids: list[str], prompt_token_ids: list[int], params: S
     `in_use`. The context must hold the prompt plus `max_tokens` (at least one token when unset).
     A grammar (`structured_outputs`) must parse with the engine's backend.
     """
-    taken = next((rid for rid in request_ids if in_use(rid)), None)
-    if taken is not None:
-        raise InvalidRequestError(f"request id {taken!r} is already in use; ids must be unique", param="request_id")
+    if info.pooling is not None:
+        raise InvalidRequestError("this model is served as a pooling model (--runner pooling): it makes embeddings "
+                                  "(/v1/embeddings, LLM.embed), not text", param="model")
+    _check_id(request_ids, in_use)
     if params.stop and info.tokenizer_dir is None:
         raise InvalidRequestError(f"{NO_TOKENIZER}, so stop strings cannot be matched; use stop_token_ids",
                                   param="stop")
@@ -56,6 +58,27 @@ def check_request(request_ids: list[str], prompt_token_ids: list[int], params: S
     if params.stop_token_ids:
         _check_in_vocab(params.stop_token_ids, info.vocab_size, "stop_token_ids")
     _check_context_length(len(prompt_token_ids), params.max_tokens or 1, info.max_model_len)
+
+
+def check_pooling_request(request_id: str, prompt_token_ids: list[int], params: PoolingParams, info: EngineInfo,
+                          in_use: Callable[[str], bool]) -> None:
+    """The intake of an embedding: a pooling engine, a free id, a non-empty prompt of known token ids
+    that fits the context alone (nothing is generated), and `dimensions` the model can truncate to."""
+    if info.pooling is None:
+        raise InvalidRequestError("this model is served for generation: it makes no embeddings; serve an "
+                                  "embedding model, or this one with --runner pooling", param="model")
+    _check_id([request_id], in_use)
+    if not prompt_token_ids:
+        raise InvalidRequestError("prompt is empty", param="prompt")
+    _check_in_vocab(prompt_token_ids, info.vocab_size, "prompt")
+    _check_context_length(len(prompt_token_ids), 0, info.max_model_len)
+    check_pooling_params(params, info.pooling)
+
+
+def _check_id(request_ids: list[str], in_use: Callable[[str], bool]) -> None:
+    taken = next((rid for rid in request_ids if in_use(rid)), None)
+    if taken is not None:
+        raise InvalidRequestError(f"request id {taken!r} is already in use; ids must be unique", param="request_id")
 
 
 def _check_structured_outputs(spec: StructuredOutputsParams, info: EngineInfo) -> None:
@@ -75,8 +98,9 @@ def _check_in_vocab(token_ids: Iterable[int], vocab_size: int, param: str) -> No
 
 def _check_context_length(num_prompt_tokens: int, num_completion_tokens: int, max_model_len: int) -> None:
     if num_prompt_tokens + num_completion_tokens > max_model_len:
+        completion = f" plus {num_completion_tokens} completion tokens" if num_completion_tokens else ""
         raise InvalidRequestError(
             f"this model's maximum context length is {max_model_len} tokens; the request asks for "
-            f"{num_prompt_tokens} prompt tokens plus {num_completion_tokens} completion tokens",
+            f"{num_prompt_tokens} prompt tokens{completion}",
             param="max_tokens" if num_prompt_tokens < max_model_len else "prompt", code="context_length_exceeded",
         )

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from ..outputs import RequestOutput
+from ..outputs import EmbeddingRequestOutput, RequestOutput
 from .messages import EngineSnapshot, SchedulerStats
 from .output_processor import OutputProcessor
 
@@ -101,6 +101,8 @@ class RecentActivity:
         bucket.stats = stats
         ttft, itl = bucket.ttft, bucket.itl
         for out in outputs:
+            if isinstance(out, EmbeddingRequestOutput):
+                continue  # no tokens: an embedding has no TTFT or ITL
             samples, metrics = out.outputs, out.metrics
             if len(samples) == 1:  # the common case, kept cheap: this runs for every delta
                 num_tokens = len(samples[0].token_ids)

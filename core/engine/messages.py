@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import msgspec
 
 from ..kv.block_map import KVBlockMap
+from ..pooling import PoolingInfo
 from ..sampling_params import SamplingParams
 from ..worker.output import LogprobsLists
 
@@ -35,6 +36,8 @@ class EngineInfo:
     architecture: str
     # The grammar backend for structured outputs; None without a tokenizer (no structured output).
     structured_outputs_backend: str | None = None
+    # What a pooling engine makes (`--runner pooling`); None for a generative engine.
+    pooling: PoolingInfo | None = None
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -63,6 +66,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     processes of one host) is when the request first got a step: it ends its queue time.
     `error` says why the engine ended a request it could not serve as asked (an "abort" whose
     cause is the request: a grammar that does not compile in time); None for a full queue.
+    `pooled` is a pooling engine's result (prefill-only requests finish with it, no tokens): the
+    raw pooled vector as little-endian float32 bytes.
     """
 
     req_id: str
@@ -74,6 +79,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     error: str | None = None
+    pooled: bytes | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, gc=False):

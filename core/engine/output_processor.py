@@ -1,5 +1,5 @@
 """Client-side request registry and output processing: intake, fan-out of `n`, incremental
-detokenization, stop strings, logprobs.
+detokenization, stop strings, logprobs, and finishing a pooling engine's vectors into embeddings.
 
 `add_request` is where every path (the async client, the offline `LLM`) registers a request, so it is
 where intake runs (`intake.check_request`). Runs where the caller lives (the API server's process, or the offline LLM), never in the engine loop.
@@ -14,16 +14,24 @@ from dataclasses import dataclass, field
 from ..detokenizer import IncrementalDetokenizer, StopStringMatcher
 from ..outputs import (
     CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
     Logprob,
     PositionLogprobs,
     RequestMetrics,
     RequestOutput,
 )
+from ..pooling import PoolingParams, finish_embedding, vector_from_bytes
 from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
 from ..worker.output import LogprobsLists
-from .intake import check_request
+from .intake import check_pooling_request, check_request
 from .messages import EngineCoreOutput, EngineCoreRequest, EngineInfo
+
+
+# What an embedding request carries to the engine in place of sampling: a pooling engine never samples,
+# and its requests end when their prompt has run.
+_PREFILL_ONLY = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 class _NoText:
@@ -69,6 +77,9 @@ class RequestTracker:
     metrics: RequestMetrics
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     changed: bool = field(default=False)
+    # An embedding request's options, and its finished vector once it has arrived.
+    pooling: PoolingParams | None = None
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -131,6 +142,18 @@ class OutputProcessor:
                                                    priority, group_id=request_id, sample_index=i))
         return core_requests
 
+    def add_pooling_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                            params: PoolingParams, priority: int = 0) -> EngineCoreRequest:
+        """Check and register an embedding request (a pooling engine's, prefill only); returns the
+        core request to send. Raises InvalidRequestError, registering nothing, when intake refuses it."""
+        check_pooling_request(request_id, prompt_token_ids, params, self.info, self._in_use)
+        now = time.monotonic()
+        self.trackers[request_id] = tracker = RequestTracker(
+            request_id, prompt, list(prompt_token_ids), _PREFILL_ONLY, [_Sample(0, None, [], _PREFILL_ONLY)],
+            RequestMetrics(arrival_time=now, num_prompt_tokens=len(prompt_token_ids)), pooling=params)
+        self._children[request_id] = (tracker, 0)
+        return EngineCoreRequest(request_id, list(prompt_token_ids), _PREFILL_ONLY, now, priority)
+
     def child_ids(self, request_id: str) -> list[str]:
         tracker = self.trackers.get(request_id)
         return [] if tracker is None else _child_ids(request_id, len(tracker.samples))
@@ -176,6 +199,9 @@ class OutputProcessor:
         if out.prompt_logprobs is not None and tracker.prompt_logprobs is not None and sample.index == 0:
             tracker.prompt_logprobs.extend(self._decode_logprobs(out.prompt_logprobs))
         _update_metrics(tracker.metrics, out, now)
+        if out.pooled is not None:
+            vector = finish_embedding(vector_from_bytes(out.pooled), tracker.pooling, self.info.pooling)
+            tracker.embedding = vector.tolist()
         sample.token_ids.extend(out.new_token_ids)
         if sample.logprobs is not None and out.logprobs is not None:
             decoded = self._decode_logprobs(out.logprobs)
@@ -213,7 +239,13 @@ class OutputProcessor:
             return None
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _make_output(self, tracker: RequestTracker) -> RequestOutput:
+    def _make_output(self, tracker: RequestTracker) -> RequestOutput | EmbeddingRequestOutput:
+        if tracker.pooling is not None:
+            return EmbeddingRequestOutput(
+                request_id=tracker.request_id, outputs=EmbeddingOutput(tracker.embedding or []),
+                prompt_token_ids=tracker.prompt_token_ids, finished=tracker.finished, prompt=tracker.prompt,
+                finish_reason=tracker.samples[0].finish_reason, num_cached_tokens=tracker.metrics.num_cached_tokens,
+                metrics=tracker.metrics)
         outputs = [self._sample_output(s) for s in tracker.samples]
         return RequestOutput(
             request_id=tracker.request_id, prompt=tracker.prompt, prompt_token_ids=tracker.prompt_token_ids,

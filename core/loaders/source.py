@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,8 +40,9 @@ class ModelSource:
     weight_files: tuple[Path, ...] = ()
     dummy_seed: int | None = None
 
-    def load_weights(self, model: nn.Module) -> None:
-        """Fill every parameter of `model`; raise naming the parameters the checkpoint left empty."""
+    def load_weights(self, model: nn.Module, rename: Callable[[Iterable], Iterable] | None = None) -> None:
+        """Fill every parameter of `model`; raise naming the parameters the checkpoint left empty.
+        `rename` maps the stream of (name, tensor) pairs first (a pooling model drops the LM head)."""
         if self.dummy_seed is not None:
             fill_dummy_weights(model, self.dummy_seed)
             return
@@ -52,7 +54,7 @@ class ModelSource:
             disable=not sys.stderr.isatty(),
         )
         with torch.no_grad():
-            filled = model.load_weights(stream)
+            filled = model.load_weights(stream if rename is None else rename(stream))
         missing = sorted({name for name, _ in model.named_parameters()} - set(filled))
         if missing:
             listed = ", ".join(missing[:MAX_LISTED]) + (" ..." if len(missing) > MAX_LISTED else "")

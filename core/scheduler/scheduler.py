@@ -96,6 +96,8 @@ class Scheduler:
         self._prompt_logprobs = PromptLogprobsBuffer()
         self.num_preemptions = 0
         self.structured = structured
+        # A pooling engine's requests are prefill only: each ends with its pooled vector.
+        self.pooling = config.runner == "pooling"
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -181,7 +183,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and plan.budget > 0:
             req = self.running[index]
-            if self._ends_by_length(req) or self._awaits_grammar_token(req):
+            if self._ends_by_length(req) or self._awaits_grammar_token(req) or self._awaits_pooled(req):
                 index += 1
                 continue
             num_tokens = min(req.num_tokens + self.in_flight.num_tokens(req) - req.num_computed_tokens, plan.budget)
@@ -206,6 +208,10 @@ class Scheduler:
             return False
         total = req.num_tokens + in_flight
         return total - req.num_prompt_tokens >= req.max_tokens or total >= self.max_model_len
+
+    def _awaits_pooled(self, req: Request) -> bool:
+        """A prefill-only request whose whole prompt is scheduled waits for its vector (async scheduling)."""
+        return self.pooling and req.num_computed_tokens >= req.num_tokens
 
     def _awaits_grammar_token(self, req: Request) -> bool:
         """A constrained request's token in flight must reach its matcher before its next mask."""
@@ -338,8 +344,7 @@ class Scheduler:
             if req_id not in stale and req is not None and (
                     req.status == RequestStatus.RUNNING or self.in_flight.num_tokens(req)):
                 self._prompt_logprobs.add(req_id, chunk)
-        outputs: list[EngineCoreOutput] = []
-        stopped: set[Request] = set()
+        outputs, stopped = self._apply_pooled(runner_out.pooled, stale)
         scheduled, logprobs = sched_out.num_scheduled_tokens, runner_out.logprobs
         for row, (req_id, token) in enumerate(zip(runner_out.req_ids, runner_out.sampled_token_ids)):
             if req_id not in scheduled:
@@ -357,6 +362,23 @@ class Scheduler:
         if stopped:
             self._finish(stopped)
         return outputs
+
+    def _apply_pooled(self, pooled: dict[str, bytes], stale: set[str]) -> tuple[list[EngineCoreOutput], set[Request]]:
+        """Finish the prefill-only requests whose vectors arrived. A request preempted after its last
+        chunk was scheduled still finishes: the step computed its whole prompt before it was."""
+        outputs: list[EngineCoreOutput] = []
+        stopped: set[Request] = set()
+        for req_id, vector in pooled.items():
+            req = self._requests.get(req_id)
+            if req_id in stale or req is None:
+                continue  # aborted while the step ran
+            self.in_flight.arrive(req)
+            req.status = RequestStatus.FINISHED_STOPPED
+            stopped.add(req)
+            outputs.append(EngineCoreOutput(req_id, [], finish_reason="stop", pooled=vector,
+                                            num_cached_tokens=max(req.num_cached_tokens, 0),
+                                            first_scheduled_time=req.first_scheduled_time))
+        return outputs, stopped
 
     def _finish(self, stopped: set[Request]) -> None:
         """Release requests that stopped; with async scheduling some may be preempted (waiting)."""

@@ -43,13 +43,30 @@ class SampledRows:
     num_logprobs: list[int] | None
 
 
-class InflightStep:
-    """The sampled ids (and logprobs) of one launched step; `result()` reads them once and hands
-    them to the `RequestStates` of the runner that launched it, the only writer of the requests' tokens."""
+@dataclass
+class PooledRows:
+    """What a pooling engine's step pooled: one fp32 vector per request, rows in `req_ids` order,
+    on their way to the host."""
 
-    def __init__(self, sampled: SampledRows | None, prompt_logprobs: dict[str, LogprobsLists]):
+    req_ids: list[str]
+    fetch: HostFetch
+
+    def read(self) -> dict[str, bytes]:
+        self.fetch.wait()
+        vectors = self.fetch.tensors[0].numpy().astype("<f4", copy=False)
+        return {req_id: row.tobytes() for req_id, row in zip(self.req_ids, vectors)}
+
+
+class InflightStep:
+    """The sampled ids (and logprobs) of one launched step, or a pooling engine's vectors;
+    `result()` reads them once and hands sampled ids to the `RequestStates` of the runner that
+    launched it, the only writer of the requests' tokens."""
+
+    def __init__(self, sampled: SampledRows | None, prompt_logprobs: dict[str, LogprobsLists],
+                 pooled: PooledRows | None = None):
         self._sampled = sampled
         self._prompt_logprobs = prompt_logprobs
+        self._pooled = pooled
         self._output: ModelRunnerOutput | None = None
 
     @classmethod
@@ -66,7 +83,9 @@ class InflightStep:
     def _read(self) -> ModelRunnerOutput:
         sampled = self._sampled
         if sampled is None:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=self._prompt_logprobs)
+            pooled = {} if self._pooled is None else self._pooled.read()
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=self._prompt_logprobs,
+                                     pooled=pooled)
         sampled.fetch.wait()
         ids_host, *logprob_host = sampled.fetch.tensors
         token_ids = ids_host.tolist()

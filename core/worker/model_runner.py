@@ -19,8 +19,9 @@ from ..sample.grammar import apply_grammar_bitmask
 from ..sample.metadata import PLAIN_GREEDY, UnreadOutputTokens
 from ..sample.transfer import DeviceTarget, to_device
 from ..scheduler.output import GrammarBitmask, SchedulerOutput
-from .inflight import HostFetch, InflightStep, SampledRows, fetch_now
+from .inflight import HostFetch, InflightStep, PooledRows, SampledRows, fetch_now
 from .output import LogprobsLists, ModelRunnerOutput
+from .pooler import Pooler
 from .request_states import CachedRequestState, HostStep, RequestStates
 
 _PROMPT_LOGPROB_CHUNK = 512
@@ -63,6 +64,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         # The latest launched step's sampled ids on the device, and each request's row in them.
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        # Set by the worker on a pooling engine: steps pool finished prompts instead of sampling.
+        self.pooler: Pooler | None = None
 
     def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
@@ -84,6 +87,8 @@ class ModelRunner:
         inputs = self.upload(self.states.build_step(sched, self.block_size))
         self._feed_unread_ids(inputs)
         hidden = self.run_model(inputs)
+        if self.pooler is not None:
+            return self._pool(inputs.host, hidden)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden, sched)
         if not inputs.host.sample_req_ids:
             self._last_sampled = None
@@ -94,6 +99,13 @@ class ModelRunner:
         if sched.grammar_bitmask is not None:
             self._apply_grammar(inputs.host, logits, sched.grammar_bitmask)
         return self._sample(inputs.host, logits, prompt_logprobs)
+
+    def _pool(self, host: HostStep, hidden: torch.Tensor) -> InflightStep:
+        """A pooling engine's step: the vectors of the prompts it finished start for the host."""
+        vectors = self.pooler.pool(host, hidden, self.states, self.to_device)
+        if vectors is None:
+            return InflightStep.done()
+        return InflightStep(None, {}, PooledRows(host.sample_req_ids, self.fetch_to_host([vectors])))
 
     def _apply_grammar(self, host: HostStep, logits: torch.Tensor, grammar: GrammarBitmask) -> None:
         """Forbid what each constrained row's grammar does not allow next, before the sampler reads

@@ -21,9 +21,12 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
     Requests still in a partial (chunked) prefill produce no token and are absent from `req_ids`.
     `logprobs` rows align with `req_ids`; `prompt_logprobs` holds, per request, the logprobs of
     the prompt positions computed this step (position 0 has none and is skipped).
+    `pooled` holds a pooling engine's vectors (raw, little-endian float32 bytes) for the requests
+    whose prompt's last chunk ran this step; such an engine samples nothing.
     """
 
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: LogprobsLists | None = None
     prompt_logprobs: dict[str, LogprobsLists] = {}
+    pooled: dict[str, bytes] = {}

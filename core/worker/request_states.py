@@ -35,6 +35,9 @@ class CachedRequestState:
     plain_greedy: bool = False
     reads_prompt: bool = False
     reads_output: bool = False
+    # A pooling engine's state between a prompt's chunks: the fp32 running sum of its hidden
+    # states (MEAN) or its first token's (CLS); see `corectl.worker.pooler`.
+    pooled_partial: torch.Tensor | None = None
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -18,10 +18,12 @@ from ..distributed import get_tp, shard_range
 from ..models.kernels import LayerKernels, install_layer_kernels
 from ..models.registry import resolve_model_class
 from ..platform import Platform
+from ..pooling import pooling_architectures, pooling_weights
 from ..sampling_params import SamplingParams
 from ..scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from .inflight import InflightStep
 from .model_runner import ModelRunner
+from .pooler import Pooler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -79,10 +81,13 @@ class Worker(abc.ABC):
 
     def load_model(self) -> ModelInfo:
         hf = self.source.hf_config
-        model_cls = resolve_model_class(hf)
+        pooling = self.config.runner == "pooling"
+        model_cls = resolve_model_class(pooling_architectures(hf) if pooling else hf)
         with _default_dtype(self.torch_dtype), torch.device(self.device):
             model = model_cls(hf, max_positions=self.max_model_len, dtype=self.torch_dtype)
-        self.source.load_weights(model)
+        if pooling:
+            model.lm_head = None  # a pooling model reads hidden states only (corectl.pooling)
+        self.source.load_weights(model, pooling_weights if pooling else None)
         model.eval()
         install_layer_kernels(model, self.layer_kernels())
         info = _model_info(hf, model, self.dtype)
@@ -91,6 +96,8 @@ class Worker(abc.ABC):
         )
         self.runner = self.runner_cls(model, backend, self.device, self.config.block_size,
                                       hf.vocab_size, self.eos_token_id, self.platform.capabilities())
+        if pooling:
+            self.runner.pooler = Pooler(self.config.pooling_type)
         self.model_info = info
         return info
 

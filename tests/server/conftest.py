@@ -32,3 +32,20 @@ def openai_client(server):
 @pytest.fixture(scope="session")
 def model_id(openai_client) -> str:
     return openai_client.models.list().data[0].id
+
+
+@pytest.fixture(scope="session")
+def pooling_server():
+    """The default model served as a pooling model (LAST pooling, normalised; Matryoshka truncation
+    allowed through --hf-overrides), for /v1/embeddings."""
+    proc = ServerProcess(*SMALL_ENGINE, "--api-key", API_KEY, "--runner", "pooling",
+                         "--hf-overrides", '{"is_matryoshka": true}').wait_ready()
+    yield proc
+    assert proc.stop() == 0
+
+
+@pytest.fixture(scope="session")
+def pooling_http(pooling_server):
+    with httpx.Client(base_url=pooling_server.url, headers={"Authorization": f"Bearer {API_KEY}"},
+                      timeout=120) as client:
+        yield client

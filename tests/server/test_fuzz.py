@@ -82,6 +82,16 @@ TOKENIZE_OPTIONS = {
     "add_generation_prompt": (st.booleans(), junk), "return_token_strs": (st.booleans(), junk),
 }
 DETOKENIZE = {"model": SAMPLING["model"], "tokens": (vocab_ids, token_ids | junk)}
+EMBEDDINGS = {
+    "model": SAMPLING["model"],
+    "input": (text.filter(bool) | st.lists(text.filter(bool), min_size=1, max_size=3) | vocab_ids
+              | st.lists(vocab_ids, min_size=1, max_size=2),
+              any_text | token_ids | st.lists(token_ids, max_size=3) | st.lists(any_text, max_size=3)
+              | st.just(["a"] * 2049) | st.just([[1], "a"])),
+    "encoding_format": (st.sampled_from(["float", "base64"]), any_text),
+    "dimensions": (st.integers(1, 576), ints | floats), "normalize": (st.booleans(), junk),
+    "add_special_tokens": (st.booleans(), junk), "priority": (st.just(0), ints), "user": (text, junk),
+}
 
 
 LENGTHS = ("max_tokens", "max_completion_tokens")
@@ -159,6 +169,20 @@ def test_detokenize(http, unhandled, body):
     check(http, "/detokenize", encode(body))
 
 
+@pytest.fixture(scope="module")
+def pooling_unhandled(pooling_server):
+    """Fails the module if the pooling server logged an unhandled error (a 500) while it ran."""
+    start = len(pooling_server.log())
+    yield
+    assert '"unhandled error' not in pooling_server.log()[start:]
+
+
+@settings(FUZZ, max_examples=60)
+@given(body=bodies(EMBEDDINGS, ("input",)))
+def test_embeddings(pooling_http, pooling_unhandled, body):
+    check(pooling_http, "/v1/embeddings", encode(body))
+
+
 def mutated(valid: bytes, data: st.DataObject) -> bytes:
     """A valid body made invalid at the byte level, the way a broken or hostile client would."""
     kind = data.draw(st.sampled_from(["byte", "literal", "nest", "cut", "raw-control"]))
@@ -184,7 +208,18 @@ def test_mutated_bytes(http, unhandled, route, data):
     check(http, route, mutated(valid, data))
 
 
+@settings(FUZZ, max_examples=30)
+@given(data=st.data())
+def test_embeddings_mutated_bytes(pooling_http, pooling_unhandled, data):
+    check(pooling_http, "/v1/embeddings", mutated(encode({"input": ["Hello 1", "Hi"], "dimensions": 16}), data))
+
+
 def test_server_answers_after_fuzzing(http, unhandled):
     assert http.get("/health").status_code == 200
     out = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 2
+
+
+def test_pooling_server_answers_after_fuzzing(pooling_http, pooling_unhandled):
+    out = pooling_http.post("/v1/embeddings", json={"input": ["Hi", "there"]})
+    assert out.status_code == 200 and len(out.json()["data"]) == 2

@@ -1,0 +1,159 @@
+"""POST /v1/embeddings: one vector per input, from a pooling model (`--runner pooling`).
+
+Each input is one prefill-only engine request (`EngineClient.encode`), all of a request's inputs at
+once. An input longer than the context is refused with `context_length_exceeded`, unless the server
+runs with `--embed-chunking`: then it is split into chunks of at most `max_model_len` tokens, each
+pooled raw (neither truncated nor normalised), and the chunk vectors are averaged weighted by their
+token counts before `dimensions` and normalisation apply (vLLM's chunked processing; for MEAN pooling
+this is the mean over every token, each chunk attending only to itself). A generative model answers
+this route with 400, as a pooling model answers the text routes.
+"""
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+import numpy as np
+from corectl.errors import InvalidRequestError
+from corectl.pooling import PoolingParams, check_pooling_params, finish_embedding
+from litestar import Controller, Request, post
+from litestar.openapi import ResponseSpec
+
+from .auth import require_api_key
+from .embedding_protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
+from .errors import ERROR_RESPONSES, APIError
+from .generation import record_request, until_disconnected
+from .state import ServerState
+
+T = TypeVar("T")
+# A chunk of a long input is pooled raw: the chunks' vectors are averaged before finishing.
+_RAW = PoolingParams(normalize=False)
+
+
+class EmbeddingsController(Controller):
+    path = "/v1"
+    guards = [require_api_key]
+    tags = ["OpenAI"]
+
+    @post("/embeddings", status_code=200, responses={
+        200: ResponseSpec(EmbeddingResponse, description="one embedding per input"), **ERROR_RESPONSES})
+    async def create_embedding(self, data: EmbeddingRequest, request: Request,
+                               server: ServerState) -> EmbeddingResponse:
+        server.check_accepting()
+        server.check_model(data.model)
+        server.check_priority(data.priority)
+        pooling = server.engine.info.pooling
+        if pooling is None:
+            raise APIError(400, f"the model `{server.model_name}` is served for text generation and makes no "
+                           "embeddings; serve an embedding model, or this one with --runner pooling", "model")
+        params = data.pooling_params()
+        check_pooling_params(params, pooling)
+        prompts = _token_ids(data, server)
+        _check_lengths(prompts, server)
+        request_id = f"embd-{uuid.uuid4().hex}"
+        server.in_flight += 1
+        try:
+            vectors = await until_disconnected(request.receive, lambda: _gather([
+                _embedder(server, f"{request_id}-{i}", prompt, params, data.priority)
+                for i, prompt in enumerate(prompts)]))
+        finally:
+            server.in_flight -= 1
+        num_tokens = sum(len(ids) for _, ids in prompts)
+        return EmbeddingResponse(
+            id=request_id, created=int(time.time()), model=server.model_name,
+            data=[EmbeddingData(index=i, embedding=_encoded(v, data.encoding_format)) for i, v in enumerate(vectors)],
+            usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
+
+
+def _token_ids(data: EmbeddingRequest, server: ServerState) -> list[tuple[str | None, list[int]]]:
+    """Each input as (its text, or None for token ids; its token ids)."""
+    inputs = data.inputs()
+    if not any(isinstance(item, str) for item in inputs):
+        return [(None, list(item)) for item in inputs]
+    tokenizer = server.require_tokenizer("input", "inputs must be token ids, not text")
+    return [(text, tokenizer.encode(text, add_special_tokens=data.add_special_tokens)) for text in inputs]
+
+
+def _check_lengths(prompts: list[tuple[str | None, list[int]]], server: ServerState) -> None:
+    """Refuse an input past the context, unless the server embeds such inputs in chunks."""
+    if server.settings.embed_chunking:
+        return
+    limit = server.engine.info.max_model_len
+    for i, (_, ids) in enumerate(prompts):
+        if len(ids) > limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; input {i} has {len(ids)} "
+                           "tokens (a server run with --embed-chunking embeds longer inputs in chunks)",
+                           "input", "context_length_exceeded")
+
+
+def _embedder(server: ServerState, request_id: str, prompt: tuple[str | None, list[int]], params: PoolingParams,
+              priority: int) -> Callable[[], Awaitable[list[float] | np.ndarray]]:
+    """The work of one input: one engine request, or one per chunk of an input past the context."""
+    text, ids = prompt
+    limit = server.engine.info.max_model_len
+    if len(ids) <= limit:
+        return lambda: _encode(server, request_id, ids, text, params, priority)
+
+    async def chunked() -> np.ndarray:
+        chunks = [ids[start:start + limit] for start in range(0, len(ids), limit)]
+        vectors = await _gather([
+            lambda c=c, chunk=chunk: _encode(server, f"{request_id}.{c}", chunk, None, _RAW, priority)
+            for c, chunk in enumerate(chunks)])
+        weights = np.array([len(chunk) for chunk in chunks], dtype=np.float32)
+        mean = (np.asarray(vectors, dtype=np.float32) * weights[:, None]).sum(0) / weights.sum()
+        return finish_embedding(mean, params, server.engine.info.pooling)
+
+    return chunked
+
+
+async def _encode(server: ServerState, request_id: str, ids: list[int], text: str | None, params: PoolingParams,
+                  priority: int) -> list[float]:
+    """One engine request's embedding; its metrics and log line are recorded when it ends."""
+    out = None
+    try:
+        async for out in server.engine.encode(ids, params, request_id, priority):
+            pass
+    except InvalidRequestError as exc:
+        # Intake names the engine's field; the client sent it as `input`.
+        raise InvalidRequestError(str(exc), "input" if exc.param == "prompt" else exc.param, exc.code) from None
+    except anyio.get_cancelled_exc_class():
+        record_request(server, request_id, "aborted", ["abort"], None, ids if text is None else text, time.monotonic())
+        raise
+    if server.metrics is not None:
+        server.metrics.prompt_tokens.inc(len(ids))
+    record_request(server, request_id, "finished", [out.finish_reason or "abort"], out.metrics,
+                   ids if text is None else text, time.monotonic())
+    if out.finish_reason == "abort":
+        raise APIError(503, "the engine could not take this request (it is overloaded); retry later")
+    return out.outputs.embedding
+
+
+async def _gather(works: list[Callable[[], Awaitable[T]]]) -> list[T]:
+    """Run every work at once; their results in order. The first failure cancels the others and is raised."""
+    results: list = [None] * len(works)
+    errors: list[Exception] = []
+
+    async def run(index: int, work: Callable[[], Awaitable[T]], scope: anyio.CancelScope) -> None:
+        try:
+            results[index] = await work()
+        except Exception as exc:
+            errors.append(exc)
+            scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        for index, work in enumerate(works):
+            tg.start_soon(run, index, work, tg.cancel_scope)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _encoded(vector: list[float] | np.ndarray, encoding_format: str) -> list[float] | str:
+    """A vector as the client asked for it: floats, or OpenAI's base64 of little-endian float32."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    return vector.tolist() if isinstance(vector, np.ndarray) else vector
