@@ -36,6 +36,7 @@ from .loaders.hf_config import checkpoint_dtype
 from .loaders.presets import PRESETS, is_preset
 from .loaders.resolve import default_model, resolve_model_source
 from .models.registry import resolve_model_class
+from .pooling import pooling_architectures
 from .worker.worker import _DTYPES, ModelInfo, _default_dtype, _model_info
 
 GIB = 1 << 30
@@ -224,7 +225,9 @@ def _model_shape(hf, max_model_len: int, dtype: str) -> _Shape:
     """The engine's model built on the meta device, as `Worker.load_model` builds it."""
     torch_dtype = _DTYPES[dtype]
     with _default_dtype(torch_dtype), torch.device("meta"):
-        model = resolve_model_class(hf)(hf, max_positions=max_model_len, dtype=torch_dtype)
+        # A bare backbone (an embedding model's `Qwen3Model`) resolves to its causal LM's class, as
+        # a pooling engine loads it.
+        model = resolve_model_class(pooling_architectures(hf))(hf, max_positions=max_model_len, dtype=torch_dtype)
     params = list(model.parameters())
     return _Shape(
         info=_model_info(hf, model, dtype), hidden_size=hf.hidden_size,

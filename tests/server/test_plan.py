@@ -132,3 +132,14 @@ def test_an_unknown_model_is_a_one_line_error(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         main(["plan", "llama3-8b", "--device-memory", "80"])
     assert "is not a size with a unit" in capsys.readouterr().err
+
+
+def test_plan_of_a_bare_backbone_sizes_it_as_its_causal_lm(tmp_path):
+    """An embedding checkpoint names only its backbone (`Qwen3Model`, as Qwen3-Embedding does)."""
+    config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    config.architectures = ["Qwen3Model"]
+    config.save_pretrained(tmp_path)
+    plan = plan_deployment(EngineConfig(model=str(tmp_path), load_format="dummy", kv_cache_memory_gib=0.01),
+                           device="cpu")
+    assert plan.architecture == "Qwen3ForCausalLM" and plan.fits and plan.num_params > 0
