@@ -81,11 +81,21 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: Any, scale: float) -> torch.Tensor:
+                meta: Any, scale: float, *, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         """q: [T, num_heads * head_dim]; k, v: [T, num_kv_heads * head_dim].
 
         Writes k/v into the cache at `slot_mapping`, then attends causally over each sequence's
         cached prefix plus its new tokens. Returns [T, num_heads * head_dim].
+
+        Per layer (the model's `Attention` module passes them on every call):
+        - `sliding_window` W: the token at position p attends to keys p - W < j <= p only (W keys,
+          its own included: transformers' convention); None attends to the whole prefix. A
+          backend must not read keys before the window of a sequence's first new token: when every
+          layer of a model is windowed, the KV manager returns the blocks that fall wholly before
+          it to the pool, and other requests reuse them (docs/architecture.md, section 6).
+        - `logits_soft_cap` c: each score s (after `scale`) becomes c * tanh(s / c) before the
+          mask and softmax (Gemma 2); None leaves scores as they are.
         """
 
 

@@ -76,3 +76,11 @@ def attention_output(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
             f"out must be {q.dtype} of shape {tuple(q.shape)}, contiguous in its last dimension; "
             f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
     return out
+
+
+def check_window_and_cap(sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    """A layer's window is a positive number of tokens and its soft cap a positive scale (None: off)."""
+    require(sliding_window is None or (isinstance(sliding_window, int) and sliding_window >= 1),
+            f"sliding_window must be a positive number of tokens or None, got {sliding_window!r}")
+    require(logits_soft_cap is None or logits_soft_cap > 0,
+            f"logits_soft_cap must be positive or None, got {logits_soft_cap!r}")

@@ -31,23 +31,38 @@ def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor,
     return kv_cache[0, blocks, offsets], kv_cache[1, blocks, offsets]
 
 
-def causal_attention_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [Lq, Hq, D] are the last Lq positions of a context keys/values [L, Hk, D]; returns fp32 [Lq, Hq, D]."""
+def causal_attention_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, *,
+                         sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+    """q [Lq, Hq, D] are the last Lq positions of a context keys/values [L, Hk, D]; returns fp32 [Lq, Hq, D].
+
+    The query at position p sees keys j with p - sliding_window < j <= p (all j <= p without a
+    window); `logits_soft_cap` c turns each score s into c * tanh(s / c) before the mask (Gemma 2).
+    """
     query_len, num_heads, _ = q.shape
     context = keys.shape[0]
     group = num_heads // keys.shape[1]
     k = keys.float().repeat_interleave(group, dim=1)
     v = values.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
     q_pos = torch.arange(context - query_len, context, device=q.device)[:, None]
-    visible = torch.arange(context, device=q.device)[None, :] <= q_pos
+    k_pos = torch.arange(context, device=q.device)[None, :]
+    visible = k_pos <= q_pos
+    if sliding_window is not None:
+        visible &= k_pos > q_pos - sliding_window
+    # Only the visible keys enter the products: a key outside every window may hold anything
+    # (its block may be back in the pool), even NaN.
     scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+    probs = scores.softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.masked_fill(~visible.any(0)[:, None, None], 0.0))
 
 
 def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of packed queries q [T, Hq * D] over each sequence's paged context."""
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
+                        sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+    """Causal attention of packed queries q [T, Hq * D] over each sequence's paged context
+    (windows and soft-capping as in `causal_attention_ref`)."""
     head_dim = kv_cache.shape[4]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     starts = query_start_loc.tolist()
@@ -57,7 +72,9 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
             continue
         keys, values = gather_context(kv_cache, block_tables[i], seq_len)
         q_i = q[lo:hi].view(hi - lo, -1, head_dim)
-        out[lo:hi] = causal_attention_ref(q_i, keys, values, scale).reshape(hi - lo, -1).to(q.dtype)
+        attended = causal_attention_ref(q_i, keys, values, scale, sliding_window=sliding_window,
+                                        logits_soft_cap=logits_soft_cap)
+        out[lo:hi] = attended.reshape(hi - lo, -1).to(q.dtype)
     return out
 
 

@@ -140,15 +140,24 @@ def _packed_target(name: str) -> tuple[str, str | None]:
 
 
 class Attention(nn.Module):
-    """Routes one layer's attention to the platform's backend and its slice of the paged KV cache."""
+    """Routes one layer's attention to the platform's backend and its slice of the paged KV cache.
 
-    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int):
+    `sliding_window` (tokens, None = global) and `logits_soft_cap` are the layer's own
+    (`corectl.attention.AttentionBackend.forward` says what they mean); `scale` defaults to
+    head_dim ** -0.5."""
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 scale: float | None = None, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale)
+        return ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale,
+                                   sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
