@@ -90,10 +90,11 @@ class AttentionBackend(abc.ABC):
 
         Per layer (the model's `Attention` module passes them on every call):
         - `sliding_window` W: the token at position p attends to keys p - W < j <= p only (W keys,
-          its own included: transformers' convention); None attends to the whole prefix. A
-          backend must not read keys before the window of a sequence's first new token: when every
-          layer of a model is windowed, the KV manager returns the blocks that fall wholly before
-          it to the pool, and other requests reuse them (docs/architecture.md, section 6).
+          its own included: transformers' convention); None attends to the whole prefix. Keys
+          before the window must get no weight whatever the cache holds there: when every layer
+          of a model is windowed, the KV manager returns the blocks that fall wholly before the
+          window of a sequence's first new token to the pool and other requests overwrite them
+          (docs/architecture.md, section 6). The Triton kernels do not even read them.
         - `logits_soft_cap` c: each score s (after `scale`) becomes c * tanh(s / c) before the
           mask and softmax (Gemma 2); None leaves scores as they are.
         """

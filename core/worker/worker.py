@@ -16,6 +16,7 @@ from ..attention import AttentionBackend
 from ..config import EngineConfig
 from ..distributed import get_tp, shard_range
 from ..models.kernels import LayerKernels, install_layer_kernels
+from ..models.layers import Attention
 from ..models.registry import resolve_model_class
 from ..platform import Platform
 from ..sampling_params import SamplingParams
@@ -36,6 +37,9 @@ class ModelInfo:
     vocab_size: int
     dtype: str
     num_params: int
+    # The window every attention layer keeps to (tokens), None when some layer attends to the
+    # whole context: the KV manager frees blocks before a request's window only when set.
+    sliding_window: int | None = None
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         itemsize = torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
@@ -149,4 +153,13 @@ def _model_info(hf, model: torch.nn.Module, dtype: str) -> ModelInfo:
         vocab_size=hf.vocab_size,
         dtype=dtype,
         num_params=sum(p.numel() for p in model.parameters()),
+        sliding_window=uniform_sliding_window(model),
     )
+
+
+def uniform_sliding_window(model: torch.nn.Module) -> int | None:
+    """The largest window of the model's attention layers if every one has a window, else None."""
+    windows = [m.sliding_window for m in model.modules() if isinstance(m, Attention)]
+    if not windows or None in windows:
+        return None
+    return max(windows)
