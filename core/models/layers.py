@@ -51,11 +51,16 @@ class RMSNorm(UsesLayerKernels, nn.Module):
 
 
 class RotaryEmbedding(UsesLayerKernels, nn.Module):
-    """cos/sin tables for every position up to `max_positions`, looked up by absolute position."""
+    """cos/sin tables for every position up to `max_positions`, looked up by absolute position.
 
-    def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype):
+    `layer_type` picks one entry of a config whose `rope_parameters` differ per layer type
+    (Gemma 3: "sliding_attention" and "full_attention" layers rotate with different bases)."""
+
+    def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype, layer_type: str | None = None):
         super().__init__()
         rope = getattr(config, "rope_parameters", None) or {}
+        if layer_type is not None:
+            rope = rope[layer_type]
         rope_type = rope.get("rope_type", "default")
         if rope_type == "default":
             theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -64,7 +69,7 @@ class RotaryEmbedding(UsesLayerKernels, nn.Module):
         else:
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type=layer_type)
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)

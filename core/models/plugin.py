@@ -10,3 +10,5 @@ def corectl_model_architectures():
     yield ModelSpec("MistralForCausalLM", "corectl.models.llama:MistralForCausalLM")
     yield ModelSpec("Qwen2ForCausalLM", "corectl.models.qwen:Qwen2ForCausalLM")
     yield ModelSpec("Qwen3ForCausalLM", "corectl.models.qwen:Qwen3ForCausalLM")
+    yield ModelSpec("Gemma2ForCausalLM", "corectl.models.gemma:Gemma2ForCausalLM")
+    yield ModelSpec("Gemma3ForCausalLM", "corectl.models.gemma:Gemma3ForCausalLM")
