@@ -32,6 +32,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
         "vocab_size": 151936, "tie_word_embeddings": True, "max_position_embeddings": 8192,
     },
+    # Mistral-7B-v0.1: a 4096-token sliding window on every layer (the windowed-decode measurement).
+    "mistral-7b": {
+        "model_type": "mistral", "architectures": ["MistralForCausalLM"], "dtype": "bfloat16",
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+        "sliding_window": 4096, "max_position_embeddings": 32768,
+    },
     # Small enough for CPU tests of the whole preset path.
     "llama-tiny": {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "dtype": "float32",
