@@ -10,6 +10,10 @@ dimension and compile-time constant) and the tensor shapes. Sequence lengths and
 read from tensors, so they may change between replays while `num_splits`, the batch size, the
 block-table width and the tensors' storage stay fixed. Splits past a sequence's end are empty and
 combine to nothing; a sequence of length 0 (graph padding) yields zeros.
+
+Sliding windows: the splits share out only the keys from the window's first tile on, the first
+of which is masked at the window's edge; a layer's window is a kernel argument fixed per layer,
+so a captured graph replays it like the scale.
 """
 from __future__ import annotations
 

@@ -8,6 +8,10 @@ of one KV head (BLOCK_M = BLOCK_Q * GROUP rows, padded to a power of two), so K/
 by the whole group, which keeps decode rows in a mixed batch cheap. Tiles are numbered
 `query_start_loc[i] // BLOCK_Q + i + local_tile`: the grid size then depends only on T and B
 (not on the longest query), and each program finds its sequence by binary search.
+
+Sliding windows (`sliding_window`): a tile starts at the key tile holding its first row's first
+visible key, masks the keys up to where every row's window has begun, then runs unmasked; no key
+before the first row's window is read. Soft-capping (`logits_soft_cap`) is a compile-time variant.
 """
 from __future__ import annotations
 
