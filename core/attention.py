@@ -53,6 +53,10 @@ class AttentionBackend(abc.ABC):
     #: between steps from the metadata's tensors, which the runner refills in place. Graph
     #: runners run every step eagerly with any other backend.
     supports_graph_capture: bool = False
+    #: The `EngineConfig.kv_cache_dtype` values this backend reads and writes; the worker refuses
+    #: others at startup. "auto" caches hold the model's dtype; "fp8"/"fp8_e4m3" caches hold
+    #: torch.float8_e4m3fn (values divided by a per-tensor scale, 1.0 unless calibrated).
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, block_size: int):

@@ -43,6 +43,8 @@ class TritonAttentionMetadata:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_graph_capture = True
+    # FP8 caches are read and written by the kernels themselves (scales 1.0: no calibrated ones yet).
+    kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")
 
     def build_metadata(self, batch: AttentionBatch, check_indices: bool = True) -> TritonAttentionMetadata:
         require(batch.block_size == self.block_size,

@@ -29,6 +29,8 @@ from .checks import (
     check_kv_cache,
     check_packed_heads,
     check_range,
+    check_cache_dtype,
+    check_kv_scales,
     check_same_device,
     check_window_and_cap,
     require,
@@ -44,7 +46,7 @@ DECODE_BLOCK_N = 64
 # The block-table width changes every eager step (see the prefill kernel); a layer's window is fixed.
 @triton.jit(do_not_specialize=["stride_table", "window"])
 def _decode_kernel(
-    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, qk_scale, window,
+    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, qk_scale, v_scale, window,
     stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table, num_heads,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
@@ -92,7 +94,7 @@ def _decode_kernel(
                                  first, qk_scale, stride_blk, stride_tok, offs_d, d_mask,
                                  BLOCK_SIZE, BLOCK_N, DOT_DTYPE, True, SOFT_CAP)
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
-    out = acc / safe_l[:, None]
+    out = acc * (v_scale / safe_l)[:, None]
     if NUM_SPLITS == 1:
         tl.store(out_ptr + seq * stride_ot + head_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:
@@ -151,7 +153,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            seq_lens: torch.Tensor, scale: float, *, max_seq_len: int,
                            num_splits: int | None = None, out: torch.Tensor | None = None,
                            check_indices: bool = True, sliding_window: int | None = None,
-                           logits_soft_cap: float | None = None) -> torch.Tensor:
+                           logits_soft_cap: float | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context (the token's own K/V included).
 
     q: [B, num_heads * head_dim]; block_tables: int32 [B, max_blocks]; seq_lens: int32 [B], the
@@ -161,6 +164,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     `sliding_window` W: the token at position p sees keys p - W < j <= p only, and no key before
     that is read (its block may be back in the pool); None sees the whole context.
     `logits_soft_cap` c: scores become c * tanh(score / c) (Gemma 2); None leaves them.
+    An FP8 (e4m3) `kv_cache` holds keys / k_scale and values / v_scale (`store_kvcache`): the
+    scales fold into the score scale and the output, so the tiles are only widened as they load.
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     check_index("block_tables", block_tables, 2, (torch.int32,))
@@ -173,7 +178,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
             f"got shape {tuple(q.shape)}")
     num_heads = q.shape[1] // head_dim
     check_packed_heads("q", q, num_seqs, num_heads, head_dim)
-    require(q.dtype == kv_cache.dtype, f"q and kv_cache must share a dtype, got {q.dtype} and {kv_cache.dtype}")
+    check_cache_dtype("q", q, kv_cache)
+    check_kv_scales(k_scale, v_scale)
     require(max_seq_len >= 0, f"max_seq_len must be >= 0, got {max_seq_len}")
     check_window_and_cap(sliding_window, logits_soft_cap)
     splits = num_splits if num_splits is not None else choose_decode_splits(
@@ -187,11 +193,12 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     if num_seqs == 0:
         return out
     _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, num_heads // num_kv_heads, splits,
-                   sliding_window, logits_soft_cap)
+                   sliding_window, logits_soft_cap, k_scale, v_scale)
     return out
 
 
-def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, splits, window, soft_cap) -> None:
+def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, splits, window, soft_cap,
+                   k_scale, v_scale) -> None:
     num_seqs = q.shape[0]
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     num_heads = num_kv_heads * group
@@ -203,7 +210,8 @@ def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, split
         part_out = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
-        q, kv_cache, block_tables, seq_lens, out, part_out, part_lse, score_scale(scale, soft_cap), window or 0,
+        q, kv_cache, block_tables, seq_lens, out, part_out, part_lse, score_scale(scale * k_scale, soft_cap), v_scale,
+        window or 0,
         q.stride(0), out.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_tables.stride(0), num_heads,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,

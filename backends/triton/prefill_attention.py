@@ -25,6 +25,8 @@ from .checks import (
     check_kv_cache,
     check_packed_heads,
     check_range,
+    check_cache_dtype,
+    check_kv_scales,
     check_same_device,
     check_window_and_cap,
     require,
@@ -53,7 +55,7 @@ def _find_sequence(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 # for integers divisible by 16) would compile variants at first use while serving.
 @triton.jit(do_not_specialize=["num_seqs", "stride_table", "window"])
 def _prefill_kernel(
-    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr, out_ptr, qk_scale, window, num_seqs,
+    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr, out_ptr, qk_scale, v_scale, window, num_seqs,
     stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
@@ -111,7 +113,7 @@ def _prefill_kernel(
     acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, q_first, k_base, v_base, table_row, bulk_end, hi,
                                  key_lo, qk_scale, stride_blk, stride_tok, offs_d, d_mask,
                                  BLOCK_SIZE, BLOCK_N, DOT_DTYPE, True, SOFT_CAP)
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
     tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head_offs, out.to(out_ptr.dtype.element_ty),
              mask=row_mask)
 
@@ -126,15 +128,16 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
                             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
                             max_query_len: int, out: torch.Tensor | None = None,
                             check_indices: bool = True, sliding_window: int | None = None,
-                            logits_soft_cap: float | None = None) -> torch.Tensor:
+                            logits_soft_cap: float | None = None, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of T packed new tokens over their sequences' paged context.
 
     q: [T, num_heads * head_dim]; query_start_loc: int32 [B + 1]; seq_lens: int32 [B] (cached
     prefix + new tokens); block_tables: int32 [B, max_blocks]; max_query_len: a host bound on the
     query lengths that only picks tile sizes. `check_indices` reads the index tensors back to
     validate them (a GPU synchronisation). Returns `out` [T, num_heads * head_dim].
-    `sliding_window` and `logits_soft_cap` as in `paged_decode_attention`: no key before the
-    window of a tile's first token is read.
+    `sliding_window`, `logits_soft_cap` and the FP8 cache's `k_scale`, `v_scale` as in
+    `paged_decode_attention`: no key before the window of a tile's first token is read.
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     check_index("block_tables", block_tables, 2, (torch.int32,))
@@ -149,7 +152,8 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
             f"got shape {tuple(q.shape)}")
     num_tokens, num_heads = q.shape[0], q.shape[1] // head_dim
     check_packed_heads("q", q, num_tokens, num_heads, head_dim)
-    require(q.dtype == kv_cache.dtype, f"q and kv_cache must share a dtype, got {q.dtype} and {kv_cache.dtype}")
+    check_cache_dtype("q", q, kv_cache)
+    check_kv_scales(k_scale, v_scale)
     require(max_query_len >= 1, f"max_query_len must be >= 1, got {max_query_len}")
     check_window_and_cap(sliding_window, logits_soft_cap)
     out = attention_output(out, q)
@@ -161,7 +165,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     if num_tokens == 0:
         return out
     _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, max_query_len,
-                    sliding_window, logits_soft_cap)
+                    sliding_window, logits_soft_cap, k_scale, v_scale)
     return out
 
 
@@ -182,7 +186,7 @@ def _check_prefill_indices(block_tables, seq_lens, query_start_loc, num_blocks, 
 
 
 def _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, max_query_len,
-                    window, soft_cap) -> None:
+                    window, soft_cap, k_scale, v_scale) -> None:
     num_seqs = block_tables.shape[0]
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     group = q.shape[1] // head_dim // num_kv_heads
@@ -190,7 +194,8 @@ def _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, s
     block_q = block_m // group
     num_tiles = q.shape[0] // block_q + num_seqs
     _prefill_kernel[(num_tiles, num_kv_heads)](
-        q, kv_cache, block_tables, seq_lens, query_start_loc, out, score_scale(scale, soft_cap), window or 0,
+        q, kv_cache, block_tables, seq_lens, query_start_loc, out, score_scale(scale * k_scale, soft_cap), v_scale,
+        window or 0,
         num_seqs,
         q.stride(0), out.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_tables.stride(0),

@@ -9,15 +9,19 @@ import torch
 
 
 def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> torch.Tensor:
-    """The cache after writing k, v `[T, Hk * D]` at `slot_mapping` (slot -1 = skip)."""
+                      slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """The cache after writing k, v `[T, Hk * D]` at `slot_mapping` (slot -1 = skip); an FP8 cache
+    gets k / k_scale and v / v_scale saturated at +-448, e4m3's largest finite value."""
     result = kv_cache.clone()
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = result.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    flat[0, slots] = k[keep].view(-1, num_kv_heads, head_dim)
-    flat[1, slots] = v[keep].view(-1, num_kv_heads, head_dim)
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        k = (k.float() / k_scale).clamp(-448.0, 448.0)
+        v = (v.float() / v_scale).clamp(-448.0, 448.0)
+    flat[0, slots] = k[keep].view(-1, num_kv_heads, head_dim).to(kv_cache.dtype)
+    flat[1, slots] = v[keep].view(-1, num_kv_heads, head_dim).to(kv_cache.dtype)
     return result
 
 
@@ -60,9 +64,11 @@ def causal_attention_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
-                        sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                        sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                        k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of packed queries q [T, Hq * D] over each sequence's paged context
-    (windows and soft-capping as in `causal_attention_ref`)."""
+    (windows and soft-capping as in `causal_attention_ref`); the cached keys and values count as
+    k_scale and v_scale times what the cache holds (an FP8 cache's scales)."""
     head_dim = kv_cache.shape[4]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     starts = query_start_loc.tolist()
@@ -71,6 +77,7 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         if hi == lo:
             continue
         keys, values = gather_context(kv_cache, block_tables[i], seq_len)
+        keys, values = keys.float() * k_scale, values.float() * v_scale
         q_i = q[lo:hi].view(hi - lo, -1, head_dim)
         attended = causal_attention_ref(q_i, keys, values, scale, sliding_window=sliding_window,
                                         logits_soft_cap=logits_soft_cap)

@@ -3,7 +3,8 @@ Gemma 3 (local and global layers, per-type rotary bases, q/k norms) and Gemma 2 
 attention and logits). Random weights, fp32, prompts longer than the 8-token window.
 
 The engine runs with 8-token blocks, so Mistral's requests return blocks to the pool as they
-decode; the last test runs Gemma 2 and Mistral through the Triton backend under the interpreter.
+decode; the last tests run Gemma 2 and Mistral through the Triton backend under the interpreter,
+with the KV cache in the model's dtype and in FP8.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from corectl.backends.cpu.platform import CPUPlatform
 from corectl.backends.cpu.worker import CPUWorker
 from corectl.backends.triton.attention import TritonAttentionBackend
 from corectl.config import EngineConfig
+from corectl.errors import ConfigError
 from corectl.loaders import resolve_model_source
 from corectl.request import Request
 from corectl.scheduler import Scheduler
@@ -94,27 +96,52 @@ def test_window_and_caps_change_the_model(tmp_path, default_model_dir):
             assert (other(prompt).logits - logits).abs().max() > 0.1, change
 
 
-@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
-def test_triton_backend_under_the_interpreter(arch, tmp_path, default_model_dir):
-    """The real CPU worker and scheduler with the Triton attention backend in place of SDPA."""
-    hf_model = _checkpoint(arch, tmp_path / arch, default_model_dir)
-    config = EngineConfig(model=str(tmp_path / arch), dtype="float32", block_size=8, max_num_batched_tokens=16)
-    source = resolve_model_source(config)
-    worker = CPUWorker(config, CPUPlatform(), source, dtype="float32", max_model_len=64, eos_token_id=None,
-                       attention_backend_cls=TritonAttentionBackend)
+def _run_triton_engine(folder, prompts, max_tokens, **options):
+    """The real CPU worker and scheduler with the Triton attention backend in place of SDPA; returns
+    each request's (token, top logprob) pairs and the scheduler."""
+    config = EngineConfig(model=str(folder), dtype="float32", block_size=8, max_num_batched_tokens=16, **options)
+    worker = CPUWorker(config, CPUPlatform(), resolve_model_source(config), dtype="float32", max_model_len=64,
+                       eos_token_id=None, attention_backend_cls=TritonAttentionBackend)
     info = worker.load_model()
     worker.init_kv_cache(40)
     sched = Scheduler(config, 64, 40, sliding_window=info.sliding_window)
-    prompts = _prompts(2, seed=5)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     for i, prompt in enumerate(prompts):
-        sched.add_request(Request(f"r{i}", prompt, params, max_tokens=6))
-    tokens = {f"r{i}": [] for i in range(len(prompts))}
+        sched.add_request(Request(f"r{i}", prompt, params, max_tokens=max_tokens))
+    outputs = {f"r{i}": [] for i in range(len(prompts))}
     while sched.has_unfinished_requests():
         out = sched.schedule()
         for result in sched.update(out, worker.launch(out).result()):
-            tokens[result.req_id] += result.new_token_ids
-    for i, prompt in enumerate(prompts):
-        assert tokens[f"r{i}"] == hf_greedy(hf_model, prompt, 6)[0]
+            outputs[result.req_id].append((result.new_token_ids[0], result.logprobs.logprobs[0][0]))
+    return [outputs[f"r{i}"] for i in range(len(prompts))], sched, worker
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_triton_backend_under_the_interpreter(arch, tmp_path, default_model_dir):
+    hf_model = _checkpoint(arch, tmp_path / arch, default_model_dir)
+    prompts = _prompts(2, seed=5)
+    outputs, sched, _ = _run_triton_engine(tmp_path / arch, prompts, 6)
+    for prompt, output in zip(prompts, outputs):
+        assert [token for token, _ in output] == hf_greedy(hf_model, prompt, 6)[0]
     # Mistral's requests gave blocks back while they ran: the kernels never read them afterwards.
     assert (sched.kv.num_windowed_out_blocks > 0) == (arch == "mistral")
+
+
+def test_fp8_kv_cache_through_the_triton_backend(tmp_path, default_model_dir):
+    """`kv_cache_dtype="fp8"`: e4m3 caches of a quarter of fp32's bytes, and the first token's
+    logprob within e4m3's rounding of the fp32 cache's (random weights amplify that rounding
+    into different tokens later on, so only the first step is compared)."""
+    _checkpoint("mistral", tmp_path / "m", default_model_dir)
+    prompts = _prompts(4, seed=5)
+    full, _, full_worker = _run_triton_engine(tmp_path / "m", prompts, 2)
+    fp8, _, fp8_worker = _run_triton_engine(tmp_path / "m", prompts, 2, kv_cache_dtype="fp8")
+    assert {c.dtype for c in fp8_worker.runner.kv_caches} == {torch.float8_e4m3fn}
+    assert fp8_worker.model_info.kv_bytes_per_block(8) * 4 == full_worker.model_info.kv_bytes_per_block(8)
+    for exact, quantized in zip(full, fp8):
+        assert abs(exact[0][1] - quantized[0][1]) < 0.3
+
+
+def test_fp8_kv_cache_is_refused_by_the_cpu_backend(tmp_path, default_model_dir):
+    _checkpoint("mistral", tmp_path / "m", default_model_dir)
+    with pytest.raises(ConfigError, match="'torch_sdpa' attention backend stores only auto KV caches"):
+        LLM(str(tmp_path / "m"), dtype="float32", kv_cache_memory_gib=0.02, kv_cache_dtype="fp8")
