@@ -101,6 +101,12 @@ stage_w4() {
   bench throughput --model qwen3-0.6b --num-prompts 256 --min-len 100 --max-len 1024 --save-result "$RES/w4.json"
   python3 "$PEER" static --shape qwen3-0.6b --batch 128 --input-len 512 --output-len 512
 }
+stage_w4fp8() {
+  # W4 with the FP8 KV cache (twice the KV blocks) against the bf16 cache in the same call: target >= 1.3x.
+  bench throughput --model qwen3-0.6b --num-prompts 256 --min-len 100 --max-len 1024 --save-result "$RES/w4_bf16kv.json"
+  bench throughput --model qwen3-0.6b --num-prompts 256 --min-len 100 --max-len 1024 --kv-cache-dtype fp8 \
+    --save-result "$RES/w4_fp8kv.json"
+}
 
 for stage in "$@"; do
   echo "=== $stage"
