@@ -21,11 +21,12 @@ class CUDAWorker(Worker):
     def init_device(self) -> torch.device:
         device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
-        if self.config.kv_cache_dtype != "auto" and torch.version.hip is None and \
-                torch.cuda.get_device_capability(device) < (8, 9):
-            raise ConfigError("kv_cache_dtype", f"an FP8 KV cache needs FP8 conversions (compute capability 8.9 or "
-                              f"newer: Ada, Hopper); {torch.cuda.get_device_name(device)} has "
-                              f"{torch.cuda.get_device_capability(device)}: use --kv-cache-dtype auto")
+        # e4m3fn conversions: NVIDIA from Ada/Hopper on (ROCm's MI300 uses the e4m3fnuz variant, not done).
+        if self.config.kv_cache_dtype != "auto" and (
+                torch.version.hip is not None or torch.cuda.get_device_capability(device) < (8, 9)):
+            raise ConfigError("kv_cache_dtype", "an FP8 KV cache needs an NVIDIA GPU with FP8 conversions (compute "
+                              f"capability 8.9 or newer: Ada, Hopper); {torch.cuda.get_device_name(device)} has "
+                              "none here: use --kv-cache-dtype auto")
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         return device

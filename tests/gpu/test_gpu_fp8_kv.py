@@ -6,8 +6,8 @@ import torch
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA or ROCm GPU", allow_module_level=True)
-if torch.version.hip is None and torch.cuda.get_device_capability() < (8, 9):
-    pytest.skip("FP8 conversions need compute capability 8.9 or newer", allow_module_level=True)
+if torch.version.hip is not None or torch.cuda.get_device_capability() < (8, 9):
+    pytest.skip("the FP8 KV cache needs an NVIDIA GPU of compute capability 8.9 or newer", allow_module_level=True)
 
 from corectl import SamplingParams  # noqa: E402
 from corectl.backends.triton.decode_attention import paged_decode_attention  # noqa: E402
