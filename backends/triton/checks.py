@@ -97,7 +97,8 @@ def check_window_and_cap(sliding_window: int | None, logits_soft_cap: float | No
 def check_cache_dtype(name: str, t: torch.Tensor, kv_cache: torch.Tensor) -> None:
     """Activations and cache share a dtype, unless the cache is FP8 (the kernels convert)."""
     require(kv_cache.dtype in (t.dtype, FP8_KV_DTYPE),
-            f"{name} and kv_cache must share a dtype (or the cache be {FP8_KV_DTYPE}), got {t.dtype} and {kv_cache.dtype}")
+            f"{name} and kv_cache must share a dtype (or the cache be {FP8_KV_DTYPE}), "
+            f"got {t.dtype} and {kv_cache.dtype}")
 
 
 def check_kv_scales(k_scale: float, v_scale: float) -> None:
