@@ -78,6 +78,23 @@ def test_greedy_tokens_match_transformers(arch, tmp_path, default_model_dir):
     assert (kv.sliding_window, kv.num_windowed_out_blocks > 0) == ((WINDOW, True) if arch == "mistral" else (None, False))
 
 
+def test_prefix_hits_after_blocks_left_the_window(tmp_path, default_model_dir):
+    """Follow-up prompts extend earlier conversations whose first blocks went back to the pool while
+    they decoded: hits still give transformers' tokens, whether the chain survived or broke."""
+    hf_model = _checkpoint("mistral", tmp_path / "m", default_model_dir)
+    # Room for 15 blocks: the first blocks of finished requests get reused, breaking some chains.
+    llm = LLM(str(tmp_path / "m"), dtype="float32", kv_cache_memory_gib=0.00006, block_size=8,
+              max_num_batched_tokens=32)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    first = _prompts(4, seed=11)
+    outputs = llm.generate(first, params, use_tqdm=False)
+    follow_ups = [prompt + out.outputs[0].token_ids + [5, 6, 7] for prompt, out in zip(first, outputs)]
+    for out, prompt in zip(llm.generate(follow_ups, params, use_tqdm=False), follow_ups):
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, NEW_TOKENS)[0]
+    stats = llm.engine.scheduler.make_stats()
+    assert stats.prefix_cache_hits > 0 and llm.engine.scheduler.kv.num_windowed_out_blocks > 0
+
+
 def test_window_and_caps_change_the_model(tmp_path, default_model_dir):
     """The parity above means something only if transformers' own logits depend on what we implement."""
     from transformers import AutoModelForCausalLM
