@@ -53,6 +53,10 @@ class AttentionBackend(abc.ABC):
     #: between steps from the metadata's tensors, which the runner refills in place. Graph
     #: runners run every step eagerly with any other backend.
     supports_graph_capture: bool = False
+    #: The `EngineConfig.kv_cache_dtype` values this backend reads and writes; the worker refuses
+    #: others at startup. "auto" caches hold the model's dtype; "fp8"/"fp8_e4m3" caches hold
+    #: torch.float8_e4m3fn (values divided by a per-tensor scale, 1.0 unless calibrated).
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, block_size: int):
@@ -81,11 +85,22 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: Any, scale: float) -> torch.Tensor:
+                meta: Any, scale: float, *, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         """q: [T, num_heads * head_dim]; k, v: [T, num_kv_heads * head_dim].
 
         Writes k/v into the cache at `slot_mapping`, then attends causally over each sequence's
         cached prefix plus its new tokens. Returns [T, num_heads * head_dim].
+
+        Per layer (the model's `Attention` module passes them on every call):
+        - `sliding_window` W: the token at position p attends to keys p - W < j <= p only (W keys,
+          its own included: transformers' convention); None attends to the whole prefix. Keys
+          before the window must get no weight whatever the cache holds there: when every layer
+          of a model is windowed, the KV manager returns the blocks that fall wholly before the
+          window of a sequence's first new token to the pool and other requests overwrite them
+          (docs/architecture.md, section 6). The Triton kernels do not even read them.
+        - `logits_soft_cap` c: each score s (after `scale`) becomes c * tanh(s / c) before the
+          mask and softmax (Gemma 2); None leaves scores as they are.
         """
 
 

@@ -13,6 +13,8 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 POLICIES = ("fcfs", "priority")
 EXECUTOR_BACKENDS = ("mp", "ray")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+# vLLM's names: "fp8" is e4m3 with per-tensor scales.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -26,6 +28,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     gpu_memory_utilization: fraction of device memory the engine may use (weights + activations
         + KV cache) on platforms that profile memory.
     max_num_batched_tokens: token budget per scheduler step (chunked prefill splits longer prompts).
+    kv_cache_dtype: "auto" stores K/V in the model's dtype; "fp8" (or "fp8_e4m3") in FP8 e4m3 with a
+        per-tensor scale per layer (1.0 without calibrated scales), half the bytes of bf16, so the
+        cache holds twice the tokens; the attention backend must support it (`triton` does).
     async_scheduling: schedule and launch step N+1 before step N's sampled ids reach the host, so
         host work overlaps the device; None turns it on where the platform's device runs
         asynchronously (GPUs). Outputs are the same either way.
@@ -63,6 +68,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     load_format: str = "auto"
     max_model_len: int | None = None
     block_size: int = 16
+    kv_cache_dtype: str = "auto"
     kv_cache_memory_gib: float | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 128
@@ -97,6 +103,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.pooling_type is not None:
             self.pooling_type = self.pooling_type.upper()
             self._check_choice("pooling_type", POOLING_TYPES)
+        self._check_choice("kv_cache_dtype", KV_CACHE_DTYPES)
         self._check_positive("max_num_seqs")
         self._check_positive("max_num_batched_tokens")
         if self.max_model_len is not None:

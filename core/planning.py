@@ -104,6 +104,8 @@ class Plan:
     max_model_len: int
     problem: str | None
     remedies: list[str] = field(default_factory=list)
+    # The window every layer keeps to, if one does: a sequence then holds only its window's blocks.
+    sliding_window: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -125,7 +127,10 @@ class Plan:
     @property
     def max_concurrency(self) -> float:
         """Sequences of `max_model_len` tokens the KV cache holds at once (what the engine logs)."""
-        return self.kv_tokens / self.max_model_len
+        if self.sliding_window is None:
+            return self.kv_tokens / self.max_model_len
+        return max(self.num_kv_blocks, 0) / blocks_per_sequence(self.max_model_len, self.block_size,
+                                                                self.sliding_window)
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "fits": self.fits, "kv_tokens": self.kv_tokens,
@@ -148,7 +153,7 @@ def plan_deployment(config: EngineConfig, *, device: str = "auto", device_memory
     checkpoint = read_checkpoint(config)
     target = resolve_target(config, checkpoint.model_dtype, device, device_memory)
     max_model_len = resolve_max_model_len(config, checkpoint.hf_config)
-    shape = _model_shape(checkpoint.hf_config, max_model_len, target.dtype)
+    shape = _model_shape(checkpoint.hf_config, max_model_len, target.dtype, config.kv_cache_dtype)
     result = _size(checkpoint, shape, config, target, config.tensor_parallel_size, max_model_len)
     if result.fits:
         return result
@@ -221,7 +226,7 @@ def _safetensors_bytes(files: list[Path]) -> dict[str, int]:
     return sizes
 
 
-def _model_shape(hf, max_model_len: int, dtype: str) -> _Shape:
+def _model_shape(hf, max_model_len: int, dtype: str, kv_cache_dtype: str = "auto") -> _Shape:
     """The engine's model built on the meta device, as `Worker.load_model` builds it."""
     torch_dtype = _DTYPES[dtype]
     with _default_dtype(torch_dtype), torch.device("meta"):
@@ -230,7 +235,7 @@ def _model_shape(hf, max_model_len: int, dtype: str) -> _Shape:
         model = resolve_model_class(pooling_architectures(hf))(hf, max_positions=max_model_len, dtype=torch_dtype)
     params = list(model.parameters())
     return _Shape(
-        info=_model_info(hf, model, dtype), hidden_size=hf.hidden_size,
+        info=_model_info(hf, model, dtype, kv_cache_dtype), hidden_size=hf.hidden_size,
         intermediate_size=_mlp_rows_per_token(hf),
         weight_bytes=_nbytes(params), matrix_bytes=_nbytes(p for p in params if p.dim() > 1),
         buffer_bytes=_nbytes(model.buffers()),
@@ -309,8 +314,9 @@ def _size(checkpoint: Checkpoint, shape: _Shape, config: EngineConfig, target: T
         max_num_batched_tokens=config.max_num_batched_tokens, activation_bytes=activations,
         device=target.name, profiles_memory=target.profiles_memory, device_memory_bytes=target.memory_bytes,
         usable_bytes=usable, non_torch_bytes=non_torch, num_kv_blocks=blocks,
-        min_kv_blocks=blocks_per_sequence(max_model_len, config.block_size), max_model_len=max_model_len,
-        problem=None,
+        min_kv_blocks=blocks_per_sequence(max_model_len, config.block_size, shape.info.sliding_window,
+                                          config.max_num_batched_tokens), max_model_len=max_model_len,
+        problem=None, sliding_window=info.sliding_window,
     )
     return dataclasses.replace(plan, problem=_problem(plan))
 

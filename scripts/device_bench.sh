@@ -88,6 +88,16 @@ stage_w5budget() {
     kill -TERM $server; wait $server; port=$(( port + 1 ))
   done
 }
+stage_swa() {
+  # Sliding window: the mistral-7b shape (a 4096-token window on every layer) decoding at batch 64
+  # after 16k-token prompts against 4k ones; the median TPOT (pure decode steps: 511 of them against
+  # at most 128 steps that mix in prefill chunks) should stay within 10%, as the window bounds the
+  # keys read, and the blocks before each window go back to the pool (see the KV cache log line).
+  for len in 4096 16384; do
+    bench latency --model mistral-7b --batch-size 64 --input-len $len --output-len 512 --max-model-len 16896 \
+      --num-iters-warmup 0 --num-iters 1 --save-result "$RES/swa_$len.json" | grep -E "TPOT|KV cache"
+  done
+}
 stage_w4() {
   bench throughput --model qwen3-0.6b --num-prompts 256 --min-len 100 --max-len 1024 --save-result "$RES/w4.json"
   python3 "$PEER" static --shape qwen3-0.6b --batch 128 --input-len 512 --output-len 512
@@ -144,6 +154,12 @@ stage_dp() {
 stage_w2ray() {
   ray_site || { echo "ray not importable"; return; }
   RAY_AUTH_MODE=disabled bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 -tp 2 --distributed-executor-backend ray --save-result "$RES/w2_ray.json" | grep TPOT | sed "s/^/TP=2 ray /"
+}
+stage_w4fp8() {
+  # W4 with the FP8 KV cache (twice the KV blocks) against the bf16 cache in the same call: target >= 1.3x.
+  bench throughput --model qwen3-0.6b --num-prompts 256 --min-len 100 --max-len 1024 --save-result "$RES/w4_bf16kv.json"
+  bench throughput --model qwen3-0.6b --num-prompts 256 --min-len 100 --max-len 1024 --kv-cache-dtype fp8 \
+    --save-result "$RES/w4_fp8kv.json"
 }
 
 for stage in "$@"; do

@@ -5,7 +5,15 @@ import argparse
 import json
 from typing import Any
 
-from corectl.config import BLOCK_SIZES, DTYPES, EXECUTOR_BACKENDS, LOAD_FORMATS, POLICIES, EngineConfig
+from corectl.config import (
+    BLOCK_SIZES,
+    DTYPES,
+    EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    POLICIES,
+    EngineConfig,
+)
 from corectl.pooling import POOLING_TYPES, RUNNER_ALIASES, RUNNERS
 
 # field -> (flag, help, argparse extras); the field order here is the order in --help.
@@ -29,6 +37,9 @@ ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] 
     "hf_overrides": ("--hf-overrides", _MODEL, "JSON object merged into the model config", {"type": json.loads}),
     "seed": ("--seed", _MODEL, "seed for dummy weights and unseeded sampling", {"type": int}),
     "block_size": ("--block-size", _CACHE, "tokens per KV block", {"type": int, "choices": BLOCK_SIZES}),
+    "kv_cache_dtype": ("--kv-cache-dtype", _CACHE, "KV cache storage: 'auto' (the model's dtype) or 'fp8' (e4m3 "
+                       "with per-tensor scales: twice the tokens; needs the triton attention backend)",
+                       {"choices": KV_CACHE_DTYPES}),
     "kv_cache_memory_gib": ("--kv-cache-memory", _CACHE, "KV cache size in GiB (CPU)", {"type": float}),
     "gpu_memory_utilization": ("--gpu-memory-utilization", _CACHE, "fraction of GPU memory to use", {"type": float}),
     "max_num_seqs": ("--max-num-seqs", _CACHE, "most sequences in one step", {"type": int}),

@@ -10,10 +10,13 @@ A pure-decode step needs no query padding, and its query heads are grouped by th
 share: SDPA then sees `num_heads / num_kv_heads` query rows per KV head instead of one row per
 query head, which torch's CPU flash kernel runs 3-5x faster in bf16 (16 sequences x 160 keys:
 1.5 ms one row per head, 0.4 ms grouped) and without expanding K/V for GQA.
+
+Sliding-window layers narrow the step's mask to each query's window (built once per step and
+window); soft-capped layers (Gemma 2) spell the attention out, since SDPA cannot cap scores.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +34,27 @@ class SDPAMetadata:
     max_query_len: int
     max_seq_len: int
     fresh_single_prefill: bool            # one sequence, no cached prefix: attend to the new K/V directly
+    # [B, Qmax] context position of each padded query (padding rows repeat their sequence's last
+    # one) and [B] context lengths: what the masks of windowed layers are built from.
+    query_pos: torch.Tensor
+    seq_lens: torch.Tensor
     # [2 * B * Lmax]: key_index into a layer's cache seen as [2 * slots] rows, keys then values;
     # made by the first layer of the step (the metadata does not know the cache's size).
     kv_index: torch.Tensor | None = None
+    # window -> mask, built by the first layer with that window in the step
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, sliding_window: int | None) -> torch.Tensor | None:
+        """The attention mask of a layer: `mask`, narrowed to each query's window when it has one."""
+        if sliding_window is None:
+            return self.mask
+        mask = self.window_masks.get(sliding_window)
+        if mask is None:
+            cols = torch.arange(self.max_seq_len)[None, None, :]
+            pos = self.query_pos[:, :, None]
+            mask = (cols <= pos) & (cols > pos - sliding_window) & (cols < self.seq_lens[:, None, None])
+            mask = self.window_masks[sliding_window] = mask.unsqueeze(1)
+        return mask
 
 
 def _key_index(batch: AttentionBatch, cols: torch.Tensor) -> torch.Tensor:
@@ -41,13 +62,19 @@ def _key_index(batch: AttentionBatch, cols: torch.Tensor) -> torch.Tensor:
     return (block_cols * batch.block_size + cols % batch.block_size).view(-1)
 
 
+def _fresh_metadata(batch: AttentionBatch) -> SDPAMetadata:
+    n = batch.max_query_len
+    return SDPAMetadata(batch.slot_mapping, None, None, None, None, 1, n, n, True,
+                        query_pos=torch.arange(n)[None, :], seq_lens=torch.tensor([n]))
+
+
 def _decode_metadata(batch: AttentionBatch, cols: torch.Tensor) -> SDPAMetadata:
-    s_lens = batch.seq_lens_host
+    s_lens = torch.tensor(batch.seq_lens_host)
     mask = None
-    if min(s_lens) != batch.max_seq_len:
-        mask = (cols[None, :] < torch.tensor(s_lens)[:, None]).view(len(s_lens), 1, 1, -1)
+    if min(batch.seq_lens_host) != batch.max_seq_len:
+        mask = (cols[None, :] < s_lens[:, None]).view(len(s_lens), 1, 1, -1)
     return SDPAMetadata(batch.slot_mapping, _key_index(batch, cols), mask, None, None,
-                        batch.num_seqs, 1, batch.max_seq_len, False)
+                        batch.num_seqs, 1, batch.max_seq_len, False, query_pos=(s_lens - 1)[:, None], seq_lens=s_lens)
 
 
 def _padded_metadata(batch: AttentionBatch, cols: torch.Tensor) -> SDPAMetadata:
@@ -60,7 +87,8 @@ def _padded_metadata(batch: AttentionBatch, cols: torch.Tensor) -> SDPAMetadata:
     query_index = (starts[:, None] + rows[None, :]).clamp(max=sum(q_lens) - 1)
     valid_q = rows[None, :] < q_lens_t[:, None]
     token_index = (torch.arange(b)[:, None] * q_max + rows[None, :])[valid_q]
-    query_pos = (s_lens_t - q_lens_t)[:, None] + rows[None, :]
+    # Padding rows take their sequence's last position, so they see keys (never a fully masked row).
+    query_pos = torch.minimum((s_lens_t - q_lens_t)[:, None] + rows[None, :], (s_lens_t - 1)[:, None])
     mask = (cols[None, None, :] <= query_pos[:, :, None]) & (cols[None, None, :] < s_lens_t[:, None, None])
     needs_mask = q_max > 1 or len(set(s_lens)) > 1
     return SDPAMetadata(
@@ -73,7 +101,27 @@ def _padded_metadata(batch: AttentionBatch, cols: torch.Tensor) -> SDPAMetadata:
         max_query_len=q_max,
         max_seq_len=batch.max_seq_len,
         fresh_single_prefill=False,
+        query_pos=query_pos,
+        seq_lens=s_lens_t,
     )
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            soft_cap: float | None, causal: bool = False) -> torch.Tensor:
+    """SDPA over [..., heads, rows, D] with as many or fewer (grouped) key heads; soft-capped scores
+    (which SDPA cannot take) go through the same math spelled out, scores and softmax in fp32."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, is_causal=causal,
+                                              enable_gqa=keys.shape[-3] != q.shape[-3])
+    group = q.shape[-3] // keys.shape[-3]
+    keys, values = keys.repeat_interleave(group, dim=-3), values.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
+    scores = soft_cap * torch.tanh(scores / soft_cap)
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -82,25 +130,26 @@ class TorchSDPABackend(AttentionBackend):
     def build_metadata(self, batch: AttentionBatch, check_indices: bool = True) -> SDPAMetadata:
         # Indices are never read back here, so there is nothing to skip.
         if batch.num_seqs == 1 and batch.query_lens_host[0] == batch.seq_lens_host[0]:
-            return SDPAMetadata(batch.slot_mapping, None, None, None, None, 1, batch.max_query_len,
-                                batch.max_seq_len, True)
+            return _fresh_metadata(batch)
         cols = torch.arange(batch.max_seq_len)
         if batch.is_pure_decode:
             return _decode_metadata(batch, cols)
         return _padded_metadata(batch, cols)
 
-    def forward(self, q, k, v, kv_cache, meta: SDPAMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta: SDPAMetadata, scale: float, *, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         k = k.view(-1, hk, d)
         v = v.view(-1, hk, d)
         key_cache, value_cache = kv_cache[0].view(-1, hk, d), kv_cache[1].view(-1, hk, d)
         key_cache.index_copy_(0, meta.slot_mapping, k)
         value_cache.index_copy_(0, meta.slot_mapping, v)
+        # Keys outside a window are read and given no weight (blocks freed by the KV manager still
+        # hold finite K/V of some request), so windowed layers share the step's one gather.
+        mask = meta.mask_for(sliding_window)
         if meta.fresh_single_prefill:
-            out = F.scaled_dot_product_attention(
-                q.view(1, -1, h, d).transpose(1, 2), k.unsqueeze(0).transpose(1, 2),
-                v.unsqueeze(0).transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True,
-            )
+            out = _attend(q.view(1, -1, h, d).transpose(1, 2), k.unsqueeze(0).transpose(1, 2),
+                          v.unsqueeze(0).transpose(1, 2), mask, scale, logits_soft_cap, causal=mask is None)
             return out.transpose(1, 2).reshape(-1, h * d)
         b = meta.num_seqs
         rows = kv_cache.view(-1, hk, d)
@@ -111,9 +160,9 @@ class TorchSDPABackend(AttentionBackend):
         keys, values = pages[0].transpose(1, 2), pages[1].transpose(1, 2)
         if meta.query_index is None:
             grouped = q.view(b, hk, h // hk, d)
-            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=meta.mask, scale=scale)
+            out = _attend(grouped, keys, values, mask, scale, logits_soft_cap)
             return out.reshape(b, h * d)
         queries = q.view(-1, h, d)[meta.query_index].transpose(1, 2)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=scale, enable_gqa=True)
+        out = _attend(queries, keys, values, mask, scale, logits_soft_cap)
         out = out.transpose(1, 2).reshape(b * meta.max_query_len, h * d)
         return out[meta.token_index]

@@ -24,7 +24,8 @@ class CPUWorker(Worker):
         budget_gib = self.config.kv_cache_memory_gib or DEFAULT_KV_CACHE_GIB
         per_block = self.model_info.kv_bytes_per_block(self.config.block_size)
         num_blocks = fixed_kv_blocks(budget_gib, per_block)
-        needed = blocks_per_sequence(self.max_model_len, self.config.block_size)
+        needed = blocks_per_sequence(self.max_model_len, self.config.block_size, self.model_info.sliding_window,
+                                     self.config.max_num_batched_tokens)
         if num_blocks < needed:
             raise ConfigError(
                 "kv_cache_memory_gib",

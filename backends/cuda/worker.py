@@ -21,6 +21,12 @@ class CUDAWorker(Worker):
     def init_device(self) -> torch.device:
         device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
+        # e4m3fn conversions: NVIDIA from Ada/Hopper on (ROCm's MI300 uses the e4m3fnuz variant, not done).
+        if self.config.kv_cache_dtype != "auto" and (
+                torch.version.hip is not None or torch.cuda.get_device_capability(device) < (8, 9)):
+            raise ConfigError("kv_cache_dtype", "an FP8 KV cache needs an NVIDIA GPU with FP8 conversions (compute "
+                              f"capability 8.9 or newer: Ada, Hopper); {torch.cuda.get_device_name(device)} has "
+                              "none here: use --kv-cache-dtype auto")
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         return device
@@ -44,7 +50,8 @@ class CUDAWorker(Worker):
         non_torch = (total - free) - torch.cuda.memory_reserved()
         per_block = self.model_info.kv_bytes_per_block(cfg.block_size)
         num_blocks = profiled_kv_blocks(total, cfg.gpu_memory_utilization, peak, non_torch, per_block)
-        needed = blocks_per_sequence(self.max_model_len, cfg.block_size)
+        window = self.model_info.sliding_window
+        needed = blocks_per_sequence(self.max_model_len, cfg.block_size, window, cfg.max_num_batched_tokens)
         if num_blocks < needed:
             raise ConfigError(
                 "gpu_memory_utilization",
@@ -54,9 +61,14 @@ class CUDAWorker(Worker):
                 "max_model_len or max_num_batched_tokens, or use a smaller model",
             )
         tokens = num_blocks * cfg.block_size
-        logger.info("KV cache: %d blocks = %d tokens (%.2f GiB); max concurrency at %d tokens: %.1fx",
-                    num_blocks, tokens, num_blocks * per_block / 2**30, self.max_model_len,
-                    tokens / self.max_model_len)
+        concurrency, note = tokens / self.max_model_len, ""
+        if window is not None:
+            # A decoding sequence holds only its window's blocks: the others go back to the pool.
+            per_seq = blocks_per_sequence(self.max_model_len, cfg.block_size, window)
+            concurrency = num_blocks / per_seq
+            note = f" (sliding window of {window} tokens on every layer: {per_seq} blocks per sequence)"
+        logger.info("KV cache: %d blocks = %d tokens (%.2f GiB); max concurrency at %d tokens: %.1fx%s",
+                    num_blocks, tokens, num_blocks * per_block / 2**30, self.max_model_len, concurrency, note)
         return num_blocks
 
     def layer_kernels(self) -> LayerKernels:

@@ -6,7 +6,8 @@ Each layer's forward stores the new K/V into the pages, then attends with the de
 CUDA graphs (decode): a captured forward replays the same launches, so what the launches read
 from the host must not change between replays: the batch size (pad it to the graph's bucket), the
 block-table width, `num_splits` (pick it for the bucket with `max_seq_len` = the model's max length),
-the softmax scale and the storage of every metadata tensor. What changes per step goes through
+the softmax scale, each layer's window and soft cap (fixed per layer) and the storage of every
+metadata tensor. What changes per step goes through
 those tensors, copied in before replay: `seq_lens` (0 for padding rows, which then produce zeros),
 `block_tables`, `slot_mapping` (-1 for padding rows, which store nothing). Build capture metadata
 with `check_indices=False`: index validation reads tensors back, which a capture forbids.
@@ -42,6 +43,8 @@ class TritonAttentionMetadata:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_graph_capture = True
+    # FP8 caches are read and written by the kernels themselves (scales 1.0: no calibrated ones yet).
+    kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")
 
     def build_metadata(self, batch: AttentionBatch, check_indices: bool = True) -> TritonAttentionMetadata:
         require(batch.block_size == self.block_size,
@@ -66,7 +69,8 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: TritonAttentionMetadata, scale: float) -> torch.Tensor:
+                meta: TritonAttentionMetadata, scale: float, *, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         check_packed_heads("q", q, meta.num_tokens, self.num_heads, self.head_dim)
         check = meta.check_indices
         store_kvcache(k, v, kv_cache, meta.slot_mapping, check_indices=check)
@@ -74,11 +78,13 @@ class TritonAttentionBackend(AttentionBackend):
             out = paged_decode_attention(
                 q, kv_cache, meta.block_tables, meta.seq_lens, scale,
                 max_seq_len=meta.max_seq_len, num_splits=meta.num_splits, check_indices=check,
+                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
             )
         else:
             out = paged_prefill_attention(
                 q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
                 max_query_len=meta.max_query_len, check_indices=check,
+                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
             )
         meta.check_indices = False
         return out

@@ -6,7 +6,9 @@
 W6: paged decode attention alone, batch 64 x context 4096, 32 q / 8 kv heads, head_dim 128, bf16.
 Bandwidth counts the bytes that must move (K/V of every context read once, q read, out written)
 and is compared with a measured device-to-device copy (bytes read + written) and with torch SDPA
-over the same K/V stored contiguously.
+over the same K/V stored contiguously. Also timed: the same decode over an FP8 (e4m3) cache, and
+a layer with a 4096-token sliding window at 16k context (Mistral-7B), which should cost what the
+4096-token context does.
 """
 from __future__ import annotations
 
@@ -110,7 +112,7 @@ def bench_w6(shapes: Shapes) -> list[tuple[str, float, float]]:
     """(name, median ms, TB/s) for the copy ceiling, our decode at several split counts, and SDPA."""
     from triton.testing import do_bench
 
-    from .decode_attention import choose_decode_splits, paged_decode_attention
+    from .decode_attention import choose_decode_splits
     from .testing import random_paged_batch
 
     s, scale = shapes, shapes.head_dim ** -0.5
@@ -122,14 +124,40 @@ def bench_w6(shapes: Shapes) -> list[tuple[str, float, float]]:
     rows = [_bench_copy(do_bench, kv_bytes)]
     auto = choose_decode_splits(s.num_seqs, s.num_kv_heads, s.context, batch.q.device)
     for splits in sorted({1, 2, 4, auto}):
-        def decode(splits=splits):
-            paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, scale,
-                                   max_seq_len=s.context, num_splits=splits, check_indices=False)
-        ms = do_bench(decode, warmup=50, rep=300, return_mode="median")
+        ms = _time_decode(do_bench, batch, batch.kv_cache, scale, s.context, splits)
         label = f"triton decode, {splits} split(s)" + (" [auto]" if splits == auto else "")
         rows.append((label, ms, moved / ms / 1e9))
+    fp8_moved = kv_bytes // elem + 2 * batch.q.numel() * elem
+    ms = _time_decode(do_bench, batch, batch.kv_cache.to(torch.float8_e4m3fn), scale, s.context, auto)
+    rows.append((f"triton decode, FP8 KV cache, {auto} split(s)", ms, fp8_moved / ms / 1e9))
     rows.append(_bench_sdpa(do_bench, batch, s, scale, moved))
+    del batch
+    rows.append(_bench_window(do_bench, s, scale, moved))
     return rows
+
+
+def _time_decode(do_bench, batch, kv_cache, scale: float, max_len: int, splits: int, **masking) -> float:
+    from .decode_attention import paged_decode_attention
+
+    def decode():
+        paged_decode_attention(batch.q, kv_cache, batch.block_tables, batch.seq_lens, scale, max_seq_len=max_len,
+                               num_splits=splits, check_indices=False, **masking)
+
+    return do_bench(decode, warmup=50, rep=300, return_mode="median")
+
+
+def _bench_window(do_bench, s: Shapes, scale: float, moved: int) -> tuple[str, float, float]:
+    """A sliding window of `s.context` keys at 4x that context: the bytes that must move are those of
+    the window, so it should match the unwindowed row at `s.context`."""
+    from .decode_attention import choose_decode_splits
+    from .testing import random_paged_batch
+
+    context = 4 * s.context
+    batch = random_paged_batch([context] * s.num_seqs, [1] * s.num_seqs, s.num_heads, s.num_kv_heads,
+                               s.head_dim, s.block_size, DTYPE, "cuda", store_new_tokens=True, spare_blocks=0)
+    splits = choose_decode_splits(s.num_seqs, s.num_kv_heads, context, batch.q.device)
+    ms = _time_decode(do_bench, batch, batch.kv_cache, scale, context, splits, sliding_window=s.context)
+    return f"triton decode, window {s.context} at {context}", ms, moved / ms / 1e9
 
 
 def _bench_copy(do_bench, nbytes: int) -> tuple[str, float, float]:

@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# An FP8 KV cache (`--kv-cache-dtype fp8`) holds e4m3 values divided by a per-tensor scale.
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
 
 
 def require(condition: bool, message: str) -> None:
@@ -50,8 +53,13 @@ def check_range(name: str, t: torch.Tensor, low: int, high: int) -> None:
 
 
 def check_kv_cache(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
-    """Validate the layout fixed by corectl.attention; returns (num_blocks, block_size, kv_heads, head_dim)."""
-    check_float("kv_cache", kv_cache, 5)
+    """Validate the layout fixed by corectl.attention; returns (num_blocks, block_size, kv_heads, head_dim).
+    The cache may be FP8 (e4m3) whatever the model's dtype."""
+    if isinstance(kv_cache, torch.Tensor) and kv_cache.dtype == FP8_KV_DTYPE:
+        require(kv_cache.dim() == 5, f"kv_cache must have 5 dimensions, got shape {tuple(kv_cache.shape)}")
+        require(kv_cache.stride(-1) == 1, f"kv_cache must be contiguous in its last dimension, got {kv_cache.stride()}")
+    else:
+        check_float("kv_cache", kv_cache, 5)
     require(kv_cache.shape[0] == 2,
             f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], got {tuple(kv_cache.shape)}")
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -76,3 +84,22 @@ def attention_output(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
             f"out must be {q.dtype} of shape {tuple(q.shape)}, contiguous in its last dimension; "
             f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
     return out
+
+
+def check_window_and_cap(sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    """A layer's window is a positive number of tokens and its soft cap a positive scale (None: off)."""
+    require(sliding_window is None or (isinstance(sliding_window, int) and sliding_window >= 1),
+            f"sliding_window must be a positive number of tokens or None, got {sliding_window!r}")
+    require(logits_soft_cap is None or logits_soft_cap > 0,
+            f"logits_soft_cap must be positive or None, got {logits_soft_cap!r}")
+
+
+def check_cache_dtype(name: str, t: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """Activations and cache share a dtype, unless the cache is FP8 (the kernels convert)."""
+    require(kv_cache.dtype in (t.dtype, FP8_KV_DTYPE),
+            f"{name} and kv_cache must share a dtype (or the cache be {FP8_KV_DTYPE}), "
+            f"got {t.dtype} and {kv_cache.dtype}")
+
+
+def check_kv_scales(k_scale: float, v_scale: float) -> None:
+    require(k_scale > 0 and v_scale > 0, f"k_scale and v_scale must be positive, got {k_scale} and {v_scale}")

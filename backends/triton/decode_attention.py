@@ -10,6 +10,10 @@ dimension and compile-time constant) and the tensor shapes. Sequence lengths and
 read from tensors, so they may change between replays while `num_splits`, the batch size, the
 block-table width and the tensors' storage stay fixed. Splits past a sequence's end are empty and
 combine to nothing; a sequence of length 0 (graph padding) yields zeros.
+
+Sliding windows: the splits share out only the keys from the window's first tile on, the first
+of which is masked at the window's edge; a layer's window is a kernel argument fixed per layer,
+so a captured graph replays it like the scale.
 """
 from __future__ import annotations
 
@@ -25,10 +29,13 @@ from .checks import (
     check_kv_cache,
     check_packed_heads,
     check_range,
+    check_cache_dtype,
+    check_kv_scales,
     check_same_device,
+    check_window_and_cap,
     require,
 )
-from .paged_softmax import LOG2E, attend_paged, dot_dtype, head_block
+from .paged_softmax import attend_paged, dot_dtype, head_block, score_scale
 
 # Fewest keys worth a program of its own: below this the combine step costs more than it saves.
 MIN_KEYS_PER_SPLIT = 256
@@ -36,22 +43,28 @@ MAX_SPLITS = 64
 DECODE_BLOCK_N = 64
 
 
-# The block-table width changes every eager step (see the prefill kernel).
-@triton.jit(do_not_specialize=["stride_table"])
+# The block-table width changes every eager step (see the prefill kernel); a layer's window is fixed.
+@triton.jit(do_not_specialize=["stride_table", "window"])
 def _decode_kernel(
-    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
+    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, qk_scale, v_scale, window,
     stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table, num_heads,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Splits are whole key tiles so only the last tile of a sequence is ragged.
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * split_len
+    # The new token sees keys [first, seq_len): the window's, or the whole context.
+    first = tl.maximum(seq_len - window, 0) if SLIDING else 0
+    start = first // BLOCK_N * BLOCK_N
+    # Splits share the keys from the window's first tile on, in whole tiles, so only the first
+    # tile (the window's edge) and the last (ragged) need masks.
+    split_len = tl.cdiv(tl.cdiv(seq_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = start + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
+    head_end = tl.where(lo < first, tl.minimum(lo + BLOCK_N, hi), lo)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -61,6 +74,7 @@ def _decode_kernel(
     row_mask = m_mask[:, None] & d_mask[None, :]
     q = tl.load(q_ptr + seq * stride_qt + head_offs, mask=row_mask, other=0.0).to(DOT_DTYPE)
     q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1
+    q_first = tl.zeros([BLOCK_M], dtype=tl.int32) + first
 
     k_base = cache_ptr + kv_head * HEAD_DIM
     v_base = k_base + stride_kind
@@ -68,13 +82,19 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    bulk_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-    acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, lo, bulk_end, qk_scale,
-                                 stride_blk, stride_tok, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, False)
-    acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, bulk_end, hi, qk_scale,
-                                 stride_blk, stride_tok, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, True)
+    bulk_end = head_end + tl.maximum(hi - head_end, 0) // BLOCK_N * BLOCK_N
+    if SLIDING:
+        acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, q_first, k_base, v_base, table_row, lo, head_end,
+                                     first, qk_scale, stride_blk, stride_tok, offs_d, d_mask,
+                                     BLOCK_SIZE, BLOCK_N, DOT_DTYPE, True, SOFT_CAP)
+    acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, q_first, k_base, v_base, table_row, head_end, bulk_end,
+                                 first, qk_scale, stride_blk, stride_tok, offs_d, d_mask,
+                                 BLOCK_SIZE, BLOCK_N, DOT_DTYPE, False, SOFT_CAP)
+    acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, q_first, k_base, v_base, table_row, bulk_end, hi,
+                                 first, qk_scale, stride_blk, stride_tok, offs_d, d_mask,
+                                 BLOCK_SIZE, BLOCK_N, DOT_DTYPE, True, SOFT_CAP)
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
-    out = acc / safe_l[:, None]
+    out = acc * (v_scale / safe_l)[:, None]
     if NUM_SPLITS == 1:
         tl.store(out_ptr + seq * stride_ot + head_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:
@@ -132,13 +152,20 @@ def choose_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, dev
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, *, max_seq_len: int,
                            num_splits: int | None = None, out: torch.Tensor | None = None,
-                           check_indices: bool = True) -> torch.Tensor:
+                           check_indices: bool = True, sliding_window: int | None = None,
+                           logits_soft_cap: float | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context (the token's own K/V included).
 
     q: [B, num_heads * head_dim]; block_tables: int32 [B, max_blocks]; seq_lens: int32 [B], the
     context length including the new token; max_seq_len: a host bound on seq_lens that picks the
     number of splits unless `num_splits` is given. Returns `out` [B, num_heads * head_dim].
     `check_indices` reads block tables and lengths back to validate them (a GPU synchronisation).
+    `sliding_window` W: the token at position p sees keys p - W < j <= p only, and no key before
+    that is read (its block may be back in the pool); None sees the whole context.
+    `logits_soft_cap` c: scores become c * tanh(score / c) (Gemma 2); None leaves them.
+    An FP8 (e4m3) `kv_cache` holds keys / k_scale and values / v_scale (`store_kvcache`): the
+    scales fold into the score scale and the output, so the tiles are only widened as they load.
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     check_index("block_tables", block_tables, 2, (torch.int32,))
@@ -151,8 +178,10 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
             f"got shape {tuple(q.shape)}")
     num_heads = q.shape[1] // head_dim
     check_packed_heads("q", q, num_seqs, num_heads, head_dim)
-    require(q.dtype == kv_cache.dtype, f"q and kv_cache must share a dtype, got {q.dtype} and {kv_cache.dtype}")
+    check_cache_dtype("q", q, kv_cache)
+    check_kv_scales(k_scale, v_scale)
     require(max_seq_len >= 0, f"max_seq_len must be >= 0, got {max_seq_len}")
+    check_window_and_cap(sliding_window, logits_soft_cap)
     splits = num_splits if num_splits is not None else choose_decode_splits(
         num_seqs, num_kv_heads, max_seq_len, q.device)
     require(1 <= splits <= MAX_SPLITS, f"num_splits must lie in [1, {MAX_SPLITS}], got {splits}")
@@ -163,11 +192,13 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         check_range("seq_lens", seq_lens, 0, table_width * block_size + 1)
     if num_seqs == 0:
         return out
-    _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, num_heads // num_kv_heads, splits)
+    _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, num_heads // num_kv_heads, splits,
+                   sliding_window, logits_soft_cap, k_scale, v_scale)
     return out
 
 
-def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, splits) -> None:
+def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, splits, window, soft_cap,
+                   k_scale, v_scale) -> None:
     num_seqs = q.shape[0]
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     num_heads = num_kv_heads * group
@@ -179,12 +210,14 @@ def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, split
         part_out = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
-        q, kv_cache, block_tables, seq_lens, out, part_out, part_lse, scale * LOG2E,
+        q, kv_cache, block_tables, seq_lens, out, part_out, part_lse, score_scale(scale * k_scale, soft_cap), v_scale,
+        window or 0,
         q.stride(0), out.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_tables.stride(0), num_heads,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=DECODE_BLOCK_N, BLOCK_SIZE=kv_cache.shape[2], NUM_SPLITS=splits,
-        DOT_DTYPE=dot_dtype(q.dtype, q.device), num_warps=4, num_stages=3,
+        DOT_DTYPE=dot_dtype(q.dtype, q.device), SLIDING=window is not None, SOFT_CAP=float(soft_cap or 0.0),
+        num_warps=4, num_stages=3,
     )
     if splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](

@@ -4,8 +4,10 @@ A program holds BLOCK_M query rows (query heads of one KV head, for one or sever
 walks keys [lo, hi) of one sequence in tiles of BLOCK_N, looking each key's page up in the block
 table, so each K/V tile is read once for all the rows sharing that KV head (GQA).
 
-Each program first walks the keys every row sees (no masks: the bulk of a long context), then the
-ragged or causal edge with masks.
+Each program first walks, with masks, the keys at the lower edge of a sliding window (none
+without one), then the keys every row sees (no masks: the bulk of a long context), then the ragged
+or causal edge with masks. Tiles wholly before a window are never visited: a windowed layer reads
+at most `window + tile` keys per row, whatever the context length.
 
 Numerics: scores, softmax and the accumulator are fp32. The dots take DOT_DTYPE operands with fp32
 accumulation: on a GPU that is the cache dtype (bf16/fp16 tensor cores; Q and K enter exactly, the
@@ -20,25 +22,30 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)  # kernels read globals only as constexpr
 
 
 @triton.jit
 def attend_paged(
-    acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, lo, hi, qk_scale,
+    acc, m_i, l_i, q, q_pos, q_first, k_base, v_base, table_row, lo, hi, key_lo, qk_scale,
     stride_blk, stride_tok, offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, MASKED: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     """Fold keys [lo, hi) into (acc, m_i, l_i).
 
-    MASKED: key j is visible to row r when j < hi and j <= q_pos[r]. Unmasked, the caller
-    guarantees that every key of [lo, hi) is visible to every row and that hi - lo is a whole
-    number of tiles. q: [BLOCK_M, BLOCK_D] in DOT_DTYPE, unscaled; qk_scale = scale * log2(e).
-    m_i must start finite (e.g. -1e30) so fully masked rows never compute inf - inf.
+    MASKED: key j is visible to row r when q_first[r] <= j <= q_pos[r] and j < hi, and only keys
+    in [key_lo, hi) are read (key_lo <= every q_first: keys before it may sit in blocks already
+    returned to the pool). Unmasked, the caller guarantees that every key of [lo, hi) is visible
+    to every row and that hi - lo is a whole number of tiles. q: [BLOCK_M, BLOCK_D] in DOT_DTYPE,
+    unscaled; qk_scale = scale * log2(e), or just scale with SOFT_CAP > 0, which caps each score
+    s at SOFT_CAP * tanh(s / SOFT_CAP) (Gemma 2). m_i must start finite (e.g. -1e30) so fully
+    masked rows never compute inf - inf.
     """
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         if MASKED:
-            n_mask = offs_n < hi
+            n_mask = (offs_n < hi) & (offs_n >= key_lo)
             page = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
             kv_mask = n_mask[:, None] & d_mask[None, :]
         else:
@@ -47,8 +54,11 @@ def attend_paged(
         kv_offs = (page * stride_blk + (offs_n % BLOCK_SIZE) * stride_tok)[:, None] + offs_d[None, :]
         k = tl.load(k_base + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        if SOFT_CAP > 0:
+            # tanh(x) = 1 - 2 / (e^2x + 1), exact at both ends in fp32 (e^2x -> inf gives 1, -> 0 gives -1)
+            s = (SOFT_CAP * _LOG2E) * (1.0 - 2.0 / (tl.exp2(s * (2.0 * _LOG2E / SOFT_CAP)) + 1.0))
         if MASKED:
-            visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] >= q_first[:, None])
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -58,6 +68,11 @@ def attend_paged(
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
         m_i = m_new
     return acc, m_i, l_i
+
+
+def score_scale(scale: float, logits_soft_cap: float | None) -> float:
+    """What `attend_paged` multiplies the dot products by (see its docstring)."""
+    return scale if logits_soft_cap else scale * LOG2E
 
 
 def dot_dtype(dtype: torch.dtype, device: torch.device):

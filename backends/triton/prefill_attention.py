@@ -8,6 +8,10 @@ of one KV head (BLOCK_M = BLOCK_Q * GROUP rows, padded to a power of two), so K/
 by the whole group, which keeps decode rows in a mixed batch cheap. Tiles are numbered
 `query_start_loc[i] // BLOCK_Q + i + local_tile`: the grid size then depends only on T and B
 (not on the longest query), and each program finds its sequence by binary search.
+
+Sliding windows (`sliding_window`): a tile starts at the key tile holding its first row's first
+visible key, masks the keys up to where every row's window has begun, then runs unmasked; no key
+before the first row's window is read. Soft-capping (`logits_soft_cap`) is a compile-time variant.
 """
 from __future__ import annotations
 
@@ -21,10 +25,13 @@ from .checks import (
     check_kv_cache,
     check_packed_heads,
     check_range,
+    check_cache_dtype,
+    check_kv_scales,
     check_same_device,
+    check_window_and_cap,
     require,
 )
-from .paged_softmax import LOG2E, attend_paged, dot_dtype, head_block
+from .paged_softmax import attend_paged, dot_dtype, head_block, score_scale
 
 PREFILL_BLOCK_N = 64
 
@@ -46,12 +53,13 @@ def _find_sequence(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 # The batch size and the block-table width change every step: specializing on them (Triton does
 # for integers divisible by 16) would compile variants at first use while serving.
-@triton.jit(do_not_specialize=["num_seqs", "stride_table"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_table", "window"])
 def _prefill_kernel(
-    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr, out_ptr, qk_scale, num_seqs,
+    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr, out_ptr, qk_scale, v_scale, window, num_seqs,
     stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -82,13 +90,30 @@ def _prefill_kernel(
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     # Keys up to the tile's first token are visible to all its rows; past its last token, to none.
-    bulk_end = (prefix + local * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
+    first_pos = prefix + local * BLOCK_Q
+    bulk_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     hi = prefix + tl.minimum((local + 1) * BLOCK_Q, q_len)
-    acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, 0, bulk_end, qk_scale,
-                                 stride_blk, stride_tok, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, False)
-    acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, bulk_end, hi, qk_scale,
-                                 stride_blk, stride_tok, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, True)
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if SLIDING:
+        # Row r sees keys from q_pos[r] - window + 1: none of the tile's rows sees a key before
+        # key_lo (its first row's edge), all of them see the keys from head_end (its last row's).
+        q_first = q_pos - window + 1
+        key_lo = tl.maximum(first_pos - window + 1, 0)
+        head_end = tl.minimum(tl.cdiv(tl.maximum(hi - window, 0), BLOCK_N) * BLOCK_N, hi)
+        acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, q_first, k_base, v_base, table_row,
+                                     key_lo // BLOCK_N * BLOCK_N, head_end, key_lo, qk_scale, stride_blk,
+                                     stride_tok, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, True, SOFT_CAP)
+    else:
+        q_first = tl.zeros([BLOCK_M], dtype=tl.int32)
+        key_lo = 0
+        head_end = 0
+    bulk_end = tl.maximum(bulk_end, head_end)
+    acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, q_first, k_base, v_base, table_row, head_end, bulk_end,
+                                 key_lo, qk_scale, stride_blk, stride_tok, offs_d, d_mask,
+                                 BLOCK_SIZE, BLOCK_N, DOT_DTYPE, False, SOFT_CAP)
+    acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, q_first, k_base, v_base, table_row, bulk_end, hi,
+                                 key_lo, qk_scale, stride_blk, stride_tok, offs_d, d_mask,
+                                 BLOCK_SIZE, BLOCK_N, DOT_DTYPE, True, SOFT_CAP)
+    out = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
     tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head_offs, out.to(out_ptr.dtype.element_ty),
              mask=row_mask)
 
@@ -102,13 +127,17 @@ def prefill_block_m(group: int, max_query_len: int) -> int:
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
                             max_query_len: int, out: torch.Tensor | None = None,
-                            check_indices: bool = True) -> torch.Tensor:
+                            check_indices: bool = True, sliding_window: int | None = None,
+                            logits_soft_cap: float | None = None, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of T packed new tokens over their sequences' paged context.
 
     q: [T, num_heads * head_dim]; query_start_loc: int32 [B + 1]; seq_lens: int32 [B] (cached
     prefix + new tokens); block_tables: int32 [B, max_blocks]; max_query_len: a host bound on the
     query lengths that only picks tile sizes. `check_indices` reads the index tensors back to
     validate them (a GPU synchronisation). Returns `out` [T, num_heads * head_dim].
+    `sliding_window`, `logits_soft_cap` and the FP8 cache's `k_scale`, `v_scale` as in
+    `paged_decode_attention`: no key before the window of a tile's first token is read.
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     check_index("block_tables", block_tables, 2, (torch.int32,))
@@ -123,8 +152,10 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
             f"got shape {tuple(q.shape)}")
     num_tokens, num_heads = q.shape[0], q.shape[1] // head_dim
     check_packed_heads("q", q, num_tokens, num_heads, head_dim)
-    require(q.dtype == kv_cache.dtype, f"q and kv_cache must share a dtype, got {q.dtype} and {kv_cache.dtype}")
+    check_cache_dtype("q", q, kv_cache)
+    check_kv_scales(k_scale, v_scale)
     require(max_query_len >= 1, f"max_query_len must be >= 1, got {max_query_len}")
+    check_window_and_cap(sliding_window, logits_soft_cap)
     out = attention_output(out, q)
     check_same_device(q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens,
                       query_start_loc=query_start_loc, out=out)
@@ -133,7 +164,8 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
                                table_width * block_size, max_query_len)
     if num_tokens == 0:
         return out
-    _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, max_query_len)
+    _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, max_query_len,
+                    sliding_window, logits_soft_cap, k_scale, v_scale)
     return out
 
 
@@ -153,7 +185,8 @@ def _check_prefill_indices(block_tables, seq_lens, query_start_loc, num_blocks, 
                 f"{max_context} (block_tables width x block_size)")
 
 
-def _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, max_query_len) -> None:
+def _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, max_query_len,
+                    window, soft_cap, k_scale, v_scale) -> None:
     num_seqs = block_tables.shape[0]
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     group = q.shape[1] // head_dim // num_kv_heads
@@ -161,10 +194,12 @@ def _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, s
     block_q = block_m // group
     num_tiles = q.shape[0] // block_q + num_seqs
     _prefill_kernel[(num_tiles, num_kv_heads)](
-        q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale * LOG2E, num_seqs,
+        q, kv_cache, block_tables, seq_lens, query_start_loc, out, score_scale(scale * k_scale, soft_cap), v_scale,
+        window or 0,
+        num_seqs,
         q.stride(0), out.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=head_block(head_dim),
         BLOCK_N=PREFILL_BLOCK_N, BLOCK_SIZE=kv_cache.shape[2], DOT_DTYPE=dot_dtype(q.dtype, q.device),
-        num_warps=4, num_stages=2,
+        SLIDING=window is not None, SOFT_CAP=float(soft_cap or 0.0), num_warps=4, num_stages=2,
     )

@@ -9,15 +9,19 @@ import torch
 
 
 def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> torch.Tensor:
-    """The cache after writing k, v `[T, Hk * D]` at `slot_mapping` (slot -1 = skip)."""
+                      slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """The cache after writing k, v `[T, Hk * D]` at `slot_mapping` (slot -1 = skip); an FP8 cache
+    gets k / k_scale and v / v_scale saturated at +-448, e4m3's largest finite value."""
     result = kv_cache.clone()
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = result.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    flat[0, slots] = k[keep].view(-1, num_kv_heads, head_dim)
-    flat[1, slots] = v[keep].view(-1, num_kv_heads, head_dim)
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        k = (k.float() / k_scale).clamp(-448.0, 448.0)
+        v = (v.float() / v_scale).clamp(-448.0, 448.0)
+    flat[0, slots] = k[keep].view(-1, num_kv_heads, head_dim).to(kv_cache.dtype)
+    flat[1, slots] = v[keep].view(-1, num_kv_heads, head_dim).to(kv_cache.dtype)
     return result
 
 
@@ -31,23 +35,40 @@ def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor,
     return kv_cache[0, blocks, offsets], kv_cache[1, blocks, offsets]
 
 
-def causal_attention_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [Lq, Hq, D] are the last Lq positions of a context keys/values [L, Hk, D]; returns fp32 [Lq, Hq, D]."""
+def causal_attention_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, *,
+                         sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+    """q [Lq, Hq, D] are the last Lq positions of a context keys/values [L, Hk, D]; returns fp32 [Lq, Hq, D].
+
+    The query at position p sees keys j with p - sliding_window < j <= p (all j <= p without a
+    window); `logits_soft_cap` c turns each score s into c * tanh(s / c) before the mask (Gemma 2).
+    """
     query_len, num_heads, _ = q.shape
     context = keys.shape[0]
     group = num_heads // keys.shape[1]
     k = keys.float().repeat_interleave(group, dim=1)
     v = values.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
     q_pos = torch.arange(context - query_len, context, device=q.device)[:, None]
-    visible = torch.arange(context, device=q.device)[None, :] <= q_pos
+    k_pos = torch.arange(context, device=q.device)[None, :]
+    visible = k_pos <= q_pos
+    if sliding_window is not None:
+        visible &= k_pos > q_pos - sliding_window
+    # Only the visible keys enter the products: a key outside every window may hold anything
+    # (its block may be back in the pool), even NaN.
     scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+    probs = scores.softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.masked_fill(~visible.any(0)[:, None, None], 0.0))
 
 
 def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of packed queries q [T, Hq * D] over each sequence's paged context."""
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
+                        sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                        k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """Causal attention of packed queries q [T, Hq * D] over each sequence's paged context
+    (windows and soft-capping as in `causal_attention_ref`); the cached keys and values count as
+    k_scale and v_scale times what the cache holds (an FP8 cache's scales)."""
     head_dim = kv_cache.shape[4]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     starts = query_start_loc.tolist()
@@ -56,8 +77,11 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         if hi == lo:
             continue
         keys, values = gather_context(kv_cache, block_tables[i], seq_len)
+        keys, values = keys.float() * k_scale, values.float() * v_scale
         q_i = q[lo:hi].view(hi - lo, -1, head_dim)
-        out[lo:hi] = causal_attention_ref(q_i, keys, values, scale).reshape(hi - lo, -1).to(q.dtype)
+        attended = causal_attention_ref(q_i, keys, values, scale, sliding_window=sliding_window,
+                                        logits_soft_cap=logits_soft_cap)
+        out[lo:hi] = attended.reshape(hi - lo, -1).to(q.dtype)
     return out
 
 

@@ -74,16 +74,29 @@ def random_paged_batch(seq_lens: list[int], query_lens: list[int], num_heads: in
     )
 
 
-def contiguous_attention_ref(batch: PagedBatch, scale: float) -> torch.Tensor:
-    """Causal attention of the batch's queries over the contiguous ground-truth contexts, fp32 [T, Hq * D]."""
+def contiguous_attention_ref(batch: PagedBatch, scale: float, **masking) -> torch.Tensor:
+    """Causal attention of the batch's queries over the contiguous ground-truth contexts, fp32 [T, Hq * D];
+    `masking`: `sliding_window` and `logits_soft_cap` as `causal_attention_ref` takes them."""
     head_dim = batch.kv_cache.shape[-1]
     outs = []
     start = 0
     for keys, values, query_len in zip(batch.keys, batch.values, batch.query_lens):
         q = batch.q[start:start + query_len].view(query_len, -1, head_dim)
-        outs.append(causal_attention_ref(q, keys, values, scale).reshape(query_len, -1))
+        outs.append(causal_attention_ref(q, keys, values, scale, **masking).reshape(query_len, -1))
         start += query_len
     return torch.cat(outs)
+
+
+def poison_outside_windows(batch: PagedBatch, window: int) -> None:
+    """Overwrite with NaN every cached key and value that no query of its sequence may see under a
+    sliding window of `window` tokens, as if its block had gone back to the pool and been reused: a
+    kernel that reads one (even to multiply it by zero) returns NaN."""
+    block_size = batch.kv_cache.shape[2]
+    for i, (seq_len, query_len) in enumerate(zip(batch.seq_lens_list, batch.query_lens)):
+        first_seen = max(seq_len - query_len - window + 1, 0)
+        positions = torch.arange(first_seen)
+        blocks = batch.block_tables[i, positions // block_size].long()
+        batch.kv_cache[:, blocks, positions % block_size] = float("nan")
 
 
 def _randn(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:

@@ -75,7 +75,8 @@ class EngineCore:
         self.executor.init_kv_cache(num_blocks)
         self.executor.warmup()
         self.structured = self._structured_outputs(info.vocab_size)
-        self.scheduler = Scheduler(config, self.max_model_len, num_blocks, self.structured)
+        self.scheduler = Scheduler(config, self.max_model_len, num_blocks, self.structured,
+                                   sliding_window=info.sliding_window)
         self.snapshots = SnapshotPublisher(self.scheduler)
         self.async_scheduling = (platform.capabilities().async_output if config.async_scheduling is None
                                  else config.async_scheduling)
@@ -204,10 +205,10 @@ def _runner_config(config: EngineConfig, pooling: PoolingInfo | None) -> EngineC
 
 
 def resolve_max_model_len(config: EngineConfig, hf) -> int:
-    """The user's max_model_len, capped by what the model supports (and by a sliding window, since
-    corectl attends over the full context)."""
-    limits = [getattr(hf, "max_position_embeddings", None), getattr(hf, "sliding_window", None)]
-    limit = min((v for v in limits if isinstance(v, int) and v > 0), default=None)
+    """The user's max_model_len, capped by what the model supports (a sliding window is no cap:
+    windowed layers attend within it at any length)."""
+    limit = getattr(hf, "max_position_embeddings", None)
+    limit = limit if isinstance(limit, int) and limit > 0 else None
     if config.max_model_len is None:
         if limit is None:
             raise InvalidRequestError("the model config has no max_position_embeddings; pass max_model_len",

@@ -6,9 +6,18 @@ from __future__ import annotations
 DEFAULT_KV_CACHE_GIB = 2.0
 
 
-def blocks_per_sequence(max_model_len: int, block_size: int) -> int:
-    """Blocks one sequence of `max_model_len` tokens needs; fewer and the engine refuses to start."""
-    return -(-max_model_len // block_size)
+def blocks_per_sequence(max_model_len: int, block_size: int, sliding_window: int | None = None,
+                        chunk_tokens: int = 1) -> int:
+    """Blocks one sequence of `max_model_len` tokens holds at most; fewer and the engine refuses to start.
+
+    With a `sliding_window` on every layer the KV manager returns the blocks before the window, so
+    a sequence computing `chunk_tokens` at a time (1 while it decodes, up to the step's token
+    budget while it prefills) holds the blocks its window and the chunk straddle.
+    """
+    full = -(-max_model_len // block_size)
+    if sliding_window is None:
+        return full
+    return min(full, -(-(sliding_window + chunk_tokens - 2) // block_size) + 1)
 
 
 def fixed_kv_blocks(budget_gib: float, bytes_per_block: int) -> int:

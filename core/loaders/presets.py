@@ -54,6 +54,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
         "vocab_size": 32000, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 32768,
     },
+    # Mistral-7B-v0.1: a 4096-token sliding window on every layer (the windowed-decode measurement).
+    "mistral-7b": {
+        "model_type": "mistral", "architectures": ["MistralForCausalLM"], "dtype": "bfloat16",
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+        "sliding_window": 4096, "max_position_embeddings": 32768,
+    },
     # Small enough for CPU tests of the whole preset path.
     "llama-tiny": {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "dtype": "float32",

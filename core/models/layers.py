@@ -51,11 +51,16 @@ class RMSNorm(UsesLayerKernels, nn.Module):
 
 
 class RotaryEmbedding(UsesLayerKernels, nn.Module):
-    """cos/sin tables for every position up to `max_positions`, looked up by absolute position."""
+    """cos/sin tables for every position up to `max_positions`, looked up by absolute position.
 
-    def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype):
+    `layer_type` picks one entry of a config whose `rope_parameters` differ per layer type
+    (Gemma 3: "sliding_attention" and "full_attention" layers rotate with different bases)."""
+
+    def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype, layer_type: str | None = None):
         super().__init__()
         rope = getattr(config, "rope_parameters", None) or {}
+        if layer_type is not None:
+            rope = rope[layer_type]
         rope_type = rope.get("rope_type", "default")
         if rope_type == "default":
             theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -64,7 +69,7 @@ class RotaryEmbedding(UsesLayerKernels, nn.Module):
         else:
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type=layer_type)
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
@@ -140,15 +145,24 @@ def _packed_target(name: str) -> tuple[str, str | None]:
 
 
 class Attention(nn.Module):
-    """Routes one layer's attention to the platform's backend and its slice of the paged KV cache."""
+    """Routes one layer's attention to the platform's backend and its slice of the paged KV cache.
 
-    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int):
+    `sliding_window` (tokens, None = global) and `logits_soft_cap` are the layer's own
+    (`corectl.attention.AttentionBackend.forward` says what they mean); `scale` defaults to
+    head_dim ** -0.5."""
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 scale: float | None = None, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale)
+        return ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale,
+                                   sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)

@@ -1,8 +1,9 @@
 """Llama-family decoder models over packed tokens and the paged KV cache.
 
 One implementation serves Llama 2/3 (incl. Llama-3 RoPE scaling), SmolLM2, TinyLlama, Mistral
-(full attention), Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm); the subclasses in
-`qwen.py` only switch features on. Every projection is tensor parallel (`parallel.py`).
+(with its sliding window), Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm); the subclasses in
+`qwen.py` only switch features on. Every projection is tensor parallel (`parallel.py`). Each
+layer's attention keeps to the window the config gives it (`sliding_window.py`).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from .parallel import (
     VocabParallelEmbedding,
     gather_logits,
 )
+from .sliding_window import layer_sliding_windows
 
 
 def head_dim(config) -> int:
@@ -45,7 +47,8 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
+                              sliding_window=layer_sliding_windows(config)[layer_idx])
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
@@ -151,4 +154,4 @@ class LlamaForCausalLM(CausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral's full-attention layout is Llama's; the engine caps max_model_len at its sliding window."""
+    """Mistral is Llama with a sliding window (`sliding_window`, every layer) where the config sets one."""

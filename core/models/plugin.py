@@ -12,3 +12,5 @@ def corectl_model_architectures():
     yield ModelSpec("Qwen3ForCausalLM", "corectl.models.qwen:Qwen3ForCausalLM")
     yield ModelSpec("Qwen3MoeForCausalLM", "corectl.models.qwen3_moe:Qwen3MoeForCausalLM")
     yield ModelSpec("MixtralForCausalLM", "corectl.models.mixtral:MixtralForCausalLM")
+    yield ModelSpec("Gemma2ForCausalLM", "corectl.models.gemma:Gemma2ForCausalLM")
+    yield ModelSpec("Gemma3ForCausalLM", "corectl.models.gemma:Gemma3ForCausalLM")

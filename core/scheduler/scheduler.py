@@ -38,6 +38,7 @@ from ..config import EngineConfig
 from ..engine.messages import EngineCoreOutput, SchedulerStats
 from ..errors import ConfigError, InvalidRequestError, QueueFullError
 from ..kv import KVCacheManager, PrefixHit
+from ..kv.sizing import blocks_per_sequence
 from ..request import Request, RequestStatus
 from ..worker.output import LogprobsLists, ModelRunnerOutput
 from .inflight import StepsInFlight
@@ -73,16 +74,20 @@ class _StepPlan:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, max_model_len: int, num_blocks: int,
-                 structured: StructuredOutputManager | None = None):
-        """`structured` serves requests that ask for structured output (None: refuse them)."""
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+                 structured: StructuredOutputManager | None = None, sliding_window: int | None = None):
+        """`structured` serves requests that ask for structured output (None: refuse them);
+        `sliding_window`: the window every layer of the model attends within, if one does
+        (`ModelInfo.sliding_window`), so blocks before it go back to the pool as requests run."""
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, sliding_window)
         capacity = self.kv.num_usable_blocks * config.block_size
+        needed = blocks_per_sequence(max_model_len, config.block_size, sliding_window, config.max_num_batched_tokens)
         # A request that cannot fit the cache even alone would be preempted forever.
-        if capacity < max_model_len:
+        if self.kv.num_usable_blocks < needed:
             raise ConfigError(
                 "max_model_len",
                 f"{max_model_len} tokens do not fit the KV cache ({self.kv.num_usable_blocks} blocks of "
-                f"{config.block_size} = {capacity} tokens); lower max_model_len or give the KV cache more memory",
+                f"{config.block_size} = {capacity} tokens, {needed} blocks needed); lower max_model_len "
+                "or give the KV cache more memory",
             )
         self.config = config
         self.max_model_len = max_model_len

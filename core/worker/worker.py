@@ -15,7 +15,9 @@ import torch
 from ..attention import AttentionBackend
 from ..config import EngineConfig
 from ..distributed import get_tp, shard_range
+from ..errors import ConfigError
 from ..models.kernels import LayerKernels, install_layer_kernels
+from ..models.layers import Attention
 from ..models.registry import resolve_model_class
 from ..platform import Platform
 from ..pooling import pooling_architectures, pooling_weights
@@ -26,6 +28,8 @@ from .model_runner import ModelRunner
 from .pooler import Pooler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The KV tensors' dtype under `--kv-cache-dtype fp8` (one byte per element).
+_FP8_KV = "float8_e4m3fn"
 
 
 @dataclass(frozen=True)
@@ -38,9 +42,14 @@ class ModelInfo:
     vocab_size: int
     dtype: str
     num_params: int
+    # The window every attention layer keeps to (tokens), None when some layer attends to the
+    # whole context: the KV manager frees blocks before a request's window only when set.
+    sliding_window: int | None = None
+    # The KV tensors' dtype name when it is not `dtype` (an FP8 cache), else None.
+    kv_cache_dtype: str | None = None
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        itemsize = torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
+        itemsize = 1 if self.kv_cache_dtype == _FP8_KV else torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
@@ -90,7 +99,12 @@ class Worker(abc.ABC):
         self.source.load_weights(model, pooling_weights if pooling else None)
         model.eval()
         install_layer_kernels(model, self.layer_kernels())
-        info = _model_info(hf, model, self.dtype)
+        if self.config.kv_cache_dtype not in self.attention_backend_cls.kv_cache_dtypes:
+            raise ConfigError("kv_cache_dtype", f"the {self.attention_backend_cls.name!r} attention backend stores "
+                              f"only {', '.join(self.attention_backend_cls.kv_cache_dtypes)} KV caches, not "
+                              f"{self.config.kv_cache_dtype!r}; use --kv-cache-dtype auto or a backend that "
+                              "supports it (triton, on GPUs)")
+        info = _model_info(hf, model, self.dtype, self.config.kv_cache_dtype)
         backend = self.attention_backend_cls(
             info.num_heads, info.num_kv_heads, info.head_dim, self.torch_dtype, self.device, self.config.block_size
         )
@@ -104,7 +118,8 @@ class Worker(abc.ABC):
     def init_kv_cache(self, num_blocks: int) -> None:
         info = self.model_info
         shape = self.runner.backend.kv_cache_shape(num_blocks, self.config.block_size, info.num_kv_heads, info.head_dim)
-        caches = [torch.zeros(shape, dtype=self.torch_dtype, device=self.device) for _ in range(info.num_layers)]
+        dtype = torch.float8_e4m3fn if info.kv_cache_dtype == _FP8_KV else self.torch_dtype
+        caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(info.num_layers)]
         self.runner.set_kv_caches(caches)
 
     def warmup(self) -> None:
@@ -143,7 +158,7 @@ class Worker(abc.ABC):
         return self.runner.launch(sched)
 
 
-def _model_info(hf, model: torch.nn.Module, dtype: str) -> ModelInfo:
+def _model_info(hf, model: torch.nn.Module, dtype: str, kv_cache_dtype: str = "auto") -> ModelInfo:
     """The model as this rank holds it: its share of the heads under tensor parallelism."""
     num_heads = hf.num_attention_heads
     tp = get_tp()
@@ -156,4 +171,14 @@ def _model_info(hf, model: torch.nn.Module, dtype: str) -> ModelInfo:
         vocab_size=hf.vocab_size,
         dtype=dtype,
         num_params=sum(p.numel() for p in model.parameters()),
+        sliding_window=uniform_sliding_window(model),
+        kv_cache_dtype=None if kv_cache_dtype == "auto" else _FP8_KV,
     )
+
+
+def uniform_sliding_window(model: torch.nn.Module) -> int | None:
+    """The largest window of the model's attention layers if every one has a window, else None."""
+    windows = [m.sliding_window for m in model.modules() if isinstance(m, Attention)]
+    if not windows or None in windows:
+        return None
+    return max(windows)

@@ -57,7 +57,7 @@ def test_rejects_wrong_shapes_and_dtypes():
     slots = torch.tensor([0, 1, 2])
     with pytest.raises(ValueError, match=r"k must be \[num_tokens, num_heads \* head_dim\] = \[3, 32\]"):
         store_kvcache(k[:, :16], k, cache, slots)
-    with pytest.raises(ValueError, match="k, v and kv_cache must share a dtype"):
+    with pytest.raises(ValueError, match="k and kv_cache must share a dtype"):
         store_kvcache(k.bfloat16(), k.bfloat16(), cache, slots)
     with pytest.raises(ValueError, match="slot_mapping must be int64, int32"):
         store_kvcache(k, k, cache, slots.float())

@@ -1,0 +1,172 @@
+"""Gemma 2 and Gemma 3 (text) decoder models over packed tokens and the paged KV cache.
+
+Both follow `transformers`' Gemma2ForCausalLM / Gemma3ForCausalLM operation for operation, so greedy
+decoding is token-exact in fp32. What differs from Llama (`llama.py`):
+  - RMSNorm scales by (1 + weight), in fp32, and casts back afterwards (`GemmaRMSNorm`);
+  - token embeddings are multiplied by sqrt(hidden_size), rounded to the model dtype first;
+  - four norms per layer: before and after attention, before and after the MLP;
+  - the MLP gate is GELU with the tanh approximation (`hidden_activation`);
+  - scores are scaled by `query_pre_attn_scalar ** -0.5`, not head_dim ** -0.5;
+  - local and global layers (`layer_types`, from `sliding_window_pattern` in older configs): local
+    ones attend within `sliding_window` tokens (`sliding_window.py`);
+  - Gemma 2: attention scores and final logits are soft-capped (`attn_logit_softcapping`,
+    `final_logit_softcapping`: c * tanh(x / c));
+  - Gemma 3: per-head RMSNorm of q and k before the rotation, and rotary bases per layer type
+    (`rope_parameters["sliding_attention"]`, the old `rope_local_base_freq`, for local layers).
+
+Every projection, the embedding and the head are tensor parallel (`parallel.py`), as in Llama.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from ..attention import ForwardContext
+from .base import CausalLM
+from .layers import Attention, RotaryEmbedding, load_packed_weights
+from .parallel import PackedLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, gather_logits
+from .sliding_window import layer_sliding_windows
+
+
+class GemmaRMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        # Checkpoints store the offset from 1, so zeros are the identity scale.
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Scaling before the cast back (Llama casts first) is what Gemma was trained with.
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, qk_norm: bool):
+        super().__init__()
+        self.head_dim = config.head_dim
+        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = PackedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=bias,
+                                     unit=self.head_dim)
+        self.q_size, self.kv_size = self.qkv_proj.shards["q"][1], self.qkv_proj.shards["k"][1]
+        self.num_heads, self.num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=bias)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
+                              scale=config.query_pre_attn_scalar ** -0.5,
+                              sliding_window=layer_sliding_windows(config)[layer_idx],
+                              logits_soft_cap=getattr(config, "attn_logit_softcapping", None))
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v, ctx)
+        return self.o_proj(out)
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = PackedLinear(config.hidden_size, {"gate": size, "up": size}, bias=False)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False)
+        self.act = ACT2FN[config.hidden_activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, qk_norm: bool):
+        super().__init__()
+        self.self_attn = GemmaAttention(config, layer_idx, rotary, qk_norm)
+        self.mlp = GemmaMLP(config)
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        attended = self.self_attn(positions, self.input_layernorm(hidden), ctx)
+        hidden = hidden + self.post_attention_layernorm(attended)
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+
+def _rotaries(config, max_positions: int, dtype: torch.dtype) -> list[RotaryEmbedding]:
+    """Each layer's rotary tables: one set per layer type when `rope_parameters` differ per type
+    (Gemma 3), else one set for all layers."""
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    rope = getattr(config, "rope_parameters", None) or {}
+    per_type = all(kind in rope for kind in layer_types)
+    tables = {kind: RotaryEmbedding(config, config.head_dim, max_positions, dtype, kind if per_type else None)
+              for kind in (set(layer_types) if per_type else {None})}
+    return [tables[kind if per_type else None] for kind in layer_types]
+
+
+class GemmaDecoderModel(nn.Module):
+    def __init__(self, config, max_positions: int, dtype: torch.dtype, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # fp32 here, cast to the model dtype at use, as transformers does (bf16 rounds sqrt(hidden)).
+        self.register_buffer("embed_scale", torch.tensor(config.hidden_size ** 0.5, dtype=torch.float32),
+                             persistent=False)
+        rotaries = _rotaries(config, max_positions, dtype)
+        self.layers = nn.ModuleList(GemmaDecoderLayer(config, i, rotaries[i], qk_norm)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        hidden = hidden * self.embed_scale.to(hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, ctx)
+        return self.norm(hidden)
+
+
+class Gemma2ForCausalLM(CausalLM):
+    qk_norm = False
+
+    def __init__(self, config, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        self.config = config
+        self.model = GemmaDecoderModel(config, max_positions, dtype, self.qk_norm)
+        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        # A tied head is a Linear over the embedding's own Parameter (see LlamaForCausalLM).
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size,
+                                      device="meta" if self.tie_word_embeddings else None)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = gather_logits(self.lm_head(hidden), self.config.vocab_size).float()
+        cap = self.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_packed_weights(self, weights, lambda name: "rotary_emb" in name or (
+            self.tie_word_embeddings and name == "lm_head.weight"))
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    """Gemma 3's text model (`gemma3_text` configs): Gemma 2's layout plus q/k norms and per-type
+    rotary bases; its configs set no soft caps, which the shared code honours where they do."""
+
+    qk_norm = True
