@@ -17,20 +17,8 @@ from transformers.activations import ACT2FN
 
 from corectl.attention import ForwardContext
 from corectl.models.base import CausalLM
+from corectl.models.gemma import GemmaRMSNorm  # core's building blocks are there for plugins too
 from corectl.models.layers import Attention, PackedLinear, RotaryEmbedding, load_packed_weights
-
-class GemmaRMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        # Checkpoints store the offset from 1, so zeros are the identity scale.
-        self.weight = nn.Parameter(torch.zeros(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Scaling before the cast back (Llama casts first) is what Gemma was trained with.
-        return (h * (1.0 + self.weight.float())).type_as(x)
 
 
 class GemmaAttention(nn.Module):
