@@ -41,6 +41,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         (a name registered through the `corectl_structured_output_backends` hook).
     structured_outputs_compile_timeout: seconds a request's grammar may take to compile (from its
         arrival) before the request ends with an error instead of waiting on.
+    quantization: the quantization method (`corectl.quantization`; vLLM's names: fp8, awq, gptq,
+        compressed-tensors, gguf, or a plugin's). None: the checkpoint's own `quantization_config`,
+        and GGUF files kept quantized where the platform has the kernel (unless `dtype` is set);
+        "none": dense weights (GGUF dequantized); "fp8" on a dense checkpoint quantizes on the fly.
     skip_tokenizer_init: load no tokenizer: prompts are token ids, outputs carry token ids and empty
         text. Shape presets, and dummy weights from a config with no tokenizer files beside it (and
         no `tokenizer` given), always run this way.
@@ -53,6 +57,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     download_dir: str | None = None
     dtype: str = "auto"
     load_format: str = "auto"
+    quantization: str | None = None
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory_gib: float | None = None
@@ -85,6 +90,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         self._check_positive("max_num_batched_tokens")
         if self.max_model_len is not None:
             self._check_positive("max_model_len")
+        if self.quantization is not None and (not isinstance(self.quantization, str) or not self.quantization):
+            raise ConfigError("quantization", f"must be a method name or 'none', got {self.quantization!r}")
         if self.max_queued_requests is not None:
             self._check_positive("max_queued_requests")
         if self.num_threads is not None:

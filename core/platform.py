@@ -39,6 +39,11 @@ class PlatformCaps:
     # the weights and a profiled step's peak), not from `kv_cache_memory_gib`: `corectl plan`
     # (`corectl.planning`) sizes it the same way.
     profiles_memory: bool = False
+    # Kernel names quantization methods may bind to (`corectl.quantization`): "cpu_int4pack" (torch's
+    # packed int4 GEMM on CPUs), "fp8_scaled_mm" (torch._scaled_mm, FP8 tensor cores), "w4a16"
+    # (a worker-provided dequantize-in-the-GEMM kernel, `Worker.quantization_kernels`). A method
+    # none of whose kernels is listed is refused at engine start (`QuantizationConfig.bind`).
+    quantization_kernels: tuple[str, ...] = ()
 
 
 class Platform(abc.ABC):

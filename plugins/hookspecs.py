@@ -20,6 +20,7 @@ from .specs import (
     AttentionBackendSpec,
     ModelSpec,
     PlatformSpec,
+    QuantizationMethodSpec,
     StructuredOutputBackendSpec,
 )
 
@@ -64,4 +65,16 @@ def corectl_structured_output_backends() -> Iterable[StructuredOutputBackendSpec
     The class must implement ``corectl.structured.backend.StructuredOutputBackend``: it is built
     in the engine process from the tokenizer folder, and its matchers fill xgrammar's bitmask
     layout (int32 words, bit ``t % 32`` of word ``t // 32`` set when token ``t`` is allowed).
+    """
+
+
+@hookspec
+def corectl_quantization_methods() -> Iterable[QuantizationMethodSpec]:
+    """Yield quantization methods (weight formats and the kernels that compute with them).
+
+    The class must subclass ``corectl.quantization.base.QuantizationConfig``: a frozen dataclass
+    with a ``name``, the ``kernels`` it runs on (best first; the platform's
+    ``PlatformCaps.quantization_kernels`` decides which one binds), ``from_checkpoint`` (the
+    checkpoint's ``quantization_config`` dict, or None for on-the-fly quantization) and
+    ``linear_method(prefix, layer)`` returning a ``LinearMethod`` per linear layer.
     """

@@ -35,6 +35,8 @@ class EngineInfo:
     architecture: str
     # The grammar backend for structured outputs; None without a tokenizer (no structured output).
     structured_outputs_backend: str | None = None
+    # How the weights are served quantized ("gguf (Q4_1 int4 layers via cpu_int4pack)"); None: dense.
+    quantization: str | None = None
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -29,6 +29,8 @@ class ModelSource:
     model_dtype: the checkpoint's dtype name ("float32"/"bfloat16"/"float16"), None when it does not say.
     weight_files: the safetensors files to stream; empty when `dummy_seed` is set.
     dummy_seed: random weights from this seed instead of files (load_format "dummy").
+    gguf_file: the GGUF file the checkpoint was converted from (a quantization config may read its
+        blocks instead of the converted weights), None for other checkpoints.
     """
 
     hf_config: PretrainedConfig
@@ -38,15 +40,18 @@ class ModelSource:
     model_dtype: str | None
     weight_files: tuple[Path, ...] = ()
     dummy_seed: int | None = None
+    gguf_file: Path | None = None
 
-    def load_weights(self, model: nn.Module) -> None:
-        """Fill every parameter of `model`; raise naming the parameters the checkpoint left empty."""
+    def load_weights(self, model: nn.Module, quantization=None) -> None:
+        """Fill every parameter of `model`; raise naming the parameters the checkpoint left empty.
+        A `quantization` config that reads GGUF blocks streams them from `gguf_file` instead."""
         if self.dummy_seed is not None:
             fill_dummy_weights(model, self.dummy_seed)
             return
+        blocks = quantization is not None and quantization.reads_gguf_blocks()
         stream = tqdm(
-            iter_safetensors(self.weight_files),
-            total=count_tensors(self.weight_files),
+            quantization.weight_stream(self) if blocks else iter_safetensors(self.weight_files),
+            total=None if blocks else count_tensors(self.weight_files),
             desc="loading weights",
             unit="tensor",
             disable=not sys.stderr.isatty(),
@@ -73,7 +78,14 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
             param.fill_(1.0)
         elif param.dim() == 1:
             param.zero_()
+        elif not param.is_floating_point():
+            # Packed integer weights (4-bit codes in int32 words): any bit pattern is a valid value.
+            param.random_(0, 2 ** min(31, 8 * param.element_size() - 1), generator=_generator(generators, param, seed))
         else:
-            if param.device not in generators:
-                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-            param.normal_(0.0, DUMMY_STD, generator=generators[param.device])
+            param.normal_(0.0, DUMMY_STD, generator=_generator(generators, param, seed))
+
+
+def _generator(generators: dict[torch.device, torch.Generator], param: torch.Tensor, seed: int) -> torch.Generator:
+    if param.device not in generators:
+        generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+    return generators[param.device]

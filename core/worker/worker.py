@@ -18,6 +18,8 @@ from ..distributed import get_tp, shard_range
 from ..models.kernels import LayerKernels, install_layer_kernels
 from ..models.registry import resolve_model_class
 from ..platform import Platform
+from ..quantization.base import KernelTable, QuantizationConfig
+from ..quantization.scope import bind_linear_methods, process_loaded_weights, quantization_scope
 from ..sampling_params import SamplingParams
 from ..scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from .inflight import InflightStep
@@ -56,7 +58,8 @@ class Worker(abc.ABC):
     runner_cls: type[ModelRunner] = ModelRunner
 
     def __init__(self, config: EngineConfig, platform: Platform, source, *, dtype: str,
-                 max_model_len: int, eos_token_id: int | None, attention_backend_cls: type[AttentionBackend]):
+                 max_model_len: int, eos_token_id: int | None, attention_backend_cls: type[AttentionBackend],
+                 quantization: QuantizationConfig | None = None):
         self.config = config
         self.platform = platform
         self.source = source
@@ -65,6 +68,7 @@ class Worker(abc.ABC):
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.attention_backend_cls = attention_backend_cls
+        self.quantization = quantization
         self.device = self.init_device()
         self.runner: ModelRunner | None = None
         self.model_info: ModelInfo | None = None
@@ -79,10 +83,10 @@ class Worker(abc.ABC):
 
     def load_model(self) -> ModelInfo:
         hf = self.source.hf_config
-        model_cls = resolve_model_class(hf)
-        with _default_dtype(self.torch_dtype), torch.device(self.device):
-            model = model_cls(hf, max_positions=self.max_model_len, dtype=self.torch_dtype)
-        self.source.load_weights(model)
+        model = self._build_model(hf)
+        self.source.load_weights(model, self.quantization)
+        if self.quantization is not None:
+            process_loaded_weights(model)
         model.eval()
         install_layer_kernels(model, self.layer_kernels())
         info = _model_info(hf, model, self.dtype)
@@ -93,6 +97,21 @@ class Worker(abc.ABC):
                                       hf.vocab_size, self.eos_token_id, self.platform.capabilities())
         self.model_info = info
         return info
+
+    def _build_model(self, hf) -> torch.nn.Module:
+        """The model on the device; under a quantization config each linear layer gets its method."""
+        model_cls = resolve_model_class(hf)
+        with (_default_dtype(self.torch_dtype), torch.device(self.device),
+              quantization_scope(self.quantization, self.quantization_kernels())):
+            model = model_cls(hf, max_positions=self.max_model_len, dtype=self.torch_dtype)
+            if self.quantization is not None:
+                bind_linear_methods(model, self.quantization, self.torch_dtype, self.device)
+        return model
+
+    def quantization_kernels(self) -> KernelTable:
+        """Kernels (name -> callable) this platform provides to quantization methods beyond torch's
+        own ops; their names are listed in `PlatformCaps.quantization_kernels`. None by default."""
+        return {}
 
     def init_kv_cache(self, num_blocks: int) -> None:
         info = self.model_info
