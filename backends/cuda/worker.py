@@ -59,6 +59,11 @@ class CUDAWorker(Worker):
                     tokens / self.max_model_len)
         return num_blocks
 
+    def quantization_kernels(self) -> dict:
+        from ..triton.w4a16 import w4a16_gemm_trusted
+
+        return {"w4a16": w4a16_gemm_trusted}
+
     def layer_kernels(self) -> LayerKernels:
         return triton_layer_kernels()
 

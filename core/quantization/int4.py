@@ -33,7 +33,7 @@ def pack_int32(codes: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(ran
     codes = codes.to(torch.int32).movedim(dim, -1)
     grouped = codes.reshape(*codes.shape[:-1], -1, 8)[..., list(order)]
     words = (grouped << _SHIFTS).sum(dim=-1, dtype=torch.int64)
-    return (words - (words >= 2 ** 31).to(torch.int64) * 2 ** 32).to(torch.int32).movedim(-1, dim)
+    return (words - (words >= 2 ** 31).to(torch.int64) * 2 ** 32).to(torch.int32).movedim(-1, dim).contiguous()
 
 
 def unpack_int32(words: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
@@ -107,3 +107,78 @@ def _require(quant_config: dict | None, name: str) -> dict:
     if bits != 4:
         raise ConfigError("quantization", f"{name} checkpoints with {bits}-bit weights are not supported (4-bit are)")
     return quant_config
+
+
+class W4LinearMethod(LinearMethod):
+    def __init__(self, config: _W4Config):
+        self.config = config
+        self.gemm = provided_kernel("w4a16") if config.kernel == "w4a16" else None
+
+    def create_weights(self, layer, dtype: torch.dtype) -> None:
+        n, k, g = layer.out_features, layer.in_features, self.config.group_size
+        if k % g or n % 8 or k % 8:
+            raise ConfigError("model", f"a {n}x{k} 4-bit layer needs inputs in whole groups of {g} and outputs "
+                              "in multiples of 8 on each rank")
+        # With act-order a row-parallel rank's inputs may belong to any group: it keeps every scale.
+        whole = self.config.desc_act and layer.first_input is not None
+        groups = layer.full_in_features // g if whole else k // g
+        group_axis = None if whole else 0
+        if self.config.name == "awq":
+            layer.register_quant_param("qweight", torch.zeros(k, n // 8, dtype=torch.int32), QuantAxes(1, 8, 0, 1))
+        else:
+            layer.register_quant_param("qweight", torch.zeros(k // 8, n, dtype=torch.int32), QuantAxes(1, 1, 0, 8))
+            layer.register_quant_param("g_idx", torch.zeros(k, dtype=torch.int32), QuantAxes(None, 1, 0, 1))
+        layer.register_quant_param("qzeros", torch.zeros(groups, n // 8, dtype=torch.int32),
+                                   QuantAxes(1, 8, group_axis, g))
+        layer.register_quant_param("scales", torch.zeros(groups, n, dtype=dtype), QuantAxes(1, 1, group_axis, g))
+
+    def process_weights_after_loading(self, layer) -> None:
+        codes, zeros, g_idx = self._unpacked(layer)
+        scales = layer.scales.data
+        for name in ("qweight", "qzeros", "scales", "g_idx"):
+            if hasattr(layer, name):
+                delattr(layer, name)
+        if self.gemm is not None:
+            layer.w4_qweight = pack_int32(codes.t(), 0)
+            layer.w4_scales, layer.w4_zeros, layer.w4_g_idx = scales, zeros.to(torch.int32), g_idx
+            return
+        self._to_int4pack(layer, codes, zeros, scales, g_idx)
+
+    def _unpacked(self, layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """codes [N, K], zero codes [groups, N], g_idx [K] (int32) from the checkpoint's layout."""
+        g = self.config.group_size
+        if self.config.name == "awq":
+            codes = unpack_int32(layer.qweight.data, 1, AWQ_ORDER).t()
+            zeros = unpack_int32(layer.qzeros.data, 1, AWQ_ORDER)
+            g_idx = torch.arange(layer.in_features, dtype=torch.int32) // g
+            return codes, zeros, g_idx
+        codes = unpack_int32(layer.qweight.data, 0).t()
+        zeros = unpack_int32(layer.qzeros.data, 1).to(torch.int32) + 1  # GPTQ stores zero - 1
+        g_idx = layer.g_idx.data if self.config.desc_act else torch.arange(layer.in_features, dtype=torch.int32) // g
+        return codes, zeros, g_idx
+
+    def _to_int4pack(self, layer, codes, zeros, scales, g_idx) -> None:
+        """Permute the inputs so each group is a run of G (act-order), then pack; a rank whose
+        inputs do not form whole groups (act-order under row parallelism) keeps dense weights."""
+        g = self.config.group_size
+        perm = torch.argsort(g_idx.long(), stable=True)
+        groups = g_idx.long()[perm].view(-1, g)
+        if not bool((groups == groups[:, :1]).all()):
+            layer.dense_weight = dequantize_w4(codes, zeros, scales, g_idx).to(scales.dtype)
+            return
+        order = groups[:, 0]
+        zeros_f, scales_f = zeros[order].t().float(), scales[order].t().float()
+        layer.int4_perm = None if bool((perm == torch.arange(perm.numel())).all()) else perm
+        layer.packed_weight, layer.scale_zero = pack_int4(codes[:, perm], scales_f, (8 - zeros_f) * scales_f)
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if self.gemm is not None:
+            out = self.gemm(rows, layer.w4_qweight, layer.w4_scales, layer.w4_zeros, layer.w4_g_idx)
+            out = out if layer.bias is None else out + layer.bias
+        elif hasattr(layer, "dense_weight"):
+            out = F.linear(rows, layer.dense_weight.to(rows.dtype), layer.bias)
+        else:
+            rows = rows if layer.int4_perm is None else rows[:, layer.int4_perm]
+            out = int4_linear(rows, layer.packed_weight, layer.scale_zero, self.config.group_size, layer.bias)
+        return out.view(*x.shape[:-1], out.shape[-1])
