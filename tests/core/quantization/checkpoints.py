@@ -15,8 +15,9 @@ from safetensors.torch import load_file, save_file
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NEW_TOKENS = 16
-# A divergence is a near-tie when the reference's top two tokens there are this close (logprobs).
-NEAR_TIE = 0.05
+# A divergence is a near-tie when the reference's top two tokens there are this close (logprobs):
+# bf16 activations (the packed int4 GEMM's) move SmolLM2's logits by up to ~0.1.
+NEAR_TIE = 0.1
 
 
 def _pack(codes: np.ndarray, order: list[int]) -> torch.Tensor:
