@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from checkpoints import greedy_divergences, random_prompts, write_fp8_checkpoints, write_w4_checkpoints
+from quant_checkpoints import greedy_divergences, random_prompts, write_fp8_checkpoints, write_w4_checkpoints
 from corectl import LLM, SamplingParams
 from corectl.backends.cpu.platform import CPUPlatform
 from corectl.errors import ConfigError

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from checkpoints import NEW_TOKENS, greedy_divergences
+from quant_checkpoints import NEW_TOKENS, greedy_divergences
 from corectl import LLM, SamplingParams
 from corectl.backends.cpu.platform import CPUPlatform
 from helpers import CHAT_PROMPTS

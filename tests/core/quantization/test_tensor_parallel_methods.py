@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from checkpoints import AWQ_ORDER, _pack, _quantize_int4
+from quant_checkpoints import AWQ_ORDER, _pack, quantize_int4
 from corectl.distributed import TensorParallel, parallel_state
 from corectl.models.parallel import PackedLinear, RowParallelLinear
 from corectl.quantization import quantization_scope
@@ -26,13 +26,13 @@ def _w4_tensors(method: str, w: torch.Tensor, act_order: bool):
     g_idx = np.arange(k) // GROUP
     if act_order:
         g_idx = g_idx[np.random.default_rng(1).permutation(k)]
-    codes, zeros, scales, dequant = _quantize_int4(w, g_idx, k // GROUP)
+    codes, zeros, scales, dequant = quantize_int4(w, g_idx, k // GROUP)
     out = {"scales": torch.from_numpy(scales)}
     if method == "awq":
-        out.update(qweight=_pack(codes.T, AWQ_ORDER), qzeros=_pack(zeros, AWQ_ORDER))
+        out.update(qweight=pack_nibbles(codes.T, AWQ_ORDER), qzeros=pack_nibbles(zeros, AWQ_ORDER))
     else:
         by_input = codes.T.reshape(k // 8, 8, -1).transpose(0, 2, 1).reshape(k // 8, -1)
-        out.update(qweight=_pack(by_input, list(range(8))), qzeros=_pack(zeros - 1, list(range(8))),
+        out.update(qweight=pack_nibbles(by_input, list(range(8))), qzeros=pack_nibbles(zeros - 1, list(range(8))),
                    g_idx=torch.from_numpy(g_idx.astype(np.int32)))
     return out, dequant
 

@@ -20,14 +20,14 @@ NEW_TOKENS = 16
 NEAR_TIE = 0.1
 
 
-def _pack(codes: np.ndarray, order: list[int]) -> torch.Tensor:
+def pack_nibbles(codes: np.ndarray, order: list[int]) -> torch.Tensor:
     """Eight 4-bit codes per int32 along the last axis, nibble i holding element order[i]."""
     grouped = codes.astype(np.uint32).reshape(*codes.shape[:-1], -1, 8)[..., order]
     words = (grouped << (4 * np.arange(8, dtype=np.uint32))).sum(-1, dtype=np.uint32)
     return torch.from_numpy(words.view(np.int32).copy())
 
 
-def _quantize_int4(w: torch.Tensor, g_idx: np.ndarray, groups: int):
+def quantize_int4(w: torch.Tensor, g_idx: np.ndarray, groups: int):
     """Asymmetric 4-bit codes [N, K], zeros and scales [groups, N] per group of inputs g_idx names."""
     w = w.double().numpy()
     n, k = w.shape
@@ -56,17 +56,17 @@ def write_w4_checkpoints(dense: Path, out: Path, method: str, group: int, act_or
         g_idx = np.arange(k) // group
         if act_order:
             g_idx = g_idx[rng.permutation(k)]
-        codes, zeros, scales, reference[name] = _quantize_int4(w, g_idx, k // group)
+        codes, zeros, scales, reference[name] = quantize_int4(w, g_idx, k // group)
         stem = name.removesuffix(".weight")
         quantized[f"{stem}.scales"] = torch.from_numpy(scales)
         if method == "awq":
-            quantized[f"{stem}.qweight"] = _pack(codes.T, AWQ_ORDER)
-            quantized[f"{stem}.qzeros"] = _pack(zeros, AWQ_ORDER)
+            quantized[f"{stem}.qweight"] = pack_nibbles(codes.T, AWQ_ORDER)
+            quantized[f"{stem}.qzeros"] = pack_nibbles(zeros, AWQ_ORDER)
         else:
             # AutoGPTQ: row r of qweight packs inputs 8r .. 8r+7 of each output column, in order.
             by_input = codes.T.reshape(k // 8, 8, -1).transpose(0, 2, 1).reshape(k // 8, -1)
-            quantized[f"{stem}.qweight"] = _pack(by_input, list(range(8)))
-            quantized[f"{stem}.qzeros"] = _pack(zeros - 1, list(range(8)))
+            quantized[f"{stem}.qweight"] = pack_nibbles(by_input, list(range(8)))
+            quantized[f"{stem}.qzeros"] = pack_nibbles(zeros - 1, list(range(8)))
             quantized[f"{stem}.g_idx"] = torch.from_numpy(g_idx.astype(np.int32))
     config = {"quant_method": method, "bits": 4, "group_size": group}
     config.update({"zero_point": True, "version": "gemm"} if method == "awq" else {"desc_act": act_order, "sym": False})
