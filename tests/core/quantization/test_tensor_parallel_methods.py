@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from quant_checkpoints import AWQ_ORDER, _pack, quantize_int4
+from quant_checkpoints import AWQ_ORDER, pack_nibbles, quantize_int4
 from corectl.distributed import TensorParallel, parallel_state
 from corectl.models.parallel import PackedLinear, RowParallelLinear
 from corectl.quantization import quantization_scope
