@@ -25,21 +25,24 @@ from .int4_cpu import int4_linear, pack_int4
 from .scope import kernel as provided_kernel
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its eight
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    return torch.arange(0, 32, 4, dtype=torch.int32, device=device)
 
 
 def pack_int32(codes: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
     """Pack 4-bit codes eight to an int32 along `dim` (nibble i holds element order[i] of each eight)."""
     codes = codes.to(torch.int32).movedim(dim, -1)
     grouped = codes.reshape(*codes.shape[:-1], -1, 8)[..., list(order)]
-    words = (grouped << _SHIFTS).sum(dim=-1, dtype=torch.int64)
+    words = (grouped << _shifts(codes.device)).sum(dim=-1, dtype=torch.int64)
     return (words - (words >= 2 ** 31).to(torch.int64) * 2 ** 32).to(torch.int32).movedim(-1, dim).contiguous()
 
 
 def unpack_int32(words: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
     """The inverse of `pack_int32`: int32 words -> uint8 codes, eight per word along `dim`."""
     words = words.movedim(dim, -1)
-    nibbles = (words.unsqueeze(-1) >> _SHIFTS) & 0xF
+    nibbles = (words.unsqueeze(-1) >> _shifts(words.device)) & 0xF
     codes = torch.empty_like(nibbles)
     codes[..., list(order)] = nibbles
     return codes.reshape(*words.shape[:-1], -1).movedim(-1, dim).to(torch.uint8)
@@ -150,11 +153,16 @@ class W4LinearMethod(LinearMethod):
         if self.config.name == "awq":
             codes = unpack_int32(layer.qweight.data, 1, AWQ_ORDER).t()
             zeros = unpack_int32(layer.qzeros.data, 1, AWQ_ORDER)
-            g_idx = torch.arange(layer.in_features, dtype=torch.int32) // g
+            g_idx = torch.arange(layer.in_features, dtype=torch.int32, device=codes.device) // g
             return codes, zeros, g_idx
         codes = unpack_int32(layer.qweight.data, 0).t()
         zeros = unpack_int32(layer.qzeros.data, 1).to(torch.int32) + 1  # GPTQ stores zero - 1
-        g_idx = layer.g_idx.data if self.config.desc_act else torch.arange(layer.in_features, dtype=torch.int32) // g
+        if not self.config.desc_act:
+            return codes, zeros, torch.arange(layer.in_features, dtype=torch.int32, device=codes.device) // g
+        g_idx = layer.g_idx.data
+        if int(g_idx.min()) < 0 or int(g_idx.max()) >= zeros.shape[0]:
+            raise ConfigError("model", f"g_idx names groups outside 0..{zeros.shape[0] - 1}: the GPTQ checkpoint "
+                              "does not match its group_size")
         return codes, zeros, g_idx
 
     def _to_int4pack(self, layer, codes, zeros, scales, g_idx) -> None:
@@ -168,7 +176,7 @@ class W4LinearMethod(LinearMethod):
             return
         order = groups[:, 0]
         zeros_f, scales_f = zeros[order].t().float(), scales[order].t().float()
-        layer.int4_perm = None if bool((perm == torch.arange(perm.numel())).all()) else perm
+        layer.int4_perm = None if bool((perm == torch.arange(perm.numel(), device=perm.device)).all()) else perm
         layer.packed_weight, layer.scale_zero = pack_int4(codes[:, perm], scales_f, (8 - zeros_f) * scales_f)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
