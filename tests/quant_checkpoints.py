@@ -43,10 +43,15 @@ def quantize_int4(w: torch.Tensor, g_idx: np.ndarray, groups: int):
     return codes, zeros, scales.astype(np.float16), torch.from_numpy(dequant).float()
 
 
+def _input_seed(name: str) -> int:
+    layer = int(name.split(".")[2])
+    shared = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2, "up_proj": 2, "down_proj": 3}
+    return 4 * layer + shared[name.split(".")[-2]]
+
+
 def write_w4_checkpoints(dense: Path, out: Path, method: str, group: int, act_order: bool = False):
     """(quantized folder, dequantized dense folder) for `method` "awq" or "gptq"."""
     tensors, quantized, reference = load_file(dense / "model.safetensors"), {}, {}
-    rng = np.random.default_rng(0)
     for name, w in tensors.items():
         proj = name.split(".")[-2]
         if proj not in LINEAR:
@@ -55,7 +60,8 @@ def write_w4_checkpoints(dense: Path, out: Path, method: str, group: int, act_or
         k = w.shape[1]
         g_idx = np.arange(k) // group
         if act_order:
-            g_idx = g_idx[rng.permutation(k)]
+            # GPTQ orders inputs by the Hessian of the layer's input: q/k/v (and gate/up) share one order.
+            g_idx = g_idx[np.random.default_rng(_input_seed(name)).permutation(k)]
         codes, zeros, scales, reference[name] = quantize_int4(w, g_idx, k // group)
         stem = name.removesuffix(".weight")
         quantized[f"{stem}.scales"] = torch.from_numpy(scales)

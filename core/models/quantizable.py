@@ -88,6 +88,11 @@ class QuantizableLinear:
             src = src.narrow(axes.in_axis, first, _packed(self.in_features, axes.in_pack, "input"))
         if tuple(dest.shape) != tuple(src.shape):
             raise ValueError(f"shape mismatch: parameter slice {tuple(dest.shape)} vs checkpoint {tuple(src.shape)}")
+        shared = shard_id is not None and axes.out_axis is None and not axes.per_shard
+        if shared and param.loaded_shards and not torch.equal(dest, src.to(dest.dtype)):
+            # One tensor for every shard (GPTQ's g_idx): shards computed in one GEMM must agree.
+            raise ConfigError("model", f"the shards of a packed layer disagree on a shared tensor ({shard_id!r} "
+                              "differs from the others, e.g. act-order g_idx); they cannot run as one GEMM")
         dest.copy_(src)
         param.loaded_shards.add(shard_id)
 

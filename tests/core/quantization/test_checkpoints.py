@@ -41,9 +41,10 @@ def _compare(quantized, reference, **options):
     return ours, greedy_divergences(ours, ref, random_prompts())
 
 
-@pytest.mark.parametrize("method,act_order", [("awq", False), ("gptq", False), ("gptq", True)])
-def test_w4_checkpoint_matches_its_dequantized_model(method, act_order, dense, tmp_path):
-    quantized, reference = write_w4_checkpoints(dense, tmp_path, method, group=128, act_order=act_order)
+@pytest.mark.parametrize("method,act_order,group", [("awq", False, 128), ("gptq", False, 128), ("gptq", True, 128),
+                                                    ("gptq", True, 32)])
+def test_w4_checkpoint_matches_its_dequantized_model(method, act_order, group, dense, tmp_path):
+    quantized, reference = write_w4_checkpoints(dense, tmp_path, method, group=group, act_order=act_order)
     ours, divergences = _compare(quantized, reference)
     assert ours.engine.info.quantization == f"{method} (cpu_int4pack)"
     print(f"{ours.engine.info.quantization}: {len(divergences)} near-tie divergences {divergences}")
@@ -124,3 +125,17 @@ def test_quantization_other_than_the_checkpoints_is_refused(dense, tmp_path):
         LLM(str(quantized), quantization="gptq", **ENGINE)
     with pytest.raises(ConfigError, match="unknown quantization method 'int3'"):
         LLM(str(dense), quantization="int3", **ENGINE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,act_order", [("awq", False), ("gptq", True)])
+def test_w4_checkpoint_at_tensor_parallel_2(method, act_order, dense, tmp_path):
+    """Two ranks (processes over gloo) load their slices and decode the dequantized model's tokens."""
+    quantized, reference = write_w4_checkpoints(dense, tmp_path, method, group=32, act_order=act_order)
+    ours = LLM(str(quantized), tensor_parallel_size=2, **ENGINE)
+    try:
+        assert ours.engine.info.quantization == f"{method} (cpu_int4pack)"
+        divergences = greedy_divergences(ours, LLM(str(reference), **ENGINE), random_prompts())
+        print(f"{method} at TP 2: {len(divergences)} near-tie divergences {divergences}")
+    finally:
+        ours.engine.executor.shutdown()

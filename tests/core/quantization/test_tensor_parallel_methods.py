@@ -10,6 +10,7 @@ import pytest
 import torch
 from quant_checkpoints import AWQ_ORDER, pack_nibbles, quantize_int4
 from corectl.distributed import TensorParallel, parallel_state
+from corectl.errors import ConfigError
 from corectl.models.parallel import PackedLinear, RowParallelLinear
 from corectl.quantization import quantization_scope
 from corectl.quantization.fp8 import CompressedTensorsFp8Config, Fp8Config
@@ -122,3 +123,13 @@ def test_row_parallel_partial_sums_rebuild_the_output(case, world_size):
         _close(partial, x[:, columns] @ dense[:, columns].t(), tol)
         total += partial
     _close(total, x @ dense.t(), tol)
+
+
+def test_packed_shards_with_different_act_orders_are_refused():
+    config = GPTQConfig(group_size=GROUP, desc_act=True, kernel="cpu_int4pack")
+    prefix = "model.layers.0.self_attn.qkv_proj"
+    layer = _build(0, 1, config, lambda: PackedLinear(HIDDEN, SHARDS, bias=False, unit=HEAD_DIM), prefix)
+    g_idx = layer.g_idx
+    g_idx.weight_loader(g_idx, torch.arange(HIDDEN, dtype=torch.int32) // GROUP, "q")
+    with pytest.raises(ConfigError, match="disagree on a shared tensor"):
+        g_idx.weight_loader(g_idx, torch.arange(HIDDEN - 1, -1, -1, dtype=torch.int32) // GROUP, "k")
