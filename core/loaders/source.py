@@ -44,14 +44,14 @@ class ModelSource:
 
     def load_weights(self, model: nn.Module, quantization=None) -> None:
         """Fill every parameter of `model`; raise naming the parameters the checkpoint left empty.
-        A `quantization` config that reads GGUF blocks streams them from `gguf_file` instead."""
+        A `quantization` config may stream the weights itself (GGUF's blocks from `gguf_file`)."""
         if self.dummy_seed is not None:
             fill_dummy_weights(model, self.dummy_seed)
             return
-        blocks = quantization is not None and quantization.reads_gguf_blocks()
+        own = None if quantization is None else quantization.weight_stream(self)
         stream = tqdm(
-            quantization.weight_stream(self) if blocks else iter_safetensors(self.weight_files),
-            total=None if blocks else count_tensors(self.weight_files),
+            iter_safetensors(self.weight_files) if own is None else own,
+            total=count_tensors(self.weight_files) if own is None else None,
             desc="loading weights",
             unit="tensor",
             disable=not sys.stderr.isatty(),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -83,9 +83,10 @@ class QuantizationConfig(abc.ABC):
     def linear_method(self, prefix: str, layer: torch.nn.Module) -> LinearMethod | None:
         """The method for the layer named `prefix`; None keeps it unquantized."""
 
-    def reads_gguf_blocks(self) -> bool:
-        """Whether weights stream as GGUF blocks (`corectl.loaders.gguf_weights`) instead of tensors."""
-        return False
+    def weight_stream(self, source: "ModelSource") -> Iterator[tuple[str, Any]] | None:
+        """(name, tensor) pairs to load instead of the checkpoint's safetensors (GGUF reads its
+        blocks from the file); None loads the safetensors."""
+        return None
 
     def bind(self, provided: tuple[str, ...], platform: str) -> "QuantizationConfig":
         """This config with the first of its `kernels` in `provided`; ConfigError when none is."""

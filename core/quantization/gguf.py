@@ -40,9 +40,6 @@ class GGUFConfig(QuantizationConfig):
         names = layer.checkpoint_weight_names(prefix)
         return GGUFInt4Method() if all(name in self.kept for name in names) else None
 
-    def reads_gguf_blocks(self) -> bool:
-        return True
-
     def weight_stream(self, source) -> Iterator[tuple[str, torch.Tensor | Int4Groups]]:
         from ..loaders.gguf_weights import iter_gguf_weights
 
