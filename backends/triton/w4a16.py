@@ -4,7 +4,7 @@ Contract ("w4a16" in `corectl.quantization.int4`, reference `w4a16_reference`): 
 fp16 or bf16), qweight [K/8, N] int32 with input k in nibble k % 8 of row k // 8, per-group
 scales [groups, N] and zero codes [groups, N], and g_idx [K] naming each input's group (a
 permutation under GPTQ act-order). Each program computes a [BLOCK_M, BLOCK_N] tile, walking K in
-BLOCK_K steps: it loads the packed words once per 8 inputs, unpacks, applies (q - z) * s of each
+BLOCK_K steps: it loads each packed word once and unpacks its 8 inputs, applies (q - z) * s of each
 input's group, and accumulates in fp32. Decode (M = 1) reads 4 bits per weight instead of 16.
 """
 from __future__ import annotations
@@ -30,8 +30,11 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K,
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         mask_w = mask_k[:, None] & mask_n[None, :]
-        words = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * stride_qk + offs_n[None, :], mask=mask_w, other=0)
-        codes = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF
+        # Each int32 word is read once and unpacked into its eight inputs: [BLOCK_K/8, 8, N] -> [BLOCK_K, N].
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(qw_ptr + offs_w[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
+                        mask=(offs_w < K // 8)[:, None] & mask_n[None, :], other=0)
+        codes = tl.reshape((words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
         group = tl.load(g_ptr + offs_k, mask=mask_k, other=0)
         scale = tl.load(s_ptr + group[:, None].to(tl.int64) * stride_sg + offs_n[None, :], mask=mask_w, other=0.0)
         zero = tl.load(z_ptr + group[:, None].to(tl.int64) * stride_zg + offs_n[None, :], mask=mask_w, other=0)
@@ -63,8 +66,9 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
+    # Decode-sized M: narrow N tiles so a 4096-wide layer still spreads over every SM.
     block_m = 16 if m <= 16 else 64
-    block_n, block_k = (64, 64) if m <= 16 else (128, 32)
+    block_n, block_k = (32, 128) if m <= 16 else (128, 32)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _w4a16_kernel[grid](x, qweight, scales, zeros, g_idx, out, m, n, k, x.stride(0), qweight.stride(0),
                         scales.stride(0), zeros.stride(0), out.stride(0),
