@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..quantization.gguf_blocks import Int4Groups, decode_int4_groups
-from .gguf_cache import ARCHITECTURES, _dequantized, _unpermute_rotary_rows, hf_tensor_name, read_gguf_header
+from .gguf_cache import dequantized_tensor, hf_tensor_name, read_gguf_header, unpermute_rotary_rows
 
 
 def gguf_tensor_types(path: Path) -> dict[str, str]:
@@ -25,18 +25,16 @@ def gguf_tensor_types(path: Path) -> dict[str, str]:
 
 def iter_gguf_weights(path: Path, hf_config, kept: frozenset[str]) -> Iterator[tuple[str, torch.Tensor | Int4Groups]]:
     header = read_gguf_header(path)
-    if header.arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {header.arch!r}")
     for tensor in header.reader.tensors:
         name = hf_tensor_name(tensor.name)
         if name not in kept:
-            yield name, _dequantized(tensor, header.arch, hf_config)
+            yield name, dequantized_tensor(tensor, header.arch, hf_config)
             continue
         rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
         groups = decode_int4_groups(tensor.tensor_type.name, rows)
         heads = _rotary_heads(tensor.name, header.arch, hf_config)
         if heads:
-            groups = Int4Groups(*(torch.from_numpy(_unpermute_rotary_rows(t.numpy(), heads)) for t in groups))
+            groups = Int4Groups(*(torch.from_numpy(unpermute_rotary_rows(t.numpy(), heads)) for t in groups))
         yield name, groups
 
 

@@ -45,6 +45,7 @@ class QuantizableLinear:
         return fresh
 
     def _attach_dense_loaders(self) -> None:
+        """Give the dense weight (and bias) the layer's own slicing loaders; each layer defines it."""
         raise NotImplementedError
 
     def register_quant_param(self, name: str, tensor: torch.Tensor, axes: QuantAxes) -> nn.Parameter:
