@@ -8,7 +8,8 @@ A plugin is a module (or object) registered under the entry-point group ``corect
 and implementing any of the hooks below with ``@corectl.plugins.hookimpl``. Each hook yields
 frozen spec records holding dotted paths; corectl imports the target only when it is used, so
 listing plugins stays cheap and never initialises a device runtime. The built-in platforms (cpu,
-cuda, rocm), models and the xgrammar structured-output backend register through the same entry points.
+cuda, rocm), models, the xgrammar structured-output backend and the quantization methods register
+through the same entry points.
 """
 from __future__ import annotations
 
