@@ -1,4 +1,4 @@
-"""Every quantization method at tensor-parallel sizes 2 and 4: each rank's layer loads its slice
+"""Every quantization method at tensor-parallel sizes 1, 2 and 4: each rank's layer loads its slice
 of the checkpoint tensors (packed words, group scales, per-shard scales, g_idx) and computes its
 part of the dense layer's output: the shard rows of a column-parallel qkv layer, the partial sum
 of a row-parallel layer over its input columns. Built rank by rank under that rank's state, as in
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from quant_checkpoints import AWQ_ORDER, pack_nibbles, quantize_int4
+from corectl.backends.triton.w4a16 import w4a16_gemm
 from corectl.distributed import TensorParallel, parallel_state
 from corectl.errors import ConfigError
 from corectl.models.parallel import PackedLinear, RowParallelLinear
@@ -60,6 +61,10 @@ CASES = {
     "gptq": (GPTQConfig(group_size=GROUP, kernel="cpu_int4pack"), lambda w: _w4_tensors("gptq", w, False), 0.02),
     "gptq-act-order": (GPTQConfig(group_size=GROUP, desc_act=True, kernel="cpu_int4pack"),
                        lambda w: _w4_tensors("gptq", w, True), 0.02),
+    # The Triton 4-bit GEMM (interpreter) in the layout the method repacks for it.
+    "awq-w4a16": (AWQConfig(group_size=GROUP, kernel="w4a16"), lambda w: _w4_tensors("awq", w, False), 1e-3),
+    "gptq-act-order-w4a16": (GPTQConfig(group_size=GROUP, desc_act=True, kernel="w4a16"),
+                             lambda w: _w4_tensors("gptq", w, True), 1e-3),
     "fp8-tensor": (Fp8Config(serialized=True, kernel="fp8_reference"), lambda w: _fp8_tensors(w, False), 0.08),
     "ct-fp8-channel": (CompressedTensorsFp8Config(serialized=True, per_channel=True, kernel="fp8_reference"),
                        lambda w: _fp8_tensors(w, True), 0.08),
@@ -70,7 +75,7 @@ CASES = {
 def _build(rank: int, world_size: int, config, make, prefix: str):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(parallel_state, "_state", TensorParallel(rank, world_size))
-        with quantization_scope(config):
+        with quantization_scope(config, {"w4a16": w4a16_gemm}):
             layer = make()
             layer.set_quant_method(config.linear_method(prefix, layer), torch.float32, torch.device("cpu"))
     return layer
@@ -85,7 +90,7 @@ def _close(got: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
     assert (got - expected).abs().max() <= tol * expected.abs().max(), (got - expected).abs().max()
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("case", list(CASES))
 def test_packed_column_parallel_rank_outputs(case, world_size):
     config, make_tensors, tol = CASES[case]
@@ -104,7 +109,7 @@ def test_packed_column_parallel_rank_outputs(case, world_size):
         _close(layer.quant_method.apply(layer, x), expected, tol)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("case", list(CASES))
 def test_row_parallel_partial_sums_rebuild_the_output(case, world_size):
     config, make_tensors, tol = CASES[case]
