@@ -96,8 +96,7 @@ class QuantizationConfig(abc.ABC):
         raise ConfigError(
             "quantization",
             f"{self.name!r} runs on kernels {', '.join(self.kernels)}; platform {platform!r} provides "
-            f"{', '.join(provided) or 'none'}. Use a platform with one of them, or --quantization none "
-            "for a checkpoint that can be dequantized",
+            f"{', '.join(provided) or 'none'}; run it on a platform that provides one",
         )
 
     def describe(self) -> str:
