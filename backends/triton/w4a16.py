@@ -4,8 +4,9 @@ Contract ("w4a16" in `corectl.quantization.int4`, reference `w4a16_reference`): 
 fp16 or bf16), qweight [K/8, N] int32 with input k in nibble k % 8 of row k // 8, per-group
 scales [groups, N] and zero codes [groups, N], and g_idx [K] naming each input's group (a
 permutation under GPTQ act-order). Each program computes a [BLOCK_M, BLOCK_N] tile, walking K in
-BLOCK_K steps: it loads each packed word once and unpacks its 8 inputs, applies (q - z) * s of each
-input's group, and accumulates in fp32. Decode (M = 1) reads 4 bits per weight instead of 16.
+BLOCK_K steps: it loads each packed word once and unpacks its 8 inputs, applies (q - z) * s of
+each input's group, rounds the tile to x's dtype (bf16 then runs on tensor cores) and accumulates
+in fp32. Decode (M = 1) reads 4 bits per weight instead of 16.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K,
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         mask_w = mask_k[:, None] & mask_n[None, :]
         # Each int32 word is read once and unpacked into its eight inputs: [BLOCK_K/8, 8, N] -> [BLOCK_K, N].
         offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
@@ -38,8 +39,9 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K,
         group = tl.load(g_ptr + offs_k, mask=mask_k, other=0)
         scale = tl.load(s_ptr + group[:, None].to(tl.int64) * stride_sg + offs_n[None, :], mask=mask_w, other=0.0)
         zero = tl.load(z_ptr + group[:, None].to(tl.int64) * stride_zg + offs_n[None, :], mask=mask_w, other=0)
-        w = (codes - zero).to(tl.float32) * scale.to(tl.float32)
-        acc += tl.dot(x, w, input_precision="ieee")
+        # Dequantized in fp32, rounded to x's dtype: bf16/fp16 inputs take the tensor cores.
+        w = ((codes - zero).to(tl.float32) * scale.to(tl.float32)).to(x.dtype)
+        acc += tl.dot(x, w)
     out = acc.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], out,
              mask=mask_m[:, None] & mask_n[None, :])
