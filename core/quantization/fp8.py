@@ -17,6 +17,7 @@ import torch
 
 from ..errors import ConfigError
 from .base import LinearMethod, QuantAxes, QuantizationConfig
+from .scope import optional_kernel
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -29,24 +30,30 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         bias: torch.Tensor | None) -> torch.Tensor:
-    """The dequantize-then-matmul reference of the FP8 GEMM: same quantized inputs, fp32 math."""
-    xq, x_scale = quantize_rows(x)
+def fp8_gemm_reference(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The dequantize-then-matmul reference of the FP8 GEMM, in fp32."""
     out = (xq.float() * x_scale) @ (weight.float() * weight_scale.view(-1, 1)).t()
-    return (out if bias is None else out + bias.float()).to(x.dtype)
+    return (out if bias is None else out + bias.float()).to(out_dtype)
 
 
-def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         bias: torch.Tensor | None) -> torch.Tensor:
+def fp8_gemm_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """Row-wise scaled FP8 GEMM (Hopper/Ada): `weight` [N, K] e4m3 row-major is the column-major
     [K, N] operand `_scaled_mm` wants."""
-    xq, x_scale = quantize_rows(x)
-    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=out_dtype)
     return out if bias is None else out + bias
 
 
-_KERNELS = {"fp8_scaled_mm": fp8_linear_scaled_mm, "fp8_reference": fp8_linear_reference}
+def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T as the method computes it (activations quantized per token), in fp32 math."""
+    return fp8_gemm_reference(*quantize_rows(x), weight, weight_scale, bias, x.dtype)
+
+
+_KERNELS = {"fp8_scaled_mm": fp8_gemm_scaled_mm, "fp8_reference": fp8_gemm_reference}
+# A worker may provide a one-launch activation quantizer with the contract of `quantize_rows`.
+QUANTIZE_KERNEL = "fp8_quantize_rows"
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,7 @@ class Fp8LinearMethod(LinearMethod):
     def __init__(self, config: Fp8Config):
         self.config = config
         self.gemm = _KERNELS[config.kernel]
+        self.quantize = optional_kernel(QUANTIZE_KERNEL) or quantize_rows
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         n, k = layer.out_features, layer.in_features
@@ -136,8 +144,8 @@ class Fp8LinearMethod(LinearMethod):
         layer.weight_scale = torch.nn.Parameter(scale.reshape(-1).float().contiguous(), requires_grad=False)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        out = self.gemm(rows, layer.weight, layer.weight_scale, layer.bias)
+        xq, x_scale = self.quantize(x.reshape(-1, x.shape[-1]))
+        out = self.gemm(xq, x_scale, layer.weight, layer.weight_scale, layer.bias, x.dtype)
         return out.view(*x.shape[:-1], out.shape[-1])
 
 

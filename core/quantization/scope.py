@@ -45,6 +45,11 @@ def kernel(name: str) -> Callable[..., torch.Tensor]:
     return _KERNELS[name]
 
 
+def optional_kernel(name: str) -> Callable[..., torch.Tensor] | None:
+    """A kernel the worker may provide (a faster path of something core also does in torch)."""
+    return _KERNELS.get(name)
+
+
 def bind_linear_methods(model: nn.Module, config: QuantizationConfig, dtype: torch.dtype,
                         device: torch.device) -> int:
     """Give every quantizable layer of `model` its method (or its dense weight); returns how many

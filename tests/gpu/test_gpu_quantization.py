@@ -8,7 +8,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA or ROCm GPU", allow_module_level=True)
 
 from corectl import SamplingParams  # noqa: E402
-from corectl.quantization.fp8 import fp8_linear_reference, fp8_linear_scaled_mm, quantize_rows  # noqa: E402
+from corectl.quantization.fp8 import fp8_gemm_reference, fp8_gemm_scaled_mm, quantize_rows  # noqa: E402
 from corectl.quantization.int4 import pack_int32, w4a16_reference  # noqa: E402
 from gpu_helpers import build_checkpoint, generate, random_prompts  # noqa: E402
 
@@ -25,12 +25,18 @@ def _rel_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 @pytest.mark.skipif(not FP8, reason="FP8 tensor cores need compute capability 8.9 or newer")
 @pytest.mark.parametrize("m", [1, 16, 256])
 @pytest.mark.parametrize("n,k", LLAMA3_8B)
-def test_fp8_scaled_mm_matches_reference(m, n, k):
+def test_fp8_activation_quantizer_and_scaled_mm_match_references(m, n, k):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     weight, scale = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    error = _rel_error(fp8_linear_scaled_mm(x, weight, scale.view(-1), bias),
-                       fp8_linear_reference(x, weight, scale.view(-1), bias))
+    from corectl.backends.triton.fp8_quant import quantize_rows_fp8
+
+    xq, x_scale = quantize_rows_fp8(x)
+    expected_q, expected_scale = quantize_rows(x)
+    torch.testing.assert_close(x_scale, expected_scale)
+    assert torch.equal(xq.view(torch.uint8), expected_q.view(torch.uint8))
+    error = _rel_error(fp8_gemm_scaled_mm(xq, x_scale, weight, scale.view(-1), bias, x.dtype),
+                       fp8_gemm_reference(xq, x_scale, weight, scale.view(-1), bias, x.dtype))
     assert error < REL_TOL, error
 
 

@@ -115,3 +115,14 @@ def test_triton_w4a16_checks_its_inputs():
         w4a16_gemm(x[:, :56], qweight, scales, zeros, g_idx[:56])
     with pytest.raises(ValueError, match="g_idx values"):
         w4a16_gemm(x, qweight, scales, zeros, g_idx + 4)
+
+
+def test_triton_fp8_row_quantizer_matches_reference():
+    from corectl.backends.triton.fp8_quant import quantize_rows_fp8
+
+    x = torch.randn(5, 300) * torch.rand(5, 1) * 10
+    x[0, :4] = torch.tensor([0.0, 1e-4, -3e-3, 7e-3])  # zero and e4m3 subnormals (after scaling)
+    got, got_scale = quantize_rows_fp8(x)
+    expected, expected_scale = quantize_rows(x)
+    torch.testing.assert_close(got_scale, expected_scale)
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
