@@ -54,6 +54,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         (`1_Pooling/config.json`), else LAST. MEAN and CLS need every prompt token's hidden state,
         so such an engine runs without prefix caching.
     normalize: L2-normalise pooled vectors; None: the checkpoint's (a Normalize module), else True.
+    quantization: the quantization method (`corectl.quantization`; vLLM's names: fp8, awq, gptq,
+        compressed-tensors, gguf, or a plugin's). None: the checkpoint's own `quantization_config`,
+        and GGUF files kept quantized where the platform has the kernel (unless `dtype` is set);
+        "none": dense weights (GGUF dequantized); "fp8" on a dense checkpoint quantizes on the fly.
     skip_tokenizer_init: load no tokenizer: prompts are token ids, outputs carry token ids and empty
         text. Shape presets, and dummy weights from a config with no tokenizer files beside it (and
         no `tokenizer` given), always run this way.
@@ -66,6 +70,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     download_dir: str | None = None
     dtype: str = "auto"
     load_format: str = "auto"
+    quantization: str | None = None
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_dtype: str = "auto"
@@ -108,6 +113,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         self._check_positive("max_num_batched_tokens")
         if self.max_model_len is not None:
             self._check_positive("max_model_len")
+        if self.quantization is not None and (not isinstance(self.quantization, str) or not self.quantization):
+            raise ConfigError("quantization", f"must be a method name or 'none', got {self.quantization!r}")
         if self.max_queued_requests is not None:
             self._check_positive("max_queued_requests")
         if self.num_threads is not None:

@@ -39,6 +39,11 @@ class PlatformCaps:
     # the weights and a profiled step's peak), not from `kv_cache_memory_gib`: `corectl plan`
     # (`corectl.planning`) sizes it the same way.
     profiles_memory: bool = False
+    # Kernel names quantization methods may bind to (`corectl.quantization`): "cpu_int4pack" (torch's
+    # packed int4 GEMM on CPUs), "fp8_scaled_mm" (torch._scaled_mm, FP8 tensor cores), "w4a16"
+    # (a worker-provided dequantize-in-the-GEMM kernel, `Worker.quantization_kernels`). A method
+    # none of whose kernels is listed is refused at engine start (`QuantizationConfig.bind`).
+    quantization_kernels: tuple[str, ...] = ()
 
 
 class Platform(abc.ABC):
@@ -91,12 +96,14 @@ class Platform(abc.ABC):
         Import it inside the method: discovery imports the platform's module on every start and in
         ``corectl plugins``, so that module must not import torch.cuda, Triton or the worker. Core
         builds one worker per rank as ``worker_cls()(config, platform, source, dtype=...,
-        max_model_len=..., eos_token_id=..., attention_backend_cls=...)`` (``WorkerSpec.build``),
+        max_model_len=..., eos_token_id=..., attention_backend_cls=..., quantization=...)``
+        (``WorkerSpec.build``; ``quantization`` is the bound ``QuantizationConfig`` or None),
         then calls ``load_model``, ``profile_num_kv_blocks``, ``init_kv_cache`` and ``warmup`` in
         that order, and ``launch`` once per step. A worker implements ``init_device`` and
-        ``profile_num_kv_blocks``; it may override ``warmup``, ``layer_kernels`` and
-        ``runner_cls``, a ``ModelRunner`` subclass for how inputs reach the device, how results
-        come back and whether steps replay captured graphs.
+        ``profile_num_kv_blocks``; it may override ``warmup``, ``layer_kernels``,
+        ``quantization_kernels`` (callables for the kernel names its caps list) and ``runner_cls``,
+        a ``ModelRunner`` subclass for how inputs reach the device, how results come back and
+        whether steps replay captured graphs.
         """
 
     @abc.abstractmethod

@@ -14,6 +14,7 @@ from .specs import (
     AttentionBackendSpec,
     ModelSpec,
     PlatformSpec,
+    QuantizationMethodSpec,
     StructuredOutputBackendSpec,
     import_dotted,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "PlatformSpec",
     "PluginConflictError",
     "PluginManager",
+    "QuantizationMethodSpec",
     "StructuredOutputBackendSpec",
     "get_plugin_manager",
     "hookimpl",

@@ -8,7 +8,8 @@ A plugin is a module (or object) registered under the entry-point group ``corect
 and implementing any of the hooks below with ``@corectl.plugins.hookimpl``. Each hook yields
 frozen spec records holding dotted paths; corectl imports the target only when it is used, so
 listing plugins stays cheap and never initialises a device runtime. The built-in platforms (cpu,
-cuda, rocm), models and the xgrammar structured-output backend register through the same entry points.
+cuda, rocm), models, the xgrammar structured-output backend and the quantization methods register
+through the same entry points.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .specs import (
     AttentionBackendSpec,
     ModelSpec,
     PlatformSpec,
+    QuantizationMethodSpec,
     StructuredOutputBackendSpec,
 )
 
@@ -64,4 +66,16 @@ def corectl_structured_output_backends() -> Iterable[StructuredOutputBackendSpec
     The class must implement ``corectl.structured.backend.StructuredOutputBackend``: it is built
     in the engine process from the tokenizer folder, and its matchers fill xgrammar's bitmask
     layout (int32 words, bit ``t % 32`` of word ``t // 32`` set when token ``t`` is allowed).
+    """
+
+
+@hookspec
+def corectl_quantization_methods() -> Iterable[QuantizationMethodSpec]:
+    """Yield quantization methods (weight formats and the kernels that compute with them).
+
+    The class must subclass ``corectl.quantization.base.QuantizationConfig``: a frozen dataclass
+    with a ``name``, the ``kernels`` it runs on (best first; the platform's
+    ``PlatformCaps.quantization_kernels`` decides which one binds), ``from_checkpoint`` (the
+    checkpoint's ``quantization_config`` dict, or None for on-the-fly quantization) and
+    ``linear_method(prefix, layer)`` returning a ``LinearMethod`` per linear layer.
     """

@@ -14,6 +14,7 @@ from .specs import (
     AttentionBackendSpec,
     ModelSpec,
     PlatformSpec,
+    QuantizationMethodSpec,
     StructuredOutputBackendSpec,
 )
 
@@ -96,6 +97,9 @@ class PluginManager:
 
     def structured_output_backends(self) -> dict[str, StructuredOutputBackendSpec]:
         return self._collect("corectl_structured_output_backends", "name")
+
+    def quantization_methods(self) -> dict[str, QuantizationMethodSpec]:
+        return self._collect("corectl_quantization_methods", "name")
 
 
 _MANAGER: PluginManager | None = None

@@ -55,6 +55,18 @@ class StructuredOutputBackendSpec:
     plugin: str = field(default="", compare=False)
 
 
+@dataclass(frozen=True)
+class QuantizationMethodSpec:
+    """A quantization method: `path` names a `corectl.quantization.base.QuantizationConfig`
+    subclass, chosen by `name` with `--quantization` or by a checkpoint whose
+    `quantization_config.quant_method` is `name`."""
+
+    name: str
+    path: str
+    description: str = ""
+    plugin: str = field(default="", compare=False)
+
+
 def import_dotted(path: str) -> Any:
     """Import `package.module:attr` or `package.module.attr` and return the attribute."""
     module_name, sep, attr = path.partition(":")

@@ -3,6 +3,7 @@
 #   bash scripts/device_bench.sh tests kernels w3 w2        (first call)
 #   bash scripts/device_bench.sh w1 w4                       (second call)
 #   bash scripts/device_bench.sh w7                          (mixture of experts, its own call)
+#   bash scripts/device_bench.sh quanttests w2fp8 w1fp8 w2awq (quantization: FP8 W8A8, 4-bit AWQ)
 # Needs, carried: .whl (corectl's pure-Python deps missing from the device image) and .peers
 # (DESIGN.md's HF peer harness, not project code). Every stage's peer runs in the same call.
 set -uo pipefail
@@ -161,6 +162,21 @@ stage_w4fp8() {
   bench throughput --model qwen3-0.6b --num-prompts 256 --min-len 100 --max-len 1024 --kv-cache-dtype fp8 \
     --save-result "$RES/w4_fp8kv.json"
 }
+stage_w2fp8() {
+  # W2 and W1 with FP8 W8A8 weights quantized on the fly (--quantization fp8), bf16 in the same call.
+  bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --quantization fp8 --save-result "$RES/w2_fp8.json"
+  bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w2_bf16.json"
+}
+stage_w1fp8() {
+  bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 --quantization fp8 --save-result "$RES/w1_fp8.json"
+  python3 "$PEER" static --shape llama3-8b --batch 128 --input-len 512 --output-len 128
+}
+stage_w2awq() {
+  # W2 with 4-bit AWQ weights (group 128): random packed weights from the quantization_config override.
+  local awq='{"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemm"}}'
+  bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --hf-overrides "$awq" --save-result "$RES/w2_awq.json"
+}
+stage_quanttests() { python3 -m pytest -q tests/gpu/test_gpu_quantization.py -p no:cacheprovider 2>&1 | tee "$RES/gpu_quant_tests.log" | tail -15; }
 
 for stage in "$@"; do
   echo "=== $stage"

@@ -31,6 +31,10 @@ ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] 
     "revision": ("--revision", _MODEL, "hub revision (branch, tag or commit)", {}),
     "download_dir": ("--download-dir", _MODEL, "hub cache directory", {}),
     "load_format": ("--load-format", _MODEL, "weight format; 'dummy' makes random weights", {"choices": LOAD_FORMATS}),
+    "quantization": (("--quantization", "-q"), _MODEL, "quantization method: fp8 (on the fly or an FP8 checkpoint), "
+                     "awq, gptq, compressed-tensors, gguf, a plugin's, or 'none' for dense weights (unset: the "
+                     "checkpoint's own; GGUF files stay 4-bit where the platform has the kernel unless --dtype is "
+                     "given; see `corectl plugins`)", {}),
     "dtype": ("--dtype", _MODEL, "compute dtype ('auto': the platform's best for this model)", {"choices": DTYPES}),
     "max_model_len": ("--max-model-len", _MODEL, "context length (default: the model's)", {"type": int}),
     "chat_template": ("--chat-template", _MODEL, "chat template (Jinja string or .jinja file) overriding the model's", {}),

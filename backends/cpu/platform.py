@@ -31,6 +31,7 @@ class CPUPlatform(Platform):
             dtypes=("float32", "bfloat16"),
             default_dtype="bfloat16" if has_native_bf16() else "float32",
             sampling_draw="inverse_cdf",
+            quantization_kernels=("cpu_int4pack",),
         )
 
     def device_memory(self) -> int:

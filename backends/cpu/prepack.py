@@ -48,7 +48,8 @@ def prepack_linears(model: nn.Module, dtype: torch.dtype) -> int:
     if not can_prepack(dtype):
         return 0
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if isinstance(child, nn.Linear) and child.weight.dtype == dtype]
+             if isinstance(child, nn.Linear) and getattr(child, "quant_method", None) is None
+             and child.weight.dtype == dtype]
     for parent, name, child in swaps:
         setattr(parent, name, PrepackedLinear(child))
     return len(swaps)

@@ -1,6 +1,7 @@
 """CUDA platform: detection and capabilities read from the device, never assumed."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from corectl.platform import Platform, PlatformCaps
@@ -46,7 +47,10 @@ class CUDAPlatform(Platform):
         return "platform 'cuda' needs an NVIDIA GPU and a CUDA build of torch; none was found"
 
     def capabilities(self) -> PlatformCaps:
-        return gpu_caps(_device_capability())
+        capability = _device_capability()
+        # FP8 tensor cores (torch._scaled_mm) from Ada/Hopper (8.9) on; the Triton 4-bit GEMM anywhere.
+        kernels = (("fp8_scaled_mm",) if capability >= (8, 9) else ()) + ("w4a16",)
+        return dataclasses.replace(gpu_caps(capability), quantization_kernels=kernels)
 
     def device_name(self) -> str:
         import torch

@@ -71,6 +71,12 @@ class CUDAWorker(Worker):
                     num_blocks, tokens, num_blocks * per_block / 2**30, self.max_model_len, concurrency, note)
         return num_blocks
 
+    def quantization_kernels(self) -> dict:
+        from ..triton.fp8_quant import quantize_rows_fp8
+        from ..triton.w4a16 import w4a16_gemm_trusted
+
+        return {"w4a16": w4a16_gemm_trusted, "fp8_quantize_rows": quantize_rows_fp8}
+
     def layer_kernels(self) -> LayerKernels:
         return triton_layer_kernels()
 

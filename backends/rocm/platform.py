@@ -3,6 +3,7 @@ set, so the CUDA worker, graph capture (hipGraph) and Triton kernels serve both;
 detection and capabilities (bf16 from gfx90a/MI200 on)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from corectl.platform import PlatformCaps
@@ -23,7 +24,9 @@ def _gcn_arch() -> str | None:
 
 
 def rocm_caps(arch: str) -> PlatformCaps:
-    return gpu_caps((8, 0) if arch.startswith(_BF16_ARCHS) else (7, 0))
+    # The CUDA worker's Triton 4-bit GEMM runs here too; FP8 (e4m3fnuz on MI300) is not wired yet.
+    caps = gpu_caps((8, 0) if arch.startswith(_BF16_ARCHS) else (7, 0))
+    return dataclasses.replace(caps, quantization_kernels=("w4a16",))
 
 
 class ROCmPlatform(CUDAPlatform):

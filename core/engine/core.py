@@ -27,6 +27,7 @@ from ..errors import ConfigError, CorectlError, InvalidRequestError
 from ..executor import StepHandle, WorkerSpec, create_executor
 from ..loaders import ModelSource, resolve_model_source
 from ..pooling import PoolingInfo, resolve_pooling
+from ..quantization.selection import resolve_quantization
 from ..request import Request
 from ..scheduler import Scheduler
 from ..scheduler.output import SchedulerOutput
@@ -65,10 +66,11 @@ class EngineCore:
         self.max_model_len = resolve_max_model_len(config, hf)
         self.eos_token_id, self.extra_eos_ids = _eos_token_ids(self.source)
         dtype = platform.resolve_dtype(config.dtype, self.source.model_dtype)
+        quantization = resolve_quantization(config, self.source, platform)
         backend_cls = resolve_attention_backend(platform, config.attention_backend, hf)
         self.executor = create_executor(WorkerSpec(
             config, platform, self.source, dtype=dtype, max_model_len=self.max_model_len,
-            eos_token_id=self.eos_token_id, attention_backend_cls=backend_cls,
+            eos_token_id=self.eos_token_id, attention_backend_cls=backend_cls, quantization=quantization,
         ))
         info = self.executor.load_model()
         num_blocks = self.executor.profile_num_kv_blocks()
@@ -92,10 +94,11 @@ class EngineCore:
             architecture=info.architecture,
             structured_outputs_backend=None if self.structured is None else config.structured_outputs_backend,
             pooling=self.pooling,
+            quantization=None if quantization is None else quantization.describe(),
         )
         logger.info(
-            "engine ready: %s (%s) on %s, %s, %d KV tokens, max_model_len %d, %s scheduling, %.1f s",
-            self.source.description, info.architecture, platform.name, dtype,
+            "engine ready: %s (%s) on %s, %s, %s weights, %d KV tokens, max_model_len %d, %s scheduling, %.1f s",
+            self.source.description, info.architecture, platform.name, dtype, self.info.quantization or "dense",
             self.info.kv_capacity_tokens, self.max_model_len, "async" if self.async_scheduling else "synchronous",
             time.monotonic() - started,
         )

@@ -38,6 +38,8 @@ class EngineInfo:
     structured_outputs_backend: str | None = None
     # What a pooling engine makes (`--runner pooling`); None for a generative engine.
     pooling: PoolingInfo | None = None
+    # How the weights are served quantized ("gguf (Q4_1 int4 layers via cpu_int4pack)"); None: dense.
+    quantization: str | None = None
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -20,6 +20,7 @@ from typing import Protocol
 from ..config import EngineConfig
 from ..loaders import ModelSource
 from ..platform import Platform
+from ..quantization.base import QuantizationConfig
 from ..scheduler.output import SchedulerOutput
 from ..worker.output import ModelRunnerOutput
 from ..worker.worker import ModelInfo, Worker
@@ -36,11 +37,13 @@ class WorkerSpec:
     max_model_len: int
     eos_token_id: int | None
     attention_backend_cls: type
+    quantization: QuantizationConfig | None = None
 
     def build(self) -> Worker:
         return self.platform.worker_cls()(
             self.config, self.platform, self.source, dtype=self.dtype, max_model_len=self.max_model_len,
             eos_token_id=self.eos_token_id, attention_backend_cls=self.attention_backend_cls,
+            quantization=self.quantization,
         )
 
 

@@ -198,7 +198,7 @@ def _write_weights(reader, arch: str, hf_config, out: Path) -> None:
     weight_map: dict[str, str] = {}
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
-        shard[name] = _dequantized(tensor, arch, hf_config)
+        shard[name] = dequantized_tensor(tensor, arch, hf_config)
         shard_bytes += shard[name].nbytes
         if shard_bytes >= SHARD_BYTES:
             files.append(_save_shard(shard, out, len(files) + 1, weight_map))
@@ -233,7 +233,7 @@ def hf_tensor_name(gguf_name: str) -> str:
     raise ConfigError("model", f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart known to the GGUF loader")
 
 
-def _dequantized(tensor, arch: str, hf_config) -> torch.Tensor:
+def dequantized_tensor(tensor, arch: str, hf_config) -> torch.Tensor:
     try:
         values = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as exc:
@@ -245,11 +245,11 @@ def _dequantized(tensor, arch: str, hf_config) -> torch.Tensor:
     values = np.asarray(values, dtype=np.float32).reshape([int(d) for d in reversed(tensor.shape)])
     if arch == "llama" and tensor.name.split(".")[-2] in ("attn_q", "attn_k"):
         heads = hf_config.num_attention_heads if ".attn_q." in tensor.name else hf_config.num_key_value_heads
-        values = _unpermute_rotary_rows(values, heads)
+        values = unpermute_rotary_rows(values, heads)
     return torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
 
 
-def _unpermute_rotary_rows(values: np.ndarray, heads: int) -> np.ndarray:
+def unpermute_rotary_rows(values: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's convert_hf_to_gguf row permutation of Q/K, which interleaves each head's rotary
     halves for its own rope kernel (transformers' LlamaTensorProcessor does the same)."""
     half = values.shape[0] // heads // 2

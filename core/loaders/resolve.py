@@ -1,6 +1,7 @@
 """Turning `EngineConfig.model` (a path, a hub id, or nothing) into a `ModelSource`."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ class _Checkpoint:
     config_source: Path  # a folder holding config.json, or (dummy weights only) a config file
     description: str
     weight_files: tuple[Path, ...]
+    gguf_file: Path | None = None
 
 
 def resolve_model_source(config: EngineConfig) -> ModelSource:
@@ -44,6 +46,7 @@ def resolve_model_source(config: EngineConfig) -> ModelSource:
         model_dtype=model_dtype,
         weight_files=checkpoint.weight_files,
         dummy_seed=config.seed if dummy else None,
+        gguf_file=checkpoint.gguf_file,
     )
 
 
@@ -98,7 +101,8 @@ def _file_checkpoint(path: Path, load_format: str) -> _Checkpoint:
         if load_format == "safetensors":
             raise ConfigError("load_format", f"'safetensors' does not read the GGUF file {path}; use 'auto' or 'gguf'")
         cache = _converted_gguf(path)
-        return _dir_checkpoint(cache, f"gguf {path} (cached at {cache})", load_format)
+        checkpoint = _dir_checkpoint(cache, f"gguf {path} (cached at {cache})", load_format)
+        return dataclasses.replace(checkpoint, gguf_file=path)
     if load_format == "dummy" and path.suffix == ".json":
         return _Checkpoint(path, f"config {path}", ())
     raise ModelNotFoundError(

@@ -30,6 +30,8 @@ class ModelSource:
     model_dtype: the checkpoint's dtype name ("float32"/"bfloat16"/"float16"), None when it does not say.
     weight_files: the safetensors files to stream; empty when `dummy_seed` is set.
     dummy_seed: random weights from this seed instead of files (load_format "dummy").
+    gguf_file: the GGUF file the checkpoint was converted from (a quantization config may read its
+        blocks instead of the converted weights), None for other checkpoints.
     """
 
     hf_config: PretrainedConfig
@@ -39,16 +41,20 @@ class ModelSource:
     model_dtype: str | None
     weight_files: tuple[Path, ...] = ()
     dummy_seed: int | None = None
+    gguf_file: Path | None = None
 
-    def load_weights(self, model: nn.Module, rename: Callable[[Iterable], Iterable] | None = None) -> None:
+    def load_weights(self, model: nn.Module, quantization=None,
+                     rename: Callable[[Iterable], Iterable] | None = None) -> None:
         """Fill every parameter of `model`; raise naming the parameters the checkpoint left empty.
+        A `quantization` config may stream the weights itself (GGUF's blocks from `gguf_file`);
         `rename` maps the stream of (name, tensor) pairs first (a pooling model drops the LM head)."""
         if self.dummy_seed is not None:
             fill_dummy_weights(model, self.dummy_seed)
             return
+        own = None if quantization is None else quantization.weight_stream(self)
         stream = tqdm(
-            iter_safetensors(self.weight_files),
-            total=count_tensors(self.weight_files),
+            iter_safetensors(self.weight_files) if own is None else own,
+            total=count_tensors(self.weight_files) if own is None else None,
             desc="loading weights",
             unit="tensor",
             disable=not sys.stderr.isatty(),
@@ -75,7 +81,14 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
             param.fill_(1.0)
         elif param.dim() == 1:
             param.zero_()
+        elif not param.is_floating_point():
+            # Packed integer weights (4-bit codes in int32 words): any bit pattern is a valid value.
+            param.random_(0, 2 ** min(31, 8 * param.element_size() - 1), generator=_generator(generators, param, seed))
         else:
-            if param.device not in generators:
-                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-            param.normal_(0.0, DUMMY_STD, generator=generators[param.device])
+            param.normal_(0.0, DUMMY_STD, generator=_generator(generators, param, seed))
+
+
+def _generator(generators: dict[torch.device, torch.Generator], param: torch.Tensor, seed: int) -> torch.Generator:
+    if param.device not in generators:
+        generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+    return generators[param.device]

@@ -23,9 +23,11 @@ from torch.nn import functional as F
 
 from ..distributed import all_gather, all_reduce, get_tp, shard_range
 from ..errors import ConfigError
+from ..quantization.scope import deferred_weight_device
+from .quantizable import QuantizableLinear
 
 
-class PackedLinear(nn.Linear):
+class PackedLinear(QuantizableLinear, nn.Linear):
     """Several checkpoint projections stored as one matrix (qkv, gate_up) so one GEMM computes
     them, column parallel: each rank holds its units of every shard.
 
@@ -42,11 +44,17 @@ class PackedLinear(nn.Linear):
             first, count = shard_range(size // unit, tp.rank, tp.world_size)
             shards[shard_id] = (offset, count * unit, first * unit)
             offset += count * unit
-        super().__init__(in_features, offset, bias=bias)
+        super().__init__(in_features, offset, bias=bias, device=deferred_weight_device())
         self.shards = shards
         self.full_sizes = dict(shard_sizes)
+        self._attach_dense_loaders()
+
+    def _attach_dense_loaders(self) -> None:
         for param in self.parameters():
             param.weight_loader = self._load_shard
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) if self.quant_method is None else self.quantized_forward(x)
 
     def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         offset, size, first = self.shards[shard_id]
@@ -56,7 +64,7 @@ class PackedLinear(nn.Linear):
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, first, size))
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(QuantizableLinear, nn.Linear):
     """A linear layer whose input features are split over the ranks; the partial outputs are
     summed. The bias is added once: rank 0 holds it, the other ranks hold zeros.
 
@@ -67,16 +75,19 @@ class RowParallelLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         tp = get_tp()
         first, count = shard_range(in_features, tp.rank, tp.world_size)
-        super().__init__(count, out_features, bias=bias)
+        super().__init__(count, out_features, bias=bias, device=deferred_weight_device())
         self.first_input, self.full_in_features = first, in_features
         self.rank = tp.rank
         self.reduce_output = all_reduce if tp.world_size > 1 else None
+        self._attach_dense_loaders()
+
+    def _attach_dense_loaders(self) -> None:
         self.weight.weight_loader = self._load_weight
         if self.bias is not None:
             self.bias.weight_loader = self._load_bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
+        out = super().forward(x) if self.quant_method is None else self.quantized_forward(x)
         return out if self.reduce_output is None else self.reduce_output(out)
 
     def _load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:

@@ -21,6 +21,8 @@ from ..models.layers import Attention
 from ..models.registry import resolve_model_class
 from ..platform import Platform
 from ..pooling import pooling_architectures, pooling_weights
+from ..quantization.base import KernelTable, QuantizationConfig
+from ..quantization.scope import bind_linear_methods, process_loaded_weights, quantization_scope
 from ..sampling_params import SamplingParams
 from ..scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from .inflight import InflightStep
@@ -67,7 +69,8 @@ class Worker(abc.ABC):
     runner_cls: type[ModelRunner] = ModelRunner
 
     def __init__(self, config: EngineConfig, platform: Platform, source, *, dtype: str,
-                 max_model_len: int, eos_token_id: int | None, attention_backend_cls: type[AttentionBackend]):
+                 max_model_len: int, eos_token_id: int | None, attention_backend_cls: type[AttentionBackend],
+                 quantization: QuantizationConfig | None = None):
         self.config = config
         self.platform = platform
         self.source = source
@@ -76,6 +79,7 @@ class Worker(abc.ABC):
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.attention_backend_cls = attention_backend_cls
+        self.quantization = quantization
         self.device = self.init_device()
         self.runner: ModelRunner | None = None
         self.model_info: ModelInfo | None = None
@@ -91,12 +95,10 @@ class Worker(abc.ABC):
     def load_model(self) -> ModelInfo:
         hf = self.source.hf_config
         pooling = self.config.runner == "pooling"
-        model_cls = resolve_model_class(pooling_architectures(hf) if pooling else hf)
-        with _default_dtype(self.torch_dtype), torch.device(self.device):
-            model = model_cls(hf, max_positions=self.max_model_len, dtype=self.torch_dtype)
-        if pooling:
-            model.lm_head = None  # a pooling model reads hidden states only (corectl.pooling)
-        self.source.load_weights(model, pooling_weights if pooling else None)
+        model = self._build_model(hf, pooling)
+        self.source.load_weights(model, self.quantization, pooling_weights if pooling else None)
+        if self.quantization is not None:
+            process_loaded_weights(model)
         model.eval()
         install_layer_kernels(model, self.layer_kernels())
         if self.config.kv_cache_dtype not in self.attention_backend_cls.kv_cache_dtypes:
@@ -114,6 +116,24 @@ class Worker(abc.ABC):
             self.runner.pooler = Pooler(self.config.pooling_type)
         self.model_info = info
         return info
+
+    def _build_model(self, hf, pooling: bool) -> torch.nn.Module:
+        """The model on the device; under a quantization config each linear layer gets its method.
+        A pooling model reads hidden states only (corectl.pooling): it has no LM head."""
+        model_cls = resolve_model_class(pooling_architectures(hf) if pooling else hf)
+        with (_default_dtype(self.torch_dtype), torch.device(self.device),
+              quantization_scope(self.quantization, self.quantization_kernels())):
+            model = model_cls(hf, max_positions=self.max_model_len, dtype=self.torch_dtype)
+            if pooling:
+                model.lm_head = None
+            if self.quantization is not None:
+                bind_linear_methods(model, self.quantization, self.torch_dtype, self.device)
+        return model
+
+    def quantization_kernels(self) -> KernelTable:
+        """Kernels (name -> callable) this platform provides to quantization methods beyond torch's
+        own ops; their names are listed in `PlatformCaps.quantization_kernels`. None by default."""
+        return {}
 
     def init_kv_cache(self, num_blocks: int) -> None:
         info = self.model_info

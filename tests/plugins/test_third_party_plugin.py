@@ -18,7 +18,7 @@ from corectl import LLM, SamplingParams
 from corectl.discovery import resolve_platform
 from corectl.errors import ConfigError
 from corectl.plugins import get_plugin_manager, reset_plugin_manager
-from helpers import hf_greedy
+from helpers import build_random_checkpoint, hf_greedy
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "third_party_plugin"
 PACKAGE = "corectl_example_plugin"
@@ -68,13 +68,14 @@ def test_cli_lists_the_plugin_with_its_package(plugin_site):
     assert ("platform", "cpu_reference", PLUGIN, DIST) in rows, out
     assert ("model", "GemmaForCausalLM", PLUGIN, DIST) in rows, out
     assert ("attention", "torch_eager", PLUGIN, DIST) in rows, out
+    assert ("quantization", "rtn_int4", PLUGIN, DIST) in rows, out
     assert ("platform", "cpu", "cpu", "corectl") in rows, out
 
 
 def test_discovery_imports_no_model_or_kernel_code(plugin_site):
     script = (
         "import sys; from corectl.plugins import PluginManager; pm = PluginManager(); "
-        "pm.platforms(); pm.model_architectures(); pm.attention_backends(); "
+        "pm.platforms(); pm.model_architectures(); pm.attention_backends(); pm.quantization_methods(); "
         f"print(sorted(m for m in sys.modules if m.startswith('{PACKAGE}')))"
     )
     out = _run([sys.executable, "-c", script], env=_env_with(plugin_site)).stdout
@@ -150,3 +151,24 @@ def test_gemma_greedy_matches_transformers(plugin_site, gemma_dir, gemma_referen
         assert max(abs(a - b) for a, b in zip(got, logprobs)) < LOGPROB_TOL
     again = llm.generate(prompts[2:], params, use_tqdm=False)      # warm prefix cache
     assert [o.outputs[0].token_ids for o in again] == [t for t, _ in expected[2:]]
+
+
+def test_quantization_method_from_a_plugin_serves_its_4bit_weights(plugin_site, tmp_path, default_model_dir):
+    """`--quantization rtn_int4` comes from the plugin's hook; the engine decodes the greedy tokens
+    of the dense model of the weights it quantized (or diverges at near-ties of that model)."""
+    from quant_checkpoints import greedy_divergences, random_prompts
+    from safetensors.torch import load_file, save_file
+
+    rtn = importlib.import_module(f"{PACKAGE}.quantization")
+    dense = build_random_checkpoint("llama", tmp_path / "dense", default_model_dir, seed=3, hidden_size=128,
+                                    intermediate_size=256, initializer_range=0.1)
+    reference = shutil.copytree(dense, tmp_path / "reference")
+    tensors = load_file(dense / "model.safetensors")
+    save_file({name: rtn.rtn_int4_dequantized(t) if name.endswith("_proj.weight") else t
+               for name, t in tensors.items()}, str(reference / "model.safetensors"))
+    engine = {"dtype": "float32", "kv_cache_memory_gib": 0.05, "max_model_len": 128}
+    llm = LLM(str(dense), quantization="rtn_int4", **engine)
+    assert llm.engine.info.quantization == "rtn_int4 (cpu_int4pack)"
+    layer = llm.engine.executor.worker.runner.model.model.layers[0].mlp.down_proj
+    assert isinstance(layer.quant_method, rtn.RTNInt4Method) and not hasattr(layer, "weight")
+    greedy_divergences(llm, LLM(str(reference), **engine), random_prompts())

@@ -1,5 +1,5 @@
 """The hook implementations corectl finds through the `corectl` entry point of this package."""
-from corectl.plugins import AttentionBackendSpec, ModelSpec, PlatformSpec, hookimpl
+from corectl.plugins import AttentionBackendSpec, ModelSpec, PlatformSpec, QuantizationMethodSpec, hookimpl
 
 PLATFORM = "cpu_reference"
 ATTENTION_BACKEND = "torch_eager"
@@ -22,3 +22,9 @@ def corectl_attention_backends():
     # Also allowed on the stock CPU platform, to check its SDPA backend against this reference.
     yield AttentionBackendSpec(ATTENTION_BACKEND, "corectl_example_plugin.attention:EagerReferenceBackend",
                                platforms=(PLATFORM, "cpu"))
+
+
+@hookimpl
+def corectl_quantization_methods():
+    yield QuantizationMethodSpec("rtn_int4", "corectl_example_plugin.quantization:RTNInt4Config",
+                                 "4-bit round-to-nearest groups of 32, made at load time")

@@ -1,0 +1,45 @@
+"""Streaming a GGUF file's tensors for a model that keeps some of them quantized.
+
+Tensors named in `kept` arrive as `Int4Groups` (codes, scales, mins) for the GGUF linear method;
+the rest are dequantized to fp32 exactly as the cached conversion (`gguf_cache`) does. Llama's
+q/k rows are un-permuted either way: a row permutation moves whole rows of codes and scales.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from ..quantization.gguf_blocks import Int4Groups, decode_int4_groups
+from .gguf_cache import dequantized_tensor, hf_tensor_name, read_gguf_header, unpermute_rotary_rows
+
+
+def gguf_tensor_types(path: Path) -> dict[str, str]:
+    """Hugging Face tensor name -> GGUF storage type (Q4_1, F32, ...) of every tensor in the file."""
+    reader = gguf.GGUFReader(path)
+    return {hf_tensor_name(t.name): t.tensor_type.name for t in reader.tensors}
+
+
+def iter_gguf_weights(path: Path, hf_config, kept: frozenset[str]) -> Iterator[tuple[str, torch.Tensor | Int4Groups]]:
+    header = read_gguf_header(path)
+    for tensor in header.reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        if name not in kept:
+            yield name, dequantized_tensor(tensor, header.arch, hf_config)
+            continue
+        rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
+        groups = decode_int4_groups(tensor.tensor_type.name, rows)
+        heads = _rotary_heads(tensor.name, header.arch, hf_config)
+        if heads:
+            groups = Int4Groups(*(torch.from_numpy(unpermute_rotary_rows(t.numpy(), heads)) for t in groups))
+        yield name, groups
+
+
+def _rotary_heads(gguf_name: str, arch: str, hf_config) -> int | None:
+    kind = gguf_name.split(".")[-2]
+    if arch != "llama" or kind not in ("attn_q", "attn_k"):
+        return None
+    return hf_config.num_attention_heads if kind == "attn_q" else hf_config.num_key_value_heads

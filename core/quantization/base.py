@@ -1,0 +1,107 @@
+"""The quantization contract: a config chosen per checkpoint picks a linear method per layer.
+
+vLLM's split, written for this engine. A `QuantizationConfig` is read from the checkpoint
+(`quantization_config` in config.json, or the tensor types of a GGUF file) or chosen with
+`--quantization`; at engine start it is bound to one kernel the platform provides
+(`PlatformCaps.quantization_kernels`). When the model is built, every quantizable linear layer
+(`corectl.models.parallel`'s column- and row-parallel layers) asks it for a `LinearMethod` by the
+layer's module name; the method owns the layer's weight layout (its parameters), how each
+checkpoint tensor reaches them (per-rank slices included) and how the layer computes.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..loaders.source import ModelSource
+
+
+@dataclass(frozen=True)
+class QuantAxes:
+    """Where a quantized parameter's rows and columns sit, so the layer slices it per rank.
+
+    `out_axis` holds output features, `out_pack` of them per element (8 when eight 4-bit values
+    share an int32 along the outputs); `in_axis`/`in_pack` likewise for input features (a group's
+    scale covers `group_size` inputs). None: the parameter does not span that dimension and is
+    copied whole. `per_shard`: one entry per packed shard (a per-tensor scale of q, k and v).
+    """
+
+    out_axis: int | None = 0
+    out_pack: int = 1
+    in_axis: int | None = 1
+    in_pack: int = 1
+    per_shard: bool = False
+
+
+class LinearMethod(abc.ABC):
+    """How one linear layer stores, loads and applies its weight.
+
+    `create_weights` registers the layer's parameters (each with a `QuantAxes` as `quant_axes`;
+    the layer's `load_sliced` fills them from checkpoint tensors, narrowed to the rank's slice)
+    and is called once the layer's output/input sizes are known. `process_weights_after_loading`
+    turns what was loaded into the layout the kernel reads. `apply` computes `x @ W.T + bias`.
+    """
+
+    @abc.abstractmethod
+    def create_weights(self, layer: torch.nn.Module, dtype: torch.dtype) -> None: ...
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Repack what was loaded into the kernel's layout; nothing by default."""
+
+    @abc.abstractmethod
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class QuantizationConfig(abc.ABC):
+    """One quantization scheme of one checkpoint; picklable (it travels to every rank).
+
+    `kernels` lists the kernel names the scheme runs on, best first; `kernel` is the one bound at
+    engine start (`bind`), from those the platform provides.
+    """
+
+    name: ClassVar[str] = ""
+    kernels: ClassVar[tuple[str, ...]] = ()
+    kernel: str | None = None
+
+    @classmethod
+    @abc.abstractmethod
+    def from_checkpoint(cls, quant_config: dict[str, Any] | None, source: "ModelSource") -> "QuantizationConfig":
+        """Build from the checkpoint's `quantization_config` (None when the user asked for the
+        method on a checkpoint that has none: on-the-fly quantization); raise ConfigError when
+        the checkpoint is not one this method reads."""
+
+    @abc.abstractmethod
+    def linear_method(self, prefix: str, layer: torch.nn.Module) -> LinearMethod | None:
+        """The method for the layer named `prefix`; None keeps it unquantized."""
+
+    def weight_stream(self, source: "ModelSource") -> Iterator[tuple[str, Any]] | None:
+        """(name, tensor) pairs to load instead of the checkpoint's safetensors (GGUF reads its
+        blocks from the file); None loads the safetensors."""
+        return None
+
+    def bind(self, provided: tuple[str, ...], platform: str) -> "QuantizationConfig":
+        """This config with the first of its `kernels` in `provided`; ConfigError when none is."""
+        for kernel in self.kernels:
+            if kernel in provided:
+                return dataclasses.replace(self, kernel=kernel)
+        raise ConfigError(
+            "quantization",
+            f"{self.name!r} runs on kernels {', '.join(self.kernels)}; platform {platform!r} provides "
+            f"{', '.join(provided) or 'none'}; run it on a platform that provides one",
+        )
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.kernel})"
+
+
+# Kernels a worker hands the methods (name -> callable), beside the torch ops core calls itself.
+KernelTable = dict[str, Callable[..., torch.Tensor]]

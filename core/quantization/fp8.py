@@ -1,0 +1,158 @@
+"""FP8 W8A8: e4m3 weights with per-output-channel scales, activations quantized per token at
+run time (dynamic scales), one `torch._scaled_mm` per layer on GPUs with FP8 tensor cores.
+
+Three sources, one layout: `--quantization fp8` on a bf16/fp32 checkpoint quantizes each weight
+row after loading; an `fp8` checkpoint (quant_method "fp8", per-tensor scales) and a
+compressed-tensors FP8 checkpoint (per-tensor or per-channel scales) bring e4m3 weights and
+`weight_scale`s. Per-tensor scales of a packed layer's shards (q, k, v) become per-channel scales
+(exact: each row keeps its shard's scale). Static `input_scale`s are read and not used: dynamic
+per-token scales are at least as accurate and cost one row max. Block-wise scales are refused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from .base import LinearMethod, QuantAxes, QuantizationConfig
+from .scope import optional_kernel
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+_MIN_SCALE = 1e-12
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, fp32 scale per row [R, 1]) with x ~= values * scale (the row max maps to 448)."""
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=_MIN_SCALE)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_gemm_reference(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The dequantize-then-matmul reference of the FP8 GEMM, in fp32."""
+    out = (xq.float() * x_scale) @ (weight.float() * weight_scale.view(-1, 1)).t()
+    return (out if bias is None else out + bias.float()).to(out_dtype)
+
+
+def fp8_gemm_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """Row-wise scaled FP8 GEMM (Hopper/Ada): `weight` [N, K] e4m3 row-major is the column-major
+    [K, N] operand `_scaled_mm` wants."""
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=out_dtype)
+    return out if bias is None else out + bias
+
+
+def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T as the method computes it (activations quantized per token), in fp32 math."""
+    return fp8_gemm_reference(*quantize_rows(x), weight, weight_scale, bias, x.dtype)
+
+
+_KERNELS = {"fp8_scaled_mm": fp8_gemm_scaled_mm, "fp8_reference": fp8_gemm_reference}
+# A worker may provide a one-launch activation quantizer with the contract of `quantize_rows`.
+QUANTIZE_KERNEL = "fp8_quantize_rows"
+
+
+@dataclass(frozen=True)
+class Fp8Config(QuantizationConfig):
+    name = "fp8"
+    kernels = ("fp8_scaled_mm", "fp8_reference")
+    # The checkpoint stores e4m3 weights and scales (False: quantize dense weights after loading).
+    serialized: bool = False
+    per_channel: bool = False
+    static_input_scales: bool = False
+    ignored: tuple[str, ...] = ()
+
+    @classmethod
+    def from_checkpoint(cls, quant_config: dict[str, Any] | None, source) -> "Fp8Config":
+        if quant_config is None:
+            return cls()
+        if quant_config.get("weight_block_size"):
+            raise ConfigError("quantization", "block-wise FP8 scales (weight_block_size) are not supported; "
+                              "per-tensor and per-channel scales are")
+        return cls(serialized=True, static_input_scales=quant_config.get("activation_scheme") == "static",
+                   ignored=tuple(quant_config.get("ignored_layers") or quant_config.get("modules_to_not_convert") or ()))
+
+    def linear_method(self, prefix: str, layer) -> LinearMethod | None:
+        names = layer.checkpoint_weight_names(prefix)
+        if any(ignored and ignored in name for name in names for ignored in self.ignored):
+            return None
+        return Fp8LinearMethod(self)
+
+
+@dataclass(frozen=True)
+class CompressedTensorsFp8Config(Fp8Config):
+    """compressed-tensors checkpoints whose scheme is FP8 weights and FP8 activations."""
+
+    name = "compressed-tensors"
+
+    @classmethod
+    def from_checkpoint(cls, quant_config: dict[str, Any] | None, source) -> "CompressedTensorsFp8Config":
+        if quant_config is None:
+            raise ConfigError("quantization", "'compressed-tensors' reads a checkpoint's quantization_config; "
+                              "this checkpoint has none (use 'fp8' to quantize on the fly)")
+        groups = list((quant_config.get("config_groups") or {}).values())
+        if len(groups) != 1 or not _is_fp8_scheme(groups[0]):
+            raise ConfigError("quantization", "compressed-tensors checkpoints are served when their one config "
+                              "group is FP8 weights (8-bit float, tensor or channel strategy) with FP8 activations; "
+                              f"this one has {groups}")
+        weights, activations = groups[0]["weights"], groups[0]["input_activations"]
+        return cls(serialized=True, per_channel=weights.get("strategy") == "channel",
+                   static_input_scales=not activations.get("dynamic", False),
+                   ignored=tuple(name.removeprefix("re:") for name in quant_config.get("ignore") or ()))
+
+
+def _is_fp8_scheme(group: dict) -> bool:
+    weights, activations = group.get("weights") or {}, group.get("input_activations") or {}
+    fp8 = lambda spec: spec.get("num_bits") == 8 and spec.get("type") == "float"  # noqa: E731
+    return fp8(weights) and fp8(activations) and weights.get("strategy") in ("tensor", "channel")
+
+
+class Fp8LinearMethod(LinearMethod):
+    def __init__(self, config: Fp8Config):
+        self.config = config
+        self.gemm = _KERNELS[config.kernel]
+        self.quantize = optional_kernel(QUANTIZE_KERNEL) or quantize_rows
+
+    def create_weights(self, layer, dtype: torch.dtype) -> None:
+        n, k = layer.out_features, layer.in_features
+        cfg = self.config
+        layer.register_quant_param("weight", torch.empty(n, k, dtype=FP8 if cfg.serialized else dtype), QuantAxes())
+        if not cfg.serialized:
+            return
+        if cfg.per_channel:
+            layer.register_quant_param("weight_scale", torch.ones(n, 1), QuantAxes(0, 1, None))
+        else:
+            layer.register_quant_param("weight_scale", torch.ones(len(layer.full_sizes or (None,))),
+                                       QuantAxes(None, 1, None, per_shard=True))
+        if cfg.static_input_scales:
+            layer.register_quant_param("input_scale", torch.ones(len(layer.full_sizes or (None,))),
+                                       QuantAxes(None, 1, None, per_shard=True))
+
+    def process_weights_after_loading(self, layer) -> None:
+        if not self.config.serialized:
+            weight, scale = quantize_rows(layer.weight.data)
+        else:
+            weight, scale = layer.weight.data, _per_channel(layer, layer.weight_scale.data)
+        del layer.weight
+        if hasattr(layer, "input_scale"):
+            del layer.input_scale
+        layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+        layer.weight_scale = torch.nn.Parameter(scale.reshape(-1).float().contiguous(), requires_grad=False)
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        xq, x_scale = self.quantize(x.reshape(-1, x.shape[-1]))
+        out = self.gemm(xq, x_scale, layer.weight, layer.weight_scale, layer.bias, x.dtype)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _per_channel(layer, scale: torch.Tensor) -> torch.Tensor:
+    """A scale per output row from a per-tensor scale per shard (or per-channel scales as they are)."""
+    if scale.numel() == layer.out_features:
+        return scale.reshape(-1)
+    if layer.shards is None:
+        return scale.reshape(1).expand(layer.out_features)
+    return torch.cat([scale[i].expand(size) for i, (_, size, _) in enumerate(layer.shards.values())])

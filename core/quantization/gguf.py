@@ -1,0 +1,97 @@
+"""GGUF checkpoints served from their 4-bit blocks.
+
+The config reads the file's tensor types; a linear layer whose checkpoint tensors (all shards of
+a packed qkv or gate_up layer) are Q4_0, Q4_1 or Q4_K keeps them as int4 groups of 32 and runs
+torch's packed int4 GEMM (kernel "cpu_int4pack"). Every other tensor (norms, the embedding and
+tied head, Q5/Q6_K/Q8_0 projections) is dequantized while loading, as without quantization.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ConfigError
+from .base import LinearMethod, QuantAxes, QuantizationConfig
+from .gguf_blocks import GROUP, INT4_TYPES, Int4Groups
+from .int4_cpu import int4_linear, pack_int4
+
+
+@dataclass(frozen=True)
+class GGUFConfig(QuantizationConfig):
+    name = "gguf"
+    kernels = ("cpu_int4pack",)
+    # Hugging Face tensor name -> GGUF type name, for every tensor of the file.
+    tensor_types: dict[str, str] = field(default_factory=dict)
+    kept: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_checkpoint(cls, quant_config, source) -> "GGUFConfig":
+        if source.gguf_file is None:
+            raise ConfigError("quantization", "'gguf' serves GGUF files; this model is not one")
+        from ..loaders.gguf_weights import gguf_tensor_types
+
+        types = gguf_tensor_types(source.gguf_file)
+        return cls(tensor_types=types, kept=frozenset(_kept_tensors(types)))
+
+    def linear_method(self, prefix: str, layer) -> LinearMethod | None:
+        names = layer.checkpoint_weight_names(prefix)
+        return GGUFInt4Method() if all(name in self.kept for name in names) else None
+
+    def weight_stream(self, source) -> Iterator[tuple[str, torch.Tensor | Int4Groups]]:
+        from ..loaders.gguf_weights import iter_gguf_weights
+
+        return iter_gguf_weights(source.gguf_file, source.hf_config, self.kept)
+
+    def describe(self) -> str:
+        kinds = sorted({self.tensor_types[name] for name in self.kept})
+        return f"gguf ({'/'.join(kinds) or 'no'} int4 layers via {self.kernel})"
+
+
+def _kept_tensors(types: dict[str, str]) -> set[str]:
+    """Projection weights whose whole packed group (q/k/v, gate/up) is an int4 group format."""
+    from ..models.layers import PACKED_MODULES
+
+    groups: dict[str, list[str]] = {}
+    for name in types:
+        if not (name.endswith("_proj.weight") and ".layers." in name):
+            continue
+        stem, proj = name.removesuffix(".weight").rsplit(".", 1)
+        packed = PACKED_MODULES.get(proj, (proj, None))[0]
+        groups.setdefault(f"{stem}.{packed}", []).append(name)
+    return {name for members in groups.values() if all(types[m] in INT4_TYPES for m in members)
+            for name in members}
+
+
+class GGUFInt4Method(LinearMethod):
+    """Codes [N, K] (the `weight` the checkpoint fills), scales and mins [N, K/32] while loading;
+    the packed int4 weight after."""
+
+    def create_weights(self, layer, dtype: torch.dtype) -> None:
+        n, k = layer.out_features, layer.in_features
+        if k % GROUP:
+            raise ConfigError("model", f"{k} input features do not split into GGUF groups of {GROUP}")
+        layer.register_quant_param("weight", torch.zeros(n, k, dtype=torch.uint8), QuantAxes(0, 1, 1, 1))
+        for name in ("group_scales", "group_mins"):
+            buffer = torch.zeros(n, k // GROUP, dtype=torch.float32)
+            buffer.quant_axes, buffer.loaded_shards = QuantAxes(0, 1, 1, GROUP), set()
+            layer.register_buffer(name, buffer)
+        layer.weight.weight_loader = functools.partial(self._load, layer)
+
+    @staticmethod
+    def _load(layer, param, loaded: Int4Groups, shard_id: str | None = None) -> None:
+        if not isinstance(loaded, Int4Groups):
+            raise ValueError("a GGUF int4 layer loads int4 groups (corectl.loaders.gguf_weights), not a tensor")
+        layer.load_sliced(param, loaded.codes, shard_id)
+        layer.load_sliced(layer.group_scales, loaded.scales, shard_id)
+        layer.load_sliced(layer.group_mins, loaded.mins, shard_id)
+
+    def process_weights_after_loading(self, layer) -> None:
+        scales, mins = layer.group_scales, layer.group_mins
+        layer.packed_weight, layer.scale_zero = pack_int4(layer.weight.data, scales, mins + 8 * scales)
+        del layer.weight, layer.group_scales, layer.group_mins
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return int4_linear(x, layer.packed_weight, layer.scale_zero, GROUP, layer.bias)

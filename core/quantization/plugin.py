@@ -1,0 +1,17 @@
+"""The built-in quantization methods, registered through the `corectl` entry-point group like any other."""
+from __future__ import annotations
+
+from corectl.plugins import QuantizationMethodSpec, hookimpl
+
+
+@hookimpl
+def corectl_quantization_methods():
+    yield QuantizationMethodSpec("gguf", "corectl.quantization.gguf:GGUFConfig",
+                                 "GGUF blocks kept quantized (Q4_0, Q4_1, Q4_K as int4 groups of 32)")
+    yield QuantizationMethodSpec("fp8", "corectl.quantization.fp8:Fp8Config",
+                                 "FP8 W8A8: per-channel weight scales, dynamic per-token activation scales")
+    yield QuantizationMethodSpec("compressed-tensors", "corectl.quantization.fp8:CompressedTensorsFp8Config",
+                                 "compressed-tensors checkpoints with FP8 weights and activations")
+    yield QuantizationMethodSpec("awq", "corectl.quantization.int4:AWQConfig", "AWQ 4-bit weight-only")
+    yield QuantizationMethodSpec("gptq", "corectl.quantization.int4:GPTQConfig",
+                                 "GPTQ 4-bit weight-only, with or without act-order (g_idx)")

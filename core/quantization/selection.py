@@ -1,0 +1,70 @@
+"""Choosing the quantization config at engine start: from `--quantization`, the checkpoint's
+`quantization_config`, or a GGUF file's tensor types; then binding it to a platform kernel."""
+from __future__ import annotations
+
+import logging
+
+from ..config import EngineConfig
+from ..errors import ConfigError
+from ..platform import Platform
+from .base import QuantizationConfig
+
+logger = logging.getLogger("corectl.quantization")
+NONE = "none"
+
+
+def quantization_method_names() -> list[str]:
+    from corectl.plugins import get_plugin_manager
+
+    return sorted(get_plugin_manager().quantization_methods())
+
+
+def resolve_quantization(config: EngineConfig, source, platform: Platform) -> QuantizationConfig | None:
+    """The bound config the model is built with, or None for dense weights."""
+    checkpoint = _checkpoint_quant_config(source.hf_config)
+    requested = config.quantization
+    if checkpoint is not None:
+        name = str(checkpoint.get("quant_method", "")).lower()
+        if requested is not None and requested != name:
+            raise ConfigError("quantization", f"the checkpoint is quantized with {name!r} (its config.json "
+                              f"quantization_config); it cannot be served as {requested!r}")
+        return _method(name).from_checkpoint(checkpoint, source).bind(_kernels(platform), platform.name)
+    if requested == NONE:
+        return None
+    if requested is None and source.gguf_file is not None and config.dtype == "auto":
+        return _gguf_by_default(source, platform)
+    if requested is None:
+        return None
+    return _method(requested).from_checkpoint(None, source).bind(_kernels(platform), platform.name)
+
+
+def _gguf_by_default(source, platform: Platform) -> QuantizationConfig | None:
+    """GGUF files stay quantized where the platform has the kernel; elsewhere they are dequantized."""
+    gguf = _method("gguf").from_checkpoint(None, source)
+    try:
+        return gguf.bind(_kernels(platform), platform.name)
+    except ConfigError:
+        logger.info("platform %s has no kernel for GGUF blocks (%s): serving dequantized weights",
+                    platform.name, ", ".join(gguf.kernels))
+        return None
+
+
+def _checkpoint_quant_config(hf_config) -> dict | None:
+    found = getattr(hf_config, "quantization_config", None)
+    if found is None:
+        return None
+    return found if isinstance(found, dict) else found.to_dict()
+
+
+def _kernels(platform: Platform) -> tuple[str, ...]:
+    return platform.capabilities().quantization_kernels
+
+
+def _method(name: str) -> type[QuantizationConfig]:
+    from corectl.plugins import get_plugin_manager, import_dotted
+
+    specs = get_plugin_manager().quantization_methods()
+    if name not in specs:
+        raise ConfigError("quantization", f"unknown quantization method {name!r}; registered: "
+                          f"{', '.join(sorted(specs)) or '(none)'}, or 'none' for dense weights")
+    return import_dotted(specs[name].path)

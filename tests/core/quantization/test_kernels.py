@@ -1,0 +1,128 @@
+"""Quantized GEMMs and block decoders against dequantize-then-matmul references (fresh random
+inputs each run): torch's packed int4 CPU GEMM as the GGUF/AWQ/GPTQ methods drive it, GGUF's
+4-bit blocks against the gguf package's own dequantizer, AWQ/GPTQ packing, the FP8 reference and
+the Triton 4-bit GEMM under the interpreter."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from corectl.quantization.fp8 import FP8_MAX, fp8_linear_reference, quantize_rows
+from corectl.quantization.gguf_blocks import Int4Groups, decode_int4_groups
+from corectl.quantization.int4 import AWQ_ORDER, dequantize_w4, pack_int32, unpack_int32, w4a16_reference
+from corectl.quantization.int4_cpu import int4_linear, pack_int4
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+
+def test_cpu_int4pack_matches_dequantized_weights():
+    n, k = 48, 128
+    groups = Int4Groups(torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.rand(n, k // 32) * 0.1 + 0.01,
+                        torch.randn(n, k // 32) * 0.1)
+    packed, scale_zero = pack_int4(groups.codes, groups.scales, groups.mins + 8 * groups.scales)
+    x = torch.randn(5, k)
+    bias = torch.randn(n)
+    out = int4_linear(x, packed, scale_zero, 32, bias)
+    # The GEMM runs on bf16 activations and bf16 scales: compare with the same rounding of inputs.
+    ref = x.bfloat16().float() @ groups.dequantize().t() + bias
+    assert out.dtype == x.dtype
+    torch.testing.assert_close(out, ref, atol=0.05 * ref.abs().max().item(), rtol=0.0)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_gguf_int4_blocks_decode_like_gguf(qtype):
+    kind = GGMLQuantizationType[qtype]
+    values = np.random.randn(6, 96).astype(np.float32)
+    blocks = quantize(values, kind)
+    decoded = decode_int4_groups(qtype, blocks.reshape(6, -1))
+    assert int(decoded.codes.max()) < 16
+    np.testing.assert_allclose(decoded.dequantize().numpy(), dequantize(blocks, kind).reshape(6, 96), atol=1e-5)
+
+
+def test_gguf_q4_k_blocks_decode_like_gguf():
+    rng = np.random.default_rng()
+    blocks = rng.integers(0, 256, size=(3 * 2, 144), dtype=np.uint8)
+    # d and dmin: finite positive halves (random bytes could spell NaN or inf)
+    blocks[:, 0:4] = np.abs(rng.standard_normal((6, 2)) * 0.01).astype(np.float16).view(np.uint8).reshape(6, 4)
+    rows = blocks.reshape(3, -1)
+    decoded = decode_int4_groups("Q4_K", rows)
+    expected = dequantize(rows, GGMLQuantizationType.Q4_K).reshape(3, 512)
+    np.testing.assert_allclose(decoded.dequantize().numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dim,order", [(0, tuple(range(8))), (1, AWQ_ORDER)])
+def test_int32_packing_round_trips(dim, order):
+    codes = torch.randint(0, 16, (16, 24), dtype=torch.uint8)
+    words = pack_int32(codes, dim, order)
+    assert words.dtype == torch.int32 and words.shape[dim] == codes.shape[dim] // 8
+    assert torch.equal(unpack_int32(words, dim, order), codes)
+
+
+def test_awq_order_puts_column_two_in_the_second_nibble():
+    codes = torch.arange(8, dtype=torch.uint8).view(1, 8)
+    word = int(pack_int32(codes, 1, AWQ_ORDER)) & 0xFFFFFFFF
+    assert [(word >> (4 * i)) & 0xF for i in range(8)] == list(AWQ_ORDER)
+
+
+def test_fp8_rows_round_trip_within_e4m3_precision():
+    x = torch.randn(7, 64) * torch.rand(7, 1) * 10
+    q, scale = quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (7, 1)
+    assert torch.allclose(q.float().abs().amax(-1), torch.full((7,), FP8_MAX))
+    torch.testing.assert_close(q.float() * scale, x, atol=0.0, rtol=2 ** -3)
+
+
+def test_fp8_reference_linear_is_close_to_dense():
+    x, w = torch.randn(4, 64), torch.randn(32, 64)
+    wq, ws = quantize_rows(w)
+    out = fp8_linear_reference(x, wq, ws, None)
+    ref = x @ w.t()
+    assert (out - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def _w4_case(m: int, k: int, n: int, group: int, act_order: bool):
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    groups = k // group
+    scales = torch.rand(groups, n) * 0.05 + 0.01
+    zeros = torch.randint(0, 16, (groups, n), dtype=torch.int32)
+    g_idx = torch.arange(k, dtype=torch.int32) // group
+    if act_order:
+        g_idx = g_idx[torch.randperm(k)]
+    return torch.randn(m, k), pack_int32(codes.t(), 0), scales, zeros, g_idx, codes
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_w4a16_reference_is_the_dequantized_matmul(act_order):
+    x, qweight, scales, zeros, g_idx, codes = _w4_case(3, 64, 16, 16, act_order)
+    ref = x @ dequantize_w4(codes, zeros, scales, g_idx).t()
+    torch.testing.assert_close(w4a16_reference(x, qweight, scales, zeros, g_idx), ref)
+
+
+@pytest.mark.parametrize("m,act_order", [(1, False), (3, True), (20, False)])
+def test_triton_w4a16_matches_reference(m, act_order):
+    from corectl.backends.triton.w4a16 import w4a16_gemm
+
+    x, qweight, scales, zeros, g_idx, _ = _w4_case(m, 64, 80, 16, act_order)
+    out = w4a16_gemm(x, qweight, scales, zeros, g_idx)
+    torch.testing.assert_close(out, w4a16_reference(x, qweight, scales, zeros, g_idx), atol=1e-4, rtol=1e-4)
+
+
+def test_triton_w4a16_checks_its_inputs():
+    from corectl.backends.triton.w4a16 import w4a16_gemm
+
+    x, qweight, scales, zeros, g_idx, _ = _w4_case(2, 64, 16, 16, False)
+    with pytest.raises(ValueError, match="qweight must be"):
+        w4a16_gemm(x[:, :56], qweight, scales, zeros, g_idx[:56])
+    with pytest.raises(ValueError, match="g_idx values"):
+        w4a16_gemm(x, qweight, scales, zeros, g_idx + 4)
+
+
+def test_triton_fp8_row_quantizer_matches_reference():
+    from corectl.backends.triton.fp8_quant import quantize_rows_fp8
+
+    x = torch.randn(5, 300) * torch.rand(5, 1) * 10
+    x[0, :4] = torch.tensor([0.0, 1e-4, -3e-3, 7e-3])  # zero and e4m3 subnormals (after scaling)
+    got, got_scale = quantize_rows_fp8(x)
+    expected, expected_scale = quantize_rows(x)
+    torch.testing.assert_close(got_scale, expected_scale)
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))

@@ -1,0 +1,89 @@
+"""Quantized GEMMs at llama3-8b sizes on the GPU against their torch references, and quantized
+models served end to end: FP8 W8A8 (`torch._scaled_mm`, Hopper/Ada) and the Triton 4-bit AWQ/GPTQ
+GEMM (run it as `python -m pytest tests/gpu`, see conftest.py)."""
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA or ROCm GPU", allow_module_level=True)
+
+from corectl import SamplingParams  # noqa: E402
+from corectl.quantization.fp8 import fp8_gemm_reference, fp8_gemm_scaled_mm, quantize_rows  # noqa: E402
+from corectl.quantization.int4 import pack_int32, w4a16_reference  # noqa: E402
+from gpu_helpers import build_checkpoint, generate, random_prompts  # noqa: E402
+
+FP8 = torch.cuda.get_device_capability(0) >= (8, 9)
+# (N, K) of llama3-8b's qkv, o, gate_up and down projections
+LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+REL_TOL = 1e-2
+
+
+def _rel_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+@pytest.mark.skipif(not FP8, reason="FP8 tensor cores need compute capability 8.9 or newer")
+@pytest.mark.parametrize("m", [1, 16, 256])
+@pytest.mark.parametrize("n,k", LLAMA3_8B)
+def test_fp8_activation_quantizer_and_scaled_mm_match_references(m, n, k):
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    weight, scale = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    from corectl.backends.triton.fp8_quant import quantize_rows_fp8
+
+    xq, x_scale = quantize_rows_fp8(x)
+    expected_q, expected_scale = quantize_rows(x)
+    torch.testing.assert_close(x_scale, expected_scale)
+    # Bit-exact on the CPU interpreter; here a division may differ by an fp32 ulp: one e4m3 step at most.
+    diff = (xq.float() - expected_q.float()).abs()
+    assert (diff <= expected_q.float().abs() * 2 ** -3 + 2 ** -9).all()
+    error = _rel_error(fp8_gemm_scaled_mm(xq, x_scale, weight, scale.view(-1), bias, x.dtype),
+                       fp8_gemm_reference(xq, x_scale, weight, scale.view(-1), bias, x.dtype))
+    assert error < REL_TOL, error
+
+
+@pytest.mark.parametrize("m", [1, 16, 256])
+@pytest.mark.parametrize("n,k", LLAMA3_8B)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_w4a16_gemm_matches_reference(m, n, k, act_order):
+    from corectl.backends.triton.w4a16 import w4a16_gemm
+
+    group = 128
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, device="cuda")
+    scales = (torch.rand(k // group, n, device="cuda") * 0.01 + 0.001).to(torch.bfloat16)
+    zeros = torch.randint(0, 16, (k // group, n), dtype=torch.int32, device="cuda")
+    g_idx = torch.arange(k, dtype=torch.int32, device="cuda") // group
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, device="cuda")]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    qweight = pack_int32(codes.t(), 0)
+    error = _rel_error(w4a16_gemm(x, qweight, scales, zeros, g_idx), w4a16_reference(x, qweight, scales, zeros, g_idx))
+    assert error < REL_TOL, error
+
+
+@pytest.mark.skipif(not FP8, reason="FP8 tensor cores need compute capability 8.9 or newer")
+def test_fp8_on_the_fly_serves_with_cuda_graphs(tmp_path):
+    folder = build_checkpoint("llama", tmp_path / "llama")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = random_prompts([5, 40, 130])
+    ours = generate(folder, prompts, params, quantization="fp8")
+    assert all(len(o.outputs[0].token_ids) == 16 for o in ours)
+
+
+def test_awq_checkpoint_matches_its_dequantized_model(tmp_path):
+    """The AWQ checkpoint (real packing, tests/quant_checkpoints.py) against the bf16 model of its
+    dequantized weights: same greedy tokens except at near-ties of the reference."""
+    from quant_checkpoints import write_w4_checkpoints
+
+    dense = build_checkpoint("llama", tmp_path / "llama")
+    quantized, reference = write_w4_checkpoints(dense, tmp_path, "awq", group=128)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    prompts = random_prompts([5, 40, 130, 7, 64, 300, 12, 90])
+    ours = generate(quantized, prompts, params)
+    expected = generate(reference, prompts, params)
+    for got, want in zip(ours, expected):
+        a, b = list(got.outputs[0].token_ids), list(want.outputs[0].token_ids)
+        if a != b:
+            pos = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+            top = sorted((lp.logprob for lp in want.outputs[0].logprobs[pos].values()), reverse=True)
+            assert top[0] - top[1] < 0.1, (pos, top)
