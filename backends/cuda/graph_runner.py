@@ -36,7 +36,8 @@ MAX_GRAPH_BATCH = 512
 # 16-byte aligned, so an offset that shifted with the step's sizes would compile new variants of
 # the attention kernels in the middle of serving.
 _ALIGN = 16
-_TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
+_TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
+                 np.dtype(np.float32): torch.float32}
 
 
 def graph_batch_sizes(max_num_seqs: int, limit: int = MAX_GRAPH_BATCH) -> list[int]:

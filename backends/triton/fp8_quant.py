@@ -13,8 +13,9 @@ import triton.language as tl
 
 from .checks import check_float, require
 
-FP8_MAX = 448.0
-_MIN_SCALE = 1e-12
+# constexpr, so compiled kernels may read them (Triton refuses plain globals; its interpreter does not).
+FP8_MAX = tl.constexpr(448.0)
+_MIN_SCALE = tl.constexpr(1e-12)
 _MAX_BLOCK = 32768
 
 

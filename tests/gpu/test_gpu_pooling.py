@@ -11,8 +11,9 @@ if not torch.cuda.is_available():
 from gpu_helpers import random_prompts  # noqa: E402
 
 PROMPT_LENGTHS = (5, 17, 40, 64, 100, 130, 257, 600)
-# bf16 weights and activations against an fp32 reference: the vectors' directions agree to ~1e-3.
-MIN_COSINE = 0.999
+# bf16 weights and activations against an fp32 reference: measured on the H100, the lowest
+# cosine over the prompts was 0.9984 (Llama, LAST); a wrong token or position falls far below.
+MIN_COSINE = 0.995
 
 
 def _reference(hf_model, prompt_ids: list[int], pooling_type: str) -> torch.Tensor:
