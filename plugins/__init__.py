@@ -14,7 +14,9 @@ from .specs import (
     AttentionBackendSpec,
     ModelSpec,
     PlatformSpec,
+    ReasoningParserSpec,
     StructuredOutputBackendSpec,
+    ToolParserSpec,
     import_dotted,
 )
 
@@ -24,7 +26,9 @@ __all__ = [
     "PlatformSpec",
     "PluginConflictError",
     "PluginManager",
+    "ReasoningParserSpec",
     "StructuredOutputBackendSpec",
+    "ToolParserSpec",
     "get_plugin_manager",
     "hookimpl",
     "hookspec",

@@ -8,7 +8,8 @@ A plugin is a module (or object) registered under the entry-point group ``corect
 and implementing any of the hooks below with ``@corectl.plugins.hookimpl``. Each hook yields
 frozen spec records holding dotted paths; corectl imports the target only when it is used, so
 listing plugins stays cheap and never initialises a device runtime. The built-in platforms (cpu,
-cuda, rocm), models and the xgrammar structured-output backend register through the same entry points.
+cuda, rocm), models, the xgrammar structured-output backend and the API server's tool and reasoning
+parsers register through the same entry points.
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from .specs import (
     AttentionBackendSpec,
     ModelSpec,
     PlatformSpec,
+    ReasoningParserSpec,
     StructuredOutputBackendSpec,
+    ToolParserSpec,
 )
 
 PROJECT = "corectl"
@@ -64,4 +67,24 @@ def corectl_structured_output_backends() -> Iterable[StructuredOutputBackendSpec
     The class must implement ``corectl.structured.backend.StructuredOutputBackend``: it is built
     in the engine process from the tokenizer folder, and its matchers fill xgrammar's bitmask
     layout (int32 words, bit ``t % 32`` of word ``t // 32`` set when token ``t`` is allowed).
+    """
+
+
+@hookspec
+def corectl_tool_parsers() -> Iterable[ToolParserSpec]:
+    """Yield tool parsers for the API server (``--tool-call-parser NAME``).
+
+    The class must implement ``corectl.server.tool_parsers.base.ToolParser``: built per response
+    choice as ``cls(tokenizer)``, it turns the model's text into content and OpenAI tool calls,
+    incrementally (``feed``) for streams. It runs in the API server's process, on text only.
+    """
+
+
+@hookspec
+def corectl_reasoning_parsers() -> Iterable[ReasoningParserSpec]:
+    """Yield reasoning parsers for the API server (``--reasoning-parser NAME``).
+
+    The class must implement ``corectl.server.reasoning.base.ReasoningParser``: built per response
+    choice as ``cls(tokenizer)``, it splits the model's text into reasoning and content,
+    incrementally (``feed``) for streams. It runs in the API server's process, on text only.
     """

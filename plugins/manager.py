@@ -14,7 +14,9 @@ from .specs import (
     AttentionBackendSpec,
     ModelSpec,
     PlatformSpec,
+    ReasoningParserSpec,
     StructuredOutputBackendSpec,
+    ToolParserSpec,
 )
 
 ENTRY_POINT_GROUP = "corectl"
@@ -96,6 +98,12 @@ class PluginManager:
 
     def structured_output_backends(self) -> dict[str, StructuredOutputBackendSpec]:
         return self._collect("corectl_structured_output_backends", "name")
+
+    def tool_parsers(self) -> dict[str, ToolParserSpec]:
+        return self._collect("corectl_tool_parsers", "name")
+
+    def reasoning_parsers(self) -> dict[str, ReasoningParserSpec]:
+        return self._collect("corectl_reasoning_parsers", "name")
 
 
 _MANAGER: PluginManager | None = None

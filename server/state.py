@@ -14,6 +14,7 @@ from corectl.tokenizer import Tokenizer
 
 from .errors import APIError
 from .metrics import ServerMetrics
+from .parsers import reasoning_parser_class, tool_parser_class
 
 logger = logging.getLogger("corectl.server")
 
@@ -25,6 +26,9 @@ class ServeSettings:
     engine_hang_timeout: seconds the engine process may stay silent while it owes a step before it
     is declared hung. shutdown_timeout: seconds running requests get to finish after SIGTERM.
     otlp_traces_endpoint: where request spans are exported over OTLP (None: no tracing).
+    enable_auto_tool_choice: `tool_choice` "auto" is served, with `tool_call_parser` (a registered
+    tool parser's name) finding the calls. reasoning_parser: splits reasoning from content (a
+    registered reasoning parser's name; None: the output is all content).
     """
 
     engine: EngineConfig
@@ -40,6 +44,9 @@ class ServeSettings:
     engine_hang_timeout: float = 60.0
     shutdown_timeout: float = 30.0
     otlp_traces_endpoint: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     @property
     def url(self) -> str:
@@ -71,6 +78,9 @@ class ServerState:
         self.exit_code = 0
         self.in_flight = 0
         self.started_at = time.time()
+        self.tool_parser = None if settings.tool_call_parser is None else tool_parser_class(settings.tool_call_parser)
+        self.reasoning_parser = (None if settings.reasoning_parser is None
+                                 else reasoning_parser_class(settings.reasoning_parser))
         # Set by whoever runs the HTTP server: asks it to stop (after the engine died).
         self.request_exit: Callable[[], None] = lambda: None
 
