@@ -43,9 +43,9 @@ class ChoiceText:
         """The whole message, after the text was fed with `final`."""
         calls = self.tools.result() if self.tools is not None else None
         content = "".join(self._content if calls else self._content_text)
-        if calls:
-            content = content.strip()
-        message = ChatMessageOut(role=self.role, content=content or (None if calls else ""), tool_calls=calls or [])
+        if calls and not content.strip():
+            content = None  # OpenAI's null content beside calls
+        message = ChatMessageOut(role=self.role, content=content, tool_calls=calls or [])
         if self.reasoning is not None:
             message.reasoning_content = message.reasoning = "".join(self._reasoning_text) or None
         return message, calls or []
