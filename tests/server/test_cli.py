@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 
 def _corectl(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "corectl.server.cli", *args], capture_output=True, text=True,
@@ -31,6 +33,23 @@ def test_plugins_lists_builtins_with_package_and_availability():
     assert rows[("platform", "cpu")][3:] == ["corectl", "0", "yes"]
     assert rows[("platform", "cuda")][-1] in ("yes", "no")
     assert ("model", "Qwen3ForCausalLM") in rows and ("attention", "triton") in rows
+    assert {("tool_parser", "hermes"), ("tool_parser", "llama3_json"), ("tool_parser", "mistral"),
+            ("reasoning", "qwen3"), ("reasoning", "deepseek_r1"), ("structured", "xgrammar")} <= set(rows)
+
+
+def test_serve_checks_the_tool_and_reasoning_flags():
+    from corectl.errors import ConfigError
+    from corectl.server.cli import build_parser
+    from corectl.server.cli_serve import settings_from_args
+    from corectl.server.state import ServerState
+
+    parser = build_parser()
+    with pytest.raises(ConfigError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        settings_from_args(parser.parse_args(["serve", "--enable-auto-tool-choice"]))
+    for flag, message in [("--tool-call-parser", "unknown tool parser 'nope'"),
+                          ("--reasoning-parser", "unknown reasoning parser 'nope'")]:
+        with pytest.raises(ConfigError, match=message):
+            ServerState(settings_from_args(parser.parse_args(["serve", flag, "nope"])))
 
 
 def test_serve_takes_the_online_token_budget_and_offline_keeps_its_own():
