@@ -2,6 +2,7 @@
 `corectl plugins` lists the built-in plugins with their package and availability."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -64,3 +65,13 @@ def test_serve_takes_the_online_token_budget_and_offline_keeps_its_own():
     assert explicit.engine.max_num_batched_tokens == 8192
     generate = parser.parse_args(["generate", "hi"])
     assert generate.max_num_batched_tokens == EngineConfig().max_num_batched_tokens == 2048
+
+
+def test_bench_grammar_times_each_part_of_a_constrained_step(tmp_path):
+    out = tmp_path / "grammar.json"
+    done = _corectl("bench", "grammar", "--batch-sizes", "1,3", "--repeats", "1", "--save-result", str(out))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert set(result["per_step_ms"]) == {"1", "3"} and result["answer_tokens"] > 10
+    for times in result["per_step_ms"].values():
+        assert set(times) == {"fill", "apply", "accept", "total"} and all(t > 0 for t in times.values())
