@@ -32,6 +32,8 @@ def register(sub) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the embedded model's)")
     p.add_argument("--batch-sizes", default="1,16", help="comma-separated batch sizes (default: 1,16)")
     p.add_argument("--repeats", type=int, default=5, help="walks through the answer per batch size (default: 5)")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads for applying the masks (default: torch's, one per core)")
     p.add_argument("--save-result", default=None, help="write the result as JSON to this file")
     p.set_defaults(handler=run)
 
@@ -39,20 +41,24 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     import platform
 
+    import torch
     from corectl.sampling_params import StructuredOutputsParams
     from corectl.structured.xgrammar_backend import XGrammarBackend
     from corectl.tokenizer import Tokenizer
 
+    if args.num_threads is not None:
+        torch.set_num_threads(args.num_threads)
     folder = args.tokenizer or _default_tokenizer_dir()
     tokenizer = Tokenizer.from_dir(folder)
     answer = tokenizer.encode(json.dumps(ANSWER), add_special_tokens=False) + [tokenizer.eos_token_id]
     backend = XGrammarBackend(folder, tokenizer.vocab_size, [tokenizer.eos_token_id])
     grammar = backend.compile(StructuredOutputsParams(json=SCHEMA))
     result = {"benchmark": "grammar", "cpu": _cpu_name() or platform.processor(), "vocab_size": tokenizer.vocab_size,
-              "answer_tokens": len(answer), "per_step_ms": {}}
+              "torch_threads": torch.get_num_threads(), "answer_tokens": len(answer), "per_step_ms": {}}
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         result["per_step_ms"][str(batch)] = _measure(backend, grammar, answer, batch, args.repeats, tokenizer.vocab_size)
-    print(f"CPU: {result['cpu']}; vocab {result['vocab_size']}; {len(answer)} steps per answer")
+    print(f"CPU: {result['cpu']}, {result['torch_threads']} torch threads; vocab {result['vocab_size']}; "
+          f"{len(answer)} steps per answer")
     for batch, times in result["per_step_ms"].items():
         print(f"batch {batch:>3}: fill {times['fill']:.3f} ms, apply {times['apply']:.3f} ms, "
               f"accept {times['accept']:.3f} ms, total {times['total']:.3f} ms per step")
