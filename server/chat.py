@@ -60,7 +60,9 @@ class ChatController(Controller):
             await group.start(request.receive)
         head = group.response_head()
         top_n = (data.top_logprobs or 0) if data.logprobs else None
-        texts = {i: ChoiceText(ROLE, server.reasoning_parser and server.reasoning_parser(tokenizer),
+        # A grammar holds the output from its first token, so a constrained output holds no reasoning.
+        thinks = server.reasoning_parser is not None and params.structured_outputs is None
+        texts = {i: ChoiceText(ROLE, server.reasoning_parser(tokenizer) if thinks else None,
                                _tool_parser(data, tool_choice, server, tokenizer)) for i in range(group.n)}
         return await group.respond(request.receive, data.stream,
                                    lambda: _chunks(group, head, top_n, data.include_usage, texts),

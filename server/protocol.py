@@ -254,6 +254,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    # With messages: the tools the template renders, as a chat request would send them.
+    tools: Annotated[list[ChatTool], Meta(max_length=MAX_TOOLS)] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

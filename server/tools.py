@@ -27,7 +27,7 @@ FunctionName = Annotated[str, Meta(min_length=1, max_length=64, pattern="^[A-Za-
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
-class FunctionDefinition(msgspec.Struct, kw_only=True):
+class FunctionDefinition(msgspec.Struct, kw_only=True, omit_defaults=True):
     name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None

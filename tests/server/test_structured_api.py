@@ -1,6 +1,7 @@
 """Structured outputs, tool calls and reasoning through the OpenAI API and the official `openai` SDK,
 against a real `corectl serve` of the embedded SmolLM2 (fp32) with the ChatML tools template of
-examples/, the hermes tool parser and the qwen3 reasoning parser."""
+examples/, the hermes tool parser and the deepseek_r1 reasoning parser (under which an unconstrained
+answer is all reasoning: the template would have opened <think>)."""
 from __future__ import annotations
 
 import json
@@ -56,7 +57,7 @@ def tool_server():
     proc = ServerProcess(*SMALL_ENGINE, "--max-model-len", "1024", "--kv-cache-memory", "0.15",
                          "--chat-template", str(TEMPLATE),
                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                         "--reasoning-parser", "qwen3").wait_ready()
+                         "--reasoning-parser", "deepseek_r1").wait_ready()
     yield proc
     assert proc.stop() == 0
 
@@ -231,7 +232,7 @@ def test_auto_tool_choice_reads_hermes_calls_whole_and_streamed(client):
     assert "".join(p.function.arguments or "" for p in pieces) == message.tool_calls[0].function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     free = ask(client, "Say hello.", tools=[WEATHER], max_tokens=8)
-    assert free.choices[0].message.tool_calls is None and free.choices[0].message.content
+    assert free.choices[0].message.tool_calls is None and free.choices[0].message.reasoning_content
 
 
 def test_tool_results_in_the_history_reach_the_template(raw):
@@ -239,26 +240,29 @@ def test_tool_results_in_the_history_reach_the_template(raw):
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "22 degrees, sunny"}]
-    ids = raw.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    ids = raw.post("/tokenize", json={"messages": messages, "tools": [WEATHER]}).json()["tokens"]
     text = raw.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert "<tools>\n" + json.dumps(WEATHER) + "\n</tools>" in text
     assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
             in text)
     assert "<tool_response>\n22 degrees, sunny\n</tool_response>" in text
     answer = raw.post("/v1/chat/completions", json={"messages": messages, "tools": [WEATHER], "max_tokens": 8,
                                                     "tool_choice": "none"})
-    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
+    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["reasoning_content"]
 
 
-def test_reasoning_is_split_from_the_answer_whole_and_streamed(client):
-    """--reasoning-parser qwen3: a regex makes SmolLM2 think in Qwen3's format first."""
-    forced = {"guided_regex": r"<think>\nThe capital of France is Paris\.\n</think>\n\nParis\."}
-    message = ask(client, "What is the capital of France?", extra_body=forced).choices[0].message
-    assert message.reasoning_content == message.reasoning == "\nThe capital of France is Paris.\n"
-    assert message.content == "Paris."
-    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, temperature=0, max_tokens=100,
-                                                 extra_body=forced, stream=True))
+def test_reasoning_parser_whole_and_streamed(client):
+    """--reasoning-parser deepseek_r1: SmolLM2 never writes </think>, so its answer is all reasoning,
+    streamed as reasoning deltas; a constrained output (no room to think) is all content."""
+    message = ask(client, "What is the capital of France?", max_tokens=12).choices[0].message
+    assert message.reasoning_content == message.reasoning and "Paris" in message.reasoning_content
+    assert message.content == ""
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": (
+        "What is the capital of France?")}], temperature=0, max_tokens=12, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == message.reasoning_content
-    assert "".join(d.content or "" for d in deltas) == "Paris."
-    plain = ask(client, "Say hello.", max_tokens=8).choices[0].message
-    assert plain.reasoning_content is None and plain.content
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == message.reasoning_content
+    assert not "".join(d.content or "" for d in deltas)
+    constrained = ask(client, "What is the capital of France?", extra_body={"guided_choice": ["Paris", "Rome"]})
+    assert constrained.choices[0].message.content in ("Paris", "Rome")
+    assert getattr(constrained.choices[0].message, "reasoning_content", None) is None
