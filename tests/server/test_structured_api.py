@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -266,3 +268,15 @@ def test_reasoning_parser_whole_and_streamed(client):
     constrained = ask(client, "What is the capital of France?", extra_body={"guided_choice": ["Paris", "Rome"]})
     assert constrained.choices[0].message.content in ("Paris", "Rome")
     assert getattr(constrained.choices[0].message, "reasoning_content", None) is None
+
+
+def test_bench_serve_sends_a_json_schema_workload(tool_server, tmp_path):
+    result = tmp_path / "bench.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "corectl.server.cli", "bench", "serve", "--base-url", tool_server.url,
+         "--input-len", "16", "--output-len", "12", "--num-prompts", "3", "--structured-output", "json",
+         "--save-result", str(result)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    saved = json.loads(result.read_text())
+    assert saved["completed"] == 3 and saved["failed"] == 0 and saved["structured_output"] == "json"
+    assert all(1 <= n <= 12 for n in saved["output_lens"])
