@@ -64,7 +64,7 @@ def resolve_structured_output_backend(name: str) -> type:
 
 @dataclass(frozen=True)
 class InventoryRow:
-    kind: str  # "platform", "model", "attention", "structured" or "quantization"
+    kind: str  # "platform", "model", "attention", "structured", "quantization", "tool_parser" or "reasoning"
     name: str
     plugin: str
     package: str
@@ -75,7 +75,7 @@ class InventoryRow:
 def plugin_inventory() -> list[InventoryRow]:
     """Everything the installed plugins provide, with the package behind each entry: platforms by
     priority (with whether this machine can run them), then architectures, attention backends,
-    structured-output backends and quantization methods."""
+    structured-output backends, quantization methods, and the API server's tool and reasoning parsers."""
     pm = get_plugin_manager()
     rows = [InventoryRow("platform", s.name, s.plugin, pm.provider(s.plugin), str(s.priority),
                          "yes" if spec_available(s) else "no")
@@ -89,4 +89,7 @@ def plugin_inventory() -> list[InventoryRow]:
              for s in sorted(pm.structured_output_backends().values(), key=lambda s: s.name)]
     rows += [InventoryRow("quantization", s.name, s.plugin, pm.provider(s.plugin), "", s.description)
              for s in sorted(pm.quantization_methods().values(), key=lambda s: s.name)]
+    for kind, specs in (("tool_parser", pm.tool_parsers()), ("reasoning", pm.reasoning_parsers())):
+        rows += [InventoryRow(kind, s.name, s.plugin, pm.provider(s.plugin), "", s.description)
+                 for s in sorted(specs.values(), key=lambda s: s.name)]
     return rows

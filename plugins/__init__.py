@@ -15,7 +15,9 @@ from .specs import (
     ModelSpec,
     PlatformSpec,
     QuantizationMethodSpec,
+    ReasoningParserSpec,
     StructuredOutputBackendSpec,
+    ToolParserSpec,
     import_dotted,
 )
 
@@ -26,7 +28,9 @@ __all__ = [
     "PluginConflictError",
     "PluginManager",
     "QuantizationMethodSpec",
+    "ReasoningParserSpec",
     "StructuredOutputBackendSpec",
+    "ToolParserSpec",
     "get_plugin_manager",
     "hookimpl",
     "hookspec",

@@ -8,8 +8,8 @@ A plugin is a module (or object) registered under the entry-point group ``corect
 and implementing any of the hooks below with ``@corectl.plugins.hookimpl``. Each hook yields
 frozen spec records holding dotted paths; corectl imports the target only when it is used, so
 listing plugins stays cheap and never initialises a device runtime. The built-in platforms (cpu,
-cuda, rocm), models, the xgrammar structured-output backend and the quantization methods register
-through the same entry points.
+cuda, rocm), models, the xgrammar structured-output backend, the quantization methods and the API
+server's tool and reasoning parsers register through the same entry points.
 """
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ from .specs import (
     ModelSpec,
     PlatformSpec,
     QuantizationMethodSpec,
+    ReasoningParserSpec,
     StructuredOutputBackendSpec,
+    ToolParserSpec,
 )
 
 PROJECT = "corectl"
@@ -78,4 +80,24 @@ def corectl_quantization_methods() -> Iterable[QuantizationMethodSpec]:
     ``PlatformCaps.quantization_kernels`` decides which one binds), ``from_checkpoint`` (the
     checkpoint's ``quantization_config`` dict, or None for on-the-fly quantization) and
     ``linear_method(prefix, layer)`` returning a ``LinearMethod`` per linear layer.
+    """
+
+
+@hookspec
+def corectl_tool_parsers() -> Iterable[ToolParserSpec]:
+    """Yield tool parsers for the API server (``--tool-call-parser NAME``).
+
+    The class must implement ``corectl.server.tool_parsers.base.ToolParser``: built per response
+    choice as ``cls(tokenizer)``, it turns the model's text into content and OpenAI tool calls,
+    incrementally (``feed``) for streams. It runs in the API server's process, on text only.
+    """
+
+
+@hookspec
+def corectl_reasoning_parsers() -> Iterable[ReasoningParserSpec]:
+    """Yield reasoning parsers for the API server (``--reasoning-parser NAME``).
+
+    The class must implement ``corectl.server.reasoning.base.ReasoningParser``: built per response
+    choice as ``cls(tokenizer)``, it splits the model's text into reasoning and content,
+    incrementally (``feed``) for streams. It runs in the API server's process, on text only.
     """

@@ -15,7 +15,9 @@ from .specs import (
     ModelSpec,
     PlatformSpec,
     QuantizationMethodSpec,
+    ReasoningParserSpec,
     StructuredOutputBackendSpec,
+    ToolParserSpec,
 )
 
 ENTRY_POINT_GROUP = "corectl"
@@ -100,6 +102,12 @@ class PluginManager:
 
     def quantization_methods(self) -> dict[str, QuantizationMethodSpec]:
         return self._collect("corectl_quantization_methods", "name")
+
+    def tool_parsers(self) -> dict[str, ToolParserSpec]:
+        return self._collect("corectl_tool_parsers", "name")
+
+    def reasoning_parsers(self) -> dict[str, ReasoningParserSpec]:
+        return self._collect("corectl_reasoning_parsers", "name")
 
 
 _MANAGER: PluginManager | None = None

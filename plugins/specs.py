@@ -67,6 +67,29 @@ class QuantizationMethodSpec:
     plugin: str = field(default="", compare=False)
 
 
+@dataclass(frozen=True)
+class ToolParserSpec:
+    """A tool parser for the API server: `path` names a `corectl.server.tool_parsers.base.ToolParser`
+    subclass, chosen by `name` with `corectl serve --tool-call-parser NAME`."""
+
+    name: str
+    path: str
+    description: str = ""
+    plugin: str = field(default="", compare=False)
+
+
+@dataclass(frozen=True)
+class ReasoningParserSpec:
+    """A reasoning parser for the API server: `path` names a
+    `corectl.server.reasoning.base.ReasoningParser` subclass, chosen by `name` with
+    `corectl serve --reasoning-parser NAME`."""
+
+    name: str
+    path: str
+    description: str = ""
+    plugin: str = field(default="", compare=False)
+
+
 def import_dotted(path: str) -> Any:
     """Import `package.module:attr` or `package.module.attr` and return the attribute."""
     module_name, sep, attr = path.partition(":")

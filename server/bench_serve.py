@@ -26,6 +26,13 @@ import msgspec
 from .bench_report import RequestResult, format_report, save_result, summarize
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+# --structured-output json: records of bounded fields in an array of any length.
+JSON_SCHEMA = {"type": "object", "properties": {"records": {"type": "array", "items": {
+    "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99999},
+                                     "name": {"type": "string", "maxLength": 24},
+                                     "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
+    "required": ["id", "name", "tags"], "additionalProperties": False}}},
+    "required": ["records"], "additionalProperties": False}
 
 
 def register(sub) -> None:
@@ -55,6 +62,10 @@ def register(sub) -> None:
                    help="client processes sharing the requests, concurrency and rate (default 1); add some when "
                         "the report says a client was busy nearly all the time")
     p.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos so every request runs to length")
+    p.add_argument("--structured-output", choices=["none", "json"], default="none",
+                   help="json: every request sends a response_format JSON schema (a list of records without a "
+                        "length bound, so a request usually runs to --output-len), to measure constrained "
+                        "decoding against the same run without it (default: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--percentiles", default="99", help="comma-separated percentiles to report (default: 99)")
     p.add_argument("--save-result", default=None, metavar="FILE", help="write the results as JSON")
@@ -90,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
                   "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
                   "range_ratio": args.range_ratio, "request_rate": str(args.request_rate),
                   "max_concurrency": args.max_concurrency, "ignore_eos": args.ignore_eos, "seed": args.seed,
-                  "prompt_token_ids": args.prompt_token_ids, "num_clients": args.num_clients}
+                  "prompt_token_ids": args.prompt_token_ids, "num_clients": args.num_clients,
+                  "structured_output": args.structured_output}
         save_result(args.save_result, summary, config, results)
     return 0 if summary["completed"] else 1
 
@@ -209,6 +221,8 @@ def _body(args, model: str, prompt: str | list[int], output_len: int) -> dict:
         body["return_token_ids"] = True
     if args.ignore_eos:
         body["ignore_eos"] = True
+    if args.structured_output == "json":
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "records", "schema": JSON_SCHEMA}}
     return body
 
 

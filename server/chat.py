@@ -10,6 +10,8 @@ from litestar.openapi import ResponseSpec
 
 from . import sse
 from .auth import require_api_key
+from .chat_output import ChoiceText
+from .constraints import errors_name
 from .errors import ERROR_RESPONSES
 from .generation import GenerationGroup, UsageCounter
 from .logprobs import chat_logprobs, prompt_logprobs
@@ -21,9 +23,11 @@ from .responses import (
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
-    ChatMessageOut,
 )
 from .state import ServerState
+from .tool_parsers.base import ToolParser
+from .tool_parsers.forced import NamedCallParser, RequiredCallsParser
+from .tools import check_tool_choice, template_tools
 
 ROLE = "assistant"
 
@@ -42,17 +46,37 @@ class ChatController(Controller):
         server.check_model(data.model)
         server.check_priority(data.priority)
         data.check_supported()
-        params = data.sampling_params()
+        tool_choice = check_tool_choice(data.tools, data.tool_choice, server.settings.enable_auto_tool_choice)
+        params = data.sampling_params(tool_choice)
+        if tool_choice == "auto" and server.tool_parser.needs_special_tokens:
+            params = params.clone(skip_special_tokens=False)  # the call markers are special tokens
         tokenizer = server.require_tokenizer(
             "messages", "chat messages cannot be rendered; use /v1/completions with token-id prompts")
-        prompt = tokenizer.encode_chat(message_dicts(data.messages), add_generation_prompt=data.add_generation_prompt)
+        tools = template_tools(data.tools) if data.tools and tool_choice != "none" else None
+        prompt = tokenizer.encode_chat(message_dicts(data.messages), add_generation_prompt=data.add_generation_prompt,
+                                       tools=tools, **(data.chat_template_kwargs or {}))
         group = GenerationGroup(server, [prompt], params, f"chatcmpl-{uuid.uuid4().hex}", data.priority)
-        await group.start(request.receive)
+        with errors_name("tools" if tool_choice in ("required", "named") else data.constraint_field):
+            await group.start(request.receive)
         head = group.response_head()
         top_n = (data.top_logprobs or 0) if data.logprobs else None
+        # A grammar holds the output from its first token, so a constrained output holds no reasoning.
+        thinks = server.reasoning_parser is not None and params.structured_outputs is None
+        texts = {i: ChoiceText(ROLE, server.reasoning_parser(tokenizer) if thinks else None,
+                               _tool_parser(data, tool_choice, server, tokenizer)) for i in range(group.n)}
         return await group.respond(request.receive, data.stream,
-                                   lambda: _chunks(group, head, top_n, data.include_usage),
-                                   lambda: _collect(group, head, top_n))
+                                   lambda: _chunks(group, head, top_n, data.include_usage, texts),
+                                   lambda: _collect(group, head, top_n, texts))
+
+
+def _tool_parser(data: ChatCompletionRequest, tool_choice: str, server: ServerState, tokenizer) -> ToolParser | None:
+    if tool_choice == "auto":
+        return server.tool_parser(tokenizer)
+    if tool_choice == "required":
+        return RequiredCallsParser(tokenizer)
+    if tool_choice == "named":
+        return NamedCallParser(data.tool_choice.function.name)
+    return None
 
 
 def _logprobs(sample: CompletionOutput, top_n: int | None) -> ChatLogprobs | None:
@@ -61,40 +85,52 @@ def _logprobs(sample: CompletionOutput, top_n: int | None) -> ChatLogprobs | Non
     return ChatLogprobs(chat_logprobs(sample.logprobs or [], top_n))
 
 
-async def _collect(group: GenerationGroup, head: dict, top_n: int | None) -> ChatCompletionResponse:
+async def _collect(group: GenerationGroup, head: dict, top_n: int | None,
+                   texts: dict[int, ChoiceText]) -> ChatCompletionResponse:
     usage = UsageCounter()
-    choices: dict[int, ChatChoice] = {}
+    generated: dict[int, list[str]] = {}
+    logprobs: dict[int, ChatLogprobs | None] = {}
+    ends: dict[int, tuple[str | None, int | str | None]] = {}
     last = None
     async for _, out in group.merged():
         usage.add(0, out)
         last = out
         for sample in out.outputs:
-            choice = choices.get(sample.index)
-            if choice is None:
-                choice = choices[sample.index] = ChatChoice(
-                    index=sample.index, message=ChatMessageOut(ROLE, ""),
-                    logprobs=None if top_n is None else ChatLogprobs([]))
-            choice.message.content += sample.text
-            if choice.logprobs is not None:
-                choice.logprobs.content += chat_logprobs(sample.logprobs or [], top_n)
-            choice.finish_reason, choice.stop_reason = sample.finish_reason, sample.stop_reason
-    return ChatCompletionResponse(**head, choices=[choices[i] for i in sorted(choices)], usage=usage.usage(),
+            generated.setdefault(sample.index, []).append(sample.text)
+            entry = logprobs.setdefault(sample.index, None if top_n is None else ChatLogprobs([]))
+            if entry is not None:
+                entry.content += chat_logprobs(sample.logprobs or [], top_n)
+            ends[sample.index] = (sample.finish_reason, sample.stop_reason)
+    choices = []
+    for index in sorted(generated):
+        text = texts[index]
+        text.feed("".join(generated[index]), final=True)
+        message, calls = text.message()
+        finish_reason, stop_reason = ends[index]
+        if calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        choices.append(ChatChoice(index=index, message=message, logprobs=logprobs[index],
+                                  finish_reason=finish_reason, stop_reason=stop_reason))
+    return ChatCompletionResponse(**head, choices=choices, usage=usage.usage(),
                                   prompt_logprobs=prompt_logprobs(last.prompt_logprobs if last else None))
 
 
-async def _chunks(group: GenerationGroup, head: dict, top_n: int | None, include_usage: bool) -> AsyncIterator[bytes]:
+async def _chunks(group: GenerationGroup, head: dict, top_n: int | None, include_usage: bool,
+                  texts: dict[int, ChoiceText]) -> AsyncIterator[bytes]:
     usage = UsageCounter()
     # OpenAI's first chunk of each choice carries the role and no content.
     yield sse.frame(ChatCompletionChunk(**head, choices=[
         ChatChunkChoice(index=i, delta=ChatDelta(role=ROLE, content="")) for i in range(group.n)]))
     async for _, out in group.merged():
         usage.add(0, out)
-        choices = [
-            ChatChunkChoice(index=s.index, delta=ChatDelta(content=s.text) if s.text else ChatDelta(),
-                            logprobs=_logprobs(s, top_n), finish_reason=s.finish_reason, stop_reason=s.stop_reason)
-            for s in out.outputs
-            if s.text or s.finish_reason is not None or (top_n is not None and s.logprobs)
-        ]
+        choices = []
+        for s in out.outputs:
+            text = texts[s.index]
+            delta = text.feed(s.text, final=s.finish_reason is not None)
+            if delta != ChatDelta() or s.finish_reason is not None or (top_n is not None and s.logprobs):
+                choices.append(ChatChunkChoice(index=s.index, delta=delta, logprobs=_logprobs(s, top_n),
+                                               finish_reason=text.finish_reason(s.finish_reason),
+                                               stop_reason=s.stop_reason))
         if choices:
             yield sse.frame(ChatCompletionChunk(**head, choices=choices))
     if include_usage:

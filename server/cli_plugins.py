@@ -5,7 +5,8 @@ import argparse
 
 
 def register(sub) -> None:
-    parser = sub.add_parser("plugins", help="list discovered platforms, model architectures and attention backends")
+    parser = sub.add_parser("plugins", help="list discovered platforms, model architectures, attention and "
+                                               "structured-output backends, and tool and reasoning parsers")
     parser.set_defaults(handler=run)
 
 

@@ -55,6 +55,17 @@ def register(sub) -> None:
     group.add_argument("--embed-chunking", action="store_true",
                        help="/v1/embeddings embeds an input longer than the context in chunks of max_model_len "
                             "tokens, averaged by token count (default: refuse it with context_length_exceeded)")
+
+    group = parser.add_argument_group("tools and reasoning")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="serve tool_choice 'auto' (the default when a request sends tools): the model "
+                            "decides whether to call, and --tool-call-parser finds the calls in its text")
+    group.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="how the model writes tool calls: hermes (Hermes, Qwen2.5, Qwen3), llama3_json, "
+                            "mistral, or a plugin's parser (see `corectl plugins`)")
+    group.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                       help="split the model's <think> reasoning into reasoning_content: qwen3, deepseek_r1, or "
+                            "a plugin's parser")
     group = parser.add_argument_group("logging")
     group.add_argument("--log-format", choices=LOG_FORMATS, default="auto",
                        help="'human' lines, 'json' lines, or 'auto': human on a terminal (default: auto)")
@@ -79,6 +90,9 @@ def settings_from_args(args: argparse.Namespace):
         from .tracing import exporter_class
 
         exporter_class()  # a missing extra fails here, before the engine loads
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ConfigError("tool_call_parser", "--enable-auto-tool-choice needs --tool-call-parser to say how "
+                          "the model writes its calls")
     origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
     return ServeSettings(
         engine=config, served_model_names=args.served_model_name or [default_served_name(config)],
@@ -87,6 +101,8 @@ def settings_from_args(args: argparse.Namespace):
         engine_in_process=args.engine_in_process, engine_hang_timeout=args.engine_hang_timeout,
         shutdown_timeout=args.shutdown_timeout, otlp_traces_endpoint=args.otlp_traces_endpoint,
         embed_chunking=args.embed_chunking,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

@@ -19,6 +19,7 @@ from .responses import (
     VersionResponse,
 )
 from .state import ServerState
+from .tools import template_tools
 
 
 class ModelsController(Controller):
@@ -48,7 +49,9 @@ class TokenizerController(Controller):
         if data.prompt is not None:
             tokens = tokenizer.encode(data.prompt, add_special_tokens=data.add_special_tokens)
         else:
-            tokens = tokenizer.encode_chat(message_dicts(data.messages), add_generation_prompt=data.add_generation_prompt)
+            tools = template_tools(data.tools) if data.tools else None
+            tokens = tokenizer.encode_chat(message_dicts(data.messages), add_generation_prompt=data.add_generation_prompt,
+                                           tools=tools)
         strs = tokenizer.convert_ids_to_tokens(tokens) if data.return_token_strs else None
         return TokenizeResponse(len(tokens), server.engine.info.max_model_len, tokens, strs)
 

@@ -15,9 +15,11 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 from corectl.errors import InvalidRequestError
-from corectl.sampling_params import MAX_LOGPROBS, SamplingParams
+from corectl.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
+from .constraints import ConstraintFields
 from .errors import APIError
+from .tools import MAX_TOOLS, ChatTool, ToolCallIn, ToolChoice, forced_calls_spec, template_tool_calls
 
 
 # OpenAI's cap on `n`; a completions request also holds at most MAX_CHOICES samples over all its prompts
@@ -44,8 +46,8 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
-class SamplingFields(msgspec.Struct, kw_only=True):
-    """Fields shared by completions and chat completions."""
+class SamplingFields(ConstraintFields, kw_only=True):
+    """Fields shared by completions and chat completions (the output constraints among them)."""
 
     model: str | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
@@ -81,10 +83,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
         if self.stream and self.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not available when stream is true", "prompt_logprobs")
 
-    def build_sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                              prompt_logprobs: int | None) -> SamplingParams:
+    def build_sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+                              structured_outputs: StructuredOutputsParams | None) -> SamplingParams:
         """SamplingParams for this request; out-of-range values raise InvalidRequestError(param=...)."""
         values: dict[str, Any] = dict(
+            structured_outputs=structured_outputs,
             n=self.n, max_tokens=max_tokens, seed=self.seed, min_tokens=self.min_tokens,
             stop=[self.stop] if isinstance(self.stop, str) else self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
@@ -163,7 +166,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
         # The engine computes prompt logprobs on the way to a first token, so echo_only runs one token
         # and the response leaves it out (vLLM does the same).
         max_tokens = 1 if self.echo_only else self.max_tokens
-        return self.build_sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+        return self.build_sampling_params(max_tokens, self.logprobs, prompt_logprobs, self.structured_spec())
 
 
 class ContentPart(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -175,14 +178,27 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # An assistant's calls, and the id of the call a `tool` message answers.
+    tool_calls: Annotated[list[ToolCallIn], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: str | None = None
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+# The chat-template render's own arguments, which chat_template_kwargs must not override.
+TEMPLATE_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                      "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template reads them (text parts are joined by the tokenizer)."""
-    return [msgspec.to_builtins(m) for m in messages]
+    out = []
+    for message in messages:
+        rendered = msgspec.to_builtins(message)
+        if message.tool_calls:
+            rendered["tool_calls"] = template_tool_calls(rendered["tool_calls"])
+        out.append(rendered)
+    return out
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -194,9 +210,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: Annotated[list[ChatTool], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # vLLM's extension: extra variables for the chat template (e.g. Qwen3's enable_thinking).
+    chat_template_kwargs: Annotated[dict[str, Any], Meta(max_length=64)] | None = None
 
     def check_supported(self) -> None:
         self.check_stream_fields()
@@ -206,17 +224,25 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
             if message.role not in CHAT_ROLES:
                 raise APIError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
                                f"got {message.role!r}", "messages")
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise APIError(400, "tool calling is not supported by this server", "tools")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise APIError(400, "only response_format {'type': 'text'} is supported", "response_format")
+        reserved = set(self.chat_template_kwargs or ()) & TEMPLATE_ARGUMENTS
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(sorted(reserved))} (the request's own "
+                           "fields do)", "chat_template_kwargs")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, tool_choice: str) -> SamplingParams:
+        """`tool_choice` is the effective choice (`tools.check_tool_choice`): "required" and "named"
+        constrain the output to calls, which leaves no room for another constraint."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.build_sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+        spec = self.structured_spec()
+        if tool_choice in ("required", "named"):
+            if spec is not None:
+                raise APIError(400, f"tool_choice {tool_choice!r} constrains the output to tool calls; it cannot "
+                               f"be combined with {self.constraint_field}", self.constraint_field)
+            spec = forced_calls_spec(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return self.build_sampling_params(max_tokens, logprobs, self.prompt_logprobs, spec)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -228,6 +254,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    # With messages: the tools the template renders, as a chat request would send them.
+    tools: Annotated[list[ChatTool], Meta(max_length=MAX_TOOLS)] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

@@ -76,9 +76,26 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatLogprob] | None
 
 
-class ChatMessageOut(msgspec.Struct):
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+class ChatMessageOut(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """`content` is null when the message holds only tool calls. With a reasoning parser the reasoning
+    comes as `reasoning_content` and, under vLLM's newer name, `reasoning` (both null without it)."""
+
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
+    reasoning_content: str | None | msgspec.UnsetType = msgspec.UNSET
+    reasoning: str | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -99,9 +116,27 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     prompt_logprobs: PromptLogprobsList | None = None
 
 
+class FunctionDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A streamed piece of tool call `index`: its first carries the id, type and name; the rest
+    carry argument text, to be concatenated."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionDelta
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

@@ -14,6 +14,7 @@ from corectl.tokenizer import Tokenizer
 
 from .errors import APIError
 from .metrics import ServerMetrics
+from .parsers import reasoning_parser_class, tool_parser_class
 
 logger = logging.getLogger("corectl.server")
 
@@ -27,6 +28,9 @@ class ServeSettings:
     otlp_traces_endpoint: where request spans are exported over OTLP (None: no tracing).
     embed_chunking: /v1/embeddings splits an input longer than the context into chunks and averages
     their vectors, instead of refusing it.
+    enable_auto_tool_choice: `tool_choice` "auto" is served, with `tool_call_parser` (a registered
+    tool parser's name) finding the calls. reasoning_parser: splits reasoning from content (a
+    registered reasoning parser's name; None: the output is all content).
     """
 
     engine: EngineConfig
@@ -43,6 +47,9 @@ class ServeSettings:
     shutdown_timeout: float = 30.0
     otlp_traces_endpoint: str | None = None
     embed_chunking: bool = False
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     @property
     def url(self) -> str:
@@ -74,6 +81,9 @@ class ServerState:
         self.exit_code = 0
         self.in_flight = 0
         self.started_at = time.time()
+        self.tool_parser = None if settings.tool_call_parser is None else tool_parser_class(settings.tool_call_parser)
+        self.reasoning_parser = (None if settings.reasoning_parser is None
+                                 else reasoning_parser_class(settings.reasoning_parser))
         # Set by whoever runs the HTTP server: asks it to stop (after the engine died).
         self.request_exit: Callable[[], None] = lambda: None
 

@@ -207,7 +207,12 @@ class OutputProcessor:
             decoded = self._decode_logprobs(out.logprobs)
             sample.logprobs.extend(decoded)
             sample.cumulative_logprob += sum(next(iter(d.values())).logprob for d in decoded)
-        delta = sample.detok.push(out.new_token_ids)
+        new_ids = out.new_token_ids
+        if out.finish_reason == "stop" and new_ids and not tracker.params.include_stop_str_in_output:
+            # The engine stops on a stop token (EOS, stop_token_ids, a grammar's end), whose text is
+            # not output (it shows with skip_special_tokens off, which tool parsers need), as in vLLM.
+            new_ids = new_ids[:-1]
+        delta = sample.detok.push(new_ids)
         if out.finish_reason is not None:
             # Text held back for an unfinished character must not be lost with the last token.
             delta += sample.detok.flush()

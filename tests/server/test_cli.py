@@ -2,8 +2,11 @@
 `corectl plugins` lists the built-in plugins with their package and availability."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+
+import pytest
 
 
 def _corectl(*args: str) -> subprocess.CompletedProcess:
@@ -31,6 +34,23 @@ def test_plugins_lists_builtins_with_package_and_availability():
     assert rows[("platform", "cpu")][3:] == ["corectl", "0", "yes"]
     assert rows[("platform", "cuda")][-1] in ("yes", "no")
     assert ("model", "Qwen3ForCausalLM") in rows and ("attention", "triton") in rows
+    assert {("tool_parser", "hermes"), ("tool_parser", "llama3_json"), ("tool_parser", "mistral"),
+            ("reasoning", "qwen3"), ("reasoning", "deepseek_r1"), ("structured", "xgrammar")} <= set(rows)
+
+
+def test_serve_checks_the_tool_and_reasoning_flags():
+    from corectl.errors import ConfigError
+    from corectl.server.cli import build_parser
+    from corectl.server.cli_serve import settings_from_args
+    from corectl.server.state import ServerState
+
+    parser = build_parser()
+    with pytest.raises(ConfigError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        settings_from_args(parser.parse_args(["serve", "--enable-auto-tool-choice"]))
+    for flag, message in [("--tool-call-parser", "unknown tool parser 'nope'"),
+                          ("--reasoning-parser", "unknown reasoning parser 'nope'")]:
+        with pytest.raises(ConfigError, match=message):
+            ServerState(settings_from_args(parser.parse_args(["serve", flag, "nope"])))
 
 
 def test_serve_takes_the_online_token_budget_and_offline_keeps_its_own():
@@ -45,3 +65,13 @@ def test_serve_takes_the_online_token_budget_and_offline_keeps_its_own():
     assert explicit.engine.max_num_batched_tokens == 8192
     generate = parser.parse_args(["generate", "hi"])
     assert generate.max_num_batched_tokens == EngineConfig().max_num_batched_tokens == 2048
+
+
+def test_bench_grammar_times_each_part_of_a_constrained_step(tmp_path):
+    out = tmp_path / "grammar.json"
+    done = _corectl("bench", "grammar", "--batch-sizes", "1,3", "--repeats", "1", "--save-result", str(out))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert set(result["per_step_ms"]) == {"1", "3"} and result["answer_tokens"] > 10
+    for times in result["per_step_ms"].values():
+        assert set(times) == {"fill", "apply", "accept", "total"} and all(t > 0 for t in times.values())

@@ -40,6 +40,9 @@ bad_message = st.fixed_dictionaries({}, optional={
     "content": any_text | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["image_url", "text"]) | junk},
                                                         optional={"text": junk}), max_size=3)})
 
+WEATHER_TOOL = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 3}}, "required": ["city"]}}}
+
 # Each field: (a value the server accepts, hostile values). Every count a valid body can carry is small,
 # so no accepted request generates more than a few dozen tokens.
 SAMPLING = {
@@ -60,6 +63,21 @@ SAMPLING = {
     "stream": (st.booleans(), junk),
     "stream_options": (st.fixed_dictionaries({"include_usage": st.booleans()}), junk),
     "prompt_logprobs": (st.integers(0, 3), ints), "user": (text, junk),
+    # Output constraints: grammars the backend compiles (bad ones must be 400s, never a crash).
+    "response_format": (st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema",
+                         "json_schema": {"name": "n", "schema": {"type": "object", "properties": {
+                             "a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}}}]),
+                        st.fixed_dictionaries({"type": any_text}) | st.fixed_dictionaries(
+                            {"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries({"schema": trees})})),
+    "guided_json": (st.just({"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]}),
+                    trees | any_text),
+    "guided_regex": (st.sampled_from(["[a-c]{1,3}", "(yes|no)"]), any_text),
+    "guided_choice": (st.lists(text.filter(bool), min_size=1, max_size=3),
+                      st.lists(any_text, max_size=3) | st.lists(st.just("c"), min_size=1025, max_size=1030)),
+    "guided_grammar": (st.just('root ::= "ok" | "no"'), any_text),
+    "structured_outputs": (st.sampled_from([{"choice": ["x", "y"]}, {"regex": "[0-9]{2}"}, {"json_object": True}]),
+                           st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar", "json_object",
+                                                            "structural_tag"]), junk, max_size=2)),
 }
 COMPLETION = {
     **SAMPLING,
@@ -74,8 +92,12 @@ CHAT = {
     "max_completion_tokens": COMPLETION["max_tokens"], "max_tokens": COMPLETION["max_tokens"],
     "messages": (messages, st.lists(bad_message, max_size=3) | junk), "logprobs": (st.booleans(), junk),
     "top_logprobs": (st.integers(0, 3), ints), "add_generation_prompt": (st.booleans(), junk),
-    "tools": (st.none(), st.lists(trees, min_size=1, max_size=2)), "tool_choice": (st.just("none"), any_text),
-    "response_format": (st.just({"type": "text"}), st.fixed_dictionaries({"type": any_text}) | junk),
+    "tools": (st.just([WEATHER_TOOL]), st.lists(trees, min_size=1, max_size=2)),
+    "tool_choice": (st.sampled_from(["none", "required", {"type": "function", "function": {"name": "weather"}}]),
+                    any_text | st.fixed_dictionaries({"type": st.just("function"),
+                                                      "function": st.fixed_dictionaries({"name": any_text})})),
+    "parallel_tool_calls": (st.booleans(), junk),
+    "chat_template_kwargs": (st.just({"enable_thinking": False}), st.dictionaries(any_text, junk, max_size=3)),
 }
 TOKENIZE_OPTIONS = {
     "model": SAMPLING["model"], "add_special_tokens": (st.booleans(), junk),

@@ -153,7 +153,7 @@ def test_invalid_completion_fields_are_400_naming_the_field(http, body, param):
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools[0]"),
     ({"messages": "hello"}, "messages"),
 ])
 def test_invalid_chat_fields_are_400(http, body, param):

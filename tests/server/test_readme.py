@@ -46,6 +46,17 @@ def test_readme_openai_client_example(open_server):
     assert "Paris" in printed.getvalue()
 
 
+def test_readme_structured_output_and_tool_call_example(open_server):
+    (code,) = [b for b in _blocks("python") if "chat.completions.parse" in b]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code.replace(README_URL, open_server.url), "README.md", "exec"), {})
+    parsed, call = printed.getvalue().splitlines()
+    assert parsed.startswith("country=") and "city='Paris'" in parsed
+    name, arguments = call.split(" ", 1)
+    assert name == "get_weather" and set(json.loads(arguments)) == {"city"}
+
+
 def test_readme_offline_example():
     (code,) = [b for b in _blocks("python") if "from corectl import LLM" in b]
     printed = io.StringIO()

@@ -87,6 +87,11 @@ def test_stop_strings_min_tokens_and_stop_token_ids(llm_fp32):
     by_id = llm_fp32.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[second_token]),
                               use_tqdm=False)[0].outputs[0]
     assert by_id.token_ids == full.token_ids[:2] and by_id.stop_reason == second_token
+    # A stop token's text is not output, special or not, unless include_stop_str_in_output.
+    assert by_id.text == tok.decode(full.token_ids[:1])
+    special = llm_fp32.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, skip_special_tokens=False),
+                                use_tqdm=False)[0].outputs[0]
+    assert special.token_ids == full.token_ids and special.text == full.text
 
 
 def test_prompt_logprobs_and_length_finish(llm_fp32):

@@ -1,0 +1,45 @@
+"""The calls a grammar forced (`tool_choice` "required" or a named function; see `server/tools.py`),
+read back from the output the grammar shaped."""
+from __future__ import annotations
+
+import json
+
+from ..responses import FunctionCall, FunctionDelta, ToolCall, ToolCallDelta
+from ..tools import new_call_id
+from .base import MarkedToolParser, ToolParser
+
+
+class RequiredCallsParser(MarkedToolParser):
+    """"required": the output is a JSON array of `{"name": ..., "parameters": {...}}` objects."""
+
+    argument_keys = ("parameters",)
+
+    def find_start(self, text: str) -> tuple[int, int] | None:
+        return 0, 0
+
+
+class NamedCallParser(ToolParser):
+    """A named function: the output is that function's arguments object."""
+
+    def __init__(self, name: str):
+        super().__init__(None)
+        self.name = name
+        self.id = new_call_id()
+        self.arguments = ""
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
+        first = not self.arguments
+        self.arguments += text
+        if first and self.arguments:
+            return "", [ToolCallDelta(index=0, id=self.id, type="function",
+                                      function=FunctionDelta(name=self.name, arguments=self.arguments))]
+        return "", [ToolCallDelta(index=0, function=FunctionDelta(arguments=text))] if text else []
+
+    def result(self) -> list[ToolCall] | None:
+        try:
+            arguments = json.loads(self.arguments)
+        except ValueError:
+            return None
+        if not isinstance(arguments, dict):
+            return None
+        return [ToolCall(id=self.id, function=FunctionCall(self.name, self.arguments))]
