@@ -141,6 +141,13 @@ def test_stats_follow_the_load_and_aborts_end_requests_and_free_blocks(dash_serv
     assert 0 < activity["ttft_p50"] <= activity["ttft_p99"] and 0 < activity["itl_p50"] <= activity["itl_p99"]
 
 
+def wait_in_page(page, function: str, arg=None) -> None:
+    """Poll `function(arg)` in the page until it is truthy. Playwright's `wait_for_function` evals
+    its predicate inside the page, which the dashboard's CSP (no 'unsafe-eval') refuses;
+    `page.evaluate` goes through the DevTools protocol, which the CSP does not govern."""
+    wait_for(lambda: page.evaluate(function, arg), f"the page to satisfy {function}")
+
+
 def chromium_path() -> str:
     pytest.importorskip("playwright.sync_api", reason="the browser test needs the test extra (playwright)")
     path = shutil.which("chromium")
@@ -179,17 +186,16 @@ def test_dashboard_in_a_real_browser(dash_server, artifacts):
         page.wait_for_selector("#key-form", state="visible")
         page.fill("#key-input", API_KEY)
         page.click("#key-form button[type=submit]")
-        page.wait_for_function("document.querySelector('#status').textContent === 'live'")
+        wait_in_page(page, "() => document.querySelector('#status').textContent === 'live'")
         assert page.evaluate("sessionStorage.getItem('corectl-api-key')") == API_KEY
 
         # Numbers move while requests run.
         page.wait_for_selector("#requests tbody tr:has(td.state-running)", timeout=DEADLINE_S * 1000)
         steps = page.evaluate("parseInt(document.querySelector('#steps-caption').textContent.replace(/,/g, ''))")
-        page.wait_for_function("(before) => parseInt(document.querySelector('#steps-caption').textContent"
-                               ".replace(/,/g, '')) > before", arg=steps, timeout=DEADLINE_S * 1000)
-        page.wait_for_function("parseInt(document.querySelector('#kv-used').textContent) > 0")
-        page.wait_for_function("document.querySelector('#itl').textContent !== '- / -'",
-                               timeout=DEADLINE_S * 1000)
+        wait_in_page(page, "(before) => parseInt(document.querySelector('#steps-caption').textContent"
+                     ".replace(/,/g, '')) > before", arg=steps)
+        wait_in_page(page, "() => parseInt(document.querySelector('#kv-used').textContent) > 0")
+        wait_in_page(page, "() => document.querySelector('#itl').textContent !== '- / -'")
         page.screenshot(path=str(artifacts / "dashboard.png"), full_page=True)
 
         # The abort button ends a live request (running if one still is): its client sees the error,
@@ -197,8 +203,8 @@ def test_dashboard_in_a_real_browser(dash_server, artifacts):
         request_id = page.evaluate("(document.querySelector('#requests tbody tr:has(td.state-running)')"
                                    " || document.querySelector('#requests tbody tr')).dataset.id")
         page.click(f"#requests tbody tr[data-id='{request_id}'] button.abort")
-        page.wait_for_function("(id) => ![...document.querySelectorAll('#requests tbody tr')]"
-                               ".some((tr) => tr.dataset.id === id)", arg=request_id, timeout=DEADLINE_S * 1000)
+        wait_in_page(page, "(id) => ![...document.querySelectorAll('#requests tbody tr')]"
+                     ".some((tr) => tr.dataset.id === id)", arg=request_id)
         ended = load.join()
         page.screenshot(path=str(artifacts / "dashboard-after-abort.png"), full_page=True)
         browser.close()
