@@ -12,8 +12,10 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
-# A client process busy this share of the wall time was probably slowing the benchmark down.
-CLIENT_BOUND_CPU_SHARE = 0.9
+# A client process busy this share of the wall time was probably slowing the benchmark down: its
+# event loop queues chunk reads. On 2 x H200 one client at 84% measured two data-parallel engines
+# at 1.05x one engine's throughput (docs/performance.md), so the bar sits below that.
+CLIENT_BOUND_CPU_SHARE = 0.75
 
 
 @dataclass

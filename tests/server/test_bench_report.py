@@ -36,6 +36,8 @@ def test_summary_uses_vllm_definitions():
     assert "client CPU, share of one core: 95%, 40%" in report and "warning: a client was busy 95%" in report
     calm = format_report(summarize([fast], duration=2.0, percentiles=[99], client_cpu=[0.5]), [99])
     assert "client CPU, share of one core: 50%" in calm and "warning" not in calm
+    # The data-parallel run on 2 x H200 had one client at 84% that held two engines to one's throughput.
+    assert "warning" in format_report(summarize([fast], duration=2.0, percentiles=[99], client_cpu=[0.84]), [99])
 
 
 def test_token_buckets_are_1_2_5_up_to_the_limit():
