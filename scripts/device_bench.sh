@@ -143,7 +143,7 @@ stage_dp() {
     corectl serve llama3-8b --load-format dummy --platform cuda --port $port -dp $dp > "$RES/dp${dp}_server.log" 2>&1 &
     local server=$!
     for _ in $(seq 300); do curl -sf http://127.0.0.1:$port/health >/dev/null && break; sleep 1; done
-    local args="--base-url http://127.0.0.1:$port --endpoint /v1/completions --prompt-token-ids --vocab-size 128000 --input-len 1024 --output-len 128 --ignore-eos --seed 0 --max-concurrency 256"
+    local args="--base-url http://127.0.0.1:$port --endpoint /v1/completions --prompt-token-ids --vocab-size 128000 --input-len 1024 --output-len 128 --ignore-eos --seed 0 --max-concurrency 256 --num-clients 4"
     corectl bench serve $args --num-prompts 256 > /dev/null 2>&1
     local c0=$(cpu_seconds $server) t0=$(date +%s.%N)
     corectl bench serve $args --num-prompts 768 --save-result "$RES/dp$dp.json" > "$RES/dp$dp.txt" 2>&1
