@@ -62,6 +62,17 @@ def resolve_structured_output_backend(name: str) -> type:
     return import_dotted(spec.path)
 
 
+def resolve_text_parser(kind: str, name: str, option: str) -> type:
+    """The class registered under `name` as an API-server "tool parser" or "reasoning parser"
+    (`corectl_tool_parsers`, `corectl_reasoning_parsers`); the server checks its contract."""
+    pm = get_plugin_manager()
+    specs = pm.tool_parsers() if kind == "tool parser" else pm.reasoning_parsers()
+    spec = specs.get(name)
+    if spec is None:
+        raise ConfigError(option, f"unknown {kind} {name!r}; registered: {', '.join(sorted(specs)) or '(none)'}")
+    return import_dotted(spec.path)
+
+
 @dataclass(frozen=True)
 class InventoryRow:
     kind: str  # "platform", "model", "attention", "structured", "quantization", "tool_parser" or "reasoning"
