@@ -114,6 +114,7 @@ async def _encode(server: ServerState, request_id: str, ids: list[int], text: st
                   priority: int) -> list[float]:
     """One engine request's embedding; its metrics and log line are recorded when it ends."""
     out = None
+    trace_parent = None if server.tracer is None else server.tracer.parent()
     try:
         async for out in server.engine.encode(ids, params, request_id, priority):
             pass
@@ -125,8 +126,10 @@ async def _encode(server: ServerState, request_id: str, ids: list[int], text: st
         raise
     if server.metrics is not None:
         server.metrics.prompt_tokens.inc(len(ids))
-    record_request(server, request_id, "finished", [out.finish_reason or "abort"], out.metrics,
-                   ids if text is None else text, time.monotonic())
+    now, reasons = time.monotonic(), [out.finish_reason or "abort"]
+    if server.tracer is not None:
+        server.tracer.emit(trace_parent, request_id, server.model_name, None, out.metrics, reasons, now)
+    record_request(server, request_id, "finished", reasons, out.metrics, ids if text is None else text, now)
     if out.finish_reason == "abort":
         raise APIError(503, "the engine could not take this request (it is overloaded); retry later")
     return out.outputs.embedding

@@ -95,9 +95,10 @@ class RequestTracer:
         """The current HTTP request's incoming trace context (read when its generation starts)."""
         return _incoming.get()
 
-    def emit(self, parent, request_id: str, model: str, params: SamplingParams, metrics: RequestMetrics,
+    def emit(self, parent, request_id: str, model: str, params: SamplingParams | None, metrics: RequestMetrics,
              finish_reasons: list[str], now: float) -> None:
-        """One span from the request's arrival to its end (`now` if it did not finish)."""
+        """One span from the request's arrival to its end (`now` if it did not finish). `params` is
+        None for an embedding request, which has no sampling settings to report."""
         # RequestMetrics are time.monotonic() readings, spans take epoch nanoseconds.
         offset_ns = time.time_ns() - time.monotonic_ns()
         attributes = _attributes(request_id, model, params, metrics, finish_reasons, now)
@@ -106,24 +107,23 @@ class RequestTracer:
         span.end(end_time=int((metrics.finished_time or now) * 1e9) + offset_ns)
 
 
-def _attributes(request_id: str, model: str, params: SamplingParams, metrics: RequestMetrics,
+def _attributes(request_id: str, model: str, params: SamplingParams | None, metrics: RequestMetrics,
                 finish_reasons: list[str], now: float) -> dict[str, Any]:
     arrival, scheduled = metrics.arrival_time, metrics.first_scheduled_time
     first, last = metrics.first_token_time, metrics.last_token_time
     attributes: dict[str, Any] = {
         "gen_ai.response.model": model,
         "gen_ai.request.id": request_id,
-        "gen_ai.request.temperature": params.temperature,
-        "gen_ai.request.top_p": params.top_p,
-        "gen_ai.request.n": params.n,
-        "gen_ai.usage.num_sequences": params.n,
         "gen_ai.usage.prompt_tokens": metrics.num_prompt_tokens,
         "gen_ai.usage.completion_tokens": metrics.num_generation_tokens,
         "gen_ai.response.finish_reasons": finish_reasons,
         "gen_ai.latency.e2e": (metrics.finished_time or now) - arrival,
     }
-    if params.max_tokens is not None:
-        attributes["gen_ai.request.max_tokens"] = params.max_tokens
+    if params is not None:
+        attributes.update({"gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
+                           "gen_ai.request.n": params.n, "gen_ai.usage.num_sequences": params.n})
+        if params.max_tokens is not None:
+            attributes["gen_ai.request.max_tokens"] = params.max_tokens
     if scheduled is not None:
         attributes["gen_ai.latency.time_in_queue"] = scheduled - arrival
     if first is not None:

@@ -45,6 +45,19 @@ def traced():
         yield client, exporter
 
 
+@pytest.fixture(scope="module")
+def traced_pooling():
+    """The same for the default model served as a pooling model (/v1/embeddings)."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    engine = EngineConfig(max_model_len=512, kv_cache_memory_gib=0.05, dtype="float32", runner="pooling")
+    server = ServerState(ServeSettings(engine=engine, served_model_names=[MODEL], engine_in_process=True))
+    server.tracer = RequestTracer(provider)
+    with TestClient(create_app(server), timeout=120) as client:
+        yield client, exporter
+
+
 def _only_span(exporter: InMemorySpanExporter):
     spans = exporter.get_finished_spans()
     assert len(spans) == 1, [s.attributes for s in spans]
@@ -75,6 +88,21 @@ def test_a_request_becomes_one_span_under_the_callers_trace(traced):
     assert 0 <= queue <= ttft <= e2e
     assert attrs["gen_ai.latency.time_in_model_decode"] <= attrs["gen_ai.latency.time_in_model_inference"]
     assert span.end_time - span.start_time == pytest.approx(e2e * 1e9, abs=1e6)
+
+
+def test_an_embedding_input_becomes_one_span_with_no_sampling_attributes(traced_pooling):
+    client, exporter = traced_pooling
+    exporter.clear()
+    response = client.post("/v1/embeddings", json={"model": MODEL, "input": "The sky is blue"},
+                           headers={"traceparent": TRACEPARENT})
+    assert response.status_code == 200, response.text
+    span = _only_span(exporter)
+    assert span.name == "llm_request" and f"{span.parent.span_id:016x}" == PARENT_SPAN_ID
+    attrs = span.attributes
+    assert attrs["gen_ai.request.id"].startswith(response.json()["id"])
+    assert attrs["gen_ai.usage.prompt_tokens"] == response.json()["usage"]["prompt_tokens"]
+    assert attrs["gen_ai.response.finish_reasons"] == ("stop",) and attrs["gen_ai.latency.e2e"] > 0
+    assert not any(name.startswith("gen_ai.request.t") or name == "gen_ai.request.n" for name in attrs)
 
 
 def test_a_streamed_request_with_several_samples_is_one_root_span(traced):
