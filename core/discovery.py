@@ -52,25 +52,33 @@ def resolve_attention_backend(platform: Platform, requested: str | None, model_c
     return import_dotted(spec.path)
 
 
-def resolve_structured_output_backend(name: str) -> type:
-    """The `corectl.structured.backend.StructuredOutputBackend` class registered under `name`."""
-    specs = get_plugin_manager().structured_output_backends()
+def import_registered(specs: dict, name: str, option: str, kind: str, also: str = "") -> type:
+    """Import the class a plugin registered under `name` in `specs` (records with a dotted `path`);
+    an unknown name is a ConfigError on `option` that lists what is registered (then `also`)."""
     spec = specs.get(name)
     if spec is None:
-        raise ConfigError("structured_outputs_backend",
-                          f"unknown structured-output backend {name!r}; registered: {', '.join(sorted(specs)) or '(none)'}")
+        raise ConfigError(option, f"unknown {kind} {name!r}; registered: {', '.join(sorted(specs)) or '(none)'}{also}")
     return import_dotted(spec.path)
+
+
+def resolve_structured_output_backend(name: str) -> type:
+    """The `corectl.structured.backend.StructuredOutputBackend` class registered under `name`."""
+    return import_registered(get_plugin_manager().structured_output_backends(), name,
+                             "structured_outputs_backend", "structured-output backend")
+
+
+def resolve_quantization_method(name: str) -> type:
+    """The `corectl.quantization.base.QuantizationConfig` class registered under `name`."""
+    return import_registered(get_plugin_manager().quantization_methods(), name, "quantization",
+                             "quantization method", ", or 'none' for dense weights")
 
 
 def resolve_text_parser(kind: str, name: str, option: str) -> type:
     """The class registered under `name` as an API-server "tool parser" or "reasoning parser"
     (`corectl_tool_parsers`, `corectl_reasoning_parsers`); the server checks its contract."""
     pm = get_plugin_manager()
-    specs = pm.tool_parsers() if kind == "tool parser" else pm.reasoning_parsers()
-    spec = specs.get(name)
-    if spec is None:
-        raise ConfigError(option, f"unknown {kind} {name!r}; registered: {', '.join(sorted(specs)) or '(none)'}")
-    return import_dotted(spec.path)
+    return import_registered(pm.tool_parsers() if kind == "tool parser" else pm.reasoning_parsers(), name,
+                             option, kind)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from ..config import EngineConfig
+from ..discovery import resolve_quantization_method
 from ..errors import ConfigError
 from ..platform import Platform
 from .base import QuantizationConfig
@@ -28,19 +29,20 @@ def resolve_quantization(config: EngineConfig, source, platform: Platform) -> Qu
         if requested is not None and requested != name:
             raise ConfigError("quantization", f"the checkpoint is quantized with {name!r} (its config.json "
                               f"quantization_config); it cannot be served as {requested!r}")
-        return _method(name).from_checkpoint(checkpoint, source).bind(_kernels(platform), platform.name)
+        method = resolve_quantization_method(name)
+        return method.from_checkpoint(checkpoint, source).bind(_kernels(platform), platform.name)
     if requested == NONE:
         return None
     if requested is None and source.gguf_file is not None and config.dtype == "auto":
         return _gguf_by_default(source, platform)
     if requested is None:
         return None
-    return _method(requested).from_checkpoint(None, source).bind(_kernels(platform), platform.name)
+    return resolve_quantization_method(requested).from_checkpoint(None, source).bind(_kernels(platform), platform.name)
 
 
 def _gguf_by_default(source, platform: Platform) -> QuantizationConfig | None:
     """GGUF files stay quantized where the platform has the kernel; elsewhere they are dequantized."""
-    gguf = _method("gguf").from_checkpoint(None, source)
+    gguf = resolve_quantization_method("gguf").from_checkpoint(None, source)
     try:
         return gguf.bind(_kernels(platform), platform.name)
     except ConfigError:
@@ -58,13 +60,3 @@ def _checkpoint_quant_config(hf_config) -> dict | None:
 
 def _kernels(platform: Platform) -> tuple[str, ...]:
     return platform.capabilities().quantization_kernels
-
-
-def _method(name: str) -> type[QuantizationConfig]:
-    from corectl.plugins import get_plugin_manager, import_dotted
-
-    specs = get_plugin_manager().quantization_methods()
-    if name not in specs:
-        raise ConfigError("quantization", f"unknown quantization method {name!r}; registered: "
-                          f"{', '.join(sorted(specs)) or '(none)'}, or 'none' for dense weights")
-    return import_dotted(specs[name].path)
