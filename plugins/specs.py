@@ -44,50 +44,41 @@ class AttentionBackendSpec:
 
 
 @dataclass(frozen=True)
-class StructuredOutputBackendSpec:
+class NamedSpec:
+    """A class a plugin registers under a name users choose it by: `path` names the class,
+    `plugin` is filled in by the plugin manager."""
+
+    name: str
+    path: str
+    description: str = ""
+    plugin: str = field(default="", compare=False)
+
+
+@dataclass(frozen=True)
+class StructuredOutputBackendSpec(NamedSpec):
     """A grammar backend for structured outputs: `path` names a
     `corectl.structured.backend.StructuredOutputBackend` subclass, chosen by `name` with
     `EngineConfig.structured_outputs_backend`."""
 
-    name: str
-    path: str
-    description: str = ""
-    plugin: str = field(default="", compare=False)
-
 
 @dataclass(frozen=True)
-class QuantizationMethodSpec:
+class QuantizationMethodSpec(NamedSpec):
     """A quantization method: `path` names a `corectl.quantization.base.QuantizationConfig`
     subclass, chosen by `name` with `--quantization` or by a checkpoint whose
     `quantization_config.quant_method` is `name`."""
 
-    name: str
-    path: str
-    description: str = ""
-    plugin: str = field(default="", compare=False)
-
 
 @dataclass(frozen=True)
-class ToolParserSpec:
+class ToolParserSpec(NamedSpec):
     """A tool parser for the API server: `path` names a `corectl.server.tool_parsers.base.ToolParser`
     subclass, chosen by `name` with `corectl serve --tool-call-parser NAME`."""
 
-    name: str
-    path: str
-    description: str = ""
-    plugin: str = field(default="", compare=False)
-
 
 @dataclass(frozen=True)
-class ReasoningParserSpec:
+class ReasoningParserSpec(NamedSpec):
     """A reasoning parser for the API server: `path` names a
     `corectl.server.reasoning.base.ReasoningParser` subclass, chosen by `name` with
     `corectl serve --reasoning-parser NAME`."""
-
-    name: str
-    path: str
-    description: str = ""
-    plugin: str = field(default="", compare=False)
 
 
 def import_dotted(path: str) -> Any:
