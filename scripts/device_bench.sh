@@ -20,7 +20,7 @@ python3 -c 'import torch, triton, transformers; print("torch", torch.__version__
 PEER=".peers/hf_baseline.py"
 bench() { corectl bench "$@" --platform cuda --load-format dummy --seed 0 --max-num-seqs 256 --max-num-batched-tokens 8192; }
 
-stage_tests() { python3 -m pytest -q -x tests/gpu -p no:cacheprovider 2>&1 | tee "$RES/gpu_tests.log" | tail -15; }
+stage_tests() { python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "$RES/gpu_tests.log" | tail -15; }
 stage_kernels() {
   python3 "$PEER" ceilings
   python3 -m corectl.backends.triton.bench_kernels 2>&1 | tail -20
@@ -88,6 +88,26 @@ stage_w5budget() {
     echo "budget $budget seqs $seqs:"; grep -iE "throughput|ITL|TTFT|TPOT|failed" "$RES/w5_b${budget}_run.txt"
     kill -TERM $server; wait $server; port=$(( port + 1 ))
   done
+}
+stage_w9() {
+  # Structured outputs: W5's concurrency-64 load with every request under a JSON schema
+  # (bench serve --structured-output json) against the same load unconstrained, one server, each
+  # warmed first. Grammars need a tokenizer: the SmolLM2 one (.peers/smollm2-tokenizer, saved from the
+  # embedded GGUF) on the llama3-8b shape, prompts drawn from its 49,152 ids.
+  corectl serve llama3-8b --load-format dummy --platform cuda --port 8031 --tokenizer .peers/smollm2-tokenizer \
+    > "$RES/w9_server.log" 2>&1 &
+  local server=$!
+  for _ in $(seq 300); do curl -sf http://127.0.0.1:8031/health >/dev/null && break; sleep 1; done
+  local args="--base-url http://127.0.0.1:8031 --endpoint /v1/completions --prompt-token-ids --vocab-size 49152 --input-len 1024 --output-len 128 --ignore-eos --seed 0 --max-concurrency 64"
+  for mode in none json; do
+    corectl bench serve $args --num-prompts 64 --structured-output $mode > /dev/null 2>&1
+  done
+  for mode in none json none json; do
+    corectl bench serve $args --num-prompts 256 --structured-output $mode --save-result "$RES/w9_$mode.json" \
+      > "$RES/w9_$mode.txt" 2>&1
+    echo "structured-output $mode: $(grep -iE 'output token throughput|failed' "$RES/w9_$mode.txt" | tr '\n' ' ')"
+  done
+  kill -TERM $server; wait $server
 }
 stage_swa() {
   # Sliding window: the mistral-7b shape (a 4096-token window on every layer) decoding at batch 64
@@ -183,5 +203,5 @@ for stage in "$@"; do
   start=$(date +%s)
   "stage_$stage" 2>&1 | tee "$RES/$stage.log" | grep -vE "^\s*$|it/s\]|Warning|warn\(" | tail -60
   echo "=== $stage took $(( $(date +%s) - start )) s"
+  tar czf "$OUT/results.tgz" -C "$RES" .  # after every stage: a call cut off at its limit keeps what ran
 done
-tar czf "$OUT/results.tgz" -C "$RES" .
