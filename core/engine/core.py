@@ -77,11 +77,11 @@ class EngineCore:
         self.executor.init_kv_cache(num_blocks)
         self.executor.warmup()
         self.structured = self._structured_outputs(info.vocab_size)
-        self.scheduler = Scheduler(config, self.max_model_len, num_blocks, self.structured,
-                                   sliding_window=info.sliding_window)
-        self.snapshots = SnapshotPublisher(self.scheduler)
         self.async_scheduling = (platform.capabilities().async_output if config.async_scheduling is None
                                  else config.async_scheduling)
+        self.scheduler = Scheduler(config, self.max_model_len, num_blocks, self.structured,
+                                   sliding_window=info.sliding_window, defer_grammar=self.async_scheduling)
+        self.snapshots = SnapshotPublisher(self.scheduler)
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self.num_requests_received = 0
         self._refused: list[EngineCoreOutput] = []  # abort outputs the next step reports first
@@ -161,20 +161,21 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         self._refused += self.scheduler.reap_grammar_failures()
-        # A constrained request's next mask needs its token still on the device: such steps run
-        # as under synchronous scheduling (docs/architecture.md, "Structured outputs").
-        outputs = self._complete_in_flight() if self.scheduler.needs_tokens_in_flight() else []
         sched = self.scheduler.schedule()
         launches = not sched.is_empty or bool(sched.finished_req_ids)
         if not sched.is_empty:
             self.snapshots.record(sched)
         if not self.async_scheduling:
-            outputs += self._complete(sched, self.executor.launch(sched)) if launches else []
+            outputs = self._complete(sched, self.executor.launch(sched)) if launches else []
         elif not launches:
-            outputs += self._complete_in_flight()
+            outputs = self._complete_in_flight()
         else:
             pending = self.executor.launch(sched)
-            outputs += self._complete_in_flight()
+            outputs = self._complete_in_flight()
+            if sched.grammar_pending:
+                # The step before is read, so every matcher is current: the masks are filled
+                # while the device runs this step's forward pass, then it samples.
+                self.executor.sample_pending(self.scheduler.pending_grammar_bitmask())
             self._in_flight = (sched, pending)
         if not launches and not outputs and self._in_flight is None and self.structured is not None:
             # Only grammars still compiling hold work back: sleep on them rather than spin.

@@ -7,7 +7,8 @@ platform's) with its slice of the model; the executor
     count over the ranks, so every rank's cache holds the blocks the scheduler hands out),
     `init_kv_cache`, `warmup`,
   - launches each step on every rank and returns a `StepHandle` whose `result()` is rank 0's
-    `ModelRunnerOutput` (every rank samples the same ids from the same gathered logits),
+    `ModelRunnerOutput` (every rank samples the same ids from the same gathered logits); a step
+    whose grammar masks are pending samples when `sample_pending` brings them,
   - reports liveness and stops the ranks.
 One step may stay in flight while the next is launched (async scheduling), as with one worker.
 """
@@ -21,7 +22,7 @@ from ..config import EngineConfig
 from ..loaders import ModelSource
 from ..platform import Platform
 from ..quantization.base import QuantizationConfig
-from ..scheduler.output import SchedulerOutput
+from ..scheduler.output import GrammarBitmask, SchedulerOutput
 from ..worker.output import ModelRunnerOutput
 from ..worker.worker import ModelInfo, Worker
 
@@ -73,6 +74,10 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def launch(self, sched: SchedulerOutput) -> StepHandle:
         """Start a step on every rank; at most one earlier step may still be unread."""
+
+    @abc.abstractmethod
+    def sample_pending(self, bitmask: GrammarBitmask) -> None:
+        """Give the last launched step (`grammar_pending`) its masks: every rank samples it now."""
 
     @abc.abstractmethod
     def is_alive(self) -> bool:

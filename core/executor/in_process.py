@@ -1,7 +1,7 @@
 """One worker in the engine's own process: each call goes straight to it (tensor-parallel size 1)."""
 from __future__ import annotations
 
-from ..scheduler.output import SchedulerOutput
+from ..scheduler.output import GrammarBitmask, SchedulerOutput
 from ..worker.worker import ModelInfo
 from .base import Executor, StepHandle, WorkerSpec
 
@@ -24,6 +24,9 @@ class InProcessExecutor(Executor):
 
     def launch(self, sched: SchedulerOutput) -> StepHandle:
         return self.worker.launch(sched)
+
+    def sample_pending(self, bitmask: GrammarBitmask) -> None:
+        self.worker.sample_pending(bitmask)
 
     def is_alive(self) -> bool:
         return True

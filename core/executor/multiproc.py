@@ -7,7 +7,8 @@ engine's hang timeout, which kills the engine process; its ranks follow, see `_e
 
 Each rank has a duplex pipe. A step travels as one message: a kind byte and the `SchedulerOutput`
 encoded once with msgspec, the same bytes written to every rank; rank 0 answers with the previous
-step's `ModelRunnerOutput` (see `rank.py` for when). Startup calls and errors are pickled, once.
+step's `ModelRunnerOutput` (see `rank.py` for when); a step's pending grammar masks follow it as
+one more message, without a reply. Startup calls and errors are pickled, once.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from .base import WorkerSpec
 from .rank import RankWorker, free_port
 from .remote_ranks import RemoteRanksExecutor
 
-_STEP, _FLUSH, _CALL, _STOP = b"S", b"F", b"C", b"Q"  # engine -> rank
+_STEP, _MASK, _FLUSH, _CALL, _STOP = b"S", b"M", b"F", b"C", b"Q"  # engine -> rank
 _OUTPUT, _RESULT, _ERROR = b"O", b"R", b"E"  # rank -> engine
 _STOP_GRACE_S = 5.0
 
@@ -70,6 +71,9 @@ class MultiprocExecutor(RemoteRanksExecutor):
     def _send_step(self, payload: bytes) -> bool:
         self._broadcast(_STEP + payload)
         return True
+
+    def _send_bitmask(self, payload: bytes) -> None:
+        self._broadcast(_MASK + payload)
 
     def _send_flush(self) -> bool:
         self._broadcast(_FLUSH)
@@ -176,6 +180,9 @@ def _serve(rank_worker: RankWorker, conn: Connection) -> None:
         kind, payload = data[:1], memoryview(data)[1:]
         if kind == _STEP:
             output = rank_worker.step(payload)
+        elif kind == _MASK:
+            rank_worker.sample_pending(payload)
+            continue
         elif kind == _FLUSH:
             output = rank_worker.flush()
         elif kind == _CALL:

@@ -1,7 +1,8 @@
 """What one tensor-parallel rank runs, in a worker process (mp) or a Ray actor alike.
 
-A rank joins the group, builds its platform's `Worker` and then serves three kinds of request:
-a startup call by name, a step (a `SchedulerOutput` as msgspec bytes), and a flush. Steps are
+A rank joins the group, builds its platform's `Worker` and then serves four kinds of request:
+a startup call by name, a step (a `SchedulerOutput` as msgspec bytes), the grammar masks of a step
+launched with them pending (a `GrammarBitmask`, no reply), and a flush. Steps are
 pipelined as in the engine's own process: a step is launched before the previous one is read,
 so the reply to step N (rank 0's `ModelRunnerOutput` as bytes) comes with step N+1's request, or
 with a flush when the engine reads N before it has anything else to launch. Every rank reads its
@@ -16,7 +17,7 @@ import msgspec
 import torch
 
 from ..distributed import destroy_tensor_parallel, init_tensor_parallel
-from ..scheduler.output import SchedulerOutput
+from ..scheduler.output import GrammarBitmask, SchedulerOutput
 from .base import StepHandle, WorkerSpec
 
 
@@ -34,6 +35,7 @@ class RankWorker:
         self.worker = spec.build()
         self._in_flight: StepHandle | None = None
         self._decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+        self._bitmask_decoder = msgspec.msgpack.Decoder(GrammarBitmask)
         self._encoder = msgspec.msgpack.Encoder()
 
     def call(self, method: str, *args):
@@ -45,6 +47,9 @@ class RankWorker:
         pending = self.worker.launch(self._decoder.decode(payload))
         previous, self._in_flight = self._in_flight, pending
         return None if previous is None else self._finish(previous)
+
+    def sample_pending(self, payload: bytes | memoryview) -> None:
+        self.worker.sample_pending(self._bitmask_decoder.decode(payload))
 
     def flush(self) -> bytes | None:
         """Finish the step in flight; returns its output (rank 0)."""

@@ -46,6 +46,9 @@ class RankActor:
     def step(self, payload: bytes) -> bytes | None:
         return self.rank_worker.step(payload)
 
+    def sample_pending(self, payload: bytes) -> None:
+        self.rank_worker.sample_pending(payload)
+
     def flush(self) -> bytes | None:
         return self.rank_worker.flush()
 
@@ -90,6 +93,12 @@ class RayExecutor(RemoteRanksExecutor):
     def _send_step(self, payload: bytes):
         replies = [a.step.remote(payload) for a in self._actors]
         return replies[0]  # every rank runs the step; rank 0's reply carries the output
+
+    def _send_bitmask(self, payload: bytes) -> None:
+        # An actor runs its calls in order, so the next step's reply comes after these; a rank
+        # that failed here fails that reply too.
+        for actor in self._actors:
+            actor.sample_pending.remote(payload)
 
     def _send_flush(self):
         replies = [a.flush.remote() for a in self._actors]

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from ..scheduler.output import SchedulerOutput
+from ..scheduler.output import GrammarBitmask, SchedulerOutput
 from ..worker.output import ModelRunnerOutput
 from ..worker.worker import ModelInfo
 from .base import Executor
@@ -48,6 +48,10 @@ class RemoteRanksExecutor(Executor):
         ...
 
     @abc.abstractmethod
+    def _send_bitmask(self, payload: bytes) -> None:
+        """Send every rank a pending step's masks; no reply (a rank that fails answers the next request with its error)."""
+
+    @abc.abstractmethod
     def _send_flush(self) -> Reply:
         ...
 
@@ -73,6 +77,9 @@ class RemoteRanksExecutor(Executor):
             self._last.reply = reply
         self._last = RankStep(self)
         return self._last
+
+    def sample_pending(self, bitmask: GrammarBitmask) -> None:
+        self._send_bitmask(self._encoder.encode(bitmask))
 
     def _finish(self, step: RankStep) -> ModelRunnerOutput:
         if step.reply is None:

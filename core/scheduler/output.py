@@ -42,7 +42,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
 
     `finished_req_ids` lists requests the worker must forget (finished, aborted or preempted
     since the previous step); a preempted request comes back later as a new request.
-    `grammar_bitmask` masks the logits of the rows that sample under a grammar this step.
+    `grammar_bitmask` masks the logits of the rows that sample under a grammar this step;
+    `grammar_pending`: those masks come after the launch, and the worker samples this step only
+    once they arrive (async scheduling: see `Executor.sample_pending`).
     """
 
     new_requests: list[NewRequestData]
@@ -51,6 +53,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]
     grammar_bitmask: GrammarBitmask | None = None
+    grammar_pending: bool = False
 
     @property
     def is_empty(self) -> bool:

@@ -23,8 +23,11 @@ on resume). A request whose tokens in flight will end it by length is not schedu
 Structured outputs (`self.structured`, see `corectl/structured/manager.py`): a constrained request
 waits in the queue until its grammar has compiled, each step carries the masks of the constrained
 rows it samples, and every token a constrained request accepts advances its grammar, which ends the
-request when it terminates. Its mask needs its previous token, so it is not scheduled while that
-token is in flight (the engine completes the step in flight first).
+request when it terminates. A mask needs the request's previous token. Under synchronous scheduling
+the step carries its masks. Under async scheduling (`defer_grammar`) the previous token may still be
+in flight, so the step only says its masks are pending (`grammar_pending`): the engine launches the
+forward pass, reads the step before, and then hands the worker `pending_grammar_bitmask()`, filled
+while the device runs the forward pass (vLLM's split of forward and sampling).
 """
 from __future__ import annotations
 
@@ -74,10 +77,12 @@ class _StepPlan:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, max_model_len: int, num_blocks: int,
-                 structured: StructuredOutputManager | None = None, sliding_window: int | None = None):
+                 structured: StructuredOutputManager | None = None, sliding_window: int | None = None,
+                 defer_grammar: bool = False):
         """`structured` serves requests that ask for structured output (None: refuse them);
         `sliding_window`: the window every layer of the model attends within, if one does
-        (`ModelInfo.sliding_window`), so blocks before it go back to the pool as requests run."""
+        (`ModelInfo.sliding_window`), so blocks before it go back to the pool as requests run;
+        `defer_grammar`: steps leave their masks pending (async scheduling, see the module doc)."""
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, sliding_window)
         capacity = self.kv.num_usable_blocks * config.block_size
         needed = blocks_per_sequence(max_model_len, config.block_size, sliding_window, config.max_num_batched_tokens)
@@ -101,6 +106,9 @@ class Scheduler:
         self._prompt_logprobs = PromptLogprobsBuffer()
         self.num_preemptions = 0
         self.structured = structured
+        self.defer_grammar = defer_grammar
+        # The constrained requests the last step samples for, when its masks are pending.
+        self._grammar_rows: list[Request] = []
         # A pooling engine's requests are prefill only: each ends with its pooled vector.
         self.pooling = config.runner == "pooling"
 
@@ -144,12 +152,6 @@ class Scheduler:
         self.abort_requests([req.request_id for req, _ in failed])
         return [EngineCoreOutput(req.request_id, [], finish_reason="abort", error=reason) for req, reason in failed]
 
-    def needs_tokens_in_flight(self) -> bool:
-        """Whether a running constrained request has a token in flight: its next mask needs that
-        token accepted first, so the engine completes the step in flight before scheduling."""
-        return self.structured is not None and any(
-            req.status == RequestStatus.RUNNING and self.in_flight.num_tokens(req) for req in self.structured.constrained)
-
     def get_request(self, req_id: str) -> Request | None:
         return self._requests.get(req_id)
 
@@ -188,7 +190,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and plan.budget > 0:
             req = self.running[index]
-            if self._ends_by_length(req) or self._awaits_grammar_token(req) or self._awaits_pooled(req):
+            if self._ends_by_length(req) or self._awaits_pooled(req):
                 index += 1
                 continue
             num_tokens = min(req.num_tokens + self.in_flight.num_tokens(req) - req.num_computed_tokens, plan.budget)
@@ -217,10 +219,6 @@ class Scheduler:
     def _awaits_pooled(self, req: Request) -> bool:
         """A prefill-only request whose whole prompt is scheduled waits for its vector (async scheduling)."""
         return self.pooling and req.num_computed_tokens >= req.num_tokens
-
-    def _awaits_grammar_token(self, req: Request) -> bool:
-        """A constrained request's token in flight must reach its matcher before its next mask."""
-        return self.structured is not None and req in self.structured and self.in_flight.num_tokens(req) > 0
 
     def _victim_index(self) -> int:
         if self.config.scheduling_policy == "priority":
@@ -307,7 +305,10 @@ class Scheduler:
             for req in plan.new
         ]
         running = [req for req, _ in plan.running.values()]
-        grammar_bitmask = self._grammar_bitmask(running + plan.new, plan)
+        grammar_rows = self._grammar_rows_of(running + plan.new, plan)
+        grammar_pending = self.defer_grammar and bool(grammar_rows)
+        self._grammar_rows = grammar_rows if grammar_pending else []
+        grammar_bitmask = self.structured.bitmask(grammar_rows) if grammar_rows and not grammar_pending else None
         cached = CachedRequestData(
             req_ids=list(plan.running),
             new_block_ids=[ids for _, ids in plan.running.values()],
@@ -326,15 +327,24 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.num_scheduled.values()),
             finished_req_ids=finished,
             grammar_bitmask=grammar_bitmask,
+            grammar_pending=grammar_pending,
         )
 
-    def _grammar_bitmask(self, scheduled: list[Request], plan: _StepPlan) -> GrammarBitmask | None:
-        """The masks of the constrained requests this step samples for (counts before the step)."""
+    def _grammar_rows_of(self, scheduled: list[Request], plan: _StepPlan) -> list[Request]:
+        """The constrained requests this step samples for (counts before the step; a token in
+        flight is one the step computes)."""
         if self.structured is None or not self.structured.constrained:
-            return None
-        sampling = [req for req in scheduled if req in self.structured
-                    and req.num_computed_tokens + plan.num_scheduled[req.request_id] == req.num_tokens]
-        return self.structured.bitmask(sampling) if sampling else None
+            return []
+        return [req for req in scheduled if req in self.structured
+                and req.num_computed_tokens + plan.num_scheduled[req.request_id]
+                == req.num_tokens + self.in_flight.num_tokens(req)]
+
+    def pending_grammar_bitmask(self) -> GrammarBitmask:
+        """The masks of the last scheduled step's constrained rows, once the step before it has been
+        read (`update`): each matcher has then accepted every token before the one this step samples.
+        A request that finished meanwhile gets a row that allows every token (its token is dropped)."""
+        rows, self._grammar_rows = self._grammar_rows, []
+        return self.structured.bitmask(rows)
 
     # -- results -------------------------------------------------------------------------------
 

@@ -10,7 +10,9 @@ that request with an error; a compile thread cannot be interrupted, so an overru
 in the background and its grammar is cached for later requests.
 
 Each request's matcher advances with every token the request accepts. Preemption recomputes K/V but
-keeps the tokens, so the matcher stays where it is; nothing is ever rolled back.
+keeps the tokens, so the matcher stays where it is; nothing is ever rolled back. Under async
+scheduling a step's masks are filled after the step before it has been read, while the device runs
+the step's forward pass (see `Scheduler`).
 """
 from __future__ import annotations
 
@@ -108,10 +110,16 @@ class StructuredOutputManager:
 
     def bitmask(self, reqs: list[Request]) -> GrammarBitmask:
         """The next-token masks of requests that sample this step, whose matchers have accepted
-        every token before the one sampled (the engine guarantees it: see `Scheduler`)."""
+        every token before the one sampled (the engine guarantees it: see `Scheduler`). A request
+        already removed (it finished while its step was in flight) may sample anything: its token
+        is dropped."""
         bitmask = np.empty((len(reqs), self.width), dtype=np.int32)
         for row, req in enumerate(reqs):
-            self._matchers[req].fill_bitmask(bitmask, row)
+            matcher = self._matchers.get(req)
+            if matcher is None:
+                bitmask[row] = -1
+                continue
+            matcher.fill_bitmask(bitmask, row)
             if req.num_output_tokens < req.sampling_params.min_tokens:
                 _hold_back_stops(bitmask[row], req)
         return GrammarBitmask([req.request_id for req in reqs], self.width, bitmask.tobytes())

@@ -69,6 +69,10 @@ class InflightStep:
         self._pooled = pooled
         self._output: ModelRunnerOutput | None = None
 
+    def set_sampled(self, sampled: SampledRows) -> None:
+        """The rows of a step launched with its grammar masks pending, sampled once they came."""
+        self._sampled = sampled
+
     @classmethod
     def done(cls, prompt_logprobs: dict[str, LogprobsLists] | None = None) -> "InflightStep":
         """A step that sampled nothing."""

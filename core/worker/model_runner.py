@@ -66,6 +66,8 @@ class ModelRunner:
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         # Set by the worker on a pooling engine: steps pool finished prompts instead of sampling.
         self.pooler: Pooler | None = None
+        # A launched step's logits waiting for their grammar masks (`grammar_pending`).
+        self._awaiting_masks: tuple[HostStep, torch.Tensor, InflightStep] | None = None
 
     def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
@@ -79,8 +81,11 @@ class ModelRunner:
         """Queue a step's forward pass and sampling on the device; the ids come with `result()`.
 
         At most one launched step may be unread when the next is launched: its ids feed the
-        rows of the new step that decode its requests (`HostStep.device_fed_rows`).
+        rows of the new step that decode its requests (`HostStep.device_fed_rows`). A step whose
+        grammar masks are pending stops at its logits; `sample_pending` samples it.
         """
+        if self._awaiting_masks is not None:
+            raise RuntimeError("a step was launched before the previous one received its grammar masks")
         self.states.apply(sched)
         if sched.is_empty:
             return InflightStep.done()
@@ -96,9 +101,23 @@ class ModelRunner:
         if inputs.logits_indices is not None:
             hidden = hidden.index_select(0, inputs.logits_indices)
         logits = self.model.compute_logits(hidden)
+        if sched.grammar_pending:
+            step = InflightStep(None, prompt_logprobs)
+            self._awaiting_masks = (inputs.host, logits, step)
+            return step
         if sched.grammar_bitmask is not None:
             self._apply_grammar(inputs.host, logits, sched.grammar_bitmask)
-        return self._sample(inputs.host, logits, prompt_logprobs)
+        return InflightStep(self._sample(inputs.host, logits), prompt_logprobs)
+
+    @torch.inference_mode()
+    def sample_pending(self, grammar: GrammarBitmask) -> None:
+        """Mask and sample the launched step that waits for its grammar masks."""
+        if self._awaiting_masks is None:
+            raise RuntimeError("grammar masks arrived for no step waiting for them")
+        host, logits, step = self._awaiting_masks
+        self._awaiting_masks = None
+        self._apply_grammar(host, logits, grammar)
+        step.set_sampled(self._sample(host, logits))
 
     def _pool(self, host: HostStep, hidden: torch.Tensor) -> InflightStep:
         """A pooling engine's step: the vectors of the prompts it finished start for the host."""
@@ -172,7 +191,7 @@ class ModelRunner:
         """Host arrays as device tensors; on the CPU they are shared, not copied."""
         return [torch.from_numpy(a).to(self.device, non_blocking=True) for a in arrays]
 
-    def _sample(self, host: HostStep, logits: torch.Tensor, prompt_logprobs) -> InflightStep:
+    def _sample(self, host: HostStep, logits: torch.Tensor) -> SampledRows:
         states = [self.states[r] for r in host.sample_req_ids]
         out = self.sampler(logits, self._sampling_metadata(states))
         self.states.expect_sampled(states)
@@ -181,8 +200,7 @@ class ModelRunner:
         if out.logprobs is not None:
             tensors += [out.logprobs.token_ids, out.logprobs.logprobs, out.logprobs.ranks]
             num_logprobs = [s.sampling_params.logprobs or 0 for s in states]
-        sampled = SampledRows(self.states, states, self.fetch_to_host(tensors), num_logprobs)
-        return InflightStep(sampled, prompt_logprobs)
+        return SampledRows(self.states, states, self.fetch_to_host(tensors), num_logprobs)
 
     def fetch_to_host(self, tensors: list[torch.Tensor]) -> HostFetch:
         """Start copying a step's results to the host; platforms with an asynchronous device

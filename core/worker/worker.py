@@ -24,7 +24,7 @@ from ..pooling import pooling_architectures, pooling_weights
 from ..quantization.base import KernelTable, QuantizationConfig
 from ..quantization.scope import bind_linear_methods, process_loaded_weights, quantization_scope
 from ..sampling_params import SamplingParams
-from ..scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from ..scheduler.output import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
 from .inflight import InflightStep
 from .model_runner import ModelRunner
 from .pooler import Pooler
@@ -176,6 +176,10 @@ class Worker(abc.ABC):
     def launch(self, sched: SchedulerOutput) -> InflightStep:
         """Queue a step; its output comes with `result()` (see corectl.worker.inflight)."""
         return self.runner.launch(sched)
+
+    def sample_pending(self, bitmask: GrammarBitmask) -> None:
+        """Sample the launched step that waits for its grammar masks (`grammar_pending`)."""
+        self.runner.sample_pending(bitmask)
 
 
 def _model_info(hf, model: torch.nn.Module, dtype: str, kv_cache_dtype: str = "auto") -> ModelInfo:
