@@ -24,7 +24,9 @@ Structured outputs (`self.structured`, see `corectl/structured/manager.py`): a c
 waits in the queue until its grammar has compiled, each step carries the masks of the constrained
 rows it samples, and every token a constrained request accepts advances its grammar, which ends the
 request when it terminates. Its mask needs its previous token, so it is not scheduled while that
-token is in flight (the engine completes the step in flight first).
+token is in flight (the engine completes the step in flight first). A request that reasons before
+its grammar (a `ReasoningGate`) follows the same rule while it thinks, since any token in flight may
+be the end marker that makes the next one constrained.
 """
 from __future__ import annotations
 
