@@ -41,7 +41,8 @@ def reasoning_gate(tokenizer: Any, prompt_token_ids: Sequence[int], start: str =
     if last_start > last_end:
         return ReasoningGate(start=start_id, end=end_id, thinking=True)
     tail = prompt_token_ids[last_end + 1:]
-    if last_end >= 0 and len(tail) <= _MAX_WHITESPACE_TAIL and not tokenizer.decode(tail, skip_special_tokens=False).strip():
+    closed = last_end >= 0 and len(tail) <= _MAX_WHITESPACE_TAIL
+    if closed and not tokenizer.decode(tail, skip_special_tokens=False).strip():
         return ReasoningGate(end=end_id)
     return ReasoningGate(start=start_id, end=end_id, thinking=starts_thinking)
 
