@@ -48,10 +48,11 @@ def reasoning_gate(tokenizer: Any, prompt_token_ids: Sequence[int], start: str =
 
 
 def _last_index(token_ids: Sequence[int], token: int) -> int:
-    for index in range(len(token_ids) - 1, -1, -1):
-        if token_ids[index] == token:
-            return index
-    return -1
+    # list.index on the reversed copy runs in C: prompts may be long, and every chat request asks.
+    try:
+        return len(token_ids) - 1 - list(reversed(token_ids)).index(token)
+    except ValueError:
+        return -1
 
 
 class GatePhase:
