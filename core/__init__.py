@@ -17,6 +17,7 @@ _EXPORTS = {
     "LLM": "corectl.llm",
     "SamplingParams": "corectl.sampling_params",
     "StructuredOutputsParams": "corectl.sampling_params",
+    "ReasoningGate": "corectl.sampling_params",
     "EngineConfig": "corectl.config",
     "RequestOutput": "corectl.outputs",
     "CompletionOutput": "corectl.outputs",
@@ -44,4 +45,4 @@ if TYPE_CHECKING:
     from .llm import LLM
     from .outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
     from .pooling import PoolingParams
-    from .sampling_params import SamplingParams, StructuredOutputsParams
+    from .sampling_params import ReasoningGate, SamplingParams, StructuredOutputsParams

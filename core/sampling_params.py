@@ -12,6 +12,27 @@ MAX_LOGPROBS = 20
 _STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
+class ReasoningGate(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Hold a grammar back while a reasoning model thinks (vLLM's structured output after reasoning).
+
+    `end`: the token id that closes the reasoning; the grammar applies from the token after it.
+    `start`: the token id that opens it; when the output does not start thinking, its first token may
+    be `start` (then it thinks) or what the grammar allows (then it answers at once). None: the
+    output cannot open a reasoning section. `thinking`: the prompt left the reasoning open, so the
+    output starts inside it. While thinking, tokens are sampled freely. Markers are single tokens:
+    `corectl.structured.reasoning.reasoning_gate` builds a gate from a tokenizer and a prompt.
+    """
+
+    end: int
+    start: int | None = None
+    thinking: bool = False
+
+    def __post_init__(self) -> None:
+        if self.end < 0 or (self.start is not None and self.start < 0) or self.start == self.end:
+            raise InvalidRequestError(f"structured_outputs.reasoning needs two different token ids, got start "
+                                      f"{self.start!r} and end {self.end!r}", param="structured_outputs.reasoning")
+
+
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Constrain a request's output to a language (vLLM's `StructuredOutputsParams`); set exactly one of:
 
@@ -19,6 +40,8 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     expression; choice: one of these strings; grammar: an EBNF grammar (GBNF style, a `root` rule);
     structural_tag: a structural tag in the backend's JSON format (text with tagged, schema-checked
     regions). `disable_any_whitespace` makes JSON compact, without optional whitespace.
+    `reasoning` (a `ReasoningGate`) lets a reasoning model think freely first: the grammar holds the
+    output from the token after its reasoning ends (None: from the first token).
     The engine compiles it with its structured-output backend (`EngineConfig.structured_outputs_backend`).
     """
 
@@ -29,6 +52,7 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     grammar: str | None = None
     structural_tag: str | None = None
     disable_any_whitespace: bool = False
+    reasoning: ReasoningGate | None = None
 
     def __post_init__(self) -> None:
         chosen = [kind for kind in _STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]

@@ -16,6 +16,7 @@ from .errors import ERROR_RESPONSES
 from .generation import GenerationGroup, UsageCounter
 from .logprobs import chat_logprobs, prompt_logprobs
 from .protocol import ChatCompletionRequest, message_dicts
+from .reasoning.gate import ChatReasoning
 from .responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -55,15 +56,14 @@ class ChatController(Controller):
         tools = template_tools(data.tools) if data.tools and tool_choice != "none" else None
         prompt = tokenizer.encode_chat(message_dicts(data.messages), add_generation_prompt=data.add_generation_prompt,
                                        tools=tools, **(data.chat_template_kwargs or {}))
-        group = GenerationGroup(server, [prompt], params, f"chatcmpl-{uuid.uuid4().hex}", data.priority)
+        reasoning = ChatReasoning(server.reasoning_parser, tokenizer, prompt, params)
+        group = GenerationGroup(server, [prompt], reasoning.params, f"chatcmpl-{uuid.uuid4().hex}", data.priority)
         with errors_name("tools" if tool_choice in ("required", "named") else data.constraint_field):
             await group.start(request.receive)
         head = group.response_head()
         top_n = (data.top_logprobs or 0) if data.logprobs else None
-        # A grammar holds the output from its first token, so a constrained output holds no reasoning.
-        thinks = server.reasoning_parser is not None and params.structured_outputs is None
-        texts = {i: ChoiceText(ROLE, server.reasoning_parser(tokenizer) if thinks else None,
-                               _tool_parser(data, tool_choice, server, tokenizer)) for i in range(group.n)}
+        texts = {i: ChoiceText(ROLE, reasoning.parser(), _tool_parser(data, tool_choice, server, tokenizer))
+                 for i in range(group.n)}
         return await group.respond(request.receive, data.stream,
                                    lambda: _chunks(group, head, top_n, data.include_usage, texts),
                                    lambda: _collect(group, head, top_n, texts))

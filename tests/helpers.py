@@ -92,3 +92,14 @@ def new_request_data(req_id, tokens, blocks, computed=0, prompt=None):
 def scheduler_output(new=(), scheduled=None, cached=None, finished=()):
     scheduled = scheduled or {}
     return SchedulerOutput(list(new), cached or CachedRequestData(), scheduled, sum(scheduled.values()), list(finished))
+
+
+def save_think_tokenizer(tokenizer_dir: Path, folder: Path) -> Path:
+    """The SmolLM2 tokenizer with `<think>` and `</think>` added as single tokens (ids 49152 and
+    49153), not special, as in Qwen3's tokenizer (so decoded text keeps them)."""
+    from transformers import AddedToken, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_tokens([AddedToken(marker, special=False, normalized=False) for marker in ("<think>", "</think>")])
+    tokenizer.save_pretrained(folder)
+    return folder

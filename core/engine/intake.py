@@ -87,6 +87,9 @@ def _check_structured_outputs(spec: StructuredOutputsParams, info: EngineInfo) -
         raise InvalidRequestError(f"{NO_TOKENIZER}, so output cannot be constrained to a grammar",
                                   param="structured_outputs")
     resolve_structured_output_backend(info.structured_outputs_backend).validate(spec)
+    if spec.reasoning is not None:
+        markers = [spec.reasoning.end] + ([spec.reasoning.start] if spec.reasoning.start is not None else [])
+        _check_in_vocab(markers, info.vocab_size, "structured_outputs.reasoning")
 
 
 def _check_in_vocab(token_ids: Iterable[int], vocab_size: int, param: str) -> None:

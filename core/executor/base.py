@@ -76,7 +76,7 @@ class Executor(abc.ABC):
         """Start a step on every rank; at most one earlier step may still be unread."""
 
     @abc.abstractmethod
-    def sample_pending(self, bitmask: GrammarBitmask) -> None:
+    def sample_pending(self, bitmask: GrammarBitmask | None) -> None:
         """Give the last launched step (`grammar_pending`) its masks: every rank samples it now."""
 
     @abc.abstractmethod

@@ -25,7 +25,7 @@ class InProcessExecutor(Executor):
     def launch(self, sched: SchedulerOutput) -> StepHandle:
         return self.worker.launch(sched)
 
-    def sample_pending(self, bitmask: GrammarBitmask) -> None:
+    def sample_pending(self, bitmask: GrammarBitmask | None) -> None:
         self.worker.sample_pending(bitmask)
 
     def is_alive(self) -> bool:

@@ -35,7 +35,7 @@ class RankWorker:
         self.worker = spec.build()
         self._in_flight: StepHandle | None = None
         self._decoder = msgspec.msgpack.Decoder(SchedulerOutput)
-        self._bitmask_decoder = msgspec.msgpack.Decoder(GrammarBitmask)
+        self._bitmask_decoder = msgspec.msgpack.Decoder(GrammarBitmask | None)
         self._encoder = msgspec.msgpack.Encoder()
 
     def call(self, method: str, *args):

@@ -78,7 +78,7 @@ class RemoteRanksExecutor(Executor):
         self._last = RankStep(self)
         return self._last
 
-    def sample_pending(self, bitmask: GrammarBitmask) -> None:
+    def sample_pending(self, bitmask: GrammarBitmask | None) -> None:
         self._send_bitmask(self._encoder.encode(bitmask))
 
     def _finish(self, step: RankStep) -> ModelRunnerOutput:

@@ -28,6 +28,9 @@ the step carries its masks. Under async scheduling (`defer_grammar`) the previou
 in flight, so the step only says its masks are pending (`grammar_pending`): the engine launches the
 forward pass, reads the step before, and then hands the worker `pending_grammar_bitmask()`, filled
 while the device runs the forward pass (vLLM's split of forward and sampling).
+A request that reasons before its grammar (a `ReasoningGate`) is one of those requests while it
+thinks: any token in flight may be the end marker that makes the next one constrained, and the
+manager decides at fill time whether it gets a row.
 """
 from __future__ import annotations
 
@@ -339,10 +342,10 @@ class Scheduler:
                 and req.num_computed_tokens + plan.num_scheduled[req.request_id]
                 == req.num_tokens + self.in_flight.num_tokens(req)]
 
-    def pending_grammar_bitmask(self) -> GrammarBitmask:
+    def pending_grammar_bitmask(self) -> GrammarBitmask | None:
         """The masks of the last scheduled step's constrained rows, once the step before it has been
         read (`update`): each matcher has then accepted every token before the one this step samples.
-        A request that finished meanwhile gets a row that allows every token (its token is dropped)."""
+        None when no row needs one (requests that finished meanwhile, or think unbounded)."""
         rows, self._grammar_rows = self._grammar_rows, []
         return self.structured.bitmask(rows)
 

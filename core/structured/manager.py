@@ -13,6 +13,11 @@ Each request's matcher advances with every token the request accepts. Preemption
 keeps the tokens, so the matcher stays where it is; nothing is ever rolled back. Under async
 scheduling a step's masks are filled after the step before it has been read, while the device runs
 the step's forward pass (see `Scheduler`).
+
+A request whose spec carries a `ReasoningGate` thinks first (`reasoning.GatePhase`): while it
+thinks its row gets no mask and its matcher does not move; the end marker hands the next token to
+the grammar. Its first token, when it may open the reasoning, may be the grammar's or the start
+marker. The grammar is compiled and cached without the gate, which does not change it.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from ..request import Request
 from ..sampling_params import StructuredOutputsParams
 from ..scheduler.output import GrammarBitmask
 from .backend import GrammarMatcher, StructuredOutputBackend, bitmask_width
+from .reasoning import GatePhase
 
 
 class StructuredOutputManager:
@@ -48,12 +54,16 @@ class StructuredOutputManager:
         self._cache_size = cache_size
         self._compiling: dict[Request, tuple[Future, float]] = {}
         self._matchers: dict[Request, GrammarMatcher] = {}
+        self._gates: dict[Request, GatePhase] = {}
 
     # -- requests in and out -------------------------------------------------------------------
 
     def add(self, req: Request) -> None:
         """Start (or share) the compile of the request's grammar; the clock of its bound starts now."""
         spec = req.sampling_params.structured_outputs
+        if spec.reasoning is not None:
+            self._gates[req] = GatePhase(spec.reasoning)
+            spec = msgspec.structs.replace(spec, reasoning=None)
         key = msgspec.msgpack.encode(spec)
         future = self._cache.get(key)
         if future is None:
@@ -68,6 +78,7 @@ class StructuredOutputManager:
     def remove(self, req: Request) -> None:
         self._compiling.pop(req, None)
         self._matchers.pop(req, None)
+        self._gates.pop(req, None)
 
     def __contains__(self, req: Request) -> bool:
         return req in self._matchers or req in self._compiling
@@ -108,24 +119,43 @@ class StructuredOutputManager:
 
     # -- per step ------------------------------------------------------------------------------
 
-    def bitmask(self, reqs: list[Request]) -> GrammarBitmask:
+    def bitmask(self, reqs: list[Request]) -> GrammarBitmask | None:
         """The next-token masks of requests that sample this step, whose matchers have accepted
-        every token before the one sampled (the engine guarantees it: see `Scheduler`). A request
-        already removed (it finished while its step was in flight) may sample anything: its token
-        is dropped."""
-        bitmask = np.empty((len(reqs), self.width), dtype=np.int32)
-        for row, req in enumerate(reqs):
-            matcher = self._matchers.get(req)
-            if matcher is None:
-                bitmask[row] = -1
-                continue
-            matcher.fill_bitmask(bitmask, row)
-            if req.num_output_tokens < req.sampling_params.min_tokens:
+        every token before the one sampled (the engine guarantees it: see `Scheduler`). A thinking
+        request gets a row only while min_tokens holds its stop tokens back (the worker leaves
+        min_tokens to the masks of requests with a grammar); None when no row is needed."""
+        # A request removed since it was scheduled (it finished while the step before was in
+        # flight) gets no row: its token is dropped.
+        masked = [req for req in reqs if req in self._matchers and (not self._thinks(req) or _under_min_tokens(req))]
+        if not masked:
+            return None
+        bitmask = np.empty((len(masked), self.width), dtype=np.int32)
+        for row, req in enumerate(masked):
+            self._fill(req, bitmask, row)
+            if _under_min_tokens(req):
                 _hold_back_stops(bitmask[row], req)
-        return GrammarBitmask([req.request_id for req in reqs], self.width, bitmask.tobytes())
+        return GrammarBitmask([req.request_id for req in masked], self.width, bitmask.tobytes())
+
+    def _thinks(self, req: Request) -> bool:
+        gate = self._gates.get(req)
+        return gate is not None and gate.thinking
+
+    def _fill(self, req: Request, bitmask: np.ndarray, row: int) -> None:
+        gate = self._gates.get(req)
+        if gate is not None and gate.thinking:
+            bitmask[row] = -1  # every token
+            return
+        self._matchers[req].fill_bitmask(bitmask, row)
+        if gate is not None and gate.phase == "opening":
+            start = gate.gate.start
+            bitmask[row].view(np.uint32)[start // 32] |= np.uint32(1 << (start % 32))
 
     def accept(self, req: Request, token_id: int) -> bool:
-        """Advance the request's matcher; False when its grammar does not allow the token."""
+        """Advance the request's matcher; False when its grammar does not allow the token. A token
+        its reasoning takes (free, or a marker) leaves the matcher where it is."""
+        gate = self._gates.get(req)
+        if gate is not None and not gate.advance(token_id):
+            return True
         return self._matchers[req].accept_token(token_id)
 
     def is_terminated(self, req: Request) -> bool:
@@ -136,6 +166,10 @@ class StructuredOutputManager:
             if self._backend is None:
                 self._backend = self._backend_cls(*self._backend_args)
         return self._backend.compile(spec)
+
+
+def _under_min_tokens(req: Request) -> bool:
+    return req.num_output_tokens < req.sampling_params.min_tokens
 
 
 def _hold_back_stops(row: np.ndarray, req: Request) -> None:

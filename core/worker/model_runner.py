@@ -110,13 +110,14 @@ class ModelRunner:
         return InflightStep(self._sample(inputs.host, logits), prompt_logprobs)
 
     @torch.inference_mode()
-    def sample_pending(self, grammar: GrammarBitmask) -> None:
+    def sample_pending(self, grammar: GrammarBitmask | None) -> None:
         """Mask and sample the launched step that waits for its grammar masks."""
         if self._awaiting_masks is None:
             raise RuntimeError("grammar masks arrived for no step waiting for them")
         host, logits, step = self._awaiting_masks
         self._awaiting_masks = None
-        self._apply_grammar(host, logits, grammar)
+        if grammar is not None:
+            self._apply_grammar(host, logits, grammar)
         step.set_sampled(self._sample(host, logits))
 
     def _pool(self, host: HostStep, hidden: torch.Tensor) -> InflightStep:

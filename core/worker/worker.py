@@ -177,7 +177,7 @@ class Worker(abc.ABC):
         """Queue a step; its output comes with `result()` (see corectl.worker.inflight)."""
         return self.runner.launch(sched)
 
-    def sample_pending(self, bitmask: GrammarBitmask) -> None:
+    def sample_pending(self, bitmask: GrammarBitmask | None) -> None:
         """Sample the launched step that waits for its grammar masks (`grammar_pending`)."""
         self.runner.sample_pending(bitmask)
 

@@ -255,7 +255,8 @@ def test_tool_results_in_the_history_reach_the_template(raw):
 
 def test_reasoning_parser_whole_and_streamed(client):
     """--reasoning-parser deepseek_r1: SmolLM2 never writes </think>, so its answer is all reasoning,
-    streamed as reasoning deltas; a constrained output (no room to think) is all content."""
+    streamed as reasoning deltas. Its `<think>` is several tokens of SmolLM2's tokenizer, so a constrained output
+    cannot think first: it follows its grammar from the first token and is all content."""
     message = ask(client, "What is the capital of France?", max_tokens=12).choices[0].message
     assert message.reasoning_content == message.reasoning and "Paris" in message.reasoning_content
     assert message.content == ""

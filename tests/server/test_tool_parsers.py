@@ -148,6 +148,19 @@ def test_reasoning_parsers_split_think_whole_and_streamed(tokenizer, cls, text, 
     assert reasoning_streamed(cls(tokenizer), list(text)) == expected
 
 
+@pytest.mark.parametrize("cls, thinking, text, expected", [
+    # A template that opened <think> in the prompt: Qwen3's parser starts inside the reasoning too.
+    (Qwen3ReasoningParser, True, "Hmm.\n</think>\n\n{}", ("Hmm.\n", "{}")),
+    # A prompt that closed an empty think block: DeepSeek-R1's output is then all content.
+    (DeepSeekR1ReasoningParser, False, "{}</think>", ("", "{}</think>")),
+])
+def test_reasoning_parsers_start_where_the_prompt_left_them(tokenizer, cls, thinking, text, expected):
+    for pieces in ([text], token_pieces(tokenizer, text), list(text)):
+        parser = cls(tokenizer)
+        parser.begin(thinking)
+        assert reasoning_streamed(parser, pieces) == expected
+
+
 def test_parsers_are_found_through_the_plugin_hooks():
     assert tool_parser_class("hermes") is HermesToolParser
     assert tool_parser_class("llama3_json") is Llama3JsonToolParser
