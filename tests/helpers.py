@@ -92,3 +92,11 @@ def new_request_data(req_id, tokens, blocks, computed=0, prompt=None):
 def scheduler_output(new=(), scheduled=None, cached=None, finished=()):
     scheduled = scheduled or {}
     return SchedulerOutput(list(new), cached or CachedRequestData(), scheduled, sum(scheduled.values()), list(finished))
+
+
+def held_bytes(llm) -> int:
+    """Bytes of an in-process engine's model parameters and buffers, as `corectl plan` counts
+    weights and buffers (on the CPU, with the worker's oneDNN prepacking patched out: its packed
+    copies are held outside the module's tensors)."""
+    model = llm.engine.executor.worker.runner.model
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
