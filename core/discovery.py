@@ -7,7 +7,7 @@ from corectl.plugins import PlatformSpec, get_plugin_manager, import_dotted
 
 from .attention import AttentionBackend
 from .errors import ConfigError
-from .platform import Platform
+from .platform import Platform, PlatformCaps
 
 
 def platform_class(spec: PlatformSpec) -> type[Platform]:
@@ -36,6 +36,26 @@ def resolve_platform(name: str) -> Platform:
     if not cls.is_available():
         raise ConfigError("platform", cls().unavailable_reason())
     return cls()
+
+
+def planned_platform(name: str, compute_capability: tuple[int, int]) -> tuple[Platform, PlatformCaps]:
+    """A platform whose device this machine need not have, and what one of `compute_capability`
+    can do (`Platform.planned_capabilities`): the one named, or for `auto` the highest-priority
+    one that can tell (`corectl plan` for a GPU that is elsewhere)."""
+    specs = get_plugin_manager().platforms()
+    if name != "auto" and name not in specs:
+        raise ConfigError("platform", f"unknown platform {name!r}; registered: auto, {', '.join(sorted(specs))}")
+    ranked = sorted(specs.values(), key=lambda s: s.priority, reverse=True) if name == "auto" else [specs[name]]
+    for spec in ranked:
+        try:
+            platform = platform_class(spec)()
+        except ImportError:
+            continue
+        caps = platform.planned_capabilities(compute_capability)
+        if caps is not None:
+            return platform, caps
+    raise ConfigError("platform", f"platform {name!r} cannot describe a device it does not see; plan on a "
+                                  "machine that has one")
 
 
 def resolve_attention_backend(platform: Platform, requested: str | None, model_config) -> type[AttentionBackend]:

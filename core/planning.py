@@ -1,10 +1,11 @@
 """Sizing a deployment from a model's config alone, before anything loads (`corectl plan`).
 
-The model is built on torch's meta device (shapes, no memory, no weights), so the parameters
-counted are exactly those the engine would load, and `ModelInfo` gives the engine's own KV bytes
-per block. The KV cache is sized with the workers' rules (`corectl.kv.sizing`): a budget in GiB
-on platforms that do not profile memory (CPU), what is left of `gpu_memory_utilization` of the
-device on those that do. Two numbers a plan can only estimate, where the engine measures them:
+The model is built on torch's meta device (shapes, no memory, no weights) with the quantization
+method the target platform binds (`corectl.planning_weights`), so the tensors counted are exactly
+those the engine would load, each quantized layer sized as its method serves it, and `ModelInfo`
+gives the engine's own KV bytes per block. The KV cache is sized with the workers' rules
+(`corectl.kv.sizing`): a budget in GiB on platforms that do not profile memory (CPU), what is left
+of `gpu_memory_utilization` of the device on those that do. Two numbers a plan can only estimate, where the engine measures them:
 the activation peak of a full token budget, and the memory a GPU process holds outside torch.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from .config import EngineConfig
-from .discovery import resolve_platform
+from .discovery import planned_platform, resolve_platform
 from .distributed import shard_range
 from .engine.core import resolve_max_model_len
 from .errors import ConfigError, ModelNotFoundError
@@ -35,9 +36,14 @@ from .loaders.checkpoint_files import safetensors_files
 from .loaders.hf_config import checkpoint_dtype
 from .loaders.presets import PRESETS, is_preset
 from .loaders.resolve import default_model, resolve_model_source
+from .loaders.source import ModelSource
 from .models.registry import resolve_model_class
+from .planning_weights import ModelWeights, WeightLayout, planned_model, size_weights
+from .platform import resolve_dtype
 from .pooling import pooling_architectures
-from .worker.worker import _DTYPES, ModelInfo, _default_dtype, _model_info
+from .quantization.base import QuantizationConfig
+from .quantization.selection import select_quantization
+from .worker.worker import _DTYPES, ModelInfo, _model_info
 
 GIB = 1 << 30
 DEVICES = ("auto", "cpu", "gpu")
@@ -47,6 +53,9 @@ DEVICES = ("auto", "cpu", "gpu")
 NON_TORCH_BYTES = 512 << 20
 # Tensor-parallel sizes tried when suggesting one.
 TP_SIZES = (2, 4, 8)
+# The compute capability of a GPU planned for without --device-capability: the oldest that runs
+# bf16 (Ampere; MI200 on ROCm), so 'auto' takes bf16 there; it has no FP8 kernel.
+DEFAULT_GPU_CAPABILITY = (8, 0)
 
 
 @dataclass(frozen=True)
@@ -55,30 +64,38 @@ class Checkpoint:
 
     stored_bytes: bytes of the checkpoint's tensors by storage type (safetensors dtypes such as
     BF16, or GGUF quantizations such as Q4_1); empty for shape presets and hub ids (config only).
+    source: what quantization methods read to choose their config (for a GGUF file, its header
+    only: `model_dir` is the file's folder, nothing is converted).
     """
 
     name: str
     hf_config: Any
     model_dtype: str | None
     stored_bytes: dict[str, int]
+    source: ModelSource
 
 
 @dataclass(frozen=True)
 class Target:
     """The device a plan is for. With `profiles_memory` (GPUs) the KV cache gets what is left of
     `memory_bytes * gpu_memory_utilization`; otherwise (CPU) it gets `kv_cache_memory_gib`, and
-    everything must fit in `memory_bytes`."""
+    everything must fit in `memory_bytes`. Quantization binds to `quantization_kernels`, those of
+    `platform`'s device (`PlatformCaps`)."""
 
     name: str
     profiles_memory: bool
     memory_bytes: int
     dtype: str
+    platform: str
+    quantization_kernels: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class Plan:
     """How a model fits a device, per tensor-parallel rank; `remedies` are flags that would make
-    a plan that does not fit fit."""
+    a plan that does not fit fit. `quantization` is the bound method (`QuantizationConfig.describe`),
+    None for dense weights; `weight_bytes` are as served, `loading_weight_bytes_per_rank` what a
+    rank holds while the checkpoint loads, before quantized layers are repacked."""
 
     model: str
     architecture: str
@@ -88,6 +105,7 @@ class Plan:
     weight_bytes: int
     tensor_parallel_size: int
     weight_bytes_per_rank: int
+    loading_weight_bytes_per_rank: int
     buffer_bytes: int
     num_kv_heads_per_rank: int
     kv_bytes_per_token: int
@@ -104,6 +122,7 @@ class Plan:
     max_model_len: int
     problem: str | None
     remedies: list[str] = field(default_factory=list)
+    quantization: str | None = None
     # The window every layer keeps to, if one does: a sequence then holds only its window's blocks.
     sliding_window: int | None = None
 
@@ -142,19 +161,19 @@ class _Shape:
     info: ModelInfo
     hidden_size: int
     intermediate_size: int
-    weight_bytes: int
-    matrix_bytes: int  # in tensors of two or more dimensions, which tensor parallelism splits
-    buffer_bytes: int
+    weights: ModelWeights
+    max_model_len: int
+    quantization: QuantizationConfig | None
 
 
-def plan_deployment(config: EngineConfig, *, device: str = "auto", device_memory: int | None = None) -> Plan:
+def plan_deployment(config: EngineConfig, *, device: str = "auto", device_memory: int | None = None,
+                    device_capability: tuple[int, int] | None = None) -> Plan:
     """The plan for `config`'s model, per rank of `config.tensor_parallel_size`, on `device`
     ('auto', 'cpu' or 'gpu'; see `resolve_target`) of `device_memory` bytes."""
     checkpoint = read_checkpoint(config)
-    target = resolve_target(config, checkpoint.model_dtype, device, device_memory)
-    max_model_len = resolve_max_model_len(config, checkpoint.hf_config)
-    shape = _model_shape(checkpoint.hf_config, max_model_len, target.dtype, config.kv_cache_dtype)
-    result = _size(checkpoint, shape, config, target, config.tensor_parallel_size, max_model_len)
+    target = resolve_target(config, checkpoint.model_dtype, device, device_memory, device_capability)
+    shape = _model_shape(checkpoint, config, target)
+    result = _size(checkpoint, shape, config, target, config.tensor_parallel_size)
     if result.fits:
         return result
     return dataclasses.replace(result, remedies=_remedies(result, checkpoint, shape, config, target))
@@ -174,31 +193,46 @@ def read_checkpoint(config: EngineConfig) -> Checkpoint:
         raise ModelNotFoundError(f"{exc} (shape presets: {', '.join(PRESETS)})") from None
     preset = is_preset(spec) and not path.exists()
     stored = {} if preset else _safetensors_bytes(safetensors_files(source.model_dir))
-    return Checkpoint(spec, source.hf_config, source.model_dtype, stored)
+    return Checkpoint(spec, source.hf_config, source.model_dtype, stored, source)
 
 
 def resolve_target(config: EngineConfig, model_dtype: str | None, device: str = "auto",
-                   memory_bytes: int | None = None) -> Target:
+                   memory_bytes: int | None = None, capability: tuple[int, int] | None = None) -> Target:
     """'cpu': this machine's CPU; 'gpu': this machine's GPU, or one it does not have (then
-    `memory_bytes` is required); 'auto': 'gpu' when `memory_bytes` is given, else the platform the
-    engine would pick here (`config.platform`). Memory defaults to what the platform reports."""
+    `memory_bytes` is required): one of compute `capability` (default `DEFAULT_GPU_CAPABILITY`) of
+    `config.platform`; 'auto': 'gpu' when `memory_bytes` or `capability` is given, else the
+    platform the engine would pick here (`config.platform`). Memory defaults to what the platform
+    reports."""
     if device not in DEVICES:
         raise ConfigError("device", f"must be one of {', '.join(DEVICES)}; got {device!r}")
-    if device == "auto" and memory_bytes is not None:
+    if device == "auto" and (memory_bytes is not None or capability is not None):
         device = "gpu"
+    if device == "cpu" and capability is not None:
+        raise ConfigError("device_capability", "is a GPU's compute capability; it does not apply to --device cpu")
+    if device == "gpu" and capability is not None:
+        return _gpu_elsewhere(config, model_dtype, memory_bytes, capability)
     platform = resolve_platform("cpu" if device == "cpu" else config.platform)
     caps = platform.capabilities()
     if device == "gpu" and not caps.profiles_memory:
-        if memory_bytes is None:
-            raise ConfigError("device_memory", "this machine has no GPU: give the memory of the one to plan "
-                                               "for (--device-memory 80GiB)")
-        # The GPU is not here to ask: every GPU from Ampere (and MI200) on takes bf16 for 'auto'.
-        return Target("gpu", True, memory_bytes, "bfloat16" if config.dtype == "auto" else config.dtype)
+        return _gpu_elsewhere(config, model_dtype, memory_bytes, DEFAULT_GPU_CAPABILITY)
     memory = memory_bytes or platform.device_memory()
     if memory is None:
         raise ConfigError("device_memory", f"platform {platform.name!r} does not report its memory; "
                                            "give it (--device-memory 80GiB)")
-    return Target(platform.name, caps.profiles_memory, memory, platform.resolve_dtype(config.dtype, model_dtype))
+    return Target(platform.name, caps.profiles_memory, memory, platform.resolve_dtype(config.dtype, model_dtype),
+                  platform.name, caps.quantization_kernels)
+
+
+def _gpu_elsewhere(config: EngineConfig, model_dtype: str | None, memory_bytes: int | None,
+                   capability: tuple[int, int]) -> Target:
+    """A GPU this machine does not have (or not the one planned for): its platform tells what one
+    of `capability` runs."""
+    if memory_bytes is None:
+        raise ConfigError("device_memory", "the GPU to plan for is not this machine's: give its memory "
+                                           "(--device-memory 80GiB)")
+    platform, caps = planned_platform(config.platform, capability)
+    dtype = resolve_dtype(caps, platform.name, config.dtype, model_dtype)
+    return Target("gpu", True, memory_bytes, dtype, platform.name, caps.quantization_kernels)
 
 
 def _gguf_checkpoint(path: Path, overrides: dict | None) -> Checkpoint:
@@ -209,7 +243,9 @@ def _gguf_checkpoint(path: Path, overrides: dict | None) -> Checkpoint:
     hf = header.hf_config
     if overrides:
         hf = type(hf).from_dict({**hf.to_dict(), **overrides})
-    return Checkpoint(str(path), hf, checkpoint_dtype(hf.to_dict()), header.tensor_bytes())
+    dtype = checkpoint_dtype(hf.to_dict())
+    source = ModelSource(hf, path.parent, None, f"gguf header of {path}", dtype, gguf_file=path)
+    return Checkpoint(str(path), hf, dtype, header.tensor_bytes(), source)
 
 
 def _safetensors_bytes(files: list[Path]) -> dict[str, int]:
@@ -226,20 +262,21 @@ def _safetensors_bytes(files: list[Path]) -> dict[str, int]:
     return sizes
 
 
-def _model_shape(hf, max_model_len: int, dtype: str, kv_cache_dtype: str = "auto") -> _Shape:
-    """The engine's model built on the meta device, as `Worker.load_model` builds it."""
-    torch_dtype = _DTYPES[dtype]
-    with _default_dtype(torch_dtype), torch.device("meta"):
-        # A bare backbone (an embedding model's `Qwen3Model`) resolves to its causal LM's class, as
-        # a pooling engine loads it.
-        model = resolve_model_class(pooling_architectures(hf))(hf, max_positions=max_model_len, dtype=torch_dtype)
-    params = list(model.parameters())
-    return _Shape(
-        info=_model_info(hf, model, dtype, kv_cache_dtype), hidden_size=hf.hidden_size,
-        intermediate_size=_mlp_rows_per_token(hf),
-        weight_bytes=_nbytes(params), matrix_bytes=_nbytes(p for p in params if p.dim() > 1),
-        buffer_bytes=_nbytes(model.buffers()),
-    )
+def _model_shape(checkpoint: Checkpoint, config: EngineConfig, target: Target) -> _Shape:
+    """The engine's model built on the meta device as `Worker.load_model` builds it, with the
+    quantization `EngineCore` would choose for the target (bound to its kernels)."""
+    hf = checkpoint.hf_config
+    max_model_len = resolve_max_model_len(config, hf)
+    quantization = select_quantization(config, checkpoint.source, target.quantization_kernels, target.platform)
+    # A bare backbone (an embedding model's `Qwen3Model`) resolves to its causal LM's class, as
+    # a pooling engine loads it.
+    model = planned_model(resolve_model_class(pooling_architectures(hf)), hf, _DTYPES[target.dtype], max_model_len,
+                          quantization, target.quantization_kernels)
+    info = _model_info(hf, model, target.dtype, config.kv_cache_dtype)
+    weights = size_weights(model, info.head_dim)
+    info = dataclasses.replace(info, num_params=weights.num_params)
+    return _Shape(info=info, hidden_size=hf.hidden_size, intermediate_size=_mlp_rows_per_token(hf),
+                  weights=weights, max_model_len=max_model_len, quantization=quantization)
 
 
 def _mlp_rows_per_token(hf) -> int:
@@ -252,10 +289,6 @@ def _mlp_rows_per_token(hf) -> int:
     return max(dense, experts_per_token * (getattr(hf, "moe_intermediate_size", None) or dense))
 
 
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def _kv_heads_per_rank(info: ModelInfo, tp: int) -> int:
     """A rank's KV heads as the engine shards them (one, shared, when ranks outnumber them)."""
     try:
@@ -264,16 +297,6 @@ def _kv_heads_per_rank(info: ModelInfo, tp: int) -> int:
     except ValueError:
         raise ConfigError("tensor_parallel_size", f"{tp} must divide the model's {info.num_heads} attention heads, "
                           f"and divide or be a multiple of its {info.num_kv_heads} KV heads") from None
-
-
-def _weight_bytes_per_rank(shape: _Shape, kv_heads: int, tp: int) -> int:
-    """Matrices split across ranks (vectors such as norms replicated), plus the K/V projection rows
-    each rank repeats when KV heads are replicated."""
-    info = shape.info
-    itemsize = _DTYPES[info.dtype].itemsize
-    kv_head_bytes = 2 * info.num_layers * shape.hidden_size * info.head_dim * itemsize
-    repeated = kv_head_bytes * (kv_heads * tp - info.num_kv_heads)
-    return math.ceil((shape.matrix_bytes + repeated) / tp) + shape.weight_bytes - shape.matrix_bytes
 
 
 def _activation_bytes(shape: _Shape, kv_heads: int, tp: int, tokens: int, num_seqs: int) -> int:
@@ -290,38 +313,46 @@ def _activation_bytes(shape: _Shape, kv_heads: int, tp: int, tokens: int, num_se
     return tokens * per_token + num_seqs * info.vocab_size * (itemsize + 2 * 4)
 
 
-def _size(checkpoint: Checkpoint, shape: _Shape, config: EngineConfig, target: Target, tp: int,
-          max_model_len: int) -> Plan:
-    info = shape.info
+def _size(checkpoint: Checkpoint, shape: _Shape, config: EngineConfig, target: Target, tp: int) -> Plan:
+    info, weights = shape.info, shape.weights
     kv_heads = _kv_heads_per_rank(info, tp)
     per_token = dataclasses.replace(info, num_kv_heads=kv_heads).kv_bytes_per_block(1)
-    num_seqs = profile_num_seqs(config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
-    weights = _weight_bytes_per_rank(shape, kv_heads, tp)
+    num_seqs = profile_num_seqs(config.max_num_seqs, config.max_num_batched_tokens, shape.max_model_len)
+    # Matrices and quantized layers split across ranks, vectors such as norms replicated, plus
+    # the K/V projection rows each rank repeats when KV heads are replicated.
+    served = weights.served.per_rank(kv_heads, info.num_kv_heads, tp)
     activations = _activation_bytes(shape, kv_heads, tp, config.max_num_batched_tokens, num_seqs)
     per_block = per_token * config.block_size
     if target.profiles_memory:
         non_torch, usable = NON_TORCH_BYTES, int(target.memory_bytes * config.gpu_memory_utilization)
         blocks = profiled_kv_blocks(target.memory_bytes, config.gpu_memory_utilization,
-                                    weights + shape.buffer_bytes + activations, non_torch, per_block)
+                                    served + weights.buffer_bytes + activations, non_torch, per_block)
     else:
         non_torch, usable = 0, target.memory_bytes
         blocks = fixed_kv_blocks(config.kv_cache_memory_gib or DEFAULT_KV_CACHE_GIB, per_block)
     plan = Plan(
         model=checkpoint.name, architecture=info.architecture, dtype=target.dtype,
-        stored_bytes=checkpoint.stored_bytes, num_params=info.num_params, weight_bytes=shape.weight_bytes,
-        tensor_parallel_size=tp, weight_bytes_per_rank=weights, buffer_bytes=shape.buffer_bytes,
-        num_kv_heads_per_rank=kv_heads, kv_bytes_per_token=per_token, block_size=config.block_size,
-        max_num_batched_tokens=config.max_num_batched_tokens, activation_bytes=activations,
-        device=target.name, profiles_memory=target.profiles_memory, device_memory_bytes=target.memory_bytes,
-        usable_bytes=usable, non_torch_bytes=non_torch, num_kv_blocks=blocks,
-        min_kv_blocks=blocks_per_sequence(max_model_len, config.block_size, shape.info.sliding_window,
-                                          config.max_num_batched_tokens), max_model_len=max_model_len,
-        problem=None, sliding_window=info.sliding_window,
+        stored_bytes=checkpoint.stored_bytes, num_params=info.num_params, weight_bytes=weights.served.total,
+        tensor_parallel_size=tp, weight_bytes_per_rank=served,
+        loading_weight_bytes_per_rank=weights.loading.per_rank(kv_heads, info.num_kv_heads, tp),
+        buffer_bytes=weights.buffer_bytes, num_kv_heads_per_rank=kv_heads, kv_bytes_per_token=per_token,
+        block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
+        activation_bytes=activations, device=target.name, profiles_memory=target.profiles_memory,
+        device_memory_bytes=target.memory_bytes, usable_bytes=usable, non_torch_bytes=non_torch,
+        num_kv_blocks=blocks, min_kv_blocks=blocks_per_sequence(shape.max_model_len, config.block_size,
+                                                                info.sliding_window, config.max_num_batched_tokens),
+        max_model_len=shape.max_model_len, problem=None, sliding_window=info.sliding_window,
+        quantization=None if shape.quantization is None else shape.quantization.describe(),
     )
     return dataclasses.replace(plan, problem=_problem(plan))
 
 
 def _problem(plan: Plan) -> str | None:
+    # Loading is bounded by the device, not by --gpu-memory-utilization: the KV cache is sized after.
+    loading = plan.loading_weight_bytes_per_rank + plan.buffer_bytes + plan.non_torch_bytes
+    if loading > plan.device_memory_bytes:
+        return (f"loading holds the weights as they load, before quantized layers are repacked: "
+                f"{loading / GIB:.2f} GiB of the device's {plan.device_memory_bytes / GIB:.2f} GiB")
     if plan.fixed_bytes > plan.usable_bytes:
         return (f"weights and activations need {plan.fixed_bytes / GIB:.2f} GiB of the "
                 f"{plan.usable_bytes / GIB:.2f} GiB usable, before any KV cache")
@@ -351,11 +382,22 @@ def _remedies(plan: Plan, checkpoint: Checkpoint, shape: _Shape, config: EngineC
         else:  # the budget is too large for the memory: the most that fits
             gib = math.floor(room / GIB * 1000) / 1000
         remedies.append(f"--kv-cache-memory {gib:g}")
+    if plan.quantization is None and _fits_with_fp8(checkpoint, config, target):
+        remedies.append("--quantization fp8")
     for tp in (n for n in TP_SIZES if n > plan.tensor_parallel_size):
         try:
-            if _size(checkpoint, shape, config, target, tp, plan.max_model_len).fits:
+            if _size(checkpoint, shape, config, target, tp).fits:
                 remedies.append(f"--tensor-parallel-size {tp}")
                 break
         except ConfigError:
             continue
     return remedies
+
+
+def _fits_with_fp8(checkpoint: Checkpoint, config: EngineConfig, target: Target) -> bool:
+    """Whether dense weights quantized to FP8 on the fly would fit, where the target has an FP8 kernel."""
+    fp8 = config.replace(quantization="fp8")
+    try:
+        return _size(checkpoint, _model_shape(checkpoint, fp8, target), fp8, target, config.tensor_parallel_size).fits
+    except ConfigError:  # no FP8 kernel on the target's platform
+        return False

@@ -138,24 +138,33 @@ class Platform(abc.ABC):
         platform by name: say what hardware and software it needs."""
         return f"platform {self.name!r} is not available on this machine"
 
+    def planned_capabilities(self, compute_capability: tuple[int, int]) -> PlatformCaps | None:
+        """What a device of this platform with `compute_capability` (major, minor) can do, when that
+        device is not on this machine: `corectl plan --device-capability` sizes for it (its dtype,
+        the quantization kernels methods bind to). Must not query a device. None (the default): the
+        platform cannot tell without its device."""
+        return None
+
     def resolve_dtype(self, requested: str, model_dtype: str | None) -> str:
         """Pick the compute dtype from ``--dtype`` and the checkpoint's dtype, from
-        ``capabilities()``: an explicit request must be in ``dtypes``; 'auto' keeps a bf16
-        checkpoint when the platform runs bf16 and otherwise (fp32 or quantized checkpoints, as
-        vLLM does) takes ``default_dtype``. Platforms rarely override it."""
-        caps = self.capabilities()
-        if requested != "auto":
-            if requested not in caps.dtypes:
-                from .errors import ConfigError
-
-                raise ConfigError(
-                    "dtype", f"platform {self.name!r} supports {', '.join(caps.dtypes)}; got {requested!r}"
-                )
-            return requested
-        if model_dtype in caps.dtypes and model_dtype == "bfloat16":
-            return model_dtype
-        return caps.default_dtype
+        ``capabilities()`` (`resolve_dtype` below). Platforms rarely override it."""
+        return resolve_dtype(self.capabilities(), self.name, requested, model_dtype)
 
     def check_config(self, config: "EngineConfig") -> None:
         """Reject engine options the platform cannot honour by raising ``ConfigError`` (called
         once at engine start, before the model loads); accepts everything by default."""
+
+
+def resolve_dtype(caps: PlatformCaps, platform: str, requested: str, model_dtype: str | None) -> str:
+    """The compute dtype on a device of `caps`: an explicit request must be in ``dtypes``; 'auto'
+    keeps a bf16 checkpoint when the platform runs bf16 and otherwise (fp32 or quantized
+    checkpoints, as vLLM does) takes ``default_dtype``."""
+    if requested != "auto":
+        if requested not in caps.dtypes:
+            from .errors import ConfigError
+
+            raise ConfigError("dtype", f"platform {platform!r} supports {', '.join(caps.dtypes)}; got {requested!r}")
+        return requested
+    if model_dtype in caps.dtypes and model_dtype == "bfloat16":
+        return model_dtype
+    return caps.default_dtype

@@ -23,7 +23,8 @@ def register(sub) -> None:
         description="Size a deployment before loading anything: weight, KV-cache and activation memory, "
                     "the KV capacity in tokens and the concurrency at max_model_len on a device, and the "
                     "flag that would make it fit. Engine flags are read as `corectl serve` reads them, with its "
-                    "defaults; "
+                    "defaults; quantized weights (--quantization, a checkpoint's quantization_config, GGUF "
+                    "files) are sized as the target platform serves them; "
                     "with -tp N, weights and KV heads are per rank.")
     group = parser.add_argument_group("plan")
     group.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
@@ -32,6 +33,10 @@ def register(sub) -> None:
                             "platform the engine would pick here (default: auto)")
     group.add_argument("--device-memory", type=parse_size, default=None, metavar="SIZE",
                        help="memory of one device, e.g. 80GiB or 141GB (default: this machine's)")
+    group.add_argument("--device-capability", type=parse_capability, default=None, metavar="MAJOR.MINOR",
+                       help="plan for a GPU of this compute capability instead of this machine's, e.g. 9.0 "
+                            "for an H100 (its dtype and quantization kernels: FP8 from 8.9); needs "
+                            "--device-memory (default for a GPU this machine lacks: 8.0)")
     group.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     add_engine_args(parser, model_positional=True, defaults=SERVE_DEFAULTS)
     parser.set_defaults(handler=run)
@@ -45,11 +50,20 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def parse_capability(text: str) -> tuple[int, int]:
+    """'9.0' -> (9, 0)."""
+    match = re.fullmatch(r"\s*(\d+)\.(\d+)\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a compute capability MAJOR.MINOR, e.g. 9.0")
+    return int(match.group(1)), int(match.group(2))
+
+
 def run(args: argparse.Namespace) -> int:
     from corectl.planning import plan_deployment
 
     config = config_from_args(args)
-    plan = plan_deployment(config, device=args.device, device_memory=args.device_memory)
+    plan = plan_deployment(config, device=args.device, device_memory=args.device_memory,
+                           device_capability=args.device_capability)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else render(plan))
     return 0 if plan.fits else 1
 
@@ -68,8 +82,7 @@ def render(plan) -> str:
     rows = [
         ("model", f"{plan.model} ({plan.architecture}, {plan.num_params / 1e9:.3g}B parameters)"),
         ("checkpoint", stored or "config only"),
-        ("weights", f"{plan.dtype} {_bytes(plan.weight_bytes)}"
-                    + (f", {_bytes(plan.weight_bytes_per_rank)}{per_rank}" if per_rank else "")),
+        ("weights", _weights(plan, per_rank)),
         ("KV cache", kv),
         ("activations", f"~{_bytes(plan.activation_bytes)} peak for {plan.max_num_batched_tokens} tokens per step"),
         ("device", f"{plan.device} {_bytes(plan.device_memory_bytes)}; {budget}"),
@@ -80,6 +93,16 @@ def render(plan) -> str:
     if plan.remedies:
         rows.append(("to fit", "  or  ".join(plan.remedies)))
     return "\n".join(f"{name:<13} {value}" for name, value in rows)
+
+
+def _weights(plan, per_rank: str) -> str:
+    served = f"{plan.quantization}, dtype {plan.dtype}" if plan.quantization else plan.dtype
+    text = f"{served} {_bytes(plan.weight_bytes)}"
+    if per_rank:
+        text += f", {_bytes(plan.weight_bytes_per_rank)}{per_rank}"
+    if plan.loading_weight_bytes_per_rank != plan.weight_bytes_per_rank:
+        text += f"; {_bytes(plan.loading_weight_bytes_per_rank)} while loading{per_rank}, before repacking"
+    return text
 
 
 def _bytes(n: int) -> str:

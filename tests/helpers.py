@@ -103,3 +103,11 @@ def save_think_tokenizer(tokenizer_dir: Path, folder: Path) -> Path:
     tokenizer.add_tokens([AddedToken(marker, special=False, normalized=False) for marker in ("<think>", "</think>")])
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def held_bytes(llm) -> int:
+    """Bytes of an in-process engine's model parameters and buffers, as `corectl plan` counts
+    weights and buffers (on the CPU, with the worker's oneDNN prepacking patched out: its packed
+    copies are held outside the module's tensors)."""
+    model = llm.engine.executor.worker.runner.model
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))

@@ -47,10 +47,12 @@ class CUDAPlatform(Platform):
         return "platform 'cuda' needs an NVIDIA GPU and a CUDA build of torch; none was found"
 
     def capabilities(self) -> PlatformCaps:
-        capability = _device_capability()
+        return self.planned_capabilities(_device_capability())
+
+    def planned_capabilities(self, compute_capability: tuple[int, int]) -> PlatformCaps:
         # FP8 tensor cores (torch._scaled_mm) from Ada/Hopper (8.9) on; the Triton 4-bit GEMM anywhere.
-        kernels = (("fp8_scaled_mm",) if capability >= (8, 9) else ()) + ("w4a16",)
-        return dataclasses.replace(gpu_caps(capability), quantization_kernels=kernels)
+        kernels = (("fp8_scaled_mm",) if compute_capability >= (8, 9) else ()) + ("w4a16",)
+        return dataclasses.replace(gpu_caps(compute_capability), quantization_kernels=kernels)
 
     def device_name(self) -> str:
         import torch

@@ -24,9 +24,12 @@ def _gcn_arch() -> str | None:
 
 
 def rocm_caps(arch: str) -> PlatformCaps:
+    return _caps((8, 0) if arch.startswith(_BF16_ARCHS) else (7, 0))
+
+
+def _caps(capability: tuple[int, int]) -> PlatformCaps:
     # The CUDA worker's Triton 4-bit GEMM runs here too; FP8 (e4m3fnuz on MI300) is not wired yet.
-    caps = gpu_caps((8, 0) if arch.startswith(_BF16_ARCHS) else (7, 0))
-    return dataclasses.replace(caps, quantization_kernels=("w4a16",))
+    return dataclasses.replace(gpu_caps(capability), quantization_kernels=("w4a16",))
 
 
 class ROCmPlatform(CUDAPlatform):
@@ -46,3 +49,7 @@ class ROCmPlatform(CUDAPlatform):
 
     def capabilities(self) -> PlatformCaps:
         return rocm_caps(_gcn_arch())
+
+    def planned_capabilities(self, compute_capability: tuple[int, int]) -> PlatformCaps:
+        """By the CUDA capability whose features the gfx target has (8.0 for bf16 ones)."""
+        return _caps(compute_capability)

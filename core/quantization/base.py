@@ -47,7 +47,9 @@ class LinearMethod(abc.ABC):
     `create_weights` registers the layer's parameters (each with a `QuantAxes` as `quant_axes`;
     the layer's `load_sliced` fills them from checkpoint tensors, narrowed to the rank's slice)
     and is called once the layer's output/input sizes are known. `process_weights_after_loading`
-    turns what was loaded into the layout the kernel reads. `apply` computes `x @ W.T + bias`.
+    turns what was loaded into the layout the kernel reads, registering what it keeps as
+    parameters or buffers (so the model's tensors are what it holds). `apply` computes
+    `x @ W.T + bias`. `served_bytes` states the size of that served layout, for `corectl plan`.
     """
 
     @abc.abstractmethod
@@ -58,6 +60,25 @@ class LinearMethod(abc.ABC):
 
     @abc.abstractmethod
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+
+    def served_bytes(self, layer: torch.nn.Module) -> int:
+        """Bytes the layer holds once `process_weights_after_loading` ran, computed from what
+        `create_weights` made (on the meta device when `corectl plan` asks, so from shapes and
+        dtypes alone; the layer's bias included). By default the layer's tensors as created: a
+        method whose repacking changes the size (quantizing a dense weight, packing codes)
+        overrides it. Planning counts the layer's tensors as created as what it holds while the
+        checkpoint loads (all layers at once: repacking starts once every weight is in)."""
+        return layer_bytes(layer)
+
+
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    """Bytes of the given tensors (None counts nothing: an absent bias)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def layer_bytes(layer: torch.nn.Module) -> int:
+    """Bytes of a module's own parameters and buffers (not its children's)."""
+    return tensor_bytes(*layer.parameters(recurse=False), *layer.buffers(recurse=False))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from .base import LinearMethod, QuantAxes, QuantizationConfig
+from .base import LinearMethod, QuantAxes, QuantizationConfig, tensor_bytes
 from .scope import optional_kernel
 
 FP8 = torch.float8_e4m3fn
@@ -142,6 +142,12 @@ class Fp8LinearMethod(LinearMethod):
             del layer.input_scale
         layer.weight = torch.nn.Parameter(weight, requires_grad=False)
         layer.weight_scale = torch.nn.Parameter(scale.reshape(-1).float().contiguous(), requires_grad=False)
+
+    def served_bytes(self, layer) -> int:
+        # e4m3 weights and an fp32 scale per output row, whether the checkpoint brought them or
+        # they were quantized from a dense weight after loading.
+        n, k = layer.out_features, layer.in_features
+        return n * k * FP8.itemsize + n * torch.float32.itemsize + tensor_bytes(layer.bias)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         xq, x_scale = self.quantize(x.reshape(-1, x.shape[-1]))

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError
-from .base import LinearMethod, QuantAxes, QuantizationConfig
+from .base import LinearMethod, QuantAxes, QuantizationConfig, tensor_bytes
 from .gguf_blocks import GROUP, INT4_TYPES, Int4Groups
-from .int4_cpu import int4_linear, pack_int4
+from .int4_cpu import int4_linear, int4pack_bytes, register_int4pack
 
 
 @dataclass(frozen=True)
@@ -89,9 +89,13 @@ class GGUFInt4Method(LinearMethod):
         layer.load_sliced(layer.group_mins, loaded.mins, shard_id)
 
     def process_weights_after_loading(self, layer) -> None:
-        scales, mins = layer.group_scales, layer.group_mins
-        layer.packed_weight, layer.scale_zero = pack_int4(layer.weight.data, scales, mins + 8 * scales)
+        codes, scales, mins = layer.weight.data, layer.group_scales, layer.group_mins
         del layer.weight, layer.group_scales, layer.group_mins
+        register_int4pack(layer, codes, scales, mins + 8 * scales)
+
+    def served_bytes(self, layer) -> int:
+        # Loaded as a byte per code plus fp32 scales and mins; served packed.
+        return int4pack_bytes(layer.out_features, layer.in_features, GROUP) + tensor_bytes(layer.bias)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         return int4_linear(x, layer.packed_weight, layer.scale_zero, GROUP, layer.bias)

@@ -20,8 +20,8 @@ import torch
 from torch.nn import functional as F
 
 from ..errors import ConfigError
-from .base import LinearMethod, QuantAxes, QuantizationConfig
-from .int4_cpu import int4_linear, pack_int4
+from .base import LinearMethod, QuantAxes, QuantizationConfig, tensor_bytes
+from .int4_cpu import int4_linear, int4pack_bytes, register_int4pack
 from .scope import kernel as provided_kernel
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its eight
@@ -141,11 +141,27 @@ class W4LinearMethod(LinearMethod):
         for name in ("qweight", "qzeros", "scales", "g_idx"):
             if hasattr(layer, name):
                 delattr(layer, name)
-        if self.gemm is not None:
-            layer.w4_qweight = pack_int32(codes.t(), 0)
-            layer.w4_scales, layer.w4_zeros, layer.w4_g_idx = scales, zeros.to(torch.int32), g_idx
+        if self.gemm is None:
+            self._to_int4pack(layer, codes, zeros, scales, g_idx)
             return
-        self._to_int4pack(layer, codes, zeros, scales, g_idx)
+        served = {"w4_qweight": pack_int32(codes.t(), 0), "w4_scales": scales, "w4_zeros": zeros.to(torch.int32),
+                  "w4_g_idx": g_idx}
+        for name, tensor in served.items():
+            layer.register_buffer(name, tensor, persistent=False)
+
+    def served_bytes(self, layer) -> int:
+        """w4a16: codes as [K/8, N] int32, the scales, zero codes as int32 and g_idx; int4pack: its
+        packed layout, plus the input permutation with act-order. An act-order rank whose inputs
+        do not form whole groups keeps a dense weight instead, which only its g_idx shows: planned
+        as packed."""
+        n, k = layer.out_features, layer.in_features
+        int32 = torch.int32.itemsize
+        if self.gemm is not None:
+            served = k * n // 2 + tensor_bytes(layer.scales) + layer.scales.shape[0] * n * int32 + k * int32
+        else:
+            permutation = k * torch.int64.itemsize if self.config.desc_act else 0
+            served = int4pack_bytes(n, k, self.config.group_size) + permutation
+        return served + tensor_bytes(layer.bias)
 
     def _unpacked(self, layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """codes [N, K], zero codes [groups, N], g_idx [K] (int32) from the checkpoint's layout."""
@@ -172,12 +188,14 @@ class W4LinearMethod(LinearMethod):
         perm = torch.argsort(g_idx.long(), stable=True)
         groups = g_idx.long()[perm].view(-1, g)
         if not bool((groups == groups[:, :1]).all()):
-            layer.dense_weight = dequantize_w4(codes, zeros, scales, g_idx).to(scales.dtype)
+            layer.register_buffer("dense_weight", dequantize_w4(codes, zeros, scales, g_idx).to(scales.dtype),
+                                  persistent=False)
             return
         order = groups[:, 0]
         zeros_f, scales_f = zeros[order].t().float(), scales[order].t().float()
-        layer.int4_perm = None if bool((perm == torch.arange(perm.numel(), device=perm.device)).all()) else perm
-        layer.packed_weight, layer.scale_zero = pack_int4(codes[:, perm], scales_f, (8 - zeros_f) * scales_f)
+        identity = bool((perm == torch.arange(perm.numel(), device=perm.device)).all())
+        layer.register_buffer("int4_perm", None if identity else perm, persistent=False)
+        register_int4pack(layer, codes[:, perm], scales_f, (8 - zeros_f) * scales_f)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])

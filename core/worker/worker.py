@@ -118,16 +118,13 @@ class Worker(abc.ABC):
         return info
 
     def _build_model(self, hf, pooling: bool) -> torch.nn.Module:
-        """The model on the device; under a quantization config each linear layer gets its method.
-        A pooling model reads hidden states only (corectl.pooling): it has no LM head."""
+        """The model on the device. A pooling model reads hidden states only (corectl.pooling): it
+        has no LM head."""
         model_cls = resolve_model_class(pooling_architectures(hf) if pooling else hf)
-        with (_default_dtype(self.torch_dtype), torch.device(self.device),
-              quantization_scope(self.quantization, self.quantization_kernels())):
-            model = model_cls(hf, max_positions=self.max_model_len, dtype=self.torch_dtype)
-            if pooling:
-                model.lm_head = None
-            if self.quantization is not None:
-                bind_linear_methods(model, self.quantization, self.torch_dtype, self.device)
+        model = build_model(model_cls, hf, self.torch_dtype, self.device, self.max_model_len,
+                            self.quantization, self.quantization_kernels())
+        if pooling:
+            model.lm_head = None
         return model
 
     def quantization_kernels(self) -> KernelTable:
@@ -180,6 +177,18 @@ class Worker(abc.ABC):
     def sample_pending(self, bitmask: GrammarBitmask | None) -> None:
         """Sample the launched step that waits for its grammar masks (`grammar_pending`)."""
         self.runner.sample_pending(bitmask)
+
+
+def build_model(model_cls: type[torch.nn.Module], hf, dtype: torch.dtype, device: torch.device | str,
+                max_model_len: int, quantization: QuantizationConfig | None = None,
+                kernels: KernelTable | None = None) -> torch.nn.Module:
+    """`model_cls` built on `device` (the worker's, or "meta" for `corectl plan`); under a
+    quantization config each linear layer gets its method, which creates its parameters."""
+    with _default_dtype(dtype), torch.device(device), quantization_scope(quantization, kernels):
+        model = model_cls(hf, max_positions=max_model_len, dtype=dtype)
+        if quantization is not None:
+            bind_linear_methods(model, quantization, dtype, torch.device(device))
+    return model
 
 
 def _model_info(hf, model: torch.nn.Module, dtype: str, kv_cache_dtype: str = "auto") -> ModelInfo:

@@ -18,7 +18,7 @@ from corectl import LLM, SamplingParams
 from corectl.discovery import resolve_platform
 from corectl.errors import ConfigError
 from corectl.plugins import get_plugin_manager, reset_plugin_manager
-from helpers import build_random_checkpoint, hf_greedy
+from helpers import build_random_checkpoint, held_bytes, hf_greedy
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "third_party_plugin"
 PACKAGE = "corectl_example_plugin"
@@ -172,3 +172,21 @@ def test_quantization_method_from_a_plugin_serves_its_4bit_weights(plugin_site, 
     layer = llm.engine.executor.worker.runner.model.model.layers[0].mlp.down_proj
     assert isinstance(layer.quant_method, rtn.RTNInt4Method) and not hasattr(layer, "weight")
     greedy_divergences(llm, LLM(str(reference), **engine), random_prompts())
+
+
+def test_plan_sizes_a_plugin_method_as_it_serves(plugin_site, tmp_path, default_model_dir, monkeypatch):
+    """The plugin's `served_bytes` (packed int4, from dense weights loaded first) is what the plan
+    counts, and the engine then holds exactly that."""
+    from corectl.backends.cpu import worker as cpu_worker
+    from corectl.config import EngineConfig
+    from corectl.planning import plan_deployment
+
+    monkeypatch.setattr(cpu_worker, "prepack_linears", lambda model, dtype: 0)
+    dense = build_random_checkpoint("llama", tmp_path / "dense", default_model_dir, seed=3, hidden_size=128,
+                                    intermediate_size=256)
+    engine = {"model": str(dense), "quantization": "rtn_int4", "dtype": "float32", "kv_cache_memory_gib": 0.05,
+              "max_model_len": 128}
+    plan = plan_deployment(EngineConfig(**engine), device="cpu")
+    assert plan.quantization == "rtn_int4 (cpu_int4pack)"
+    assert plan.weight_bytes + plan.buffer_bytes == held_bytes(LLM(**engine))
+    assert plan.loading_weight_bytes_per_rank > plan.weight_bytes_per_rank  # loaded dense, then packed

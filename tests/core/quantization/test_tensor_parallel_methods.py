@@ -13,7 +13,7 @@ from corectl.backends.triton.w4a16 import w4a16_gemm
 from corectl.distributed import TensorParallel, parallel_state
 from corectl.errors import ConfigError
 from corectl.models.parallel import PackedLinear, RowParallelLinear
-from corectl.quantization import quantization_scope
+from corectl.quantization import layer_bytes, quantization_scope
 from corectl.quantization.fp8 import CompressedTensorsFp8Config, Fp8Config
 from corectl.quantization.gguf import GGUFConfig
 from corectl.quantization.gguf_blocks import Int4Groups
@@ -82,8 +82,14 @@ def _build(rank: int, world_size: int, config, make, prefix: str):
 
 
 def _finish(layer, prefix: str) -> None:
+    """Repack the loaded layer; it then holds the bytes its method stated from the shapes alone
+    (what `corectl plan` counts), but where an act-order rank's inputs fell back to a dense weight
+    (`W4LinearMethod.served_bytes` says why that is planned as packed)."""
+    planned = layer.quant_method.served_bytes(layer)
     layer.check_loaded(prefix)
     layer.quant_method.process_weights_after_loading(layer)
+    if not hasattr(layer, "dense_weight"):
+        assert layer_bytes(layer) == planned
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor, tol: float) -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from corectl.quantization import LinearMethod, QuantAxes, QuantizationConfig
-from corectl.quantization.int4_cpu import int4_linear, pack_int4
+from corectl.quantization import LinearMethod, QuantAxes, QuantizationConfig, tensor_bytes
+from corectl.quantization.int4_cpu import int4_linear, int4pack_bytes, register_int4pack
 
 GROUP = 32
 
@@ -51,8 +51,12 @@ class RTNInt4Method(LinearMethod):
 
     def process_weights_after_loading(self, layer) -> None:
         codes, scales, mins = rtn_int4(layer.weight.data)
-        layer.packed_weight, layer.scale_zero = pack_int4(codes, scales, mins + 8 * scales)
         del layer.weight
+        register_int4pack(layer, codes, scales, mins + 8 * scales)
+
+    def served_bytes(self, layer) -> int:
+        # Loaded dense, served packed: what `corectl plan` counts for the layer.
+        return int4pack_bytes(layer.out_features, layer.in_features, GROUP) + tensor_bytes(layer.bias)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         return int4_linear(x, layer.packed_weight, layer.scale_zero, GROUP, layer.bias)

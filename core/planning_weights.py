@@ -1,0 +1,102 @@
+"""The weights a plan counts: the engine's model built on the meta device with the quantization
+methods the target binds, each quantized layer sized by the layout its method serves.
+
+A quantized layer holds one layout while the checkpoint loads (what its method's `create_weights`
+made: a dense weight to quantize on the fly, GGUF codes a byte each) and another once
+`process_weights_after_loading` repacked it (`LinearMethod.served_bytes`). Every layer is
+repacked only after the whole checkpoint is in, so loading holds every layer's loaded layout at
+once: that is the load-time peak. The transient copies a method makes while repacking one layer
+(a float copy of the weight it quantizes) are left out: one layer's worth, not the model's.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .quantization.base import QuantizationConfig, layer_bytes, tensor_bytes
+from .worker.worker import build_model
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """A model's weight bytes in one layout, at world size 1.
+
+    split: of `total`, the bytes tensor parallelism divides over ranks (matrices, and every
+    tensor of a quantized linear layer); the rest (norms, biases of dense layers) is replicated.
+    kv_head: the bytes one KV head's K and V projection rows take over all layers, which each rank
+    holds again when ranks outnumber KV heads.
+    """
+
+    total: int
+    split: int
+    kv_head: int
+
+    def per_rank(self, kv_heads_per_rank: int, num_kv_heads: int, tp: int) -> int:
+        repeated = self.kv_head * (kv_heads_per_rank * tp - num_kv_heads)
+        return math.ceil((self.split + repeated) / tp) + self.total - self.split
+
+
+@dataclass(frozen=True)
+class ModelWeights:
+    """served: the weights as the engine serves them; loading: as they are held while the
+    checkpoint loads (the same for dense models). num_params counts a quantized layer's weight as
+    the dense matrix it stands for."""
+
+    served: WeightLayout
+    loading: WeightLayout
+    buffer_bytes: int
+    num_params: int
+
+
+def planned_model(model_cls: type[nn.Module], hf, dtype: torch.dtype, max_model_len: int,
+                  quantization: QuantizationConfig | None, kernels: tuple[str, ...]) -> nn.Module:
+    """The engine's model on the meta device; a method that looks up its platform kernel when it
+    binds to a layer finds a stand-in (a planned model never runs)."""
+    return build_model(model_cls, hf, dtype, "meta", max_model_len, quantization,
+                       {name: _not_run for name in kernels})
+
+
+def _not_run(*args, **kwargs) -> torch.Tensor:
+    raise RuntimeError("a model built for planning does not run")
+
+
+def size_weights(model: nn.Module, head_dim: int) -> ModelWeights:
+    """The weights of a (meta) model; `head_dim` sizes a KV head's rows."""
+    served, loading = _Tally(head_dim), _Tally(head_dim)
+    buffers = num_params = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            served.add(module, method.served_bytes(module))
+            loading.add(module, layer_bytes(module))
+            num_params += module.out_features * module.in_features + (0 if module.bias is None else module.bias.numel())
+            continue
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]  # a tied head: the embedding's
+        seen.update(map(id, own))
+        matrices = tensor_bytes(*(p for p in own if p.dim() > 1))
+        for tally in (served, loading):
+            tally.add(module, matrices, tensor_bytes(*own) - matrices)
+        buffers += tensor_bytes(*module.buffers(recurse=False))
+        num_params += sum(p.numel() for p in own)
+    return ModelWeights(served.layout(), loading.layout(), buffers, num_params)
+
+
+@dataclass
+class _Tally:
+    head_dim: int
+    total: int = 0
+    split: int = 0
+    kv_head: float = 0.0
+
+    def add(self, module: nn.Module, split: int, replicated: int = 0) -> None:
+        self.total += split + replicated
+        self.split += split
+        if "k" in (getattr(module, "full_sizes", None) or {}):  # a packed q/k/v projection
+            self.kv_head += 2 * self.head_dim * split / module.out_features
+
+    def layout(self) -> WeightLayout:
+        return WeightLayout(self.total, self.split, round(self.kv_head))
