@@ -119,6 +119,16 @@ stage_swa() {
       --num-iters-warmup 0 --num-iters 1 --save-result "$RES/swa_$len.json" | grep -E "TPOT|KV cache"
   done
 }
+stage_profq() {
+  # Where the quantized W2 decode step goes: FP8 W8A8 and 4-bit AWQ against bf16, one profiled iteration each.
+  local awq='{"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemm"}}'
+  for q in bf16 fp8 awq; do
+    local extra=(); [ $q = fp8 ] && extra=(--quantization fp8); [ $q = awq ] && extra=(--hf-overrides "$awq")
+    bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --num-iters 1 --profile "${extra[@]}" > "$RES/profq_$q.txt"
+    echo "-- $q"; grep TPOT "$RES/profq_$q.txt"; grep -A16 "operators by" "$RES/profq_$q.txt" | cut -c1-70,100-200 | tail -13
+    grep -E "Self CUDA time total|Wall time" "$RES/profq_$q.txt"
+  done
+}
 stage_w4() {
   bench throughput --model qwen3-0.6b --num-prompts 256 --min-len 100 --max-len 1024 --save-result "$RES/w4.json"
   python3 "$PEER" static --shape qwen3-0.6b --batch 128 --input-len 512 --output-len 512
