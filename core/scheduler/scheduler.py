@@ -376,32 +376,34 @@ class Scheduler:
             output = self._append_token(req, token, logprobs, row)
             outputs.append(output)
             if output.finish_reason is not None:
-                stopped.add(req)
+                stopped.append(req)
         if stopped:
             self._finish(stopped)
         return outputs
 
-    def _apply_pooled(self, pooled: dict[str, bytes], stale: set[str]) -> tuple[list[EngineCoreOutput], set[Request]]:
+    def _apply_pooled(self, pooled: dict[str, bytes], stale: set[str]) -> tuple[list[EngineCoreOutput], list[Request]]:
         """Finish the prefill-only requests whose vectors arrived. A request preempted after its last
         chunk was scheduled still finishes: the step computed its whole prompt before it was."""
         outputs: list[EngineCoreOutput] = []
-        stopped: set[Request] = set()
+        stopped: list[Request] = []
         for req_id, vector in pooled.items():
             req = self._requests.get(req_id)
             if req_id in stale or req is None:
                 continue  # aborted while the step ran
             self.in_flight.arrive(req)
             req.status = RequestStatus.FINISHED_STOPPED
-            stopped.add(req)
+            stopped.append(req)
             outputs.append(EngineCoreOutput(req_id, [], finish_reason="stop", pooled=vector,
                                             num_cached_tokens=max(req.num_cached_tokens, 0),
                                             first_scheduled_time=req.first_scheduled_time))
         return outputs, stopped
 
-    def _finish(self, stopped: set[Request]) -> None:
-        """Release requests that stopped; with async scheduling some may be preempted (waiting)."""
-        preempted = stopped.difference(self.running)
-        self.running = [req for req in self.running if req not in stopped]
+    def _finish(self, stopped: list[Request]) -> None:
+        """Release requests that stopped, in the order they stopped (the worker forgets them in
+        that order); with async scheduling some may be preempted (waiting)."""
+        stopped_set = set(stopped)
+        preempted = stopped_set.difference(self.running)
+        self.running = [req for req in self.running if req not in stopped_set]
         if preempted:
             self.waiting.remove(preempted)
         for req in stopped:
