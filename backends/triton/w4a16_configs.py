@@ -22,7 +22,8 @@ MAX_SPLIT_K = 16
 @dataclass(frozen=True)
 class W4Config:
     """One launch: tiles of [block_m, block_n] outputs, K walked in block_k steps in each of
-    split_k slices; gemv (M = 1 only) accumulates broadcast products in fp32 instead of tl.dot."""
+    split_k slices; gemv (block_m 1: one program per row, meant for M = 1) accumulates broadcast
+    products in fp32 instead of tl.dot."""
     block_m: int
     block_n: int
     block_k: int
