@@ -3,10 +3,21 @@
 Contract ("w4a16" in `corectl.quantization.int4`, reference `w4a16_reference`): x [M, K] (fp32,
 fp16 or bf16), qweight [K/8, N] int32 with input k in nibble k % 8 of row k // 8, per-group
 scales [groups, N] and zero codes [groups, N], and g_idx [K] naming each input's group (a
-permutation under GPTQ act-order). Each program computes a [BLOCK_M, BLOCK_N] tile, walking K in
-BLOCK_K steps: it loads each packed word once and unpacks its 8 inputs, applies (q - z) * s of
-each input's group, rounds the tile to x's dtype (bf16 then runs on tensor cores) and accumulates
-in fp32. Decode (M = 1) reads 4 bits per weight instead of 16.
+permutation under GPTQ act-order). `group_size` > 0 declares g_idx == arange(K) // group_size
+(AWQ, GPTQ without act-order; int4.py detects it once at load): each block of BLOCK_K inputs then
+lies in one group, whose scale and zero row is loaded once per block, and the group factors out of
+the sum, sum_k (q - z) s x = s (sum_k q x - z sum_k x), so the inner loop multiplies raw codes.
+Otherwise (act-order) each input's scale and zero are gathered through g_idx.
+
+Programs cover [BLOCK_M, BLOCK_N] outputs over one of SPLIT_K slices of K. Two inner forms:
+  - GEMV (BLOCK_M = 1, decode): broadcast multiply-adds in fp32 into a [BLOCK_K/8, BLOCK_N]
+    accumulator, summed over K once at the end; no tensor cores, no padded rows.
+  - tl.dot: codes (or, act-order, dequantized weights) in x's dtype on the tensor cores; fp32 x
+    uses IEEE fp32 dots, matching torch's default fp32 matmul rather than TF32.
+Split-K partials go to an fp32 [SPLIT_K, M, N] buffer summed in a second pass in a fixed order:
+deterministic (atomics would make each step's logits depend on scheduling), no zero-filled
+buffer or extra cast launch, and capturable in CUDA graphs (shape-only allocations, no syncs).
+Configurations come from `w4a16_configs` (a table the benchmark fills, a heuristic otherwise).
 """
 from __future__ import annotations
 
@@ -15,41 +26,140 @@ import triton
 import triton.language as tl
 
 from .checks import check_float, check_index, check_range, check_same_device, require
+from .w4a16_configs import W4Config, choose
+
+REDUCE_BLOCK = 1024
 
 
 @triton.jit
-def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K,
-                  stride_xm, stride_qk, stride_sg, stride_zg, stride_om,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m, mask_n = offs_m < M, offs_n < N
+def _nibble(words, J: tl.constexpr):
+    """Code J of each word as an exact fp32: its 4 bits become the low mantissa of 2**23 + q, one
+    bitwise op and an add instead of an int-to-float conversion (a quarter-rate instruction)."""
+    bits = ((words >> (4 * J)) & 0xF) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _load_words(qw_ptr, rows, row_end, offs_n, mask_n, stride_qk):
+    mask = (rows < row_end)[:, None] & mask_n[None, :]
+    return tl.load(qw_ptr + rows[:, None].to(tl.int64) * stride_qk + offs_n[None, :], mask=mask, other=0)
+
+
+@triton.jit
+def _gemv_block(x_ptr, s_ptr, z_ptr, g_ptr, words, rows, row_end, offs_n, mask_n, k0,
+                stride_sg, stride_zg, GROUP_SIZE: tl.constexpr):
+    """sum over the block's inputs of w * x, left as [BLOCK_K/8, BLOCK_N] (one row per word row)."""
+    row_mask = rows < row_end
+    qx = tl.zeros(words.shape, dtype=tl.float32)
+    xs = tl.zeros(rows.shape, dtype=tl.float32)
+    for j in tl.static_range(8):
+        xj = tl.load(x_ptr + rows * 8 + j, mask=row_mask, other=0.0).to(tl.float32)
+        if GROUP_SIZE > 0:
+            qx += _nibble(words, j) * xj[:, None]
+            xs += xj
+        else:
+            group = tl.load(g_ptr + rows * 8 + j, mask=row_mask, other=0)
+            mask = row_mask[:, None] & mask_n[None, :]
+            s = tl.load(s_ptr + group[:, None].to(tl.int64) * stride_sg + offs_n[None, :], mask=mask, other=0.0)
+            z = tl.load(z_ptr + group[:, None].to(tl.int64) * stride_zg + offs_n[None, :], mask=mask, other=0)
+            qx += (_nibble(words, j) - z.to(tl.float32)) * s.to(tl.float32) * xj[:, None]
+    if GROUP_SIZE > 0:
+        group = k0 // GROUP_SIZE
+        s = tl.load(s_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + group * stride_zg + offs_n, mask=mask_n, other=0).to(tl.float32)
+        qx = (qx - xs[:, None] * z[None, :]) * s[None, :]
+    return qx
+
+
+@triton.jit
+def _gemv(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_n, mask_n, k_start, k_end, stride_qk, stride_sg, stride_zg,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    rows = k_start // 8 + tl.arange(0, BLOCK_K // 8)
+    row_end = k_end // 8
+    acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+    words = _load_words(qw_ptr, rows, row_end, offs_n, mask_n, stride_qk)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        # The next block's words are requested before this block's arithmetic: their latency hides
+        # behind it (register double buffering; the pipeliner only stages loads that feed tl.dot).
+        upcoming = _load_words(qw_ptr, rows + BLOCK_K // 8, row_end, offs_n, mask_n, stride_qk)
+        acc += _gemv_block(x_ptr, s_ptr, z_ptr, g_ptr, words, rows, row_end, offs_n, mask_n, k0,
+                           stride_sg, stride_zg, GROUP_SIZE)
+        words = upcoming
+        rows += BLOCK_K // 8
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _dot_tile(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_m, mask_m, offs_n, mask_n, k_start, k_end,
+              stride_xm, stride_qk, stride_sg, stride_zg, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, PRECISION: tl.constexpr):
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
+        mask_k = offs_k < k_end
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        mask_w = mask_k[:, None] & mask_n[None, :]
-        # Each int32 word is read once and unpacked into its eight inputs: [BLOCK_K/8, 8, N] -> [BLOCK_K, N].
-        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(qw_ptr + offs_w[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
-                        mask=(offs_w < K // 8)[:, None] & mask_n[None, :], other=0)
+        words = _load_words(qw_ptr, k0 // 8 + tl.arange(0, BLOCK_K // 8), k_end // 8, offs_n, mask_n, stride_qk)
+        # Each word is read once and unpacked into its eight inputs: [BLOCK_K/8, 8, N] -> [BLOCK_K, N].
         codes = tl.reshape((words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
-        group = tl.load(g_ptr + offs_k, mask=mask_k, other=0)
-        scale = tl.load(s_ptr + group[:, None].to(tl.int64) * stride_sg + offs_n[None, :], mask=mask_w, other=0.0)
-        zero = tl.load(z_ptr + group[:, None].to(tl.int64) * stride_zg + offs_n[None, :], mask=mask_w, other=0)
-        # Dequantized in fp32, rounded to x's dtype: bf16/fp16 inputs take the tensor cores.
-        w = ((codes - zero).to(tl.float32) * scale.to(tl.float32)).to(x.dtype)
-        acc += tl.dot(x, w)
-    out = acc.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], out,
-             mask=mask_m[:, None] & mask_n[None, :])
+        if GROUP_SIZE > 0:
+            group = k0 // GROUP_SIZE
+            s = tl.load(s_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + group * stride_zg + offs_n, mask=mask_n, other=0).to(tl.float32)
+            # Codes 0..15 are exact in any float dtype: the dot is exact-input, the group applies after.
+            # (Through fp32 as in _nibble: faster than int -> float, and Triton's interpreter
+            # converts int32 to bf16 wrongly.)
+            q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            qx = tl.dot(x, q.to(x.dtype), input_precision=PRECISION, out_dtype=tl.float32)
+            xs = tl.sum(x.to(tl.float32), axis=1)
+            acc += (qx - xs[:, None] * z[None, :]) * s[None, :]
+        else:
+            group = tl.load(g_ptr + offs_k, mask=mask_k, other=0)
+            mask_w = mask_k[:, None] & mask_n[None, :]
+            s = tl.load(s_ptr + group[:, None].to(tl.int64) * stride_sg + offs_n[None, :], mask=mask_w, other=0.0)
+            z = tl.load(z_ptr + group[:, None].to(tl.int64) * stride_zg + offs_n[None, :], mask=mask_w, other=0)
+            w = ((codes - z).to(tl.float32) * s.to(tl.float32)).to(x.dtype)
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    return acc
 
 
-def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-               g_idx: torch.Tensor, check_indices: bool = True) -> torch.Tensor:
-    """x @ W.T for the 4-bit W described in the module docstring; [M, N] in x's dtype."""
+@triton.jit
+def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT,
+                  stride_xm, stride_qk, stride_sg, stride_zg, stride_os, stride_om,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_SIZE: tl.constexpr, GEMV: tl.constexpr, PRECISION: tl.constexpr):
+    # M tiles vary fastest: a prefill's row tiles read each weight tile together, once from HBM.
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    k_start = pid_k * K_SPLIT
+    k_end = tl.minimum(K, k_start + K_SPLIT)
+    out_ptr += pid_k.to(tl.int64) * stride_os
+    if GEMV:
+        acc = _gemv(x_ptr + pid_m.to(tl.int64) * stride_xm, qw_ptr, s_ptr, z_ptr, g_ptr, offs_n, mask_n,
+                    k_start, k_end, stride_qk, stride_sg, stride_zg, BLOCK_N, BLOCK_K, GROUP_SIZE)
+        tl.store(out_ptr + pid_m.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < M
+        acc = _dot_tile(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_m, mask_m, offs_n, mask_n, k_start, k_end,
+                        stride_xm, stride_qk, stride_sg, stride_zg, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_SIZE,
+                        PRECISION)
+        tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _sum_splits(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(x, qweight, scales, zeros, g_idx, group_size: int, check_indices: bool) -> None:
     check_float("x", x, 2)
     check_index("qweight", qweight, 2, (torch.int32,))
     check_float("scales", scales, 2)
@@ -63,21 +173,57 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
             f"scales and zeros must both be [groups, {n}], got {tuple(scales.shape)} and {tuple(zeros.shape)}")
     require(g_idx.shape[0] == k, f"g_idx must have one group per input ({k}), got {g_idx.shape[0]}")
     require(qweight.stride(0) >= n, f"qweight rows must not overlap, got strides {qweight.stride()}")
+    if group_size:
+        require(group_size > 0 and group_size % 8 == 0 and k % group_size == 0 and scales.shape[0] == k // group_size,
+                f"group_size {group_size} must be a positive multiple of 8 dividing K = {k} into the "
+                f"{scales.shape[0]} groups of scales")
     if check_indices:
         check_range("g_idx", g_idx, 0, scales.shape[0])
+        if group_size:
+            runs = torch.arange(k, dtype=torch.int32, device=g_idx.device) // group_size
+            require(bool(torch.equal(g_idx, runs)), f"group_size {group_size} needs g_idx == arange(K) // {group_size}")
+
+
+def _block_k(cfg: W4Config, group_size: int) -> tuple[int, int]:
+    """(BLOCK_K, GROUP_SIZE) to launch: with contiguous groups a block must lie in one group, so
+    BLOCK_K shrinks to a power of two dividing the group; too small a block takes the gather path."""
+    if not group_size:
+        return cfg.block_k, 0
+    block_k = cfg.block_k
+    while group_size % block_k:
+        block_k //= 2
+    return (block_k, group_size) if block_k >= (8 if cfg.gemv else 16) else (cfg.block_k, 0)
+
+
+def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+               g_idx: torch.Tensor, group_size: int = 0, check_indices: bool = True,
+               config: W4Config | None = None) -> torch.Tensor:
+    """x @ W.T for the 4-bit W described in the module docstring; [M, N] in x's dtype. `config`
+    overrides the table (the benchmark's sweep)."""
+    _check(x, qweight, scales, zeros, g_idx, group_size, check_indices)
+    m, k = x.shape
+    n = qweight.shape[1]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    # Decode-sized M: narrow N tiles so a 4096-wide layer still spreads over every SM.
-    block_m = 16 if m <= 16 else 64
-    block_n, block_k = (32, 128) if m <= 16 else (128, 32)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _w4a16_kernel[grid](x, qweight, scales, zeros, g_idx, out, m, n, k, x.stride(0), qweight.stride(0),
-                        scales.stride(0), zeros.stride(0), out.stride(0),
-                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    cfg = config or choose(m, n, k, x.device, gathered=not group_size)
+    block_k, group = _block_k(cfg, group_size)
+    steps = triton.cdiv(k, block_k)
+    per_split = triton.cdiv(steps, min(cfg.split_k, steps))
+    splits = triton.cdiv(steps, per_split)
+    target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)
+    _w4a16_kernel[grid](x, qweight, scales, zeros, g_idx, target, m, n, k, per_split * block_k, x.stride(0),
+                        qweight.stride(0), scales.stride(0), zeros.stride(0), m * n, n,
+                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_SIZE=group,
+                        GEMV=cfg.gemv, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        _sum_splits[(triton.cdiv(m * n, REDUCE_BLOCK),)](target, out, m * n, SPLIT_K=splits, BLOCK=REDUCE_BLOCK)
     return out
 
 
-def w4a16_gemm_trusted(x, qweight, scales, zeros, g_idx) -> torch.Tensor:
-    """The model's path: g_idx was range-checked once at load (a read-back per call would sync)."""
-    return w4a16_gemm(x, qweight, scales, zeros, g_idx, check_indices=False)
+def w4a16_gemm_trusted(x, qweight, scales, zeros, g_idx, group_size: int = 0) -> torch.Tensor:
+    """The model's path: g_idx (and its contiguity for group_size) was checked once at load; a
+    read-back per call would sync."""
+    return w4a16_gemm(x, qweight, scales, zeros, g_idx, group_size, check_indices=False)

@@ -8,7 +8,8 @@ eight to an int32:
     packed in order and stored minus one; scales [K/G, N]; g_idx [K], each input's group (with
     act-order the groups are a permutation of the inputs, not runs of G).
 Loading unpacks both into codes [N, K], zeros and scales [K/G, N] and g_idx, then repacks for the
-bound kernel: "w4a16" (a worker's dequantize-in-the-GEMM kernel over [K/8, N] int32 words),
+bound kernel: "w4a16" (a worker's dequantize-in-the-GEMM kernel over [K/8, N] int32 words; act-order
+inputs are permuted into runs of G where they form whole groups, for its contiguous-group path),
 "cpu_int4pack" (torch's packed int4 GEMM; act-order inputs are permuted into runs of G first).
 """
 from __future__ import annotations
@@ -112,6 +113,21 @@ def _require(quant_config: dict | None, name: str) -> dict:
     return quant_config
 
 
+def _group_runs(g_idx: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(perm, order): inputs `perm` form runs of G, run i being group order[i]; None when some
+    group does not hold exactly G of these inputs (act-order on a row-parallel rank). Load time
+    only: it reads device values back."""
+    perm = torch.argsort(g_idx.long(), stable=True)
+    groups = g_idx.long()[perm].view(-1, g)
+    if not bool((groups == groups[:, :1]).all()):
+        return None
+    return perm, groups[:, 0]
+
+
+def _is_identity(perm: torch.Tensor) -> bool:
+    return bool((perm == torch.arange(perm.numel(), device=perm.device)).all())
+
+
 class W4LinearMethod(LinearMethod):
     def __init__(self, config: _W4Config):
         self.config = config
@@ -141,27 +157,43 @@ class W4LinearMethod(LinearMethod):
         for name in ("qweight", "qzeros", "scales", "g_idx"):
             if hasattr(layer, name):
                 delattr(layer, name)
-        if self.gemm is None:
-            self._to_int4pack(layer, codes, zeros, scales, g_idx)
+        if self.gemm is not None:
+            self._to_w4a16(layer, codes, zeros, scales, g_idx)
             return
-        served = {"w4_qweight": pack_int32(codes.t(), 0), "w4_scales": scales, "w4_zeros": zeros.to(torch.int32),
-                  "w4_g_idx": g_idx}
-        for name, tensor in served.items():
-            layer.register_buffer(name, tensor, persistent=False)
+        self._to_int4pack(layer, codes, zeros, scales, g_idx)
 
     def served_bytes(self, layer) -> int:
         """w4a16: codes as [K/8, N] int32, the scales, zero codes as int32 and g_idx; int4pack: its
         packed layout, plus the input permutation with act-order. An act-order rank whose inputs
-        do not form whole groups keeps a dense weight instead, which only its g_idx shows: planned
-        as packed."""
+        do not form whole groups keeps a dense weight (int4pack) or gathers by g_idx without a
+        permutation (w4a16) instead, which only its g_idx shows: planned as packed, permuted."""
         n, k = layer.out_features, layer.in_features
         int32 = torch.int32.itemsize
+        permutation = k * torch.int64.itemsize if self.config.desc_act else 0
         if self.gemm is not None:
             served = k * n // 2 + tensor_bytes(layer.scales) + layer.scales.shape[0] * n * int32 + k * int32
         else:
-            permutation = k * torch.int64.itemsize if self.config.desc_act else 0
-            served = int4pack_bytes(n, k, self.config.group_size) + permutation
-        return served + tensor_bytes(layer.bias)
+            served = int4pack_bytes(n, k, self.config.group_size)
+        return served + permutation + tensor_bytes(layer.bias)
+
+    def _to_w4a16(self, layer, codes, zeros, scales, g_idx) -> None:
+        """Inputs permuted into runs of G where act-order allows (the activations are permuted to
+        match per call), so the kernel takes its contiguous-group path (`group_size`) and loads
+        each group's scales once instead of gathering them per input; a rank whose inputs do not
+        form whole groups keeps g_idx and the gathering path."""
+        g = self.config.group_size
+        runs = _group_runs(g_idx, g)
+        perm, layer.w4_group_size = None, 0
+        if runs is not None:
+            perm, order = runs
+            codes, zeros, scales = codes[:, perm], zeros[order], scales[order]
+            g_idx = torch.arange(g_idx.numel(), dtype=torch.int32, device=g_idx.device) // g
+            perm = None if _is_identity(perm) else perm
+            layer.w4_group_size = g
+        served = {"w4_perm": perm, "w4_qweight": pack_int32(codes.t(), 0), "w4_scales": scales.contiguous(),
+                  "w4_zeros": zeros.to(torch.int32).contiguous(), "w4_g_idx": g_idx}
+        for name, tensor in served.items():
+            layer.register_buffer(name, tensor, persistent=False)
 
     def _unpacked(self, layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """codes [N, K], zero codes [groups, N], g_idx [K] (int32) from the checkpoint's layout."""
@@ -184,23 +216,22 @@ class W4LinearMethod(LinearMethod):
     def _to_int4pack(self, layer, codes, zeros, scales, g_idx) -> None:
         """Permute the inputs so each group is a run of G (act-order), then pack; a rank whose
         inputs do not form whole groups (act-order under row parallelism) keeps dense weights."""
-        g = self.config.group_size
-        perm = torch.argsort(g_idx.long(), stable=True)
-        groups = g_idx.long()[perm].view(-1, g)
-        if not bool((groups == groups[:, :1]).all()):
+        runs = _group_runs(g_idx, self.config.group_size)
+        if runs is None:
             layer.register_buffer("dense_weight", dequantize_w4(codes, zeros, scales, g_idx).to(scales.dtype),
                                   persistent=False)
             return
-        order = groups[:, 0]
+        perm, order = runs
         zeros_f, scales_f = zeros[order].t().float(), scales[order].t().float()
-        identity = bool((perm == torch.arange(perm.numel(), device=perm.device)).all())
-        layer.register_buffer("int4_perm", None if identity else perm, persistent=False)
+        layer.register_buffer("int4_perm", None if _is_identity(perm) else perm, persistent=False)
         register_int4pack(layer, codes[:, perm], scales_f, (8 - zeros_f) * scales_f)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if self.gemm is not None:
-            out = self.gemm(rows, layer.w4_qweight, layer.w4_scales, layer.w4_zeros, layer.w4_g_idx)
+            rows = rows if layer.w4_perm is None else rows[:, layer.w4_perm]
+            out = self.gemm(rows, layer.w4_qweight, layer.w4_scales, layer.w4_zeros, layer.w4_g_idx,
+                            group_size=layer.w4_group_size)
             out = out if layer.bias is None else out + layer.bias
         elif hasattr(layer, "dense_weight"):
             out = F.linear(rows, layer.dense_weight.to(rows.dtype), layer.bias)

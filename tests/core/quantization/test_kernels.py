@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from corectl.backends.triton.w4a16_configs import W4Config
 from corectl.quantization.fp8 import FP8_MAX, fp8_linear_reference, quantize_rows
 from corectl.quantization.gguf_blocks import Int4Groups, decode_int4_groups
 from corectl.quantization.int4 import AWQ_ORDER, dequantize_w4, pack_int32, unpack_int32, w4a16_reference
@@ -98,13 +99,60 @@ def test_w4a16_reference_is_the_dequantized_matmul(act_order):
     torch.testing.assert_close(w4a16_reference(x, qweight, scales, zeros, g_idx), ref)
 
 
-@pytest.mark.parametrize("m,act_order", [(1, False), (3, True), (20, False)])
+def _w4a16_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp32 exactly up to summation order; half dtypes within their rounding of the output (and,
+    act-order through tl.dot, of the dequantized weights)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    else:
+        error = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert error < 1e-2, error
+
+
+# Triton's interpreter multiplies bf16 tl.dot operands as raw 16-bit integers (3.9: errors ~1e10
+# on plain loaded tiles): bf16 runs here only through GEMV; tests/gpu checks bf16 dots.
+INTERPRETED_DOT_DTYPES = (torch.float32, torch.float16)
+
+
+# Decode sizes 1..16 through the launcher's own choice (GEMV at M = 1, 16-row dots above), a
+# prefill size; K = 200 is no multiple of any block (act-order allows any K = 8j).
+@pytest.mark.parametrize("m", list(range(1, 17)) + [70])
+@pytest.mark.parametrize("act_order", [False, True])
 def test_triton_w4a16_matches_reference(m, act_order):
     from corectl.backends.triton.w4a16 import w4a16_gemm
 
-    x, qweight, scales, zeros, g_idx, _ = _w4_case(m, 64, 80, 16, act_order)
-    out = w4a16_gemm(x, qweight, scales, zeros, g_idx)
-    torch.testing.assert_close(out, w4a16_reference(x, qweight, scales, zeros, g_idx), atol=1e-4, rtol=1e-4)
+    k, group = (200, 8) if act_order else (192, 64)
+    x, qweight, scales, zeros, g_idx, _ = _w4_case(m, k, 80, group, act_order)
+    x = x.to(torch.bfloat16 if m == 1 else torch.float16)
+    out = w4a16_gemm(x, qweight, scales, zeros, g_idx, group_size=0 if act_order else group)
+    _w4a16_close(out, w4a16_reference(x, qweight, scales, zeros, g_idx))
+
+
+W4_CONFIGS = {  # every kernel form, K split unevenly (3 slices of 192 / 2, 4 or 7 inputs of a block)
+    "gemv": W4Config(1, 64, 32, 3, 4, gemv=True),
+    "gemv-wide-block": W4Config(1, 32, 128, 2, 4, gemv=True),
+    "dot": W4Config(16, 32, 64, 3, 4),
+    "dot-prefill": W4Config(32, 64, 32, 1, 4),
+}
+
+
+@pytest.mark.parametrize("config", list(W4_CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group,act_order", [(32, False), (24, False), (32, True)])
+def test_triton_w4a16_configs_match_reference(config, dtype, group, act_order):
+    """Each config with contiguous groups (G = 24: blocks shrink to 8 inputs for GEMV, tl.dot falls
+    back to gathering) and act-order, in every activation dtype; scales in x's dtype as loaded."""
+    from corectl.backends.triton.w4a16 import w4a16_gemm
+
+    if dtype not in INTERPRETED_DOT_DTYPES and not W4_CONFIGS[config].gemv:
+        pytest.skip("bf16 tl.dot is wrong under Triton's interpreter")
+    m = 1 if W4_CONFIGS[config].gemv else 5
+    x, qweight, scales, zeros, g_idx, _ = _w4_case(m, 192, 72, group, act_order)
+    x, scales = x.to(dtype), scales.to(dtype)
+    out = w4a16_gemm(x, qweight, scales, zeros, g_idx, group_size=0 if act_order else group,
+                     config=W4_CONFIGS[config])
+    _w4a16_close(out, w4a16_reference(x, qweight, scales, zeros, g_idx))
 
 
 def test_triton_w4a16_checks_its_inputs():
@@ -115,6 +163,29 @@ def test_triton_w4a16_checks_its_inputs():
         w4a16_gemm(x[:, :56], qweight, scales, zeros, g_idx[:56])
     with pytest.raises(ValueError, match="g_idx values"):
         w4a16_gemm(x, qweight, scales, zeros, g_idx + 4)
+    with pytest.raises(ValueError, match="group_size 32 must be"):
+        w4a16_gemm(x, qweight, scales, zeros, g_idx, group_size=32)
+    with pytest.raises(ValueError, match="group_size 16 needs g_idx"):
+        w4a16_gemm(x, qweight, scales, zeros, g_idx.flip(0), group_size=16)
+    with pytest.raises(ValueError, match="gemv only with block_m 1"):
+        W4Config(16, 64, 64, 1, 4, gemv=True)
+
+
+def test_w4a16_configs_cover_the_sms_at_decode():
+    """Decode splits K until a llama3-8b layer's grid covers an H100's 132 SMs several times;
+    prefill tiles already do, and table entries win over the heuristic."""
+    from corectl.backends.triton import w4a16_configs as configs
+
+    o_proj = configs.heuristic(1, 4096, 4096, 132)
+    assert o_proj.gemv and (4096 // o_proj.block_n) * o_proj.split_k >= 132
+    assert configs.heuristic(4, 28672, 4096, 132).split_k >= 2
+    assert configs.heuristic(512, 4096, 4096, 132).split_k == 1
+    assert [configs.m_bucket(m) for m in (1, 2, 16, 17, 4096)] == [1, 4, 16, 64, 512]
+    entry = W4Config(1, 512, 64, 8, 8, gemv=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(configs.TABLE, (1, 4096, 4096), entry)
+        assert configs.choose(1, 4096, 4096, torch.device("cpu")) == entry
+        assert configs.choose(1, 4096, 4096, torch.device("cpu"), gathered=True) != entry
 
 
 def test_triton_fp8_row_quantizer_matches_reference():
