@@ -26,21 +26,24 @@ LAYERS = 32
 DTYPE = torch.bfloat16
 L2_OVERFLOW_BYTES = 256 << 20  # H100 L2 is 50 MB: cycle through at least 5x that
 REPLAYS = 10
-# (block_n, block_k) candidates: M = 1 runs the CUDA-core loop, larger M the 16-row tensor-core tile.
-TILES = {1: [(8, 512), (16, 256), (16, 512), (16, 1024), (32, 256), (32, 512)],
-         16: [(16, 256), (16, 512), (32, 128), (32, 256), (64, 128), (64, 256)]}
+# (block_m, block_n, block_k) candidates: M = 1 tries the CUDA-core GEMV and a few tensor-core
+# tiles, larger M the 16-row tensor-core tile.
+_DOT_TILES = [(16, 16, 256), (16, 16, 512), (16, 32, 128), (16, 32, 256), (16, 64, 128), (16, 64, 256)]
+TILES = {1: [(1, 8, 512), (1, 16, 256), (1, 16, 512), (1, 16, 1024), (1, 32, 256), (1, 32, 512),
+             (16, 16, 512), (16, 32, 256), (16, 64, 256)],
+         16: _DOT_TILES}
 
 
 def candidates(m: int, k: int) -> list[GemvConfig]:
     """Tiles x loads issued ahead (1: none) x split-K, each split keeping two BLOCK_K steps;
     16 KB tiles and up get 8 warps."""
     found = []
-    for block_n, block_k in TILES[1 if m == 1 else 16]:
+    for block_m, block_n, block_k in TILES[1 if m == 1 else 16]:
         warps = 8 if block_n * block_k >= 16384 else 4
         for stages in (1, 3):
             for split_k in (1, 2, 4):
                 if k // split_k >= 2 * block_k:
-                    found.append(GemvConfig(block_n, block_k, split_k, warps, stages))
+                    found.append(GemvConfig(block_m, block_n, block_k, split_k, warps, stages))
     return found
 
 
@@ -113,7 +116,7 @@ def _print_case(row: dict) -> None:
 
 def summarize(rows: list[dict]) -> None:
     print(f"\n{'shape':>12} {'M':>3} {'W8A8 us':>8} {'bf16 us':>8} {'gemv us':>8} {'GB/s':>6} {'vs W8A8':>8}"
-          "  best (block_n, block_k, split_k, num_warps, num_stages)")
+          "  best (block_m, block_n, block_k, split_k, num_warps, num_stages)")
     for r in rows:
         best = r["sweep"][r["best"]]
         print(f"{r['n']:>6}x{r['k']:<5} {r['m']:>3} {r['w8a8']:8.2f} {r['bf16']:8.2f} {best:8.2f} "

@@ -7,9 +7,9 @@ the kernel streams W rows along K (contiguous: 16-byte loads, evict-first so x s
 does no activation quantization: e4m3 values are exact in bf16/fp16/fp32, so the weight is
 converted in registers and the products are exact; sums are fp32, the row scale is applied last.
 
-Grid: cdiv(N, BLOCK_N) output slices x SPLIT_K slices of K. M = 1 multiplies in fp32 on the CUDA
-cores and reduces once at the end (a GEMV); 2 <= M <= 16 runs one 16-row tensor-core tile
-(tl.dot needs >= 16 rows), computed as W @ x.T so W, whose K is contiguous, is the A operand;
+Grid: cdiv(N, BLOCK_N) output slices x SPLIT_K slices of K. BLOCK_M = 1 (M = 1) multiplies in
+fp32 on the CUDA cores and reduces once at the end (a GEMV); BLOCK_M = 16 (any M) runs one
+16-row tensor-core tile (tl.dot needs >= 16 rows), computed as W @ x.T so W, whose K is contiguous, is the A operand;
 its operands are x's dtype (fp32 in the interpreter, which has no 16-bit arithmetic).
 MAX_M = 16 because that is the one tile: W is then read exactly once, and the tile's 16 MACs
 per weight byte stay far below tensor-core peak; larger batches reuse W across rows, which the
@@ -41,6 +41,8 @@ _TARGET_PROGRAMS = 264
 
 
 class GemvConfig(NamedTuple):
+    # Rows per program: 1 (the CUDA-core GEMV, M = 1 only) or 16 (one tensor-core tile).
+    block_m: int
     block_n: int
     block_k: int
     split_k: int
@@ -122,13 +124,13 @@ def _splitk_reduce_kernel(part_ptr, scale_ptr, bias_ptr, out_ptr, N, total,
 def _heuristic_config(m: int, n: int, k: int) -> GemvConfig:
     """Narrow output slices (more programs, each streaming whole rows), split K only as far as
     needed to give every SM work."""
-    block_n, block_k = (16, 512) if m == 1 else (32, 256)
+    block_m, block_n, block_k = (1, 16, 512) if m == 1 else (_DOT_M, 32, 256)
     tiles = triton.cdiv(n, block_n)
     split_k = 1
     # Each split keeps at least two BLOCK_K steps, so the loads of one can overlap the next.
     while tiles * split_k < _TARGET_PROGRAMS and k >= 4 * split_k * block_k:
         split_k *= 2
-    return GemvConfig(block_n, block_k, split_k, num_warps=4, num_stages=3)
+    return GemvConfig(block_m, block_n, block_k, split_k, num_warps=4, num_stages=3)
 
 
 def default_config(m: int, n: int, k: int) -> GemvConfig:
@@ -168,7 +170,10 @@ def fp8_w8a16_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
     m, k = x.shape
     n = weight.shape[0]
     cfg = config or default_config(max(m, 1), n, k)
-    require(cfg.block_n >= _DOT_M or m <= 1, f"block_n must be >= {_DOT_M} when M > 1 (tl.dot), got {cfg}")
+    require(cfg.block_m in (1, _DOT_M) and m <= cfg.block_m,
+            f"block_m must be 1 (M = 1) or {_DOT_M}, and at least M = {m}; got {cfg}")
+    require(cfg.block_m == 1 or cfg.block_n >= _DOT_M,
+            f"block_n must be >= {_DOT_M} with block_m {_DOT_M} (tl.dot), got {cfg}")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -188,7 +193,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: 
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     _fp8_gemv_kernel[grid](x, weight, w_scale, bias if has_bias else w_scale, part, m, n, k, k_per_split,
                            x.stride(0), weight.stride(0), part.stride(-2), part.stride(0) if cfg.split_k > 1 else 0,
-                           HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK_M=1 if m == 1 else _DOT_M,
+                           HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m,
                            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
                            DOT_DTYPE=dot_dtype(x.dtype, x.device), num_warps=cfg.num_warps)
     if cfg.split_k > 1:

@@ -8,7 +8,7 @@ compressed-tensors FP8 checkpoint (per-tensor or per-channel scales) bring e4m3 
 (exact: each row keeps its shard's scale). Static `input_scale`s are read and not used: dynamic
 per-token scales are at least as accurate and cost one row max. Block-wise scales are refused.
 
-Decode-sized batches (at most GEMV_MAX_M rows) take a W8A16 kernel where the worker provides one
+Decode-sized steps (at most GEMV_MAX_M rows) take a W8A16 kernel where the worker provides one
 (GEMV_KERNEL): activations stay in the model's dtype, the e4m3 weights are widened in the kernel
 (exactly), fp32 sums, the row scale last. That skips the quantizer launch and reads the weights at
 HBM bandwidth, where the FP8 tensor-core GEMM's 128-row tiles waste most of their work on one row;

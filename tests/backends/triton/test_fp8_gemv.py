@@ -28,10 +28,11 @@ def test_gemv_matches_dequantized_reference(m, n, k, dtype, bias, assert_close):
 
 
 @pytest.mark.parametrize("m", [1, 3, MAX_M])
-@pytest.mark.parametrize("config", [GemvConfig(16, 64, 3, 4, 2), GemvConfig(32, 128, 2, 4, 1),
-                                    GemvConfig(16, 32, 8, 2, 3)])
+@pytest.mark.parametrize("config", [(16, 64, 3, 4, 2), (32, 128, 2, 4, 1), (16, 32, 8, 2, 3), (32, 64, 1, 4, 1)])
 def test_split_k_partials_reduce_to_the_reference(m, config, assert_close):
-    """K = 300 is not a multiple of any split's BLOCK_K steps; 8 splits of 32 leave one empty."""
+    """K = 300 is not a multiple of any split's BLOCK_K steps; 8 splits of 32 leave one empty.
+    The tensor-core tile also serves M = 1."""
+    config = GemvConfig(16, *config)
     x, weight, scale, b = _case(m, 37, 300, torch.bfloat16, True)
     out = fp8_w8a16_gemv(x, weight, scale, b, config=config)
     assert_close(out, fp8_w8a16_reference(x, weight, scale, b))
@@ -69,7 +70,9 @@ def test_launcher_names_the_bad_argument():
         with pytest.raises(ValueError, match=message):
             fp8_w8a16_gemv(*args)
     with pytest.raises(ValueError, match="block_n must be >= 16"):
-        fp8_w8a16_gemv(x, weight, scale, b, config=GemvConfig(8, 64, 1, 4, 1))
+        fp8_w8a16_gemv(x, weight, scale, b, config=GemvConfig(16, 8, 64, 1, 4, 1))
+    with pytest.raises(ValueError, match="block_m must be 1 \\(M = 1\\) or 16, and at least M = 2"):
+        fp8_w8a16_gemv(x, weight, scale, b, config=GemvConfig(1, 16, 64, 1, 4, 1))
 
 
 def test_kernel_and_method_agree_on_the_bound():
@@ -77,7 +80,7 @@ def test_kernel_and_method_agree_on_the_bound():
 
 
 def test_tuned_table_is_read_by_power_of_two_bucket(monkeypatch):
-    tuned = GemvConfig(64, 256, 2, 8, 4)
+    tuned = GemvConfig(16, 64, 256, 2, 8, 4)
     monkeypatch.setitem(fp8_gemv.TUNED, (4096, 4096), {4: tuned})
     assert default_config(3, 4096, 4096) == default_config(4, 4096, 4096) == tuned
     assert default_config(5, 4096, 4096) != tuned and default_config(4, 4096, 14336) != tuned
@@ -88,4 +91,4 @@ def test_tuned_table_is_read_by_power_of_two_bucket(monkeypatch):
 def test_heuristic_gives_every_h100_sm_work(m, n, k):
     cfg = fp8_gemv._heuristic_config(m, n, k)
     assert triton.cdiv(n, cfg.block_n) * cfg.split_k >= H100_SMS
-    assert k // cfg.split_k >= 2 * cfg.block_k and (m == 1 or cfg.block_n >= 16)
+    assert k // cfg.split_k >= 2 * cfg.block_k and m <= cfg.block_m and (cfg.block_m == 1 or cfg.block_n >= 16)
