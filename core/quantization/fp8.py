@@ -7,6 +7,13 @@ compressed-tensors FP8 checkpoint (per-tensor or per-channel scales) bring e4m3 
 `weight_scale`s. Per-tensor scales of a packed layer's shards (q, k, v) become per-channel scales
 (exact: each row keeps its shard's scale). Static `input_scale`s are read and not used: dynamic
 per-token scales are at least as accurate and cost one row max. Block-wise scales are refused.
+
+Decode-sized steps (at most GEMV_MAX_M rows) take a W8A16 kernel where the worker provides one
+(GEMV_KERNEL): activations stay in the model's dtype, the e4m3 weights are widened in the kernel
+(exactly), fp32 sums, the row scale last. That skips the quantizer launch and reads the weights at
+HBM bandwidth, where the FP8 tensor-core GEMM's 128-row tiles waste most of their work on one row;
+it is also more accurate than W8A8 (no rounding of activations to e4m3). The path depends on the
+row count only (known on the host), so each captured CUDA-graph batch size takes one path.
 """
 from __future__ import annotations
 
@@ -45,6 +52,13 @@ def fp8_gemm_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Te
     return out if bias is None else out + bias
 
 
+def fp8_w8a16_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    """The decode kernel's contract: x (not quantized) @ the dequantized weight.T, in fp32 math."""
+    out = x.float() @ (weight.float() * weight_scale.view(-1, 1)).t()
+    return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
 def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                          bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T as the method computes it (activations quantized per token), in fp32 math."""
@@ -54,6 +68,10 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 _KERNELS = {"fp8_scaled_mm": fp8_gemm_scaled_mm, "fp8_reference": fp8_gemm_reference}
 # A worker may provide a one-launch activation quantizer with the contract of `quantize_rows`.
 QUANTIZE_KERNEL = "fp8_quantize_rows"
+# ... and a decode GEMM: (x [M <= GEMV_MAX_M, K], e4m3 weight [N, K], fp32 scales [N], bias | None)
+# -> x @ (weight * scale[:, None]).T + bias in x's dtype, without quantizing x (fp8_w8a16_reference).
+GEMV_KERNEL = "fp8_w8a16_gemv"
+GEMV_MAX_M = 16
 
 
 @dataclass(frozen=True)
@@ -116,6 +134,7 @@ class Fp8LinearMethod(LinearMethod):
         self.config = config
         self.gemm = _KERNELS[config.kernel]
         self.quantize = optional_kernel(QUANTIZE_KERNEL) or quantize_rows
+        self.gemv = optional_kernel(GEMV_KERNEL)
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         n, k = layer.out_features, layer.in_features
@@ -150,8 +169,12 @@ class Fp8LinearMethod(LinearMethod):
         return n * k * FP8.itemsize + n * torch.float32.itemsize + tensor_bytes(layer.bias)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        xq, x_scale = self.quantize(x.reshape(-1, x.shape[-1]))
-        out = self.gemm(xq, x_scale, layer.weight, layer.weight_scale, layer.bias, x.dtype)
+        rows = x.reshape(-1, x.shape[-1])
+        if self.gemv is not None and rows.shape[0] <= GEMV_MAX_M:
+            out = self.gemv(rows, layer.weight, layer.weight_scale, layer.bias)
+        else:
+            xq, x_scale = self.quantize(rows)
+            out = self.gemm(xq, x_scale, layer.weight, layer.weight_scale, layer.bias, x.dtype)
         return out.view(*x.shape[:-1], out.shape[-1])
 
 

@@ -1,6 +1,6 @@
 """Quantized GEMMs at llama3-8b sizes on the GPU against their torch references, and quantized
-models served end to end: FP8 W8A8 (`torch._scaled_mm`, Hopper/Ada) and the Triton 4-bit AWQ/GPTQ
-GEMM (run it as `python -m pytest tests/gpu`, see conftest.py)."""
+models served end to end: FP8 W8A8 (`torch._scaled_mm`, Hopper/Ada), the Triton FP8 decode kernel
+(W8A16) and the Triton 4-bit AWQ/GPTQ GEMM (run it as `python -m pytest tests/gpu`, see conftest.py)."""
 import pytest
 import torch
 
@@ -8,7 +8,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA or ROCm GPU", allow_module_level=True)
 
 from corectl import SamplingParams  # noqa: E402
-from corectl.quantization.fp8 import fp8_gemm_reference, fp8_gemm_scaled_mm, quantize_rows  # noqa: E402
+from corectl.quantization.fp8 import (fp8_gemm_reference, fp8_gemm_scaled_mm, fp8_linear_reference,  # noqa: E402
+                                      fp8_w8a16_reference, quantize_rows)
 from corectl.quantization.int4 import pack_int32, w4a16_reference  # noqa: E402
 from gpu_helpers import build_checkpoint, generate, random_prompts  # noqa: E402
 
@@ -40,6 +41,47 @@ def test_fp8_activation_quantizer_and_scaled_mm_match_references(m, n, k):
     error = _rel_error(fp8_gemm_scaled_mm(xq, x_scale, weight, scale.view(-1), bias, x.dtype),
                        fp8_gemm_reference(xq, x_scale, weight, scale.view(-1), bias, x.dtype))
     assert error < REL_TOL, error
+
+
+@pytest.mark.skipif(not FP8, reason="e4m3 conversions need compute capability 8.9 or newer")
+@pytest.mark.parametrize("m", [1, 2, 5, 16])
+@pytest.mark.parametrize("n,k", LLAMA3_8B)
+def test_fp8_w8a16_gemv_matches_reference_and_beats_w8a8(m, n, k):
+    """The decode kernel (table or heuristic config) against its fp32 reference to bf16 rounding,
+    and closer to the dense product than W8A8 (its activations are not rounded to e4m3)."""
+    from corectl.backends.triton.fp8_gemv import fp8_w8a16_gemv
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    weight, scale = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+    scale, bias = scale.view(-1), torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    out = fp8_w8a16_gemv(x, weight, scale, bias)
+    assert _rel_error(out, fp8_w8a16_reference(x, weight, scale, bias)) < 2 ** -8
+    dense = x.float() @ (weight.float() * scale.view(-1, 1)).t() + bias.float()
+    assert _rel_error(out, dense) < _rel_error(fp8_linear_reference(x, weight, scale, bias), dense)
+
+
+@pytest.mark.skipif(not FP8, reason="e4m3 conversions need compute capability 8.9 or newer")
+@pytest.mark.parametrize("m,config", [(1, (1, 8, 512, 2, 4, 1)), (1, (1, 16, 1024, 1, 8, 3)),
+                                      (1, (16, 32, 256, 2, 4, 3)), (16, (16, 64, 256, 4, 8, 3)),
+                                      (7, (16, 16, 128, 2, 4, 1))])
+def test_fp8_w8a16_gemv_replays_from_a_cuda_graph(m, config):
+    """Captured once, replayed on new inputs: the same bits as eager calls (split-K is reduced in
+    a fixed order, no atomics)."""
+    from corectl.backends.triton.fp8_gemv import GemvConfig, fp8_w8a16_gemv
+
+    n, k = LLAMA3_8B[3]
+    cfg = GemvConfig(*config)
+    weight, scale = quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    fp8_w8a16_gemv(x, weight, scale.view(-1), None, cfg)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_w8a16_gemv(x, weight, scale.view(-1), None, cfg)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert torch.equal(out, fp8_w8a16_gemv(x, weight, scale.view(-1), None, cfg))
+
 
 
 def _w4_layer(n: int, k: int, act_order: bool, group: int = 128):

@@ -4,11 +4,15 @@ inputs each run): torch's packed int4 CPU GEMM as the GGUF/AWQ/GPTQ methods driv
 the Triton 4-bit GEMM under the interpreter."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 from corectl.backends.triton.w4a16_configs import W4Config
-from corectl.quantization.fp8 import FP8_MAX, fp8_linear_reference, quantize_rows
+from corectl.quantization.fp8 import (FP8_MAX, GEMV_KERNEL, GEMV_MAX_M, Fp8Config, Fp8LinearMethod,
+                                      fp8_linear_reference, fp8_w8a16_reference, quantize_rows)
+from corectl.quantization.scope import quantization_scope
 from corectl.quantization.gguf_blocks import Int4Groups, decode_int4_groups
 from corectl.quantization.int4 import AWQ_ORDER, dequantize_w4, pack_int32, unpack_int32, w4a16_reference
 from corectl.quantization.int4_cpu import int4_linear, pack_int4
@@ -79,6 +83,29 @@ def test_fp8_reference_linear_is_close_to_dense():
     out = fp8_linear_reference(x, wq, ws, None)
     ref = x @ w.t()
     assert (out - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_fp8_method_runs_decode_batches_on_the_w8a16_kernel_when_provided():
+    """Up to GEMV_MAX_M rows take the worker's W8A16 kernel (x not quantized); more rows, or no
+    kernel, the W8A8 GEMM."""
+    weight, scale = quantize_rows(torch.randn(32, 64))
+    layer = SimpleNamespace(weight=weight, weight_scale=scale.view(-1), bias=torch.randn(32))
+    calls = []
+
+    def gemv(x, w, s, bias):
+        calls.append(x.shape[0])
+        return fp8_w8a16_reference(x, w, s, bias)
+
+    with quantization_scope(None, {GEMV_KERNEL: gemv}):
+        method = Fp8LinearMethod(Fp8Config(kernel="fp8_reference"))
+    plain = Fp8LinearMethod(Fp8Config(kernel="fp8_reference"))
+    decode, prefill = torch.randn(1, 3, 64), torch.randn(GEMV_MAX_M + 1, 64)
+    out = method.apply(layer, decode)
+    assert calls == [3] and out.shape == (1, 3, 32)
+    torch.testing.assert_close(out, fp8_w8a16_reference(decode.view(3, 64), weight, scale, layer.bias).view(1, 3, 32))
+    torch.testing.assert_close(plain.apply(layer, decode), fp8_linear_reference(decode, weight, scale, layer.bias))
+    torch.testing.assert_close(method.apply(layer, prefill), fp8_linear_reference(prefill, weight, scale, layer.bias))
+    assert calls == [3]
 
 
 def _w4_case(m: int, k: int, n: int, group: int, act_order: bool):

@@ -1,0 +1,205 @@
+"""FP8-weight GEMM for decode-sized batches (W8A16): out = x @ (W * w_scale[:, None]).T (+ bias).
+
+Contract ("fp8_w8a16_gemv" in `corectl.quantization.fp8`): x [M, K] fp32/fp16/bf16 with
+M <= MAX_M, weight [N, K] e4m3 row-major, w_scale [N] fp32 (one per output row), bias [N] or
+None; out [M, N] in x's dtype. At decode the layer is bound by reading W (N*K bytes) once, so
+the kernel streams W rows along K (contiguous: 16-byte loads, evict-first so x stays in L2) and
+does no activation quantization: e4m3 values are exact in bf16/fp16/fp32, so the weight is
+converted in registers and the products are exact; sums are fp32, the row scale is applied last.
+
+Grid: cdiv(N, BLOCK_N) output slices x SPLIT_K slices of K. BLOCK_M = 1 (M = 1) multiplies in
+fp32 on the CUDA cores and reduces once at the end (a GEMV); BLOCK_M = 16 (any M) runs one
+16-row tensor-core tile (tl.dot needs >= 16 rows), computed as W @ x.T so W, whose K is contiguous, is the A operand;
+its operands are x's dtype (fp32 in the interpreter, which has no 16-bit arithmetic).
+MAX_M = 16 because that is the one tile: W is then read exactly once, and the tile's 16 MACs
+per weight byte stay far below tensor-core peak; larger batches reuse W across rows, which the
+FP8 tensor-core GEMM (`torch._scaled_mm`) does better.
+
+Split-K partials are reduced deterministically: the GEMM writes fp32 partials [SPLIT_K, M, N]
+and a second launch sums them in split order, scales, adds the bias and casts (no atomics, so the
+result does not depend on program order; no memset). SPLIT_K = 1 stores the output directly.
+Everything is sized from shapes only: CUDA-graph capturable, no host syncs.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import check_float, check_same_device, require
+from .paged_softmax import dot_dtype
+
+FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
+MAX_M = 16
+_DOT_M = 16  # the smallest tl.dot tile
+_REDUCE_BLOCK = 1024
+# Programs to aim for when no tuned config matches: two per SM of an H100 (132 SMs), so each SM
+# keeps at least two streams of loads in flight.
+_TARGET_PROGRAMS = 264
+
+
+class GemvConfig(NamedTuple):
+    # Rows per program: 1 (the CUDA-core GEMV, M = 1 only) or 16 (one tensor-core tile).
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    # Loads issued ahead along K (the loop has no tl.dot at M = 1, so Triton pipelines its loads
+    # only when the loop asks): bytes in flight per SM are what reach HBM bandwidth.
+    num_stages: int
+
+
+# Tuned on an H100 by `python -m corectl.backends.triton.bench_fp8` (it prints this table):
+# {(N, K): {M bucket (1, 2, 4, 8, 16): GemvConfig}}. Shapes not listed use `_heuristic_config`.
+TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {}
+
+
+# M only bounds masks: one compile serves every decode batch size of a BLOCK_M.
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, k_per_split,
+                     stride_xm, stride_wn, stride_om, stride_os,
+                     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                     DOT_DTYPE: tl.constexpr):
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_n, mask_m = offs_n < N, offs_m < M
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    x_rows = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm
+    k_start = pid_k * k_per_split  # k_per_split is a multiple of BLOCK_K: splits never overlap
+    k_end = tl.minimum(k_start + k_per_split, K)
+    if BLOCK_M == 1:
+        # A per-thread [BLOCK_N, BLOCK_K] accumulator: fused multiply-adds only inside the loop,
+        # one cross-thread reduction at the end.
+        acc_nk = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            acc_nk += w.to(tl.float32) * x[None, :]
+        acc = tl.sum(acc_nk, axis=1)[:, None]
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            xt = tl.load(x_rows + offs_k[:, None], mask=mask_k[:, None] & mask_m[None, :], other=0.0)
+            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            # e4m3 -> x's dtype is exact; fp32 x stays fp32 ("ieee": no TF32 rounding).
+            acc += tl.dot(w.to(DOT_DTYPE), xt.to(DOT_DTYPE), input_precision="ieee")
+    mask = mask_n[:, None] & mask_m[None, :]
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    if SPLIT_K == 1:
+        acc *= tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptrs + pid_k * stride_os, acc, mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, scale_ptr, bias_ptr, out_ptr, N, total,
+                          HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out (contiguous [M, N]) = sum over splits in order (deterministic) * scale + bias."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * total + offs, mask=mask, other=0.0)
+    n = offs % N
+    acc *= tl.load(scale_ptr + n, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _heuristic_config(m: int, n: int, k: int) -> GemvConfig:
+    """Narrow output slices (more programs, each streaming whole rows), split K only as far as
+    needed to give every SM work."""
+    block_m, block_n, block_k = (1, 16, 512) if m == 1 else (_DOT_M, 32, 256)
+    tiles = triton.cdiv(n, block_n)
+    split_k = 1
+    # Each split keeps at least two BLOCK_K steps, so the loads of one can overlap the next.
+    while tiles * split_k < _TARGET_PROGRAMS and k >= 4 * split_k * block_k:
+        split_k *= 2
+    return GemvConfig(block_m, block_n, block_k, split_k, num_warps=4, num_stages=3)
+
+
+def default_config(m: int, n: int, k: int) -> GemvConfig:
+    """The tuned config of (N, K) at M's power-of-two bucket, else the heuristic."""
+    bucket = 1 << (m - 1).bit_length()
+    return TUNED.get((n, k), {}).get(bucket) or _heuristic_config(m, n, k)
+
+
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    check_float("x", x, 2)
+    require(isinstance(weight, torch.Tensor) and weight.dtype == FP8_WEIGHT_DTYPE and weight.dim() == 2,
+            f"weight must be a 2-D {FP8_WEIGHT_DTYPE} tensor [N, K], got "
+            f"{getattr(weight, 'dtype', type(weight).__name__)} {tuple(getattr(weight, 'shape', ()))}")
+    m, k = x.shape
+    n = weight.shape[0]
+    require(m <= MAX_M, f"x may have at most {MAX_M} rows (decode batches; larger ones take the FP8 GEMM), got {m}")
+    require(weight.shape[1] == k, f"weight must be [N, K] with K = {k} (x's features), got {tuple(weight.shape)}")
+    require(weight.numel() == 0 or (weight.stride(1) == 1 and weight.stride(0) >= k),
+            f"weight rows must be contiguous and not overlap, got strides {weight.stride()}")
+    require(isinstance(w_scale, torch.Tensor) and w_scale.dtype == torch.float32 and w_scale.dim() == 1
+            and w_scale.shape[0] == n and w_scale.stride(0) == 1,
+            f"w_scale must be a contiguous float32 [{n}] (one scale per output row), got "
+            f"{getattr(w_scale, 'dtype', type(w_scale).__name__)} {tuple(getattr(w_scale, 'shape', ()))}")
+    tensors = {"x": x, "weight": weight, "w_scale": w_scale}
+    if bias is not None:
+        check_float("bias", bias, 1)
+        require(bias.shape[0] == n, f"bias must be [{n}], got {tuple(bias.shape)}")
+        tensors["bias"] = bias
+    check_same_device(**tensors)
+
+
+def fp8_w8a16_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                   config: GemvConfig | None = None) -> torch.Tensor:
+    """x @ (weight * w_scale[:, None]).T + bias for M <= MAX_M rows; [M, N] in x's dtype.
+    `config` overrides the table (the benchmark's sweep)."""
+    _check_inputs(x, weight, w_scale, bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    cfg = config or default_config(max(m, 1), n, k)
+    require(cfg.block_m in (1, _DOT_M) and m <= cfg.block_m,
+            f"block_m must be 1 (M = 1) or {_DOT_M}, and at least M = {m}; got {cfg}")
+    require(cfg.block_m == 1 or cfg.block_n >= _DOT_M,
+            f"block_n must be >= {_DOT_M} with block_m {_DOT_M} (tl.dot), got {cfg}")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
+    return _launch(x, weight, w_scale, bias, out, cfg)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+            out: torch.Tensor, cfg: GemvConfig) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.shape[0]
+    # Whole BLOCK_K steps per split; a split left without K (tiny K) just writes zeros.
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    part = out if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
+    has_bias = bias is not None
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    _fp8_gemv_kernel[grid](x, weight, w_scale, bias if has_bias else w_scale, part, m, n, k, k_per_split,
+                           x.stride(0), weight.stride(0), part.stride(-2), part.stride(0) if cfg.split_k > 1 else 0,
+                           HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m,
+                           BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
+                           DOT_DTYPE=dot_dtype(x.dtype, x.device), num_warps=cfg.num_warps)
+    if cfg.split_k > 1:
+        total = m * n
+        _splitk_reduce_kernel[(triton.cdiv(total, _REDUCE_BLOCK),)](
+            part, w_scale, bias if has_bias else w_scale, out, n, total,
+            HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK=_REDUCE_BLOCK, num_warps=4)
+    return out
+

@@ -1,0 +1,94 @@
+"""The FP8-weight decode GEMM (W8A16) against the dequantize-then-matmul fp32 reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+from corectl.backends.triton import fp8_gemv
+from corectl.backends.triton.fp8_gemv import MAX_M, GemvConfig, default_config, fp8_w8a16_gemv
+from corectl.quantization.fp8 import GEMV_MAX_M, fp8_w8a16_reference, quantize_rows
+
+LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+H100_SMS = 132
+
+
+def _case(m: int, n: int, k: int, dtype: torch.dtype, bias: bool):
+    """Outputs of order one: weight rows ~ 1/sqrt(K) before e4m3 quantization."""
+    x = torch.randn(m, k).to(dtype)
+    weight, scale = quantize_rows(torch.randn(n, k) * k ** -0.5)
+    return x, weight, scale.view(-1), torch.randn(n).to(dtype) if bias else None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 300), (1, 33, 1000), (2, 50, 77), (5, 64, 700), (16, 24, 520)])
+def test_gemv_matches_dequantized_reference(m, n, k, dtype, bias, assert_close):
+    x, weight, scale, b = _case(m, n, k, dtype, bias)
+    assert_close(fp8_w8a16_gemv(x, weight, scale, b), fp8_w8a16_reference(x, weight, scale, b))
+
+
+@pytest.mark.parametrize("m", [1, 3, MAX_M])
+@pytest.mark.parametrize("config", [(16, 64, 3, 4, 2), (32, 128, 2, 4, 1), (16, 32, 8, 2, 3), (32, 64, 1, 4, 1)])
+def test_split_k_partials_reduce_to_the_reference(m, config, assert_close):
+    """K = 300 is not a multiple of any split's BLOCK_K steps; 8 splits of 32 leave one empty.
+    The tensor-core tile also serves M = 1."""
+    config = GemvConfig(16, *config)
+    x, weight, scale, b = _case(m, 37, 300, torch.bfloat16, True)
+    out = fp8_w8a16_gemv(x, weight, scale, b, config=config)
+    assert_close(out, fp8_w8a16_reference(x, weight, scale, b))
+    # The second pass sums the splits in order: repeated runs agree to the bit.
+    assert torch.equal(out, fp8_w8a16_gemv(x, weight, scale, b, config=config))
+
+
+def test_fp16_activations_and_strided_rows(assert_close):
+    x, weight, scale, b = _case(4, 48, 200, torch.float16, True)
+    wide = torch.zeros(4, 256, dtype=torch.float16)
+    wide[:, :200] = x
+    assert_close(fp8_w8a16_gemv(wide[:, :200], weight, scale, b), fp8_w8a16_reference(x, weight, scale, b))
+
+
+def test_empty_inputs():
+    x, weight, scale, b = _case(1, 8, 16, torch.float32, True)
+    assert fp8_w8a16_gemv(x[:0], weight, scale, b).shape == (0, 8)
+    out = fp8_w8a16_gemv(x[:, :0], weight[:, :0], scale, b)
+    assert torch.equal(out, b.view(1, -1))
+
+
+def test_launcher_names_the_bad_argument():
+    x, weight, scale, b = _case(2, 16, 64, torch.float32, True)
+    bad = {
+        "x must be float32": (x.to(torch.int32), weight, scale, b),
+        "weight must be a 2-D torch.float8_e4m3fn": (x, weight.float(), scale, b),
+        "at most 16 rows": (torch.randn(MAX_M + 1, 64), weight, scale, b),
+        "weight must be \\[N, K\\] with K = 32": (x[:, :32], weight, scale, b),
+        "weight rows must be contiguous": (x[:, :32], weight[:, ::2], scale, b),
+        "w_scale must be a contiguous float32 \\[16\\]": (x, weight, scale.view(-1, 1), b),
+        "w_scale must be": (x, weight, scale.half(), b),
+        "bias must be \\[16\\]": (x, weight, scale, b[:8]),
+    }
+    for message, args in bad.items():
+        with pytest.raises(ValueError, match=message):
+            fp8_w8a16_gemv(*args)
+    with pytest.raises(ValueError, match="block_n must be >= 16"):
+        fp8_w8a16_gemv(x, weight, scale, b, config=GemvConfig(16, 8, 64, 1, 4, 1))
+    with pytest.raises(ValueError, match="block_m must be 1 \\(M = 1\\) or 16, and at least M = 2"):
+        fp8_w8a16_gemv(x, weight, scale, b, config=GemvConfig(1, 16, 64, 1, 4, 1))
+
+
+def test_kernel_and_method_agree_on_the_bound():
+    assert MAX_M == GEMV_MAX_M
+
+
+def test_tuned_table_is_read_by_power_of_two_bucket(monkeypatch):
+    tuned = GemvConfig(16, 64, 256, 2, 8, 4)
+    monkeypatch.setitem(fp8_gemv.TUNED, (4096, 4096), {4: tuned})
+    assert default_config(3, 4096, 4096) == default_config(4, 4096, 4096) == tuned
+    assert default_config(5, 4096, 4096) != tuned and default_config(4, 4096, 14336) != tuned
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("n,k", LLAMA3_8B)
+def test_heuristic_gives_every_h100_sm_work(m, n, k):
+    cfg = fp8_gemv._heuristic_config(m, n, k)
+    assert triton.cdiv(n, cfg.block_n) * cfg.split_k >= H100_SMS
+    assert k // cfg.split_k >= 2 * cfg.block_k and m <= cfg.block_m and (cfg.block_m == 1 or cfg.block_n >= 16)
