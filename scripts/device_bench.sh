@@ -129,6 +129,13 @@ stage_profq() {
     grep -E "Self CUDA time total|Wall time" "$RES/profq_$q.txt"
   done
 }
+stage_qbench() {
+  # The quantized decode kernels' config sweeps (their tables are filled from these), each bounded.
+  timeout 200 python3 -m corectl.backends.triton.bench_w4a16 --quick > "$RES/bench_w4a16.txt" 2>&1
+  tail -40 "$RES/bench_w4a16.txt"
+  timeout 240 python3 -m corectl.backends.triton.bench_fp8 > "$RES/bench_fp8.txt" 2>&1
+  tail -60 "$RES/bench_fp8.txt"
+}
 stage_w4() {
   bench throughput --model qwen3-0.6b --num-prompts 256 --min-len 100 --max-len 1024 --save-result "$RES/w4.json"
   python3 "$PEER" static --shape qwen3-0.6b --batch 128 --input-len 512 --output-len 512
