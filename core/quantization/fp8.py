@@ -71,7 +71,7 @@ QUANTIZE_KERNEL = "fp8_quantize_rows"
 # ... and a decode GEMM: (x [M <= GEMV_MAX_M, K], e4m3 weight [N, K], fp32 scales [N], bias | None)
 # -> x @ (weight * scale[:, None]).T + bias in x's dtype, without quantizing x (fp8_w8a16_reference).
 GEMV_KERNEL = "fp8_w8a16_gemv"
-GEMV_MAX_M = 16
+GEMV_MAX_M = 8
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ def test_fp8_activation_quantizer_and_scaled_mm_match_references(m, n, k):
 
 
 @pytest.mark.skipif(not FP8, reason="e4m3 conversions need compute capability 8.9 or newer")
-@pytest.mark.parametrize("m", [1, 2, 5, 16])
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
 @pytest.mark.parametrize("n,k", LLAMA3_8B)
 def test_fp8_w8a16_gemv_matches_reference_and_beats_w8a8(m, n, k):
     """The decode kernel (table or heuristic config) against its fp32 reference to bf16 rounding,
@@ -62,7 +62,7 @@ def test_fp8_w8a16_gemv_matches_reference_and_beats_w8a8(m, n, k):
 
 @pytest.mark.skipif(not FP8, reason="e4m3 conversions need compute capability 8.9 or newer")
 @pytest.mark.parametrize("m,config", [(1, (1, 8, 512, 2, 4, 1)), (1, (1, 16, 1024, 1, 8, 3)),
-                                      (1, (16, 32, 256, 2, 4, 3)), (16, (16, 64, 256, 4, 8, 3)),
+                                      (1, (16, 32, 256, 2, 4, 3)), (8, (16, 64, 256, 4, 8, 3)),
                                       (7, (16, 16, 128, 2, 4, 1))])
 def test_fp8_w8a16_gemv_replays_from_a_cuda_graph(m, config):
     """Captured once, replayed on new inputs: the same bits as eager calls (split-K is reduced in
