@@ -147,7 +147,7 @@ stage_w7() {
   python3 -m corectl.backends.triton.bench_moe 2>&1 | tail -20
   bench throughput --model qwen3-30b-a3b --num-prompts 256 --input-len 512 --output-len 128 --save-result "$RES/w7.json"
   bench latency --model qwen3-30b-a3b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w7_latency.json"
-  python3 "$PEER" static --shape qwen3-30b-a3b --batch 1 64 128 --input-len 512 --output-len 128
+  timeout 240 python3 "$PEER" static --shape qwen3-30b-a3b --batch 1 64 --input-len 512 --output-len 128
 }
 
 # -- several GPUs (issue 13: nvidia-h200-x2) -------------------------------------------------------
