@@ -17,7 +17,8 @@ from .pooling import PoolingParams
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
 
-PromptType = str | list[int]
+# A prompt: text, token ids, or vLLM's dicts {"prompt": text} / {"prompt_token_ids": ids}.
+PromptType = str | list[int] | dict
 
 
 class LLM:
@@ -48,7 +49,8 @@ class LLM:
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a batch; outputs come back in input order.
 
-        A prompt is a string or a list of token ids; `sampling_params` is one for all or one per prompt.
+        A prompt is a string, a list of token ids, or vLLM's `{"prompt": text}` /
+        `{"prompt_token_ids": ids}`; `sampling_params` is one for all or one per prompt.
         """
         batch = _as_prompt_list(prompts)
         params = _broadcast(sampling_params or SamplingParams(), len(batch), "sampling_params")
@@ -59,13 +61,22 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+             chat_template: str | None = None, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+
+        As vLLM's `LLM.chat`: `tools` (OpenAI function specs) reach the template, `chat_template_kwargs`
+        become template variables (e.g. `enable_thinking`), and `continue_final_message` leaves the
+        last (assistant) message open for the model to continue instead of starting a new turn."""
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message continues the last message: pass "
+                                      "add_generation_prompt=False with it", param="continue_final_message")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
+        extra = dict(chat_template_kwargs or {}, **({"continue_final_message": True} if continue_final_message else {}))
         prompts = [
-            tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                               chat_template=chat_template)
+            tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tools=tools,
+                                          chat_template=chat_template, **extra)
             for conv in conversations
         ]
         params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
@@ -120,7 +131,7 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     prompts = list(prompts)
     if prompts and isinstance(prompts[0], int):

@@ -24,13 +24,39 @@ NO_TOKENIZER = ("this model runs without a tokenizer (skip_tokenizer_init, a sha
                 "with no tokenizer files)")
 
 
-def encode_prompt(tokenizer: Tokenizer | None, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-    """A prompt as (its text, or None for token ids; its token ids)."""
+def encode_prompt(tokenizer: Tokenizer | None, prompt) -> tuple[str | None, list[int]]:
+    """A prompt as (its text, or None for token ids; its token ids). A prompt is a string, a list
+    of token ids, or vLLM's dict forms: `{"prompt": text}` or `{"prompt_token_ids": [...]}`."""
+    if isinstance(prompt, dict):
+        prompt = _unwrap_prompt_dict(prompt)
     if not isinstance(prompt, str):
-        return None, list(prompt)
+        token_ids = list(prompt) if isinstance(prompt, (list, tuple)) else None
+        if token_ids is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+            raise InvalidRequestError(f"a prompt is a string, a list of token ids (ints) or a dict with 'prompt' or "
+                                      f"'prompt_token_ids', not {_describe(prompt)}", param="prompt")
+        return None, token_ids
     if tokenizer is None:
         raise InvalidRequestError(f"{NO_TOKENIZER}, so prompts must be lists of token ids, not text", param="prompt")
     return prompt, tokenizer.encode(prompt)
+
+
+def _unwrap_prompt_dict(prompt: dict):
+    """The text or ids of a vLLM-style prompt dict (TextPrompt, TokensPrompt)."""
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    if unknown:
+        raise InvalidRequestError(f"prompt dicts take 'prompt' or 'prompt_token_ids' only; this engine does not "
+                                  f"take {', '.join(map(repr, unknown))}", param="prompt")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise InvalidRequestError("a prompt dict needs exactly one of 'prompt' (text) and 'prompt_token_ids'",
+                                  param="prompt")
+    if "prompt" in prompt and not isinstance(prompt["prompt"], str):
+        raise InvalidRequestError(f"'prompt' must be a string, not {_describe(prompt['prompt'])}", param="prompt")
+    return prompt.get("prompt", prompt.get("prompt_token_ids"))
+
+
+def _describe(value) -> str:
+    return type(value).__name__ if not isinstance(value, (list, tuple)) else f"a {type(value).__name__} holding " + (
+        ", ".join(sorted({type(v).__name__ for v in value})) or "nothing")
 
 
 def check_request(request_ids: list[str], prompt_token_ids: list[int], params: SamplingParams, info: EngineInfo,
