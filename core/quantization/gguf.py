@@ -3,7 +3,7 @@
 The config reads the file's tensor types; a linear layer whose checkpoint tensors (all shards of
 a packed qkv or gate_up layer) are Q4_0, Q4_1 or Q4_K keeps them as int4 groups of 32,
 w = q * scale + offset, and runs either the worker's 4-bit GEMM (kernel "w4a16", GPUs: codes
-packed as [K/8, N] words, scales and float offsets [K/32, N] in the model's dtype) or torch's
+packed as [K/8, N] words, scales and float offsets [K/32, N] in fp16, or fp32 in fp32 models) or torch's
 packed int4 GEMM (kernel "cpu_int4pack", CPUs). Every other tensor (norms, the embedding and tied
 head, Q5/Q6_K/Q8_0 projections) is dequantized while loading, as without quantization.
 """
@@ -81,9 +81,11 @@ class GGUFInt4Method(LinearMethod):
         if k % GROUP:
             raise ConfigError("model", f"{k} input features do not split into GGUF groups of {GROUP}")
         layer.register_quant_param("weight", torch.zeros(n, k, dtype=torch.uint8), QuantAxes(0, 1, 1, 1))
-        # w4a16 serves scales and offsets as loaded, in the model's dtype (as AWQ's scales);
+        # w4a16 serves scales and offsets as loaded: in fp16 for half-precision models, the file's
+        # own precision for d and m (exact for Q4_0/Q4_1; Q4_K's d*sc products within 2**-12, where
+        # bf16 would round every group to 2**-9 and add that to each weight), fp32 for fp32 models.
         # int4pack first folds them into its zero at code 8, in fp32 before its own rounding.
-        group_dtype = torch.float32 if self.gemm is None else dtype
+        group_dtype = torch.float16 if self.gemm is not None and dtype != torch.float32 else torch.float32
         for name in ("group_scales", "group_mins"):
             buffer = torch.zeros(n, k // GROUP, dtype=group_dtype)
             buffer.quant_axes, buffer.loaded_shards = QuantAxes(0, 1, 1, GROUP), set()
