@@ -80,7 +80,8 @@ def _add_header(writer: gguf.GGUFWriter, config: dict) -> None:
     _copy_tokenizer(writer)
 
 
-def write_gguf(dense: Path, path: Path, types: dict[str, Q], exceptions: dict[tuple[str, str], Q] | None = None) -> Path:
+def write_gguf(dense: Path, path: Path, types: dict[str, Q],
+               exceptions: dict[tuple[str, str], Q] | None = None) -> Path:
     """The HF Llama in `dense` as a GGUF file: projection kind (attn_q, ffn_down, ...) -> block type,
     `exceptions` (layer index, kind) -> another type; norms and embeddings in fp32."""
     config = json.loads((dense / "config.json").read_text())
@@ -97,7 +98,8 @@ def write_gguf(dense: Path, path: Path, types: dict[str, Q], exceptions: dict[tu
             writer.add_tensor(f"blk.{layer}.{kind}.weight", values)
             continue
         if kind in ("attn_q", "attn_k"):
-            values = _permute_rotary_rows(values, config["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"])
+            heads = config["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"]
+            values = _permute_rotary_rows(values, heads)
         qtype = (exceptions or {}).get((layer, kind), types[kind])
         writer.add_tensor(f"blk.{layer}.{kind}.weight", quantize_blocks(values, qtype), raw_dtype=qtype)
     writer.write_header_to_file()

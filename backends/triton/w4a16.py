@@ -1,15 +1,16 @@
-"""4-bit weight-only GEMM (AWQ/GPTQ after loading): the weight is dequantized inside the GEMM.
+"""4-bit weight-only GEMM (AWQ/GPTQ/GGUF after loading): the weight is dequantized inside the GEMM.
 
 Contract ("w4a16" in `corectl.quantization.int4`, reference `w4a16_reference`): x [M, K] (fp32,
 fp16 or bf16), qweight [K/8, N] int32 with input k in nibble k % 8 of row k // 8, per-group
 scales [groups, N] and zeros [groups, N], and g_idx [K] naming each input's group (a
 permutation under GPTQ act-order). Zeros are either int32 zero codes z, w = (q - z) s (AWQ,
 GPTQ), or float offsets b, w = q s + b (GGUF's 4-bit blocks, whose offsets are no multiple of
-their scale); their dtype picks the variant at compile time (OFFSETS), so each compiles alone. `group_size` > 0 declares g_idx == arange(K) // group_size
-(AWQ, GPTQ without act-order; int4.py detects it once at load): each block of BLOCK_K inputs then
-lies in one group, whose scale and zero row is loaded once per block, and the group factors out of
-the sum, sum_k (q - z) s x = s (sum_k q x - z sum_k x) (offsets: s sum_k q x + b sum_k x), so the
-inner loop multiplies raw codes.
+their scale); their dtype picks the variant at compile time (OFFSETS), so each compiles alone and
+the zero-code kernels are unchanged. `group_size` > 0 declares g_idx == arange(K) // group_size
+(AWQ, GPTQ without act-order, GGUF; int4.py detects it once at load): each block of BLOCK_K
+inputs then lies in one group, whose scale and zero row is loaded once per block, and the group
+factors out of the sum, sum_k (q - z) s x = s (sum_k q x - z sum_k x) (offsets: s sum_k q x +
+b sum_k x), so the inner loop multiplies raw codes.
 Otherwise (act-order) each input's scale and zero are gathered through g_idx.
 
 Programs cover [BLOCK_M, BLOCK_N] outputs over one of SPLIT_K slices of K. Two inner forms:
@@ -241,7 +242,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     _w4a16_kernel[grid](x, qweight, scales, zeros, g_idx, target, m, n, k, per_split * block_k, x.stride(0),
                         qweight.stride(0), scales.stride(0), zeros.stride(0), m * n, n,
                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_SIZE=group,
-                        OFFSETS=zeros.is_floating_point(), GEMV=cfg.gemv, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                        OFFSETS=zeros.is_floating_point(), GEMV=cfg.gemv,
+                        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         _sum_splits[(triton.cdiv(m * n, REDUCE_BLOCK),)](target, out, m * n, SPLIT_K=splits, BLOCK=REDUCE_BLOCK)

@@ -3,8 +3,8 @@
 The config reads the file's tensor types; a linear layer whose checkpoint tensors (all shards of
 a packed qkv or gate_up layer) are Q4_0, Q4_1 or Q4_K keeps them as int4 groups of 32,
 w = q * scale + offset, and runs either the worker's 4-bit GEMM (kernel "w4a16", GPUs: codes
-packed as [K/8, N] words, scales and float offsets [K/32, N] in fp16, or fp32 in fp32 models) or torch's
-packed int4 GEMM (kernel "cpu_int4pack", CPUs). Every other tensor (norms, the embedding and tied
+packed as [K/8, N] words, scales and float offsets [K/32, N] in fp16, or fp32 in fp32 models) or
+torch's packed int4 GEMM (kernel "cpu_int4pack", CPUs). Every other tensor (norms, the embedding and tied
 head, Q5/Q6_K/Q8_0 projections) is dequantized while loading, as without quantization.
 """
 from __future__ import annotations

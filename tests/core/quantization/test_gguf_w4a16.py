@@ -50,7 +50,8 @@ def _finish(layer, prefix: str) -> None:
     layer.check_loaded(prefix)
     layer.quant_method.process_weights_after_loading(layer)
     assert layer_bytes(layer) == planned
-    assert layer.w4_zeros.dtype == layer.w4_scales.dtype and layer.w4_qweight.shape == (layer.in_features // 8, layer.out_features)
+    assert layer.w4_zeros.dtype == layer.w4_scales.dtype
+    assert layer.w4_qweight.shape == (layer.in_features // 8, layer.out_features)
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
