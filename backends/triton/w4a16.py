@@ -1,12 +1,16 @@
-"""4-bit weight-only GEMM (AWQ/GPTQ after loading): the weight is dequantized inside the GEMM.
+"""4-bit weight-only GEMM (AWQ/GPTQ/GGUF after loading): the weight is dequantized inside the GEMM.
 
 Contract ("w4a16" in `corectl.quantization.int4`, reference `w4a16_reference`): x [M, K] (fp32,
 fp16 or bf16), qweight [K/8, N] int32 with input k in nibble k % 8 of row k // 8, per-group
-scales [groups, N] and zero codes [groups, N], and g_idx [K] naming each input's group (a
-permutation under GPTQ act-order). `group_size` > 0 declares g_idx == arange(K) // group_size
-(AWQ, GPTQ without act-order; int4.py detects it once at load): each block of BLOCK_K inputs then
-lies in one group, whose scale and zero row is loaded once per block, and the group factors out of
-the sum, sum_k (q - z) s x = s (sum_k q x - z sum_k x), so the inner loop multiplies raw codes.
+scales [groups, N] and zeros [groups, N], and g_idx [K] naming each input's group (a
+permutation under GPTQ act-order). Zeros are either int32 zero codes z, w = (q - z) s (AWQ,
+GPTQ), or float offsets b, w = q s + b (GGUF's 4-bit blocks, whose offsets are no multiple of
+their scale); their dtype picks the variant at compile time (OFFSETS), so each compiles alone and
+the zero-code kernels are unchanged. `group_size` > 0 declares g_idx == arange(K) // group_size
+(AWQ, GPTQ without act-order, GGUF; int4.py detects it once at load): each block of BLOCK_K
+inputs then lies in one group, whose scale and zero row is loaded once per block, and the group
+factors out of the sum, sum_k (q - z) s x = s (sum_k q x - z sum_k x) (offsets: s sum_k q x +
+b sum_k x), so the inner loop multiplies raw codes.
 Otherwise (act-order) each input's scale and zero are gathered through g_idx.
 
 Programs cover [BLOCK_M, BLOCK_N] outputs over one of SPLIT_K slices of K. Two inner forms:
@@ -40,6 +44,22 @@ def _nibble(words, J: tl.constexpr):
 
 
 @triton.jit
+def _codes_f32(codes):
+    """Codes 0..15 (int32) as exact fp32, through the mantissa as in `_nibble`: faster than int ->
+    float, and Triton's interpreter converts int32 to bf16 wrongly."""
+    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _group_sum(qx, xs, s, z, OFFSETS: tl.constexpr):
+    """One group's share of the output from sum_k q x [R, N] and sum_k x [R]: s (qx - z xs) with
+    zero codes, s qx + b xs with float offsets (s, z [N], fp32)."""
+    if OFFSETS:
+        return qx * s[None, :] + xs[:, None] * z[None, :]
+    return (qx - xs[:, None] * z[None, :]) * s[None, :]
+
+
+@triton.jit
 def _load_words(qw_ptr, rows, row_end, offs_n, mask_n, stride_qk):
     mask = (rows < row_end)[:, None] & mask_n[None, :]
     return tl.load(qw_ptr + rows[:, None].to(tl.int64) * stride_qk + offs_n[None, :], mask=mask, other=0)
@@ -47,7 +67,7 @@ def _load_words(qw_ptr, rows, row_end, offs_n, mask_n, stride_qk):
 
 @triton.jit
 def _gemv_block(x_ptr, s_ptr, z_ptr, g_ptr, words, rows, row_end, offs_n, mask_n, k0,
-                stride_sg, stride_zg, GROUP_SIZE: tl.constexpr):
+                stride_sg, stride_zg, GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr):
     """sum over the block's inputs of w * x, left as [BLOCK_K/8, BLOCK_N] (one row per word row)."""
     row_mask = rows < row_end
     qx = tl.zeros(words.shape, dtype=tl.float32)
@@ -62,18 +82,21 @@ def _gemv_block(x_ptr, s_ptr, z_ptr, g_ptr, words, rows, row_end, offs_n, mask_n
             mask = row_mask[:, None] & mask_n[None, :]
             s = tl.load(s_ptr + group[:, None].to(tl.int64) * stride_sg + offs_n[None, :], mask=mask, other=0.0)
             z = tl.load(z_ptr + group[:, None].to(tl.int64) * stride_zg + offs_n[None, :], mask=mask, other=0)
-            qx += (_nibble(words, j) - z.to(tl.float32)) * s.to(tl.float32) * xj[:, None]
+            if OFFSETS:
+                qx += (_nibble(words, j) * s.to(tl.float32) + z.to(tl.float32)) * xj[:, None]
+            else:
+                qx += (_nibble(words, j) - z.to(tl.float32)) * s.to(tl.float32) * xj[:, None]
     if GROUP_SIZE > 0:
         group = k0 // GROUP_SIZE
         s = tl.load(s_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + group * stride_zg + offs_n, mask=mask_n, other=0).to(tl.float32)
-        qx = (qx - xs[:, None] * z[None, :]) * s[None, :]
+        qx = _group_sum(qx, xs, s, z, OFFSETS)
     return qx
 
 
 @triton.jit
 def _gemv(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_n, mask_n, k_start, k_end, stride_qk, stride_sg, stride_zg,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr):
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr):
     rows = k_start // 8 + tl.arange(0, BLOCK_K // 8)
     row_end = k_end // 8
     acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
@@ -83,7 +106,7 @@ def _gemv(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_n, mask_n, k_start, k_end, st
         # behind it (register double buffering; the pipeliner only stages loads that feed tl.dot).
         upcoming = _load_words(qw_ptr, rows + BLOCK_K // 8, row_end, offs_n, mask_n, stride_qk)
         acc += _gemv_block(x_ptr, s_ptr, z_ptr, g_ptr, words, rows, row_end, offs_n, mask_n, k0,
-                           stride_sg, stride_zg, GROUP_SIZE)
+                           stride_sg, stride_zg, GROUP_SIZE, OFFSETS)
         words = upcoming
         rows += BLOCK_K // 8
     return tl.sum(acc, axis=0)
@@ -92,7 +115,7 @@ def _gemv(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_n, mask_n, k_start, k_end, st
 @triton.jit
 def _dot_tile(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_m, mask_m, offs_n, mask_n, k_start, k_end,
               stride_xm, stride_qk, stride_sg, stride_zg, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, PRECISION: tl.constexpr):
+              BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr, PRECISION: tl.constexpr):
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -107,18 +130,18 @@ def _dot_tile(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_m, mask_m, offs_n, mask_n
             s = tl.load(s_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + group * stride_zg + offs_n, mask=mask_n, other=0).to(tl.float32)
             # Codes 0..15 are exact in any float dtype: the dot is exact-input, the group applies after.
-            # (Through fp32 as in _nibble: faster than int -> float, and Triton's interpreter
-            # converts int32 to bf16 wrongly.)
-            q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            qx = tl.dot(x, q.to(x.dtype), input_precision=PRECISION, out_dtype=tl.float32)
+            qx = tl.dot(x, _codes_f32(codes).to(x.dtype), input_precision=PRECISION, out_dtype=tl.float32)
             xs = tl.sum(x.to(tl.float32), axis=1)
-            acc += (qx - xs[:, None] * z[None, :]) * s[None, :]
+            acc += _group_sum(qx, xs, s, z, OFFSETS)
         else:
             group = tl.load(g_ptr + offs_k, mask=mask_k, other=0)
             mask_w = mask_k[:, None] & mask_n[None, :]
             s = tl.load(s_ptr + group[:, None].to(tl.int64) * stride_sg + offs_n[None, :], mask=mask_w, other=0.0)
             z = tl.load(z_ptr + group[:, None].to(tl.int64) * stride_zg + offs_n[None, :], mask=mask_w, other=0)
-            w = ((codes - z).to(tl.float32) * s.to(tl.float32)).to(x.dtype)
+            if OFFSETS:
+                w = (_codes_f32(codes) * s.to(tl.float32) + z.to(tl.float32)).to(x.dtype)
+            else:
+                w = ((codes - z).to(tl.float32) * s.to(tl.float32)).to(x.dtype)
             acc = tl.dot(x, w, acc, input_precision=PRECISION)
     return acc
 
@@ -127,7 +150,7 @@ def _dot_tile(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_m, mask_m, offs_n, mask_n
 def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT,
                   stride_xm, stride_qk, stride_sg, stride_zg, stride_os, stride_om,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_SIZE: tl.constexpr, GEMV: tl.constexpr, PRECISION: tl.constexpr):
+                  GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr, GEMV: tl.constexpr, PRECISION: tl.constexpr):
     # M tiles vary fastest: a prefill's row tiles read each weight tile together, once from HBM.
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -137,14 +160,14 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT,
     out_ptr += pid_k.to(tl.int64) * stride_os
     if GEMV:
         acc = _gemv(x_ptr + pid_m.to(tl.int64) * stride_xm, qw_ptr, s_ptr, z_ptr, g_ptr, offs_n, mask_n,
-                    k_start, k_end, stride_qk, stride_sg, stride_zg, BLOCK_N, BLOCK_K, GROUP_SIZE)
+                    k_start, k_end, stride_qk, stride_sg, stride_zg, BLOCK_N, BLOCK_K, GROUP_SIZE, OFFSETS)
         tl.store(out_ptr + pid_m.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
     else:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
         acc = _dot_tile(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_m, mask_m, offs_n, mask_n, k_start, k_end,
                         stride_xm, stride_qk, stride_sg, stride_zg, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_SIZE,
-                        PRECISION)
+                        OFFSETS, PRECISION)
         tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -163,7 +186,10 @@ def _check(x, qweight, scales, zeros, g_idx, group_size: int, check_indices: boo
     check_float("x", x, 2)
     check_index("qweight", qweight, 2, (torch.int32,))
     check_float("scales", scales, 2)
-    check_index("zeros", zeros, 2, (torch.int32,))
+    if zeros.is_floating_point():
+        check_float("zeros", zeros, 2)
+    else:
+        check_index("zeros", zeros, 2, (torch.int32,))
     check_index("g_idx", g_idx, 1, (torch.int32,))
     check_same_device(x=x, qweight=qweight, scales=scales, zeros=zeros, g_idx=g_idx)
     m, k = x.shape
@@ -216,7 +242,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     _w4a16_kernel[grid](x, qweight, scales, zeros, g_idx, target, m, n, k, per_split * block_k, x.stride(0),
                         qweight.stride(0), scales.stride(0), zeros.stride(0), m * n, n,
                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_SIZE=group,
-                        GEMV=cfg.gemv, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                        OFFSETS=zeros.is_floating_point(), GEMV=cfg.gemv,
+                        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         _sum_splits[(triton.cdiv(m * n, REDUCE_BLOCK),)](target, out, m * n, SPLIT_K=splits, BLOCK=REDUCE_BLOCK)

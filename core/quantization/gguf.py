@@ -1,9 +1,11 @@
 """GGUF checkpoints served from their 4-bit blocks.
 
 The config reads the file's tensor types; a linear layer whose checkpoint tensors (all shards of
-a packed qkv or gate_up layer) are Q4_0, Q4_1 or Q4_K keeps them as int4 groups of 32 and runs
-torch's packed int4 GEMM (kernel "cpu_int4pack"). Every other tensor (norms, the embedding and
-tied head, Q5/Q6_K/Q8_0 projections) is dequantized while loading, as without quantization.
+a packed qkv or gate_up layer) are Q4_0, Q4_1 or Q4_K keeps them as int4 groups of 32,
+w = q * scale + offset, and runs either the worker's 4-bit GEMM (kernel "w4a16", GPUs: codes
+packed as [K/8, N] words, scales and float offsets [K/32, N] in fp16, or fp32 in fp32 models) or
+torch's packed int4 GEMM (kernel "cpu_int4pack", CPUs). Every other tensor (norms, the embedding and tied
+head, Q5/Q6_K/Q8_0 projections) is dequantized while loading, as without quantization.
 """
 from __future__ import annotations
 
@@ -16,13 +18,15 @@ import torch
 from ..errors import ConfigError
 from .base import LinearMethod, QuantAxes, QuantizationConfig, tensor_bytes
 from .gguf_blocks import GROUP, INT4_TYPES, Int4Groups
+from .int4 import register_w4a16, w4a16_linear
 from .int4_cpu import int4_linear, int4pack_bytes, register_int4pack
+from .scope import kernel as provided_kernel
 
 
 @dataclass(frozen=True)
 class GGUFConfig(QuantizationConfig):
     name = "gguf"
-    kernels = ("cpu_int4pack",)
+    kernels = ("w4a16", "cpu_int4pack")
     # Hugging Face tensor name -> GGUF type name, for every tensor of the file.
     tensor_types: dict[str, str] = field(default_factory=dict)
     kept: frozenset[str] = frozenset()
@@ -38,7 +42,7 @@ class GGUFConfig(QuantizationConfig):
 
     def linear_method(self, prefix: str, layer) -> LinearMethod | None:
         names = layer.checkpoint_weight_names(prefix)
-        return GGUFInt4Method() if all(name in self.kept for name in names) else None
+        return GGUFInt4Method(self.kernel) if all(name in self.kept for name in names) else None
 
     def weight_stream(self, source) -> Iterator[tuple[str, torch.Tensor | Int4Groups]]:
         from ..loaders.gguf_weights import iter_gguf_weights
@@ -67,15 +71,23 @@ def _kept_tensors(types: dict[str, str]) -> set[str]:
 
 class GGUFInt4Method(LinearMethod):
     """Codes [N, K] (the `weight` the checkpoint fills), scales and mins [N, K/32] while loading;
-    the packed int4 weight after."""
+    the bound kernel's layout after."""
+
+    def __init__(self, kernel: str | None):
+        self.gemm = provided_kernel("w4a16") if kernel == "w4a16" else None
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         n, k = layer.out_features, layer.in_features
         if k % GROUP:
             raise ConfigError("model", f"{k} input features do not split into GGUF groups of {GROUP}")
         layer.register_quant_param("weight", torch.zeros(n, k, dtype=torch.uint8), QuantAxes(0, 1, 1, 1))
+        # w4a16 serves scales and offsets as loaded: in fp16 for half-precision models, the file's
+        # own precision for d and m (exact for Q4_0/Q4_1; Q4_K's d*sc products within 2**-12, where
+        # bf16 would round every group to 2**-9 and add that to each weight), fp32 for fp32 models.
+        # int4pack first folds them into its zero at code 8, in fp32 before its own rounding.
+        group_dtype = torch.float16 if self.gemm is not None and dtype != torch.float32 else torch.float32
         for name in ("group_scales", "group_mins"):
-            buffer = torch.zeros(n, k // GROUP, dtype=torch.float32)
+            buffer = torch.zeros(n, k // GROUP, dtype=group_dtype)
             buffer.quant_axes, buffer.loaded_shards = QuantAxes(0, 1, 1, GROUP), set()
             layer.register_buffer(name, buffer)
         layer.weight.weight_loader = functools.partial(self._load, layer)
@@ -91,11 +103,24 @@ class GGUFInt4Method(LinearMethod):
     def process_weights_after_loading(self, layer) -> None:
         codes, scales, mins = layer.weight.data, layer.group_scales, layer.group_mins
         del layer.weight, layer.group_scales, layer.group_mins
-        register_int4pack(layer, codes, scales, mins + 8 * scales)
+        if self.gemm is None:
+            register_int4pack(layer, codes, scales, mins + 8 * scales)
+            return
+        g_idx = torch.arange(codes.shape[1], dtype=torch.int32, device=codes.device) // GROUP
+        register_w4a16(layer, codes, scales.t(), mins.t(), g_idx, GROUP)
 
     def served_bytes(self, layer) -> int:
-        # Loaded as a byte per code plus fp32 scales and mins; served packed.
-        return int4pack_bytes(layer.out_features, layer.in_features, GROUP) + tensor_bytes(layer.bias)
+        """Loaded as a byte per code plus scales and mins; served packed: for w4a16 two codes a
+        byte, the scales and mins as loaded and g_idx (int32); for int4pack its layout."""
+        n, k = layer.out_features, layer.in_features
+        if self.gemm is None:
+            served = int4pack_bytes(n, k, GROUP)
+        else:
+            served = k * n // 2 + tensor_bytes(layer.group_scales, layer.group_mins) + k * torch.int32.itemsize
+        return served + tensor_bytes(layer.bias)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        return int4_linear(x, layer.packed_weight, layer.scale_zero, GROUP, layer.bias)
+        if self.gemm is None:
+            return int4_linear(x, layer.packed_weight, layer.scale_zero, GROUP, layer.bias)
+        out = w4a16_linear(self.gemm, layer, x.reshape(-1, x.shape[-1]))
+        return out.view(*x.shape[:-1], out.shape[-1])

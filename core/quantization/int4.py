@@ -50,17 +50,43 @@ def unpack_int32(words: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(r
 
 
 def dequantize_w4(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
-    """Weight [N, K] from codes [N, K], zeros and scales [groups, N] and each input's group g_idx [K]."""
+    """Weight [N, K] from codes [N, K], zeros and scales [groups, N] and each input's group g_idx [K]:
+    (q - z) s for integer zero codes, q s + b for float offsets (GGUF)."""
     g = g_idx.long()
+    if zeros.is_floating_point():
+        return codes.float() * scales[g].t().float() + zeros[g].t().float()
     return (codes.float() - zeros[g].t().float()) * scales[g].t().float()
 
 
 def w4a16_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                     g_idx: torch.Tensor) -> torch.Tensor:
     """The "w4a16" kernel's contract, as dequantize-then-matmul: qweight [K/8, N] int32 (inputs in
-    order), scales [groups, N], zeros [groups, N] (codes), g_idx [K] -> x @ W.T in x's dtype."""
+    order), scales [groups, N], zeros [groups, N] (int32 codes or float offsets), g_idx [K] -> x @ W.T
+    in x's dtype."""
     codes = unpack_int32(qweight, 0).t()
     return (x.float() @ dequantize_w4(codes, zeros, scales, g_idx).t()).to(x.dtype)
+
+
+def register_w4a16(layer, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor,
+                   group_size: int, perm: torch.Tensor | None = None) -> None:
+    """Keep the "w4a16" kernel's operands as the layer's buffers: codes [N, K] packed to [K/8, N]
+    words, scales and zeros [groups, N] (int32 codes or float offsets), g_idx [K], its contiguous
+    `group_size` (0: gather through g_idx) and the input permutation applied per call (None: none).
+    Buffers, so the model's tensors count them (`corectl plan` compares), non-persistent: the
+    checkpoint holds another layout."""
+    layer.w4_group_size = group_size
+    served = {"w4_perm": perm, "w4_qweight": pack_int32(codes.t(), 0), "w4_scales": scales.contiguous(),
+              "w4_zeros": zeros.contiguous(), "w4_g_idx": g_idx}
+    for name, tensor in served.items():
+        layer.register_buffer(name, tensor, persistent=False)
+
+
+def w4a16_linear(gemm, layer, rows: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] @ W.T + bias through `gemm` on the operands `register_w4a16` kept."""
+    rows = rows if layer.w4_perm is None else rows[:, layer.w4_perm]
+    out = gemm(rows, layer.w4_qweight, layer.w4_scales, layer.w4_zeros, layer.w4_g_idx,
+               group_size=layer.w4_group_size)
+    return out if layer.bias is None else out + layer.bias
 
 
 @dataclass(frozen=True)
@@ -183,17 +209,13 @@ class W4LinearMethod(LinearMethod):
         form whole groups keeps g_idx and the gathering path."""
         g = self.config.group_size
         runs = _group_runs(g_idx, g)
-        perm, layer.w4_group_size = None, 0
-        if runs is not None:
-            perm, order = runs
-            codes, zeros, scales = codes[:, perm], zeros[order], scales[order]
-            g_idx = torch.arange(g_idx.numel(), dtype=torch.int32, device=g_idx.device) // g
-            perm = None if _is_identity(perm) else perm
-            layer.w4_group_size = g
-        served = {"w4_perm": perm, "w4_qweight": pack_int32(codes.t(), 0), "w4_scales": scales.contiguous(),
-                  "w4_zeros": zeros.to(torch.int32).contiguous(), "w4_g_idx": g_idx}
-        for name, tensor in served.items():
-            layer.register_buffer(name, tensor, persistent=False)
+        if runs is None:
+            register_w4a16(layer, codes, scales, zeros.to(torch.int32), g_idx, 0)
+            return
+        perm, order = runs
+        g_idx = torch.arange(g_idx.numel(), dtype=torch.int32, device=g_idx.device) // g
+        register_w4a16(layer, codes[:, perm], scales[order], zeros[order].to(torch.int32), g_idx, g,
+                       None if _is_identity(perm) else perm)
 
     def _unpacked(self, layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """codes [N, K], zero codes [groups, N], g_idx [K] (int32) from the checkpoint's layout."""
@@ -229,10 +251,7 @@ class W4LinearMethod(LinearMethod):
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if self.gemm is not None:
-            rows = rows if layer.w4_perm is None else rows[:, layer.w4_perm]
-            out = self.gemm(rows, layer.w4_qweight, layer.w4_scales, layer.w4_zeros, layer.w4_g_idx,
-                            group_size=layer.w4_group_size)
-            out = out if layer.bias is None else out + layer.bias
+            out = w4a16_linear(self.gemm, layer, rows)
         elif hasattr(layer, "dense_weight"):
             out = F.linear(rows, layer.dense_weight.to(rows.dtype), layer.bias)
         else:

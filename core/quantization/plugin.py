@@ -7,7 +7,8 @@ from corectl.plugins import QuantizationMethodSpec, hookimpl
 @hookimpl
 def corectl_quantization_methods():
     yield QuantizationMethodSpec("gguf", "corectl.quantization.gguf:GGUFConfig",
-                                 "GGUF blocks kept quantized (Q4_0, Q4_1, Q4_K as int4 groups of 32)")
+                                 "GGUF blocks kept quantized (Q4_0, Q4_1, Q4_K as int4 groups of 32; w4a16 on GPUs, "
+                                 "cpu_int4pack on CPUs)")
     yield QuantizationMethodSpec("fp8", "corectl.quantization.fp8:Fp8Config",
                                  "FP8 W8A8: per-channel weight scales, dynamic per-token activation scales")
     yield QuantizationMethodSpec("compressed-tensors", "corectl.quantization.fp8:CompressedTensorsFp8Config",

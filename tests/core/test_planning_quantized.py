@@ -1,6 +1,7 @@
 """`corectl plan` sizes quantized weights as the target platform serves them: FP8 on the fly on an
 H100 (compute capability 9.0, named without one here), AWQ set on a shape preset through
-hf_overrides, and the embedded GGUF on the CPU, which is compared with the engine's own tensors."""
+hf_overrides, and the embedded GGUF on an H100 and on the CPU, where it is compared with the
+engine's own tensors."""
 from __future__ import annotations
 
 import json
@@ -83,6 +84,17 @@ def test_the_embedded_gguf_on_the_cpu_plans_the_bytes_the_engine_holds(monkeypat
     assert plan.loading_weight_bytes_per_rank > 1.4 * plan.weight_bytes
     dense = plan_deployment(EngineConfig(**options, quantization="none"), device="cpu")
     assert dense.quantization is None and plan.weight_bytes < 0.5 * dense.weight_bytes
+
+
+def test_the_embedded_gguf_on_a_gpu_plans_its_q4_1_layers_for_w4a16():
+    config = EngineConfig(max_model_len=512)
+    plan = plan_deployment(config, **H100)
+    hf = read_checkpoint(config).hf_config
+    # Codes eight to an int32 word, an fp16 scale and offset per group of 32 inputs and output,
+    # and each input's group (g_idx, int32); the tied embedding and the norms in bf16.
+    expected = sum(k * n // 2 + (k // 32) * n * 2 * 2 + 4 * k for n, k in _linear_shapes(hf))
+    assert plan.quantization == "gguf (Q4_1 int4 layers via w4a16)" and plan.dtype == "bfloat16"
+    assert plan.weight_bytes == expected + _unquantized_bytes(hf, 2)
 
 
 def test_fp8_is_a_remedy_where_the_gpu_has_fp8_kernels(capsys):

@@ -1,6 +1,7 @@
 """Quantized GEMMs at llama3-8b sizes on the GPU against their torch references, and quantized
 models served end to end: FP8 W8A8 (`torch._scaled_mm`, Hopper/Ada), the Triton FP8 decode kernel
-(W8A16) and the Triton 4-bit AWQ/GPTQ GEMM (run it as `python -m pytest tests/gpu`, see conftest.py)."""
+(W8A16) and the Triton 4-bit GEMM for AWQ/GPTQ and GGUF's 4-bit blocks (run it as
+`python -m pytest tests/gpu`, see conftest.py)."""
 import pytest
 import torch
 
@@ -187,5 +188,39 @@ def test_awq_checkpoint_matches_its_dequantized_model(tmp_path):
     dense_bf16 = _rms(_logprob_errors(generate(reference, prompts, params), truth))
     ours_bf16 = _logprob_errors(generate(quantized, prompts, params), truth)
     print(f"logprob error vs fp32: 4-bit fp32 max {max(fp32_errors):.1e}; rms in bf16: dense "
+          f"{dense_bf16:.4f}, 4-bit {_rms(ours_bf16):.4f} (max {max(ours_bf16):.4f})")
+    assert _rms(ours_bf16) <= BF16_ERROR_FACTOR * dense_bf16
+
+
+# Projection kind -> GGUF block type: every 4-bit format the w4a16 kernel serves with float offsets.
+GGUF_TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_K", "ffn_gate": "Q4_1",
+              "ffn_up": "Q4_1", "ffn_down": "Q4_K"}
+
+
+def test_gguf_4bit_blocks_match_their_dequantized_model(tmp_path, default_model_dir):
+    """A GGUF file's Q4_0/Q4_1/Q4_K layers kept 4-bit (w4a16, float offsets) against the fp32 model
+    of the file's dequantized weights: in fp32 the same weights (fp32 scales and offsets: near-exact);
+    in bf16 (fp16 scales and offsets, the file's precision) within the AWQ test's bound."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf_files import write_gguf
+    from helpers import build_random_checkpoint
+
+    dense = build_random_checkpoint("llama", tmp_path / "dense", default_model_dir, hidden_size=512,
+                                    intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+                                    num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.1)
+    path = write_gguf(dense, tmp_path / "llama.gguf", {kind: Q[name] for kind, name in GGUF_TYPES.items()})
+
+    def served_4bit(llm):
+        assert llm.engine.info.quantization == "gguf (Q4_0/Q4_1/Q4_K int4 layers via w4a16)"
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
+    prompts = random_prompts([5, 40, 130, 7, 64, 300, 12, 90])
+    truth = generate(path, prompts, params, quantization="none", dtype="float32")
+    fp32 = generate(path, prompts, params, served_4bit, quantization="gguf", dtype="float32")
+    fp32_errors = _logprob_errors(fp32, truth)
+    assert max(fp32_errors) < FP32_LOGPROB_ERROR, max(fp32_errors)
+    dense_bf16 = _rms(_logprob_errors(generate(path, prompts, params, quantization="none"), truth))
+    ours_bf16 = _logprob_errors(generate(path, prompts, params, served_4bit, quantization="gguf"), truth)
+    print(f"GGUF logprob error vs fp32: 4-bit fp32 max {max(fp32_errors):.1e}; rms in bf16: dense "
           f"{dense_bf16:.4f}, 4-bit {_rms(ours_bf16):.4f} (max {max(ours_bf16):.4f})")
     assert _rms(ours_bf16) <= BF16_ERROR_FACTOR * dense_bf16

@@ -108,11 +108,12 @@ def test_fp8_method_runs_decode_batches_on_the_w8a16_kernel_when_provided():
     assert calls == [3]
 
 
-def _w4_case(m: int, k: int, n: int, group: int, act_order: bool):
+def _w4_case(m: int, k: int, n: int, group: int, act_order: bool, offsets: bool = False):
+    """Operands of the 4-bit GEMM; `offsets`: float offsets per group (GGUF) instead of zero codes."""
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     groups = k // group
     scales = torch.rand(groups, n) * 0.05 + 0.01
-    zeros = torch.randint(0, 16, (groups, n), dtype=torch.int32)
+    zeros = torch.randn(groups, n) * 0.1 if offsets else torch.randint(0, 16, (groups, n), dtype=torch.int32)
     g_idx = torch.arange(k, dtype=torch.int32) // group
     if act_order:
         g_idx = g_idx[torch.randperm(k)]
@@ -124,6 +125,13 @@ def test_w4a16_reference_is_the_dequantized_matmul(act_order):
     x, qweight, scales, zeros, g_idx, codes = _w4_case(3, 64, 16, 16, act_order)
     ref = x @ dequantize_w4(codes, zeros, scales, g_idx).t()
     torch.testing.assert_close(w4a16_reference(x, qweight, scales, zeros, g_idx), ref)
+
+
+def test_w4a16_reference_adds_float_offsets():
+    x, qweight, scales, offsets, g_idx, codes = _w4_case(3, 64, 16, 32, False, offsets=True)
+    g = g_idx.long()
+    ref = x @ (codes.float() * scales[g].t() + offsets[g].t()).t()
+    torch.testing.assert_close(w4a16_reference(x, qweight, scales, offsets, g_idx), ref)
 
 
 def _w4a16_close(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -156,6 +164,23 @@ def test_triton_w4a16_matches_reference(m, act_order):
     _w4a16_close(out, w4a16_reference(x, qweight, scales, zeros, g_idx))
 
 
+# GGUF's layout (groups of 32, float offsets): decode and prefill sizes through the launcher's
+# choice; K = 96 and 160 (odd group counts) are no multiple of its configs' 64-input blocks, which
+# shrink to one group. bf16 only through GEMV (M = 1).
+@pytest.mark.parametrize("m", [1, 3, 16, 70])
+@pytest.mark.parametrize("k", [96, 160])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_w4a16_float_offsets_match_reference(m, k, dtype):
+    from corectl.backends.triton.w4a16 import w4a16_gemm
+
+    if dtype not in INTERPRETED_DOT_DTYPES and m > 1:
+        pytest.skip("bf16 tl.dot is wrong under Triton's interpreter")
+    x, qweight, scales, offsets, g_idx, _ = _w4_case(m, k, 48, 32, False, offsets=True)
+    x, scales, offsets = x.to(dtype), scales.to(dtype), offsets.to(dtype)
+    out = w4a16_gemm(x, qweight, scales, offsets, g_idx, group_size=32)
+    _w4a16_close(out, w4a16_reference(x, qweight, scales, offsets, g_idx))
+
+
 W4_CONFIGS = {  # every kernel form, K split unevenly (3 slices of 192 / 2, 4 or 7 inputs of a block)
     "gemv": W4Config(1, 64, 32, 3, 4, gemv=True),
     "gemv-wide-block": W4Config(1, 32, 128, 2, 4, gemv=True),
@@ -167,16 +192,19 @@ W4_CONFIGS = {  # every kernel form, K split unevenly (3 slices of 192 / 2, 4 or
 @pytest.mark.parametrize("config", list(W4_CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group,act_order", [(32, False), (24, False), (32, True)])
-def test_triton_w4a16_configs_match_reference(config, dtype, group, act_order):
+@pytest.mark.parametrize("offsets", [False, True])
+def test_triton_w4a16_configs_match_reference(config, dtype, group, act_order, offsets):
     """Each config with contiguous groups (G = 24: blocks shrink to 8 inputs for GEMV, tl.dot falls
-    back to gathering) and act-order, in every activation dtype; scales in x's dtype as loaded."""
+    back to gathering) and act-order, in every activation dtype, with zero codes or float offsets;
+    scales (and offsets) in x's dtype as loaded."""
     from corectl.backends.triton.w4a16 import w4a16_gemm
 
     if dtype not in INTERPRETED_DOT_DTYPES and not W4_CONFIGS[config].gemv:
         pytest.skip("bf16 tl.dot is wrong under Triton's interpreter")
     m = 1 if W4_CONFIGS[config].gemv else 5
-    x, qweight, scales, zeros, g_idx, _ = _w4_case(m, 192, 72, group, act_order)
+    x, qweight, scales, zeros, g_idx, _ = _w4_case(m, 192, 72, group, act_order, offsets)
     x, scales = x.to(dtype), scales.to(dtype)
+    zeros = zeros.to(dtype) if offsets else zeros
     out = w4a16_gemm(x, qweight, scales, zeros, g_idx, group_size=0 if act_order else group,
                      config=W4_CONFIGS[config])
     _w4a16_close(out, w4a16_reference(x, qweight, scales, zeros, g_idx))

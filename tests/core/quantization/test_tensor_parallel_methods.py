@@ -65,6 +65,7 @@ CASES = {
     "awq-w4a16": (AWQConfig(group_size=GROUP, kernel="w4a16"), lambda w: _w4_tensors("awq", w, False), 1e-3),
     "gptq-act-order-w4a16": (GPTQConfig(group_size=GROUP, desc_act=True, kernel="w4a16"),
                              lambda w: _w4_tensors("gptq", w, True), 1e-3),
+    "gguf-w4a16": (GGUFConfig(kept=_GGUF_NAMES, kernel="w4a16"), _gguf_tensors, 1e-3),
     "fp8-tensor": (Fp8Config(serialized=True, kernel="fp8_reference"), lambda w: _fp8_tensors(w, False), 0.08),
     "ct-fp8-channel": (CompressedTensorsFp8Config(serialized=True, per_channel=True, kernel="fp8_reference"),
                        lambda w: _fp8_tensors(w, True), 0.08),

@@ -1,0 +1,113 @@
+"""The GGUF method bound to the Triton 4-bit GEMM (interpreter), as on GPUs: real Q4_0, Q4_1 and
+Q4_K blocks decoded as the loader does, repacked into w4a16's layout (codes as [K/8, N] words,
+scales and float offsets [K/32, N]), against the gguf package's own dequantized weights, at
+tensor-parallel sizes 1 and 2, holding exactly the bytes `served_bytes` planned."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from corectl.backends.triton.w4a16 import w4a16_gemm
+from corectl.distributed import TensorParallel, parallel_state
+from corectl.models.parallel import PackedLinear, RowParallelLinear
+from corectl.quantization import layer_bytes, quantization_scope
+from corectl.quantization.gguf import GGUFConfig
+from corectl.quantization.gguf_blocks import decode_int4_groups
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from gguf_files import quantize_blocks
+
+N = 64
+# Q4_0/Q4_1 rows of 192 inputs split into 96 per rank (3 groups: no multiple of a 64-input
+# block); Q4_K needs whole super-blocks of 256.
+IN_FEATURES = {"Q4_0": 192, "Q4_1": 192, "Q4_K": 512}
+PREFIX = "model.layers.0.mlp.down_proj"
+
+
+def _blocks(qtype: str, n: int, k: int) -> np.ndarray:
+    """uint8 [n, bytes per row]: random weights quantized to `qtype`."""
+    return quantize_blocks((np.random.randn(n, k) * 0.1).astype(np.float32), GGMLQuantizationType[qtype])
+
+
+def _reference(qtype: str, rows: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(dequantize(rows, GGMLQuantizationType[qtype]).reshape(rows.shape[0], -1).copy())
+
+
+def _build(rank: int, world_size: int, make, prefix: str, dtype: torch.dtype):
+    config = GGUFConfig(kept=frozenset({f"{prefix.rsplit('.', 1)[0]}.{p}.weight" for p in
+                                        ("down_proj", "q_proj", "k_proj", "v_proj")}), kernel="w4a16")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(parallel_state, "_state", TensorParallel(rank, world_size))
+        with quantization_scope(config, {"w4a16": w4a16_gemm}):
+            layer = make()
+            layer.set_quant_method(config.linear_method(prefix, layer), dtype, torch.device("cpu"))
+    return layer
+
+
+def _finish(layer, prefix: str) -> None:
+    """Repack; the layer then holds exactly what `served_bytes` stated from the shapes alone."""
+    planned = layer.quant_method.served_bytes(layer)
+    layer.check_loaded(prefix)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer_bytes(layer) == planned
+    assert layer.w4_zeros.dtype == layer.w4_scales.dtype
+    assert layer.w4_qweight.shape == (layer.in_features // 8, layer.out_features)
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    error = ((got.float() - expected).norm() / expected.norm()).item()
+    assert error < tol, error
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("m", [1, 3, 16, 70])
+@pytest.mark.parametrize("qtype", list(IN_FEATURES))
+def test_row_parallel_gguf_blocks_on_w4a16_match_their_dequantized_weights(qtype, m, world_size):
+    k = IN_FEATURES[qtype]
+    rows = _blocks(qtype, N, k)
+    dense = _reference(qtype, rows)
+    x = torch.randn(m, k)
+    total = torch.zeros(m, N)
+    for rank in range(world_size):
+        layer = _build(rank, world_size, lambda: RowParallelLinear(k, N, bias=False), PREFIX, torch.float32)
+        layer.weight.weight_loader(layer.weight, decode_int4_groups(qtype, rows))
+        _finish(layer, PREFIX)
+        columns = slice(layer.first_input, layer.first_input + layer.in_features)
+        partial = layer.quant_method.apply(layer, x[:, columns])
+        _close(partial, x[:, columns] @ dense[:, columns].t(), 1e-5)
+        total += partial
+    _close(total, x @ dense.t(), 1e-5)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_packed_column_parallel_shards_of_mixed_formats(world_size):
+    """q, k and v in Q4_0, Q4_1 and Q4_K: each rank keeps its rows of every shard."""
+    shards, k = {"q": 64, "k": 32, "v": 32}, 256
+    types = {"q": "Q4_0", "k": "Q4_1", "v": "Q4_K"}
+    rows = {s: _blocks(types[s], size, k) for s, size in shards.items()}
+    x = torch.randn(3, 1, k)
+    prefix = "model.layers.0.self_attn.qkv_proj"
+    for rank in range(world_size):
+        layer = _build(rank, world_size, lambda: PackedLinear(k, shards, bias=False, unit=16), prefix, torch.float32)
+        for shard, blocks in rows.items():
+            layer.weight.weight_loader(layer.weight, decode_int4_groups(types[shard], blocks), shard)
+        _finish(layer, prefix)
+        expected = torch.cat([x @ _reference(types[s], rows[s])[first:first + size].t()
+                              for s, (_, size, first) in layer.shards.items()], -1)
+        out = layer.quant_method.apply(layer, x)
+        assert out.shape == expected.shape
+        _close(out, expected, 1e-5)
+
+
+def test_bf16_decode_serves_fp16_scales_and_offsets():
+    """A bf16 model keeps scales and offsets in fp16, the file's precision (the served bytes say
+    so): the decode GEMV stays within the rounding of its bf16 activations and output."""
+    rows = _blocks("Q4_K", N, 256)
+    layer = _build(0, 1, lambda: RowParallelLinear(256, N, bias=False), PREFIX, torch.bfloat16)
+    layer.weight.weight_loader(layer.weight, decode_int4_groups("Q4_K", rows))
+    _finish(layer, PREFIX)
+    assert layer.w4_scales.dtype == layer.w4_zeros.dtype == torch.float16
+    x = torch.randn(1, 256).bfloat16()
+    out = layer.quant_method.apply(layer, x)
+    assert out.dtype == torch.bfloat16
+    _close(out, x.float() @ _reference("Q4_K", rows).t(), 1e-2)
