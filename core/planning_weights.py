@@ -1,9 +1,10 @@
 """The weights a plan counts: the engine's model built on the meta device with the quantization
 methods the target binds, each quantized layer sized by the layout its method serves.
 
-A quantized layer holds one layout while the checkpoint loads (what its method's `create_weights`
-made: a dense weight to quantize on the fly, GGUF codes a byte each) and another once
-`process_weights_after_loading` repacked it (`LinearMethod.served_bytes`). Every layer is
+A quantized layer (a linear layer, or a mixture-of-experts layer's stacked experts) holds one
+layout while the checkpoint loads (what its method's `create_weights` made: a dense weight to
+quantize on the fly, GGUF codes a byte each) and another once `process_weights_after_loading`
+repacked it (`LinearMethod.served_bytes`, `MoEMethod.served_bytes`). Every layer is
 repacked only after the whole checkpoint is in, so loading holds every layer's loaded layout at
 once: that is the load-time peak. The transient copies a method makes while repacking one layer
 (a float copy of the weight it quantizes) are left out: one layer's worth, not the model's.
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .models.moe import FusedMoE
 from .quantization.base import QuantizationConfig, layer_bytes, tensor_bytes
 from .worker.worker import build_model
 
@@ -73,7 +75,7 @@ def size_weights(model: nn.Module, head_dim: int) -> ModelWeights:
         if method is not None:
             served.add(module, method.served_bytes(module))
             loading.add(module, layer_bytes(module))
-            num_params += module.out_features * module.in_features + (0 if module.bias is None else module.bias.numel())
+            num_params += _dense_params(module)
             continue
         own = [p for p in module.parameters(recurse=False) if id(p) not in seen]  # a tied head: the embedding's
         seen.update(map(id, own))
@@ -83,6 +85,13 @@ def size_weights(model: nn.Module, head_dim: int) -> ModelWeights:
         buffers += tensor_bytes(*module.buffers(recurse=False))
         num_params += sum(p.numel() for p in own)
     return ModelWeights(served.layout(), loading.layout(), buffers, num_params)
+
+
+def _dense_params(module: nn.Module) -> int:
+    """The parameters of the dense layer a quantized one stands for."""
+    if isinstance(module, FusedMoE):
+        return module.num_experts * 3 * module.rows * module.hidden_size
+    return module.out_features * module.in_features + (0 if module.bias is None else module.bias.numel())
 
 
 @dataclass

@@ -80,11 +80,12 @@ def write_w4_checkpoints(dense: Path, out: Path, method: str, group: int, act_or
 
 
 def write_fp8_checkpoints(dense: Path, out: Path, method: str, per_channel: bool, static_inputs: bool = False,
-                          drop: tuple[str, ...] = ()):
-    """(e4m3 checkpoint with `weight_scale`s, dequantized dense folder); `drop` leaves tensors out."""
+                          drop: tuple[str, ...] = (), ignore: tuple[str, ...] = ()):
+    """(e4m3 checkpoint with `weight_scale`s, dequantized dense folder); `drop` leaves tensors out;
+    layers whose names contain an `ignore` entry stay dense (listed in the config as not quantized)."""
     tensors, quantized, reference = load_file(dense / "model.safetensors"), {}, {}
     for name, w in tensors.items():
-        if name.split(".")[-2] not in LINEAR:
+        if name.split(".")[-2] not in LINEAR or any(part in name for part in ignore):
             quantized[name] = reference[name] = w
             continue
         amax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax()
@@ -98,14 +99,15 @@ def write_fp8_checkpoints(dense: Path, out: Path, method: str, per_channel: bool
     for name in drop:
         del quantized[name]
     if method == "fp8":
-        config = {"quant_method": "fp8", "activation_scheme": "static" if static_inputs else "dynamic"}
+        config = {"quant_method": "fp8", "activation_scheme": "static" if static_inputs else "dynamic",
+                  "ignored_layers": list(ignore)}
     else:
         scheme = {"weights": {"num_bits": 8, "type": "float", "strategy": "channel" if per_channel else "tensor",
                               "symmetric": True, "dynamic": False},
                   "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": not static_inputs},
                   "targets": ["Linear"]}
         config = {"quant_method": "compressed-tensors", "format": "float-quantized",
-                  "config_groups": {"group_0": scheme}, "ignore": ["lm_head"]}
+                  "config_groups": {"group_0": scheme}, "ignore": ["lm_head", *ignore]}
     return _save(dense, out / method, quantized, config), _save(dense, out / f"{method}-reference", reference, None)
 
 

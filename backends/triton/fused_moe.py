@@ -18,6 +18,12 @@ one per (token, column block) runs the down projection of the token's k pairs an
 weighted, in slot order (`_pair_down_sum_kernel`). Two launches per layer, every expert's weights
 read once per pair: at batch 1 that is exactly the weights the token needs.
 
+FP8 weights (`gate_up_scale`, `down_scale` given: e4m3 weights, fp32 scales per output row
+[E, 2I] and [E, H]): every kernel takes a SCALED switch; the e4m3 values are widened in the
+kernel to the dot's dtype (exact), and each output row's scale multiplies its fp32 sum before the
+SiLU-and-multiply and before the routing weight. Activations are not quantized (W8A16), the
+contract of the torch path with scales. Without scales the kernels are the bf16/fp32 ones.
+
 Both paths are deterministic (no atomics; a token's k outputs are summed in slot order); which
 path runs, and the tile sizes, depend on the batch size (docs/models.md). The torch reference is
 the models' own CPU path, `corectl.models.moe.fused_moe_torch`.
@@ -31,23 +37,25 @@ import triton
 import triton.language as tl
 
 from .checks import check_float, check_index, check_range, check_same_device, require
+from .fp8_gemv import FP8_WEIGHT_DTYPE
 from .moe_align import align_to_experts
 from .paged_softmax import dot_dtype
 
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, pair_weight_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
+    a_ptr, w_ptr, scale_ptr, out_ptr, pair_weight_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, N, K, a_rows_per_pair,
-    stride_am, stride_we, stride_wn, stride_wk, stride_om,
+    stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GATED: tl.constexpr, WEIGHTED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    GATED: tl.constexpr, WEIGHTED: tl.constexpr, SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     """out[pair, n] for this block's pairs and columns [pid_n * BLOCK_N, +BLOCK_N) of N.
 
     A row of `a` is pair // a_rows_per_pair (the token for the gate/up GEMM, the pair itself for
     the down GEMM). GATED: `w` holds gate rows [0, N) and up rows [N, 2N) per expert and the
-    output is silu(gate) * up. WEIGHTED: the output row is scaled by the pair's routing weight."""
+    output is silu(gate) * up. WEIGHTED: the output row is scaled by the pair's routing weight.
+    SCALED: `w` is e4m3 and `scale` holds its expert's row scales (gate's then up's when GATED)."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -71,6 +79,11 @@ def _moe_gemm_kernel(
         if GATED:
             w_up = tl.load(w_base + N * stride_wn + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
             acc_up += tl.dot(a, w_up.to(DOT_DTYPE), input_precision="ieee")
+    if SCALED:
+        scale_row = scale_ptr + expert * stride_se + offs_n
+        acc *= tl.load(scale_row, mask=n_ok, other=0.0)[None, :]
+        if GATED:
+            acc_up *= tl.load(scale_row + N, mask=n_ok, other=0.0)[None, :]
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
     if WEIGHTED:
@@ -106,10 +119,11 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l
 
 
 @triton.jit
-def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, top_k, stride_xm, stride_we, stride_wn, stride_om,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _pair_gate_up_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, out_ptr, N, K, top_k, stride_xm, stride_we, stride_wn,
+                         stride_se, stride_om, SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[pair, n] = silu(gate[e] @ x) * (up[e] @ x) for columns [pid_n * BLOCK_N, +BLOCK_N) of N,
-    x the pair's token row, e its expert; `w` holds gate rows [0, N) and up rows [N, 2N)."""
+    x the pair's token row, e its expert; `w` holds gate rows [0, N) and up rows [N, 2N) (SCALED:
+    e4m3, with `scale`'s row scales in the same order)."""
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     x_row = x_ptr + (pair // top_k) * stride_xm
@@ -126,15 +140,20 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, top_k, stride_xm,
         acc_gate += tl.load(gate_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x
         acc_up += tl.load(gate_rows + N * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x
     gate, up = tl.sum(acc_gate, 1), tl.sum(acc_up, 1)
+    if SCALED:
+        scale_row = scale_ptr + expert * stride_se + offs_n
+        gate *= tl.load(scale_row, mask=n_ok, other=0.0)
+        up *= tl.load(scale_row + N, mask=n_ok, other=0.0)
     tl.store(out_ptr + pair * stride_om + offs_n, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty),
              mask=n_ok)
 
 
 @triton.jit
-def _pair_down_sum_kernel(act_ptr, w_ptr, ids_ptr, pair_weight_ptr, out_ptr, N, K,
-                          stride_am, stride_we, stride_wn, stride_om,
-                          TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[token, n] = sum over the token's k pairs, in slot order, of weight * (down[e] @ act[pair])."""
+def _pair_down_sum_kernel(act_ptr, w_ptr, scale_ptr, ids_ptr, pair_weight_ptr, out_ptr, N, K,
+                          stride_am, stride_we, stride_wn, stride_se, stride_om,
+                          TOP_K: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[token, n] = sum over the token's k pairs, in slot order, of weight * (down[e] @ act[pair])
+    (SCALED: `w` e4m3, each row's sum times its scale in `scale`)."""
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -150,7 +169,10 @@ def _pair_down_sum_kernel(act_ptr, w_ptr, ids_ptr, pair_weight_ptr, out_ptr, N, 
             act = tl.load(act_ptr + pair * stride_am + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             w = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             acc += w * act[None, :]
-        total += tl.load(pair_weight_ptr + pair) * tl.sum(acc, 1)
+        down = tl.sum(acc, 1)
+        if SCALED:
+            down *= tl.load(scale_ptr + expert * stride_se + offs_n, mask=n_ok, other=0.0)
+        total += tl.load(pair_weight_ptr + pair) * down
     tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -183,15 +205,35 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     return weights, ids
 
 
-def _check_inputs(hidden, gate_up, down, topk_weights, topk_ids, check_indices: bool) -> None:
+def _check_weights(hidden, gate_up, down, gate_up_scale, down_scale) -> None:
+    """Weights in hidden's dtype, or e4m3 with an fp32 scale per output row of each expert."""
+    require((gate_up_scale is None) == (down_scale is None),
+            "gate_up_scale and down_scale come together (FP8 weights) or not at all")
+    if gate_up_scale is None:
+        check_float("gate_up", gate_up, 3)
+        check_float("down", down, 3)
+        require(gate_up.dtype == down.dtype == hidden.dtype,
+                f"hidden, gate_up and down must share a dtype, got {hidden.dtype}, {gate_up.dtype}, {down.dtype}")
+        return
+    for name, weight, scale in (("gate_up", gate_up, gate_up_scale), ("down", down, down_scale)):
+        require(isinstance(weight, torch.Tensor) and weight.dim() == 3 and weight.dtype == FP8_WEIGHT_DTYPE
+                and weight.stride(-1) == 1, f"{name} must be a 3-dimensional float8_e4m3fn tensor contiguous in "
+                f"its last dimension when scales are given, got {getattr(weight, 'dtype', type(weight))}")
+        require(isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.is_contiguous()
+                and tuple(scale.shape) == tuple(weight.shape[:2]),
+                f"{name}_scale must be a contiguous float32 [E, rows] = {list(weight.shape[:2])}, got "
+                f"{getattr(scale, 'dtype', None)} {list(getattr(scale, 'shape', []))}")
+
+
+def _check_inputs(hidden, gate_up, down, topk_weights, topk_ids, gate_up_scale, down_scale,
+                  check_indices: bool) -> None:
     check_float("hidden", hidden, 2)
-    check_float("gate_up", gate_up, 3)
-    check_float("down", down, 3)
+    _check_weights(hidden, gate_up, down, gate_up_scale, down_scale)
     check_float("topk_weights", topk_weights, 2)
     check_index("topk_ids", topk_ids, 2, (torch.int32, torch.int64))
-    check_same_device(hidden=hidden, gate_up=gate_up, down=down, topk_weights=topk_weights, topk_ids=topk_ids)
-    require(gate_up.dtype == down.dtype == hidden.dtype,
-            f"hidden, gate_up and down must share a dtype, got {hidden.dtype}, {gate_up.dtype}, {down.dtype}")
+    scales = {} if gate_up_scale is None else {"gate_up_scale": gate_up_scale, "down_scale": down_scale}
+    check_same_device(hidden=hidden, gate_up=gate_up, down=down, topk_weights=topk_weights, topk_ids=topk_ids,
+                      **scales)
     require(topk_weights.dtype == torch.float32, f"topk_weights must be float32, got {topk_weights.dtype}")
     num_experts, two_inter, hidden_size = gate_up.shape
     inter = two_inter // 2
@@ -208,12 +250,15 @@ def _check_inputs(hidden, gate_up, down, topk_weights, topk_ids, check_indices: 
 
 
 def fused_moe(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, *, check_indices: bool = True, path: str | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, *, gate_up_scale: torch.Tensor | None = None,
+              down_scale: torch.Tensor | None = None, check_indices: bool = True,
+              path: str | None = None) -> torch.Tensor:
     """hidden [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I]; topk_weights
     [T, k] fp32; topk_ids [T, k] -> [T, H] in hidden's dtype: sum_j w[t, j] * expert_j(x_t).
-    `check_indices` reads topk_ids back to check them (a sync; off inside CUDA graphs). `path`
-    ("pairs" or "sorted", module doc) is chosen from the batch when None."""
-    _check_inputs(hidden, gate_up, down, topk_weights, topk_ids, check_indices)
+    With `gate_up_scale` [E, 2I] and `down_scale` [E, H] (fp32) the weights are e4m3, scaled per
+    output row (module doc). `check_indices` reads topk_ids back to check them (a sync; off inside
+    CUDA graphs). `path` ("pairs" or "sorted", module doc) is chosen from the batch when None."""
+    _check_inputs(hidden, gate_up, down, topk_weights, topk_ids, gate_up_scale, down_scale, check_indices)
     num_tokens, top_k = topk_ids.shape
     num_experts = gate_up.shape[0]
     if num_tokens * top_k == 0:
@@ -222,10 +267,15 @@ def fused_moe(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, t
         path = "pairs" if num_tokens * top_k <= num_experts // 2 else "sorted"
     require(path in ("pairs", "sorted"), f"path must be 'pairs' or 'sorted', got {path!r}")
     run = _by_pair if path == "pairs" else _sorted
-    return run(hidden, gate_up, down, topk_weights, topk_ids)
+    return run(hidden, gate_up, down, topk_weights, topk_ids, gate_up_scale, down_scale)
 
 
-def _by_pair(hidden, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
+def _scale_args(weight: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """(scale pointer, its expert stride); unscaled kernels never read it, so the weight stands in."""
+    return (weight, 0) if scale is None else (scale, scale.stride(0))
+
+
+def _by_pair(hidden, gate_up, down, topk_weights, topk_ids, gate_up_scale, down_scale) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
     _, two_inter, hidden_size = gate_up.shape
     inter = two_inter // 2
@@ -233,24 +283,27 @@ def _by_pair(hidden, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
     block_k = 32 if interpreted else 128
     activated = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
     block_n = 16 if interpreted else 32
+    scaled = gate_up_scale is not None
+    scale, stride_se = _scale_args(gate_up, gate_up_scale)
     _pair_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, block_n))](
-        hidden, gate_up, topk_ids, activated, inter, hidden_size, top_k,
-        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), activated.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        hidden, gate_up, scale, topk_ids, activated, inter, hidden_size, top_k,
+        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), stride_se, activated.stride(0),
+        SCALED=scaled, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )
     out = torch.empty_like(hidden)
     # One program per token and column block: narrow blocks keep enough programs for the memory
     # system at batch 1 (2048 / 16 = 128 for Qwen3-30B-A3B).
     block_n = 16
+    scale, stride_se = _scale_args(down, down_scale)
     _pair_down_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
-        activated, down, topk_ids, topk_weights, out, hidden_size, inter,
-        activated.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        activated, down, scale, topk_ids, topk_weights, out, hidden_size, inter,
+        activated.stride(0), down.stride(0), down.stride(1), stride_se, out.stride(0),
+        TOP_K=top_k, SCALED=scaled, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )
     return out
 
 
-def _sorted(hidden, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
+def _sorted(hidden, gate_up, down, topk_weights, topk_ids, gate_up_scale, down_scale) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden_size = gate_up.shape
     inter, num_pairs = two_inter // 2, num_tokens * top_k
@@ -259,20 +312,23 @@ def _sorted(hidden, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
     block_n, block_k = _block_nk(block_m, inter, hidden_size, hidden.device)
     sorted_pairs, block_expert, num_padded = align_to_experts(topk_ids, num_experts, block_m)
     activated = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    scaled = gate_up_scale is not None
+    scale, stride_se = _scale_args(gate_up, gate_up_scale)
     _moe_gemm_kernel[(sorted_pairs.numel() // block_m, triton.cdiv(inter, block_n))](
-        hidden, gate_up, activated, topk_weights, sorted_pairs, block_expert, num_padded,
+        hidden, gate_up, scale, activated, topk_weights, sorted_pairs, block_expert, num_padded,
         num_pairs, inter, hidden_size, top_k,
-        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), activated.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=True, WEIGHTED=False, DOT_DTYPE=dot,
-        num_warps=4, num_stages=3,
+        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), stride_se, activated.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=True, WEIGHTED=False, SCALED=scaled,
+        DOT_DTYPE=dot, num_warps=4, num_stages=3,
     )
     block_n, block_k = _block_nk(block_m, hidden_size, inter, hidden.device)
     weighted = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    scale, stride_se = _scale_args(down, down_scale)
     _moe_gemm_kernel[(sorted_pairs.numel() // block_m, triton.cdiv(hidden_size, block_n))](
-        activated, down, weighted, topk_weights, sorted_pairs, block_expert, num_padded,
+        activated, down, scale, weighted, topk_weights, sorted_pairs, block_expert, num_padded,
         num_pairs, hidden_size, inter, 1,
-        activated.stride(0), down.stride(0), down.stride(1), down.stride(2), weighted.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=False, WEIGHTED=True, DOT_DTYPE=dot,
-        num_warps=4, num_stages=3,
+        activated.stride(0), down.stride(0), down.stride(1), down.stride(2), stride_se, weighted.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=False, WEIGHTED=True, SCALED=scaled,
+        DOT_DTYPE=dot, num_warps=4, num_stages=3,
     )
     return weighted.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)

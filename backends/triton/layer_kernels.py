@@ -21,11 +21,12 @@ def _qk_norm_rotary_trusted(positions, q, k, q_weight, k_weight, eps, cos, sin) 
     qk_norm_rotary(positions, q, k, q_weight, k_weight, eps, cos, sin, check_indices=False)
 
 
-def _routed_fused_moe(hidden, gate_up, down, router_logits, top_k, renormalize):
+def _routed_fused_moe(hidden, gate_up, down, router_logits, top_k, renormalize, gate_up_scale=None, down_scale=None):
     # Expert ids come from our own top-k over the router (always in range); checking them would be
     # a host sync per layer.
     topk_weights, topk_ids = topk_softmax(router_logits, top_k, renormalize)
-    return fused_moe(hidden, gate_up, down, topk_weights, topk_ids, check_indices=False)
+    return fused_moe(hidden, gate_up, down, topk_weights, topk_ids, gate_up_scale=gate_up_scale,
+                     down_scale=down_scale, check_indices=False)
 
 
 @functools.lru_cache(maxsize=1)

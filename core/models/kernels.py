@@ -27,8 +27,10 @@ class LayerKernels:
     # (positions, q, k, q_weight [D], k_weight [D], eps, cos, sin) -> None: per-head RMSNorm of q and k
     # (Qwen3) then the rotation, in place; None runs the norms and `rotary_embedding` separately
     qk_norm_rotary: Callable[..., None] | None = None
-    # (hidden [T, H], gate_up [E, 2I, H], down [E, H, I], router_logits [T, E], top_k, renormalize)
-    # -> [T, H]: a mixture-of-experts layer, routing included (corectl.models.moe); None runs its torch path
+    # (hidden [T, H], gate_up [E, 2I, H], down [E, H, I], router_logits [T, E], top_k, renormalize,
+    # gate_up_scale=None, down_scale=None) -> [T, H]: a mixture-of-experts layer, routing included
+    # (corectl.models.moe); the scales ([E, 2I], [E, H] fp32) come with e4m3 weights (FP8 experts,
+    # scaled per output row). None runs its torch path
     fused_moe: Callable[..., torch.Tensor] | None = None
 
 

@@ -6,7 +6,9 @@ vLLM's split, written for this engine. A `QuantizationConfig` is read from the c
 (`PlatformCaps.quantization_kernels`). When the model is built, every quantizable linear layer
 (`corectl.models.parallel`'s column- and row-parallel layers) asks it for a `LinearMethod` by the
 layer's module name; the method owns the layer's weight layout (its parameters), how each
-checkpoint tensor reaches them (per-rank slices included) and how the layer computes.
+checkpoint tensor reaches them (per-rank slices included) and how the layer computes. A
+mixture-of-experts layer (`corectl.models.moe.FusedMoE`) is no linear layer: it asks for a
+`MoEMethod` the same way, and a config that gives none leaves the experts dense.
 """
 from __future__ import annotations
 
@@ -71,6 +73,33 @@ class LinearMethod(abc.ABC):
         return layer_bytes(layer)
 
 
+class MoEMethod(abc.ABC):
+    """How one mixture-of-experts layer (`corectl.models.moe.FusedMoE`) stores, loads and applies
+    its stacked experts; the contract of `LinearMethod`, for the experts of a layer.
+
+    `create_weights` registers the stacked parameters through the layer's
+    `register_expert_param` (which attaches the per-expert, per-rank loader the parameter's
+    layout needs). `unused_tensors` names per-expert checkpoint tensors (by their last name part,
+    e.g. "input_scale") the method reads past. `apply` returns this rank's partial output, before
+    the layer's all-reduce.
+    """
+
+    unused_tensors: ClassVar[tuple[str, ...]] = ()
+
+    @abc.abstractmethod
+    def create_weights(self, layer: torch.nn.Module, dtype: torch.dtype) -> None: ...
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Repack what was loaded into the kernel's layout; nothing by default."""
+
+    @abc.abstractmethod
+    def apply(self, layer: torch.nn.Module, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor: ...
+
+    def served_bytes(self, layer: torch.nn.Module) -> int:
+        """Bytes the layer holds once repacked (`LinearMethod.served_bytes`'s contract)."""
+        return layer_bytes(layer)
+
+
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     """Bytes of the given tensors (None counts nothing: an absent bias)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
@@ -103,6 +132,11 @@ class QuantizationConfig(abc.ABC):
     @abc.abstractmethod
     def linear_method(self, prefix: str, layer: torch.nn.Module) -> LinearMethod | None:
         """The method for the layer named `prefix`; None keeps it unquantized."""
+
+    def moe_method(self, prefix: str, layer: torch.nn.Module) -> MoEMethod | None:
+        """The method for the mixture-of-experts layer named `prefix`; None (the default: a
+        scheme that does not cover experts) keeps its experts dense."""
+        return None
 
     def weight_stream(self, source: "ModelSource") -> Iterator[tuple[str, Any]] | None:
         """(name, tensor) pairs to load instead of the checkpoint's safetensors (GGUF reads its

@@ -14,6 +14,12 @@ Decode-sized steps (at most GEMV_MAX_M rows) take a W8A16 kernel where the worke
 HBM bandwidth, where the FP8 tensor-core GEMM's 128-row tiles waste most of their work on one row;
 it is also more accurate than W8A8 (no rounding of activations to e4m3). The path depends on the
 row count only (known on the host), so each captured CUDA-graph batch size takes one path.
+
+Mixture-of-experts layers (`Fp8MoEMethod`): every expert's gate/up and down matrices in the same
+layout (e4m3, an fp32 scale per output row: [E, 2I] and [E, H]), from either source. The experts
+run W8A16 (the fused MoE kernel widens the e4m3 weights and scales its fp32 sums per row; the
+torch path does the same): activations are never quantized there, so the static `input_scale`s
+of the experts are not even loaded.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from .base import LinearMethod, QuantAxes, QuantizationConfig, tensor_bytes
+from .base import LinearMethod, MoEMethod, QuantAxes, QuantizationConfig, tensor_bytes
 from .scope import optional_kernel
 
 FP8 = torch.float8_e4m3fn
@@ -95,10 +101,13 @@ class Fp8Config(QuantizationConfig):
                    ignored=tuple(quant_config.get("ignored_layers") or quant_config.get("modules_to_not_convert") or ()))
 
     def linear_method(self, prefix: str, layer) -> LinearMethod | None:
-        names = layer.checkpoint_weight_names(prefix)
-        if any(ignored and ignored in name for name in names for ignored in self.ignored):
-            return None
-        return Fp8LinearMethod(self)
+        return None if self._ignores(layer.checkpoint_weight_names(prefix)) else Fp8LinearMethod(self)
+
+    def moe_method(self, prefix: str, layer) -> MoEMethod | None:
+        return None if self._ignores(layer.checkpoint_weight_names(prefix)) else Fp8MoEMethod(self)
+
+    def _ignores(self, names: list[str]) -> bool:
+        return any(ignored and ignored in name for name in names for ignored in self.ignored)
 
 
 @dataclass(frozen=True)
@@ -185,3 +194,51 @@ def _per_channel(layer, scale: torch.Tensor) -> torch.Tensor:
     if layer.shards is None:
         return scale.reshape(1).expand(layer.out_features)
     return torch.cat([scale[i].expand(size) for i, (_, size, _) in enumerate(layer.shards.values())])
+
+
+class Fp8MoEMethod(MoEMethod):
+    """A mixture-of-experts layer's experts in e4m3 with an fp32 scale per output row (module doc)."""
+
+    unused_tensors = ("input_scale",)
+
+    def __init__(self, config: Fp8Config):
+        self.config = config
+
+    def create_weights(self, layer, dtype: torch.dtype) -> None:
+        e, h, rows = layer.num_experts, layer.hidden_size, layer.rows
+        weight_dtype = FP8 if self.config.serialized else dtype
+        layer.register_expert_param("gate_up_proj", torch.empty(e, 2 * rows, h, dtype=weight_dtype),
+                                    layer.load_gate_up)
+        layer.register_expert_param("down_proj", torch.empty(e, h, rows, dtype=weight_dtype), layer.load_down)
+        if self.config.serialized:
+            # Per-tensor or per-channel, a checkpoint's scales load as one per row (exact).
+            layer.register_expert_param("gate_up_proj_scale", torch.ones(e, 2 * rows), layer.load_gate_up_rows)
+            layer.register_expert_param("down_proj_scale", torch.ones(e, h), layer.load_down_rows)
+
+    def process_weights_after_loading(self, layer) -> None:
+        if self.config.serialized:
+            return
+        for name in ("gate_up_proj", "down_proj"):
+            weight, scale = _quantize_experts(getattr(layer, name).data)
+            delattr(layer, name)
+            layer.register_parameter(name, torch.nn.Parameter(weight, requires_grad=False))
+            layer.register_parameter(f"{name}_scale", torch.nn.Parameter(scale, requires_grad=False))
+
+    def served_bytes(self, layer) -> int:
+        # e4m3 matrices and an fp32 scale per output row of each, whichever source they came from.
+        e, h, rows = layer.num_experts, layer.hidden_size, layer.rows
+        return e * 3 * rows * h * FP8.itemsize + e * (2 * rows + h) * torch.float32.itemsize
+
+    def apply(self, layer, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        return layer.run_experts(hidden, router_logits, layer.gate_up_proj_scale, layer.down_proj_scale)
+
+
+def _quantize_experts(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` of each expert of a stacked [E, N, K] weight -> (e4m3 [E, N, K], fp32 [E, N]);
+    one expert at a time, so the transient fp32 copy is one expert's, not the layer's."""
+    weight = torch.empty(dense.shape, dtype=FP8, device=dense.device)
+    scale = torch.empty(dense.shape[:2], dtype=torch.float32, device=dense.device)
+    for expert in range(dense.shape[0]):
+        weight[expert], expert_scale = quantize_rows(dense[expert])
+        scale[expert] = expert_scale.view(-1)
+    return weight, scale

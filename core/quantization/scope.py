@@ -2,9 +2,11 @@
 method each layer gets, and the kernels the methods call.
 
 The worker builds the model inside `quantization_scope(config, kernels)`; quantizable layers
-then allocate no dense weight (`deferred_weight_device`). `bind_linear_methods` gives every such
-layer its method by module name after construction, and `process_loaded_weights` runs each
-method's repacking once the checkpoint is in. Model code never changes for a new method.
+(linear layers, and mixture-of-experts layers' stacked experts) then allocate no dense weight
+(`deferred_weight_device`). `bind_linear_methods` gives every such layer its method by module
+name after construction (`linear_method`, or `moe_method` for experts), and
+`process_loaded_weights` runs each method's repacking once the checkpoint is in. Model code
+never changes for a new method.
 """
 from __future__ import annotations
 
@@ -54,23 +56,32 @@ def bind_linear_methods(model: nn.Module, config: QuantizationConfig, dtype: tor
                         device: torch.device) -> int:
     """Give every quantizable layer of `model` its method (or its dense weight); returns how many
     layers are quantized. Runs inside the same `quantization_scope` the model was built in."""
+    from ..models.moe import FusedMoE
     from ..models.quantizable import QuantizableLinear
 
     quantized = 0
     for prefix, layer in model.named_modules():
         if isinstance(layer, QuantizableLinear):
             method = config.linear_method(prefix, layer)
-            layer.set_quant_method(method, dtype, device)
-            quantized += method is not None
+        elif isinstance(layer, FusedMoE):
+            method = config.moe_method(prefix, layer)
+        else:
+            continue
+        layer.set_quant_method(method, dtype, device)
+        quantized += method is not None
     return quantized
 
 
 @torch.no_grad()
 def process_loaded_weights(model: nn.Module) -> None:
-    """Check every quantized layer got all its shards, then repack them for their kernels."""
+    """Check every quantized layer got all its shards, then repack them for their kernels. (A
+    mixture-of-experts layer's loader already counted every expert's tensors: `load_moe_weights`.)"""
     from ..models.quantizable import QuantizableLinear
 
     for prefix, layer in model.named_modules():
-        if isinstance(layer, QuantizableLinear) and layer.quant_method is not None:
+        method = getattr(layer, "quant_method", None)
+        if method is None:
+            continue
+        if isinstance(layer, QuantizableLinear):
             layer.check_loaded(prefix)
-            layer.quant_method.process_weights_after_loading(layer)
+        method.process_weights_after_loading(layer)

@@ -56,6 +56,24 @@ def test_fp8_on_the_fly_plans_fp8_matrices_with_row_scales():
     assert two.weight_bytes_per_rank == pytest.approx(fp8.weight_bytes / 2, rel=0.001)
 
 
+def test_fp8_on_the_fly_plans_the_experts_as_fp8_with_row_scales():
+    """Qwen3-30B-A3B: its experts (most of its weights) are planned as served, e4m3 matrices and an
+    fp32 scale per output row of each expert, as are its attention projections."""
+    dense = plan_deployment(EngineConfig(model="qwen3-30b-a3b"), **H100)
+    fp8 = plan_deployment(EngineConfig(model="qwen3-30b-a3b", quantization="fp8"), **H100)
+    hf = read_checkpoint(EngineConfig(model="qwen3-30b-a3b")).hf_config
+    layers, experts, h, i = hf.num_hidden_layers, hf.num_experts, hf.hidden_size, hf.moe_intermediate_size
+    q, qkv = hf.num_attention_heads * hf.head_dim, (hf.num_attention_heads + 2 * hf.num_key_value_heads) * hf.head_dim
+    attention = [(qkv, h), (h, q)]
+    dense_bytes = layers * (experts * 3 * i * h + sum(n * k for n, k in attention)) * 2
+    fp8_bytes = layers * (experts * (3 * i * h + 4 * (2 * i + h)) + sum(n * k + 4 * n for n, k in attention))
+    assert fp8.weight_bytes == dense.weight_bytes - dense_bytes + fp8_bytes
+    assert fp8.weight_bytes == pytest.approx(dense.weight_bytes * 0.51, rel=0.01)
+    assert fp8.loading_weight_bytes_per_rank == dense.weight_bytes and fp8.num_params == dense.num_params
+    two = plan_deployment(EngineConfig(model="qwen3-30b-a3b", quantization="fp8", tensor_parallel_size=2), **H100)
+    assert two.weight_bytes_per_rank < 0.51 * fp8.weight_bytes
+
+
 def test_awq_from_hf_overrides_plans_4bit_codes_and_group_scales():
     config = EngineConfig(model="llama3-8b", hf_overrides={"quantization_config": AWQ})
     hf = read_checkpoint(config).hf_config

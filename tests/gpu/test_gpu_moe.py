@@ -1,6 +1,6 @@
 """The fused MoE kernel on the GPU: at Qwen3-30B-A3B's layer sizes against the torch path, inside a
 CUDA graph without host syncs, and in random-weight Qwen3-MoE and Mixtral models against the models'
-torch code."""
+torch code; its FP8-weight variant likewise (kernel sizes, and `--quantization fp8` models)."""
 import pytest
 import torch
 
@@ -11,6 +11,7 @@ from corectl import SamplingParams  # noqa: E402
 from corectl.backends.triton.fused_moe import fused_moe  # noqa: E402
 from corectl.backends.triton.layer_kernels import triton_layer_kernels  # noqa: E402
 from corectl.models.moe import fused_moe_torch, select_experts  # noqa: E402
+from corectl.quantization.fp8 import quantize_rows  # noqa: E402
 from gpu_helpers import MOE_ARCHITECTURES, build_checkpoint, compare_greedy, generate, random_prompts  # noqa: E402
 
 # The graphs module's engine checks, collected here again to run on the MoE model (the `checkpoint`
@@ -24,6 +25,8 @@ from test_gpu_graphs import (  # noqa: E402, F401
 HIDDEN, EXPERTS, INTER, TOP_K = 2048, 128, 768, 8
 # Relative L2 error of bf16 against an fp32 computation: a few bf16 roundings (2**-8 each).
 REL_TOL = 1e-2
+# Triton converts e4m3 (fp8e4nv) on compute capability 8.9 and newer.
+FP8 = torch.cuda.get_device_capability(0) >= (8, 9)
 
 
 def layer_inputs(num_tokens: int, dtype: torch.dtype):
@@ -115,3 +118,51 @@ def test_moe_model_decodes_the_tokens_of_the_torch_path(enforce_eager, moe_check
 
         matched, error = compare_greedy(expected.token_ids, got.token_ids, expected_logprob, chosen, 0.0)
         assert matched == len(expected.token_ids) and error < 1e-3
+
+
+def fp8_experts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked [E, N, K] weights as the FP8 method serves them: e4m3, fp32 row scales [E, N]."""
+    quantized, scale = quantize_rows(weight.reshape(-1, weight.shape[-1]))
+    return quantized.view(weight.shape), scale.view(weight.shape[:2])
+
+
+@pytest.mark.skipif(not FP8, reason="e4m3 conversions need compute capability 8.9 or newer")
+@pytest.mark.parametrize(("num_tokens", "path"), [(1, "pairs"), (16, "pairs"), (1, "sorted"), (300, "sorted"),
+                                                  (4096, "sorted")])
+def test_fp8_kernel_matches_the_torch_path_at_qwen3_30b_a3b_sizes(num_tokens, path):
+    """e4m3 experts widened in the kernel, bf16 activations: against the torch path's W8A16 in fp32
+    on the same e4m3 values and scales, the kernel's error is its own bf16 roundings."""
+    torch.manual_seed(num_tokens)
+    hidden, gate_up, down, weights, ids = layer_inputs(num_tokens, torch.bfloat16)
+    (gate_up_q, gate_up_scale), (down_q, down_scale) = fp8_experts(gate_up), fp8_experts(down)
+    scales = {"gate_up_scale": gate_up_scale, "down_scale": down_scale}
+    ref = fused_moe_torch(hidden.float(), gate_up_q, down_q, weights, ids, **scales)
+    error = relative_error(fused_moe(hidden, gate_up_q, down_q, weights, ids, path=path, **scales), ref)
+    print(f"{num_tokens} tokens, {path} path, FP8 experts: bf16 relative error {error:.2e}")
+    assert error < REL_TOL
+    fp32 = fused_moe(hidden.float(), gate_up_q, down_q, weights, ids, path=path, **scales)
+    assert relative_error(fp32, ref) < 1e-5
+
+
+@pytest.mark.skipif(not FP8, reason="FP8 needs compute capability 8.9 or newer")
+def test_fp8_moe_model_decodes_the_tokens_of_the_torch_path(checkpoint, monkeypatch):
+    """`--quantization fp8` on a Qwen3-MoE: the fused kernel's FP8 variant, captured in CUDA graphs,
+    against the experts' torch path (eager) on the same e4m3 weights. Both runs quantize the linear
+    layers' activations (W8A8), which can turn a tiny difference of the experts' outputs into an
+    e4m3 step: near-ties of 0.05 nat, and logprobs within that, are allowed."""
+    prompts = random_prompts([3, 250, 17, 64, 9, 130, 33, 1], seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5, ignore_eos=True)
+    with monkeypatch.context() as torch_layers:
+        torch_layers.setenv("CORECTL_FUSED_KERNELS", "0")
+        reference = generate(checkpoint, prompts, params, dtype="float32", enforce_eager=True, quantization="fp8")
+    fused = generate(checkpoint, prompts, params, dtype="float32", quantization="fp8")
+    for expected, got in zip(reference, fused):
+        expected, got = expected.outputs[0], got.outputs[0]
+        chosen = [next(iter(position.values())).logprob for position in got.logprobs]
+
+        def expected_logprob(pos, token, expected=expected):
+            entry = expected.logprobs[pos].get(token)
+            return None if entry is None else entry.logprob
+
+        matched, error = compare_greedy(expected.token_ids, got.token_ids, expected_logprob, chosen, 0.05)
+        assert error < 0.05, (matched, error)

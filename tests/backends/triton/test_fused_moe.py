@@ -8,6 +8,7 @@ from corectl.backends.triton.fused_moe import fused_moe, topk_softmax
 from corectl.backends.triton.moe_align import align_to_experts
 from corectl.backends.triton.reference import align_to_experts_ref
 from corectl.models.moe import fused_moe_torch, select_experts
+from corectl.quantization.fp8 import quantize_rows
 
 
 def moe_inputs(num_tokens, num_experts, hidden_size, inter, top_k, dtype, skip_expert=None):
@@ -38,6 +39,45 @@ def test_fused_moe_matches_the_torch_path(num_tokens, num_experts, hidden_size, 
         # The reference rounds silu(gate), the product and each expert's output to bf16; the kernel
         # rounds the activation and the weighted output once each: a few bf16 steps of the scale.
         assert (out.float() - ref.float()).abs().max() <= 4 * BF16_STEP * ref.float().abs().max()
+
+
+def fp8_experts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked [E, N, K] weights as the FP8 method serves them: e4m3 [E, N, K], fp32 row scales [E, N]."""
+    quantized, scale = quantize_rows(weight.reshape(-1, weight.shape[-1]))
+    return quantized.view(weight.shape), scale.view(weight.shape[:2])
+
+
+@pytest.mark.parametrize("path", ["pairs", "sorted"])
+@pytest.mark.parametrize(("num_tokens", "num_experts", "hidden_size", "inter", "top_k"), [
+    (1, 8, 32, 16, 2), (5, 4, 40, 24, 2), (21, 3, 48, 20, 2),
+])
+def test_fp8_experts_match_the_torch_path_with_scales(num_tokens, num_experts, hidden_size, inter, top_k, path):
+    """e4m3 weights widened in the kernel, each output row's fp32 sum scaled: the torch path's W8A16
+    (fp32 activations, as the other interpreter tests: bf16 dots are not exact under it). Scales
+    far from 1 per row and per expert catch a scale applied to the wrong row, expert or GEMM."""
+    hidden, gate_up, down, weights, ids = moe_inputs(num_tokens, num_experts, hidden_size, inter, top_k,
+                                                     torch.float32, skip_expert=num_experts - 1)
+    gate_up_q, gate_up_scale = fp8_experts(gate_up * torch.rand(num_experts, 2 * inter, 1) * 10)
+    down_q, down_scale = fp8_experts(down * torch.rand(num_experts, hidden_size, 1) * 10)
+    scales = {"gate_up_scale": gate_up_scale, "down_scale": down_scale}
+    out = fused_moe(hidden, gate_up_q, down_q, weights, ids, path=path, **scales)
+    ref = fused_moe_torch(hidden, gate_up_q, down_q, weights, ids, **scales)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5 * ref.abs().max().item())
+    dequantized = fused_moe_torch(hidden, gate_up_q.float() * gate_up_scale[..., None], down_q.float()
+                                  * down_scale[..., None], weights, ids)
+    torch.testing.assert_close(ref, dequantized, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def test_fp8_launcher_refuses_scales_that_do_not_fit():
+    hidden, gate_up, down, weights, ids = moe_inputs(3, 4, 32, 16, 2, torch.float32)
+    (gate_up_q, gate_up_scale), (down_q, down_scale) = fp8_experts(gate_up), fp8_experts(down)
+    with pytest.raises(ValueError, match="come together"):
+        fused_moe(hidden, gate_up_q, down_q, weights, ids, gate_up_scale=gate_up_scale)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fused_moe(hidden, gate_up, down, weights, ids, gate_up_scale=gate_up_scale, down_scale=down_scale)
+    with pytest.raises(ValueError, match=r"down_scale must be a contiguous float32 \[E, rows\]"):
+        fused_moe(hidden, gate_up_q, down_q, weights, ids, gate_up_scale=gate_up_scale, down_scale=down_scale[:, :8])
 
 
 @pytest.mark.parametrize(("num_tokens", "top_k", "num_experts", "block_m"), [

@@ -108,3 +108,93 @@ def test_a_tensor_parallel_size_that_does_not_split_the_experts_is_refused():
     check_tensor_parallel(config, 2)
     with pytest.raises(ConfigError, match="expert MLP width 18"):
         check_tensor_parallel(config, 4)
+
+
+def fp8_checkpoint_experts(tensors: dict[str, torch.Tensor], per_channel: bool):
+    """The experts as an FP8 checkpoint stores them (e4m3, `weight_scale` per row or per matrix,
+    a static `input_scale` the method reads past) and the dequantized weights they encode."""
+    quantized, dequantized = {}, {}
+    for name, w in tensors.items():
+        scale = (w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax()).float() / 448.0
+        q = (w / scale).to(torch.float8_e4m3fn)
+        stem = name.removesuffix(".weight")
+        quantized.update({name: q, f"{stem}.weight_scale": scale, f"{stem}.input_scale": torch.tensor(0.1)})
+        dequantized[name] = q.float() * scale
+    return quantized, dequantized
+
+
+def fp8_holder(config, num_experts, hidden_size, inter):
+    from corectl.quantization import bind_linear_methods, quantization_scope
+
+    with quantization_scope(config):
+        holder = Holder(num_experts, hidden_size, inter)
+        assert holder.layer.experts.gate_up_proj.is_meta  # the method allocates the experts
+        assert bind_linear_methods(holder, config, torch.float32, torch.device("cpu")) == 1
+    return holder
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fp8_experts_load_each_ranks_e4m3_rows_and_scales_exactly(world_size, per_channel):
+    from corectl.quantization import process_loaded_weights
+    from corectl.quantization.fp8 import Fp8Config
+
+    num_experts, hidden_size, inter = 4, 16, 8
+    quantized, dequantized = fp8_checkpoint_experts(checkpoint_experts(num_experts, hidden_size, inter), per_channel)
+    config = Fp8Config(serialized=True, kernel="fp8_reference")
+    ranks = [build_as(r, world_size, lambda: fp8_holder(config, num_experts, hidden_size, inter))
+             for r in range(world_size)]
+    for holder in ranks:
+        filled = load_moe_weights(holder, quantized.items(), lambda name: False)
+        assert filled == {f"layer.experts.{p}" for p in ("gate_up_proj", "down_proj", "gate_up_proj_scale",
+                                                         "down_proj_scale")}
+        process_loaded_weights(holder)
+    rows = inter // world_size
+    for r, holder in enumerate(ranks):
+        experts, held = holder.layer.experts, slice(r * rows, (r + 1) * rows)
+        assert experts.gate_up_proj.dtype == experts.down_proj.dtype == torch.float8_e4m3fn
+        gate_up = experts.gate_up_proj.float() * experts.gate_up_proj_scale[..., None]
+        down = experts.down_proj.float() * experts.down_proj_scale[..., None]
+        for e in range(num_experts):
+            assert torch.equal(gate_up[e, :rows], dequantized[f"layer.experts.{e}.gate_proj.weight"][held])
+            assert torch.equal(gate_up[e, rows:], dequantized[f"layer.experts.{e}.up_proj.weight"][held])
+            assert torch.equal(down[e], dequantized[f"layer.experts.{e}.down_proj.weight"][:, held])
+    # The ranks' partial outputs (the method's, before the all-reduce) add up to the dequantized
+    # layer's output (W8A16: x is not quantized).
+    hidden, logits = torch.randn(5, hidden_size), torch.randn(5, num_experts)
+    weights, ids = select_experts(logits, 2, renormalize=False)
+    full_gate_up = torch.stack([torch.cat([dequantized[f"layer.experts.{e}.{p}.weight"]
+                                           for p in ("gate_proj", "up_proj")]) for e in range(num_experts)])
+    full_down = torch.stack([dequantized[f"layer.experts.{e}.down_proj.weight"] for e in range(num_experts)])
+    total = sum(h.layer.experts.quant_method.apply(h.layer.experts, hidden, logits) for h in ranks)
+    expected = fused_moe_torch(hidden, full_gate_up, full_down, weights, ids)
+    # fp32 sums in another order (per rank, the scale applied after the sum): a few ulps of the largest
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_fp8_on_the_fly_quantizes_each_experts_rows_after_loading():
+    from corectl.quantization import process_loaded_weights
+    from corectl.quantization.fp8 import Fp8Config, quantize_rows
+
+    tensors = checkpoint_experts(3, 16, 8)
+    holder = fp8_holder(Fp8Config(kernel="fp8_reference"), 3, 16, 8)
+    assert holder.layer.experts.gate_up_proj.dtype == torch.float32  # dense until loaded
+    load_moe_weights(holder, tensors.items(), lambda name: False)
+    dense_down = holder.layer.experts.down_proj.detach().clone()
+    process_loaded_weights(holder)
+    experts = holder.layer.experts
+    for e in range(3):
+        expected, scale = quantize_rows(dense_down[e])
+        assert torch.equal(experts.down_proj[e].view(torch.uint8), expected.view(torch.uint8))
+        assert torch.equal(experts.down_proj_scale[e], scale.view(-1))
+    assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.gate_up_proj_scale.shape == (3, 16)
+
+
+def test_fp8_checkpoint_missing_an_experts_scale_leaves_the_scale_unfilled():
+    from corectl.quantization.fp8 import Fp8Config
+
+    quantized, _ = fp8_checkpoint_experts(checkpoint_experts(3, 16, 8), per_channel=True)
+    del quantized["layer.experts.1.down_proj.weight_scale"]
+    holder = fp8_holder(Fp8Config(serialized=True, kernel="fp8_reference"), 3, 16, 8)
+    filled = load_moe_weights(holder, quantized.items(), lambda name: False)
+    assert "layer.experts.down_proj_scale" not in filled and "layer.experts.down_proj" in filled

@@ -3,13 +3,10 @@ tokens of the dense model of their dequantized weights (fp32) on 8 prompts x 16 
 divergence must sit at a near-tie of the reference. Broken checkpoints fail at startup."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from quant_checkpoints import greedy_divergences, random_prompts, write_fp8_checkpoints, write_w4_checkpoints
 from corectl import LLM, SamplingParams
-from corectl.backends.cpu.platform import CPUPlatform
 from corectl.errors import ConfigError
 from corectl.quantization.fp8 import quantize_rows
 from helpers import build_random_checkpoint
@@ -24,15 +21,6 @@ def dense(tmp_path_factory, default_model_dir):
     return build_random_checkpoint("llama", folder, default_model_dir, seed=3, hidden_size=128,
                                    intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                                    initializer_range=0.1)
-
-
-@pytest.fixture
-def cpu_with_fp8_reference(monkeypatch):
-    """The CPU platform listing the FP8 torch reference kernel (dequantize math), which no
-    built-in CPU lists: FP8 checkpoints then run end to end here."""
-    caps = CPUPlatform().capabilities()
-    monkeypatch.setattr(CPUPlatform, "capabilities",
-                        lambda self: dataclasses.replace(caps, quantization_kernels=("fp8_reference",)))
 
 
 def _compare(quantized, reference, **options):
