@@ -108,7 +108,14 @@ def test_moe_model_decodes_the_tokens_of_the_torch_path(enforce_eager, moe_check
         torch_layers.setenv("CORECTL_FUSED_KERNELS", "0")
         reference = generate(moe_checkpoint, prompts, params, dtype="float32", enforce_eager=True)
     fused = generate(moe_checkpoint, prompts, params, dtype="float32", enforce_eager=enforce_eager)
-    for expected, got in zip(reference, fused):
+    for expected, (matched, error) in zip(reference, compare_runs(reference, fused, 0.0)):
+        assert matched == len(expected.outputs[0].token_ids) and error < 1e-3
+
+
+def compare_runs(reference, runs, near_tie: float) -> list[tuple[int, float]]:
+    """`compare_greedy` of each output against its reference: (tokens matched, logprob error)."""
+    results = []
+    for expected, got in zip(reference, runs):
         expected, got = expected.outputs[0], got.outputs[0]
         chosen = [next(iter(position.values())).logprob for position in got.logprobs]
 
@@ -116,8 +123,8 @@ def test_moe_model_decodes_the_tokens_of_the_torch_path(enforce_eager, moe_check
             entry = expected.logprobs[pos].get(token)
             return None if entry is None else entry.logprob
 
-        matched, error = compare_greedy(expected.token_ids, got.token_ids, expected_logprob, chosen, 0.0)
-        assert matched == len(expected.token_ids) and error < 1e-3
+        results.append(compare_greedy(expected.token_ids, got.token_ids, expected_logprob, chosen, near_tie))
+    return results
 
 
 def fp8_experts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,13 +163,5 @@ def test_fp8_moe_model_decodes_the_tokens_of_the_torch_path(checkpoint, monkeypa
         torch_layers.setenv("CORECTL_FUSED_KERNELS", "0")
         reference = generate(checkpoint, prompts, params, dtype="float32", enforce_eager=True, quantization="fp8")
     fused = generate(checkpoint, prompts, params, dtype="float32", quantization="fp8")
-    for expected, got in zip(reference, fused):
-        expected, got = expected.outputs[0], got.outputs[0]
-        chosen = [next(iter(position.values())).logprob for position in got.logprobs]
-
-        def expected_logprob(pos, token, expected=expected):
-            entry = expected.logprobs[pos].get(token)
-            return None if entry is None else entry.logprob
-
-        matched, error = compare_greedy(expected.token_ids, got.token_ids, expected_logprob, chosen, 0.05)
+    for matched, error in compare_runs(reference, fused, 0.05):
         assert error < 0.05, (matched, error)
