@@ -18,7 +18,7 @@ import torch
 from ..errors import ConfigError
 from .base import LinearMethod, QuantAxes, QuantizationConfig, tensor_bytes
 from .gguf_blocks import GROUP, INT4_TYPES, Int4Groups
-from .int4 import register_w4a16, w4a16_linear
+from .int4 import register_w4a16, w4a16_bytes, w4a16_linear
 from .int4_cpu import int4_linear, int4pack_bytes, register_int4pack
 from .scope import kernel as provided_kernel
 
@@ -116,7 +116,7 @@ class GGUFInt4Method(LinearMethod):
         if self.gemm is None:
             served = int4pack_bytes(n, k, GROUP)
         else:
-            served = k * n // 2 + tensor_bytes(layer.group_scales, layer.group_mins) + k * torch.int32.itemsize
+            served = w4a16_bytes(n, k, tensor_bytes(layer.group_scales, layer.group_mins))
         return served + tensor_bytes(layer.bias)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:

@@ -81,6 +81,12 @@ def register_w4a16(layer, codes: torch.Tensor, scales: torch.Tensor, zeros: torc
         layer.register_buffer(name, tensor, persistent=False)
 
 
+def w4a16_bytes(out_features: int, in_features: int, group_bytes: int) -> int:
+    """Bytes `register_w4a16` keeps for an [N, K] weight whose scales and zeros (or offsets) take
+    `group_bytes`: two codes a byte and an int32 g_idx entry per input (the permutation apart)."""
+    return out_features * in_features // 2 + group_bytes + in_features * torch.int32.itemsize
+
+
 def w4a16_linear(gemm, layer, rows: torch.Tensor) -> torch.Tensor:
     """rows [M, K] @ W.T + bias through `gemm` on the operands `register_w4a16` kept."""
     rows = rows if layer.w4_perm is None else rows[:, layer.w4_perm]
@@ -194,10 +200,10 @@ class W4LinearMethod(LinearMethod):
         do not form whole groups keeps a dense weight (int4pack) or gathers by g_idx without a
         permutation (w4a16) instead, which only its g_idx shows: planned as packed, permuted."""
         n, k = layer.out_features, layer.in_features
-        int32 = torch.int32.itemsize
         permutation = k * torch.int64.itemsize if self.config.desc_act else 0
         if self.gemm is not None:
-            served = k * n // 2 + tensor_bytes(layer.scales) + layer.scales.shape[0] * n * int32 + k * int32
+            zero_codes = layer.scales.shape[0] * n * torch.int32.itemsize
+            served = w4a16_bytes(n, k, tensor_bytes(layer.scales) + zero_codes)
         else:
             served = int4pack_bytes(n, k, self.config.group_size)
         return served + permutation + tensor_bytes(layer.bias)
