@@ -11,7 +11,6 @@ import random
 from collections import defaultdict
 
 import pytest
-import torch
 from corectl.config import EngineConfig
 from corectl.errors import ConfigError
 from corectl.kv import NULL_BLOCK_ID, KVCacheManager
@@ -20,7 +19,7 @@ from corectl.request import Request
 from corectl.sampling_params import SamplingParams
 from corectl.scheduler import Scheduler
 from corectl.worker.output import ModelRunnerOutput
-from corectl.worker.request_states import RequestStates
+from test_scheduler import PagedOracle
 
 BS = 4
 VOCAB = 1000
@@ -107,36 +106,26 @@ def test_a_block_evicted_after_leaving_the_window_ends_every_later_hit():
     assert kv.lookup_prefix(probe).num_tokens == 0  # blocks 4-5, held by `long`, are unreachable
 
 
-class WindowedOracle:
+class WindowedOracle(PagedOracle):
     """Each position's entry hashes its token with the entries of the window before it. It also
     checks that every block it reads is still the request's in the scheduler's books."""
 
     def __init__(self, window, sched):
+        super().__init__()
         self.window = window
         self.sched = sched
-        self.states = RequestStates(torch.device("cpu"))
-        self.cache: dict[int, int] = {}
 
-    def execute(self, out) -> ModelRunnerOutput:
-        self.states.apply(out)
-        req_ids, sampled = [], []
-        for req_id, n in out.num_scheduled_tokens.items():
-            state = self.states[req_id]
-            owned = set(self.sched.kv.block_ids(self.sched.get_request(req_id))) - {NULL_BLOCK_ID}
-            start, end = state.num_computed_tokens, state.num_computed_tokens + n
-            for pos in range(start, end):
-                seen = tuple(self.cache[self._slot(state, p, owned)]
-                             for p in range(max(0, pos - self.window + 1), pos))
-                self.cache[self._slot(state, pos, owned)] = hash((seen, state.token_ids[pos]))
-            if end == len(state.token_ids):
-                token = self.cache[self._slot(state, end - 1, owned)] % VOCAB
-                state.token_ids.append(token)
-                req_ids.append(req_id)
-                sampled.append(token)
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+    def compute(self, state, token_ids, n) -> int | None:
+        owned = set(self.sched.kv.block_ids(self.sched.get_request(state.req_id))) - {NULL_BLOCK_ID}
+        start, end = state.num_computed_tokens, state.num_computed_tokens + n
+        for pos in range(start, end):
+            seen = tuple(self.cache[self._owned_slot(state, p, owned)]
+                         for p in range(max(0, pos - self.window + 1), pos))
+            self.cache[self._owned_slot(state, pos, owned)] = hash((seen, token_ids[pos]))
+        return self.cache[self._owned_slot(state, end - 1, owned)] % VOCAB if end == len(token_ids) else None
 
     @staticmethod
-    def _slot(state, pos, owned):
+    def _owned_slot(state, pos, owned):
         block = state.block_ids[pos // 8]
         assert block in owned, f"position {pos} is in a window but its block {block} was returned"
         return block * 8 + pos % 8
