@@ -14,13 +14,8 @@ TINY = {"model": "llama-tiny", "load_format": "dummy", "platform": "cpu", "kv_ca
 PROMPTS = [[5, 6, 7], list(range(10, 80)), [9] * 40]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def isolated_env(tmp_path_factory):
-    """Presets write their config to the cache folder; no test may reach the hub."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CORECTL_CACHE_DIR", str(tmp_path_factory.mktemp("corectl-cache")))
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        yield
+# Presets write their config to a cache folder of the module's own; no test may reach the hub.
+pytestmark = pytest.mark.usefixtures("isolated_env")
 
 
 @pytest.fixture(scope="module")
