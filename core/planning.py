@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from .config import EngineConfig
 from .discovery import planned_platform, resolve_platform
@@ -38,7 +37,7 @@ from .loaders.presets import PRESETS, is_preset
 from .loaders.resolve import default_model, resolve_model_source
 from .loaders.source import ModelSource
 from .models.registry import resolve_model_class
-from .planning_weights import ModelWeights, WeightLayout, planned_model, size_weights
+from .planning_weights import ModelWeights, planned_model, size_weights
 from .platform import resolve_dtype
 from .pooling import pooling_architectures
 from .quantization.base import QuantizationConfig
