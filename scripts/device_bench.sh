@@ -204,10 +204,7 @@ stage_w4fp8() {
   bench throughput --model qwen3-0.6b --num-prompts 256 --min-len 100 --max-len 1024 --save-result "$RES/w4_bf16kv.json"
   bench throughput --model qwen3-0.6b --num-prompts 256 --min-len 100 --max-len 1024 --kv-cache-dtype fp8 \
     --save-result "$RES/w4_fp8kv.json"
-  for kv in auto fp8; do
-    bench throughput --model qwen3-0.6b --num-prompts 256 --min-len 100 --max-len 1024 --kv-cache-dtype $kv \
-      --gpu-memory-utilization "${W4FP8_UTIL:-0.12}" --save-result "$RES/w4_${kv}kv_bound.json" | sed "s/^/KV-bound, $kv cache: /"
-  done
+  stage_w4fp8bound
 }
 stage_w2fp8() {
   # W2 and W1 with FP8 W8A8 weights quantized on the fly (--quantization fp8), bf16 in the same call.
@@ -222,6 +219,19 @@ stage_w2awq() {
   # W2 with 4-bit AWQ weights (group 128): random packed weights from the quantization_config override.
   local awq='{"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemm"}}'
   bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --hf-overrides "$awq" --save-result "$RES/w2_awq.json"
+}
+stage_moetests() { python3 -m pytest -q tests/gpu/test_gpu_moe.py -p no:cacheprovider 2>&1 | tee "$RES/gpu_moe_tests.log" | tail -15; }
+# The pairs path's tile sweep (prints moe_pairs.TUNED's entry), then W7's batch-1 TPOT alone.
+stage_moesweep() { python3 -m corectl.backends.triton.bench_moe --sweep 2>&1 | tail -12; }
+stage_w7lat() {
+  python3 -m corectl.backends.triton.bench_moe --num-tokens 1 8 2>&1 | tail -10
+  bench latency --model qwen3-30b-a3b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w7_latency.json"
+}
+stage_w4fp8bound() {
+  for kv in auto fp8; do
+    bench throughput --model qwen3-0.6b --num-prompts 256 --min-len 100 --max-len 1024 --kv-cache-dtype $kv \
+      --gpu-memory-utilization "${W4FP8_UTIL:-0.12}" --save-result "$RES/w4_${kv}kv_bound.json" | sed "s/^/KV-bound, $kv cache: /"
+  done
 }
 stage_quanttests() { python3 -m pytest -q tests/gpu/test_gpu_quantization.py -p no:cacheprovider 2>&1 | tee "$RES/gpu_quant_tests.log" | tail -15; }
 

@@ -1,15 +1,18 @@
 """Time one mixture-of-experts layer at Qwen3-30B-A3B's shape on the GPU (W7's expert share).
 
-    python -m corectl.backends.triton.bench_moe [--num-tokens 1 8 64 256]
+    python -m corectl.backends.triton.bench_moe [--num-tokens 1 8 64 256] [--sweep]
 
 For each batch: the layer kernel the CUDA worker installs (routing, then the path the launcher
 picks), each kernel path forced, and the torch path (the CPU code, run eagerly on the GPU), as
 median milliseconds and as bandwidth counting the expert weights the batch is routed to (every
-chosen expert's gate, up and down rows read once), next to a device-to-device copy.
+chosen expert's gate, up and down rows read once), next to a device-to-device copy. `--sweep`
+times each kernel of the pairs path (the decode path) over a grid of tile configs for batches up to
+8 tokens and prints moe_pairs.TUNED's entry.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 
@@ -45,6 +48,35 @@ def bench_layer(num_tokens: int, gate_up: torch.Tensor, down: torch.Tensor) -> l
     return rows
 
 
+def sweep_pairs(num_tokens: int, gate_up: torch.Tensor, down: torch.Tensor, copy: float):
+    """The fastest gate/up and down configs of the pairs path at one batch size, with their times."""
+    from triton.testing import do_bench
+
+    from corectl.models.moe import select_experts
+
+    from .moe_pairs import PairConfig, PairConfigs, down_sum_by_token, gate_up_by_pair
+
+    hidden = torch.randn(num_tokens, HIDDEN, device="cuda").to(DTYPE)
+    weights, ids = select_experts(torch.randn(num_tokens, EXPERTS, device="cuda"), TOP_K, renormalize=True)
+    experts = ids.unique().numel()
+    activated = torch.randn(num_tokens * TOP_K, INTER, device="cuda").to(DTYPE)
+    kernels = {
+        "gate_up": (lambda cfg: gate_up_by_pair(hidden, gate_up, ids, None, cfg), 2 * INTER * HIDDEN),
+        "down": (lambda cfg: down_sum_by_token(activated, down, ids, weights, None, cfg), HIDDEN * INTER),
+    }
+    best = {}
+    for name, (run, elements) in kernels.items():
+        timed = []
+        for block_n, block_k, warps, stages in itertools.product((4, 8, 16), (128, 256, 512), (4, 8), (2, 4)):
+            cfg = PairConfig(block_n, block_k, warps, stages)
+            timed.append((do_bench(lambda: run(cfg), warmup=10, rep=60, return_mode="median"), cfg))
+        ms, cfg = min(timed)
+        bandwidth = experts * elements * gate_up.element_size() / ms / 1e9
+        print(f"  {num_tokens:>6}  {name:<8} {ms * 1e3:8.1f} us {bandwidth:7.3f} TB/s {100 * bandwidth / copy:5.1f}%  {cfg}")
+        best[name] = cfg
+    return PairConfigs(best["gate_up"], best["down"])
+
+
 def copy_bandwidth(nbytes: int) -> float:
     from triton.testing import do_bench
 
@@ -56,7 +88,8 @@ def copy_bandwidth(nbytes: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-tokens", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--num-tokens", type=int, nargs="+", default=None)
+    parser.add_argument("--sweep", action="store_true", help="tune the pairs path's tiles (batches <= 8)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("no GPU visible: the MoE benchmark times the CUDA/ROCm kernels")
@@ -66,8 +99,14 @@ def main(argv: list[str] | None = None) -> None:
     copy = copy_bandwidth(1 << 30)
     print(f"\nQwen3-30B-A3B MoE layer (hidden {HIDDEN}, {EXPERTS} experts x {INTER}, top {TOP_K}, bf16); "
           f"device copy {copy:.3f} TB/s")
+    if args.sweep:
+        table = {}
+        for num_tokens in args.num_tokens or [1, 2, 4, 8]:
+            table[num_tokens * TOP_K] = sweep_pairs(num_tokens, gate_up, down, copy)
+        print(f"moe_pairs.TUNED[({HIDDEN}, {INTER})] = {table!r}")
+        return
     print(f"  {'tokens':>6}  {'kernel':<40} {'median ms':>10} {'TB/s':>7} {'% copy':>7}")
-    for num_tokens in args.num_tokens:
+    for num_tokens in args.num_tokens or [1, 8, 64, 256]:
         for name, ms, bandwidth in bench_layer(num_tokens, gate_up, down):
             print(f"  {num_tokens:>6}  {name:<40} {ms:10.4f} {bandwidth:7.3f} {100 * bandwidth / copy:6.1f}%")
 

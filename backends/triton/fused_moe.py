@@ -12,11 +12,9 @@ Sorted path (batches with several pairs per expert):
    weight ([pairs, H]).
 4. The k weighted rows of each token are summed in fp32, in slot order.
 
-Pair path (small decode batches, at most one pair per two experts): no sort. One program per
-(pair, column block) computes silu(gate) * up from its expert's rows (`_pair_gate_up_kernel`);
-one per (token, column block) runs the down projection of the token's k pairs and sums them,
-weighted, in slot order (`_pair_down_sum_kernel`). Two launches per layer, every expert's weights
-read once per pair: at batch 1 that is exactly the weights the token needs.
+Pair path (small decode batches, at most one pair per two experts): no sort; two GEMV launches,
+every expert's weights read once per pair, at batch 1 exactly the weights the token needs
+(moe_pairs.py, with its tuned configs).
 
 FP8 weights (`gate_up_scale`, `down_scale` given: e4m3 weights, fp32 scales per output row
 [E, 2I] and [E, H]): every kernel takes a SCALED switch; the e4m3 values are widened in the
@@ -39,6 +37,7 @@ import triton.language as tl
 from .checks import check_float, check_index, check_range, check_same_device, require
 from .fp8_gemv import FP8_WEIGHT_DTYPE
 from .moe_align import align_to_experts
+from .moe_pairs import by_pair, scale_args
 from .paged_softmax import dot_dtype
 
 
@@ -116,64 +115,6 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l
         chosen = chosen / tl.sum(chosen, 0)
     tl.store(weights_ptr + token * TOP_K + slots, chosen, mask=slots < TOP_K)
     tl.store(ids_ptr + token * TOP_K + slots, chosen_ids, mask=slots < TOP_K)
-
-
-@triton.jit
-def _pair_gate_up_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, out_ptr, N, K, top_k, stride_xm, stride_we, stride_wn,
-                         stride_se, stride_om, SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[pair, n] = silu(gate[e] @ x) * (up[e] @ x) for columns [pid_n * BLOCK_N, +BLOCK_N) of N,
-    x the pair's token row, e its expert; `w` holds gate rows [0, N) and up rows [N, 2N) (SCALED:
-    e4m3, with `scale`'s row scales in the same order)."""
-    pair = tl.program_id(0).to(tl.int64)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    x_row = x_ptr + (pair // top_k) * stride_xm
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    gate_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn
-    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        x = tl.load(x_row + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        mask = n_ok[:, None] & k_ok[None, :]
-        acc_gate += tl.load(gate_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x
-        acc_up += tl.load(gate_rows + N * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x
-    gate, up = tl.sum(acc_gate, 1), tl.sum(acc_up, 1)
-    if SCALED:
-        scale_row = scale_ptr + expert * stride_se + offs_n
-        gate *= tl.load(scale_row, mask=n_ok, other=0.0)
-        up *= tl.load(scale_row + N, mask=n_ok, other=0.0)
-    tl.store(out_ptr + pair * stride_om + offs_n, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty),
-             mask=n_ok)
-
-
-@triton.jit
-def _pair_down_sum_kernel(act_ptr, w_ptr, scale_ptr, ids_ptr, pair_weight_ptr, out_ptr, N, K,
-                          stride_am, stride_we, stride_wn, stride_se, stride_om,
-                          TOP_K: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[token, n] = sum over the token's k pairs, in slot order, of weight * (down[e] @ act[pair])
-    (SCALED: `w` e4m3, each row's sum times its scale in `scale`)."""
-    token = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for slot in range(TOP_K):
-        pair = token * TOP_K + slot
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            act = tl.load(act_ptr + pair * stride_am + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            acc += w * act[None, :]
-        down = tl.sum(acc, 1)
-        if SCALED:
-            down *= tl.load(scale_ptr + expert * stride_se + offs_n, mask=n_ok, other=0.0)
-        total += tl.load(pair_weight_ptr + pair) * down
-    tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def _block_m(num_pairs: int, num_experts: int, device: torch.device) -> int:
@@ -266,41 +207,8 @@ def fused_moe(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, t
     if path is None:
         path = "pairs" if num_tokens * top_k <= num_experts // 2 else "sorted"
     require(path in ("pairs", "sorted"), f"path must be 'pairs' or 'sorted', got {path!r}")
-    run = _by_pair if path == "pairs" else _sorted
+    run = by_pair if path == "pairs" else _sorted
     return run(hidden, gate_up, down, topk_weights, topk_ids, gate_up_scale, down_scale)
-
-
-def _scale_args(weight: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-    """(scale pointer, its expert stride); unscaled kernels never read it, so the weight stands in."""
-    return (weight, 0) if scale is None else (scale, scale.stride(0))
-
-
-def _by_pair(hidden, gate_up, down, topk_weights, topk_ids, gate_up_scale, down_scale) -> torch.Tensor:
-    num_tokens, top_k = topk_ids.shape
-    _, two_inter, hidden_size = gate_up.shape
-    inter = two_inter // 2
-    interpreted = hidden.device.type == "cpu"
-    block_k = 32 if interpreted else 128
-    activated = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
-    block_n = 16 if interpreted else 32
-    scaled = gate_up_scale is not None
-    scale, stride_se = _scale_args(gate_up, gate_up_scale)
-    _pair_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, block_n))](
-        hidden, gate_up, scale, topk_ids, activated, inter, hidden_size, top_k,
-        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), stride_se, activated.stride(0),
-        SCALED=scaled, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-    )
-    out = torch.empty_like(hidden)
-    # One program per token and column block: narrow blocks keep enough programs for the memory
-    # system at batch 1 (2048 / 16 = 128 for Qwen3-30B-A3B).
-    block_n = 16
-    scale, stride_se = _scale_args(down, down_scale)
-    _pair_down_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
-        activated, down, scale, topk_ids, topk_weights, out, hidden_size, inter,
-        activated.stride(0), down.stride(0), down.stride(1), stride_se, out.stride(0),
-        TOP_K=top_k, SCALED=scaled, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-    )
-    return out
 
 
 def _sorted(hidden, gate_up, down, topk_weights, topk_ids, gate_up_scale, down_scale) -> torch.Tensor:
@@ -313,7 +221,7 @@ def _sorted(hidden, gate_up, down, topk_weights, topk_ids, gate_up_scale, down_s
     sorted_pairs, block_expert, num_padded = align_to_experts(topk_ids, num_experts, block_m)
     activated = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     scaled = gate_up_scale is not None
-    scale, stride_se = _scale_args(gate_up, gate_up_scale)
+    scale, stride_se = scale_args(gate_up, gate_up_scale)
     _moe_gemm_kernel[(sorted_pairs.numel() // block_m, triton.cdiv(inter, block_n))](
         hidden, gate_up, scale, activated, topk_weights, sorted_pairs, block_expert, num_padded,
         num_pairs, inter, hidden_size, top_k,
@@ -323,7 +231,7 @@ def _sorted(hidden, gate_up, down, topk_weights, topk_ids, gate_up_scale, down_s
     )
     block_n, block_k = _block_nk(block_m, hidden_size, inter, hidden.device)
     weighted = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    scale, stride_se = _scale_args(down, down_scale)
+    scale, stride_se = scale_args(down, down_scale)
     _moe_gemm_kernel[(sorted_pairs.numel() // block_m, triton.cdiv(hidden_size, block_n))](
         activated, down, scale, weighted, topk_weights, sorted_pairs, block_expert, num_padded,
         num_pairs, hidden_size, inter, 1,
