@@ -1,6 +1,7 @@
 """GGUF files written here with the `gguf` package: a random HF Llama's projections in chosen block
 types (Q4_K through a quantizer of our own: the package only dequantizes it), with the SmolLM2
-tokenizer's metadata. Used by tests/core/quantization and tests/gpu."""
+tokenizer's metadata, or a synthetic vocabulary where the embedded model is not installed (the GPU
+machine). Used by tests/core/quantization and tests/gpu."""
 from __future__ import annotations
 
 import json
@@ -50,6 +51,18 @@ def quantize_blocks(values: np.ndarray, qtype: Q) -> np.ndarray:
     return quantize_q4_k(values) if qtype == Q.Q4_K else quantize(values, qtype)
 
 
+def _synthetic_tokenizer(writer: gguf.GGUFWriter, vocab_size: int) -> None:
+    """A byte-level BPE vocabulary `t0`..`t{n-1}` (t1 = BOS, t2 = EOS), the GGUF twin of
+    gpu_helpers.write_tokenizer: enough for token-id prompts and their detokenization. No token
+    splits into two others, so the merges a reader derives from the scores are none."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(vocab_size)])
+    writer.add_token_types([1] * vocab_size)
+    writer.add_token_scores([0.0] * vocab_size)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
 def _copy_tokenizer(writer: gguf.GGUFWriter) -> None:
     reader = gguf.GGUFReader(smollm2_gguf())
     strings = lambda key: [bytes(reader.fields[key].parts[i]).decode() for i in reader.fields[key].data]  # noqa: E731
@@ -68,7 +81,7 @@ def _permute_rotary_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
-def _add_header(writer: gguf.GGUFWriter, config: dict) -> None:
+def _add_header(writer: gguf.GGUFWriter, config: dict, synthetic_vocab: bool) -> None:
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
@@ -77,16 +90,20 @@ def _add_header(writer: gguf.GGUFWriter, config: dict) -> None:
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(10000.0)
-    _copy_tokenizer(writer)
+    if synthetic_vocab:
+        _synthetic_tokenizer(writer, config["vocab_size"])
+    else:
+        _copy_tokenizer(writer)
 
 
 def write_gguf(dense: Path, path: Path, types: dict[str, Q],
-               exceptions: dict[tuple[str, str], Q] | None = None) -> Path:
+               exceptions: dict[tuple[str, str], Q] | None = None, synthetic_vocab: bool = False) -> Path:
     """The HF Llama in `dense` as a GGUF file: projection kind (attn_q, ffn_down, ...) -> block type,
-    `exceptions` (layer index, kind) -> another type; norms and embeddings in fp32."""
+    `exceptions` (layer index, kind) -> another type; norms and embeddings in fp32. The vocabulary
+    is SmolLM2's, or with `synthetic_vocab` tokens t0..t{n-1} for the config's vocab_size."""
     config = json.loads((dense / "config.json").read_text())
     writer = gguf.GGUFWriter(str(path), "llama")
-    _add_header(writer, config)
+    _add_header(writer, config, synthetic_vocab)
     for name, tensor in load_file(dense / "model.safetensors").items():
         values = tensor.float().numpy()
         if name in TOP_LEVEL:

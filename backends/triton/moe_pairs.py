@@ -46,9 +46,18 @@ class PairConfigs(NamedTuple):
     down: PairConfig
 
 
-# Tuned on an H100 by `bench_moe --sweep`: {(hidden, intermediate): {pairs bucket: PairConfigs}}.
-# Buckets are powers of two of the pair count (tokens x top_k); other shapes use the heuristic.
-TUNED: dict[tuple[int, int], dict[int, PairConfigs]] = {}
+# Tuned on an H100 (2026-11-25, triton 3.6) by `bench_moe --sweep`, bf16 weights:
+# {(hidden, intermediate): {pairs bucket: PairConfigs}}, buckets the powers of two of the pair count
+# (tokens x top_k). They serve 16-bit and e4m3 weights; fp32 weights (whose staged tiles need twice
+# the shared memory) and other shapes take the heuristic.
+TUNED: dict[tuple[int, int], dict[int, PairConfigs]] = {
+    (2048, 768): {
+        8: PairConfigs(gate_up=PairConfig(8, 256, 4, 4), down=PairConfig(4, 512, 4, 4)),
+        16: PairConfigs(gate_up=PairConfig(4, 512, 4, 2), down=PairConfig(16, 256, 4, 4)),
+        32: PairConfigs(gate_up=PairConfig(4, 512, 4, 2), down=PairConfig(16, 512, 4, 2)),
+        64: PairConfigs(gate_up=PairConfig(8, 256, 4, 4), down=PairConfig(16, 512, 8, 4)),
+    },
+}
 
 
 @triton.jit
@@ -114,27 +123,30 @@ def _pair_down_sum_kernel(act_ptr, w_ptr, scale_ptr, ids_ptr, pair_weight_ptr, o
     tl.store(out_ptr + token * stride_om + offs_n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def _heuristic(num_rows: int, num_pairs: int, k: int, device: torch.device) -> PairConfig:
-    """Whole 16-byte loads along K; column blocks narrowed (down to 4 rows) until the grid reaches
-    _TARGET_PROGRAMS. The interpreter runs one program at a time: small tiles there."""
+def _heuristic(num_rows: int, num_programs: int, k: int, element_size: int, device: torch.device) -> PairConfig:
+    """1 KB of each row per step (512 bf16 values, 256 fp32 ones, whose deeper stages would not fit
+    shared memory); column blocks narrowed (down to 4 rows) until the grid reaches _TARGET_PROGRAMS.
+    The interpreter runs one program at a time: small tiles there."""
     if device.type == "cpu":
         return PairConfig(16, 32, 4, 1)
-    block_k = max(64, min(512, triton.next_power_of_2(k)))
+    block_k = max(64, min(1024 // max(element_size, 2), triton.next_power_of_2(k)))
     block_n = 32
-    while block_n > 4 and num_pairs * triton.cdiv(num_rows, block_n) < _TARGET_PROGRAMS:
+    while block_n > 4 and num_programs * triton.cdiv(num_rows, block_n) < _TARGET_PROGRAMS:
         block_n //= 2
-    return PairConfig(block_n, block_k, 4, 3)
+    return PairConfig(block_n, block_k, 4, 2 if element_size > 2 else 3)
 
 
-def default_configs(hidden_size: int, inter: int, num_tokens: int, top_k: int, device: torch.device) -> PairConfigs:
+def default_configs(hidden_size: int, inter: int, num_tokens: int, top_k: int, weight_dtype: torch.dtype,
+                    device: torch.device) -> PairConfigs:
     """The tuned configs of the shape at the pair count's power-of-two bucket, else the heuristic
-    (the down kernel's programs are per token, the gate/up kernel's per pair)."""
+    (the gate/up kernel's programs are per pair, the down kernel's per token)."""
     num_pairs = num_tokens * top_k
+    element_size = weight_dtype.itemsize
     tuned = TUNED.get((hidden_size, inter), {}).get(1 << (num_pairs - 1).bit_length())
-    if tuned is not None and device.type != "cpu":
+    if tuned is not None and element_size <= 2 and device.type != "cpu":
         return tuned
-    return PairConfigs(_heuristic(inter, num_pairs, hidden_size, device), _heuristic(hidden_size, num_tokens, inter,
-                                                                                     device))
+    return PairConfigs(_heuristic(inter, num_pairs, hidden_size, element_size, device),
+                       _heuristic(hidden_size, num_tokens, inter, element_size, device))
 
 
 def scale_args(weight: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, int]:
@@ -178,6 +190,6 @@ def by_pair(hidden, gate_up, down, topk_weights, topk_ids, gate_up_scale, down_s
     """The pairs path on checked inputs (fused_moe's contract); `configs` overrides the table."""
     num_tokens, top_k = topk_ids.shape
     inter, hidden_size = down.shape[2], down.shape[1]
-    cfg = configs or default_configs(hidden_size, inter, num_tokens, top_k, hidden.device)
+    cfg = configs or default_configs(hidden_size, inter, num_tokens, top_k, gate_up.dtype, hidden.device)
     activated = gate_up_by_pair(hidden, gate_up, topk_ids, gate_up_scale, cfg.gate_up)
     return down_sum_by_token(activated, down, topk_ids, topk_weights, down_scale, cfg.down)

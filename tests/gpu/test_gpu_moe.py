@@ -154,14 +154,15 @@ def test_fp8_kernel_matches_the_torch_path_at_qwen3_30b_a3b_sizes(num_tokens, pa
 @pytest.mark.skipif(not FP8, reason="FP8 needs compute capability 8.9 or newer")
 def test_fp8_moe_model_decodes_the_tokens_of_the_torch_path(checkpoint, monkeypatch):
     """`--quantization fp8` on a Qwen3-MoE: the fused kernel's FP8 variant, captured in CUDA graphs,
-    against the experts' torch path (eager) on the same e4m3 weights. Both runs quantize the linear
-    layers' activations (W8A8), which can turn a tiny difference of the experts' outputs into an
-    e4m3 step: near-ties of 0.05 nat, and logprobs within that, are allowed."""
+    against the experts' torch path (eager) on the same e4m3 weights. Steps of at most 8 tokens keep
+    every linear layer on the W8A16 GEMV: W8A8's activation quantizer would turn the paths' fp32
+    rounding differences into whole e4m3 steps, and the comparison would measure those."""
     prompts = random_prompts([3, 250, 17, 64, 9, 130, 33, 1], seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5, ignore_eos=True)
+    options = dict(dtype="float32", quantization="fp8", max_num_seqs=8, max_num_batched_tokens=8)
     with monkeypatch.context() as torch_layers:
         torch_layers.setenv("CORECTL_FUSED_KERNELS", "0")
-        reference = generate(checkpoint, prompts, params, dtype="float32", enforce_eager=True, quantization="fp8")
-    fused = generate(checkpoint, prompts, params, dtype="float32", quantization="fp8")
-    for matched, error in compare_runs(reference, fused, 0.05):
-        assert error < 0.05, (matched, error)
+        reference = generate(checkpoint, prompts, params, enforce_eager=True, **options)
+    fused = generate(checkpoint, prompts, params, **options)
+    for matched, error in compare_runs(reference, fused, 1e-3):
+        assert error < 1e-3, (matched, error)

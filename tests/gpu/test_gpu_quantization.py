@@ -197,18 +197,16 @@ GGUF_TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output
               "ffn_up": "Q4_1", "ffn_down": "Q4_K"}
 
 
-def test_gguf_4bit_blocks_match_their_dequantized_model(tmp_path, default_model_dir):
+def test_gguf_4bit_blocks_match_their_dequantized_model(tmp_path):
     """A GGUF file's Q4_0/Q4_1/Q4_K layers kept 4-bit (w4a16, float offsets) against the fp32 model
     of the file's dequantized weights: in fp32 the same weights (fp32 scales and offsets: near-exact);
     in bf16 (fp16 scales and offsets, the file's precision) within the AWQ test's bound."""
     from gguf import GGMLQuantizationType as Q
     from gguf_files import write_gguf
-    from helpers import build_random_checkpoint
 
-    dense = build_random_checkpoint("llama", tmp_path / "dense", default_model_dir, hidden_size=512,
-                                    intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-                                    num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.1)
-    path = write_gguf(dense, tmp_path / "llama.gguf", {kind: Q[name] for kind, name in GGUF_TYPES.items()})
+    dense = build_checkpoint("llama", tmp_path / "dense")
+    path = write_gguf(dense, tmp_path / "llama.gguf", {kind: Q[name] for kind, name in GGUF_TYPES.items()},
+                      synthetic_vocab=True)
 
     def served_4bit(llm):
         assert llm.engine.info.quantization == "gguf (Q4_0/Q4_1/Q4_K int4 layers via w4a16)"
