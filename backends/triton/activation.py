@@ -1,7 +1,8 @@
 """SiLU-and-mul: the gated activation of Llama-style MLPs over a packed gate_up projection.
 
 Rounds like Hugging Face's `act_fn(gate) * up` in the model dtype: silu(gate) is rounded to the
-dtype before the multiply.
+dtype before the multiply. `silu_mul` is that rounding for loaded values, shared with the FP8
+decode GEMV, which forms the activation as it loads it (`fp8_gemv.py`, gated).
 """
 from __future__ import annotations
 
@@ -15,14 +16,23 @@ _BLOCK = 1024
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up in the dtype gate and up were loaded in (the activation's): silu(gate) in
+    fp32 rounded to it, times up in fp32, rounded again."""
+    dtype = gate.dtype
+    gate = gate.to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up.to(tl.float32)
+    return act.to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, INTER: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
-    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + INTER + offs, mask=mask, other=0.0).to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32) * up
-    tl.store(out_ptr + row * stride_out + offs, act.to(out_ptr.dtype.element_ty), mask=mask)
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + INTER + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + offs, silu_mul(gate, up), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

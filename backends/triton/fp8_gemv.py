@@ -16,6 +16,11 @@ kernel faster than W8A8 (`torch._scaled_mm` with the row quantizer) on every lla
 M = 8, and the gate_up layer (28672x4096) at par at M = 16 (0.98x), where W's reuse across rows
 starts to favour the FP8 tensor-core GEMM.
 
+Gated (`gated=True`): x is a packed gate_up activation [M, 2K] and the GEMV multiplies
+silu(gate) * up, formed as each program loads its K slice, rounded like the `silu_and_mul` kernel
+(`activation.silu_mul`) and then read as that kernel's stored output would be: bit-identical to
+the GEMV of `silu_and_mul(x)` with the same config, one launch (and one [M, K] store) fewer per MLP.
+
 Split-K partials are reduced deterministically: the GEMM writes fp32 partials [SPLIT_K, M, N]
 and a second launch sums them in split order, scales, adds the bias and casts (no atomics, so the
 result does not depend on program order; no memset). SPLIT_K = 1 stores the output directly.
@@ -29,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .activation import silu_mul
 from .checks import check_float, check_same_device, require
 from .paged_softmax import dot_dtype
 
@@ -64,13 +70,24 @@ TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {
 }
 
 
+@triton.jit
+def _load_activation(ptrs, mask, K, GATED: tl.constexpr):
+    """The GEMV's input at `ptrs` in x's dtype; GATED: silu(gate) * up of the gate at `ptrs` and
+    the up K columns further on (what the unfused path's silu_and_mul would have stored there)."""
+    if GATED:
+        x = silu_mul(tl.load(ptrs, mask=mask, other=0.0), tl.load(ptrs + K, mask=mask, other=0.0))
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x
+
+
 # M only bounds masks: one compile serves every decode batch size of a BLOCK_M.
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, k_per_split,
                      stride_xm, stride_wn, stride_om, stride_os,
                      HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                     DOT_DTYPE: tl.constexpr):
+                     DOT_DTYPE: tl.constexpr, GATED: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -86,7 +103,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, k_per_
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
-            x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            x = _load_activation(x_ptr + offs_k, mask_k, K, GATED).to(tl.float32)
             w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
                         eviction_policy="evict_first")
             acc_nk += w.to(tl.float32) * x[None, :]
@@ -96,7 +113,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, k_per_
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
-            xt = tl.load(x_rows + offs_k[:, None], mask=mask_k[:, None] & mask_m[None, :], other=0.0)
+            xt = _load_activation(x_rows + offs_k[:, None], mask_k[:, None] & mask_m[None, :], K, GATED)
             w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
                         eviction_policy="evict_first")
             # e4m3 -> x's dtype is exact; fp32 x stays fp32 ("ieee": no TF32 rounding).
@@ -146,15 +163,20 @@ def default_config(m: int, n: int, k: int) -> GemvConfig:
     return TUNED.get((n, k), {}).get(bucket) or _heuristic_config(m, n, k)
 
 
-def _check_inputs(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                  gated: bool) -> None:
     check_float("x", x, 2)
     require(isinstance(weight, torch.Tensor) and weight.dtype == FP8_WEIGHT_DTYPE and weight.dim() == 2,
             f"weight must be a 2-D {FP8_WEIGHT_DTYPE} tensor [N, K], got "
             f"{getattr(weight, 'dtype', type(weight).__name__)} {tuple(getattr(weight, 'shape', ()))}")
-    m, k = x.shape
-    n = weight.shape[0]
+    m, width = x.shape
+    n, k = weight.shape
     require(m <= MAX_M, f"x may have at most {MAX_M} rows (decode batches; larger ones take the FP8 GEMM), got {m}")
-    require(weight.shape[1] == k, f"weight must be [N, K] with K = {k} (x's features), got {tuple(weight.shape)}")
+    if gated:
+        require(width == 2 * k, f"gated x must be [M, 2K] (gate | up) with K = {k} (weight {tuple(weight.shape)}'s "
+                f"inputs), got x {tuple(x.shape)}")
+    else:
+        require(k == width, f"weight must be [N, K] with K = {width} (x's features), got {tuple(weight.shape)}")
     require(weight.numel() == 0 or (weight.stride(1) == 1 and weight.stride(0) >= k),
             f"weight rows must be contiguous and not overlap, got strides {weight.stride()}")
     require(isinstance(w_scale, torch.Tensor) and w_scale.dtype == torch.float32 and w_scale.dim() == 1
@@ -170,12 +192,13 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, 
 
 
 def fp8_w8a16_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                   config: GemvConfig | None = None) -> torch.Tensor:
+                   config: GemvConfig | None = None, gated: bool = False) -> torch.Tensor:
     """x @ (weight * w_scale[:, None]).T + bias for M <= MAX_M rows; [M, N] in x's dtype.
-    `config` overrides the table (the benchmark's sweep)."""
-    _check_inputs(x, weight, w_scale, bias)
-    m, k = x.shape
-    n = weight.shape[0]
+    `config` overrides the table (the benchmark's sweep). `gated`: x is [M, 2K] (gate | up) and
+    silu(gate) * up takes its place (module doc)."""
+    _check_inputs(x, weight, w_scale, bias, gated)
+    m = x.shape[0]
+    n, k = weight.shape
     cfg = config or default_config(max(m, 1), n, k)
     require(cfg.block_m in (1, _DOT_M) and m <= cfg.block_m,
             f"block_m must be 1 (M = 1) or {_DOT_M}, and at least M = {m}; got {cfg}")
@@ -186,13 +209,13 @@ def fp8_w8a16_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    return _launch(x, weight, w_scale, bias, out, cfg)
+    return _launch(x, weight, w_scale, bias, out, cfg, gated)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-            out: torch.Tensor, cfg: GemvConfig) -> torch.Tensor:
-    m, k = x.shape
-    n = weight.shape[0]
+            out: torch.Tensor, cfg: GemvConfig, gated: bool) -> torch.Tensor:
+    m = x.shape[0]
+    n, k = weight.shape
     # Whole BLOCK_K steps per split; a split left without K (tiny K) just writes zeros.
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     part = out if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
@@ -202,7 +225,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: 
                            x.stride(0), weight.stride(0), part.stride(-2), part.stride(0) if cfg.split_k > 1 else 0,
                            HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m,
                            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-                           DOT_DTYPE=dot_dtype(x.dtype, x.device), num_warps=cfg.num_warps)
+                           DOT_DTYPE=dot_dtype(x.dtype, x.device), GATED=gated, num_warps=cfg.num_warps)
     if cfg.split_k > 1:
         total = m * n
         _splitk_reduce_kernel[(triton.cdiv(total, _REDUCE_BLOCK),)](

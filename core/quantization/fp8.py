@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn import functional as F
 
 from ..errors import ConfigError
 from .base import LinearMethod, MoEMethod, QuantAxes, QuantizationConfig, tensor_bytes
@@ -59,8 +60,12 @@ def fp8_gemm_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Te
 
 
 def fp8_w8a16_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                        bias: torch.Tensor | None) -> torch.Tensor:
-    """The decode kernel's contract: x (not quantized) @ the dequantized weight.T, in fp32 math."""
+                        bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+    """The decode kernel's contract: x (not quantized) @ the dequantized weight.T, in fp32 math.
+    `gated`: x is [M, 2K] (gate | up) and silu(gate) * up in x's dtype (HF's rounding) takes its place."""
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
     out = x.float() @ (weight.float() * weight_scale.view(-1, 1)).t()
     return (out if bias is None else out + bias.float()).to(x.dtype)
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 import triton
 from corectl.backends.triton import fp8_gemv
+from corectl.backends.triton.activation import silu_and_mul
 from corectl.backends.triton.fp8_gemv import MAX_M, GemvConfig, default_config, fp8_w8a16_gemv
 from corectl.quantization.fp8 import GEMV_MAX_M, fp8_w8a16_reference, quantize_rows
 
@@ -19,12 +20,40 @@ def _case(m: int, n: int, k: int, dtype: torch.dtype, bias: bool):
     return x, weight, scale.view(-1), torch.randn(n).to(dtype) if bias else None
 
 
+def _gated_case(m: int, n: int, k: int, dtype: torch.dtype, bias: bool):
+    """A packed gate_up activation [M, 2K] for a weight of K inputs."""
+    _, weight, scale, b = _case(m, n, k, dtype, bias)
+    return torch.randn(m, 2 * k).to(dtype), weight, scale, b
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("m,n,k", [(1, 40, 300), (1, 33, 1000), (2, 50, 77), (5, 64, 700), (MAX_M, 24, 520)])
 def test_gemv_matches_dequantized_reference(m, n, k, dtype, bias, assert_close):
     x, weight, scale, b = _case(m, n, k, dtype, bias)
     assert_close(fp8_w8a16_gemv(x, weight, scale, b), fp8_w8a16_reference(x, weight, scale, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, MAX_M])
+def test_gated_gemv_matches_gated_reference(m, dtype, assert_close):
+    """bf16 is left to the bit-identity test below: the interpreter truncates bf16 casts where torch
+    rounds, which biases the activation's two roundings across the whole sum."""
+    x, weight, scale, b = _gated_case(m, 40, 300, dtype, True)
+    assert_close(fp8_w8a16_gemv(x, weight, scale, b, gated=True), fp8_w8a16_reference(x, weight, scale, b, gated=True))
+
+
+# Both kernel forms (the CUDA-core GEMV only serves M = 1), one split and three (K = 300: the
+# last split is short, and no split is a whole number of 64-input blocks).
+@pytest.mark.parametrize("m,block_m", [(1, 1), (1, 16), (3, 16), (MAX_M, 16)])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gated_gemv_is_the_gemv_of_silu_and_mul_to_the_bit(m, block_m, split_k, bias, dtype):
+    x, weight, scale, b = _gated_case(m, 37, 300, dtype, bias)
+    config = GemvConfig(block_m, 32, 64, split_k, 4, 2)
+    fused = fp8_w8a16_gemv(x, weight, scale, b, config=config, gated=True)
+    assert torch.equal(fused, fp8_w8a16_gemv(silu_and_mul(x), weight, scale, b, config=config))
 
 
 @pytest.mark.parametrize("m", [1, 3, MAX_M])
@@ -69,6 +98,9 @@ def test_launcher_names_the_bad_argument():
     for message, args in bad.items():
         with pytest.raises(ValueError, match=message):
             fp8_w8a16_gemv(*args)
+    with pytest.raises(ValueError, match="gated x must be \\[M, 2K\\] \\(gate \\| up\\) with K = 64 "
+                       "\\(weight \\(16, 64\\)'s inputs\\), got x \\(2, 64\\)"):
+        fp8_w8a16_gemv(x, weight, scale, b, gated=True)
     with pytest.raises(ValueError, match="block_n must be >= 16"):
         fp8_w8a16_gemv(x, weight, scale, b, config=GemvConfig(16, 8, 64, 1, 4, 1))
     with pytest.raises(ValueError, match="block_m must be 1 \\(M = 1\\) or 16, and at least M = 2"):
