@@ -51,7 +51,9 @@ class LinearMethod(abc.ABC):
     and is called once the layer's output/input sizes are known. `process_weights_after_loading`
     turns what was loaded into the layout the kernel reads, registering what it keeps as
     parameters or buffers (so the model's tensors are what it holds). `apply` computes
-    `x @ W.T + bias`. `served_bytes` states the size of that served layout, for `corectl plan`.
+    `x @ W.T + bias`; `apply_gated` optionally fuses a gated MLP's activation into it (a
+    row-parallel down projection). `served_bytes` states the size of that served layout, for
+    `corectl plan`.
     """
 
     @abc.abstractmethod
@@ -62,6 +64,12 @@ class LinearMethod(abc.ABC):
 
     @abc.abstractmethod
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+
+    def apply_gated(self, layer: torch.nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """The layer applied to silu(gate) * up of the packed `gate_up` activations [..., 2K]
+        (gate first) in one fused step, or None where the method has no fused form (the default:
+        the model runs its activation kernel, then `apply`)."""
+        return None
 
     def served_bytes(self, layer: torch.nn.Module) -> int:
         """Bytes the layer holds once `process_weights_after_loading` ran, computed from what

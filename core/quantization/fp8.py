@@ -13,7 +13,9 @@ Decode-sized steps (at most GEMV_MAX_M rows) take a W8A16 kernel where the worke
 (exactly), fp32 sums, the row scale last. That skips the quantizer launch and reads the weights at
 HBM bandwidth, where the FP8 tensor-core GEMM's 128-row tiles waste most of their work on one row;
 it is also more accurate than W8A8 (no rounding of activations to e4m3). The path depends on the
-row count only (known on the host), so each captured CUDA-graph batch size takes one path.
+row count only (known on the host), so each captured CUDA-graph batch size takes one path. On
+that path a gated MLP's down projection also takes the packed gate_up activations and forms
+silu(gate) * up as the kernel loads them (`apply_gated`): one launch per layer fewer.
 
 Mixture-of-experts layers (`Fp8MoEMethod`): every expert's gate/up and down matrices in the same
 layout (e4m3, an fp32 scale per output row: [E, 2I] and [E, H]), from either source. The experts
@@ -79,8 +81,10 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 _KERNELS = {"fp8_scaled_mm": fp8_gemm_scaled_mm, "fp8_reference": fp8_gemm_reference}
 # A worker may provide a one-launch activation quantizer with the contract of `quantize_rows`.
 QUANTIZE_KERNEL = "fp8_quantize_rows"
-# ... and a decode GEMM: (x [M <= GEMV_MAX_M, K], e4m3 weight [N, K], fp32 scales [N], bias | None)
-# -> x @ (weight * scale[:, None]).T + bias in x's dtype, without quantizing x (fp8_w8a16_reference).
+# ... and a decode GEMM: (x [M <= GEMV_MAX_M, K], e4m3 weight [N, K], fp32 scales [N], bias | None,
+# gated=False) -> x @ (weight * scale[:, None]).T + bias in x's dtype, without quantizing x
+# (fp8_w8a16_reference). gated=True: x is a packed gate_up [M, 2K] and silu(gate) * up, rounded to
+# x's dtype as the layers' silu_and_mul kernel rounds it, is multiplied instead (`apply_gated`).
 GEMV_KERNEL = "fp8_w8a16_gemv"
 GEMV_MAX_M = 8
 
@@ -184,12 +188,25 @@ class Fp8LinearMethod(LinearMethod):
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if self.gemv is not None and rows.shape[0] <= GEMV_MAX_M:
+        if self._decode_sized(rows):
             out = self.gemv(rows, layer.weight, layer.weight_scale, layer.bias)
         else:
             xq, x_scale = self.quantize(rows)
             out = self.gemm(xq, x_scale, layer.weight, layer.weight_scale, layer.bias, x.dtype)
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def apply_gated(self, layer, gate_up: torch.Tensor) -> torch.Tensor | None:
+        # Only the W8A16 GEMV reads the activation as it loads it; the W8A8 path quantizes a
+        # materialised activation, so larger steps keep the separate silu_and_mul.
+        rows = gate_up.reshape(-1, gate_up.shape[-1])
+        if not self._decode_sized(rows):
+            return None
+        out = self.gemv(rows, layer.weight, layer.weight_scale, layer.bias, gated=True)
+        return out.view(*gate_up.shape[:-1], out.shape[-1])
+
+    def _decode_sized(self, rows: torch.Tensor) -> bool:
+        """Whether these rows take the worker's W8A16 GEMV (it is provided, and they are few enough)."""
+        return self.gemv is not None and rows.shape[0] <= GEMV_MAX_M
 
 
 def _per_channel(layer, scale: torch.Tensor) -> torch.Tensor:

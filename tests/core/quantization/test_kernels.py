@@ -108,6 +108,25 @@ def test_fp8_method_runs_decode_batches_on_the_w8a16_kernel_when_provided():
     assert calls == [3]
 
 
+@pytest.mark.parametrize("m", [1, 3, GEMV_MAX_M])
+def test_fp8_method_fuses_silu_and_mul_into_the_w8a16_kernel(m):
+    """`apply_gated` of a packed gate_up is `apply` of silu_and_mul's output, to the bit (the Triton
+    kernels, interpreted); steps the W8A16 kernel does not take, or no such kernel, have no fused form."""
+    from corectl.backends.triton.activation import silu_and_mul
+    from corectl.backends.triton.fp8_gemv import fp8_w8a16_gemv
+
+    weight, scale = quantize_rows(torch.randn(32, 64))
+    layer = SimpleNamespace(weight=weight, weight_scale=scale.view(-1), bias=torch.randn(32).bfloat16())
+    with quantization_scope(None, {GEMV_KERNEL: fp8_w8a16_gemv}):
+        method = Fp8LinearMethod(Fp8Config(kernel="fp8_reference"))
+    gate_up = torch.randn(1, m, 128).bfloat16()
+    fused = method.apply_gated(layer, gate_up)
+    assert fused.shape == (1, m, 32)
+    assert torch.equal(fused, method.apply(layer, silu_and_mul(gate_up.view(m, 128)).view(1, m, 64)))
+    assert method.apply_gated(layer, torch.randn(GEMV_MAX_M + 1, 128).bfloat16()) is None
+    assert Fp8LinearMethod(Fp8Config(kernel="fp8_reference")).apply_gated(layer, gate_up) is None
+
+
 def _w4_case(m: int, k: int, n: int, group: int, act_order: bool, offsets: bool = False):
     """Operands of the 4-bit GEMM; `offsets`: float offsets per group (GGUF) instead of zero codes."""
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
