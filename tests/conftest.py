@@ -31,3 +31,16 @@ def llm_fp32():
     from corectl import LLM
 
     return LLM(dtype="float32", max_model_len=1024, kv_cache_memory_gib=0.25, max_num_seqs=32)
+
+
+@pytest.fixture
+def cpu_with_fp8_reference(monkeypatch):
+    """The CPU platform listing the FP8 torch reference kernel (dequantize math), which no
+    built-in CPU lists: FP8 checkpoints then run end to end here."""
+    import dataclasses
+
+    from corectl.backends.cpu.platform import CPUPlatform
+
+    caps = CPUPlatform().capabilities()
+    monkeypatch.setattr(CPUPlatform, "capabilities",
+                        lambda self: dataclasses.replace(caps, quantization_kernels=("fp8_reference",)))

@@ -38,6 +38,11 @@ class PrepackedLinear(nn.Module):
         out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return out if self.reduce_output is None else self.reduce_output(out)
 
+    def forward_gated(self, gate_up: torch.Tensor) -> None:
+        """A swapped down projection keeps `RowParallelLinear.forward_gated`, which gated MLPs call
+        when layer kernels are installed: a dense layer has no fused form."""
+        return None
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 

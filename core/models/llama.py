@@ -71,7 +71,10 @@ class GatedMLP(UsesLayerKernels, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
-            return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+            gate_up = self.gate_up_proj(x)
+            # A quantized down projection may form the activation as it loads it (one launch fewer).
+            out = self.down_proj.forward_gated(gate_up)
+            return self.down_proj(self.kernels.silu_and_mul(gate_up)) if out is None else out
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

@@ -69,7 +69,7 @@ class RowParallelLinear(QuantizableLinear, nn.Linear):
     summed. The bias is added once: rank 0 holds it, the other ranks hold zeros.
 
     `reduce_output` is the sum over ranks (None at world size 1); a platform that swaps the GEMM
-    (the CPU's prepacked linear) keeps calling it.
+    (the CPU's prepacked linear) keeps calling it, and keeps `forward_gated` (a gated MLP's call).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
@@ -87,7 +87,15 @@ class RowParallelLinear(QuantizableLinear, nn.Linear):
             self.bias.weight_loader = self._load_bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x) if self.quant_method is None else self.quantized_forward(x)
+        return self._reduce(super().forward(x) if self.quant_method is None else self.quantized_forward(x))
+
+    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """`forward(silu(gate) * up)` of a gated MLP's packed `gate_up` in one fused step, or None
+        where the layer has none (the caller then runs the activation and `forward`)."""
+        out = self.gated_forward(gate_up)
+        return None if out is None else self._reduce(out)
+
+    def _reduce(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.reduce_output is None else self.reduce_output(out)
 
     def _load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:

@@ -1,5 +1,6 @@
 """The Triton layer kernels installed into real models (interpreted on CPU) decode exactly what the
-models' torch code does: same greedy tokens, logprobs within fp32 rounding."""
+models' torch code does: same greedy tokens, logprobs within fp32 rounding. FP8 Llama with the
+Triton W8A16 GEMV as well: its MLP then forms the activation inside the down GEMV at decode."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,8 +8,11 @@ import dataclasses
 import pytest
 import torch
 from corectl import LLM, SamplingParams
+from corectl.backends.cpu.worker import CPUWorker
+from corectl.backends.triton.fp8_gemv import fp8_w8a16_gemv
 from corectl.backends.triton.layer_kernels import triton_layer_kernels
 from corectl.models.kernels import install_layer_kernels
+from corectl.quantization.fp8 import GEMV_KERNEL, GEMV_MAX_M
 from helpers import build_random_checkpoint
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True)
@@ -21,15 +25,32 @@ def _decode(llm: LLM, prompts):
     return tokens, logprobs
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
-def test_fused_layers_match_torch_layers(arch, tmp_path, default_model_dir):
+def _llm(arch: str, tmp_path, default_model_dir, **engine) -> LLM:
     folder = build_random_checkpoint(arch, tmp_path / arch, default_model_dir, seed=2)
-    llm = LLM(str(folder), dtype="float32", kv_cache_memory_gib=0.01, max_model_len=128,
-              enable_prefix_caching=False)
+    return LLM(str(folder), dtype="float32", kv_cache_memory_gib=0.01, max_model_len=128,
+               enable_prefix_caching=False, **engine)
+
+
+def _assert_fused_decode_matches(llm: LLM, kernels) -> None:
+    """Greedy decode with the torch layers, then with `kernels` installed: same tokens, logprobs
+    within fp32 rounding. Two prompts: prefill steps of 14 tokens, decode steps of 2 rows."""
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 49152, (n,), generator=generator).tolist() for n in (3, 11)]
     model = llm.engine.executor.worker.runner.model
     reference_tokens, reference_logprobs = _decode(llm, prompts)
+    assert install_layer_kernels(model, kernels) > 0
+    try:
+        tokens, logprobs = _decode(llm, prompts)
+    finally:
+        install_layer_kernels(model, None)
+    assert tokens == reference_tokens
+    worst = max(abs(a - b) for row, ref in zip(logprobs, reference_logprobs) for a, b in zip(row, ref))
+    assert worst < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+def test_fused_layers_match_torch_layers(arch, tmp_path, default_model_dir):
+    llm = _llm(arch, tmp_path, default_model_dir)
     kernels = triton_layer_kernels()
     fused_qk_calls, fused_moe_calls = [], []
 
@@ -41,19 +62,39 @@ def test_fused_layers_match_torch_layers(arch, tmp_path, default_model_dir):
         fused_moe_calls.append(1)
         return kernels.fused_moe(*args)
 
-    counted = dataclasses.replace(kernels, qk_norm_rotary=counted_qk_norm_rotary, fused_moe=counted_fused_moe)
-    assert install_layer_kernels(model, counted) > 0
-    try:
-        tokens, logprobs = _decode(llm, prompts)
-    finally:
-        install_layer_kernels(model, None)
+    _assert_fused_decode_matches(llm, dataclasses.replace(kernels, qk_norm_rotary=counted_qk_norm_rotary,
+                                                          fused_moe=counted_fused_moe))
     # Qwen3's q/k norms go through the fused norm-and-rotary kernel; Llama has none.
     assert bool(fused_qk_calls) == arch.startswith("qwen3")
     # The experts of a mixture-of-experts layer go through the fused MoE kernel.
     assert bool(fused_moe_calls) == (arch == "qwen3_moe")
-    assert tokens == reference_tokens
-    worst = max(abs(a - b) for row, ref in zip(logprobs, reference_logprobs) for a, b in zip(row, ref))
-    assert worst < 1e-4
+
+
+def test_fp8_decode_mlp_forms_the_activation_inside_the_down_gemv(tmp_path, default_model_dir, monkeypatch,
+                                                                   cpu_with_fp8_reference):
+    """FP8 Llama with the Triton W8A16 GEMV: the torch layers run silu(gate) * up, then the down
+    GEMV; the fused layers hand decode steps' gate_up to the gated GEMV and keep silu_and_mul for
+    the prefill (14 rows, more than the GEMV takes: W8A8)."""
+    gated_rows = []
+
+    def gemv(x, weight, scale, bias, gated=False):
+        if gated:
+            gated_rows.append(x.shape[0])
+        return fp8_w8a16_gemv(x, weight, scale, bias, gated=gated)
+
+    monkeypatch.setattr(CPUWorker, "quantization_kernels", lambda self: {GEMV_KERNEL: gemv})
+    llm = _llm("llama", tmp_path, default_model_dir, quantization="fp8")
+    assert llm.engine.info.quantization == "fp8 (fp8_reference)"
+    kernels = triton_layer_kernels()
+    silu_rows = []
+
+    def counted_silu_and_mul(x):
+        silu_rows.append(x.shape[0])
+        return kernels.silu_and_mul(x)
+
+    _assert_fused_decode_matches(llm, dataclasses.replace(kernels, silu_and_mul=counted_silu_and_mul))
+    assert gated_rows and max(gated_rows) <= GEMV_MAX_M
+    assert silu_rows and min(silu_rows) > GEMV_MAX_M
 
 
 def test_fused_kernels_can_be_switched_off(monkeypatch):
