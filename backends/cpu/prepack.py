@@ -40,8 +40,7 @@ class PrepackedLinear(nn.Module):
 
     def forward_gated(self, gate_up: torch.Tensor) -> None:
         """A swapped down projection keeps `RowParallelLinear.forward_gated`, which gated MLPs call
-        when layer kernels are installed: a dense layer has no fused form."""
-        return None
+        when layer kernels are installed: a dense layer has no fused form (None)."""
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
