@@ -213,7 +213,8 @@ stage_w2fp8() {
 }
 stage_w1fp8() {
   bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 --quantization fp8 --save-result "$RES/w1_fp8.json"
-  python3 "$PEER" static --shape llama3-8b --batch 128 --input-len 512 --output-len 128
+  # W1FP8_PEER=0 skips the HF peer (the target is absolute; the peer was measured on 2026-11-25).
+  [ "${W1FP8_PEER:-1}" = 0 ] || python3 "$PEER" static --shape llama3-8b --batch 128 --input-len 512 --output-len 128
 }
 stage_w2awq() {
   # W2 with 4-bit AWQ weights (group 128): random packed weights from the quantization_config override.
@@ -222,7 +223,8 @@ stage_w2awq() {
 }
 stage_moetests() { python3 -m pytest -q tests/gpu/test_gpu_moe.py -p no:cacheprovider 2>&1 | tee "$RES/gpu_moe_tests.log" | tail -15; }
 # The pairs path's tile sweep (prints moe_pairs.TUNED's entry), then W7's batch-1 TPOT alone.
-stage_moesweep() { python3 -m corectl.backends.triton.bench_moe --sweep 2>&1 | tail -12; }
+stage_moesweep() { python3 -m corectl.backends.triton.bench_moe --sweep coarse 2>&1 | tail -12; }
+stage_moefine() { python3 -m corectl.backends.triton.bench_moe --sweep fine --num-tokens 1 2>&1 | tail -6; }
 stage_w7lat() {
   python3 -m corectl.backends.triton.bench_moe --num-tokens 1 8 2>&1 | tail -10
   bench latency --model qwen3-30b-a3b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w7_latency.json"

@@ -1,13 +1,13 @@
 """Time one mixture-of-experts layer at Qwen3-30B-A3B's shape on the GPU (W7's expert share).
 
-    python -m corectl.backends.triton.bench_moe [--num-tokens 1 8 64 256] [--sweep]
+    python -m corectl.backends.triton.bench_moe [--num-tokens 1 8 64 256] [--sweep coarse|fine]
 
 For each batch: the layer kernel the CUDA worker installs (routing, then the path the launcher
 picks), each kernel path forced, and the torch path (the CPU code, run eagerly on the GPU), as
 median milliseconds and as bandwidth counting the expert weights the batch is routed to (every
 chosen expert's gate, up and down rows read once), next to a device-to-device copy. `--sweep`
-times each kernel of the pairs path (the decode path) over a grid of tile configs for batches up to
-8 tokens and prints moe_pairs.TUNED's entry.
+times each kernel of the pairs path (the decode path) over a grid of tile configs (`fine`: a
+larger grid, for batch 1) for batches up to 8 tokens and prints moe_pairs.TUNED's entry.
 """
 from __future__ import annotations
 
@@ -48,7 +48,14 @@ def bench_layer(num_tokens: int, gate_up: torch.Tensor, down: torch.Tensor) -> l
     return rows
 
 
-def sweep_pairs(num_tokens: int, gate_up: torch.Tensor, down: torch.Tensor, copy: float):
+# Tile grids of the sweep: (block_n, block_k, num_warps, num_stages) choices; "fine" is for batch 1.
+SWEEP_GRIDS = {
+    "coarse": ((4, 8, 16), (128, 256, 512), (4, 8), (2, 4)),
+    "fine": ((2, 4, 8), (256, 512, 1024), (2, 4, 8), (3, 4, 5)),
+}
+
+
+def sweep_pairs(num_tokens: int, gate_up: torch.Tensor, down: torch.Tensor, copy: float, grid: str):
     """The fastest gate/up and down configs of the pairs path at one batch size, with their times."""
     from triton.testing import do_bench
 
@@ -67,7 +74,7 @@ def sweep_pairs(num_tokens: int, gate_up: torch.Tensor, down: torch.Tensor, copy
     best = {}
     for name, (run, elements) in kernels.items():
         timed = []
-        for block_n, block_k, warps, stages in itertools.product((4, 8, 16), (128, 256, 512), (4, 8), (2, 4)):
+        for block_n, block_k, warps, stages in itertools.product(*SWEEP_GRIDS[grid]):
             cfg = PairConfig(block_n, block_k, warps, stages)
             timed.append((do_bench(lambda: run(cfg), warmup=10, rep=60, return_mode="median"), cfg))
         ms, cfg = min(timed)
@@ -89,7 +96,7 @@ def copy_bandwidth(nbytes: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-tokens", type=int, nargs="+", default=None)
-    parser.add_argument("--sweep", action="store_true", help="tune the pairs path's tiles (batches <= 8)")
+    parser.add_argument("--sweep", choices=sorted(SWEEP_GRIDS), help="tune the pairs path's tiles (batches <= 8)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("no GPU visible: the MoE benchmark times the CUDA/ROCm kernels")
@@ -102,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.sweep:
         table = {}
         for num_tokens in args.num_tokens or [1, 2, 4, 8]:
-            table[num_tokens * TOP_K] = sweep_pairs(num_tokens, gate_up, down, copy)
+            table[num_tokens * TOP_K] = sweep_pairs(num_tokens, gate_up, down, copy, args.sweep)
         print(f"moe_pairs.TUNED[({HIDDEN}, {INTER})] = {table!r}")
         return
     print(f"  {'tokens':>6}  {'kernel':<40} {'median ms':>10} {'TB/s':>7} {'% copy':>7}")

@@ -97,24 +97,28 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, out_ptr, N, K, top_k,
 @triton.jit
 def _pair_down_sum_kernel(act_ptr, w_ptr, scale_ptr, ids_ptr, pair_weight_ptr, out_ptr, N, K,
                           stride_am, stride_we, stride_wn, stride_se, stride_om,
-                          TOP_K: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          NUM_STAGES: tl.constexpr):
+                          TOP_K: tl.constexpr, BLOCK_TOP_K: tl.constexpr, SCALED: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
     """out[token, n] = sum over the token's k pairs, in slot order, of weight * (down[e] @ act[pair])
     (SCALED: `w` e4m3, each row's products times its scale in `scale`)."""
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    # The token's experts and routing weights, read once: inside the loop a weight row's address
+    # then comes from registers, not from a load the pipeliner would have to wait for each step.
+    slots = tl.arange(0, BLOCK_TOP_K)
+    experts = tl.load(ids_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=0).to(tl.int64)
+    coeffs = tl.load(pair_weight_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=0.0)
     k_steps = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for step in tl.range(0, TOP_K * k_steps, num_stages=NUM_STAGES):
         slot = step // k_steps
-        pair = token * TOP_K + slot
+        expert = tl.sum(tl.where(slots == slot, experts, 0))
         offs_k = (step - slot * k_steps) * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
         # The routing weight scales the activation (BLOCK_K products) rather than the BLOCK_N x BLOCK_K tile.
-        act = tl.load(act_ptr + pair * stride_am + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        act *= tl.load(pair_weight_ptr + pair)
+        act = tl.load(act_ptr + (token * TOP_K + slot) * stride_am + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        act *= tl.sum(tl.where(slots == slot, coeffs, 0.0))
         w = tl.load(w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :],
                     mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first").to(tl.float32)
         if SCALED:
@@ -179,8 +183,8 @@ def down_sum_by_token(activated, down, topk_ids, topk_weights, down_scale, cfg: 
     _pair_down_sum_kernel[(num_tokens, triton.cdiv(hidden_size, cfg.block_n))](
         activated, down, scale, topk_ids, topk_weights, out, hidden_size, inter,
         activated.stride(0), down.stride(0), down.stride(1), stride_se, out.stride(0),
-        TOP_K=top_k, SCALED=down_scale is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        TOP_K=top_k, BLOCK_TOP_K=triton.next_power_of_2(top_k), SCALED=down_scale is not None,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
     )
     return out
 

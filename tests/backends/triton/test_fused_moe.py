@@ -28,6 +28,7 @@ def moe_inputs(num_tokens, num_experts, hidden_size, inter, top_k, dtype, skip_e
     (1, 8, 32, 16, 2),     # decode: one token, pairs in separate blocks
     (5, 4, 40, 24, 2),     # widths that are not powers of two: masked columns and reduction
     (21, 3, 48, 20, 2),    # more pairs per expert than one row block
+    (2, 8, 32, 16, 3),     # a top-k that is not a power of two
 ])
 def test_fused_moe_matches_the_torch_path(num_tokens, num_experts, hidden_size, inter, top_k, dtype, path):
     inputs = moe_inputs(num_tokens, num_experts, hidden_size, inter, top_k, dtype, skip_expert=num_experts - 1)
