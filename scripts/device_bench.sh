@@ -132,6 +132,16 @@ stage_profq() {
     grep -E "Self CUDA time total|Wall time" "$RES/profq_$q.txt"
   done
 }
+stage_prof7() {
+  # W7's batch-1 step and W2's FP8 step (prefill and decode), one profiled iteration each.
+  bench latency --model qwen3-30b-a3b --batch-size 1 --input-len 512 --output-len 128 --num-iters 1 --profile > "$RES/prof7.txt"
+  bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --num-iters 1 --profile \
+    --quantization fp8 > "$RES/prof_w2fp8.txt"
+  for f in prof7 prof_w2fp8; do
+    echo "-- $f"; grep TPOT "$RES/$f.txt"; grep -A26 "operators by" "$RES/$f.txt" | cut -c1-70,100-200 | tail -23
+    grep -E "Self CUDA time total|Wall time" "$RES/$f.txt"
+  done
+}
 stage_qbench() {
   # The quantized decode kernels' config sweeps (their tables are filled from these), each bounded.
   timeout 200 python3 -m corectl.backends.triton.bench_w4a16 --quick > "$RES/bench_w4a16.txt" 2>&1

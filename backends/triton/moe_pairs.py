@@ -46,15 +46,15 @@ class PairConfigs(NamedTuple):
     down: PairConfig
 
 
-# Tuned on an H100 (2026-11-25, triton 3.6) by `bench_moe --sweep`, bf16 weights:
+# Tuned on an H100 (2026-11-25, triton 3.6) by `bench_moe --sweep` (bucket 8: `--sweep fine`), bf16 weights:
 # {(hidden, intermediate): {pairs bucket: PairConfigs}}, buckets the powers of two of the pair count
 # (tokens x top_k). They serve 16-bit and e4m3 weights; fp32 weights (whose staged tiles need twice
 # the shared memory) and other shapes take the heuristic.
 TUNED: dict[tuple[int, int], dict[int, PairConfigs]] = {
     (2048, 768): {
-        8: PairConfigs(gate_up=PairConfig(8, 256, 4, 4), down=PairConfig(4, 512, 4, 4)),
-        16: PairConfigs(gate_up=PairConfig(4, 512, 4, 2), down=PairConfig(16, 256, 4, 4)),
-        32: PairConfigs(gate_up=PairConfig(4, 512, 4, 2), down=PairConfig(16, 512, 4, 2)),
+        8: PairConfigs(gate_up=PairConfig(8, 256, 2, 3), down=PairConfig(2, 1024, 2, 4)),
+        16: PairConfigs(gate_up=PairConfig(8, 512, 4, 2), down=PairConfig(16, 512, 4, 4)),
+        32: PairConfigs(gate_up=PairConfig(16, 256, 4, 2), down=PairConfig(16, 256, 4, 4)),
         64: PairConfigs(gate_up=PairConfig(8, 256, 4, 4), down=PairConfig(16, 512, 8, 4)),
     },
 }
