@@ -95,22 +95,30 @@ def _moe_gemm_kernel(
 def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
                          TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
                          BLOCK_K: tl.constexpr):
-    """One token: softmax over its router logits (fp32), the top k by repeated argmax (largest
-    first, ties to the lower expert), renormalised to sum to 1 when RENORMALIZE."""
+    """One token: softmax over its router logits (fp32), the top k largest first (ties to the lower
+    expert), renormalised to sum to 1 when RENORMALIZE.
+
+    Each pick is one max over int64 keys, probability bits high and the inverted lane low: the
+    bits of non-negative floats order like the floats, so one reduction yields both the value and
+    (ties to the lower lane) its expert, where argmax and max would take two. Decode launches this
+    once per MoE layer per step, so its latency is what counts."""
     token = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK_E)
     valid = lanes < num_experts
     logits = tl.load(logits_ptr + token * stride_l + lanes, mask=valid, other=float("-inf")).to(tl.float32)
     probs = tl.exp(logits - tl.max(logits, 0))
-    probs = tl.where(valid, probs / tl.sum(probs, 0), -1.0)  # -1: below every probability
+    probs = probs / tl.sum(probs, 0)
+    keys = (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - lanes)
+    keys = tl.where(valid, keys, -1)  # below every probability's key
     slots = tl.arange(0, BLOCK_K)
     chosen = tl.zeros((BLOCK_K,), dtype=tl.float32)
     chosen_ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
     for slot in tl.static_range(TOP_K):
-        best = tl.argmax(probs, 0)
-        chosen = tl.where(slots == slot, tl.max(probs, 0), chosen)
-        chosen_ids = tl.where(slots == slot, best, chosen_ids)
-        probs = tl.where(lanes == best, -1.0, probs)
+        best = tl.max(keys, 0)
+        lane = BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32)
+        chosen = tl.where(slots == slot, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), chosen)
+        chosen_ids = tl.where(slots == slot, lane, chosen_ids)
+        keys = tl.where(lanes == lane, -1, keys)
     if RENORMALIZE:
         chosen = chosen / tl.sum(chosen, 0)
     tl.store(weights_ptr + token * TOP_K + slots, chosen, mask=slots < TOP_K)
@@ -141,7 +149,8 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
         _topk_softmax_kernel[(num_tokens,)](
             router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
             RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
-            BLOCK_K=triton.next_power_of_2(top_k), num_warps=1 if num_experts <= 64 else 4,
+            # One warp: its reductions are register shuffles, with no shared-memory round trip.
+            BLOCK_K=triton.next_power_of_2(top_k), num_warps=1,
         )
     return weights, ids
 

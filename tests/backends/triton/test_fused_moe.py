@@ -139,3 +139,16 @@ def test_topk_softmax_routes_like_select_experts(num_experts, top_k, renormalize
     torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="top_k must lie in"):
         topk_softmax(logits, num_experts + 1, renormalize)
+
+
+def test_topk_softmax_breaks_ties_toward_the_lower_expert():
+    """Equal probabilities (a router's duplicated rows, or logits that round alike) pick the lower
+    expert first: the kernel's documented order, which torch.topk leaves unspecified."""
+    logits = torch.full((2, 16), -2.0)
+    logits[0, [11, 4, 7]] = 1.5
+    logits[1, [9, 3]] = 0.5
+    logits[1, 12] = 3.0
+    weights, ids = topk_softmax(logits, 3, renormalize=True)
+    assert ids.tolist() == [[4, 7, 11], [12, 3, 9]]
+    assert torch.allclose(weights[0], torch.full((3,), 1 / 3))
+    assert weights[1, 1] == weights[1, 2] and torch.allclose(weights.sum(dim=1), torch.ones(2))
