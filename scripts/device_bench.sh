@@ -48,6 +48,11 @@ stage_prof1() {
   grep Throughput "$RES/prof1.txt"; grep -A22 "Python functions" "$RES/prof1.txt" | cut -c1-150 | tail -14
   grep -A24 "operators by" "$RES/prof1.txt" | cut -c1-60,100-200 | tail -20; grep -E "Self CUDA time total|Wall time" "$RES/prof1.txt"
 }
+stage_prof1fp8() {
+  bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 --quantization fp8 --profile > "$RES/prof1fp8.txt"
+  grep Throughput "$RES/prof1fp8.txt"; grep -A22 "Python functions" "$RES/prof1fp8.txt" | cut -c1-150 | tail -14
+  grep -A30 "operators by" "$RES/prof1fp8.txt" | cut -c1-60,100-200 | tail -26; grep -E "Self CUDA time total|Wall time" "$RES/prof1fp8.txt"
+}
 stage_prof2() {
   bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --num-iters 1 --profile > "$RES/prof2.txt"
   grep TPOT "$RES/prof2.txt"; grep -A24 "operators by" "$RES/prof2.txt" | cut -c1-60,100-200 | tail -20; grep -E "Self CUDA time total|Wall time" "$RES/prof2.txt"
