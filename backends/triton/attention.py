@@ -36,7 +36,6 @@ class TritonAttentionMetadata:
     max_seq_len: int
     is_pure_decode: bool
     num_splits: int                   # decode only; fixed per captured graph
-    split_counters: torch.Tensor | None  # decode with splits: the backend's zeroed ticket counters
     # Validate index tensors on the first layer's forward of the step, then trust them.
     check_indices: bool = True
 
@@ -46,19 +45,6 @@ class TritonAttentionBackend(AttentionBackend):
     supports_graph_capture = True
     # FP8 caches are read and written by the kernels themselves (scales 1.0: no calibrated ones yet).
     kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # The decode kernel's split counters (it leaves them zero), shared by every layer, step and
-        # graph. A larger batch appends a larger buffer (allocated in build_metadata, never inside a
-        # capture); earlier ones stay referenced because graphs captured with them replay them.
-        self._split_counters: list[torch.Tensor] = []
-
-    def _counters(self, num_seqs: int) -> torch.Tensor:
-        need = num_seqs * self.num_kv_heads
-        if not self._split_counters or self._split_counters[-1].numel() < need:
-            self._split_counters.append(torch.zeros(need, dtype=torch.int32, device=self.device))
-        return self._split_counters[-1]
 
     def build_metadata(self, batch: AttentionBatch, check_indices: bool = True) -> TritonAttentionMetadata:
         require(batch.block_size == self.block_size,
@@ -79,7 +65,6 @@ class TritonAttentionBackend(AttentionBackend):
             max_seq_len=batch.max_seq_len,
             is_pure_decode=pure_decode,
             num_splits=splits,
-            split_counters=self._counters(batch.num_seqs) if splits > 1 else None,
             check_indices=check_indices,
         )
 
@@ -93,7 +78,7 @@ class TritonAttentionBackend(AttentionBackend):
             out = paged_decode_attention(
                 q, kv_cache, meta.block_tables, meta.seq_lens, scale,
                 max_seq_len=meta.max_seq_len, num_splits=meta.num_splits, check_indices=check,
-                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, split_counters=meta.split_counters,
+                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
             )
         else:
             out = paged_prefill_attention(

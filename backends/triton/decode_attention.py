@@ -2,14 +2,8 @@
 
 Grid (sequence, KV head, split): each program holds all query heads of one KV head, so K/V are
 read once per KV head, and walks one contiguous partition of the context. With one split it
-writes the output directly; with several, each writes a partial output and its log-sum-exp, then
-takes a ticket from its (sequence, KV head) counter, and the program that takes the last ticket
-combines the splits in split order (deterministic) and resets the counter to zero. At batch-1
-decode that saves a second launch per layer, whose cost is mostly its launch. The ticket is an
-acq_rel atomic after a barrier: the partials a program stored are visible to whichever program
-combines, and the combiner reads them past L1 (`.cg`), which other SMs' stores do not update.
-The counters (int32, one per sequence and KV head) must be zero at launch; the kernel leaves them
-so, which lets a caller keep one buffer across layers, steps and graph replays.
+writes the output directly; with several, each writes a partial output and its log-sum-exp and a
+second kernel combines them.
 
 CUDA-graph contract: the launch depends on host values only through `num_splits` (a grid
 dimension and compile-time constant) and the tensor shapes. Sequence lengths and block tables are
@@ -52,11 +46,11 @@ DECODE_BLOCK_N = 64
 # The block-table width changes every eager step (see the prefill kernel); a layer's window is fixed.
 @triton.jit(do_not_specialize=["stride_table", "window"])
 def _decode_kernel(
-    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, qk_scale, v_scale,
-    window, stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table, num_heads, num_kv_heads,
+    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, qk_scale, v_scale, window,
+    stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table, num_heads,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -108,30 +102,26 @@ def _decode_kernel(
         tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(part_lse_ptr + part_rows, lse, mask=m_mask)
-        tl.debug_barrier()  # every thread's partial is stored before the ticket publishes them
-        counter = counter_ptr + seq * num_kv_heads + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            for head in tl.range(kv_head * GROUP, kv_head * GROUP + GROUP):
-                _combine_head(part_out_ptr, part_lse_ptr, out_ptr, seq, head, stride_ot, num_heads,
-                              HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S)
-            tl.store(counter, 0)
 
 
 @triton.jit
-def _combine_head(part_out_ptr, part_lse_ptr, out_ptr, seq, head, stride_ot, num_heads,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
-    """One head's output from its splits' partials, weighted by their log-sum-exps, in split order."""
+def _combine_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, stride_ot, num_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < NUM_SPLITS
     d_mask = offs_d < HEAD_DIM
     row0 = (seq * num_heads + head) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + row0 + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+    lse = tl.load(part_lse_ptr + row0 + offs_s, mask=s_mask, other=float("-inf"))
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)
     weight = tl.exp2(lse - top)
     parts = tl.load(part_out_ptr + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     total = tl.sum(weight, 0)
     out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + seq * stride_ot + head * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -164,7 +154,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            num_splits: int | None = None, out: torch.Tensor | None = None,
                            check_indices: bool = True, sliding_window: int | None = None,
                            logits_soft_cap: float | None = None, k_scale: float = 1.0,
-                           v_scale: float = 1.0, split_counters: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: float = 1.0) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context (the token's own K/V included).
 
     q: [B, num_heads * head_dim]; block_tables: int32 [B, max_blocks]; seq_lens: int32 [B], the
@@ -176,8 +166,6 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     `logits_soft_cap` c: scores become c * tanh(score / c) (Gemma 2); None leaves them.
     An FP8 (e4m3) `kv_cache` holds keys / k_scale and values / v_scale (`store_kvcache`): the
     scales fold into the score scale and the output, so the tiles are only widened as they load.
-    `split_counters`: int32, at least B * num_kv_heads elements, all zero (module doc): a buffer the
-    caller keeps across calls (and graph replays); None allocates a zeroed one when splitting.
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     check_index("block_tables", block_tables, 2, (torch.int32,))
@@ -199,42 +187,41 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     require(1 <= splits <= MAX_SPLITS, f"num_splits must lie in [1, {MAX_SPLITS}], got {splits}")
     out = attention_output(out, q)
     check_same_device(q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens, out=out)
-    if split_counters is not None:
-        check_index("split_counters", split_counters, 1, (torch.int32,))
-        require(split_counters.numel() >= num_seqs * num_kv_heads and split_counters.is_contiguous(),
-                f"split_counters must be a contiguous int32 buffer of at least {num_seqs * num_kv_heads} "
-                f"(sequences x KV heads) elements, got {tuple(split_counters.shape)}")
-        check_same_device(q=q, split_counters=split_counters)
     if check_indices:
         check_range("block_tables", block_tables, 0, num_blocks)
         check_range("seq_lens", seq_lens, 0, table_width * block_size + 1)
     if num_seqs == 0:
         return out
     _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, num_heads // num_kv_heads, splits,
-                   sliding_window, logits_soft_cap, k_scale, v_scale, split_counters)
+                   sliding_window, logits_soft_cap, k_scale, v_scale)
     return out
 
 
 def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, splits, window, soft_cap,
-                   k_scale, v_scale, split_counters) -> None:
+                   k_scale, v_scale) -> None:
     num_seqs = q.shape[0]
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     num_heads = num_kv_heads * group
+    block_d = head_block(head_dim)
     if splits == 1:
-        # The partial buffers and counters are compiled out with one split; `out` stands in for them.
-        part_out = part_lse = split_counters = out
+        # The partial buffers are compiled out with one split; `out` stands in for their pointers.
+        part_out = part_lse = out
     else:
         part_out = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
-        if split_counters is None:
-            split_counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=q.device)
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
-        q, kv_cache, block_tables, seq_lens, out, part_out, part_lse, split_counters,
-        score_scale(scale * k_scale, soft_cap), v_scale, window or 0,
+        q, kv_cache, block_tables, seq_lens, out, part_out, part_lse, score_scale(scale * k_scale, soft_cap), v_scale,
+        window or 0,
         q.stride(0), out.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        block_tables.stride(0), num_heads, num_kv_heads,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_D=head_block(head_dim),
+        block_tables.stride(0), num_heads,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=DECODE_BLOCK_N, BLOCK_SIZE=kv_cache.shape[2], NUM_SPLITS=splits,
-        BLOCK_S=triton.next_power_of_2(splits), DOT_DTYPE=dot_dtype(q.dtype, q.device), SLIDING=window is not None,
-        SOFT_CAP=float(soft_cap or 0.0), num_warps=4, num_stages=3,
+        DOT_DTYPE=dot_dtype(q.dtype, q.device), SLIDING=window is not None, SOFT_CAP=float(soft_cap or 0.0),
+        num_warps=4, num_stages=3,
     )
+    if splits > 1:
+        _combine_splits_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, out.stride(0), num_heads,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+            num_warps=4,
+        )

@@ -48,25 +48,6 @@ def test_head_dim_not_a_power_of_two(assert_close):
     assert_close(_decode(batch, num_splits=2), contiguous_attention_ref(batch, SCALE))
 
 
-def test_a_kept_counter_buffer_is_left_zeroed_for_the_next_call(assert_close):
-    """The last split of each (sequence, KV head) combines and resets its ticket counter, so one
-    buffer serves every layer and step (the backend keeps one across graph replays); a buffer
-    larger than the batch needs is fine, one too small or of another dtype is refused."""
-    counters = torch.zeros(8, dtype=torch.int32)
-    for seed in range(2):
-        torch.manual_seed(seed)
-        batch = random_paged_batch([70, 5, 33], [1, 1, 1], num_heads=6, num_kv_heads=2, head_dim=16,
-                                   block_size=4, dtype=torch.float32, store_new_tokens=True)
-        out = paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, SCALE,
-                                     max_seq_len=70, num_splits=4, split_counters=counters)
-        assert_close(out, contiguous_attention_ref(batch, SCALE))
-        assert torch.equal(counters, torch.zeros_like(counters))
-    for bad in (torch.zeros(5, dtype=torch.int32), torch.zeros(8, dtype=torch.int64)):
-        with pytest.raises(ValueError, match="split_counters"):
-            paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, SCALE,
-                                   max_seq_len=70, num_splits=4, split_counters=bad)
-
-
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_zero_length_rows_yield_zeros(num_splits, assert_close):
     """CUDA-graph padding rows have seq_len 0: they must produce zeros, not NaN, and leave others intact."""
