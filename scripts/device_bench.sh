@@ -231,23 +231,6 @@ stage_w1fp8() {
   # W1FP8_PEER=0 skips the HF peer (the target is absolute; the peer was measured on 2026-11-25).
   [ "${W1FP8_PEER:-1}" = 0 ] || python3 "$PEER" static --shape llama3-8b --batch 128 --input-len 512 --output-len 128
 }
-stage_w1fp8ab() {
-  # W1 FP8 with and without the fused SiLU-and-mul quantizer (the worker's kernel table without it
-  # makes the method fall back to silu_and_mul + quantize_rows), in one call.
-  for fused in 1 0; do
-    FUSED=$fused python3 - <<'PY' 2>&1 | grep Throughput | sed "s/^/fused quantizer $fused: /"
-import os
-from corectl.backends.cuda.worker import CUDAWorker
-from corectl.server.cli import main
-if os.environ["FUSED"] == "0":
-    full = CUDAWorker.quantization_kernels
-    CUDAWorker.quantization_kernels = lambda self: {k: v for k, v in full(self).items() if k != "fp8_silu_mul_quantize_rows"}
-main(["bench", "throughput", "--model", "llama3-8b", "--num-prompts", "256", "--input-len", "512", "--output-len", "128",
-      "--quantization", "fp8", "--platform", "cuda", "--load-format", "dummy", "--seed", "0", "--max-num-seqs", "256",
-      "--max-num-batched-tokens", "8192"])
-PY
-  done
-}
 stage_w2awq() {
   # W2 with 4-bit AWQ weights (group 128): random packed weights from the quantization_config override.
   local awq='{"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemm"}}'

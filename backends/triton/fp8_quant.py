@@ -88,10 +88,7 @@ def silu_mul_quantize_rows_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, tor
     require(width % 2 == 0, f"gate_up must be [M, 2 * intermediate], got an odd width {width}")
     inter = width // 2
     out, scales = _outputs(m, inter, gate_up.device)
-    block = triton.next_power_of_2(inter)
     if m and inter:
-        # Gate, up and the activation are live together: at most 32 values of each per thread
-        # (wide rows with 8 warps spill registers).
         _silu_mul_quantize_rows_kernel[(m,)](gate_up, out, scales, gate_up.stride(0), out.stride(0), inter,
-                                             BLOCK=block, num_warps=max(8, min(32, block // 1024)))
+                                             BLOCK=triton.next_power_of_2(inter), num_warps=8)
     return out, scales
