@@ -73,11 +73,11 @@ class CUDAWorker(Worker):
 
     def quantization_kernels(self) -> dict:
         from ..triton.fp8_gemv import fp8_w8a16_gemv
-        from ..triton.fp8_quant import quantize_rows_fp8, silu_mul_quantize_rows_fp8
+        from ..triton.fp8_quant import quantize_rows_fp8
         from ..triton.w4a16 import w4a16_gemm_trusted
 
         return {"w4a16": w4a16_gemm_trusted, "fp8_quantize_rows": quantize_rows_fp8,
-                "fp8_silu_mul_quantize_rows": silu_mul_quantize_rows_fp8, "fp8_w8a16_gemv": fp8_w8a16_gemv}
+                "fp8_w8a16_gemv": fp8_w8a16_gemv}
 
     def layer_kernels(self) -> LayerKernels:
         return triton_layer_kernels()

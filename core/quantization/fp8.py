@@ -15,9 +15,7 @@ HBM bandwidth, where the FP8 tensor-core GEMM's 128-row tiles waste most of thei
 it is also more accurate than W8A8 (no rounding of activations to e4m3). The path depends on the
 row count only (known on the host), so each captured CUDA-graph batch size takes one path. On
 that path a gated MLP's down projection also takes the packed gate_up activations and forms
-silu(gate) * up as the kernel loads them (`apply_gated`): one launch per layer fewer. Larger steps
-fuse it into the quantizer instead where the worker provides SILU_QUANTIZE_KERNEL (one pass over
-gate_up, no [M, I] activation written and read back), then run the same W8A8 GEMM.
+silu(gate) * up as the kernel loads them (`apply_gated`): one launch per layer fewer.
 
 Mixture-of-experts layers (`Fp8MoEMethod`): every expert's gate/up and down matrices in the same
 layout (e4m3, an fp32 scale per output row: [E, 2I] and [E, H]), from either source. The experts
@@ -27,7 +25,6 @@ of the experts are not even loaded.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,8 +38,6 @@ from .scope import optional_kernel
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 _MIN_SCALE = 1e-12
-# (rows [M, K]) -> (e4m3 [M, K'], fp32 scales [M, 1]): `quantize_rows` and the worker's quantizers.
-Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,9 +81,6 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 _KERNELS = {"fp8_scaled_mm": fp8_gemm_scaled_mm, "fp8_reference": fp8_gemm_reference}
 # A worker may provide a one-launch activation quantizer with the contract of `quantize_rows`.
 QUANTIZE_KERNEL = "fp8_quantize_rows"
-# ... one that takes a packed gate_up [M, 2K] (gate first) instead: quantize_rows of silu(gate) * up,
-# the activation rounded to gate_up's dtype as the layers' silu_and_mul kernel rounds it (`apply_gated`).
-SILU_QUANTIZE_KERNEL = "fp8_silu_mul_quantize_rows"
 # ... and a decode GEMM: (x [M <= GEMV_MAX_M, K], e4m3 weight [N, K], fp32 scales [N], bias | None,
 # gated=False) -> x @ (weight * scale[:, None]).T + bias in x's dtype, without quantizing x
 # (fp8_w8a16_reference). gated=True: x is a packed gate_up [M, 2K] and silu(gate) * up, rounded to
@@ -160,7 +152,6 @@ class Fp8LinearMethod(LinearMethod):
         self.config = config
         self.gemm = _KERNELS[config.kernel]
         self.quantize = optional_kernel(QUANTIZE_KERNEL) or quantize_rows
-        self.silu_quantize = optional_kernel(SILU_QUANTIZE_KERNEL)
         self.gemv = optional_kernel(GEMV_KERNEL)
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
@@ -196,30 +187,26 @@ class Fp8LinearMethod(LinearMethod):
         return n * k * FP8.itemsize + n * torch.float32.itemsize + tensor_bytes(layer.bias)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        return self._apply_rows(layer, x, self.quantize, gated=False)
-
-    def apply_gated(self, layer, gate_up: torch.Tensor) -> torch.Tensor | None:
-        # The W8A16 GEMV forms the activation as it loads it, the fused quantizer as it quantizes
-        # it; without the latter, larger steps keep the separate silu_and_mul. (Static input
-        # scales are never used, see the module doc: both paths quantize per token.)
-        if self.silu_quantize is None and not self._decode_sized(gate_up.shape[:-1].numel()):
-            return None
-        return self._apply_rows(layer, gate_up, self.silu_quantize, gated=True)
-
-    def _apply_rows(self, layer, x: torch.Tensor, quantize: Quantizer | None, gated: bool) -> torch.Tensor:
-        """x [..., K] (gated: gate_up [..., 2K]) through the GEMV, or `quantize` (None only where
-        the GEMV takes these rows) and the GEMM."""
         rows = x.reshape(-1, x.shape[-1])
-        if self._decode_sized(rows.shape[0]):
-            out = self.gemv(rows, layer.weight, layer.weight_scale, layer.bias, gated=gated)
+        if self._decode_sized(rows):
+            out = self.gemv(rows, layer.weight, layer.weight_scale, layer.bias)
         else:
-            xq, x_scale = quantize(rows)
+            xq, x_scale = self.quantize(rows)
             out = self.gemm(xq, x_scale, layer.weight, layer.weight_scale, layer.bias, x.dtype)
         return out.view(*x.shape[:-1], out.shape[-1])
 
-    def _decode_sized(self, num_rows: int) -> bool:
-        """Whether a step of `num_rows` takes the worker's W8A16 GEMV (provided, and few enough rows)."""
-        return self.gemv is not None and num_rows <= GEMV_MAX_M
+    def apply_gated(self, layer, gate_up: torch.Tensor) -> torch.Tensor | None:
+        # Only the W8A16 GEMV reads the activation as it loads it; the W8A8 path quantizes a
+        # materialised activation, so larger steps keep the separate silu_and_mul.
+        rows = gate_up.reshape(-1, gate_up.shape[-1])
+        if not self._decode_sized(rows):
+            return None
+        out = self.gemv(rows, layer.weight, layer.weight_scale, layer.bias, gated=True)
+        return out.view(*gate_up.shape[:-1], out.shape[-1])
+
+    def _decode_sized(self, rows: torch.Tensor) -> bool:
+        """Whether these rows take the worker's W8A16 GEMV (it is provided, and they are few enough)."""
+        return self.gemv is not None and rows.shape[0] <= GEMV_MAX_M
 
 
 def _per_channel(layer, scale: torch.Tensor) -> torch.Tensor:

@@ -45,22 +45,6 @@ def test_fp8_activation_quantizer_and_scaled_mm_match_references(m, n, k):
 
 
 @pytest.mark.skipif(not FP8, reason="e4m3 conversions need compute capability 8.9 or newer")
-@pytest.mark.parametrize("m", [16, 256])
-@pytest.mark.parametrize("inter", [14336, 28672])
-def test_fp8_silu_mul_quantizer_is_the_quantizer_of_silu_and_mul_to_the_bit(m, inter):
-    """Compiled, as under the interpreter: the fused kernel equals the two launches it replaces
-    (llama3-8b's and a 70B-sized intermediate width; the latter fills the 32768-wide block)."""
-    from corectl.backends.triton.activation import silu_and_mul
-    from corectl.backends.triton.fp8_quant import quantize_rows_fp8, silu_mul_quantize_rows_fp8
-
-    gate_up = torch.randn(m, 2 * inter, device="cuda", dtype=torch.bfloat16)
-    q, scale = silu_mul_quantize_rows_fp8(gate_up)
-    expected_q, expected_scale = quantize_rows_fp8(silu_and_mul(gate_up))
-    assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8))
-    assert torch.equal(scale, expected_scale)
-
-
-@pytest.mark.skipif(not FP8, reason="e4m3 conversions need compute capability 8.9 or newer")
 @pytest.mark.parametrize("m", [1, 2, 5, 8])
 @pytest.mark.parametrize("n,k", LLAMA3_8B)
 def test_fp8_w8a16_gemv_matches_reference_and_beats_w8a8(m, n, k):

@@ -1,7 +1,6 @@
 """The Triton layer kernels installed into real models (interpreted on CPU) decode exactly what the
 models' torch code does: same greedy tokens, logprobs within fp32 rounding. FP8 Llama with the
-Triton W8A16 GEMV as well: its MLP then forms the activation inside the down GEMV at decode, and
-inside the fused FP8 quantizer at prefill where the worker provides it."""
+Triton W8A16 GEMV as well: its MLP then forms the activation inside the down GEMV at decode."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,10 +10,9 @@ import torch
 from corectl import LLM, SamplingParams
 from corectl.backends.cpu.worker import CPUWorker
 from corectl.backends.triton.fp8_gemv import fp8_w8a16_gemv
-from corectl.backends.triton.fp8_quant import silu_mul_quantize_rows_fp8
 from corectl.backends.triton.layer_kernels import triton_layer_kernels
 from corectl.models.kernels import install_layer_kernels
-from corectl.quantization.fp8 import GEMV_KERNEL, GEMV_MAX_M, SILU_QUANTIZE_KERNEL
+from corectl.quantization.fp8 import GEMV_KERNEL, GEMV_MAX_M
 from helpers import build_random_checkpoint
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True)
@@ -72,26 +70,19 @@ def test_fused_layers_match_torch_layers(arch, tmp_path, default_model_dir):
     assert bool(fused_moe_calls) == (arch == "qwen3_moe")
 
 
-@pytest.mark.parametrize("fused_quantizer", [False, True])
-def test_fp8_mlp_forms_the_activation_inside_the_down_projection(fused_quantizer, tmp_path, default_model_dir,
-                                                                 monkeypatch, cpu_with_fp8_reference):
+def test_fp8_decode_mlp_forms_the_activation_inside_the_down_gemv(tmp_path, default_model_dir, monkeypatch,
+                                                                   cpu_with_fp8_reference):
     """FP8 Llama with the Triton W8A16 GEMV: the torch layers run silu(gate) * up, then the down
-    projection; the fused layers hand decode steps' gate_up to the gated GEMV, and the prefill's
-    (14 rows, more than the GEMV takes: W8A8) to the fused SiLU-and-mul quantizer where the worker
-    provides it, else to silu_and_mul."""
-    gated_rows, fused_quantizer_rows = [], []
+    GEMV; the fused layers hand decode steps' gate_up to the gated GEMV and keep silu_and_mul for
+    the prefill (14 rows, more than the GEMV takes: W8A8)."""
+    gated_rows = []
 
     def gemv(x, weight, scale, bias, gated=False):
         if gated:
             gated_rows.append(x.shape[0])
         return fp8_w8a16_gemv(x, weight, scale, bias, gated=gated)
 
-    def silu_quantize(gate_up):
-        fused_quantizer_rows.append(gate_up.shape[0])
-        return silu_mul_quantize_rows_fp8(gate_up)
-
-    provided = {GEMV_KERNEL: gemv, **({SILU_QUANTIZE_KERNEL: silu_quantize} if fused_quantizer else {})}
-    monkeypatch.setattr(CPUWorker, "quantization_kernels", lambda self: provided)
+    monkeypatch.setattr(CPUWorker, "quantization_kernels", lambda self: {GEMV_KERNEL: gemv})
     llm = _llm("llama", tmp_path, default_model_dir, quantization="fp8")
     assert llm.engine.info.quantization == "fp8 (fp8_reference)"
     kernels = triton_layer_kernels()
@@ -103,9 +94,7 @@ def test_fp8_mlp_forms_the_activation_inside_the_down_projection(fused_quantizer
 
     _assert_fused_decode_matches(llm, dataclasses.replace(kernels, silu_and_mul=counted_silu_and_mul))
     assert gated_rows and max(gated_rows) <= GEMV_MAX_M
-    prefill_rows = fused_quantizer_rows if fused_quantizer else silu_rows
-    assert prefill_rows and min(prefill_rows) > GEMV_MAX_M
-    assert not (silu_rows if fused_quantizer else fused_quantizer_rows)
+    assert silu_rows and min(silu_rows) > GEMV_MAX_M
 
 
 def test_fused_kernels_can_be_switched_off(monkeypatch):

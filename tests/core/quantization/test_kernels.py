@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import torch
 from corectl.backends.triton.w4a16_configs import W4Config
-from corectl.quantization.fp8 import (FP8_MAX, GEMV_KERNEL, GEMV_MAX_M, QUANTIZE_KERNEL, SILU_QUANTIZE_KERNEL,
-                                      Fp8Config, Fp8LinearMethod, fp8_linear_reference, fp8_w8a16_reference,
-                                      quantize_rows)
+from corectl.quantization.fp8 import (FP8_MAX, GEMV_KERNEL, GEMV_MAX_M, Fp8Config, Fp8LinearMethod,
+                                      fp8_linear_reference, fp8_w8a16_reference, quantize_rows)
 from corectl.quantization.scope import quantization_scope
 from corectl.quantization.gguf_blocks import Int4Groups, decode_int4_groups
 from corectl.quantization.int4 import AWQ_ORDER, dequantize_w4, pack_int32, unpack_int32, w4a16_reference
@@ -93,7 +92,7 @@ def test_fp8_method_runs_decode_batches_on_the_w8a16_kernel_when_provided():
     layer = SimpleNamespace(weight=weight, weight_scale=scale.view(-1), bias=torch.randn(32))
     calls = []
 
-    def gemv(x, w, s, bias, gated=False):
+    def gemv(x, w, s, bias):
         calls.append(x.shape[0])
         return fp8_w8a16_reference(x, w, s, bias)
 
@@ -112,8 +111,7 @@ def test_fp8_method_runs_decode_batches_on_the_w8a16_kernel_when_provided():
 @pytest.mark.parametrize("m", [1, 3, GEMV_MAX_M])
 def test_fp8_method_fuses_silu_and_mul_into_the_w8a16_kernel(m):
     """`apply_gated` of a packed gate_up is `apply` of silu_and_mul's output, to the bit (the Triton
-    kernels, interpreted); steps the W8A16 kernel does not take, or no such kernel, have no fused form
-    without the fused quantizer (the next test)."""
+    kernels, interpreted); steps the W8A16 kernel does not take, or no such kernel, have no fused form."""
     from corectl.backends.triton.activation import silu_and_mul
     from corectl.backends.triton.fp8_gemv import fp8_w8a16_gemv
 
@@ -127,33 +125,6 @@ def test_fp8_method_fuses_silu_and_mul_into_the_w8a16_kernel(m):
     assert torch.equal(fused, method.apply(layer, silu_and_mul(gate_up.view(m, 128)).view(1, m, 64)))
     assert method.apply_gated(layer, torch.randn(GEMV_MAX_M + 1, 128).bfloat16()) is None
     assert Fp8LinearMethod(Fp8Config(kernel="fp8_reference")).apply_gated(layer, gate_up) is None
-
-
-
-@pytest.mark.parametrize("shape", [(GEMV_MAX_M + 1,), (2, 13)])
-@pytest.mark.parametrize("gemv", [False, True])
-def test_fp8_method_fuses_silu_and_mul_into_the_quantizer_above_the_gemv(shape, gemv):
-    """Steps the W8A16 kernel does not take quantize silu(gate) * up straight from gate_up where the
-    worker provides the fused quantizer: `apply` of silu_and_mul's output to the bit (Triton
-    kernels, interpreted), same GEMM and bias; without that kernel there is no fused form."""
-    from corectl.backends.triton.activation import silu_and_mul
-    from corectl.backends.triton.fp8_gemv import fp8_w8a16_gemv
-    from corectl.backends.triton.fp8_quant import quantize_rows_fp8, silu_mul_quantize_rows_fp8
-
-    weight, scale = quantize_rows(torch.randn(32, 64))
-    layer = SimpleNamespace(weight=weight, weight_scale=scale.view(-1), bias=torch.randn(32).bfloat16())
-    kernels = {QUANTIZE_KERNEL: quantize_rows_fp8, **({GEMV_KERNEL: fp8_w8a16_gemv} if gemv else {})}
-    with quantization_scope(None, {**kernels, SILU_QUANTIZE_KERNEL: silu_mul_quantize_rows_fp8}):
-        method = Fp8LinearMethod(Fp8Config(kernel="fp8_reference"))
-    with quantization_scope(None, kernels):
-        unfused = Fp8LinearMethod(Fp8Config(kernel="fp8_reference"))
-    gate_up = (torch.randn(*shape, 128) * 4).bfloat16()
-    fused = method.apply_gated(layer, gate_up)
-    assert fused.shape == (*shape, 32)
-    assert torch.equal(fused, method.apply(layer, silu_and_mul(gate_up.view(-1, 128)).view(*shape, 64)))
-    assert unfused.apply_gated(layer, gate_up) is None
-    with pytest.raises(ValueError, match="gate_up must be \\[M, 2 \\* intermediate\\], got an odd width 127"):
-        method.apply_gated(layer, torch.randn(GEMV_MAX_M + 1, 127).bfloat16())
 
 
 def _w4_case(m: int, k: int, n: int, group: int, act_order: bool, offsets: bool = False):
