@@ -25,6 +25,10 @@ Split-K partials are reduced deterministically: the GEMM writes fp32 partials [S
 and a second launch sums them in split order, scales, adds the bias and casts (no atomics, so the
 result does not depend on program order; no memset). SPLIT_K = 1 stores the output directly.
 Everything is sized from shapes only: CUDA-graph capturable, no host syncs.
+
+`dense_gemv` runs the same kernel on 16- or 32-bit weights without scales (SCALED off): small
+matrices read at decode, such as a mixture-of-experts router ([E, H], 0.5 MB for Qwen3-30B-A3B),
+where cuBLAS's smallest GEMM kernel takes about 5 us on an H100 for what is mostly launch latency.
 """
 from __future__ import annotations
 
@@ -85,7 +89,7 @@ def _load_activation(ptrs, mask, K, GATED: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, k_per_split,
                      stride_xm, stride_wn, stride_om, stride_os,
-                     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                      DOT_DTYPE: tl.constexpr, GATED: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -121,7 +125,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, k_per_
     mask = mask_n[:, None] & mask_m[None, :]
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     if SPLIT_K == 1:
-        acc *= tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
+        if SCALED:
+            acc *= tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -131,7 +136,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, k_per_
 
 @triton.jit
 def _splitk_reduce_kernel(part_ptr, scale_ptr, bias_ptr, out_ptr, N, total,
-                          HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     """out (contiguous [M, N]) = sum over splits in order (deterministic) * scale + bias."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
@@ -139,7 +144,8 @@ def _splitk_reduce_kernel(part_ptr, scale_ptr, bias_ptr, out_ptr, N, total,
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(part_ptr + s * total + offs, mask=mask, other=0.0)
     n = offs % N
-    acc *= tl.load(scale_ptr + n, mask=mask, other=0.0)
+    if SCALED:
+        acc *= tl.load(scale_ptr + n, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -212,24 +218,57 @@ def fp8_w8a16_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
     return _launch(x, weight, w_scale, bias, out, cfg, gated)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """x @ weight.T for M <= MAX_M rows of a 16- or 32-bit weight [N, K] of x's dtype, no bias:
+    the FP8 GEMV's kernel without scales (module doc); [M, N] in x's dtype."""
+    check_float("x", x, 2)
+    check_float("weight", weight, 2)
+    m, k = x.shape
+    n = weight.shape[0]
+    require(weight.dtype == x.dtype, f"weight and x must share a dtype, got {weight.dtype} and {x.dtype}")
+    require(m <= MAX_M, f"x may have at most {MAX_M} rows (decode batches), got {m}")
+    require(weight.shape[1] == k and weight.stride(1) == 1,
+            f"weight must be [N, K] with K = {k} (x's features), rows contiguous; got {tuple(weight.shape)} "
+            f"with strides {weight.stride()}")
+    check_same_device(x=x, weight=weight)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0 or k == 0:
+        return out.zero_()
+    return _launch(x, weight, None, None, out, config or _small_n_config(m, n, k), False)
+
+
+def _small_n_config(m: int, n: int, k: int) -> GemvConfig:
+    """At M = 1 one launch without split-K, column slices narrowed (down to 2 rows) until the grid
+    has a program per SM: a router's few rows would otherwise make a handful of programs, and a
+    split adds a second launch to a call that is mostly launch latency. Larger M: the heuristic."""
+    if m != 1:
+        return _heuristic_config(m, n, k)
+    block_n = 16
+    while block_n > 2 and triton.cdiv(n, block_n) < _TARGET_PROGRAMS // 2:
+        block_n //= 2
+    return GemvConfig(1, block_n, min(512, triton.next_power_of_2(k)), 1, num_warps=4, num_stages=3)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None, bias: torch.Tensor | None,
             out: torch.Tensor, cfg: GemvConfig, gated: bool) -> torch.Tensor:
     m = x.shape[0]
     n, k = weight.shape
     # Whole BLOCK_K steps per split; a split left without K (tiny K) just writes zeros.
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     part = out if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
-    has_bias = bias is not None
+    has_bias, scaled = bias is not None, w_scale is not None
+    # Pointers a variant compiles out are given the weight's (never read).
+    w_scale = w_scale if scaled else weight
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     _fp8_gemv_kernel[grid](x, weight, w_scale, bias if has_bias else w_scale, part, m, n, k, k_per_split,
                            x.stride(0), weight.stride(0), part.stride(-2), part.stride(0) if cfg.split_k > 1 else 0,
-                           HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m,
+                           HAS_BIAS=has_bias, SCALED=scaled, SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m,
                            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
                            DOT_DTYPE=dot_dtype(x.dtype, x.device), GATED=gated, num_warps=cfg.num_warps)
     if cfg.split_k > 1:
         total = m * n
         _splitk_reduce_kernel[(triton.cdiv(total, _REDUCE_BLOCK),)](
             part, w_scale, bias if has_bias else w_scale, out, n, total,
-            HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK=_REDUCE_BLOCK, num_warps=4)
+            HAS_BIAS=has_bias, SCALED=scaled, SPLIT_K=cfg.split_k, BLOCK=_REDUCE_BLOCK, num_warps=4)
     return out
 

@@ -32,6 +32,10 @@ class LayerKernels:
     # (corectl.models.moe); the scales ([E, 2I], [E, H] fp32) come with e4m3 weights (FP8 experts,
     # scaled per output row). None runs its torch path
     fused_moe: Callable[..., torch.Tensor] | None = None
+    # (hidden [T, H], weight [E, H]) -> hidden @ weight.T [T, E] in hidden's dtype: a mixture-of-experts
+    # router's logits (small E: decode steps are mostly launch latency, which a GEMV kernel cuts).
+    # None runs F.linear
+    router_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 class UsesLayerKernels:

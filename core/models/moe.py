@@ -200,7 +200,7 @@ class FusedMoE(UsesLayerKernels, nn.Module):
             raise ValueError(f"expert {expert} {proj}: expected {expected}, checkpoint has {tuple(loaded.shape)}")
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(UsesLayerKernels, nn.Module):
     """Router (`gate`, replicated on every rank) and experts: the MLP of a mixture-of-experts layer."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool):
@@ -209,7 +209,12 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, top_k, renormalize)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.experts(hidden, self.gate(hidden))
+        router = self.kernels.router_logits if self.kernels is not None else None
+        # A platform that swapped the router's module (the CPU's prepacked linear, which keeps no
+        # `weight`) keeps that module's GEMM.
+        weight = getattr(self.gate, "weight", None)
+        logits = self.gate(hidden) if router is None or weight is None else router(hidden, weight)
+        return self.experts(hidden, logits)
 
 
 def load_moe_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],

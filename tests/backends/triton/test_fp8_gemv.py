@@ -124,3 +124,29 @@ def test_heuristic_gives_every_h100_sm_work(m, n, k):
     cfg = fp8_gemv._heuristic_config(m, n, k)
     assert triton.cdiv(n, cfg.block_n) * cfg.split_k >= H100_SMS
     assert k // cfg.split_k >= 2 * cfg.block_k and m <= cfg.block_m and (cfg.block_m == 1 or cfg.block_n >= 16)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize(("n", "k"), [(128, 2048), (40, 96)])
+def test_dense_gemv_matches_torch(m, n, k):
+    """The same kernel on an unscaled fp32 weight (a router's [E, H]): one launch at M = 1 with
+    columns narrowed to give the SMs programs; the tl.dot path (IEEE fp32) above."""
+    x, weight = torch.randn(m, k), torch.randn(n, k) / k ** 0.5
+    torch.testing.assert_close(fp8_gemv.dense_gemv(x, weight), x @ weight.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_dense_gemv_at_batch_1_is_one_unsplit_launch_over_narrow_columns():
+    cfg = fp8_gemv._small_n_config(1, 128, 2048)
+    assert (cfg.block_m, cfg.split_k, cfg.block_n) == (1, 1, 2)
+    x, weight = torch.randn(1, 300).to(torch.bfloat16), torch.randn(24, 300).to(torch.bfloat16)
+    ref = x.float() @ weight.float().t()
+    assert (fp8_gemv.dense_gemv(x, weight).float() - ref).abs().max() <= ref.abs().max() * 2 ** -7
+
+
+def test_dense_gemv_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="share a dtype"):
+        fp8_gemv.dense_gemv(torch.randn(1, 8), torch.randn(4, 8).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        fp8_gemv.dense_gemv(torch.randn(9, 8), torch.randn(4, 8))
+    with pytest.raises(ValueError, match=r"\[N, K\] with K = 8"):
+        fp8_gemv.dense_gemv(torch.randn(1, 8), torch.randn(4, 6))

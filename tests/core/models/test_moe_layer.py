@@ -198,3 +198,41 @@ def test_fp8_checkpoint_missing_an_experts_scale_leaves_the_scale_unfilled():
     holder = fp8_holder(Fp8Config(serialized=True, kernel="fp8_reference"), 3, 16, 8)
     filled = load_moe_weights(holder, quantized.items(), lambda name: False)
     assert "layer.experts.down_proj_scale" not in filled and "layer.experts.down_proj" in filled
+
+
+def test_sparse_moe_block_takes_the_router_kernel_where_the_gate_keeps_its_weight():
+    """With layer kernels the router's logits come from `router_logits(hidden, gate.weight)`; a
+    platform that swapped the gate for a module without `weight` keeps the module's GEMM."""
+    import dataclasses
+
+    from corectl.models.kernels import LayerKernels
+    from corectl.models.moe import SparseMoeBlock
+
+    torch.manual_seed(0)
+    block = SparseMoeBlock(hidden_size=16, num_experts=4, top_k=2, intermediate_size=8, renormalize=True)
+    block.experts.set_quant_method(None, torch.float32, torch.device("cpu"))
+    for param in block.parameters():
+        param.data.normal_()
+    hidden = torch.randn(3, 16)
+    reference = block(hidden)
+    calls = []
+
+    def router(x, weight):
+        calls.append(weight)
+        return F.linear(x, weight)
+
+    block.kernels = dataclasses.replace(LayerKernels(None, None, None), router_logits=router)
+    torch.testing.assert_close(block(hidden), reference)
+    assert len(calls) == 1 and calls[0] is block.gate.weight
+
+    class Prepacked(torch.nn.Module):  # the CPU's prepacked linear keeps no `weight`
+        def __init__(self, linear):
+            super().__init__()
+            self.packed = linear.weight.detach().clone()
+
+        def forward(self, x):
+            return F.linear(x, self.packed)
+
+    block.gate = Prepacked(block.gate)
+    torch.testing.assert_close(block(hidden), reference)
+    assert len(calls) == 1
