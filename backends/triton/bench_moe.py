@@ -23,9 +23,8 @@ DTYPE = torch.bfloat16
 
 def bench_layer(num_tokens: int, gate_up: torch.Tensor, down: torch.Tensor) -> list[tuple[str, float, float]]:
     """(name, median ms, TB/s of routed expert weights) for one batch size."""
-    from triton.testing import do_bench
-
     from corectl.models.moe import fused_moe_torch, select_experts
+    from triton.testing import do_bench
 
     from .fused_moe import fused_moe
     from .layer_kernels import triton_layer_kernels
@@ -57,9 +56,8 @@ SWEEP_GRIDS = {
 
 def sweep_pairs(num_tokens: int, gate_up: torch.Tensor, down: torch.Tensor, copy: float, grid: str):
     """The fastest gate/up and down configs of the pairs path at one batch size, with their times."""
-    from triton.testing import do_bench
-
     from corectl.models.moe import select_experts
+    from triton.testing import do_bench
 
     from .moe_pairs import PairConfig, PairConfigs, down_sum_by_token, gate_up_by_pair
 

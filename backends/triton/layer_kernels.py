@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import functools
 
-from torch.nn import functional as F
-
 from corectl.models.kernels import LayerKernels
+from torch.nn import functional as F
 
 from .activation import silu_and_mul
 from .fp8_gemv import MAX_M, dense_gemv

@@ -6,7 +6,12 @@ import torch
 import triton
 from corectl.backends.triton import fp8_gemv
 from corectl.backends.triton.activation import silu_and_mul
-from corectl.backends.triton.fp8_gemv import MAX_M, GemvConfig, default_config, fp8_w8a16_gemv
+from corectl.backends.triton.fp8_gemv import (
+    MAX_M,
+    GemvConfig,
+    default_config,
+    fp8_w8a16_gemv,
+)
 from corectl.quantization.fp8 import GEMV_MAX_M, fp8_w8a16_reference, quantize_rows
 
 LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
