@@ -77,7 +77,8 @@ def sweep_pairs(num_tokens: int, gate_up: torch.Tensor, down: torch.Tensor, copy
             timed.append((do_bench(lambda: run(cfg), warmup=10, rep=60, return_mode="median"), cfg))
         ms, cfg = min(timed)
         bandwidth = experts * elements * gate_up.element_size() / ms / 1e9
-        print(f"  {num_tokens:>6}  {name:<8} {ms * 1e3:8.1f} us {bandwidth:7.3f} TB/s {100 * bandwidth / copy:5.1f}%  {cfg}")
+        print(f"  {num_tokens:>6}  {name:<8} {ms * 1e3:8.1f} us {bandwidth:7.3f} TB/s "
+              f"{100 * bandwidth / copy:5.1f}%  {cfg}")
         best[name] = cfg
     return PairConfigs(best["gate_up"], best["down"])
 
