@@ -34,7 +34,7 @@ def _routed_fused_moe(hidden, gate_up, down, router_logits, top_k, renormalize, 
 def _router_logits(hidden, weight):
     # Decode-sized steps take the GEMV: cuBLAS's smallest kernel spends ~5 us on a 0.5 MB router
     # (H100, Qwen3-30B-A3B), most of a step's per-layer budget for it.
-    if hidden.shape[0] <= MAX_M and hidden.dtype == weight.dtype:
+    if hidden.shape[0] <= MAX_M:
         return dense_gemv(hidden, weight)
     return F.linear(hidden, weight)
 

@@ -101,3 +101,18 @@ def test_fused_kernels_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("CORECTL_FUSED_KERNELS", "0")
     layer = torch.nn.Module()
     assert install_layer_kernels(layer, triton_layer_kernels()) == 0
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 9])
+def test_router_logits_take_the_gemv_at_decode_sizes_and_f_linear_above(num_tokens, monkeypatch):
+    """Up to 8 tokens the router's logits come from the unscaled GEMV, above that from F.linear;
+    both equal the router's linear layer."""
+    from corectl.backends.triton import layer_kernels
+
+    gemv_calls = []
+    real_gemv = layer_kernels.dense_gemv
+    monkeypatch.setattr(layer_kernels, "dense_gemv", lambda x, w: gemv_calls.append(1) or real_gemv(x, w))
+    hidden, weight = torch.randn(num_tokens, 64), torch.randn(16, 64)
+    router = triton_layer_kernels().router_logits
+    torch.testing.assert_close(router(hidden, weight), hidden @ weight.t(), rtol=1e-5, atol=1e-5)
+    assert bool(gemv_calls) == (num_tokens <= 8)
