@@ -169,15 +169,12 @@ def default_config(m: int, n: int, k: int) -> GemvConfig:
     return TUNED.get((n, k), {}).get(bucket) or _heuristic_config(m, n, k)
 
 
-def _check_inputs(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                  gated: bool) -> None:
-    check_float("x", x, 2)
-    require(isinstance(weight, torch.Tensor) and weight.dtype == FP8_WEIGHT_DTYPE and weight.dim() == 2,
-            f"weight must be a 2-D {FP8_WEIGHT_DTYPE} tensor [N, K], got "
-            f"{getattr(weight, 'dtype', type(weight).__name__)} {tuple(getattr(weight, 'shape', ()))}")
+def _check_rows(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> None:
+    """What both launchers need of a float x and a 2-D weight: a decode-sized x whose features
+    (gated: twice them) are the weight's inputs, and weight rows contiguous and apart."""
     m, width = x.shape
-    n, k = weight.shape
-    require(m <= MAX_M, f"x may have at most {MAX_M} rows (decode batches; larger ones take the FP8 GEMM), got {m}")
+    k = weight.shape[1]
+    require(m <= MAX_M, f"x may have at most {MAX_M} rows (decode batches; larger ones take a GEMM), got {m}")
     if gated:
         require(width == 2 * k, f"gated x must be [M, 2K] (gate | up) with K = {k} (weight {tuple(weight.shape)}'s "
                 f"inputs), got x {tuple(x.shape)}")
@@ -185,6 +182,16 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, 
         require(k == width, f"weight must be [N, K] with K = {width} (x's features), got {tuple(weight.shape)}")
     require(weight.numel() == 0 or (weight.stride(1) == 1 and weight.stride(0) >= k),
             f"weight rows must be contiguous and not overlap, got strides {weight.stride()}")
+
+
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                  gated: bool) -> None:
+    check_float("x", x, 2)
+    require(isinstance(weight, torch.Tensor) and weight.dtype == FP8_WEIGHT_DTYPE and weight.dim() == 2,
+            f"weight must be a 2-D {FP8_WEIGHT_DTYPE} tensor [N, K], got "
+            f"{getattr(weight, 'dtype', type(weight).__name__)} {tuple(getattr(weight, 'shape', ()))}")
+    _check_rows(x, weight, gated)
+    n = weight.shape[0]
     require(isinstance(w_scale, torch.Tensor) and w_scale.dtype == torch.float32 and w_scale.dim() == 1
             and w_scale.shape[0] == n and w_scale.stride(0) == 1,
             f"w_scale must be a contiguous float32 [{n}] (one scale per output row), got "
@@ -223,14 +230,11 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None 
     the FP8 GEMV's kernel without scales (module doc); [M, N] in x's dtype."""
     check_float("x", x, 2)
     check_float("weight", weight, 2)
+    require(weight.dtype == x.dtype, f"weight and x must share a dtype, got {weight.dtype} and {x.dtype}")
+    _check_rows(x, weight, gated=False)
+    check_same_device(x=x, weight=weight)
     m, k = x.shape
     n = weight.shape[0]
-    require(weight.dtype == x.dtype, f"weight and x must share a dtype, got {weight.dtype} and {x.dtype}")
-    require(m <= MAX_M, f"x may have at most {MAX_M} rows (decode batches), got {m}")
-    require(weight.shape[1] == k and weight.stride(1) == 1,
-            f"weight must be [N, K] with K = {k} (x's features), rows contiguous; got {tuple(weight.shape)} "
-            f"with strides {weight.stride()}")
-    check_same_device(x=x, weight=weight)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0 or k == 0:
         return out.zero_()
