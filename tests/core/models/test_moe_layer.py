@@ -205,6 +205,7 @@ def test_sparse_moe_block_takes_the_router_kernel_where_the_gate_keeps_its_weigh
     platform that swapped the gate for a module without `weight` keeps the module's GEMM."""
     import dataclasses
 
+    from corectl.backends.cpu.prepack import PrepackedLinear
     from corectl.models.kernels import LayerKernels
     from corectl.models.moe import SparseMoeBlock
 
@@ -225,14 +226,6 @@ def test_sparse_moe_block_takes_the_router_kernel_where_the_gate_keeps_its_weigh
     torch.testing.assert_close(block(hidden), reference)
     assert len(calls) == 1 and calls[0] is block.gate.weight
 
-    class Prepacked(torch.nn.Module):  # the CPU's prepacked linear keeps no `weight`
-        def __init__(self, linear):
-            super().__init__()
-            self.packed = linear.weight.detach().clone()
-
-        def forward(self, x):
-            return F.linear(x, self.packed)
-
-    block.gate = Prepacked(block.gate)
+    block.gate = PrepackedLinear(block.gate)  # the CPU worker's swap: no `weight` left
     torch.testing.assert_close(block(hidden), reference)
     assert len(calls) == 1
