@@ -91,8 +91,9 @@ class RowParallelLinear(QuantizableLinear, nn.Linear):
 
     def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """`forward(silu(gate) * up)` of a gated MLP's packed `gate_up` in one fused step, or None
-        where the layer has none (the caller then runs the activation and `forward`)."""
-        out = self.gated_forward(gate_up)
+        where the layer has none (a dense layer, or a method without one: `LinearMethod.apply_gated`);
+        the caller then runs the activation and `forward`."""
+        out = None if self.quant_method is None else self.quant_method.apply_gated(self, gate_up)
         return None if out is None else self._reduce(out)
 
     def _reduce(self, out: torch.Tensor) -> torch.Tensor:

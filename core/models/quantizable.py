@@ -70,11 +70,6 @@ class QuantizableLinear:
     def quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x)
 
-    def gated_forward(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        """The layer applied to silu(gate) * up of the packed `gate_up` in one fused step, or None
-        where there is none (a dense layer, or a method without one: `LinearMethod.apply_gated`)."""
-        return None if self.quant_method is None else self.quant_method.apply_gated(self, gate_up)
-
     def load_sliced(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         """Copy this rank's slice of checkpoint tensor `loaded` into `param` (of `shard_id`'s rows)."""
         axes: QuantAxes = param.quant_axes
