@@ -236,6 +236,31 @@ stage_w2awq() {
   local awq='{"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemm"}}'
   bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --hf-overrides "$awq" --save-result "$RES/w2_awq.json"
 }
+stage_w2bf16() {
+  bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w2_bf16_$(date +%s).json" | grep TPOT
+}
+stage_densesweep() {
+  # The bf16 dense GEMV against F.linear at decode batches (llama3-8b's and qwen3-0.6b's projections);
+  # its DENSE_TUNED goes into backends/triton/fp8_gemv.py (DENSE_APPLY=1 also writes it into this copy,
+  # so the stages after it run with it).
+  timeout "${DENSE_TIMEOUT:-420}" python3 -m corectl.backends.triton.bench_fp8 --dense --m 1 2 4 8 > "$RES/densesweep.txt" 2>&1
+  grep -E "^N=" "$RES/densesweep.txt" | cut -c1-150; sed -n '/^DENSE_TUNED/,/^}/p' "$RES/densesweep.txt"
+  [ "${DENSE_APPLY:-0}" = 1 ] || return 0
+  python3 - "$RES/densesweep.txt" <<'PY'
+import re, sys
+table = re.search(r"^DENSE_TUNED.*?^}", open(sys.argv[1]).read(), re.S | re.M).group(0)
+path = "backends/triton/fp8_gemv.py"
+src = open(path).read()
+open(path, "w").write(re.sub(r"^DENSE_TUNED.*?= \{\}$", lambda _: table, src, count=1, flags=re.M))
+PY
+  grep -c "GemvConfig(" backends/triton/fp8_gemv.py
+}
+stage_w4ab() {
+  # The 4-bit GEMV before and after a change in one call: carry the earlier w4a16.py as .bench/w4a16_before.py.
+  cp .bench/w4a16_before.py backends/triton/w4a16_before.py
+  timeout 300 python3 .bench/w4ab.py > "$RES/w4ab.txt" 2>&1; tail -6 "$RES/w4ab.txt"
+  rm -f backends/triton/w4a16_before.py
+}
 stage_moetests() { python3 -m pytest -q tests/gpu/test_gpu_moe.py -p no:cacheprovider 2>&1 | tee "$RES/gpu_moe_tests.log" | tail -15; }
 # The pairs path's tile sweep (prints moe_pairs.TUNED's entry), then W7's batch-1 TPOT alone.
 stage_moesweep() { python3 -m corectl.backends.triton.bench_moe --sweep coarse 2>&1 | tail -12; }

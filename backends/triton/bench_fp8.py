@@ -1,6 +1,11 @@
 """Time FP8-weight linear layers at decode batch sizes on the GPU and pick the W8A16 kernel's configs.
 
     python -m corectl.backends.triton.bench_fp8 [--m 1 2 4 8 16] [--shapes qkv o gate_up down]
+    python -m corectl.backends.triton.bench_fp8 --dense [--m 1 2 4 8] [--shapes ...]
+
+`--dense` sweeps the same kernel on bf16 weights (`dense_gemv`) against F.linear instead, the down
+projection also gated (silu(gate) * up formed on load, against silu_and_mul + F.linear), and prints
+`DENSE_TUNED`: the configs that beat cuBLAS by at least DENSE_MARGIN (other cases keep F.linear).
 
 For llama3-8b's four projections and each batch size M: today's W8A8 path (the Triton activation
 quantizer + torch._scaled_mm), bf16 F.linear, and `fp8_w8a16_gemv` under each candidate config.
@@ -19,9 +24,16 @@ from collections.abc import Callable
 
 import torch
 
-from .fp8_gemv import GemvConfig, default_config, fp8_w8a16_gemv
+from .activation import silu_and_mul
+from .fp8_gemv import GemvConfig, default_config, dense_gemv, fp8_w8a16_gemv
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+# llama3-8b's projections, then qwen3-0.6b's (W3's model; `--shapes` picks).
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "q06_qkv": (4096, 1024), "q06_o": (1024, 2048), "q06_gate_up": (6144, 1024), "q06_down": (1024, 3072)}
+LLAMA = ("qkv", "o", "gate_up", "down")
+GATED = ("down", "q06_down")
+# A dense config enters DENSE_TUNED only this much faster than F.linear (run-to-run spread is ~1%).
+DENSE_MARGIN = 0.97
 LAYERS = 32
 DTYPE = torch.bfloat16
 L2_OVERFLOW_BYTES = 256 << 20  # H100 L2 is 50 MB: cycle through at least 5x that
@@ -99,6 +111,52 @@ def bench_shape(n: int, k: int, ms: list[int]) -> list[dict]:
     return rows
 
 
+def bench_dense_shape(n: int, k: int, ms: list[int], gated: bool) -> list[dict]:
+    """One row per M: F.linear (after silu_and_mul when gated) and `dense_gemv` per config, bf16."""
+    dense = [(torch.randn(n, k, device="cuda") * k ** -0.5).to(DTYPE) for _ in range(_copies(2 * n * k))]
+    rows = []
+    for m in ms:
+        x = torch.randn(m, 2 * k if gated else k, device="cuda").to(DTYPE)
+        if gated:
+            peer = [lambda w=w: torch.nn.functional.linear(silu_and_mul(x), w) for w in dense]
+        else:
+            peer = [lambda w=w: torch.nn.functional.linear(x, w) for w in dense]
+        row = {"n": n, "k": k, "m": m, "gated": gated, "bf16": graph_us(peer), "sweep": {}}
+        for cfg in candidates(m, k):
+            if cfg.block_m == 1 and m > 1:
+                continue
+            row["sweep"][cfg] = graph_us([lambda w=w, c=cfg: dense_gemv(x, w, None, c, gated) for w in dense])
+        row["best"] = min(row["sweep"], key=row["sweep"].get)
+        rows.append(row)
+        best = row["sweep"][row["best"]]
+        print(f"N={n} K={k} M={m}{' gated' if gated else ''}: F.linear {row['bf16']:.2f} us "
+              f"({_gbs(2 * n * k, row['bf16']):.0f} GB/s), gemv {best:.2f} us ({_gbs(2 * n * k, best):.0f} GB/s) "
+              f"{tuple(row['best'])}")
+    del dense
+    torch.cuda.empty_cache()
+    return rows
+
+
+def summarize_dense(rows: list[dict]) -> None:
+    """The DENSE_TUNED table: per (N, K) and M, the best config where it beats F.linear by the
+    margin in the plain and (down projections) the gated form alike."""
+    wins: dict[tuple[int, int], dict[int, GemvConfig]] = {}
+    for r in rows:
+        if r["gated"]:
+            continue
+        twin = next((g for g in rows if g["gated"] and (g["n"], g["k"], g["m"]) == (r["n"], r["k"], r["m"])), None)
+        ok = r["sweep"][r["best"]] < DENSE_MARGIN * r["bf16"]
+        if twin is not None:
+            ok = ok and twin["sweep"][r["best"]] < DENSE_MARGIN * twin["bf16"]
+        if ok:
+            wins.setdefault((r["n"], r["k"]), {})[r["m"]] = r["best"]
+    print("\n# paste into backends/triton/fp8_gemv.py:\nDENSE_TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {")
+    for (n, k), per_m in sorted(wins.items()):
+        entries = ", ".join(f"{m}: GemvConfig{tuple(cfg)}" for m, cfg in sorted(per_m.items()))
+        print(f"    ({n}, {k}): {{{entries}}},")
+    print("}")
+
+
 def _gbs(nbytes: int, us: float) -> float:
     return nbytes / us / 1e3
 
@@ -123,7 +181,7 @@ def summarize(rows: list[dict]) -> None:
               f"{_gbs(r['n'] * r['k'], best):6.0f} {r['w8a8'] / best:7.2f}x  {tuple(r['best'])}")
     for m in sorted({r["m"] for r in rows}):
         per_m = [r for r in rows if r["m"] == m]
-        if len(per_m) == len(SHAPES):
+        if len(per_m) == len(LLAMA):
             step = {name: LAYERS * sum(r[name] for r in per_m) / 1e3 for name in ("w8a8", "bf16")}
             gemv = LAYERS * sum(r["sweep"][r["best"]] for r in per_m) / 1e3
             print(f"M={m}: linear layers per decode step (x{LAYERS}, no lm_head): W8A8 {step['w8a8']:.2f} ms, "
@@ -145,16 +203,25 @@ def summarize(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None,
+                        help="default: llama3-8b's four (FP8), all eight (--dense)")
+    parser.add_argument("--dense", action="store_true", help="sweep the bf16 dense GEMV against F.linear")
     args = parser.parse_args(argv)
+    shapes = args.shapes or (list(SHAPES) if args.dense else list(LLAMA))
     if not torch.cuda.is_available():
         parser.error("no GPU visible: the benchmark times CUDA kernels")
     torch.manual_seed(0)
-    print(f"{torch.cuda.get_device_name()}: llama3-8b projections, bf16 activations, "
+    print(f"{torch.cuda.get_device_name()}: {', '.join(shapes)}, bf16 activations, "
           f"{REPLAYS} graph replays over weight copies of >= {L2_OVERFLOW_BYTES >> 20} MB")
     start = time.perf_counter()
-    rows = [row for name in args.shapes for row in bench_shape(*SHAPES[name], args.m)]
-    summarize(rows)
+    if args.dense:
+        ms = [m for m in args.m if m <= 8]
+        rows = [row for name in shapes for gated in ((False, True) if name in GATED else (False,))
+                for row in bench_dense_shape(*SHAPES[name], ms, gated)]
+        summarize_dense(rows)
+    else:
+        rows = [row for name in shapes for row in bench_shape(*SHAPES[name], args.m)]
+        summarize(rows)
     print(f"# {time.perf_counter() - start:.0f} s")
 
 

@@ -28,7 +28,9 @@ Everything is sized from shapes only: CUDA-graph capturable, no host syncs.
 
 `dense_gemv` runs the same kernel on 16- or 32-bit weights without scales (SCALED off): small
 matrices read at decode, such as a mixture-of-experts router ([E, H], 0.5 MB for Qwen3-30B-A3B),
-where cuBLAS's smallest GEMM kernel takes about 5 us on an H100 for what is mostly launch latency.
+where cuBLAS's smallest GEMM kernel takes about 5 us on an H100 for what is mostly launch latency,
+and the dense layers of a decode step where the sweep measured it ahead of cuBLAS (`DENSE_TUNED`:
+cuBLAS reads the small projections of a batch-1 step well below copy bandwidth), gated too.
 """
 from __future__ import annotations
 
@@ -72,6 +74,11 @@ TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {
     (6144, 4096): {1: GemvConfig(1, 8, 512, 1, 4, 3), 2: GemvConfig(16, 64, 128, 4, 4, 3), 4: GemvConfig(16, 64, 128, 4, 4, 3), 8: GemvConfig(16, 64, 128, 4, 4, 3), 16: GemvConfig(16, 64, 128, 4, 4, 3)},
     (28672, 4096): {1: GemvConfig(1, 8, 512, 1, 4, 3), 2: GemvConfig(16, 64, 128, 1, 4, 3), 4: GemvConfig(16, 64, 128, 1, 4, 3), 8: GemvConfig(16, 64, 128, 1, 4, 3), 16: GemvConfig(16, 64, 128, 1, 4, 3)},
 }
+
+# The dense (16-bit weight) GEMV's configs where `bench_fp8 --dense` measured it faster than
+# F.linear (cuBLAS) on the H100, {(N, K): {M bucket: GemvConfig}}; any other shape or batch takes
+# F.linear (`dense_decode_config`). Filled by the sweep's printed table.
+DENSE_TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {}
 
 
 @triton.jit
@@ -163,10 +170,21 @@ def _heuristic_config(m: int, n: int, k: int) -> GemvConfig:
     return GemvConfig(block_m, block_n, block_k, split_k, num_warps=4, num_stages=3)
 
 
+def _bucket(m: int) -> int:
+    return 1 << (m - 1).bit_length()
+
+
 def default_config(m: int, n: int, k: int) -> GemvConfig:
     """The tuned config of (N, K) at M's power-of-two bucket, else the heuristic."""
-    bucket = 1 << (m - 1).bit_length()
-    return TUNED.get((n, k), {}).get(bucket) or _heuristic_config(m, n, k)
+    return TUNED.get((n, k), {}).get(_bucket(m)) or _heuristic_config(m, n, k)
+
+
+def dense_decode_config(m: int, n: int, k: int) -> GemvConfig | None:
+    """The dense GEMV's config for an [M, K] x [N, K] layer where it was measured ahead of cuBLAS
+    (`DENSE_TUNED`), else None: the layer keeps F.linear."""
+    if not 1 <= m <= MAX_M:
+        return None
+    return DENSE_TUNED.get((n, k), {}).get(_bucket(m))
 
 
 def _check_rows(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> None:
@@ -225,20 +243,29 @@ def fp8_w8a16_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
     return _launch(x, weight, w_scale, bias, out, cfg, gated)
 
 
-def dense_gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """x @ weight.T for M <= MAX_M rows of a 16- or 32-bit weight [N, K] of x's dtype, no bias:
-    the FP8 GEMV's kernel without scales (module doc); [M, N] in x's dtype."""
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               config: GemvConfig | None = None, gated: bool = False) -> torch.Tensor:
+    """x @ weight.T + bias for M <= MAX_M rows of a 16- or 32-bit weight [N, K] of x's dtype: the
+    FP8 GEMV's kernel without scales (module doc); [M, N] in x's dtype. `gated`: x is [M, 2K]
+    (gate | up) and silu(gate) * up takes its place."""
     check_float("x", x, 2)
     check_float("weight", weight, 2)
     require(weight.dtype == x.dtype, f"weight and x must share a dtype, got {weight.dtype} and {x.dtype}")
-    _check_rows(x, weight, gated=False)
-    check_same_device(x=x, weight=weight)
-    m, k = x.shape
-    n = weight.shape[0]
+    _check_rows(x, weight, gated)
+    tensors = {"x": x, "weight": weight}
+    n, k = weight.shape
+    if bias is not None:
+        check_float("bias", bias, 1)
+        require(bias.shape[0] == n, f"bias must be [{n}], got {tuple(bias.shape)}")
+        tensors["bias"] = bias
+    check_same_device(**tensors)
+    m = x.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0 or k == 0:
-        return out.zero_()
-    return _launch(x, weight, None, None, out, config or _small_n_config(m, n, k), False)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
+    return _launch(x, weight, None, bias, out, config or _small_n_config(m, n, k), gated)
 
 
 def _small_n_config(m: int, n: int, k: int) -> GemvConfig:

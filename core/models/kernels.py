@@ -36,6 +36,11 @@ class LayerKernels:
     # router's logits (small E: decode steps are mostly launch latency, which a GEMV kernel cuts).
     # None runs F.linear
     router_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # (x [T, K], weight [N, K], bias [N] | None, gated) -> x @ weight.T + bias [T, N], or None where the
+    # platform has nothing faster than F.linear for this shape and batch; gated: x is [T, 2K] (gate |
+    # up) and silu(gate) * up takes its place. An unquantized linear layer's GEMM (decode-sized
+    # steps, where a GEMV can read small weights closer to copy bandwidth than cuBLAS). None: F.linear
+    dense_linear: Callable[..., torch.Tensor | None] | None = None
 
 
 class UsesLayerKernels:

@@ -54,7 +54,7 @@ class PackedLinear(QuantizableLinear, nn.Linear):
             param.weight_loader = self._load_shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) if self.quant_method is None else self.quantized_forward(x)
+        return self.linear_forward(x)
 
     def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         offset, size, first = self.shards[shard_id]
@@ -87,13 +87,17 @@ class RowParallelLinear(QuantizableLinear, nn.Linear):
             self.bias.weight_loader = self._load_bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(super().forward(x) if self.quant_method is None else self.quantized_forward(x))
+        return self._reduce(self.linear_forward(x))
 
     def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """`forward(silu(gate) * up)` of a gated MLP's packed `gate_up` in one fused step, or None
-        where the layer has none (a dense layer, or a method without one: `LinearMethod.apply_gated`);
-        the caller then runs the activation and `forward`."""
-        out = None if self.quant_method is None else self.quant_method.apply_gated(self, gate_up)
+        where the layer has none (a method without one, `LinearMethod.apply_gated`, or a dense layer
+        whose installed kernels have none for this shape); the caller then runs the activation and
+        `forward`."""
+        if self.quant_method is None:
+            out = self.dense_kernel(gate_up, gated=True)
+        else:
+            out = self.quant_method.apply_gated(self, gate_up)
         return None if out is None else self._reduce(out)
 
     def _reduce(self, out: torch.Tensor) -> torch.Tensor:

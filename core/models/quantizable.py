@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ..errors import ConfigError
 from ..quantization.base import LinearMethod, QuantAxes
+from .kernels import UsesLayerKernels
 
 
-class QuantizableLinear:
-    """Mixin for `PackedLinear` and `RowParallelLinear` (both `nn.Linear`s)."""
+class QuantizableLinear(UsesLayerKernels):
+    """Mixin for `PackedLinear` and `RowParallelLinear` (both `nn.Linear`s). Without a method the
+    layer is dense: its GEMM is the installed kernels' `dense_linear` where that takes the shape,
+    else F.linear."""
 
     quant_method: LinearMethod | None = None
     # PackedLinear: shard id -> (offset here, rows here, first checkpoint row); RowParallelLinear: None.
@@ -69,6 +73,20 @@ class QuantizableLinear:
 
     def quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x)
+
+    def linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T + bias through the layer's method, or densely."""
+        if self.quant_method is not None:
+            return self.quantized_forward(x)
+        out = self.dense_kernel(x, gated=False)
+        return F.linear(x, self.weight, self.bias) if out is None else out
+
+    def dense_kernel(self, x: torch.Tensor, gated: bool) -> torch.Tensor | None:
+        """The installed dense GEMM's output (gated: of silu(gate) * up), None where it has none."""
+        kernels = self.kernels
+        if kernels is None or kernels.dense_linear is None:
+            return None
+        return kernels.dense_linear(x, self.weight, self.bias, gated)
 
     def load_sliced(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         """Copy this rank's slice of checkpoint tensor `loaded` into `param` (of `shard_id`'s rows)."""

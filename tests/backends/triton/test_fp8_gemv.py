@@ -148,6 +148,32 @@ def test_dense_gemv_at_batch_1_is_one_unsplit_launch_over_narrow_columns():
     assert (fp8_gemv.dense_gemv(x, weight).float() - ref).abs().max() <= ref.abs().max() * 2 ** -7
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,cfg", [(1, GemvConfig(1, 8, 64, 1, 4, 3)), (1, GemvConfig(1, 16, 32, 2, 4, 1)),
+                                   (3, GemvConfig(16, 16, 64, 2, 4, 3)), (MAX_M, GemvConfig(16, 32, 32, 1, 4, 1))])
+def test_dense_gemv_with_bias_and_gated_matches_torch(m, cfg, dtype):
+    """A dense layer's decode GEMM: the bias added once after a split-K reduction, and the gated form
+    multiplying exactly what silu_and_mul stores (so it equals silu_and_mul then the GEMV)."""
+    n, k = 40, 136
+    weight, bias = (torch.randn(n, k) * k ** -0.5).to(dtype), torch.randn(n).to(dtype)
+    x, gate_up = torch.randn(m, k).to(dtype), torch.randn(m, 2 * k).to(dtype)
+    ref = x.float() @ weight.float().t() + bias.float()
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    got = fp8_gemv.dense_gemv(x, weight, bias, cfg)
+    assert (got.float() - ref).abs().max() <= tol * ref.abs().max()
+    gated = fp8_gemv.dense_gemv(gate_up, weight, bias, cfg, gated=True)
+    torch.testing.assert_close(gated, fp8_gemv.dense_gemv(silu_and_mul(gate_up), weight, bias, cfg), rtol=0, atol=0)
+
+
+def test_dense_decode_configs_come_only_from_the_measured_table(monkeypatch):
+    tuned = GemvConfig(1, 8, 512, 1, 4, 3)
+    monkeypatch.setattr(fp8_gemv, "DENSE_TUNED", {(64, 128): {1: tuned}})
+    assert fp8_gemv.dense_decode_config(1, 64, 128) == tuned
+    assert fp8_gemv.dense_decode_config(2, 64, 128) is None  # bucket 2 not measured: cuBLAS
+    assert fp8_gemv.dense_decode_config(1, 64, 256) is None and fp8_gemv.dense_decode_config(0, 64, 128) is None
+    assert fp8_gemv.dense_decode_config(MAX_M + 1, 64, 128) is None
+
+
 def test_dense_gemv_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="share a dtype"):
         fp8_gemv.dense_gemv(torch.randn(1, 8), torch.randn(4, 8).to(torch.bfloat16))
@@ -155,3 +181,7 @@ def test_dense_gemv_refuses_what_it_cannot_run():
         fp8_gemv.dense_gemv(torch.randn(9, 8), torch.randn(4, 8))
     with pytest.raises(ValueError, match=r"\[N, K\] with K = 8"):
         fp8_gemv.dense_gemv(torch.randn(1, 8), torch.randn(4, 6))
+    with pytest.raises(ValueError, match=r"bias must be \[4\]"):
+        fp8_gemv.dense_gemv(torch.randn(1, 8), torch.randn(4, 8), torch.randn(3))
+    with pytest.raises(ValueError, match=r"gated x must be \[M, 2K\]"):
+        fp8_gemv.dense_gemv(torch.randn(1, 8), torch.randn(4, 8), gated=True)

@@ -116,3 +116,41 @@ def test_router_logits_take_the_gemv_at_decode_sizes_and_f_linear_above(num_toke
     router = triton_layer_kernels().router_logits
     torch.testing.assert_close(router(hidden, weight), hidden @ weight.t(), rtol=1e-5, atol=1e-5)
     assert bool(gemv_calls) == (num_tokens <= 8)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 9])
+def test_dense_layers_take_the_gemv_where_the_table_has_their_shape(num_tokens, monkeypatch):
+    """bf16 column- and row-parallel layers with the Triton kernels installed: decode-sized inputs
+    of a shape in DENSE_TUNED go through the dense GEMV (the down projection gated: silu(gate) * up
+    formed on load), others through F.linear; both equal the torch layers."""
+    from corectl.backends.triton import fp8_gemv, layer_kernels
+    from corectl.backends.triton.fp8_gemv import GemvConfig
+    from corectl.models.parallel import PackedLinear, RowParallelLinear
+    from torch.nn import functional as F
+
+    hidden, inter = 64, 96
+    monkeypatch.setattr(fp8_gemv, "DENSE_TUNED", {(2 * inter, hidden): {1: GemvConfig(1, 8, 64, 1, 4, 1)},
+                                                  (hidden, inter): {1: GemvConfig(1, 8, 32, 2, 4, 1),
+                                                                    4: GemvConfig(16, 16, 32, 1, 4, 1)}})
+    calls = []
+    real = layer_kernels.dense_gemv
+    monkeypatch.setattr(layer_kernels, "dense_gemv", lambda *a: calls.append(a[0].shape) or real(*a))
+    gate_up = PackedLinear(hidden, {"gate": inter, "up": inter}, bias=False)
+    down = RowParallelLinear(inter, hidden, bias=True)
+    for layer in (gate_up, down):
+        layer.set_quant_method(None, torch.bfloat16, torch.device("cpu"))
+        torch.nn.init.normal_(layer.weight, std=0.1)
+    down.bias = torch.nn.Parameter(torch.randn(hidden).to(torch.bfloat16))
+    assert install_layer_kernels(torch.nn.ModuleList([gate_up, down]), triton_layer_kernels()) == 2
+
+    x = torch.randn(num_tokens, hidden).to(torch.bfloat16)
+    projected = gate_up(x)
+    torch.testing.assert_close(projected, F.linear(x, gate_up.weight), rtol=2 ** -7, atol=1e-2)
+    gated = down.forward_gated(projected)
+    expected = F.linear(triton_layer_kernels().silu_and_mul(projected), down.weight, down.bias)
+    if num_tokens == 9:  # above the GEMV's rows: no fused form, the MLP runs silu_and_mul and forward
+        assert gated is None and calls == []
+        return
+    torch.testing.assert_close(gated, expected, rtol=2 ** -7, atol=1e-2)
+    # Bucket 4 has the down projection only: 3 tokens take F.linear for gate_up.
+    assert calls == ([(1, hidden), (1, 2 * inter)] if num_tokens == 1 else [(3, 2 * inter)])
