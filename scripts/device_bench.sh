@@ -243,7 +243,9 @@ stage_densesweep() {
   # The bf16 dense GEMV against F.linear at decode batches (llama3-8b's and qwen3-0.6b's projections);
   # its DENSE_TUNED goes into backends/triton/fp8_gemv.py (DENSE_APPLY=1 also writes it into this copy,
   # so the stages after it run with it).
-  timeout "${DENSE_TIMEOUT:-420}" python3 -m corectl.backends.triton.bench_fp8 --dense --m 1 2 4 8 > "$RES/densesweep.txt" 2>&1
+  # DENSE_SHAPES picks bench_fp8's shapes (default: all); the table printed keeps the other shapes' entries.
+  timeout "${DENSE_TIMEOUT:-420}" python3 -m corectl.backends.triton.bench_fp8 --dense --m 1 2 4 8 \
+    ${DENSE_SHAPES:+--shapes $DENSE_SHAPES} > "$RES/densesweep.txt" 2>&1
   grep -E "^N=" "$RES/densesweep.txt" | cut -c1-150; sed -n '/^DENSE_TUNED/,/^}/p' "$RES/densesweep.txt"
   [ "${DENSE_APPLY:-0}" = 1 ] || return 0
   python3 - "$RES/densesweep.txt" <<'PY'
@@ -254,6 +256,14 @@ src = open(path).read()
 open(path, "w").write(re.sub(r"^DENSE_TUNED.*?= \{\}$", lambda _: table, src, count=1, flags=re.M))
 PY
   grep -c "GemvConfig(" backends/triton/fp8_gemv.py
+}
+stage_w3lat() {
+  bench latency --model qwen3-0.6b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w3_$(date +%s).json" | grep TPOT
+}
+stage_w1fp8kv() {
+  # W1 with FP8 weights and the FP8 KV cache (decode attention reads half the bytes at batch 256).
+  bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 --quantization fp8 \
+    --kv-cache-dtype fp8 --save-result "$RES/w1_fp8_fp8kv.json" | grep Throughput
 }
 stage_w4ab() {
   # The 4-bit GEMV before and after a change in one call: carry the earlier w4a16.py as .bench/w4a16_before.py.

@@ -27,9 +27,10 @@ import torch
 from .activation import silu_and_mul
 from .fp8_gemv import GemvConfig, default_config, dense_gemv, fp8_w8a16_gemv
 
-# llama3-8b's projections, then qwen3-0.6b's (W3's model; `--shapes` picks).
+# llama3-8b's projections, then qwen3-0.6b's (W3's model; `--shapes` picks), then both LM heads (--dense).
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-          "q06_qkv": (4096, 1024), "q06_o": (1024, 2048), "q06_gate_up": (6144, 1024), "q06_down": (1024, 3072)}
+          "q06_qkv": (4096, 1024), "q06_o": (1024, 2048), "q06_gate_up": (6144, 1024), "q06_down": (1024, 3072),
+          "lm_head": (128256, 4096), "q06_lm_head": (151936, 1024)}
 LLAMA = ("qkv", "o", "gate_up", "down")
 GATED = ("down", "q06_down")
 # A dense config enters DENSE_TUNED only this much faster than F.linear (run-to-run spread is ~1%).
@@ -139,8 +140,13 @@ def bench_dense_shape(n: int, k: int, ms: list[int], gated: bool) -> list[dict]:
 
 def summarize_dense(rows: list[dict]) -> None:
     """The DENSE_TUNED table: per (N, K) and M, the best config where it beats F.linear by the
-    margin in the plain and (down projections) the gated form alike."""
-    wins: dict[tuple[int, int], dict[int, GemvConfig]] = {}
+    margin in the plain and (down projections) the gated form alike; the table's entries for the
+    shapes and batches not measured here are kept."""
+    from . import fp8_gemv
+
+    measured = {(r["n"], r["k"], r["m"]) for r in rows}
+    wins = {shape: {m: cfg for m, cfg in per_m.items() if (*shape, m) not in measured}
+            for shape, per_m in fp8_gemv.DENSE_TUNED.items()}
     for r in rows:
         if r["gated"]:
             continue
@@ -151,7 +157,7 @@ def summarize_dense(rows: list[dict]) -> None:
         if ok:
             wins.setdefault((r["n"], r["k"]), {})[r["m"]] = r["best"]
     print("\n# paste into backends/triton/fp8_gemv.py:\nDENSE_TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {")
-    for (n, k), per_m in sorted(wins.items()):
+    for (n, k), per_m in sorted((shape, per_m) for shape, per_m in wins.items() if per_m):
         entries = ", ".join(f"{m}: GemvConfig{tuple(cfg)}" for m, cfg in sorted(per_m.items()))
         print(f"    ({n}, {k}): {{{entries}}},")
     print("}")
@@ -204,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None,
-                        help="default: llama3-8b's four (FP8), all eight (--dense)")
+                        help="default: llama3-8b's four (FP8), all (--dense)")
     parser.add_argument("--dense", action="store_true", help="sweep the bf16 dense GEMV against F.linear")
     args = parser.parse_args(argv)
     shapes = args.shapes or (list(SHAPES) if args.dense else list(LLAMA))

@@ -48,6 +48,15 @@ class UsesLayerKernels:
 
     kernels: LayerKernels | None = None
 
+    def dense_kernel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     gated: bool = False) -> torch.Tensor | None:
+        """x @ weight.T + bias (gated: of silu(gate) * up) by the installed `dense_linear`, or None
+        where none is installed or it has nothing faster for this shape: the caller runs F.linear."""
+        kernels = self.kernels
+        if kernels is None or kernels.dense_linear is None:
+            return None
+        return kernels.dense_linear(x, weight, bias, gated)
+
 
 def install_layer_kernels(model: torch.nn.Module, kernels: LayerKernels | None) -> int:
     """Give every layer of `model` that has a fused path these kernels (None: the torch code).

@@ -24,6 +24,7 @@ from torch.nn import functional as F
 from ..distributed import all_gather, all_reduce, get_tp, shard_range
 from ..errors import ConfigError
 from ..quantization.scope import deferred_weight_device
+from .kernels import UsesLayerKernels
 from .quantizable import QuantizableLinear
 
 
@@ -95,7 +96,7 @@ class RowParallelLinear(QuantizableLinear, nn.Linear):
         whose installed kernels have none for this shape); the caller then runs the activation and
         `forward`."""
         if self.quant_method is None:
-            out = self.dense_kernel(gate_up, gated=True)
+            out = self.dense_kernel(gate_up, self.weight, self.bias, gated=True)
         else:
             out = self.quant_method.apply_gated(self, gate_up)
         return None if out is None else self._reduce(out)
@@ -146,6 +147,10 @@ class VocabParallelEmbedding(nn.Embedding):
         self.sharded = get_tp().world_size > 1
         self.weight.weight_loader = self._load
 
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.dense_kernel(hidden, self.weight, None)
+        return F.linear(hidden, self.weight) if out is None else out
+
     def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         _load_vocab_rows(param, loaded, self.first_token, self.vocab_size)
 
@@ -158,9 +163,11 @@ class VocabParallelEmbedding(nn.Embedding):
         return all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0.0))
 
 
-class ParallelLMHead(nn.Linear):
+class ParallelLMHead(UsesLayerKernels, nn.Linear):
     """The output projection over this rank's vocabulary range (the embedding's layout, so a tied
-    head shares the embedding's Parameter); `gather_logits` assembles the full rows."""
+    head shares the embedding's Parameter); `gather_logits` assembles the full rows. Its GEMM is
+    the installed kernels' `dense_linear` where that takes the shape (a decode step's rows), else
+    F.linear."""
 
     def __init__(self, hidden_size: int, vocab_size: int, device=None):
         first, rows = vocab_shard(vocab_size)
@@ -168,6 +175,10 @@ class ParallelLMHead(nn.Linear):
         self.first_token = first
         self.vocab_size = vocab_size
         self.weight.weight_loader = self._load
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.dense_kernel(hidden, self.weight, None)
+        return F.linear(hidden, self.weight) if out is None else out
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         _load_vocab_rows(param, loaded, self.first_token, self.vocab_size)

@@ -78,15 +78,8 @@ class QuantizableLinear(UsesLayerKernels):
         """x @ W.T + bias through the layer's method, or densely."""
         if self.quant_method is not None:
             return self.quantized_forward(x)
-        out = self.dense_kernel(x, gated=False)
+        out = self.dense_kernel(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias) if out is None else out
-
-    def dense_kernel(self, x: torch.Tensor, gated: bool) -> torch.Tensor | None:
-        """The installed dense GEMM's output (gated: of silu(gate) * up), None where it has none."""
-        kernels = self.kernels
-        if kernels is None or kernels.dense_linear is None:
-            return None
-        return kernels.dense_linear(x, self.weight, self.bias, gated)
 
     def load_sliced(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         """Copy this rank's slice of checkpoint tensor `loaded` into `param` (of `shard_id`'s rows)."""

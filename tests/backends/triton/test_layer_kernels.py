@@ -154,3 +154,21 @@ def test_dense_layers_take_the_gemv_where_the_table_has_their_shape(num_tokens, 
     torch.testing.assert_close(gated, expected, rtol=2 ** -7, atol=1e-2)
     # Bucket 4 has the down projection only: 3 tokens take F.linear for gate_up.
     assert calls == ([(1, hidden), (1, 2 * inter)] if num_tokens == 1 else [(3, 2 * inter)])
+
+
+def test_lm_head_takes_the_dense_gemv_at_decode_rows(monkeypatch):
+    """The LM head's logits come from the dense GEMV where the table has its shape, and equal F.linear."""
+    from corectl.backends.triton import fp8_gemv
+    from corectl.backends.triton.fp8_gemv import GemvConfig
+    from corectl.models.parallel import ParallelLMHead
+
+    head = ParallelLMHead(32, 200).to(torch.bfloat16)
+    monkeypatch.setattr(fp8_gemv, "DENSE_TUNED", {(200, 32): {1: GemvConfig(1, 16, 32, 1, 4, 1)}})
+    hidden = torch.randn(1, 32).to(torch.bfloat16)
+    reference = head(hidden)  # no kernels installed: F.linear
+    install_layer_kernels(head, triton_layer_kernels())
+    calls = []
+    real = fp8_gemv.dense_gemv
+    monkeypatch.setattr("corectl.backends.triton.layer_kernels.dense_gemv", lambda *a: calls.append(1) or real(*a))
+    torch.testing.assert_close(head(hidden), reference, rtol=2 ** -7, atol=1e-2)
+    assert calls == [1]
