@@ -253,9 +253,9 @@ import re, sys
 table = re.search(r"^DENSE_TUNED.*?^}", open(sys.argv[1]).read(), re.S | re.M).group(0)
 path = "backends/triton/fp8_gemv.py"
 src = open(path).read()
-open(path, "w").write(re.sub(r"^DENSE_TUNED.*?= \{\}$", lambda _: table, src, count=1, flags=re.M))
+open(path, "w").write(re.sub(r"^DENSE_TUNED.*?^}$", lambda _: table, src, count=1, flags=re.M | re.S))
 PY
-  grep -c "GemvConfig(" backends/triton/fp8_gemv.py
+  sed -n '/^DENSE_TUNED/,/^}/p' backends/triton/fp8_gemv.py | grep -c "GemvConfig("
 }
 stage_w3lat() {
   bench latency --model qwen3-0.6b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w3_$(date +%s).json" | grep TPOT

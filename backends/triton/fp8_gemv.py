@@ -79,7 +79,8 @@ TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {
 # than F.linear (cuBLAS) on an H100 (2026-11-26, triton 3.6, torch 2.11; llama3-8b's and qwen3-0.6b's
 # projections), {(N, K): {M bucket: GemvConfig}}; any other shape or batch takes F.linear
 # (`dense_decode_config`). At M = 1: llama3-8b's gate_up 78.0 against 94.9 us (3.0 against 2.5 TB/s),
-# o 13.4 against 16.4 us; at M >= 2 cuBLAS mostly catches up.
+# o 13.4 against 16.4 us, its LM head 335 against 387 us; at M >= 2 cuBLAS catches up on the
+# projections, less so on the LM heads.
 DENSE_TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {
     (1024, 2048): {1: GemvConfig(1, 8, 512, 1, 4, 3)},
     (1024, 3072): {1: GemvConfig(1, 8, 512, 1, 4, 3)},
@@ -89,6 +90,8 @@ DENSE_TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {
     (6144, 1024): {1: GemvConfig(1, 16, 256, 1, 4, 3)},
     (6144, 4096): {1: GemvConfig(1, 8, 512, 1, 4, 3), 4: GemvConfig(16, 32, 256, 1, 4, 3)},
     (28672, 4096): {1: GemvConfig(1, 16, 1024, 1, 8, 3)},
+    (128256, 4096): {1: GemvConfig(1, 16, 1024, 1, 8, 3), 2: GemvConfig(16, 16, 512, 1, 4, 3), 4: GemvConfig(16, 16, 512, 1, 4, 3), 8: GemvConfig(16, 16, 512, 1, 4, 3)},
+    (151936, 1024): {1: GemvConfig(1, 8, 512, 1, 4, 3), 2: GemvConfig(16, 64, 128, 1, 4, 3), 4: GemvConfig(16, 64, 128, 1, 4, 3), 8: GemvConfig(16, 64, 128, 1, 4, 1)},
 }
 
 

@@ -79,3 +79,36 @@ def test_decode_kernel_replays_in_a_cuda_graph():
         error = ((out[:num_seqs].float() - expected.float()).norm() / expected.float().norm()).item()
         assert error < REL_TOL, f"{num_seqs} rows: relative error {error:.2e}"
         assert torch.equal(out[num_seqs:], torch.zeros_like(out[num_seqs:]))
+
+
+def _dense_cases():
+    from corectl.backends.triton.fp8_gemv import DENSE_TUNED
+
+    return [(n, k, m) for (n, k), per_m in sorted(DENSE_TUNED.items()) for m in sorted(per_m)]
+
+
+@pytest.mark.parametrize("n,k,m", _dense_cases())
+def test_dense_decode_gemv_matches_f_linear_at_its_tuned_shapes(n, k, m):
+    """Every (shape, batch) the dense GEMV takes from cuBLAS: the layer's kernel (`dense_linear`) at
+    its tuned config against the fp32 product to bf16 rounding, the gated form against
+    silu_and_mul then the product, and a CUDA-graph replay on new inputs giving the eager bits."""
+    from corectl.backends.triton.activation import silu_and_mul
+    from corectl.backends.triton.layer_kernels import triton_layer_kernels
+
+    linear = triton_layer_kernels().dense_linear
+    weight = (torch.randn(n, k, device="cuda") * k ** -0.5).to(torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = linear(x, weight, None, False)
+    assert out is not None
+    ref = x.float() @ weight.float().t()
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 2 ** -8
+    gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+    gated = linear(gate_up, weight, None, True)
+    ref = silu_and_mul(gate_up).float() @ weight.float().t()
+    assert ((gated.float() - ref).norm() / ref.norm()).item() < 2 ** -8
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = linear(x, weight, None, False)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(captured, linear(x, weight, None, False))
