@@ -257,6 +257,15 @@ open(path, "w").write(re.sub(r"^DENSE_TUNED.*?^}$", lambda _: table, src, count=
 PY
   sed -n '/^DENSE_TUNED/,/^}/p' backends/triton/fp8_gemv.py | grep -c "GemvConfig("
 }
+stage_peers2() {
+  # The HF peer of W2 and W3 (batch-1 decode, 512 in / 128 out), for the runs above in the same call.
+  timeout 240 python3 "$PEER" static --shape llama3-8b --batch 1 --input-len 512 --output-len 128
+  timeout 120 python3 "$PEER" static --shape qwen3-0.6b --batch 1 --input-len 512 --output-len 128
+}
+stage_densetests() {
+  python3 -m pytest -q tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_parity.py tests/gpu/test_gpu_quantization.py \
+    -p no:cacheprovider 2>&1 | tee "$RES/gpu_dense_tests.log" | tail -15
+}
 stage_w3lat() {
   bench latency --model qwen3-0.6b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w3_$(date +%s).json" | grep TPOT
 }
