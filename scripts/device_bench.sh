@@ -275,9 +275,10 @@ stage_w1fp8kv() {
     --kv-cache-dtype fp8 --save-result "$RES/w1_fp8_fp8kv.json" | grep Throughput
 }
 stage_w4ab() {
-  # The 4-bit GEMV before and after a change in one call: carry the earlier w4a16.py as .bench/w4a16_before.py.
+  # The 4-bit GEMV before and after a change in one call (scripts/w4a16_ab.py): carry the earlier
+  # kernel as .bench/w4a16_before.py (git show REV:backends/triton/w4a16.py > .bench/w4a16_before.py).
   cp .bench/w4a16_before.py backends/triton/w4a16_before.py
-  timeout 300 python3 .bench/w4ab.py > "$RES/w4ab.txt" 2>&1; tail -6 "$RES/w4ab.txt"
+  timeout 300 python3 scripts/w4a16_ab.py > "$RES/w4ab.txt" 2>&1; tail -6 "$RES/w4ab.txt"
   rm -f backends/triton/w4a16_before.py
 }
 stage_moetests() { python3 -m pytest -q tests/gpu/test_gpu_moe.py -p no:cacheprovider 2>&1 | tee "$RES/gpu_moe_tests.log" | tail -15; }

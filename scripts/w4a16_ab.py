@@ -1,0 +1,64 @@
+"""The 4-bit GEMV before and after a change, in one device call (stage `w4ab` of device_bench.sh).
+
+The earlier kernel module is imported as `corectl.backends.triton.w4a16_before` (the stage copies
+it there from `.bench/w4a16_before.py`, e.g. `git show REV:backends/triton/w4a16.py`). At M = 1
+on llama3-8b's four projections (group 128, bf16 x), each version runs the table's config and a
+few others, timed from CUDA-graph replays that cycle through weight copies past L2, and is
+checked against the fp32 reference; the best time per layer and version comes last.
+"""
+import math
+
+import torch
+from corectl.backends.triton import w4a16 as after
+from corectl.backends.triton import w4a16_before as before
+from corectl.backends.triton.bench_fp8 import graph_us
+from corectl.backends.triton.w4a16_configs import W4Config, choose
+from corectl.quantization.int4 import pack_int32, w4a16_reference
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+GROUP = 128
+# (block_n, block_k, split_k, num_warps) besides the table's choice
+OTHERS = ((128, 64, 8, 4), (256, 64, 4, 4), (256, 128, 4, 4), (512, 64, 4, 8), (128, 128, 8, 4),
+          (256, 64, 16, 4), (64, 128, 8, 2))
+
+
+def layer(n: int, k: int):
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, device="cuda")
+    scales = (torch.rand(k // GROUP, n, device="cuda") * 0.01 + 0.001).to(torch.bfloat16)
+    zeros = torch.randint(0, 16, (k // GROUP, n), dtype=torch.int32, device="cuda")
+    g_idx = torch.arange(k, dtype=torch.int32, device="cuda") // GROUP
+    return pack_int32(codes.t(), 0), scales, zeros, g_idx
+
+
+def bench(name: str, n: int, k: int) -> list[tuple]:
+    copies = [layer(n, k) for _ in range(max(2, math.ceil((256 << 20) / (n * k // 2))))]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    ref = w4a16_reference(x, *copies[0]).float()
+    configs = dict.fromkeys([choose(1, n, k, x.device)] + [W4Config(1, bn, bk, sk, w, gemv=True)
+                                                           for bn, bk, sk, w in OTHERS])
+    moved = n * k // 2 + (k // GROUP) * n * 6
+    rows = []
+    for module, tag in ((before, "before"), (after, "after")):
+        for cfg in configs:
+            out = module.w4a16_gemm(x, *copies[0], GROUP, False, cfg)
+            error = ((out.float() - ref).norm() / ref.norm()).item()
+            us = graph_us([lambda q=q, c=cfg: module.w4a16_gemm(x, *q, GROUP, False, c) for q in copies])
+            rows.append((name, tag, cfg, us, error))
+            print(f"{name:8s} {tag:6s} {us:7.2f} us {moved / us / 1e3:6.0f} GB/s error {error:.1e} {cfg}", flush=True)
+    return rows
+
+
+def main() -> None:
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        rows += bench(name, n, k)
+        torch.cuda.empty_cache()
+    print("\nbest per layer (us): layer, before, after, after's config")
+    for name in SHAPES:
+        best = {tag: min((r for r in rows if r[0] == name and r[1] == tag), key=lambda r: r[3])
+                for tag in ("before", "after")}
+        print(f"{name:8s} {best['before'][3]:7.2f} {best['after'][3]:7.2f} {best['after'][2]}")
+
+
+if __name__ == "__main__":
+    main()
