@@ -31,3 +31,8 @@ def hub_offline() -> bool:
 def fused_kernels_enabled() -> bool:
     """CORECTL_FUSED_KERNELS=0 makes workers keep the models' torch layer code (for measurement)."""
     return os.environ.get("CORECTL_FUSED_KERNELS", "1").lower() not in ("0", "false", "no")
+
+
+def pdl_enabled() -> bool:
+    """CORECTL_PDL=0 launches GPU kernels without programmatic dependent launch (for measurement)."""
+    return os.environ.get("CORECTL_PDL", "1").lower() not in ("0", "false", "no")

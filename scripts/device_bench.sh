@@ -266,6 +266,22 @@ stage_densetests() {
   python3 -m pytest -q tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_parity.py tests/gpu/test_gpu_quantization.py \
     -p no:cacheprovider 2>&1 | tee "$RES/gpu_dense_tests.log" | tail -15
 }
+stage_pdlab() {
+  # Each batch-1 decode workload with programmatic dependent launch off (CORECTL_PDL=0), then on.
+  local awq='{"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemm"}}'
+  for pdl in 0 1; do
+    export CORECTL_PDL=$pdl
+    bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w2_bf16_pdl$pdl.json" | grep TPOT | sed "s/^/PDL=$pdl W2 bf16: /"
+    bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --quantization fp8 --save-result "$RES/w2_fp8_pdl$pdl.json" | grep TPOT | sed "s/^/PDL=$pdl W2 fp8: /"
+    bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --hf-overrides "$awq" --save-result "$RES/w2_awq_pdl$pdl.json" | grep TPOT | sed "s/^/PDL=$pdl W2 awq: /"
+    bench latency --model qwen3-0.6b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w3_pdl$pdl.json" | grep TPOT | sed "s/^/PDL=$pdl W3: /"
+  done
+  unset CORECTL_PDL
+}
+stage_pdltests() {
+  python3 -m pytest -q tests/gpu/test_gpu_graphs.py tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_parity.py \
+    tests/gpu/test_gpu_quantization.py tests/gpu/test_gpu_fp8_kv.py -p no:cacheprovider 2>&1 | tee "$RES/gpu_pdl_tests.log" | tail -15
+}
 stage_w3lat() {
   bench latency --model qwen3-0.6b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w3_$(date +%s).json" | grep TPOT
 }

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_float, require
+from .pdl import grid_dependency, pdl_enabled
 
 _BLOCK = 1024
 
@@ -26,7 +27,9 @@ def silu_mul(gate, up):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, INTER: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, INTER: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    grid_dependency(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
@@ -43,7 +46,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device)
     if num_rows and inter:
         block = min(_BLOCK, triton.next_power_of_2(inter))
+        pdl = pdl_enabled(x.device)
         _silu_and_mul_kernel[(num_rows, triton.cdiv(inter, block))](
-            x, out, x.stride(0), out.stride(0), INTER=inter, BLOCK=block, num_warps=4,
+            x, out, x.stride(0), out.stride(0), INTER=inter, BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
     return out

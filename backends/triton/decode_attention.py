@@ -36,6 +36,7 @@ from .checks import (
     require,
 )
 from .paged_softmax import attend_paged, dot_dtype, head_block, score_scale
+from .pdl import grid_dependency, pdl_enabled
 
 # Fewest keys worth a program of its own: below this the combine step costs more than it saves.
 MIN_KEYS_PER_SPLIT = 256
@@ -50,8 +51,9 @@ def _decode_kernel(
     stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table, num_heads,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
+    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, PDL: tl.constexpr,
 ):
+    grid_dependency(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -108,7 +110,9 @@ def _decode_kernel(
 def _combine_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, stride_ot, num_heads,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    grid_dependency(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -203,6 +207,7 @@ def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, split
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     num_heads = num_kv_heads * group
     block_d = head_block(head_dim)
+    pdl = pdl_enabled(q.device)
     if splits == 1:
         # The partial buffers are compiled out with one split; `out` stands in for their pointers.
         part_out = part_lse = out
@@ -217,11 +222,11 @@ def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, split
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=DECODE_BLOCK_N, BLOCK_SIZE=kv_cache.shape[2], NUM_SPLITS=splits,
         DOT_DTYPE=dot_dtype(q.dtype, q.device), SLIDING=window is not None, SOFT_CAP=float(soft_cap or 0.0),
-        num_warps=4, num_stages=3,
+        PDL=pdl, num_warps=4, num_stages=3, launch_pdl=pdl,
     )
     if splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, out.stride(0), num_heads,
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-            num_warps=4,
+            PDL=pdl, num_warps=4, launch_pdl=pdl,
         )

@@ -43,6 +43,7 @@ import triton.language as tl
 from .activation import silu_mul
 from .checks import check_float, check_same_device, require
 from .paged_softmax import dot_dtype
+from .pdl import grid_dependency, pdl_enabled
 
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
 MAX_M = 8
@@ -112,7 +113,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, k_per_
                      stride_xm, stride_wn, stride_om, stride_os,
                      HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                     DOT_DTYPE: tl.constexpr, GATED: tl.constexpr):
+                     DOT_DTYPE: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+    grid_dependency(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -157,8 +159,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, k_per_
 
 @triton.jit
 def _splitk_reduce_kernel(part_ptr, scale_ptr, bias_ptr, out_ptr, N, total,
-                          HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
     """out (contiguous [M, N]) = sum over splits in order (deterministic) * scale + bias."""
+    grid_dependency(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -305,15 +309,18 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None,
     # Pointers a variant compiles out are given the weight's (never read).
     w_scale = w_scale if scaled else weight
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    pdl = pdl_enabled(x.device)
     _fp8_gemv_kernel[grid](x, weight, w_scale, bias if has_bias else w_scale, part, m, n, k, k_per_split,
                            x.stride(0), weight.stride(0), part.stride(-2), part.stride(0) if cfg.split_k > 1 else 0,
                            HAS_BIAS=has_bias, SCALED=scaled, SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m,
                            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-                           DOT_DTYPE=dot_dtype(x.dtype, x.device), GATED=gated, num_warps=cfg.num_warps)
+                           DOT_DTYPE=dot_dtype(x.dtype, x.device), GATED=gated, PDL=pdl, num_warps=cfg.num_warps,
+                           launch_pdl=pdl)
     if cfg.split_k > 1:
         total = m * n
         _splitk_reduce_kernel[(triton.cdiv(total, _REDUCE_BLOCK),)](
             part, w_scale, bias if has_bias else w_scale, out, n, total,
-            HAS_BIAS=has_bias, SCALED=scaled, SPLIT_K=cfg.split_k, BLOCK=_REDUCE_BLOCK, num_warps=4)
+            HAS_BIAS=has_bias, SCALED=scaled, SPLIT_K=cfg.split_k, BLOCK=_REDUCE_BLOCK, PDL=pdl, num_warps=4,
+            launch_pdl=pdl)
     return out
 

@@ -16,6 +16,7 @@ from .checks import (
     check_same_device,
     require,
 )
+from .pdl import grid_dependency, pdl_enabled
 
 
 @triton.jit
@@ -36,8 +37,9 @@ def _round_to_e4m3(x):
 def _store_kvcache_kernel(
     k_ptr, v_ptr, cache_ptr, slot_ptr, k_inv_scale, v_inv_scale,
     stride_kt, stride_vt, stride_kind, stride_blk, stride_tok,
-    ROW: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_ROW: tl.constexpr, FP8: tl.constexpr,
+    ROW: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_ROW: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
+    grid_dependency(PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     # Slot -1 marks padding tokens (e.g. a CUDA-graph batch padded to its bucket size).
@@ -78,9 +80,10 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot
     if num_tokens == 0:
         return
     row = num_kv_heads * head_dim
+    pdl = pdl_enabled(k.device)
     _store_kvcache_kernel[(num_tokens,)](
         k, v, kv_cache, slot_mapping, 1.0 / k_scale, 1.0 / v_scale,
         k.stride(0), v.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         ROW=row, BLOCK_SIZE=block_size, BLOCK_ROW=triton.next_power_of_2(row), FP8=kv_cache.dtype == FP8_KV_DTYPE,
-        num_warps=4 if row <= 2048 else 8,
+        PDL=pdl, num_warps=4 if row <= 2048 else 8, launch_pdl=pdl,
     )

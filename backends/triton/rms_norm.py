@@ -10,14 +10,16 @@ import triton
 import triton.language as tl
 
 from .checks import check_float, check_same_device, require
+from .pdl import grid_dependency, pdl_enabled
 
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
     stride_x, stride_res, stride_out, stride_res_out,
-    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):
+    grid_dependency(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -52,10 +54,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         res_in, res_out = residual, torch.empty_like(out)
     if num_rows:
         block = triton.next_power_of_2(width)
+        pdl = pdl_enabled(x.device)
         _rms_norm_kernel[(num_rows,)](
             x, res_in, weight, out, res_out, eps,
             x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
-            N=width, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            num_warps=min(16, max(1, block // 512)),
+            N=width, BLOCK=block, HAS_RESIDUAL=residual is not None, PDL=pdl,
+            num_warps=min(16, max(1, block // 512)), launch_pdl=pdl,
         )
     return out if residual is None else (out, res_out)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_float, check_index, check_range, check_same_device, require
+from .pdl import grid_dependency, pdl_enabled
 
 
 @triton.jit
@@ -39,7 +40,9 @@ def _rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_R: tl.constexpr, HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    grid_dependency(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
@@ -116,10 +119,11 @@ def _launch(positions, q, k, cos_cache, sin_cache, q_weight, k_weight, eps: floa
         return
     half = cos_cache.shape[1] // 2
     has_norm = q_weight is not None
+    pdl = pdl_enabled(q.device)
     _rotary_kernel[(num_tokens,)](
         positions, q, k, cos_cache, sin_cache, q_weight if has_norm else q, k_weight if has_norm else k, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_cache.stride(0), sin_cache.stride(0),
         NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=k.shape[1], HALF=half,
         BLOCK_QH=triton.next_power_of_2(q.shape[1]), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
-        BLOCK_R=triton.next_power_of_2(half), HAS_NORM=has_norm, num_warps=4,
+        BLOCK_R=triton.next_power_of_2(half), HAS_NORM=has_norm, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_float, check_index, check_range, check_same_device, require
+from .pdl import grid_dependency, pdl_enabled
 from .w4a16_configs import W4Config, choose
 
 REDUCE_BLOCK = 1024
@@ -177,7 +178,9 @@ def _dot_tile(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_m, mask_m, offs_n, mask_n
 def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT,
                   stride_xm, stride_qk, stride_sg, stride_zg, stride_os, stride_om,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr, GEMV: tl.constexpr, PRECISION: tl.constexpr):
+                  GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr, GEMV: tl.constexpr, PRECISION: tl.constexpr,
+                  PDL: tl.constexpr):
+    grid_dependency(PDL)
     # M tiles vary fastest: a prefill's row tiles read each weight tile together, once from HBM.
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -200,7 +203,8 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT,
 
 
 @triton.jit
-def _sum_splits(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    grid_dependency(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -266,14 +270,16 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     splits = triton.cdiv(steps, per_split)
     target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)
+    pdl = pdl_enabled(x.device)
     _w4a16_kernel[grid](x, qweight, scales, zeros, g_idx, target, m, n, k, per_split * block_k, x.stride(0),
                         qweight.stride(0), scales.stride(0), zeros.stride(0), m * n, n,
                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_SIZE=group,
                         OFFSETS=zeros.is_floating_point(), GEMV=cfg.gemv,
-                        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl,
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     if splits > 1:
-        _sum_splits[(triton.cdiv(m * n, REDUCE_BLOCK),)](target, out, m * n, SPLIT_K=splits, BLOCK=REDUCE_BLOCK)
+        _sum_splits[(triton.cdiv(m * n, REDUCE_BLOCK),)](target, out, m * n, SPLIT_K=splits, BLOCK=REDUCE_BLOCK,
+                                                         PDL=pdl, launch_pdl=pdl)
     return out
 
 

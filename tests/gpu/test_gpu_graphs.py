@@ -106,3 +106,26 @@ def test_async_scheduling_gives_the_tokens_of_the_synchronous_loop(checkpoint):
     sync = generate(checkpoint, prompts, params, dtype="float32", async_scheduling=False)
     overlapped = generate(checkpoint, prompts, params, dtype="float32")
     assert [o.outputs[0].token_ids for o in overlapped] == [o.outputs[0].token_ids for o in sync]
+
+
+@pytest.mark.skipif(torch.version.hip is not None or torch.cuda.get_device_capability(0) < (9, 0),
+                    reason="programmatic dependent launch needs an NVIDIA GPU of compute capability 9.0+")
+def test_programmatic_dependent_launch_changes_no_bit(checkpoint, monkeypatch):
+    """The Triton kernels launched with PDL (each waits for its predecessor before touching memory)
+    against the same kernels launched plainly (CORECTL_PDL=0): the same tokens and logprobs to the
+    bit, with graphs and eager steps (prefill), dense decode layers on the GEMV."""
+    from corectl.backends.triton import layer_kernels
+    from corectl.backends.triton.fp8_gemv import MAX_M, GemvConfig
+
+    monkeypatch.setattr(layer_kernels, "dense_decode_config",
+                        lambda m, n, k: GemvConfig(1, 8, 256, 1, 4, 3) if m == 1 else
+                        (GemvConfig(16, 32, 128, 2, 4, 3) if m <= MAX_M else None))
+    prompts = random_prompts(PROMPT_LENGTHS)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=0, ignore_eos=True) for n in MAX_TOKENS]
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("CORECTL_PDL", flag)
+        outputs = generate(checkpoint, prompts, params)
+        runs[flag] = [(o.outputs[0].token_ids, [next(iter(p.values())).logprob for p in o.outputs[0].logprobs])
+                      for o in outputs]
+    assert runs["0"] == runs["1"]
