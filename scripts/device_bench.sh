@@ -278,6 +278,15 @@ stage_pdlab() {
   done
   unset CORECTL_PDL
 }
+stage_w1pdl() {
+  # W1 (bf16, then FP8 weights) with programmatic dependent launch off, then on: prefill-heavy steps.
+  for pdl in 0 1; do
+    export CORECTL_PDL=$pdl
+    bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 --save-result "$RES/w1_pdl$pdl.json" | grep Throughput | sed "s/^/PDL=$pdl W1 bf16: /"
+    bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 --quantization fp8 --save-result "$RES/w1_fp8_pdl$pdl.json" | grep Throughput | sed "s/^/PDL=$pdl W1 fp8: /"
+  done
+  unset CORECTL_PDL
+}
 stage_pdltests() {
   python3 -m pytest -q tests/gpu/test_gpu_graphs.py tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_parity.py \
     tests/gpu/test_gpu_quantization.py tests/gpu/test_gpu_fp8_kv.py -p no:cacheprovider 2>&1 | tee "$RES/gpu_pdl_tests.log" | tail -15
