@@ -31,7 +31,8 @@ def candidates(m: int, n: int, k: int, quick: bool) -> list[W4Config]:
     base = heuristic(m, n, k, sm_count(torch.device("cuda")))
     splits = sorted({1, 2, 4, 8, 16} if not quick else {base.split_k, max(1, base.split_k // 2)})
     if m == 1:
-        tiles = [(256, 64, 4), (128, 64, 4), (512, 64, 8), (256, 32, 4), (256, 128, 4), (512, 32, 8)]
+        tiles = [(256, 64, 4), (128, 64, 4), (512, 64, 8), (256, 32, 4), (256, 128, 4), (512, 32, 8),
+                 (32, 512, 4), (64, 512, 4), (64, 256, 4), (128, 256, 4), (32, 1024, 8)]
         grid = [W4Config(1, bn, bk, s, w, gemv=True) for (bn, bk, w), s in itertools.product(tiles, splits)]
         grid += [W4Config(16, 128, 64, s, 4) for s in splits]  # the tl.dot form at M = 1, for comparison
     elif m <= 16:

@@ -8,9 +8,11 @@ GPTQ), or float offsets b, w = q s + b (GGUF's 4-bit blocks, whose offsets are n
 their scale); their dtype picks the variant at compile time (OFFSETS), so each compiles alone and
 the zero-code kernels are unchanged. `group_size` > 0 declares g_idx == arange(K) // group_size
 (AWQ, GPTQ without act-order, GGUF; int4.py detects it once at load): each block of BLOCK_K
-inputs then lies in one group, whose scale and zero row is loaded once per block, and the group
-factors out of the sum, sum_k (q - z) s x = s (sum_k q x - z sum_k x) (offsets: s sum_k q x +
-b sum_k x), so the inner loop multiplies raw codes.
+inputs then lies in one group, whose scale and zero row is loaded once per block, or (GEMV) spans
+whole groups, each word row taking its group's row, and the group factors out of the sum,
+sum_k (q - z) s x = s (sum_k q x - z sum_k x) (offsets: s sum_k q x + b sum_k x), so the inner
+loop multiplies raw codes. Wide GEMV blocks keep more bytes in flight per program than one
+group's 16 word rows, which a narrow column slice (small N, no split-K) needs.
 Otherwise (act-order) each input's scale and zero are gathered through g_idx.
 
 Programs cover [BLOCK_M, BLOCK_N] outputs over one of SPLIT_K slices of K. Two inner forms:
@@ -84,11 +86,11 @@ def _code_dot(words, x_ptr, rows, row_mask):
 
 @triton.jit
 def _group_sum(qx, xs, s, z, OFFSETS: tl.constexpr):
-    """One group's share of the output from sum_k q x [R, N] and sum_k x [R]: s (qx - z xs) with
-    zero codes, s qx + b xs with float offsets (s, z [N], fp32)."""
+    """The groups' share of the output from sum_k q x [R, N] and sum_k x [R]: s (qx - z xs) with
+    zero codes, s qx + b xs with float offsets (s, z fp32, [1, N] for one group or [R, N] a row each)."""
     if OFFSETS:
-        return qx * s[None, :] + xs[:, None] * z[None, :]
-    return (qx - xs[:, None] * z[None, :]) * s[None, :]
+        return qx * s + xs[:, None] * z
+    return (qx - xs[:, None] * z) * s
 
 
 @triton.jit
@@ -99,14 +101,22 @@ def _load_words(qw_ptr, rows, row_end, offs_n, mask_n, stride_qk):
 
 @triton.jit
 def _gemv_block(x_ptr, s_ptr, z_ptr, g_ptr, words, rows, row_end, offs_n, mask_n, k0,
-                stride_sg, stride_zg, GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr):
+                stride_sg, stride_zg, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr):
     """sum over the block's inputs of w * x, left as [BLOCK_K/8, BLOCK_N] (one row per word row)."""
     row_mask = rows < row_end
     if GROUP_SIZE > 0:
         qx, xs = _code_dot(words, x_ptr, rows, row_mask)
-        group = k0 // GROUP_SIZE
-        s = tl.load(s_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + group * stride_zg + offs_n, mask=mask_n, other=0).to(tl.float32)
+        if BLOCK_K <= GROUP_SIZE:
+            group = k0 // GROUP_SIZE
+            s = tl.load(s_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            z = tl.load(z_ptr + group * stride_zg + offs_n, mask=mask_n, other=0).to(tl.float32)[None, :]
+        else:
+            # The block spans several groups: each word row takes its group's scales (rows of one
+            # group load the same row of scales, from L1).
+            group = (rows * 8 // GROUP_SIZE).to(tl.int64)
+            mask = row_mask[:, None] & mask_n[None, :]
+            s = tl.load(s_ptr + group[:, None] * stride_sg + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + group[:, None] * stride_zg + offs_n[None, :], mask=mask, other=0).to(tl.float32)
         return _group_sum(qx, xs, s, z, OFFSETS)
     qx = tl.zeros(words.shape, dtype=tl.float32)
     for j in tl.static_range(8):
@@ -134,7 +144,7 @@ def _gemv(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_n, mask_n, k_start, k_end, st
         # behind it (register double buffering; the pipeliner only stages loads that feed tl.dot).
         upcoming = _load_words(qw_ptr, rows + BLOCK_K // 8, row_end, offs_n, mask_n, stride_qk)
         acc += _gemv_block(x_ptr, s_ptr, z_ptr, g_ptr, words, rows, row_end, offs_n, mask_n, k0,
-                           stride_sg, stride_zg, GROUP_SIZE, OFFSETS)
+                           stride_sg, stride_zg, BLOCK_K, GROUP_SIZE, OFFSETS)
         words = upcoming
         rows += BLOCK_K // 8
     return tl.sum(acc, axis=0)
@@ -160,7 +170,7 @@ def _dot_tile(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_m, mask_m, offs_n, mask_n
             # Codes 0..15 are exact in any float dtype: the dot is exact-input, the group applies after.
             qx = tl.dot(x, _codes_f32(codes).to(x.dtype), input_precision=PRECISION, out_dtype=tl.float32)
             xs = tl.sum(x.to(tl.float32), axis=1)
-            acc += _group_sum(qx, xs, s, z, OFFSETS)
+            acc += _group_sum(qx, xs, s[None, :], z[None, :], OFFSETS)
         else:
             group = tl.load(g_ptr + offs_k, mask=mask_k, other=0)
             mask_w = mask_k[:, None] & mask_n[None, :]
@@ -242,10 +252,13 @@ def _check(x, qweight, scales, zeros, g_idx, group_size: int, check_indices: boo
 
 
 def _block_k(cfg: W4Config, group_size: int) -> tuple[int, int]:
-    """(BLOCK_K, GROUP_SIZE) to launch: with contiguous groups a block must lie in one group, so
-    BLOCK_K shrinks to a power of two dividing the group; too small a block takes the gather path."""
+    """(BLOCK_K, GROUP_SIZE) to launch: with contiguous groups a dot block must lie in one group, so
+    BLOCK_K shrinks to a power of two dividing the group (a GEMV block may also span whole groups);
+    too small a block takes the gather path."""
     if not group_size:
         return cfg.block_k, 0
+    if cfg.gemv and cfg.block_k % group_size == 0:
+        return cfg.block_k, group_size
     block_k = cfg.block_k
     while group_size % block_k:
         block_k //= 2

@@ -202,7 +202,8 @@ def test_triton_w4a16_float_offsets_match_reference(m, k, dtype):
 
 W4_CONFIGS = {  # every kernel form, K split unevenly (3 slices of 192 / 2, 4 or 7 inputs of a block)
     "gemv": W4Config(1, 64, 32, 3, 4, gemv=True),
-    "gemv-wide-block": W4Config(1, 32, 128, 2, 4, gemv=True),
+    "gemv-wide-block": W4Config(1, 32, 128, 2, 4, gemv=True),  # 4 groups of 32 a block, or 8-input blocks
+    "gemv-two-groups": W4Config(1, 16, 64, 1, 4, gemv=True),
     "dot": W4Config(16, 32, 64, 3, 4),
     "dot-prefill": W4Config(32, 64, 32, 1, 4),
 }
