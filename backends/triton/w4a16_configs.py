@@ -44,17 +44,17 @@ class W4Config:
 
 
 # (M bucket, N, K) -> config, from the H100 sweep of bench_w4a16 --quick (2026-11-25, triton 3.6;
-# llama3-8b shapes, group 128); the M = 1 entries re-picked on 2026-11-26 after the GEMV's inner loop
-# changed (weights cycled past L2: qkv 13.2, o 11.4, gate_up 38.4, down 25.7 us). Other shapes take
-# the heuristic below.
+# llama3-8b shapes, group 128); the M = 1 entries re-picked on 2026-11-26 by scripts/w4a16_ab.py once
+# GEMV blocks could span groups (weights cycled past L2, PDL on: qkv 10.5, o 8.8, gate_up 33.6,
+# down 22.9 us). Other shapes take the heuristic below.
 TABLE: dict[tuple[int, int, int], W4Config] = {
-    (1, 6144, 4096): W4Config(block_m=1, block_n=64, block_k=128, split_k=8, num_warps=2, num_stages=2, gemv=True),
+    (1, 6144, 4096): W4Config(block_m=1, block_n=16, block_k=512, split_k=1, num_warps=4, num_stages=2, gemv=True),
     (16, 6144, 4096): W4Config(block_m=16, block_n=128, block_k=64, split_k=8, num_warps=4, num_stages=2, gemv=False),
-    (1, 4096, 4096): W4Config(block_m=1, block_n=64, block_k=128, split_k=8, num_warps=2, num_stages=2, gemv=True),
+    (1, 4096, 4096): W4Config(block_m=1, block_n=32, block_k=512, split_k=2, num_warps=4, num_stages=2, gemv=True),
     (16, 4096, 4096): W4Config(block_m=16, block_n=128, block_k=64, split_k=16, num_warps=4, num_stages=2, gemv=False),
-    (1, 28672, 4096): W4Config(block_m=1, block_n=256, block_k=64, split_k=8, num_warps=4, num_stages=2, gemv=True),
+    (1, 28672, 4096): W4Config(block_m=1, block_n=32, block_k=512, split_k=1, num_warps=4, num_stages=2, gemv=True),
     (16, 28672, 4096): W4Config(block_m=16, block_n=128, block_k=64, split_k=4, num_warps=4, num_stages=2, gemv=False),
-    (1, 4096, 14336): W4Config(block_m=1, block_n=64, block_k=128, split_k=8, num_warps=2, num_stages=2, gemv=True),
+    (1, 4096, 14336): W4Config(block_m=1, block_n=32, block_k=512, split_k=2, num_warps=4, num_stages=2, gemv=True),
     (16, 4096, 14336): W4Config(block_m=16, block_n=128, block_k=64, split_k=16, num_warps=4, num_stages=2, gemv=False),
 }
 
@@ -76,9 +76,17 @@ def heuristic(m: int, n: int, k: int, sms: int, gathered: bool = False) -> W4Con
     """Decode: GEMV (M = 1) or 16-row dot tiles, K split until the grid covers the SMs about four
     times; prefill: 64-row dot tiles, split only when the grid is smaller than the SMs. Gathered
     (act-order) tiles are smaller: their per-input scale gathers need registers (sm_90 ptxas:
-    these sizes compile without spills)."""
+    these sizes compile without spills). The contiguous-group GEMV streams narrow column slices
+    in wide blocks (the H100 sweep's best form on every llama3-8b layer), split only while that
+    keeps the grid within two programs per SM."""
+    if m == 1 and not gathered:
+        cfg, split = W4Config(1, 32, 512, 1, 4, gemv=True), 1
+        tiles = -(-n // cfg.block_n)
+        while split * 2 <= MAX_SPLIT_K and tiles * split * 2 <= 2 * sms and k // (split * 2) >= 2 * cfg.block_k:
+            split *= 2
+        return W4Config(1, cfg.block_n, cfg.block_k, split, cfg.num_warps, gemv=True)
     if m == 1:
-        cfg, waves = W4Config(1, 128 if gathered else 256, 32 if gathered else 64, 1, 4, gemv=True), 4
+        cfg, waves = W4Config(1, 128, 32, 1, 4, gemv=True), 4
     elif m <= 16:
         cfg, waves = W4Config(16, 128, 64, 1, 4), 4
     else:
