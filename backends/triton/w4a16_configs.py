@@ -45,16 +45,16 @@ class W4Config:
 
 # (M bucket, N, K) -> config, from the H100 sweep of bench_w4a16 --quick (2026-11-25, triton 3.6;
 # llama3-8b shapes, group 128); the M = 1 entries re-picked on 2026-11-26 by scripts/w4a16_ab.py once
-# GEMV blocks could span groups (weights cycled past L2, PDL on: qkv 10.5, o 8.8, gate_up 33.6,
-# down 22.9 us). Other shapes take the heuristic below.
+# GEMV blocks could span groups (weights cycled past L2, PDL on: qkv 10.5, o 8.1, gate_up 33.5,
+# down 20.8 us, 72.9 a layer against 84.1 before). Other shapes take the heuristic below.
 TABLE: dict[tuple[int, int, int], W4Config] = {
     (1, 6144, 4096): W4Config(block_m=1, block_n=16, block_k=512, split_k=1, num_warps=4, num_stages=2, gemv=True),
     (16, 6144, 4096): W4Config(block_m=16, block_n=128, block_k=64, split_k=8, num_warps=4, num_stages=2, gemv=False),
-    (1, 4096, 4096): W4Config(block_m=1, block_n=32, block_k=512, split_k=2, num_warps=4, num_stages=2, gemv=True),
+    (1, 4096, 4096): W4Config(block_m=1, block_n=16, block_k=512, split_k=2, num_warps=4, num_stages=2, gemv=True),
     (16, 4096, 4096): W4Config(block_m=16, block_n=128, block_k=64, split_k=16, num_warps=4, num_stages=2, gemv=False),
     (1, 28672, 4096): W4Config(block_m=1, block_n=32, block_k=512, split_k=1, num_warps=4, num_stages=2, gemv=True),
     (16, 28672, 4096): W4Config(block_m=16, block_n=128, block_k=64, split_k=4, num_warps=4, num_stages=2, gemv=False),
-    (1, 4096, 14336): W4Config(block_m=1, block_n=32, block_k=512, split_k=2, num_warps=4, num_stages=2, gemv=True),
+    (1, 4096, 14336): W4Config(block_m=1, block_n=16, block_k=512, split_k=2, num_warps=4, num_stages=2, gemv=True),
     (16, 4096, 14336): W4Config(block_m=16, block_n=128, block_k=64, split_k=16, num_warps=4, num_stages=2, gemv=False),
 }
 
@@ -77,14 +77,14 @@ def heuristic(m: int, n: int, k: int, sms: int, gathered: bool = False) -> W4Con
     times; prefill: 64-row dot tiles, split only when the grid is smaller than the SMs. Gathered
     (act-order) tiles are smaller: their per-input scale gathers need registers (sm_90 ptxas:
     these sizes compile without spills). The contiguous-group GEMV streams narrow column slices
-    in wide blocks (the H100 sweep's best form on every llama3-8b layer), split only while that
-    keeps the grid within two programs per SM."""
+    (32 columns, 16 where that leaves under two programs per SM) in 512-input blocks, K split
+    until there are two programs per SM: the H100 sweep's best form on every llama3-8b layer."""
     if m == 1 and not gathered:
-        cfg, split = W4Config(1, 32, 512, 1, 4, gemv=True), 1
-        tiles = -(-n // cfg.block_n)
-        while split * 2 <= MAX_SPLIT_K and tiles * split * 2 <= 2 * sms and k // (split * 2) >= 2 * cfg.block_k:
+        block_n = 32 if -(-n // 32) >= 2 * sms else 16
+        tiles, split = -(-n // block_n), 1
+        while split * 2 <= MAX_SPLIT_K and tiles * split < 2 * sms and k // (split * 2) >= 1024:
             split *= 2
-        return W4Config(1, cfg.block_n, cfg.block_k, split, cfg.num_warps, gemv=True)
+        return W4Config(1, block_n, 512, split, 4, gemv=True)
     if m == 1:
         cfg, waves = W4Config(1, 128, 32, 1, 4, gemv=True), 4
     elif m <= 16:
