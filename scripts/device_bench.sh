@@ -53,6 +53,15 @@ stage_prof1fp8() {
   grep Throughput "$RES/prof1fp8.txt"; grep -A22 "Python functions" "$RES/prof1fp8.txt" | cut -c1-150 | tail -14
   grep -A30 "operators by" "$RES/prof1fp8.txt" | cut -c1-60,100-200 | tail -26; grep -E "Self CUDA time total|Wall time" "$RES/prof1fp8.txt"
 }
+stage_prof1fp8kv() {
+  # W1 with FP8 weights, then FP8 weights and KV cache, profiled: device time against wall time, host hot spots.
+  for kv in auto fp8; do
+    bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 --quantization fp8 \
+      --kv-cache-dtype $kv --profile > "$RES/prof1fp8_$kv.txt"
+    echo "-- KV $kv"; grep Throughput "$RES/prof1fp8_$kv.txt"; grep -A16 "Python functions" "$RES/prof1fp8_$kv.txt" | cut -c1-140 | tail -10
+    grep -A14 "operators by" "$RES/prof1fp8_$kv.txt" | cut -c1-60,100-200 | tail -11; grep -E "Self CUDA time total|Wall time" "$RES/prof1fp8_$kv.txt"
+  done
+}
 stage_prof2() {
   bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --num-iters 1 --profile > "$RES/prof2.txt"
   grep TPOT "$RES/prof2.txt"; grep -A24 "operators by" "$RES/prof2.txt" | cut -c1-60,100-200 | tail -20; grep -E "Self CUDA time total|Wall time" "$RES/prof2.txt"
