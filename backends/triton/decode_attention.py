@@ -18,6 +18,7 @@ so a captured graph replays it like the scale.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -42,6 +43,13 @@ from .pdl import grid_dependency, pdl_enabled
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
 DECODE_BLOCK_N = 64
+
+
+class DecodeConfig(NamedTuple):
+    """One decode launch: keys per tile, warps per program, tiles in flight (software pipelining)."""
+    block_n: int = DECODE_BLOCK_N
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 # The block-table width changes every eager step (see the prefill kernel); a layer's window is fixed.
@@ -158,7 +166,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            num_splits: int | None = None, out: torch.Tensor | None = None,
                            check_indices: bool = True, sliding_window: int | None = None,
                            logits_soft_cap: float | None = None, k_scale: float = 1.0,
-                           v_scale: float = 1.0) -> torch.Tensor:
+                           v_scale: float = 1.0, config: DecodeConfig | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context (the token's own K/V included).
 
     q: [B, num_heads * head_dim]; block_tables: int32 [B, max_blocks]; seq_lens: int32 [B], the
@@ -170,6 +178,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     `logits_soft_cap` c: scores become c * tanh(score / c) (Gemma 2); None leaves them.
     An FP8 (e4m3) `kv_cache` holds keys / k_scale and values / v_scale (`store_kvcache`): the
     scales fold into the score scale and the output, so the tiles are only widened as they load.
+    `config` overrides the launch's tile, warps and stages (a benchmark's sweep).
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     check_index("block_tables", block_tables, 2, (torch.int32,))
@@ -197,12 +206,12 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     if num_seqs == 0:
         return out
     _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, num_heads // num_kv_heads, splits,
-                   sliding_window, logits_soft_cap, k_scale, v_scale)
+                   sliding_window, logits_soft_cap, k_scale, v_scale, config or DecodeConfig())
     return out
 
 
 def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, splits, window, soft_cap,
-                   k_scale, v_scale) -> None:
+                   k_scale, v_scale, cfg: DecodeConfig) -> None:
     num_seqs = q.shape[0]
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     num_heads = num_kv_heads * group
@@ -220,9 +229,9 @@ def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, split
         q.stride(0), out.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_tables.stride(0), num_heads,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=DECODE_BLOCK_N, BLOCK_SIZE=kv_cache.shape[2], NUM_SPLITS=splits,
+        BLOCK_N=cfg.block_n, BLOCK_SIZE=kv_cache.shape[2], NUM_SPLITS=splits,
         DOT_DTYPE=dot_dtype(q.dtype, q.device), SLIDING=window is not None, SOFT_CAP=float(soft_cap or 0.0),
-        PDL=pdl, num_warps=4, num_stages=3, launch_pdl=pdl,
+        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     if splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](
