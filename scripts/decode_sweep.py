@@ -23,7 +23,7 @@ CASES = {
     "batch 1 x 640, graph splits": ([640], 32, 8, 8192),
     "qwen3-0.6b 256 x 100-1100": ([rng.randint(100, 1100) for _ in range(256)], 16, 8, 8192),
 }
-CONFIGS = [DecodeConfig(n, w, s) for n, w, s in itertools.product((16, 32, 64, 128), (2, 4, 8), (1, 2, 3, 4))]
+CONFIGS = [DecodeConfig(n, w, s) for n, w, s in itertools.product((32, 64, 128), (2, 4, 8), (2, 3))]
 
 
 def main() -> None:
