@@ -105,3 +105,10 @@ def test_rejects_wrong_shapes_and_dtypes():
                                max_seq_len=9)
     with pytest.raises(ValueError, match=rf"num_splits must lie in \[1, {MAX_SPLITS}\], got 0"):
         paged_decode_attention(batch.q, *args, max_seq_len=9, num_splits=0)
+
+
+def test_unsplit_fp8_launches_take_the_measured_tile():
+    from corectl.backends.triton.decode_attention import FP8_UNSPLIT, DecodeConfig, decode_config
+
+    assert decode_config(torch.float8_e4m3fn, 1) == FP8_UNSPLIT != DecodeConfig()
+    assert decode_config(torch.float8_e4m3fn, 8) == decode_config(torch.bfloat16, 1) == DecodeConfig()
