@@ -62,6 +62,7 @@ stage_prof1fp8kv() {
     grep -A14 "operators by" "$RES/prof1fp8_$kv.txt" | cut -c1-60,100-200 | tail -11; grep -E "Self CUDA time total|Wall time" "$RES/prof1fp8_$kv.txt"
   done
 }
+stage_fp8kvtests() { python3 -m pytest -q tests/gpu/test_gpu_fp8_kv.py tests/gpu/test_gpu_kernels.py -p no:cacheprovider 2>&1 | tail -3; }
 stage_decodesweep() { timeout 400 python3 scripts/decode_sweep.py > "$RES/decode_sweep.txt" 2>&1; tail -9 "$RES/decode_sweep.txt"; }
 stage_prof2() {
   bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --num-iters 1 --profile > "$RES/prof2.txt"
