@@ -107,8 +107,9 @@ def test_rejects_wrong_shapes_and_dtypes():
         paged_decode_attention(batch.q, *args, max_seq_len=9, num_splits=0)
 
 
-def test_unsplit_fp8_launches_take_the_measured_tile():
-    from corectl.backends.triton.decode_attention import FP8_UNSPLIT, DecodeConfig, decode_config
+def test_unsplit_fp8_launches_take_the_measured_tiles():
+    from corectl.backends.triton.decode_attention import FP8_LARGE_BATCH, FP8_UNSPLIT, DecodeConfig, decode_config
 
-    assert decode_config(torch.float8_e4m3fn, 1) == FP8_UNSPLIT != DecodeConfig()
-    assert decode_config(torch.float8_e4m3fn, 8) == decode_config(torch.bfloat16, 1) == DecodeConfig()
+    assert decode_config(torch.float8_e4m3fn, 1, 64) == FP8_UNSPLIT != DecodeConfig()
+    assert decode_config(torch.float8_e4m3fn, 1, 256) == FP8_LARGE_BATCH != FP8_UNSPLIT
+    assert decode_config(torch.float8_e4m3fn, 8, 1) == decode_config(torch.bfloat16, 1, 256) == DecodeConfig()
