@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.nn import functional as F
 
 from .. import envs
 
@@ -56,6 +57,11 @@ class UsesLayerKernels:
         if kernels is None or kernels.dense_linear is None:
             return None
         return kernels.dense_linear(x, weight, bias, gated)
+
+    def dense_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T + bias: the installed `dense_linear` where it takes the shape, else F.linear."""
+        out = self.dense_kernel(x, weight, bias)
+        return F.linear(x, weight, bias) if out is None else out
 
 
 def install_layer_kernels(model: torch.nn.Module, kernels: LayerKernels | None) -> int:

@@ -147,10 +147,6 @@ class VocabParallelEmbedding(nn.Embedding):
         self.sharded = get_tp().world_size > 1
         self.weight.weight_loader = self._load
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.dense_kernel(hidden, self.weight, None)
-        return F.linear(hidden, self.weight) if out is None else out
-
     def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         _load_vocab_rows(param, loaded, self.first_token, self.vocab_size)
 
@@ -177,8 +173,7 @@ class ParallelLMHead(UsesLayerKernels, nn.Linear):
         self.weight.weight_loader = self._load
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.dense_kernel(hidden, self.weight, None)
-        return F.linear(hidden, self.weight) if out is None else out
+        return self.dense_forward(hidden, self.weight, None)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         _load_vocab_rows(param, loaded, self.first_token, self.vocab_size)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from ..errors import ConfigError
 from ..quantization.base import LinearMethod, QuantAxes
@@ -78,8 +77,7 @@ class QuantizableLinear(UsesLayerKernels):
         """x @ W.T + bias through the layer's method, or densely."""
         if self.quant_method is not None:
             return self.quantized_forward(x)
-        out = self.dense_kernel(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias) if out is None else out
+        return self.dense_forward(x, self.weight, self.bias)
 
     def load_sliced(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         """Copy this rank's slice of checkpoint tensor `loaded` into `param` (of `shard_id`'s rows)."""
