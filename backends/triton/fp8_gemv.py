@@ -232,7 +232,11 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, 
             and w_scale.shape[0] == n and w_scale.stride(0) == 1,
             f"w_scale must be a contiguous float32 [{n}] (one scale per output row), got "
             f"{getattr(w_scale, 'dtype', type(w_scale).__name__)} {tuple(getattr(w_scale, 'shape', ()))}")
-    tensors = {"x": x, "weight": weight, "w_scale": w_scale}
+    _check_bias_and_device(bias, n, x=x, weight=weight, w_scale=w_scale)
+
+
+def _check_bias_and_device(bias: torch.Tensor | None, n: int, **tensors: torch.Tensor) -> None:
+    """A bias, where given, is a float [N]; it and the other tensors share one device."""
     if bias is not None:
         check_float("bias", bias, 1)
         require(bias.shape[0] == n, f"bias must be [{n}], got {tuple(bias.shape)}")
@@ -253,12 +257,7 @@ def fp8_w8a16_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
             f"block_m must be 1 (M = 1) or {_DOT_M}, and at least M = {m}; got {cfg}")
     require(cfg.block_m == 1 or cfg.block_n >= _DOT_M,
             f"block_n must be >= {_DOT_M} with block_m {_DOT_M} (tl.dot), got {cfg}")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    return _launch(x, weight, w_scale, bias, out, cfg, gated)
+    return _run(x, weight, w_scale, bias, cfg, gated)
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -270,20 +269,9 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     check_float("weight", weight, 2)
     require(weight.dtype == x.dtype, f"weight and x must share a dtype, got {weight.dtype} and {x.dtype}")
     _check_rows(x, weight, gated)
-    tensors = {"x": x, "weight": weight}
     n, k = weight.shape
-    if bias is not None:
-        check_float("bias", bias, 1)
-        require(bias.shape[0] == n, f"bias must be [{n}], got {tuple(bias.shape)}")
-        tensors["bias"] = bias
-    check_same_device(**tensors)
-    m = x.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    return _launch(x, weight, None, bias, out, config or _small_n_config(m, n, k), gated)
+    _check_bias_and_device(bias, n, x=x, weight=weight)
+    return _run(x, weight, None, bias, config or _small_n_config(max(x.shape[0], 1), n, k), gated)
 
 
 def _small_n_config(m: int, n: int, k: int) -> GemvConfig:
@@ -296,6 +284,20 @@ def _small_n_config(m: int, n: int, k: int) -> GemvConfig:
     while block_n > 2 and triton.cdiv(n, block_n) < _TARGET_PROGRAMS // 2:
         block_n //= 2
     return GemvConfig(1, block_n, min(512, triton.next_power_of_2(k)), 1, num_warps=4, num_stages=3)
+
+
+def _run(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None, bias: torch.Tensor | None,
+         cfg: GemvConfig, gated: bool) -> torch.Tensor:
+    """The [M, N] output: empty products answered without a launch (K = 0 gives the bias), the rest
+    launched."""
+    m = x.shape[0]
+    n, k = weight.shape
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
+    return _launch(x, weight, w_scale, bias, out, cfg, gated)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None, bias: torch.Tensor | None,
