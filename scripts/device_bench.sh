@@ -19,6 +19,8 @@ python3 -c 'import torch, triton, transformers; print("torch", torch.__version__
 
 PEER=".peers/hf_baseline.py"
 bench() { corectl bench "$@" --platform cuda --load-format dummy --seed 0 --max-num-seqs 256 --max-num-batched-tokens 8192; }
+# 4-bit AWQ weights (group 128) of any preset: random packed weights from this quantization_config override.
+AWQ='{"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemm"}}'
 
 stage_tests() { python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "$RES/gpu_tests.log" | tail -15; }
 stage_kernels() {
@@ -140,9 +142,8 @@ stage_swa() {
 }
 stage_profq() {
   # Where the quantized W2 decode step goes: FP8 W8A8 and 4-bit AWQ against bf16, one profiled iteration each.
-  local awq='{"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemm"}}'
   for q in bf16 fp8 awq; do
-    local extra=(); [ $q = fp8 ] && extra=(--quantization fp8); [ $q = awq ] && extra=(--hf-overrides "$awq")
+    local extra=(); [ $q = fp8 ] && extra=(--quantization fp8); [ $q = awq ] && extra=(--hf-overrides "$AWQ")
     bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --num-iters 1 --profile "${extra[@]}" > "$RES/profq_$q.txt"
     echo "-- $q"; grep TPOT "$RES/profq_$q.txt"; grep -A16 "operators by" "$RES/profq_$q.txt" | cut -c1-70,100-200 | tail -13
     grep -E "Self CUDA time total|Wall time" "$RES/profq_$q.txt"
@@ -244,8 +245,7 @@ stage_w1fp8() {
 }
 stage_w2awq() {
   # W2 with 4-bit AWQ weights (group 128): random packed weights from the quantization_config override.
-  local awq='{"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemm"}}'
-  bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --hf-overrides "$awq" --save-result "$RES/w2_awq.json"
+  bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --hf-overrides "$AWQ" --save-result "$RES/w2_awq.json"
 }
 stage_w2bf16() {
   bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w2_bf16_$(date +%s).json" | grep TPOT
@@ -279,12 +279,11 @@ stage_densetests() {
 }
 stage_pdlab() {
   # Each batch-1 decode workload with programmatic dependent launch off (CORECTL_PDL=0), then on.
-  local awq='{"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemm"}}'
   for pdl in 0 1; do
     export CORECTL_PDL=$pdl
     bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w2_bf16_pdl$pdl.json" | grep TPOT | sed "s/^/PDL=$pdl W2 bf16: /"
     bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --quantization fp8 --save-result "$RES/w2_fp8_pdl$pdl.json" | grep TPOT | sed "s/^/PDL=$pdl W2 fp8: /"
-    bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --hf-overrides "$awq" --save-result "$RES/w2_awq_pdl$pdl.json" | grep TPOT | sed "s/^/PDL=$pdl W2 awq: /"
+    bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --hf-overrides "$AWQ" --save-result "$RES/w2_awq_pdl$pdl.json" | grep TPOT | sed "s/^/PDL=$pdl W2 awq: /"
     bench latency --model qwen3-0.6b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w3_pdl$pdl.json" | grep TPOT | sed "s/^/PDL=$pdl W3: /"
   done
   unset CORECTL_PDL

@@ -124,8 +124,6 @@ def bench_dense_shape(n: int, k: int, ms: list[int], gated: bool) -> list[dict]:
             peer = [lambda w=w: torch.nn.functional.linear(x, w) for w in dense]
         row = {"n": n, "k": k, "m": m, "gated": gated, "bf16": graph_us(peer), "sweep": {}}
         for cfg in candidates(m, k):
-            if cfg.block_m == 1 and m > 1:
-                continue
             row["sweep"][cfg] = graph_us([lambda w=w, c=cfg: dense_gemv(x, w, None, c, gated) for w in dense])
         row["best"] = min(row["sweep"], key=row["sweep"].get)
         rows.append(row)

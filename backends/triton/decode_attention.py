@@ -224,7 +224,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     if num_seqs == 0:
         return out
     _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, num_heads // num_kv_heads, splits,
-                   sliding_window, logits_soft_cap, k_scale, v_scale, config or decode_config(kv_cache.dtype, splits, num_seqs))
+                   sliding_window, logits_soft_cap, k_scale, v_scale,
+                   config or decode_config(kv_cache.dtype, splits, num_seqs))
     return out
 
 

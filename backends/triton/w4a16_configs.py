@@ -80,11 +80,11 @@ def heuristic(m: int, n: int, k: int, sms: int, gathered: bool = False) -> W4Con
     (32 columns, 16 where that leaves under two programs per SM) in 512-input blocks, K split
     until there are two programs per SM: the H100 sweep's best form on every llama3-8b layer."""
     if m == 1 and not gathered:
-        block_n = 32 if -(-n // 32) >= 2 * sms else 16
+        block_n, block_k = (32 if -(-n // 32) >= 2 * sms else 16), 512
         tiles, split = -(-n // block_n), 1
-        while split * 2 <= MAX_SPLIT_K and tiles * split < 2 * sms and k // (split * 2) >= 1024:
+        while split * 2 <= MAX_SPLIT_K and tiles * split < 2 * sms and k // (split * 2) >= 2 * block_k:
             split *= 2
-        return W4Config(1, block_n, 512, split, 4, gemv=True)
+        return W4Config(1, block_n, block_k, split, 4, gemv=True)
     if m == 1:
         cfg, waves = W4Config(1, 128, 32, 1, 4, gemv=True), 4
     elif m <= 16:
