@@ -247,6 +247,18 @@ stage_w2awq() {
   # W2 with 4-bit AWQ weights (group 128): random packed weights from the quantization_config override.
   bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --hf-overrides "$AWQ" --save-result "$RES/w2_awq.json"
 }
+stage_w2awqab() {
+  # W2 AWQ end to end with the earlier 4-bit kernel and loader (.bench/w4a16_before.py,
+  # .bench/int4_before.py) and with the current ones, alternating, in one call.
+  local keep=/tmp/w2awqab; mkdir -p $keep
+  cp backends/triton/w4a16.py core/quantization/int4.py $keep/
+  for round in 1 2; do
+    cp .bench/w4a16_before.py backends/triton/w4a16.py; cp .bench/int4_before.py core/quantization/int4.py
+    echo "before ($round)"; bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --hf-overrides "$AWQ" --save-result "$RES/w2_awq_before_$round.json" | grep TPOT
+    cp $keep/w4a16.py backends/triton/w4a16.py; cp $keep/int4.py core/quantization/int4.py
+    echo "after ($round)"; bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --hf-overrides "$AWQ" --save-result "$RES/w2_awq_after_$round.json" | grep TPOT
+  done
+}
 stage_w2bf16() {
   bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w2_bf16_$(date +%s).json" | grep TPOT
 }
@@ -313,7 +325,7 @@ stage_w4ab() {
   # The 4-bit GEMV before and after a change in one call (scripts/w4a16_ab.py): carry the earlier
   # kernel as .bench/w4a16_before.py (git show REV:backends/triton/w4a16.py > .bench/w4a16_before.py).
   cp .bench/w4a16_before.py backends/triton/w4a16_before.py
-  timeout 300 python3 scripts/w4a16_ab.py > "$RES/w4ab.txt" 2>&1; tail -6 "$RES/w4ab.txt"
+  timeout 420 python3 scripts/w4a16_ab.py > "$RES/w4ab.txt" 2>&1; tail -6 "$RES/w4ab.txt"
   rm -f backends/triton/w4a16_before.py
 }
 stage_moetests() { python3 -m pytest -q tests/gpu/test_gpu_moe.py -p no:cacheprovider 2>&1 | tee "$RES/gpu_moe_tests.log" | tail -15; }

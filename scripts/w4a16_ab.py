@@ -3,9 +3,13 @@
 The earlier kernel module is imported as `corectl.backends.triton.w4a16_before` (the stage copies
 it there from `.bench/w4a16_before.py`, e.g. `git show REV:backends/triton/w4a16.py`). At M = 1
 on llama3-8b's four projections (group 128, bf16 x), each version runs the table's config and a
-few others, timed from CUDA-graph replays that cycle through weight copies past L2, and is
-checked against the fp32 reference; the best time per layer and version comes last.
+few others (GEMV forms, and 16-row tl.dot tiles padding the one row), timed from CUDA-graph
+replays that cycle through weight copies past L2, and is checked against the fp32 reference; the
+best time per layer and version comes last, then both versions' table configs at M = 16 (a
+decode batch, tl.dot tiles). Zero codes go to the earlier kernel as int32 codes and to the
+current one in the form int4.py now serves (W4_AFTER_OFFSETS=1: fp32 offsets -z s).
 """
+import os
 import math
 
 import torch
@@ -19,7 +23,11 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 GROUP = 128
 # (block_n, block_k, split_k, num_warps) besides the table's choice
 OTHERS = ((16, 512, 1, 4), (32, 512, 1, 4), (32, 512, 2, 4), (16, 256, 1, 4), (32, 256, 1, 4), (32, 256, 2, 4),
-          (64, 256, 1, 4), (16, 1024, 1, 4), (64, 512, 1, 8), (8, 512, 1, 4), (16, 512, 2, 4))
+          (64, 256, 1, 4), (16, 1024, 1, 4), (64, 512, 1, 8), (8, 512, 1, 4), (16, 512, 2, 4), (16, 512, 1, 2),
+          (32, 512, 1, 8), (16, 256, 2, 2))
+# (block_n, block_k, split_k, num_warps) of 16-row tl.dot tiles tried at M = 1
+DOTS = ((64, 128, 4, 4), (32, 128, 4, 4), (64, 128, 8, 4), (128, 64, 8, 4))
+AFTER_OFFSETS = os.environ.get("W4_AFTER_OFFSETS", "1") == "1"
 
 
 def layer(n: int, k: int):
@@ -30,15 +38,26 @@ def layer(n: int, k: int):
     return pack_int32(codes.t(), 0), scales, zeros, g_idx
 
 
+def as_offsets(qweight, scales, zeros, g_idx):
+    return qweight, scales, -(zeros.float() * scales.float()), g_idx
+
+
+def versions(copies):
+    """(module, tag, its weight copies): the current kernel takes offsets where int4.py makes them."""
+    return ((before, "before", copies),
+            (after, "after", [as_offsets(*c) for c in copies] if AFTER_OFFSETS else copies))
+
+
 def bench(name: str, n: int, k: int) -> list[tuple]:
     copies = [layer(n, k) for _ in range(max(2, math.ceil((256 << 20) / (n * k // 2))))]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     ref = w4a16_reference(x, *copies[0]).float()
     configs = dict.fromkeys([choose(1, n, k, x.device)] + [W4Config(1, bn, bk, sk, w, gemv=True)
-                                                           for bn, bk, sk, w in OTHERS])
+                                                           for bn, bk, sk, w in OTHERS]
+                            + [W4Config(16, bn, bk, sk, w) for bn, bk, sk, w in DOTS])
     moved = n * k // 2 + (k // GROUP) * n * 6
     rows = []
-    for module, tag in ((before, "before"), (after, "after")):
+    for module, tag, copies in versions(copies):
         for cfg in configs:
             out = module.w4a16_gemm(x, *copies[0], GROUP, False, cfg)
             error = ((out.float() - ref).norm() / ref.norm()).item()
@@ -58,6 +77,19 @@ def main() -> None:
         best = {tag: min((r for r in rows if r[0] == name and r[1] == tag), key=lambda r: r[3])
                 for tag in ("before", "after")}
         print(f"{name:8s} {best['before'][3]:7.2f} {best['after'][3]:7.2f} {best['after'][2]}")
+    print("\nM = 16, table configs (us): layer, before, after")
+    for name, (n, k) in SHAPES.items():
+        copies = [layer(n, k) for _ in range(max(2, math.ceil((256 << 20) / (n * k // 2))))]
+        x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+        times = []
+        for module, tag, weights in versions(copies):
+            error = ((module.w4a16_gemm(x, *weights[0], GROUP, False).float() - w4a16_reference(x, *copies[0]).float()
+                      ).norm() / w4a16_reference(x, *copies[0]).float().norm()).item()
+            assert error < 1e-2, (name, tag, error)
+            times.append(graph_us([lambda q=q, m=module: m.w4a16_gemm(x, *q, GROUP, False) for q in weights]))
+        print(f"{name:8s} {times[0]:7.2f} {times[1]:7.2f}", flush=True)
+        del copies
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -54,43 +54,68 @@ def _codes_f32(codes):
 
 
 @triton.jit
-def _code_dot(words, x_ptr, rows, row_mask):
+def _input_pair(x_ptr, rows, row_mask, I: tl.constexpr, X_PACKED: tl.constexpr):
+    """Inputs 2I and 2I + 1 of each word row as fp32 [R]. X_PACKED (16-bit x, rows 4-byte aligned):
+    one 32-bit load per pair instead of two 16-bit ones; the load/store unit issues a quarter as
+    many instructions a cycle as the ALUs, and these loads repeat for every column slice."""
+    if X_PACKED:
+        pair = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + rows * 4 + I, mask=row_mask, other=0)
+        first = pair.to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+        second = (pair >> 16).to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+    else:
+        first = tl.load(x_ptr + rows * 8 + 2 * I, mask=row_mask, other=0.0).to(tl.float32)
+        second = tl.load(x_ptr + rows * 8 + 2 * I + 1, mask=row_mask, other=0.0).to(tl.float32)
+    return first, second
+
+
+@triton.jit
+def _biased_codes(codes, DTYPE: tl.constexpr):
+    """Codes 0..15 (int32) as DTYPE values b + q, and b: for 16-bit DTYPE one bitwise op gives the
+    code the low mantissa bits of 128 (bf16) or 1024 (fp16), instead of a conversion through fp32."""
+    if DTYPE == tl.bfloat16:
+        return (codes | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True), 128.0
+    if DTYPE == tl.float16:
+        return (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True), 1024.0
+    return _codes_f32(codes).to(DTYPE), 0.0
+
+
+@triton.jit
+def _code_dot(words, x_ptr, rows, row_mask, X_PACKED: tl.constexpr):
     """Per word row: sum_j q_j x_j over its 8 codes [R, N], and sum_j x_j [R].
 
-    Each code is read in place as the top mantissa bits of a float in [1, 2): shifted so that a
-    pair of codes lands at bits 15..18 and 19..22, masked, and given 1.0's exponent, the code q at
-    bit P reads as f = 1 + q 2**(P - 23). With x' = x 2**(23 - P), f x' = x' + q x, so
-    sum_j f_j x'_j - sum_j x'_j is sum_j q_j x_j: a shift per two codes, then a mask-and-or and a
-    multiply-add per code. An int-to-float conversion per code costs a quarter-rate instruction
-    and the 2**23 trick of `_nibble` an extra add; this inner loop is the GEMV's ALU bound. Exact
-    for bf16/fp16 x (f x' needs at most 17 bits); the subtraction cancels at most 8 x' terms of
-    2**8 |x|, a relative error near 2**-13 of one word row's sum of |x|."""
-    qx = tl.zeros(words.shape, dtype=tl.float32)
-    xs = tl.zeros(rows.shape, dtype=tl.float32)
-    xw = tl.zeros(rows.shape, dtype=tl.float32)
+    Each code is read in place as mantissa bits: shifted so that a pair of codes lands at bits
+    15..18 and 19..22, masked and given the exponent of 256 (first code) or 16 (second), the code q
+    reads as f = 256 + q or 16 + q. So sum_j f_j x_j = sum_j q_j x_j + 256 sum x_even + 16 sum x_odd,
+    and the row sums take the excess off once: a shift per two codes, then a mask-and-or and a
+    multiply-add per code. An int-to-float conversion per code costs a quarter-rate instruction;
+    this inner loop is the GEMV's ALU bound. Exact for bf16/fp16 x (f x needs at most 20 bits);
+    the subtraction cancels at most 8 terms of 256 |x|, a relative error near 2**-13 of one word
+    row's sum of |x|."""
+    raw = tl.zeros(words.shape, dtype=tl.float32)
+    even = tl.zeros(rows.shape, dtype=tl.float32)
+    odd = tl.zeros(rows.shape, dtype=tl.float32)
     for i in tl.static_range(4):
         # codes 2i and 2i + 1 (bits 8i..8i+7) move to bits 15..22
         if i < 2:
             pair = words << (15 - 8 * i)
         else:
             pair = words >> (8 * i - 15)
-        for h in tl.static_range(2):
-            xj = tl.load(x_ptr + rows * 8 + 2 * i + h, mask=row_mask, other=0.0).to(tl.float32)
-            scaled = xj * (16.0 if h else 256.0)
-            f = ((pair & (0xF << (15 + 4 * h))) | 0x3F800000).to(tl.float32, bitcast=True)
-            qx += f * scaled[:, None]
-            xs += xj
-            xw += scaled
-    return qx - xw[:, None], xs
+        x_first, x_second = _input_pair(x_ptr, rows, row_mask, i, X_PACKED)
+        raw += ((pair & 0x78000) | 0x43800000).to(tl.float32, bitcast=True) * x_first[:, None]
+        raw += ((pair & 0x780000) | 0x41800000).to(tl.float32, bitcast=True) * x_second[:, None]
+        even += x_first
+        odd += x_second
+    return raw - (even * 256.0 + odd * 16.0)[:, None], even + odd
 
 
 @triton.jit
-def _group_sum(qx, xs, s, z, OFFSETS: tl.constexpr):
-    """The groups' share of the output from sum_k q x [R, N] and sum_k x [R]: s (qx - z xs) with
-    zero codes, s qx + b xs with float offsets (s, z fp32, [1, N] for one group or [R, N] a row each)."""
+def _group_sum(acc, qx, xs, s, z, OFFSETS: tl.constexpr):
+    """acc plus the groups' share of the output from sum_k q x [R, N] and sum_k x [R]: s (qx - z xs)
+    with zero codes, s qx + b xs with float offsets (s, z fp32, [1, N] for one group or [R, N] a row
+    each); written as two multiply-adds into acc."""
     if OFFSETS:
-        return qx * s + xs[:, None] * z
-    return (qx - xs[:, None] * z) * s
+        return acc + qx * s + xs[:, None] * z
+    return acc + (qx - xs[:, None] * z) * s
 
 
 @triton.jit
@@ -100,12 +125,13 @@ def _load_words(qw_ptr, rows, row_end, offs_n, mask_n, stride_qk):
 
 
 @triton.jit
-def _gemv_block(x_ptr, s_ptr, z_ptr, g_ptr, words, rows, row_end, offs_n, mask_n, k0,
-                stride_sg, stride_zg, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr):
-    """sum over the block's inputs of w * x, left as [BLOCK_K/8, BLOCK_N] (one row per word row)."""
+def _gemv_block(acc, x_ptr, s_ptr, z_ptr, g_ptr, words, rows, row_end, offs_n, mask_n, k0,
+                stride_sg, stride_zg, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr,
+                X_PACKED: tl.constexpr):
+    """acc plus the block's w * x, summed over each word row's inputs ([BLOCK_K/8, BLOCK_N])."""
     row_mask = rows < row_end
     if GROUP_SIZE > 0:
-        qx, xs = _code_dot(words, x_ptr, rows, row_mask)
+        qx, xs = _code_dot(words, x_ptr, rows, row_mask, X_PACKED)
         if BLOCK_K <= GROUP_SIZE:
             group = k0 // GROUP_SIZE
             s = tl.load(s_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -117,8 +143,7 @@ def _gemv_block(x_ptr, s_ptr, z_ptr, g_ptr, words, rows, row_end, offs_n, mask_n
             mask = row_mask[:, None] & mask_n[None, :]
             s = tl.load(s_ptr + group[:, None] * stride_sg + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + group[:, None] * stride_zg + offs_n[None, :], mask=mask, other=0).to(tl.float32)
-        return _group_sum(qx, xs, s, z, OFFSETS)
-    qx = tl.zeros(words.shape, dtype=tl.float32)
+        return _group_sum(acc, qx, xs, s, z, OFFSETS)
     for j in tl.static_range(8):
         xj = tl.load(x_ptr + rows * 8 + j, mask=row_mask, other=0.0).to(tl.float32)
         group = tl.load(g_ptr + rows * 8 + j, mask=row_mask, other=0)
@@ -126,25 +151,29 @@ def _gemv_block(x_ptr, s_ptr, z_ptr, g_ptr, words, rows, row_end, offs_n, mask_n
         s = tl.load(s_ptr + group[:, None].to(tl.int64) * stride_sg + offs_n[None, :], mask=mask, other=0.0)
         z = tl.load(z_ptr + group[:, None].to(tl.int64) * stride_zg + offs_n[None, :], mask=mask, other=0)
         if OFFSETS:
-            qx += (_nibble(words, j) * s.to(tl.float32) + z.to(tl.float32)) * xj[:, None]
+            acc += (_nibble(words, j) * s.to(tl.float32) + z.to(tl.float32)) * xj[:, None]
         else:
-            qx += (_nibble(words, j) - z.to(tl.float32)) * s.to(tl.float32) * xj[:, None]
-    return qx
+            acc += (_nibble(words, j) - z.to(tl.float32)) * s.to(tl.float32) * xj[:, None]
+    return acc
 
 
 @triton.jit
 def _gemv(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_n, mask_n, k_start, k_end, stride_qk, stride_sg, stride_zg,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr):
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr,
+          X_PACKED: tl.constexpr, PDL: tl.constexpr):
     rows = k_start // 8 + tl.arange(0, BLOCK_K // 8)
     row_end = k_end // 8
     acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+    # Weights are never written by the step's kernels: the first block is requested before waiting
+    # for the previous kernel, so its latency overlaps that kernel's tail.
     words = _load_words(qw_ptr, rows, row_end, offs_n, mask_n, stride_qk)
+    grid_dependency(PDL)
     for k0 in range(k_start, k_end, BLOCK_K):
         # The next block's words are requested before this block's arithmetic: their latency hides
         # behind it (register double buffering; the pipeliner only stages loads that feed tl.dot).
         upcoming = _load_words(qw_ptr, rows + BLOCK_K // 8, row_end, offs_n, mask_n, stride_qk)
-        acc += _gemv_block(x_ptr, s_ptr, z_ptr, g_ptr, words, rows, row_end, offs_n, mask_n, k0,
-                           stride_sg, stride_zg, BLOCK_K, GROUP_SIZE, OFFSETS)
+        acc = _gemv_block(acc, x_ptr, s_ptr, z_ptr, g_ptr, words, rows, row_end, offs_n, mask_n, k0,
+                          stride_sg, stride_zg, BLOCK_K, GROUP_SIZE, OFFSETS, X_PACKED)
         words = upcoming
         rows += BLOCK_K // 8
     return tl.sum(acc, axis=0)
@@ -167,10 +196,11 @@ def _dot_tile(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_m, mask_m, offs_n, mask_n
             group = k0 // GROUP_SIZE
             s = tl.load(s_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + group * stride_zg + offs_n, mask=mask_n, other=0).to(tl.float32)
-            # Codes 0..15 are exact in any float dtype: the dot is exact-input, the group applies after.
-            qx = tl.dot(x, _codes_f32(codes).to(x.dtype), input_precision=PRECISION, out_dtype=tl.float32)
+            # Biased codes b + q are exact in x's dtype: the dot is exact-input, the group applies after.
+            codes, bias = _biased_codes(codes, x.dtype)
             xs = tl.sum(x.to(tl.float32), axis=1)
-            acc += _group_sum(qx, xs, s[None, :], z[None, :], OFFSETS)
+            qx = tl.dot(x, codes, input_precision=PRECISION, out_dtype=tl.float32) - bias * xs[:, None]
+            acc = _group_sum(acc, qx, xs, s[None, :], z[None, :], OFFSETS)
         else:
             group = tl.load(g_ptr + offs_k, mask=mask_k, other=0)
             mask_w = mask_k[:, None] & mask_n[None, :]
@@ -189,8 +219,7 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT,
                   stride_xm, stride_qk, stride_sg, stride_zg, stride_os, stride_om,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr, GEMV: tl.constexpr, PRECISION: tl.constexpr,
-                  PDL: tl.constexpr):
-    grid_dependency(PDL)
+                  X_PACKED: tl.constexpr, PDL: tl.constexpr):
     # M tiles vary fastest: a prefill's row tiles read each weight tile together, once from HBM.
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -200,9 +229,11 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT,
     out_ptr += pid_k.to(tl.int64) * stride_os
     if GEMV:
         acc = _gemv(x_ptr + pid_m.to(tl.int64) * stride_xm, qw_ptr, s_ptr, z_ptr, g_ptr, offs_n, mask_n,
-                    k_start, k_end, stride_qk, stride_sg, stride_zg, BLOCK_N, BLOCK_K, GROUP_SIZE, OFFSETS)
+                    k_start, k_end, stride_qk, stride_sg, stride_zg, BLOCK_N, BLOCK_K, GROUP_SIZE, OFFSETS,
+                    X_PACKED, PDL)
         tl.store(out_ptr + pid_m.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
     else:
+        grid_dependency(PDL)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
         acc = _dot_tile(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_m, mask_m, offs_n, mask_n, k_start, k_end,
@@ -251,6 +282,11 @@ def _check(x, qweight, scales, zeros, g_idx, group_size: int, check_indices: boo
             require(bool(torch.equal(g_idx, runs)), f"group_size {group_size} needs g_idx == arange(K) // {group_size}")
 
 
+def _packed_inputs(x: torch.Tensor) -> bool:
+    """Whether the GEMV may read x's 16-bit inputs in 32-bit pairs: every row 4-byte aligned."""
+    return x.element_size() == 2 and x.stride(1) == 1 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0
+
+
 def _block_k(cfg: W4Config, group_size: int) -> tuple[int, int]:
     """(BLOCK_K, GROUP_SIZE) to launch: with contiguous groups a dot block must lie in one group, so
     BLOCK_K shrinks to a power of two dividing the group (a GEMV block may also span whole groups);
@@ -287,7 +323,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     _w4a16_kernel[grid](x, qweight, scales, zeros, g_idx, target, m, n, k, per_split * block_k, x.stride(0),
                         qweight.stride(0), scales.stride(0), zeros.stride(0), m * n, n,
                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_SIZE=group,
-                        OFFSETS=zeros.is_floating_point(), GEMV=cfg.gemv,
+                        OFFSETS=zeros.is_floating_point(), GEMV=cfg.gemv, X_PACKED=_packed_inputs(x),
                         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl,
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     if splits > 1:

@@ -195,15 +195,15 @@ class W4LinearMethod(LinearMethod):
         self._to_int4pack(layer, codes, zeros, scales, g_idx)
 
     def served_bytes(self, layer) -> int:
-        """w4a16: codes as [K/8, N] int32, the scales, zero codes as int32 and g_idx; int4pack: its
+        """w4a16: codes as [K/8, N] int32, the scales, fp32 offsets and g_idx; int4pack: its
         packed layout, plus the input permutation with act-order. An act-order rank whose inputs
         do not form whole groups keeps a dense weight (int4pack) or gathers by g_idx without a
         permutation (w4a16) instead, which only its g_idx shows: planned as packed, permuted."""
         n, k = layer.out_features, layer.in_features
         permutation = k * torch.int64.itemsize if self.config.desc_act else 0
         if self.gemm is not None:
-            zero_codes = layer.scales.shape[0] * n * torch.int32.itemsize
-            served = w4a16_bytes(n, k, tensor_bytes(layer.scales) + zero_codes)
+            offsets = layer.scales.shape[0] * n * torch.float32.itemsize
+            served = w4a16_bytes(n, k, tensor_bytes(layer.scales) + offsets)
         else:
             served = int4pack_bytes(n, k, self.config.group_size)
         return served + permutation + tensor_bytes(layer.bias)
@@ -212,15 +212,18 @@ class W4LinearMethod(LinearMethod):
         """Inputs permuted into runs of G where act-order allows (the activations are permuted to
         match per call), so the kernel takes its contiguous-group path (`group_size`) and loads
         each group's scales once instead of gathering them per input; a rank whose inputs do not
-        form whole groups keeps g_idx and the gathering path."""
+        form whole groups keeps g_idx and the gathering path. Zero codes become fp32 offsets
+        b = -z s, exact (s has at most 11 significant bits, z 4): the kernel then adds b sum x
+        instead of converting z per column and group."""
         g = self.config.group_size
+        offsets = -(zeros.float() * scales.float())
         runs = _group_runs(g_idx, g)
         if runs is None:
-            register_w4a16(layer, codes, scales, zeros.to(torch.int32), g_idx, 0)
+            register_w4a16(layer, codes, scales, offsets, g_idx, 0)
             return
         perm, order = runs
         g_idx = torch.arange(g_idx.numel(), dtype=torch.int32, device=g_idx.device) // g
-        register_w4a16(layer, codes[:, perm], scales[order], zeros[order].to(torch.int32), g_idx, g,
+        register_w4a16(layer, codes[:, perm], scales[order], offsets[order], g_idx, g,
                        None if _is_identity(perm) else perm)
 
     def _unpacked(self, layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -230,6 +230,22 @@ def test_triton_w4a16_configs_match_reference(config, dtype, group, act_order, o
     _w4a16_close(out, w4a16_reference(x, qweight, scales, zeros, g_idx))
 
 
+@pytest.mark.parametrize("offset", [0, 1])
+def test_triton_w4a16_gemv_reads_inputs_in_pairs_or_singly(offset):
+    """16-bit rows that start 4-byte aligned are read two inputs a load; a view starting one input
+    further is not, and is read one input a load; both agree with the reference, over three rows."""
+    from corectl.backends.triton.w4a16 import _packed_inputs, w4a16_gemm
+
+    x, qweight, scales, zeros, g_idx, _ = _w4_case(3, 128, 48, 32, False, offsets=True)
+    wide = torch.randn(3, 130).to(torch.bfloat16)
+    wide[:, offset:offset + 128] = x.to(torch.bfloat16)
+    x = wide[:, offset:offset + 128]
+    assert _packed_inputs(x) == (offset == 0)
+    scales, zeros = scales.to(torch.bfloat16), zeros.to(torch.bfloat16)
+    out = w4a16_gemm(x, qweight, scales, zeros, g_idx, group_size=32, config=W4Config(1, 16, 64, 1, 4, gemv=True))
+    _w4a16_close(out, w4a16_reference(x, qweight, scales, zeros, g_idx))
+
+
 def test_triton_w4a16_checks_its_inputs():
     from corectl.backends.triton.w4a16 import w4a16_gemm
 
