@@ -7,7 +7,8 @@ few others (GEMV forms, and 16-row tl.dot tiles padding the one row), timed from
 replays that cycle through weight copies past L2, and is checked against the fp32 reference; the
 best time per layer and version comes last, then both versions' table configs at M = 16 (a
 decode batch, tl.dot tiles). Zero codes go to the earlier kernel as int32 codes and to the
-current one in the form int4.py now serves (W4_AFTER_OFFSETS=1: fp32 offsets -z s).
+current one in the form int4.py now serves (W4_AFTER_FORM=served: fp32 offsets -z s, words as
+column tiles; =codes: as the earlier one).
 """
 import os
 import math
@@ -17,7 +18,7 @@ from corectl.backends.triton import w4a16 as after
 from corectl.backends.triton import w4a16_before as before
 from corectl.backends.triton.bench_fp8 import graph_us
 from corectl.backends.triton.w4a16_configs import W4Config, choose
-from corectl.quantization.int4 import pack_int32, w4a16_reference
+from corectl.quantization.int4 import pack_int32, tile_words, w4a16_reference
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 GROUP = 128
@@ -27,7 +28,7 @@ OTHERS = ((16, 512, 1, 4), (32, 512, 1, 4), (32, 512, 2, 4), (16, 256, 1, 4), (3
           (32, 512, 1, 8), (16, 256, 2, 2))
 # (block_n, block_k, split_k, num_warps) of 16-row tl.dot tiles tried at M = 1
 DOTS = ((64, 128, 4, 4), (32, 128, 4, 4), (64, 128, 8, 4), (128, 64, 8, 4))
-AFTER_OFFSETS = os.environ.get("W4_AFTER_OFFSETS", "1") == "1"
+AFTER_SERVED = os.environ.get("W4_AFTER_FORM", "served") == "served"
 
 
 def layer(n: int, k: int):
@@ -38,14 +39,14 @@ def layer(n: int, k: int):
     return pack_int32(codes.t(), 0), scales, zeros, g_idx
 
 
-def as_offsets(qweight, scales, zeros, g_idx):
-    return qweight, scales, -(zeros.float() * scales.float()), g_idx
+def as_served(qweight, scales, zeros, g_idx):
+    return tile_words(qweight), scales, -(zeros.float() * scales.float()), g_idx
 
 
 def versions(copies):
     """(module, tag, its weight copies): the current kernel takes offsets where int4.py makes them."""
     return ((before, "before", copies),
-            (after, "after", [as_offsets(*c) for c in copies] if AFTER_OFFSETS else copies))
+            (after, "after", [as_served(*c) for c in copies] if AFTER_SERVED else copies))
 
 
 def bench(name: str, n: int, k: int) -> list[tuple]:

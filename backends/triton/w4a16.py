@@ -1,7 +1,9 @@
 """4-bit weight-only GEMM (AWQ/GPTQ/GGUF after loading): the weight is dequantized inside the GEMM.
 
 Contract ("w4a16" in `corectl.quantization.int4`, reference `w4a16_reference`): x [M, K] (fp32,
-fp16 or bf16), qweight [K/8, N] int32 with input k in nibble k % 8 of row k // 8, per-group
+fp16 or bf16), qweight [K/8, N] int32 with input k in nibble k % 8 of row k // 8 (or the same
+words as column tiles [ceil(N / T), K/8, T], `int4.tile_words`: a column slice of a tile is one
+contiguous stream, where plain rows give the GEMV a 64-byte piece every N * 4 bytes), per-group
 scales [groups, N] and zeros [groups, N], and g_idx [K] naming each input's group (a
 permutation under GPTQ act-order). Zeros are either int32 zero codes z, w = (q - z) s (AWQ,
 GPTQ), or float offsets b, w = q s + b (GGUF's 4-bit blocks, whose offsets are no multiple of
@@ -119,8 +121,13 @@ def _group_sum(acc, qx, xs, s, z, OFFSETS: tl.constexpr):
 
 
 @triton.jit
-def _load_words(qw_ptr, rows, row_end, offs_n, mask_n, stride_qk):
+def _load_words(qw_ptr, rows, row_end, offs_n, mask_n, stride_qk, stride_qt, TILE: tl.constexpr):
+    """Word rows `rows` of columns offs_n: plain [K/8, N] words (TILE 0, row stride stride_qk) or
+    column tiles [N/TILE, K/8, TILE] (tile stride stride_qt, row stride TILE)."""
     mask = (rows < row_end)[:, None] & mask_n[None, :]
+    if TILE:
+        cols = (offs_n // TILE).to(tl.int64) * stride_qt + offs_n % TILE
+        return tl.load(qw_ptr + rows[:, None].to(tl.int64) * TILE + cols[None, :], mask=mask, other=0)
     return tl.load(qw_ptr + rows[:, None].to(tl.int64) * stride_qk + offs_n[None, :], mask=mask, other=0)
 
 
@@ -158,20 +165,20 @@ def _gemv_block(acc, x_ptr, s_ptr, z_ptr, g_ptr, words, rows, row_end, offs_n, m
 
 
 @triton.jit
-def _gemv(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_n, mask_n, k_start, k_end, stride_qk, stride_sg, stride_zg,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr,
-          X_PACKED: tl.constexpr, PDL: tl.constexpr):
+def _gemv(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_n, mask_n, k_start, k_end, stride_qk, stride_qt, stride_sg,
+          stride_zg, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr,
+          X_PACKED: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):
     rows = k_start // 8 + tl.arange(0, BLOCK_K // 8)
     row_end = k_end // 8
     acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
     # Weights are never written by the step's kernels: the first block is requested before waiting
     # for the previous kernel, so its latency overlaps that kernel's tail.
-    words = _load_words(qw_ptr, rows, row_end, offs_n, mask_n, stride_qk)
+    words = _load_words(qw_ptr, rows, row_end, offs_n, mask_n, stride_qk, stride_qt, TILE)
     grid_dependency(PDL)
     for k0 in range(k_start, k_end, BLOCK_K):
         # The next block's words are requested before this block's arithmetic: their latency hides
         # behind it (register double buffering; the pipeliner only stages loads that feed tl.dot).
-        upcoming = _load_words(qw_ptr, rows + BLOCK_K // 8, row_end, offs_n, mask_n, stride_qk)
+        upcoming = _load_words(qw_ptr, rows + BLOCK_K // 8, row_end, offs_n, mask_n, stride_qk, stride_qt, TILE)
         acc = _gemv_block(acc, x_ptr, s_ptr, z_ptr, g_ptr, words, rows, row_end, offs_n, mask_n, k0,
                           stride_sg, stride_zg, BLOCK_K, GROUP_SIZE, OFFSETS, X_PACKED)
         words = upcoming
@@ -181,15 +188,17 @@ def _gemv(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_n, mask_n, k_start, k_end, st
 
 @triton.jit
 def _dot_tile(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_m, mask_m, offs_n, mask_n, k_start, k_end,
-              stride_xm, stride_qk, stride_sg, stride_zg, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr, PRECISION: tl.constexpr):
+              stride_xm, stride_qk, stride_qt, stride_sg, stride_zg, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr, PRECISION: tl.constexpr,
+              TILE: tl.constexpr):
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        words = _load_words(qw_ptr, k0 // 8 + tl.arange(0, BLOCK_K // 8), k_end // 8, offs_n, mask_n, stride_qk)
+        words = _load_words(qw_ptr, k0 // 8 + tl.arange(0, BLOCK_K // 8), k_end // 8, offs_n, mask_n, stride_qk,
+                            stride_qt, TILE)
         # Each word is read once and unpacked into its eight inputs: [BLOCK_K/8, 8, N] -> [BLOCK_K, N].
         codes = tl.reshape((words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
         if GROUP_SIZE > 0:
@@ -216,10 +225,10 @@ def _dot_tile(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_m, mask_m, offs_n, mask_n
 
 @triton.jit
 def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT,
-                  stride_xm, stride_qk, stride_sg, stride_zg, stride_os, stride_om,
+                  stride_xm, stride_qk, stride_qt, stride_sg, stride_zg, stride_os, stride_om,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr, GEMV: tl.constexpr, PRECISION: tl.constexpr,
-                  X_PACKED: tl.constexpr, PDL: tl.constexpr):
+                  X_PACKED: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):
     # M tiles vary fastest: a prefill's row tiles read each weight tile together, once from HBM.
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -229,16 +238,16 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT,
     out_ptr += pid_k.to(tl.int64) * stride_os
     if GEMV:
         acc = _gemv(x_ptr + pid_m.to(tl.int64) * stride_xm, qw_ptr, s_ptr, z_ptr, g_ptr, offs_n, mask_n,
-                    k_start, k_end, stride_qk, stride_sg, stride_zg, BLOCK_N, BLOCK_K, GROUP_SIZE, OFFSETS,
-                    X_PACKED, PDL)
+                    k_start, k_end, stride_qk, stride_qt, stride_sg, stride_zg, BLOCK_N, BLOCK_K, GROUP_SIZE,
+                    OFFSETS, X_PACKED, TILE, PDL)
         tl.store(out_ptr + pid_m.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
     else:
         grid_dependency(PDL)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
         acc = _dot_tile(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_m, mask_m, offs_n, mask_n, k_start, k_end,
-                        stride_xm, stride_qk, stride_sg, stride_zg, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_SIZE,
-                        OFFSETS, PRECISION)
+                        stride_xm, stride_qk, stride_qt, stride_sg, stride_zg, BLOCK_M, BLOCK_N, BLOCK_K,
+                        GROUP_SIZE, OFFSETS, PRECISION, TILE)
         tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -254,9 +263,30 @@ def _sum_splits(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.const
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _layout(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[int, int, int, int]:
+    """(N, word row stride, tile stride, TILE) of plain [K/8, N] words (TILE 0) or of column tiles
+    [ceil(N / TILE), K/8, TILE] (N from the scales)."""
+    if qweight.dim() == 3:
+        return scales.shape[1], qweight.shape[2], qweight.stride(0), qweight.shape[2]
+    return qweight.shape[1], qweight.stride(0), 0, 0
+
+
+def _check_words(qweight: torch.Tensor, k: int, n: int) -> None:
+    check_index("qweight", qweight, qweight.dim() if qweight.dim() in (2, 3) else 2, (torch.int32,))
+    if qweight.dim() == 2:
+        require(k % 8 == 0 and qweight.shape[0] * 8 == k,
+                f"qweight must be [K/8, N] = [{k // 8}, N], got {tuple(qweight.shape)}")
+        require(qweight.stride(0) >= n, f"qweight rows must not overlap, got strides {qweight.stride()}")
+        return
+    tile = qweight.shape[2]
+    require(k % 8 == 0 and tile > 0 and tuple(qweight.shape[:2]) == (-(-n // tile), k // 8),
+            f"qweight tiles must be [ceil(N / T), K/8, T] = [ceil({n} / T), {k // 8}, T], got {tuple(qweight.shape)}")
+    require(qweight.stride(1) == tile and qweight.stride(0) >= k // 8 * tile,
+            f"qweight tiles must be contiguous, got strides {qweight.stride()}")
+
+
 def _check(x, qweight, scales, zeros, g_idx, group_size: int, check_indices: bool) -> None:
     check_float("x", x, 2)
-    check_index("qweight", qweight, 2, (torch.int32,))
     check_float("scales", scales, 2)
     if zeros.is_floating_point():
         check_float("zeros", zeros, 2)
@@ -265,12 +295,11 @@ def _check(x, qweight, scales, zeros, g_idx, group_size: int, check_indices: boo
     check_index("g_idx", g_idx, 1, (torch.int32,))
     check_same_device(x=x, qweight=qweight, scales=scales, zeros=zeros, g_idx=g_idx)
     m, k = x.shape
-    n = qweight.shape[1]
-    require(k % 8 == 0 and qweight.shape[0] * 8 == k, f"qweight must be [K/8, N] = [{k // 8}, N], got {tuple(qweight.shape)}")
+    n = _layout(qweight, scales)[0]
+    _check_words(qweight, k, n)
     require(scales.shape[1] == n and tuple(zeros.shape) == tuple(scales.shape),
             f"scales and zeros must both be [groups, {n}], got {tuple(scales.shape)} and {tuple(zeros.shape)}")
     require(g_idx.shape[0] == k, f"g_idx must have one group per input ({k}), got {g_idx.shape[0]}")
-    require(qweight.stride(0) >= n, f"qweight rows must not overlap, got strides {qweight.stride()}")
     if group_size:
         require(group_size > 0 and group_size % 8 == 0 and k % group_size == 0 and scales.shape[0] == k // group_size,
                 f"group_size {group_size} must be a positive multiple of 8 dividing K = {k} into the "
@@ -308,7 +337,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     overrides the table (the benchmark's sweep)."""
     _check(x, qweight, scales, zeros, g_idx, group_size, check_indices)
     m, k = x.shape
-    n = qweight.shape[1]
+    n, stride_qk, stride_qt, tile = _layout(qweight, scales)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -321,9 +350,9 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)
     pdl = pdl_enabled(x.device)
     _w4a16_kernel[grid](x, qweight, scales, zeros, g_idx, target, m, n, k, per_split * block_k, x.stride(0),
-                        qweight.stride(0), scales.stride(0), zeros.stride(0), m * n, n,
+                        stride_qk, stride_qt, scales.stride(0), zeros.stride(0), m * n, n,
                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_SIZE=group,
-                        OFFSETS=zeros.is_floating_point(), GEMV=cfg.gemv, X_PACKED=_packed_inputs(x),
+                        OFFSETS=zeros.is_floating_point(), GEMV=cfg.gemv, X_PACKED=_packed_inputs(x), TILE=tile,
                         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl,
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     if splits > 1:

@@ -8,8 +8,9 @@ eight to an int32:
     packed in order and stored minus one; scales [K/G, N]; g_idx [K], each input's group (with
     act-order the groups are a permutation of the inputs, not runs of G).
 Loading unpacks both into codes [N, K], zeros and scales [K/G, N] and g_idx, then repacks for the
-bound kernel: "w4a16" (a worker's dequantize-in-the-GEMM kernel over [K/8, N] int32 words; act-order
-inputs are permuted into runs of G where they form whole groups, for its contiguous-group path),
+bound kernel: "w4a16" (a worker's dequantize-in-the-GEMM kernel over int32 words, eight inputs a word,
+kept as column tiles [N/16, K/8, 16] (`tile_words`); act-order inputs are permuted into runs of G
+where they form whole groups, for its contiguous-group path),
 "cpu_int4pack" (torch's packed int4 GEMM; act-order inputs are permuted into runs of G first).
 """
 from __future__ import annotations
@@ -49,6 +50,23 @@ def unpack_int32(words: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(r
     return codes.reshape(*words.shape[:-1], -1).movedim(-1, dim).to(torch.uint8)
 
 
+# Columns a tile of `tile_words`: a decode GEMV reads its column slice (16 or 32 columns) as one
+# contiguous stream instead of a 64-byte piece of every word row (N * 4 bytes apart).
+W4_TILE = 16
+
+
+def tile_words(words: torch.Tensor, tile: int = W4_TILE) -> torch.Tensor:
+    """Words [K/8, N] -> column tiles [ceil(N / tile), K/8, tile], the last tile zero-padded."""
+    rows, n = words.shape
+    padded = F.pad(words, (0, -n % tile))
+    return padded.reshape(rows, -1, tile).transpose(0, 1).contiguous()
+
+
+def untile_words(tiles: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of `tile_words` for N = n."""
+    return tiles.transpose(0, 1).reshape(tiles.shape[1], -1)[:, :n]
+
+
 def dequantize_w4(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
     """Weight [N, K] from codes [N, K], zeros and scales [groups, N] and each input's group g_idx [K]:
     (q - z) s for integer zero codes, q s + b for float offsets (GGUF)."""
@@ -61,8 +79,10 @@ def dequantize_w4(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor
 def w4a16_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                     g_idx: torch.Tensor) -> torch.Tensor:
     """The "w4a16" kernel's contract, as dequantize-then-matmul: qweight [K/8, N] int32 (inputs in
-    order), scales [groups, N], zeros [groups, N] (int32 codes or float offsets), g_idx [K] -> x @ W.T
-    in x's dtype."""
+    order) or its `tile_words` tiles, scales [groups, N], zeros [groups, N] (int32 codes or float
+    offsets), g_idx [K] -> x @ W.T in x's dtype."""
+    if qweight.dim() == 3:
+        qweight = untile_words(qweight, scales.shape[1])
     codes = unpack_int32(qweight, 0).t()
     return (x.float() @ dequantize_w4(codes, zeros, scales, g_idx).t()).to(x.dtype)
 
@@ -70,12 +90,12 @@ def w4a16_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 def register_w4a16(layer, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor,
                    group_size: int, perm: torch.Tensor | None = None) -> None:
     """Keep the "w4a16" kernel's operands as the layer's buffers: codes [N, K] packed to [K/8, N]
-    words, scales and zeros [groups, N] (int32 codes or float offsets), g_idx [K], its contiguous
+    words in `tile_words` tiles, scales and zeros [groups, N] (int32 codes or float offsets), g_idx [K], its contiguous
     `group_size` (0: gather through g_idx) and the input permutation applied per call (None: none).
     Buffers, so the model's tensors count them (`corectl plan` compares), non-persistent: the
     checkpoint holds another layout."""
     layer.w4_group_size = group_size
-    served = {"w4_perm": perm, "w4_qweight": pack_int32(codes.t(), 0), "w4_scales": scales.contiguous(),
+    served = {"w4_perm": perm, "w4_qweight": tile_words(pack_int32(codes.t(), 0)), "w4_scales": scales.contiguous(),
               "w4_zeros": zeros.contiguous(), "w4_g_idx": g_idx}
     for name, tensor in served.items():
         layer.register_buffer(name, tensor, persistent=False)
@@ -83,8 +103,10 @@ def register_w4a16(layer, codes: torch.Tensor, scales: torch.Tensor, zeros: torc
 
 def w4a16_bytes(out_features: int, in_features: int, group_bytes: int) -> int:
     """Bytes `register_w4a16` keeps for an [N, K] weight whose scales and zeros (or offsets) take
-    `group_bytes`: two codes a byte and an int32 g_idx entry per input (the permutation apart)."""
-    return out_features * in_features // 2 + group_bytes + in_features * torch.int32.itemsize
+    `group_bytes`: two codes a byte (N padded to whole tiles) and an int32 g_idx entry per input
+    (the permutation apart)."""
+    padded = out_features + -out_features % W4_TILE
+    return padded * in_features // 2 + group_bytes + in_features * torch.int32.itemsize
 
 
 def w4a16_linear(gemm, layer, rows: torch.Tensor) -> torch.Tensor:

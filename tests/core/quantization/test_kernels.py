@@ -14,7 +14,8 @@ from corectl.quantization.fp8 import (FP8_MAX, GEMV_KERNEL, GEMV_MAX_M, Fp8Confi
                                       fp8_linear_reference, fp8_w8a16_reference, quantize_rows)
 from corectl.quantization.scope import quantization_scope
 from corectl.quantization.gguf_blocks import Int4Groups, decode_int4_groups
-from corectl.quantization.int4 import AWQ_ORDER, dequantize_w4, pack_int32, unpack_int32, w4a16_reference
+from corectl.quantization.int4 import (AWQ_ORDER, dequantize_w4, pack_int32, tile_words, unpack_int32, untile_words,
+                                       w4a16_reference)
 from corectl.quantization.int4_cpu import int4_linear, pack_int4
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
@@ -244,6 +245,23 @@ def test_triton_w4a16_gemv_reads_inputs_in_pairs_or_singly(offset):
     scales, zeros = scales.to(torch.bfloat16), zeros.to(torch.bfloat16)
     out = w4a16_gemm(x, qweight, scales, zeros, g_idx, group_size=32, config=W4Config(1, 16, 64, 1, 4, gemv=True))
     _w4a16_close(out, w4a16_reference(x, qweight, scales, zeros, g_idx))
+
+
+@pytest.mark.parametrize("config", ["gemv", "gemv-wide-block", "dot"])
+@pytest.mark.parametrize("n,tile", [(72, 16), (80, 32), (40, 8)])
+def test_triton_w4a16_reads_column_tiles(config, n, tile):
+    """Words as column tiles (N = 72 pads its last tile of 16; tiles wider and narrower than the
+    config's column slice) give the plain layout's answer."""
+    from corectl.backends.triton.w4a16 import w4a16_gemm
+
+    m = 1 if W4_CONFIGS[config].gemv else 5
+    x, qweight, scales, offsets, g_idx, _ = _w4_case(m, 192, n, 32, False, offsets=True)
+    tiles = tile_words(qweight, tile)
+    assert tiles.shape == (-(-n // tile), 24, tile) and torch.equal(untile_words(tiles, n), qweight)
+    out = w4a16_gemm(x, tiles, scales, offsets, g_idx, group_size=32, config=W4_CONFIGS[config])
+    _w4a16_close(out, w4a16_reference(x, qweight, scales, offsets, g_idx))
+    torch.testing.assert_close(w4a16_reference(x, tiles, scales, offsets, g_idx),
+                               w4a16_reference(x, qweight, scales, offsets, g_idx))
 
 
 def test_triton_w4a16_checks_its_inputs():
