@@ -24,10 +24,10 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 GROUP = 128
 # (block_n, block_k, split_k, num_warps) besides the table's choice
 OTHERS = ((16, 512, 1, 4), (32, 512, 1, 4), (32, 512, 2, 4), (16, 256, 1, 4), (32, 256, 1, 4), (32, 256, 2, 4),
-          (64, 256, 1, 4), (16, 1024, 1, 4), (64, 512, 1, 8), (8, 512, 1, 4), (16, 512, 2, 4), (16, 512, 1, 2),
-          (32, 512, 1, 8), (16, 256, 2, 2))
-# (block_n, block_k, split_k, num_warps) of 16-row tl.dot tiles tried at M = 1
-DOTS = ((64, 128, 4, 4), (32, 128, 4, 4), (64, 128, 8, 4), (128, 64, 8, 4))
+          (64, 256, 1, 4), (16, 1024, 1, 4), (8, 512, 1, 4), (16, 512, 2, 4), (32, 512, 1, 8), (16, 256, 2, 2),
+          (16, 256, 4, 4), (16, 512, 4, 4), (32, 512, 4, 4), (16, 128, 4, 2), (32, 1024, 1, 8))
+# (block_n, block_k, split_k, num_warps) of 16-row tl.dot tiles tried at M = 1 (W4_DOTS=1)
+DOTS = ((64, 128, 4, 4), (128, 64, 8, 4)) if os.environ.get("W4_DOTS") == "1" else ()
 AFTER_SERVED = os.environ.get("W4_AFTER_FORM", "served") == "served"
 
 
