@@ -38,6 +38,7 @@ from .pdl import grid_dependency, pdl_enabled
 from .w4a16_configs import W4Config, choose
 
 REDUCE_BLOCK = 1024
+ONE_BITS = 0x3F800000  # 1.0 as fp32 bits (`_code_dot`)
 
 
 @triton.jit
@@ -82,7 +83,7 @@ def _biased_codes(codes, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _code_dot(words, x_ptr, rows, row_mask, X_PACKED: tl.constexpr):
+def _code_dot(words, x_ptr, rows, row_mask, one_bits, X_PACKED: tl.constexpr):
     """Per word row: sum_j q_j x_j over its 8 codes [R, N], and sum_j x_j [R].
 
     Each code is read in place as mantissa bits: shifted so that a pair of codes lands at bits
@@ -92,7 +93,10 @@ def _code_dot(words, x_ptr, rows, row_mask, X_PACKED: tl.constexpr):
     multiply-add per code. An int-to-float conversion per code costs a quarter-rate instruction;
     this inner loop is the GEMV's ALU bound. Exact for bf16/fp16 x (f x needs at most 20 bits);
     the subtraction cancels at most 8 terms of 256 |x|, a relative error near 2**-13 of one word
-    row's sum of |x|."""
+    row's sum of |x|. `one_bits` is 1.0's bit pattern passed at run time: with the exponents in
+    registers, ptxas makes each mask-and-or one LOP3 (two immediates would take two)."""
+    bits_256 = one_bits + (8 << 23)
+    bits_16 = one_bits + (4 << 23)
     raw = tl.zeros(words.shape, dtype=tl.float32)
     even = tl.zeros(rows.shape, dtype=tl.float32)
     odd = tl.zeros(rows.shape, dtype=tl.float32)
@@ -103,8 +107,8 @@ def _code_dot(words, x_ptr, rows, row_mask, X_PACKED: tl.constexpr):
         else:
             pair = words >> (8 * i - 15)
         x_first, x_second = _input_pair(x_ptr, rows, row_mask, i, X_PACKED)
-        raw += ((pair & 0x78000) | 0x43800000).to(tl.float32, bitcast=True) * x_first[:, None]
-        raw += ((pair & 0x780000) | 0x41800000).to(tl.float32, bitcast=True) * x_second[:, None]
+        raw += ((pair & 0x78000) | bits_256).to(tl.float32, bitcast=True) * x_first[:, None]
+        raw += ((pair & 0x780000) | bits_16).to(tl.float32, bitcast=True) * x_second[:, None]
         even += x_first
         odd += x_second
     return raw - (even * 256.0 + odd * 16.0)[:, None], even + odd
@@ -132,13 +136,13 @@ def _load_words(qw_ptr, rows, row_end, offs_n, mask_n, stride_qk, stride_qt, TIL
 
 
 @triton.jit
-def _gemv_block(acc, x_ptr, s_ptr, z_ptr, g_ptr, words, rows, row_end, offs_n, mask_n, k0,
+def _gemv_block(acc, x_ptr, s_ptr, z_ptr, g_ptr, words, rows, row_end, offs_n, mask_n, k0, one_bits,
                 stride_sg, stride_zg, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr,
                 X_PACKED: tl.constexpr):
     """acc plus the block's w * x, summed over each word row's inputs ([BLOCK_K/8, BLOCK_N])."""
     row_mask = rows < row_end
     if GROUP_SIZE > 0:
-        qx, xs = _code_dot(words, x_ptr, rows, row_mask, X_PACKED)
+        qx, xs = _code_dot(words, x_ptr, rows, row_mask, one_bits, X_PACKED)
         if BLOCK_K <= GROUP_SIZE:
             group = k0 // GROUP_SIZE
             s = tl.load(s_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -166,7 +170,7 @@ def _gemv_block(acc, x_ptr, s_ptr, z_ptr, g_ptr, words, rows, row_end, offs_n, m
 
 @triton.jit
 def _gemv(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_n, mask_n, k_start, k_end, stride_qk, stride_qt, stride_sg,
-          stride_zg, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr,
+          stride_zg, one_bits, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr,
           X_PACKED: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):
     rows = k_start // 8 + tl.arange(0, BLOCK_K // 8)
     row_end = k_end // 8
@@ -179,7 +183,7 @@ def _gemv(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_n, mask_n, k_start, k_end, st
         # The next block's words are requested before this block's arithmetic: their latency hides
         # behind it (register double buffering; the pipeliner only stages loads that feed tl.dot).
         upcoming = _load_words(qw_ptr, rows + BLOCK_K // 8, row_end, offs_n, mask_n, stride_qk, stride_qt, TILE)
-        acc = _gemv_block(acc, x_ptr, s_ptr, z_ptr, g_ptr, words, rows, row_end, offs_n, mask_n, k0,
+        acc = _gemv_block(acc, x_ptr, s_ptr, z_ptr, g_ptr, words, rows, row_end, offs_n, mask_n, k0, one_bits,
                           stride_sg, stride_zg, BLOCK_K, GROUP_SIZE, OFFSETS, X_PACKED)
         words = upcoming
         rows += BLOCK_K // 8
@@ -224,7 +228,7 @@ def _dot_tile(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_m, mask_m, offs_n, mask_n
 
 
 @triton.jit
-def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT,
+def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT, one_bits,
                   stride_xm, stride_qk, stride_qt, stride_sg, stride_zg, stride_os, stride_om,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr, GEMV: tl.constexpr, PRECISION: tl.constexpr,
@@ -238,7 +242,7 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT,
     out_ptr += pid_k.to(tl.int64) * stride_os
     if GEMV:
         acc = _gemv(x_ptr + pid_m.to(tl.int64) * stride_xm, qw_ptr, s_ptr, z_ptr, g_ptr, offs_n, mask_n,
-                    k_start, k_end, stride_qk, stride_qt, stride_sg, stride_zg, BLOCK_N, BLOCK_K, GROUP_SIZE,
+                    k_start, k_end, stride_qk, stride_qt, stride_sg, stride_zg, one_bits, BLOCK_N, BLOCK_K, GROUP_SIZE,
                     OFFSETS, X_PACKED, TILE, PDL)
         tl.store(out_ptr + pid_m.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
     else:
@@ -349,7 +353,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)
     pdl = pdl_enabled(x.device)
-    _w4a16_kernel[grid](x, qweight, scales, zeros, g_idx, target, m, n, k, per_split * block_k, x.stride(0),
+    _w4a16_kernel[grid](x, qweight, scales, zeros, g_idx, target, m, n, k, per_split * block_k, ONE_BITS, x.stride(0),
                         stride_qk, stride_qt, scales.stride(0), zeros.stride(0), m * n, n,
                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_SIZE=group,
                         OFFSETS=zeros.is_floating_point(), GEMV=cfg.gemv, X_PACKED=_packed_inputs(x), TILE=tile,
