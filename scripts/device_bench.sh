@@ -248,14 +248,15 @@ stage_w2awq() {
   bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --hf-overrides "$AWQ" --save-result "$RES/w2_awq.json"
 }
 stage_w2awqab() {
-  # W2 AWQ end to end with the earlier 4-bit kernel and loader (.bench/w4a16_before.py,
-  # .bench/int4_before.py) and with the current ones, alternating, in one call.
-  local keep=/tmp/w2awqab; mkdir -p $keep
-  cp backends/triton/w4a16.py core/quantization/int4.py $keep/
+  # W2 AWQ end to end with the earlier 4-bit kernel, its configs and loader (.bench/w4a16_before.py,
+  # .bench/w4a16_configs_before.py, .bench/int4_before.py) and with the current ones, alternating.
+  local keep=/tmp/w2awqab files="backends/triton/w4a16.py backends/triton/w4a16_configs.py core/quantization/int4.py"
+  mkdir -p $keep; cp $files $keep/
   for round in 1 2; do
-    cp .bench/w4a16_before.py backends/triton/w4a16.py; cp .bench/int4_before.py core/quantization/int4.py
+    cp .bench/w4a16_before.py backends/triton/w4a16.py; cp .bench/w4a16_configs_before.py backends/triton/w4a16_configs.py
+    cp .bench/int4_before.py core/quantization/int4.py
     echo "before ($round)"; bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --hf-overrides "$AWQ" --save-result "$RES/w2_awq_before_$round.json" | grep TPOT
-    cp $keep/w4a16.py backends/triton/w4a16.py; cp $keep/int4.py core/quantization/int4.py
+    for f in $files; do cp $keep/$(basename $f) $f; done
     echo "after ($round)"; bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --hf-overrides "$AWQ" --save-result "$RES/w2_awq_after_$round.json" | grep TPOT
   done
 }

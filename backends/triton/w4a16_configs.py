@@ -44,17 +44,17 @@ class W4Config:
 
 
 # (M bucket, N, K) -> config, from the H100 sweep of bench_w4a16 --quick (2026-11-25, triton 3.6;
-# llama3-8b shapes, group 128); the M = 1 entries re-picked on 2026-11-26 by scripts/w4a16_ab.py once
-# GEMV blocks could span groups (weights cycled past L2, PDL on: qkv 10.5, o 8.1, gate_up 33.5,
-# down 20.8 us, 72.9 a layer against 84.1 before). Other shapes take the heuristic below.
+# llama3-8b shapes, group 128); the M = 1 entries re-picked by scripts/w4a16_ab.py on 2026-11-26 once
+# words were column tiles and each code one LOP3 (weights cycled past L2, PDL on: qkv 8.7, o 7.0,
+# gate_up 26.9, down 16.7 us, 59.2 a layer against 72.4 before). Other shapes take the heuristic.
 TABLE: dict[tuple[int, int, int], W4Config] = {
     (1, 6144, 4096): W4Config(block_m=1, block_n=16, block_k=512, split_k=1, num_warps=4, num_stages=2, gemv=True),
     (16, 6144, 4096): W4Config(block_m=16, block_n=128, block_k=64, split_k=8, num_warps=4, num_stages=2, gemv=False),
-    (1, 4096, 4096): W4Config(block_m=1, block_n=16, block_k=512, split_k=2, num_warps=4, num_stages=2, gemv=True),
+    (1, 4096, 4096): W4Config(block_m=1, block_n=16, block_k=512, split_k=4, num_warps=4, num_stages=2, gemv=True),
     (16, 4096, 4096): W4Config(block_m=16, block_n=128, block_k=64, split_k=16, num_warps=4, num_stages=2, gemv=False),
-    (1, 28672, 4096): W4Config(block_m=1, block_n=32, block_k=512, split_k=1, num_warps=4, num_stages=2, gemv=True),
+    (1, 28672, 4096): W4Config(block_m=1, block_n=16, block_k=512, split_k=1, num_warps=4, num_stages=2, gemv=True),
     (16, 28672, 4096): W4Config(block_m=16, block_n=128, block_k=64, split_k=4, num_warps=4, num_stages=2, gemv=False),
-    (1, 4096, 14336): W4Config(block_m=1, block_n=16, block_k=512, split_k=2, num_warps=4, num_stages=2, gemv=True),
+    (1, 4096, 14336): W4Config(block_m=1, block_n=16, block_k=512, split_k=4, num_warps=4, num_stages=2, gemv=True),
     (16, 4096, 14336): W4Config(block_m=16, block_n=128, block_k=64, split_k=16, num_warps=4, num_stages=2, gemv=False),
 }
 
@@ -76,13 +76,13 @@ def heuristic(m: int, n: int, k: int, sms: int, gathered: bool = False) -> W4Con
     """Decode: GEMV (M = 1) or 16-row dot tiles, K split until the grid covers the SMs about four
     times; prefill: 64-row dot tiles, split only when the grid is smaller than the SMs. Gathered
     (act-order) tiles are smaller: their per-input scale gathers need registers (sm_90 ptxas:
-    these sizes compile without spills). The contiguous-group GEMV streams narrow column slices
-    (32 columns, 16 where that leaves under two programs per SM) in 512-input blocks, K split
-    until there are two programs per SM: the H100 sweep's best form on every llama3-8b layer."""
+    these sizes compile without spills). The contiguous-group GEMV streams 16-column slices (one
+    tile of int4.tile_words each) in 512-input blocks, K split until there are four programs per
+    SM: the H100 sweep's best form on every llama3-8b layer."""
     if m == 1 and not gathered:
-        block_n, block_k = (32 if -(-n // 32) >= 2 * sms else 16), 512
+        block_n, block_k = 16, 512
         tiles, split = -(-n // block_n), 1
-        while split * 2 <= MAX_SPLIT_K and tiles * split < 2 * sms and k // (split * 2) >= 2 * block_k:
+        while split * 2 <= MAX_SPLIT_K and tiles * split < 4 * sms and k // (split * 2) >= 2 * block_k:
             split *= 2
         return W4Config(1, block_n, block_k, split, 4, gemv=True)
     if m == 1:

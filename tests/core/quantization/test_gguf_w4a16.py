@@ -13,6 +13,7 @@ from corectl.models.parallel import PackedLinear, RowParallelLinear
 from corectl.quantization import layer_bytes, quantization_scope
 from corectl.quantization.gguf import GGUFConfig
 from corectl.quantization.gguf_blocks import decode_int4_groups
+from corectl.quantization.int4 import W4_TILE
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from gguf_files import quantize_blocks
@@ -51,7 +52,7 @@ def _finish(layer, prefix: str) -> None:
     layer.quant_method.process_weights_after_loading(layer)
     assert layer_bytes(layer) == planned
     assert layer.w4_zeros.dtype == layer.w4_scales.dtype
-    assert layer.w4_qweight.shape == (layer.in_features // 8, layer.out_features)
+    assert layer.w4_qweight.shape == (-(-layer.out_features // W4_TILE), layer.in_features // 8, W4_TILE)
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
