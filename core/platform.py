@@ -40,9 +40,9 @@ class PlatformCaps:
     # (`corectl.planning`) sizes it the same way.
     profiles_memory: bool = False
     # Kernel names quantization methods may bind to (`corectl.quantization`): "cpu_int4pack" (torch's
-    # packed int4 GEMM on CPUs), "fp8_scaled_mm" (torch._scaled_mm, FP8 tensor cores), "w4a16"
-    # (a worker-provided dequantize-in-the-GEMM kernel, `Worker.quantization_kernels`). A method
-    # none of whose kernels is listed is refused at engine start (`QuantizationConfig.bind`).
+    # packed int4 GEMM on CPUs), "fp8_scaled_mm" (torch._scaled_mm, FP8 tensor cores), "w4a16" and
+    # "w8a16" (worker-provided dequantize-in-the-GEMM kernels, `Worker.quantization_kernels`). A
+    # method none of whose kernels is listed is refused at engine start (`QuantizationConfig.bind`).
     quantization_kernels: tuple[str, ...] = ()
 
 

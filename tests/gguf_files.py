@@ -47,8 +47,29 @@ def quantize_q4_k(values: np.ndarray) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
+def quantize_q6_k(values: np.ndarray) -> np.ndarray:
+    """fp32 [N, K] (K a multiple of 256) as Q6_K blocks, uint8 [N, K / 256 * 210]: per 16 values a
+    symmetric 6-bit grid (q - 32) of scale d*sc, sc an int8 step of the super-block's d."""
+    n = values.shape[0]
+    sub = values.reshape(-1, 16, 16).astype(np.float32)
+    scale = np.abs(sub).max(axis=2) / 31
+    d16 = (np.maximum(scale.max(axis=1), 1e-8) / 127).astype(np.float16)
+    sc = np.clip(np.round(scale / d16[:, None].astype(np.float32)), 1, 127).astype(np.int8)
+    step = d16[:, None].astype(np.float32) * sc
+    q = (np.clip(np.round(sub / step[..., None]), -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)
+    # Per 128-value half: byte j of the low nibbles holds values j and j + 64, byte j of the high
+    # bits values j, j + 32, j + 64 and j + 96 at bit pairs 0, 2, 4, 6.
+    low = (q[:, :, :2] & 0x0F) | ((q[:, :, 2:] & 0x0F) << 4)
+    high = sum(((q[:, :, s] >> 4) & 0x03) << (2 * s) for s in range(4))
+    blocks = np.concatenate([low.reshape(-1, 128), high.reshape(-1, 64).astype(np.uint8), sc.view(np.uint8),
+                             d16.reshape(-1, 1).view(np.uint8)], axis=1)
+    return blocks.reshape(n, -1)
+
+
 def quantize_blocks(values: np.ndarray, qtype: Q) -> np.ndarray:
-    return quantize_q4_k(values) if qtype == Q.Q4_K else quantize(values, qtype)
+    """GGUF blocks of `qtype`: the gguf package's quantizer, or ours for the K-quants it lacks."""
+    own = {Q.Q4_K: quantize_q4_k, Q.Q6_K: quantize_q6_k}
+    return own[qtype](values) if qtype in own else quantize(values, qtype)
 
 
 def _synthetic_tokenizer(writer: gguf.GGUFWriter, vocab_size: int) -> None:

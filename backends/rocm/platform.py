@@ -29,7 +29,7 @@ def rocm_caps(arch: str) -> PlatformCaps:
 
 def _caps(capability: tuple[int, int]) -> PlatformCaps:
     # The CUDA worker's Triton 4-bit GEMM runs here too; FP8 (e4m3fnuz on MI300) is not wired yet.
-    return dataclasses.replace(gpu_caps(capability), quantization_kernels=("w4a16",))
+    return dataclasses.replace(gpu_caps(capability), quantization_kernels=("w4a16", "w8a16"))
 
 
 class ROCmPlatform(CUDAPlatform):

@@ -22,9 +22,7 @@ Programs cover [BLOCK_M, BLOCK_N] outputs over one of SPLIT_K slices of K. Two i
     accumulator, summed over K once at the end; no tensor cores, no padded rows.
   - tl.dot: codes (or, act-order, dequantized weights) in x's dtype on the tensor cores; fp32 x
     uses IEEE fp32 dots, matching torch's default fp32 matmul rather than TF32.
-Split-K partials go to an fp32 [SPLIT_K, M, N] buffer summed in a second pass in a fixed order:
-deterministic (atomics would make each step's logits depend on scheduling), no zero-filled
-buffer or extra cast launch, and capturable in CUDA graphs (shape-only allocations, no syncs).
+Split-K partials go to an fp32 [SPLIT_K, M, N] buffer summed in a second pass (`split_k`).
 Configurations come from `w4a16_configs` (a table the benchmark fills, a heuristic otherwise).
 """
 from __future__ import annotations
@@ -35,9 +33,9 @@ import triton.language as tl
 
 from .checks import check_float, check_index, check_range, check_same_device, require
 from .pdl import grid_dependency, pdl_enabled
+from .split_k import sum_splits
 from .w4a16_configs import W4Config, choose
 
-REDUCE_BLOCK = 1024
 ONE_BITS = 0x3F800000  # 1.0 as fp32 bits (`_code_dot`)
 
 
@@ -256,17 +254,6 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT,
                  acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
-def _sum_splits(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    grid_dependency(PDL)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def _layout(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[int, int, int, int]:
     """(N, word row stride, tile stride, TILE) of plain [K/8, N] words (TILE 0) or of column tiles
     [ceil(N / TILE), K/8, TILE] (N from the scales)."""
@@ -360,8 +347,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
                         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl,
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     if splits > 1:
-        _sum_splits[(triton.cdiv(m * n, REDUCE_BLOCK),)](target, out, m * n, SPLIT_K=splits, BLOCK=REDUCE_BLOCK,
-                                                         PDL=pdl, launch_pdl=pdl)
+        sum_splits(target, out, pdl)
     return out
 
 

@@ -1,7 +1,7 @@
 """Streaming a GGUF file's tensors for a model that keeps some of them quantized.
 
-Tensors named in `kept` arrive as `Int4Groups` (codes, scales, mins) for the GGUF linear method;
-the rest are dequantized to fp32 exactly as the cached conversion (`gguf_cache`) does. Llama's
+Tensors named in `kept` arrive as `Int4Groups` (codes, scales, mins) for the GGUF linear method,
+those in `int8_groups` as `Int8Groups` of their layer's group size; the rest are dequantized to fp32 exactly as the cached conversion (`gguf_cache`) does. Llama's
 q/k rows are un-permuted either way: a row permutation moves whole rows of codes and scales.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 import torch
 
-from ..quantization.gguf_blocks import Int4Groups, decode_int4_groups
+from ..quantization.gguf_blocks import Int4Groups, Int8Groups, decode_int4_groups, decode_int8_groups
 from .gguf_cache import dequantized_tensor, hf_tensor_name, read_gguf_header, unpermute_rotary_rows
 
 
@@ -23,18 +23,23 @@ def gguf_tensor_types(path: Path) -> dict[str, str]:
     return {hf_tensor_name(t.name): t.tensor_type.name for t in reader.tensors}
 
 
-def iter_gguf_weights(path: Path, hf_config, kept: frozenset[str]) -> Iterator[tuple[str, torch.Tensor | Int4Groups]]:
+def iter_gguf_weights(path: Path, hf_config, kept: frozenset[str], int8_groups: dict[str, int] | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor | Int4Groups | Int8Groups]]:
     header = read_gguf_header(path)
+    int8_groups = int8_groups or {}
     for tensor in header.reader.tensors:
         name = hf_tensor_name(tensor.name)
-        if name not in kept:
+        if name not in kept and name not in int8_groups:
             yield name, dequantized_tensor(tensor, header.arch, hf_config)
             continue
         rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
-        groups = decode_int4_groups(tensor.tensor_type.name, rows)
+        if name in kept:
+            groups = decode_int4_groups(tensor.tensor_type.name, rows)
+        else:
+            groups = decode_int8_groups(tensor.tensor_type.name, rows, int8_groups[name])
         heads = _rotary_heads(tensor.name, header.arch, hf_config)
         if heads:
-            groups = Int4Groups(*(torch.from_numpy(unpermute_rotary_rows(t.numpy(), heads)) for t in groups))
+            groups = type(groups)(*(torch.from_numpy(unpermute_rotary_rows(t.numpy(), heads)) for t in groups))
         yield name, groups
 
 

@@ -1,14 +1,19 @@
-"""GGUF checkpoints served from their 4-bit blocks.
+"""GGUF checkpoints served from their quantized blocks.
 
 The config reads the file's tensor types; a linear layer whose checkpoint tensors (all shards of
 a packed qkv or gate_up layer) are Q4_0, Q4_1 or Q4_K keeps them as int4 groups of 32,
 w = q * scale + offset, and runs either the worker's 4-bit GEMM (kernel "w4a16", GPUs: codes
-packed as [K/8, N] words, scales and float offsets [K/32, N] in fp16, or fp32 in fp32 models) or
-torch's packed int4 GEMM (kernel "cpu_int4pack", CPUs). Every other tensor (norms, the embedding and tied
-head, Q5/Q6_K/Q8_0 projections) is dequantized while loading, as without quantization.
+packed as int32 words, scales and float offsets [K/32, N] in fp16, or fp32 in fp32 models) or
+torch's packed int4 GEMM (kernel "cpu_int4pack", CPUs). Where the worker also provides "w8a16"
+(GPUs), a layer whose tensors are Q8_0 or Q6_K (or mix them with the int4 types, as Q4_K_M
+files do for v and down) keeps int8 codes in groups of 32 (16 with Q6_K) with a scale, and an
+offset where a member has one. Every other tensor (norms, the embedding and tied head, Q5_*
+projections, and int8 formats on CPUs, whose per-group scales torch's int8 GEMM cannot take) is
+dequantized while loading, as without quantization.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,7 +22,8 @@ import torch
 
 from ..errors import ConfigError
 from .base import LinearMethod, QuantAxes, QuantizationConfig, tensor_bytes
-from .gguf_blocks import GROUP, INT4_TYPES, Int4Groups
+from .gguf_blocks import GROUP, INT4_TYPES, INT8_GROUPS, SYMMETRIC, Int4Groups, Int8Groups
+from .gguf_int8 import GGUFInt8Method
 from .int4 import register_w4a16, w4a16_bytes, w4a16_linear
 from .int4_cpu import int4_linear, int4pack_bytes, register_int4pack
 from .scope import kernel as provided_kernel
@@ -30,6 +36,9 @@ class GGUFConfig(QuantizationConfig):
     # Hugging Face tensor name -> GGUF type name, for every tensor of the file.
     tensor_types: dict[str, str] = field(default_factory=dict)
     kept: frozenset[str] = frozenset()
+    # Tensor name -> its layer's int8 group size, for layers served by "w8a16" (empty until bound
+    # to a platform that provides it).
+    int8_groups: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_checkpoint(cls, quant_config, source) -> "GGUFConfig":
@@ -40,22 +49,36 @@ class GGUFConfig(QuantizationConfig):
         types = gguf_tensor_types(source.gguf_file)
         return cls(tensor_types=types, kept=frozenset(_kept_tensors(types)))
 
+    def bind(self, provided: tuple[str, ...], platform: str) -> "GGUFConfig":
+        bound = super().bind(provided, platform)
+        if "w8a16" not in provided:
+            return bound
+        return dataclasses.replace(bound, int8_groups=_int8_tensors(self.tensor_types))
+
     def linear_method(self, prefix: str, layer) -> LinearMethod | None:
         names = layer.checkpoint_weight_names(prefix)
-        return GGUFInt4Method(self.kernel) if all(name in self.kept for name in names) else None
+        if all(name in self.kept for name in names):
+            return GGUFInt4Method(self.kernel)
+        if all(name in self.int8_groups for name in names):
+            symmetric = all(self.tensor_types[name] in SYMMETRIC for name in names)
+            return GGUFInt8Method(self.int8_groups[names[0]], not symmetric)
+        return None
 
-    def weight_stream(self, source) -> Iterator[tuple[str, torch.Tensor | Int4Groups]]:
+    def weight_stream(self, source) -> Iterator[tuple[str, torch.Tensor | Int4Groups | Int8Groups]]:
         from ..loaders.gguf_weights import iter_gguf_weights
 
-        return iter_gguf_weights(source.gguf_file, source.hf_config, self.kept)
+        return iter_gguf_weights(source.gguf_file, source.hf_config, self.kept, self.int8_groups)
 
     def describe(self) -> str:
         kinds = sorted({self.tensor_types[name] for name in self.kept})
-        return f"gguf ({'/'.join(kinds) or 'no'} int4 layers via {self.kernel})"
+        text = f"gguf ({'/'.join(kinds) or 'no'} int4 layers via {self.kernel}"
+        if self.int8_groups:
+            text += f"; {'/'.join(sorted({self.tensor_types[n] for n in self.int8_groups}))} int8 layers via w8a16"
+        return text + ")"
 
 
-def _kept_tensors(types: dict[str, str]) -> set[str]:
-    """Projection weights whose whole packed group (q/k/v, gate/up) is an int4 group format."""
+def _packed_groups(types: dict[str, str]) -> list[list[str]]:
+    """The projection weights of each linear layer, a packed layer's (q/k/v, gate/up) together."""
     from ..models.layers import PACKED_MODULES
 
     groups: dict[str, list[str]] = {}
@@ -65,8 +88,23 @@ def _kept_tensors(types: dict[str, str]) -> set[str]:
         stem, proj = name.removesuffix(".weight").rsplit(".", 1)
         packed = PACKED_MODULES.get(proj, (proj, None))[0]
         groups.setdefault(f"{stem}.{packed}", []).append(name)
-    return {name for members in groups.values() if all(types[m] in INT4_TYPES for m in members)
+    return list(groups.values())
+
+
+def _kept_tensors(types: dict[str, str]) -> set[str]:
+    """Projection weights whose whole layer is an int4 group format."""
+    return {name for members in _packed_groups(types) if all(types[m] in INT4_TYPES for m in members)
             for name in members}
+
+
+def _int8_tensors(types: dict[str, str]) -> dict[str, int]:
+    """Projection weights of layers that are int8 group formats, not all int4 -> the layer's group."""
+    found = {}
+    for members in _packed_groups(types):
+        kinds = {types[m] for m in members}
+        if kinds <= INT8_GROUPS.keys() and not kinds <= set(INT4_TYPES):
+            found.update(dict.fromkeys(members, min(INT8_GROUPS[kind] for kind in kinds)))
+    return found
 
 
 class GGUFInt4Method(LinearMethod):

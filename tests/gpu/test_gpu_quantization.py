@@ -11,7 +11,8 @@ if not torch.cuda.is_available():
 from corectl import SamplingParams  # noqa: E402
 from corectl.quantization.fp8 import (fp8_gemm_reference, fp8_gemm_scaled_mm, fp8_linear_reference,  # noqa: E402
                                       fp8_w8a16_reference, quantize_rows)
-from corectl.quantization.int4 import pack_int32, w4a16_reference  # noqa: E402
+from corectl.quantization.gguf_int8 import w8a16_reference  # noqa: E402
+from corectl.quantization.int4 import pack_int32, tile_words, w4a16_reference  # noqa: E402
 from gpu_helpers import build_checkpoint, generate, random_prompts  # noqa: E402
 
 FP8 = torch.cuda.get_device_capability(0) >= (8, 9)
@@ -110,12 +111,15 @@ def test_w4a16_gemm_matches_reference(m, n, k, act_order):
 
 @pytest.mark.parametrize("n,k", LLAMA3_8B)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_w4a16_decode_path_matches_reference_and_replays_in_graphs(n, k, dtype):
-    """Every decode batch size the graphs use (GEMV at 1, split-K dots above) at real sizes, then
-    one captured call replayed on new inputs: the split-K buffers and sums are graph-safe."""
+@pytest.mark.parametrize("tiled", [False, True])
+def test_w4a16_decode_path_matches_reference_and_replays_in_graphs(n, k, dtype, tiled):
+    """Every decode batch size the graphs use (GEMV at 1, split-K dots above) at real sizes, words
+    plain or in the column tiles the model serves, then one captured call replayed on new inputs:
+    the split-K buffers and sums are graph-safe."""
     from corectl.backends.triton.w4a16 import w4a16_gemm_trusted
 
     qweight, scales, zeros, g_idx, group_size = _w4_layer(n, k, False)
+    qweight = tile_words(qweight) if tiled else qweight
     scales = scales.to(dtype)
     tol = 1e-5 if dtype == torch.float32 else REL_TOL
     for m in (1, 2, 3, 4, 8, 16):
@@ -131,6 +135,31 @@ def test_w4a16_decode_path_matches_reference_and_replays_in_graphs(n, k, dtype):
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(out, w4a16_gemm_trusted(x, qweight, scales, zeros, g_idx, group_size))
+
+
+@pytest.mark.parametrize("n,k", LLAMA3_8B)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group,offsets", [(32, False), (16, False), (16, True)])
+def test_w8a16_gemm_matches_reference_and_replays_in_graphs(n, k, dtype, group, offsets):
+    """GGUF's int8 groups (Q8_0: 32, symmetric; Q6_K: 16; mixed with Q4_K: 16 with offsets) at
+    every decode batch size and a prefill chunk, then a captured decode call replayed."""
+    from corectl.backends.triton.w8a16 import w8a16_gemm
+
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, device="cuda")
+    scales = (torch.rand(n, k // group, device="cuda") * 1e-3).to(torch.float16)
+    mins = (torch.randn(n, k // group, device="cuda") * 1e-3).to(torch.float16) if offsets else None
+    for m in (1, 2, 4, 8, 16, 300):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        error = _rel_error(w8a16_gemm(x, codes, scales, mins, group), w8a16_reference(x, codes, scales, mins, group))
+        assert error < REL_TOL, (m, error)
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    w8a16_gemm(x, codes, scales, mins, group)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = w8a16_gemm(x, codes, scales, mins, group)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(out, w8a16_gemm(x, codes, scales, mins, group))
 
 
 @pytest.mark.skipif(not FP8, reason="FP8 tensor cores need compute capability 8.9 or newer")
@@ -221,4 +250,36 @@ def test_gguf_4bit_blocks_match_their_dequantized_model(tmp_path):
     ours_bf16 = _logprob_errors(generate(path, prompts, params, served_4bit, quantization="gguf"), truth)
     print(f"GGUF logprob error vs fp32: 4-bit fp32 max {max(fp32_errors):.1e}; rms in bf16: dense "
           f"{dense_bf16:.4f}, 4-bit {_rms(ours_bf16):.4f} (max {max(ours_bf16):.4f})")
+    assert _rms(ours_bf16) <= BF16_ERROR_FACTOR * dense_bf16
+
+
+# A Q4_K_M-style mix with Q8_0: q/k/gate/up in Q4_K, v and down in Q6_K, o in Q8_0.
+GGUF_INT8_TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q8_0", "ffn_gate": "Q4_K",
+                   "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+
+
+def test_gguf_int8_blocks_match_their_dequantized_model(tmp_path):
+    """Q8_0 and Q6_K layers (and the qkv layer mixing Q4_K with Q6_K) kept as int8 groups (w8a16)
+    beside Q4_K's int4 gate_up, against the fp32 model of the file's dequantized weights, with the
+    4-bit test's bounds."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf_files import write_gguf
+
+    dense = build_checkpoint("llama", tmp_path / "dense")
+    path = write_gguf(dense, tmp_path / "llama.gguf", {kind: Q[name] for kind, name in GGUF_INT8_TYPES.items()},
+                      synthetic_vocab=True)
+
+    def served_int8(llm):
+        assert llm.engine.info.quantization == "gguf (Q4_K int4 layers via w4a16; Q4_K/Q6_K/Q8_0 int8 layers via w8a16)"
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
+    prompts = random_prompts([5, 40, 130, 7, 64, 300, 12, 90])
+    truth = generate(path, prompts, params, quantization="none", dtype="float32")
+    fp32_errors = _logprob_errors(generate(path, prompts, params, served_int8, quantization="gguf",
+                                           dtype="float32"), truth)
+    assert max(fp32_errors) < FP32_LOGPROB_ERROR, max(fp32_errors)
+    dense_bf16 = _rms(_logprob_errors(generate(path, prompts, params, quantization="none"), truth))
+    ours_bf16 = _logprob_errors(generate(path, prompts, params, served_int8, quantization="gguf"), truth)
+    print(f"GGUF int8 logprob error vs fp32: fp32 max {max(fp32_errors):.1e}; rms in bf16: dense "
+          f"{dense_bf16:.4f}, int8 {_rms(ours_bf16):.4f} (max {max(ours_bf16):.4f})")
     assert _rms(ours_bf16) <= BF16_ERROR_FACTOR * dense_bf16

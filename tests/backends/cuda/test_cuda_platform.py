@@ -64,8 +64,9 @@ def test_pre_ampere_gpu_has_no_bf16(fake_gpu):
     assert caps.dtypes == ("float16", "float32") and caps.default_dtype == "float16"
 
 
-@pytest.mark.parametrize("capability, kernels", [((9, 0), ("fp8_scaled_mm", "w4a16")), ((8, 9), ("fp8_scaled_mm", "w4a16")),
-                                                 ((8, 0), ("w4a16",))])
+@pytest.mark.parametrize("capability, kernels", [((9, 0), ("fp8_scaled_mm", "w4a16", "w8a16")),
+                                                 ((8, 9), ("fp8_scaled_mm", "w4a16", "w8a16")),
+                                                 ((8, 0), ("w4a16", "w8a16"))])
 def test_fp8_kernels_from_ada_and_hopper_on(fake_gpu, capability, kernels):
     fake_gpu(capability=capability)
     assert cuda_platform.CUDAPlatform().capabilities().quantization_kernels == kernels
@@ -77,7 +78,7 @@ def test_hip_build_is_rocm_not_cuda(fake_gpu):
     assert rocm_platform.ROCmPlatform.is_available()
     caps = rocm_platform.ROCmPlatform().capabilities()
     assert caps.default_dtype == "bfloat16" and caps.pinned_memory
-    assert caps.quantization_kernels == ("w4a16",)
+    assert caps.quantization_kernels == ("w4a16", "w8a16")
 
 
 @pytest.mark.parametrize("arch, bf16", [("gfx90a", True), ("gfx1100", True), ("gfx950", True), ("gfx1030", False)])

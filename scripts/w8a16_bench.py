@@ -1,0 +1,52 @@
+"""GGUF's int8 groups through the Triton 8-bit GEMM against the dense bf16 weight they replace
+(stage `w8bench` of device_bench.sh): llama3-8b's projections at M = 1 and 16, Q8_0's form (groups
+of 32, no offsets) and Q6_K-with-Q4_K's (groups of 16 with offsets), bf16 x, timed from CUDA-graph
+replays that cycle through weight copies past L2; the dense side is the model's own decode path
+(the Triton dense GEMV where its table has the shape, else F.linear)."""
+import math
+
+import torch
+from corectl.backends.triton.bench_fp8 import graph_us
+from corectl.backends.triton.layer_kernels import triton_layer_kernels
+from torch.nn import functional as F
+from corectl.backends.triton.w8a16 import w8a16_gemm
+from corectl.quantization.gguf_int8 import w8a16_reference
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+FORMS = {"g32": (32, False), "g16+off": (16, True)}
+
+
+def copies_of(make, nbytes: int) -> list:
+    return [make() for _ in range(max(2, math.ceil((256 << 20) / nbytes)))]
+
+
+def main() -> None:
+    kernels = triton_layer_kernels()
+
+    def dense_linear(x, w):
+        out = kernels.dense_linear(x, w, None, False)
+        return F.linear(x, w) if out is None else out
+    print("layer    M  form      int8 us   GB/s   dense bf16 us   GB/s   error")
+    for name, (n, k) in SHAPES.items():
+        dense = copies_of(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, n * k * 2)
+        for m in (1, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            dense_us = graph_us([lambda w=w: dense_linear(x, w) for w in dense])
+            for form, (group, offsets) in FORMS.items():
+                def make():
+                    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, device="cuda")
+                    scales = (torch.rand(n, k // group, device="cuda") * 1e-3).half()
+                    return codes, scales, (torch.randn_like(scales) * 1e-3) if offsets else None
+                weights = copies_of(make, n * k)
+                ref = w8a16_reference(x, *weights[0], group).float()
+                error = ((w8a16_gemm(x, *weights[0], group).float() - ref).norm() / ref.norm()).item()
+                us = graph_us([lambda q=q: w8a16_gemm(x, *q, group) for q in weights])
+                moved = n * k * (1 + (4 if offsets else 2) / group)
+                print(f"{name:8s} {m:2d} {form:8s} {us:8.2f} {moved / us / 1e3:6.0f} {dense_us:12.2f} "
+                      f"{n * k * 2 / dense_us / 1e3:6.0f}   {error:.1e}", flush=True)
+                del weights
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
