@@ -260,7 +260,12 @@ stage_w2awqab() {
     echo "after ($round)"; bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --hf-overrides "$AWQ" --save-result "$RES/w2_awq_after_$round.json" | grep TPOT
   done
 }
-stage_w8bench() { timeout 300 python3 scripts/w8a16_bench.py 2>&1 | tee "$RES/w8bench.txt"; }
+stage_w8bench() {
+  # W8_BEFORE=1: carry the earlier kernel as .bench/w8a16_before.py (git show REV:backends/triton/w8a16.py).
+  [ "${W8_BEFORE:-0}" = 1 ] && cp .bench/w8a16_before.py backends/triton/w8a16_before.py
+  timeout 300 python3 scripts/w8a16_bench.py 2>&1 | tee "$RES/w8bench.txt"
+  rm -f backends/triton/w8a16_before.py
+}
 stage_gguftests() { python3 -m pytest -q tests/gpu/test_gpu_quantization.py -k "w8a16 or gguf or w4a16_decode" -p no:cacheprovider 2>&1 | tee "$RES/gguf_tests.log" | tail -15; }
 stage_w2bf16() {
   bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w2_bf16_$(date +%s).json" | grep TPOT
