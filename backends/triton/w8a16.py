@@ -8,8 +8,7 @@ G (16 or 32 in GGUF) divides the blocks, so a group's scale factors out of its s
 sum_k w x = s sum_k q x + b sum_k x.
 
 Programs cover [BLOCK_M, BLOCK_N] outputs over one of SPLIT_K slices of K. Two inner forms:
-  - GEMV (BLOCK_M = 1, decode): codes read four to an int32 word and turned into floats through
-    their mantissa (`_code_dots`), products in fp32 summed per group ([BLOCK_N, BLOCK_K/G]),
+  - GEMV (BLOCK_M = 1, decode): per block, products in fp32 summed per group ([BLOCK_N, BLOCK_K/G]),
     scaled, and accumulated; weights are exact, so it is closer to the fp32 product than the
     dequantized model is.
   - tl.dot (M > 1): the block is dequantized to x's dtype (rounded as the dequantized model's own
@@ -31,7 +30,6 @@ from .split_k import sum_splits
 from .w4a16_configs import sm_count
 
 MAX_SPLIT_K = 4
-ONE_BITS = 0x3F800000  # 1.0 as fp32 bits (`_code_dots`)
 
 
 @dataclass(frozen=True)
@@ -80,73 +78,22 @@ def _group_params(s_ptr, b_ptr, offs_n, mask_n, g0, g_end, stride_s, stride_b, G
 
 
 @triton.jit
-def _input_quads(x_ptr, k0, g, w, mask, GROUP: tl.constexpr, X_PACKED: tl.constexpr):
-    """Inputs 4w .. 4w + 3 of groups g (from input k0 on) as four fp32 [GROUPS, G/4]: one 64-bit
-    load of four 16-bit inputs (X_PACKED), else four loads."""
-    first = k0 + g[:, None] * GROUP + 4 * w[None, :]
-    if X_PACKED:
-        quad = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + first // 4, mask=mask, other=0)
-        low, high = quad.to(tl.int32), (quad >> 32).to(tl.int32)
-        dtype = x_ptr.dtype.element_ty
-        return (low.to(tl.int16).to(dtype, bitcast=True).to(tl.float32),
-                (low >> 16).to(tl.int16).to(dtype, bitcast=True).to(tl.float32),
-                high.to(tl.int16).to(dtype, bitcast=True).to(tl.float32),
-                (high >> 16).to(tl.int16).to(dtype, bitcast=True).to(tl.float32))
-    return (tl.load(x_ptr + first, mask=mask, other=0.0).to(tl.float32),
-            tl.load(x_ptr + first + 1, mask=mask, other=0.0).to(tl.float32),
-            tl.load(x_ptr + first + 2, mask=mask, other=0.0).to(tl.float32),
-            tl.load(x_ptr + first + 3, mask=mask, other=0.0).to(tl.float32))
-
-
-@triton.jit
-def _code_dots(words, x_ptr, k0, g, w, mask_g, one_bits, GROUP: tl.constexpr, X_PACKED: tl.constexpr):
-    """Per group: sum_k q x over its codes [BLOCK_N, GROUPS] and sum_k x [GROUPS], from int32 words
-    of four codes [BLOCK_N, GROUPS, G/4]. XOR 0x80 makes each byte u = q + 128; shifted to bits
-    15..22, masked and given 256's exponent (one LOP3: the exponent comes from the run-time 1.0,
-    in a register) it reads as f = 256 + u, so sum f x = sum q x + 384 sum x, exactly for 16-bit x
-    (f x needs at most 20 bits): a shift, a LOP3 and a multiply-add per code, where an int8-to-
-    float conversion is a quarter-rate instruction."""
-    bits_256 = one_bits + (8 << 23)
-    u = words ^ -0x7F7F7F80  # 0x80808080 as an int32
-    raw = tl.zeros(words.shape, dtype=tl.float32)
-    x0, x1, x2, x3 = _input_quads(x_ptr, k0, g, w, mask_g[:, None], GROUP, X_PACKED)
-    raw += ((u << 15) & 0x7F8000 | bits_256).to(tl.float32, bitcast=True) * x0[None, :, :]
-    raw += ((u << 7) & 0x7F8000 | bits_256).to(tl.float32, bitcast=True) * x1[None, :, :]
-    raw += ((u >> 1) & 0x7F8000 | bits_256).to(tl.float32, bitcast=True) * x2[None, :, :]
-    raw += ((u >> 9) & 0x7F8000 | bits_256).to(tl.float32, bitcast=True) * x3[None, :, :]
-    xs = tl.sum(x0 + x1 + x2 + x3, axis=1)
-    return tl.sum(raw, axis=2) - 384.0 * xs[None, :], xs
-
-
-@triton.jit
-def _load_words(q_ptr, offs_n, mask_n, k0, g, w, k_end, stride_q, GROUP: tl.constexpr):
-    """Codes of groups g from input k0 on, as int32 words [BLOCK_N, GROUPS, G/4]."""
-    first = k0 + g[None, :, None] * GROUP + 4 * w[None, None, :]
-    mask = mask_n[:, None, None] & (first < k_end)
-    rows = offs_n[:, None, None].to(tl.int64) * (stride_q // 4)
-    return tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + rows + first // 4, mask=mask, other=0)
-
-
-@triton.jit
-def _gemv(x_ptr, q_ptr, s_ptr, b_ptr, offs_n, mask_n, k_start, k_end, stride_q, stride_s, stride_b, one_bits,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, OFFSETS: tl.constexpr,
-          X_PACKED: tl.constexpr, PDL: tl.constexpr):
+def _gemv(x_ptr, q_ptr, s_ptr, b_ptr, offs_n, mask_n, k_start, k_end, stride_q, stride_s, stride_b,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, OFFSETS: tl.constexpr):
     GROUPS: tl.constexpr = BLOCK_K // GROUP
-    g = tl.arange(0, GROUPS)
-    w = tl.arange(0, GROUP // 4)
     acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-    # Weights are never written by the step's kernels: the first block is requested before waiting
-    # for the previous kernel, and each next block before this block's arithmetic.
-    words = _load_words(q_ptr, offs_n, mask_n, k_start, g, w, k_end, stride_q, GROUP)
-    grid_dependency(PDL)
+    rows = q_ptr + offs_n[:, None].to(tl.int64) * stride_q
     for k0 in range(k_start, k_end, BLOCK_K):
-        upcoming = _load_words(q_ptr, offs_n, mask_n, k0 + BLOCK_K, g, w, k_end, stride_q, GROUP)
-        mask_g = k0 + g * GROUP < k_end
-        qx, xs = _code_dots(words, x_ptr, k0, g, w, mask_g, one_bits, GROUP, X_PACKED)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_end
+        x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        q = tl.load(rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0)
+        qx = tl.sum(tl.reshape(q.to(tl.float32) * x[None, :], (BLOCK_N, GROUPS, GROUP)), axis=2)
         s, b = _group_params(s_ptr, b_ptr, offs_n, mask_n, k0 // GROUP, k_end // GROUP, stride_s, stride_b, GROUPS,
                              OFFSETS)
-        acc += qx * s + xs[None, :] * b
-        words = upcoming
+        acc += qx * s
+        if OFFSETS:
+            acc += tl.sum(tl.reshape(x, (GROUPS, GROUP)), axis=1)[None, :] * b
     return tl.sum(acc, axis=1)
 
 
@@ -172,10 +119,10 @@ def _dot_tile(x_ptr, q_ptr, s_ptr, b_ptr, offs_m, mask_m, offs_n, mask_n, k_star
 
 
 @triton.jit
-def _w8a16_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT, one_bits, stride_xm, stride_q, stride_s,
-                  stride_b, stride_os, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP: tl.constexpr, OFFSETS: tl.constexpr, PRECISION: tl.constexpr, X_PACKED: tl.constexpr,
-                  PDL: tl.constexpr):
+def _w8a16_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_q, stride_s, stride_b,
+                  stride_os, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP: tl.constexpr, OFFSETS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    grid_dependency(PDL)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -184,10 +131,9 @@ def _w8a16_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT, one_bit
     out_ptr += pid_k.to(tl.int64) * stride_os
     if BLOCK_M == 1:
         acc = _gemv(x_ptr + pid_m.to(tl.int64) * stride_xm, q_ptr, s_ptr, b_ptr, offs_n, mask_n, k_start, k_end,
-                    stride_q, stride_s, stride_b, one_bits, BLOCK_N, BLOCK_K, GROUP, OFFSETS, X_PACKED, PDL)
+                    stride_q, stride_s, stride_b, BLOCK_N, BLOCK_K, GROUP, OFFSETS)
         tl.store(out_ptr + pid_m.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
     else:
-        grid_dependency(PDL)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
         acc = _dot_tile(x_ptr, q_ptr, s_ptr, b_ptr, offs_m, mask_m, offs_n, mask_n, k_start, k_end, stride_xm,
@@ -207,8 +153,6 @@ def _check(x, codes, scales, offsets, group: int) -> None:
     check_same_device(**tensors)
     n, k = codes.shape
     require(x.shape[1] == k, f"x has {x.shape[1]} features, codes {k}")
-    require(codes.stride(0) % 4 == 0 and codes.data_ptr() % 4 == 0,
-            f"codes rows must start 4-byte aligned (read as words), got strides {codes.stride()}")
     require(group >= 16 and group & (group - 1) == 0 and k % group == 0,
             f"group {group} must be a power of two >= 16 dividing K = {k}")
     for name in ("scales", "offsets"):
@@ -234,11 +178,10 @@ def w8a16_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offse
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)
     pdl = pdl_enabled(x.device)
     b = scales if offsets is None else offsets
-    packed = x.element_size() == 2 and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0
-    _w8a16_kernel[grid](x, codes, scales, b, target, m, n, k, per_split * cfg.block_k, ONE_BITS, x.stride(0),
-                        codes.stride(0), scales.stride(0), b.stride(0), m * n, n, BLOCK_M=cfg.block_m,
-                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP=group, OFFSETS=offsets is not None,
-                        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", X_PACKED=packed, PDL=pdl,
+    _w8a16_kernel[grid](x, codes, scales, b, target, m, n, k, per_split * cfg.block_k, x.stride(0), codes.stride(0),
+                        scales.stride(0), b.stride(0), m * n, n, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                        BLOCK_K=cfg.block_k, GROUP=group, OFFSETS=offsets is not None,
+                        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl,
                         num_warps=cfg.num_warps, launch_pdl=pdl)
     if splits > 1:
         sum_splits(target, out, pdl)

@@ -58,16 +58,6 @@ def test_triton_w8a16_split_k_sums_every_slice(cfg):
     _close(w8a16_gemm(x, codes, scales, mins, 32, cfg), w8a16_reference(x, codes, scales, mins, 32), 1e-5)
 
 
-@pytest.mark.parametrize("offset", [0, 1])
-def test_triton_w8a16_gemv_reads_inputs_four_at_a_time_or_singly(offset):
-    """16-bit rows starting 8-byte aligned are read four inputs a load; a view one input further
-    is read one input a load; both agree with the reference."""
-    _, codes, scales, mins = _case(1, N, 128, 16, True, torch.bfloat16)
-    wide = torch.randn(1, 132).to(torch.bfloat16)
-    x = wide[:, offset:offset + 128]
-    _close(w8a16_gemm(x, codes, scales, mins, 16), w8a16_reference(x, codes, scales, mins, 16), 1e-2)
-
-
 def test_triton_w8a16_checks_its_inputs():
     x, codes, scales, mins = _case(2, 16, 64, 32, True, torch.float32)
     with pytest.raises(ValueError, match="group 24 must be"):
