@@ -1,6 +1,7 @@
-"""The second pass of a split-K GEMM: fp32 partials [SPLIT_K, M, N] summed into [M, N] in a fixed
-order. Deterministic (atomics would make each step's logits depend on scheduling), no zero-filled
-buffer or extra cast launch, capturable in CUDA graphs (shape-only allocations, no syncs)."""
+"""Split-K GEMMs: a program's place in the grid, and the second pass, fp32 partials [SPLIT_K, M, N]
+summed into [M, N] in a fixed order. Deterministic (atomics would make each step's logits depend
+on scheduling), no zero-filled buffer or extra cast launch, capturable in CUDA graphs (shape-only
+allocations, no syncs)."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +11,16 @@ import triton.language as tl
 from .pdl import grid_dependency
 
 REDUCE_BLOCK = 1024
+
+
+@triton.jit
+def split_k_program(N, K, K_SPLIT, BLOCK_N: tl.constexpr):
+    """A program's place in a split-K GEMM grid (M tiles, N tiles, K slices): its row tile, its
+    slice, its output columns and their mask, and the slice's inputs [k_start, k_end)."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = pid_k * K_SPLIT
+    return pid_m, pid_k, offs_n, offs_n < N, k_start, tl.minimum(K, k_start + K_SPLIT)
 
 
 @triton.jit

@@ -33,7 +33,8 @@ import triton.language as tl
 
 from .checks import check_float, check_index, check_range, check_same_device, require
 from .pdl import grid_dependency, pdl_enabled
-from .split_k import sum_splits
+from .split_k import split_k_program, sum_splits
+from .tiles import load_rows
 from .w4a16_configs import W4Config, choose
 
 ONE_BITS = 0x3F800000  # 1.0 as fp32 bits (`_code_dot`)
@@ -197,8 +198,7 @@ def _dot_tile(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_m, mask_m, offs_n, mask_n
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        x = load_rows(x_ptr, offs_m, mask_m, offs_k, mask_k, stride_xm)
         words = _load_words(qw_ptr, k0 // 8 + tl.arange(0, BLOCK_K // 8), k_end // 8, offs_n, mask_n, stride_qk,
                             stride_qt, TILE)
         # Each word is read once and unpacked into its eight inputs: [BLOCK_K/8, 8, N] -> [BLOCK_K, N].
@@ -232,11 +232,7 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT,
                   GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr, GEMV: tl.constexpr, PRECISION: tl.constexpr,
                   X_PACKED: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):
     # M tiles vary fastest: a prefill's row tiles read each weight tile together, once from HBM.
-    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    k_start = pid_k * K_SPLIT
-    k_end = tl.minimum(K, k_start + K_SPLIT)
+    pid_m, pid_k, offs_n, mask_n, k_start, k_end = split_k_program(N, K, K_SPLIT, BLOCK_N)
     out_ptr += pid_k.to(tl.int64) * stride_os
     if GEMV:
         acc = _gemv(x_ptr + pid_m.to(tl.int64) * stride_xm, qw_ptr, s_ptr, z_ptr, g_ptr, offs_n, mask_n,

@@ -26,7 +26,8 @@ import triton.language as tl
 
 from .checks import check_float, check_index, check_same_device, require
 from .pdl import grid_dependency, pdl_enabled
-from .split_k import sum_splits
+from .split_k import split_k_program, sum_splits
+from .tiles import load_rows
 from .w4a16_configs import sm_count
 
 MAX_SPLIT_K = 4
@@ -106,10 +107,8 @@ def _dot_tile(x_ptr, q_ptr, s_ptr, b_ptr, offs_m, mask_m, offs_n, mask_n, k_star
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        q = tl.load(q_ptr + offs_n[:, None].to(tl.int64) * stride_q + offs_k[None, :],
-                    mask=mask_n[:, None] & mask_k[None, :], other=0)
+        x = load_rows(x_ptr, offs_m, mask_m, offs_k, mask_k, stride_xm)
+        q = load_rows(q_ptr, offs_n, mask_n, offs_k, mask_k, stride_q)
         s, b = _group_params(s_ptr, b_ptr, offs_n, mask_n, k0 // GROUP, k_end // GROUP, stride_s, stride_b, GROUPS,
                              OFFSETS)
         w = tl.reshape(q, (BLOCK_N, GROUPS, GROUP)).to(tl.float32) * s[:, :, None] + b[:, :, None]
@@ -123,11 +122,7 @@ def _w8a16_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT, stride_
                   stride_os, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP: tl.constexpr, OFFSETS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     grid_dependency(PDL)
-    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    k_start = pid_k * K_SPLIT
-    k_end = tl.minimum(K, k_start + K_SPLIT)
+    pid_m, pid_k, offs_n, mask_n, k_start, k_end = split_k_program(N, K, K_SPLIT, BLOCK_N)
     out_ptr += pid_k.to(tl.int64) * stride_os
     if BLOCK_M == 1:
         acc = _gemv(x_ptr + pid_m.to(tl.int64) * stride_xm, q_ptr, s_ptr, b_ptr, offs_n, mask_n, k_start, k_end,

@@ -221,65 +221,45 @@ def test_awq_checkpoint_matches_its_dequantized_model(tmp_path):
     assert _rms(ours_bf16) <= BF16_ERROR_FACTOR * dense_bf16
 
 
-# Projection kind -> GGUF block type: every 4-bit format the w4a16 kernel serves with float offsets.
-GGUF_TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_K", "ffn_gate": "Q4_1",
-              "ffn_up": "Q4_1", "ffn_down": "Q4_K"}
-
-
-def test_gguf_4bit_blocks_match_their_dequantized_model(tmp_path):
-    """A GGUF file's Q4_0/Q4_1/Q4_K layers kept 4-bit (w4a16, float offsets) against the fp32 model
-    of the file's dequantized weights: in fp32 the same weights (fp32 scales and offsets: near-exact);
-    in bf16 (fp16 scales and offsets, the file's precision) within the AWQ test's bound."""
+def _assert_gguf_matches_its_dequantized_model(tmp_path, types: dict[str, str], described: str) -> None:
+    """A GGUF file of `types` (projection kind -> block type) served kept quantized (the engine
+    describes it as `described`) against the fp32 model of the file's dequantized weights: in fp32
+    the same weights (fp32 scales and offsets: near-exact); in bf16 (fp16 scales and offsets, the
+    file's precision) within the AWQ test's bound."""
     from gguf import GGMLQuantizationType as Q
     from gguf_files import write_gguf
 
     dense = build_checkpoint("llama", tmp_path / "dense")
-    path = write_gguf(dense, tmp_path / "llama.gguf", {kind: Q[name] for kind, name in GGUF_TYPES.items()},
+    path = write_gguf(dense, tmp_path / "llama.gguf", {kind: Q[name] for kind, name in types.items()},
                       synthetic_vocab=True)
 
-    def served_4bit(llm):
-        assert llm.engine.info.quantization == "gguf (Q4_0/Q4_1/Q4_K int4 layers via w4a16)"
+    def served_quantized(llm):
+        assert llm.engine.info.quantization == described
 
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
     prompts = random_prompts([5, 40, 130, 7, 64, 300, 12, 90])
     truth = generate(path, prompts, params, quantization="none", dtype="float32")
-    fp32 = generate(path, prompts, params, served_4bit, quantization="gguf", dtype="float32")
+    fp32 = generate(path, prompts, params, served_quantized, quantization="gguf", dtype="float32")
     fp32_errors = _logprob_errors(fp32, truth)
     assert max(fp32_errors) < FP32_LOGPROB_ERROR, max(fp32_errors)
     dense_bf16 = _rms(_logprob_errors(generate(path, prompts, params, quantization="none"), truth))
-    ours_bf16 = _logprob_errors(generate(path, prompts, params, served_4bit, quantization="gguf"), truth)
-    print(f"GGUF logprob error vs fp32: 4-bit fp32 max {max(fp32_errors):.1e}; rms in bf16: dense "
-          f"{dense_bf16:.4f}, 4-bit {_rms(ours_bf16):.4f} (max {max(ours_bf16):.4f})")
+    ours_bf16 = _logprob_errors(generate(path, prompts, params, served_quantized, quantization="gguf"), truth)
+    print(f"{described}: logprob error vs fp32: fp32 max {max(fp32_errors):.1e}; rms in bf16: dense "
+          f"{dense_bf16:.4f}, quantized {_rms(ours_bf16):.4f} (max {max(ours_bf16):.4f})")
     assert _rms(ours_bf16) <= BF16_ERROR_FACTOR * dense_bf16
 
 
-# A Q4_K_M-style mix with Q8_0: q/k/gate/up in Q4_K, v and down in Q6_K, o in Q8_0.
-GGUF_INT8_TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q8_0", "ffn_gate": "Q4_K",
-                   "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+def test_gguf_4bit_blocks_match_their_dequantized_model(tmp_path):
+    """Q4_0/Q4_1/Q4_K layers kept 4-bit (w4a16, float offsets)."""
+    types = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_K", "ffn_gate": "Q4_1",
+             "ffn_up": "Q4_1", "ffn_down": "Q4_K"}
+    _assert_gguf_matches_its_dequantized_model(tmp_path, types, "gguf (Q4_0/Q4_1/Q4_K int4 layers via w4a16)")
 
 
 def test_gguf_int8_blocks_match_their_dequantized_model(tmp_path):
-    """Q8_0 and Q6_K layers (and the qkv layer mixing Q4_K with Q6_K) kept as int8 groups (w8a16)
-    beside Q4_K's int4 gate_up, against the fp32 model of the file's dequantized weights, with the
-    4-bit test's bounds."""
-    from gguf import GGMLQuantizationType as Q
-    from gguf_files import write_gguf
-
-    dense = build_checkpoint("llama", tmp_path / "dense")
-    path = write_gguf(dense, tmp_path / "llama.gguf", {kind: Q[name] for kind, name in GGUF_INT8_TYPES.items()},
-                      synthetic_vocab=True)
-
-    def served_int8(llm):
-        assert llm.engine.info.quantization == "gguf (Q4_K int4 layers via w4a16; Q4_K/Q6_K/Q8_0 int8 layers via w8a16)"
-
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
-    prompts = random_prompts([5, 40, 130, 7, 64, 300, 12, 90])
-    truth = generate(path, prompts, params, quantization="none", dtype="float32")
-    fp32_errors = _logprob_errors(generate(path, prompts, params, served_int8, quantization="gguf",
-                                           dtype="float32"), truth)
-    assert max(fp32_errors) < FP32_LOGPROB_ERROR, max(fp32_errors)
-    dense_bf16 = _rms(_logprob_errors(generate(path, prompts, params, quantization="none"), truth))
-    ours_bf16 = _logprob_errors(generate(path, prompts, params, served_int8, quantization="gguf"), truth)
-    print(f"GGUF int8 logprob error vs fp32: fp32 max {max(fp32_errors):.1e}; rms in bf16: dense "
-          f"{dense_bf16:.4f}, int8 {_rms(ours_bf16):.4f} (max {max(ours_bf16):.4f})")
-    assert _rms(ours_bf16) <= BF16_ERROR_FACTOR * dense_bf16
+    """A Q4_K_M-style mix with Q8_0: Q8_0 and Q6_K layers, and the qkv layer mixing Q4_K with Q6_K,
+    kept as int8 groups (w8a16) beside Q4_K's int4 gate_up."""
+    types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q8_0", "ffn_gate": "Q4_K",
+             "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+    _assert_gguf_matches_its_dequantized_model(
+        tmp_path, types, "gguf (Q4_K int4 layers via w4a16; Q4_K/Q6_K/Q8_0 int8 layers via w8a16)")

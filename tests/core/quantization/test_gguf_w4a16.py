@@ -1,5 +1,5 @@
 """The GGUF method bound to the Triton 4-bit GEMM (interpreter), as on GPUs: real Q4_0, Q4_1 and
-Q4_K blocks decoded as the loader does, repacked into w4a16's layout (codes as [K/8, N] words,
+Q4_K blocks decoded as the loader does, repacked into w4a16's layout (codes as column-tiled words,
 scales and float offsets [K/32, N]), against the gguf package's own dequantized weights, at
 tensor-parallel sizes 1 and 2, holding exactly the bytes `served_bytes` planned."""
 from __future__ import annotations
@@ -8,15 +8,14 @@ import numpy as np
 import pytest
 import torch
 from corectl.backends.triton.w4a16 import w4a16_gemm
-from corectl.distributed import TensorParallel, parallel_state
 from corectl.models.parallel import PackedLinear, RowParallelLinear
-from corectl.quantization import layer_bytes, quantization_scope
 from corectl.quantization.gguf import GGUFConfig
 from corectl.quantization.gguf_blocks import decode_int4_groups
 from corectl.quantization.int4 import W4_TILE
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from gguf_files import quantize_blocks
+from helpers import assert_row_parallel_sums, build_quantized_layer, finish_loading
 
 N = 64
 # Q4_0/Q4_1 rows of 192 inputs split into 96 per rank (3 groups: no multiple of a 64-input
@@ -37,20 +36,11 @@ def _reference(qtype: str, rows: np.ndarray) -> torch.Tensor:
 def _build(rank: int, world_size: int, make, prefix: str, dtype: torch.dtype):
     config = GGUFConfig(kept=frozenset({f"{prefix.rsplit('.', 1)[0]}.{p}.weight" for p in
                                         ("down_proj", "q_proj", "k_proj", "v_proj")}), kernel="w4a16")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(parallel_state, "_state", TensorParallel(rank, world_size))
-        with quantization_scope(config, {"w4a16": w4a16_gemm}):
-            layer = make()
-            layer.set_quant_method(config.linear_method(prefix, layer), dtype, torch.device("cpu"))
-    return layer
+    return build_quantized_layer(config, {"w4a16": w4a16_gemm}, make, prefix, dtype, rank, world_size)
 
 
 def _finish(layer, prefix: str) -> None:
-    """Repack; the layer then holds exactly what `served_bytes` stated from the shapes alone."""
-    planned = layer.quant_method.served_bytes(layer)
-    layer.check_loaded(prefix)
-    layer.quant_method.process_weights_after_loading(layer)
-    assert layer_bytes(layer) == planned
+    finish_loading(layer, prefix)
     assert layer.w4_zeros.dtype == layer.w4_scales.dtype
     assert layer.w4_qweight.shape == (-(-layer.out_features // W4_TILE), layer.in_features // 8, W4_TILE)
 
@@ -66,18 +56,15 @@ def _close(got: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
 def test_row_parallel_gguf_blocks_on_w4a16_match_their_dequantized_weights(qtype, m, world_size):
     k = IN_FEATURES[qtype]
     rows = _blocks(qtype, N, k)
-    dense = _reference(qtype, rows)
-    x = torch.randn(m, k)
-    total = torch.zeros(m, N)
-    for rank in range(world_size):
+
+    def loaded(rank: int):
         layer = _build(rank, world_size, lambda: RowParallelLinear(k, N, bias=False), PREFIX, torch.float32)
         layer.weight.weight_loader(layer.weight, decode_int4_groups(qtype, rows))
         _finish(layer, PREFIX)
-        columns = slice(layer.first_input, layer.first_input + layer.in_features)
-        partial = layer.quant_method.apply(layer, x[:, columns])
-        _close(partial, x[:, columns] @ dense[:, columns].t(), 1e-5)
-        total += partial
-    _close(total, x @ dense.t(), 1e-5)
+        return layer
+
+    assert_row_parallel_sums(loaded, torch.randn(m, k), _reference(qtype, rows), world_size,
+                             lambda got, want: _close(got, want, 1e-5))
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

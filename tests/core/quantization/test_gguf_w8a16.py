@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 import torch
 from corectl.backends.triton.w8a16 import W8Config, w8a16_gemm
-from corectl.distributed import TensorParallel, parallel_state
 from corectl.errors import ConfigError
 from corectl.models.parallel import PackedLinear, RowParallelLinear
-from corectl.quantization import layer_bytes, quantization_scope
+from corectl.quantization import quantization_scope
 from corectl.quantization.gguf import GGUFConfig, GGUFInt4Method
 from corectl.quantization.gguf_blocks import decode_int8_groups
 from corectl.quantization.gguf_int8 import GGUFInt8Method, w8a16_reference
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from gguf_files import quantize_blocks
+from helpers import assert_row_parallel_sums, build_quantized_layer, finish_loading
 
 N = 48
 PREFIX = "model.layers.0.mlp.down_proj"
@@ -80,21 +80,14 @@ def _reference(qtype: str, rows: np.ndarray) -> torch.Tensor:
 
 def _build(rank: int, world_size: int, make, prefix: str, dtype: torch.dtype, types: dict[str, str]):
     bound = GGUFConfig(tensor_types=types, kernel="w4a16").bind(("w4a16", "w8a16"), "cuda")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(parallel_state, "_state", TensorParallel(rank, world_size))
-        with quantization_scope(bound, {"w4a16": None, "w8a16": w8a16_gemm}):
-            layer = make()
-            method = bound.linear_method(prefix, layer)
-            assert isinstance(method, GGUFInt8Method)
-            layer.set_quant_method(method, dtype, torch.device("cpu"))
+    layer = build_quantized_layer(bound, {"w4a16": None, "w8a16": w8a16_gemm}, make, prefix, dtype, rank,
+                                  world_size)
+    assert isinstance(layer.quant_method, GGUFInt8Method)
     return layer
 
 
 def _finish(layer, prefix: str) -> None:
-    planned = layer.quant_method.served_bytes(layer)
-    layer.check_loaded(prefix)
-    layer.quant_method.process_weights_after_loading(layer)
-    assert layer_bytes(layer) == planned
+    finish_loading(layer, prefix)
     assert layer.w8_codes.dtype == torch.int8
 
 
@@ -104,21 +97,18 @@ def _finish(layer, prefix: str) -> None:
 def test_row_parallel_int8_blocks_match_their_dequantized_weights(qtype, m, world_size):
     k = 512
     rows = _blocks(qtype, N, k)
-    dense = _reference(qtype, rows)
-    x = torch.randn(m, k)
     group = 16 if qtype == "Q6_K" else 32
-    total = torch.zeros(m, N)
-    for rank in range(world_size):
+
+    def loaded(rank: int):
         layer = _build(rank, world_size, lambda: RowParallelLinear(k, N, bias=False), PREFIX, torch.float32,
                        {f"{PREFIX}.weight": qtype})
         layer.weight.weight_loader(layer.weight, decode_int8_groups(qtype, rows, group))
         _finish(layer, PREFIX)
         assert layer.w8_offsets is None and layer.w8_scales.shape == (N, layer.in_features // group)
-        columns = slice(layer.first_input, layer.first_input + layer.in_features)
-        partial = layer.quant_method.apply(layer, x[:, columns])
-        _close(partial, x[:, columns] @ dense[:, columns].t(), 1e-5)
-        total += partial
-    _close(total, x @ dense.t(), 1e-5)
+        return layer
+
+    assert_row_parallel_sums(loaded, torch.randn(m, k), _reference(qtype, rows), world_size,
+                             lambda got, want: _close(got, want, 1e-5))
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
