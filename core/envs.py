@@ -36,3 +36,9 @@ def fused_kernels_enabled() -> bool:
 def pdl_enabled() -> bool:
     """CORECTL_PDL=0 launches GPU kernels without programmatic dependent launch (for measurement)."""
     return os.environ.get("CORECTL_PDL", "1").lower() not in ("0", "false", "no")
+
+
+def fp8_fast_accum() -> bool:
+    """CORECTL_FP8_FAST_ACCUM=0 makes the FP8 W8A8 GEMMs (`torch._scaled_mm`) promote their partial
+    sums to fp32 periodically instead of accumulating in the tensor cores' own precision."""
+    return os.environ.get("CORECTL_FP8_FAST_ACCUM", "1").lower() not in ("0", "false", "no")

@@ -238,6 +238,15 @@ stage_w2fp8() {
   bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --quantization fp8 --save-result "$RES/w2_fp8.json"
   bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w2_bf16.json"
 }
+stage_w1accum() {
+  # _scaled_mm's fast accumulation: the GEMMs alone, then W1 with FP8 weights (bf16 cache) with
+  # CORECTL_FP8_FAST_ACCUM=0 and with the default (fast), alternating.
+  timeout 200 python3 scripts/fp8_accum_bench.py 2>&1 | tee "$RES/fp8_accum.txt"
+  for round in 1 2; do
+    echo "accurate ($round)"; CORECTL_FP8_FAST_ACCUM=0 bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 --quantization fp8 --save-result "$RES/w1_fp8_accurate_$round.json" | grep -i "throughput"
+    echo "fast ($round)"; bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 --quantization fp8 --save-result "$RES/w1_fp8_fast_$round.json" | grep -i "throughput"
+  done
+}
 stage_w1fp8() {
   bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 --quantization fp8 --save-result "$RES/w1_fp8.json"
   # W1FP8_PEER=0 skips the HF peer (the target is absolute; the peer was measured on 2026-11-25).

@@ -28,7 +28,9 @@ def _rel_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 @pytest.mark.skipif(not FP8, reason="FP8 tensor cores need compute capability 8.9 or newer")
 @pytest.mark.parametrize("m", [1, 16, 256])
 @pytest.mark.parametrize("n,k", LLAMA3_8B)
-def test_fp8_activation_quantizer_and_scaled_mm_match_references(m, n, k):
+@pytest.mark.parametrize("fast_accum", ["1", "0"])
+def test_fp8_activation_quantizer_and_scaled_mm_match_references(m, n, k, fast_accum, monkeypatch):
+    monkeypatch.setenv("CORECTL_FP8_FAST_ACCUM", fast_accum)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     weight, scale = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)

@@ -70,6 +70,17 @@ def test_awq_order_puts_column_two_in_the_second_nibble():
     assert [(word >> (4 * i)) & 0xF for i in range(8)] == list(AWQ_ORDER)
 
 
+def test_fp8_fast_accumulation_is_on_unless_switched_off(monkeypatch):
+    """`fp8_gemm_scaled_mm` passes this to `_scaled_mm` (tests/gpu runs both settings)."""
+    from corectl import envs
+
+    monkeypatch.delenv("CORECTL_FP8_FAST_ACCUM", raising=False)
+    assert envs.fp8_fast_accum() is True
+    for off in ("0", "false", "no"):
+        monkeypatch.setenv("CORECTL_FP8_FAST_ACCUM", off)
+        assert envs.fp8_fast_accum() is False
+
+
 def test_fp8_rows_round_trip_within_e4m3_precision():
     x = torch.randn(7, 64) * torch.rand(7, 1) * 10
     q, scale = quantize_rows(x)
