@@ -169,8 +169,8 @@ def _gemv_block(acc, x_ptr, s_ptr, z_ptr, g_ptr, words, rows, row_end, offs_n, m
 
 @triton.jit
 def _gemv(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, offs_n, mask_n, k_start, k_end, stride_qk, stride_qt, stride_sg,
-          stride_zg, one_bits, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr, OFFSETS: tl.constexpr,
-          X_PACKED: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):
+          stride_zg, one_bits, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
+          OFFSETS: tl.constexpr, X_PACKED: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):
     rows = k_start // 8 + tl.arange(0, BLOCK_K // 8)
     row_end = k_end // 8
     acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
@@ -299,8 +299,9 @@ def _check(x, qweight, scales, zeros, g_idx, group_size: int, check_indices: boo
 
 
 def _packed_inputs(x: torch.Tensor) -> bool:
-    """Whether the GEMV may read x's 16-bit inputs in 32-bit pairs: every row 4-byte aligned."""
-    return x.element_size() == 2 and x.stride(1) == 1 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0
+    """Whether the GEMV may read x's 16-bit inputs in 32-bit pairs: every row 4-byte aligned (rows
+    are contiguous: `_check`)."""
+    return x.element_size() == 2 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0
 
 
 def _block_k(cfg: W4Config, group_size: int) -> tuple[int, int]:

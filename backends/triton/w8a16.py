@@ -83,12 +83,11 @@ def _gemv(x_ptr, q_ptr, s_ptr, b_ptr, offs_n, mask_n, k_start, k_end, stride_q, 
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, OFFSETS: tl.constexpr):
     GROUPS: tl.constexpr = BLOCK_K // GROUP
     acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-    rows = q_ptr + offs_n[:, None].to(tl.int64) * stride_q
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
         x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        q = tl.load(rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0)
+        q = load_rows(q_ptr, offs_n, mask_n, offs_k, mask_k, stride_q)
         qx = tl.sum(tl.reshape(q.to(tl.float32) * x[None, :], (BLOCK_N, GROUPS, GROUP)), axis=2)
         s, b = _group_params(s_ptr, b_ptr, offs_n, mask_n, k0 // GROUP, k_end // GROUP, stride_s, stride_b, GROUPS,
                              OFFSETS)
@@ -111,7 +110,9 @@ def _dot_tile(x_ptr, q_ptr, s_ptr, b_ptr, offs_m, mask_m, offs_n, mask_n, k_star
         q = load_rows(q_ptr, offs_n, mask_n, offs_k, mask_k, stride_q)
         s, b = _group_params(s_ptr, b_ptr, offs_n, mask_n, k0 // GROUP, k_end // GROUP, stride_s, stride_b, GROUPS,
                              OFFSETS)
-        w = tl.reshape(q, (BLOCK_N, GROUPS, GROUP)).to(tl.float32) * s[:, :, None] + b[:, :, None]
+        w = tl.reshape(q, (BLOCK_N, GROUPS, GROUP)).to(tl.float32) * s[:, :, None]
+        if OFFSETS:
+            w += b[:, :, None]
         w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(x.dtype)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     return acc

@@ -1,8 +1,9 @@
 """Streaming a GGUF file's tensors for a model that keeps some of them quantized.
 
 Tensors named in `kept` arrive as `Int4Groups` (codes, scales, mins) for the GGUF linear method,
-those in `int8_groups` as `Int8Groups` of their layer's group size; the rest are dequantized to fp32 exactly as the cached conversion (`gguf_cache`) does. Llama's
-q/k rows are un-permuted either way: a row permutation moves whole rows of codes and scales.
+those in `int8_groups` as `Int8Groups` of their layer's group size; the rest are dequantized to
+fp32 exactly as the cached conversion (`gguf_cache`) does. Llama's q/k rows are un-permuted
+either way: a row permutation moves whole rows of codes and scales.
 """
 from __future__ import annotations
 

@@ -32,8 +32,15 @@ class Int4Groups(NamedTuple):
     mins: torch.Tensor
 
     def dequantize(self) -> torch.Tensor:
-        expand = lambda t: t.repeat_interleave(GROUP, dim=1)  # noqa: E731
-        return self.codes.float() * expand(self.scales) + expand(self.mins)
+        return dequantize_groups(self.codes, self.scales, self.mins, GROUP)
+
+
+def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group: int) -> torch.Tensor:
+    """fp32 weight [N, K] from codes [N, K] and a scale and min (None: 0) per `group` inputs [N, K / group]."""
+    weight = codes.float() * scales.float().repeat_interleave(group, dim=1)
+    if mins is not None:
+        weight += mins.float().repeat_interleave(group, dim=1)
+    return weight
 
 
 def decode_int4_groups(type_name: str, rows: np.ndarray) -> Int4Groups:
@@ -76,11 +83,6 @@ class Int8Groups(NamedTuple):
     codes: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor
-
-    def dequantize(self) -> torch.Tensor:
-        group = self.codes.shape[1] // self.scales.shape[1]
-        expand = lambda t: t.repeat_interleave(group, dim=1)  # noqa: E731
-        return self.codes.float() * expand(self.scales) + expand(self.mins)
 
 
 def decode_int8_groups(type_name: str, rows: np.ndarray, group: int) -> Int8Groups:

@@ -9,7 +9,7 @@ import torch
 
 from ..errors import ConfigError
 from .base import LinearMethod, QuantAxes, tensor_bytes
-from .gguf_blocks import Int8Groups
+from .gguf_blocks import Int8Groups, dequantize_groups
 from .scope import kernel as provided_kernel
 
 
@@ -17,10 +17,7 @@ def w8a16_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
                     group: int) -> torch.Tensor:
     """The "w8a16" kernel's contract, as dequantize-then-matmul in fp32: x [M, K] @ W.T, W[n, k] =
     codes[n, k] * scales[n, k // group] + offsets[n, k // group] (None: 0), in x's dtype."""
-    weight = codes.float() * scales.float().repeat_interleave(group, dim=1)
-    if offsets is not None:
-        weight += offsets.float().repeat_interleave(group, dim=1)
-    return (x.float() @ weight.t()).to(x.dtype)
+    return (x.float() @ dequantize_groups(codes, scales, offsets, group).t()).to(x.dtype)
 
 
 class GGUFInt8Method(LinearMethod):

@@ -90,8 +90,9 @@ def w4a16_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 def register_w4a16(layer, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor,
                    group_size: int, perm: torch.Tensor | None = None) -> None:
     """Keep the "w4a16" kernel's operands as the layer's buffers: codes [N, K] packed to [K/8, N]
-    words in `tile_words` tiles, scales and zeros [groups, N] (int32 codes or float offsets), g_idx [K], its contiguous
-    `group_size` (0: gather through g_idx) and the input permutation applied per call (None: none).
+    words in `tile_words` tiles, scales and zeros [groups, N] (int32 codes or float offsets),
+    g_idx [K], its contiguous `group_size` (0: gather through g_idx) and the input permutation
+    applied per call (None: none).
     Buffers, so the model's tensors count them (`corectl plan` compares), non-persistent: the
     checkpoint holds another layout."""
     layer.w4_group_size = group_size
@@ -217,7 +218,7 @@ class W4LinearMethod(LinearMethod):
         self._to_int4pack(layer, codes, zeros, scales, g_idx)
 
     def served_bytes(self, layer) -> int:
-        """w4a16: codes as [K/8, N] int32, the scales, fp32 offsets and g_idx; int4pack: its
+        """w4a16: codes as int32 words in column tiles, the scales, fp32 offsets and g_idx; int4pack: its
         packed layout, plus the input permutation with act-order. An act-order rank whose inputs
         do not form whole groups keeps a dense weight (int4pack) or gathers by g_idx without a
         permutation (w4a16) instead, which only its g_idx shows: planned as packed, permuted."""
