@@ -7,6 +7,7 @@ import msgspec
 
 from .errors import ConfigError
 from .pooling import POOLING_TYPES, RUNNER_ALIASES, RUNNERS
+from .spec_decode.config import SpeculativeConfig, resolve_speculative_config
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -54,6 +55,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         (`1_Pooling/config.json`), else LAST. MEAN and CLS need every prompt token's hidden state,
         so such an engine runs without prefix caching.
     normalize: L2-normalise pooled vectors; None: the checkpoint's (a Normalize module), else True.
+    speculative_config: speculative decoding, vLLM's `--speculative-config` (a dict or its JSON
+        string, see `corectl.spec_decode.config`); None: off. Checked here and kept as a
+        `SpeculativeConfig`.
     quantization: the quantization method (`corectl.quantization`; vLLM's names: fp8, awq, gptq,
         compressed-tensors, gguf, or a plugin's). None: the checkpoint's own `quantization_config`,
         and GGUF files kept quantized where the platform has the kernel (unless `dtype` is set);
@@ -97,6 +101,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     runner: str = "auto"
     pooling_type: str | None = None
     normalize: bool | None = None
+    speculative_config: SpeculativeConfig | str | None = None
 
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)
@@ -132,6 +137,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not self.platform or not isinstance(self.platform, str):
             raise ConfigError("platform", "must be 'auto' or a platform name (see `corectl plugins`)")
+        self.speculative_config = resolve_speculative_config(self.speculative_config, self.tensor_parallel_size)
 
     def _check_choice(self, field: str, allowed: tuple) -> None:
         value = getattr(self, field)

@@ -138,7 +138,7 @@ def _log_exponential_noise(like: torch.Tensor, generators: dict[int, torch.Gener
     return noise.log_().neg_().log_()
 
 
-def _inverse_cdf_draw(logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def inverse_cdf_draw(logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """One uniform u per row, scaled to (0, total mass]; the token is the first whose cumulative
     mass reaches u. A masked token adds no mass, so no u can land on it. The sum runs in fp64 so
     that tokens far below fp32's resolution of the running total keep their share."""
@@ -153,6 +153,14 @@ def _inverse_cdf_draw(logits: torch.Tensor, generators: dict[int, torch.Generato
     return torch.searchsorted(cdf, targets).squeeze(1)
 
 
+def temper_and_truncate(logits: torch.Tensor, params: RandomParams) -> None:
+    """Divide by the temperature and mask what top-k, top-p and min-p rule out, in place: the
+    logits of the distribution a random row samples from (speculative verification reads it too)."""
+    if params.temperature is not None:
+        logits.div_(params.temperature)
+    truncate(logits, params)
+
+
 def sample_random(logits: torch.Tensor, params: RandomParams, draw: str) -> torch.Tensor:
     """One token per row with probability softmax(logits)_i after temperature and truncation.
     Modifies `logits` in place. `draw` is one of `DRAWS`, chosen by the platform.
@@ -162,9 +170,7 @@ def sample_random(logits: torch.Tensor, params: RandomParams, draw: str) -> torc
     batch fewer, and on a GPU torch gives a single row's softmax to one block). "inverse_cdf"
     (CPUs, where the race's vocabulary-sized noise dominates: 16 x 49k takes 7.8 ms, one uniform
     per row and an inverse-CDF search 1.2 ms): each row draws a single number instead."""
-    if params.temperature is not None:
-        logits.div_(params.temperature)
-    truncate(logits, params)
+    temper_and_truncate(logits, params)
     if draw == "inverse_cdf":
-        return _inverse_cdf_draw(logits, params.generators)
+        return inverse_cdf_draw(logits, params.generators)
     return logits.sub_(_log_exponential_noise(logits, params.generators)).argmax(dim=-1)

@@ -13,7 +13,7 @@ import torch
 from .logprobs import LogprobsTensors, gather_logprobs
 from .metadata import SamplingMetadata
 from .penalties import apply_penalties
-from .random_sampling import DRAWS, RandomParams, sample_random
+from .random_sampling import DRAWS, RandomParams, sample_random, temper_and_truncate
 from .token_edits import add_logit_bias, suppress_tokens
 
 
@@ -32,6 +32,17 @@ def edit_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         suppress_tokens(logits, meta.min_tokens)
     if meta.penalties is not None:
         logits = apply_penalties(logits, meta.penalties)
+    return logits
+
+
+def target_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The logits of the distribution each row samples from, after every edit and (random rows)
+    temperature and truncation; a greedy row's token is their argmax. Speculative verification
+    measures draft tokens against them."""
+    if meta.edits_logits:
+        logits = edit_logits(logits, meta)
+    if meta.random is not None:
+        temper_and_truncate(logits, meta.random)
     return logits
 
 

@@ -1,0 +1,130 @@
+"""`--speculative-config`: vLLM's JSON form, validated at the edge.
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    {"method": "draft_model", "model": "path/to/small-llama", "num_speculative_tokens": 3}
+
+The engine option `EngineConfig.speculative_config` takes a dict, a JSON string or a
+`SpeculativeConfig`; `resolve_speculative_config` turns any of them into one checked
+`SpeculativeConfig` or raises a `ConfigError` naming what is wrong. As in vLLM, a missing
+`method` is "ngram" when `model` is "ngram" (or "[ngram]") and "draft_model" when another model
+is named; an n-gram config with one lookup bound takes it for both, with none 5 and 5.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+from ..errors import ConfigError
+
+FIELD = "speculative_config"
+METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+# Methods whose proposer this engine does not have yet: refused at start-up, not silently ignored.
+UNSUPPORTED_METHODS = ("eagle", "eagle3")
+MAX_SPECULATIVE_TOKENS = 16
+_DEFAULT_LOOKUP = 5
+
+
+class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """method: how draft tokens are proposed; num_speculative_tokens: k, the draft tokens a step
+    verifies per request (1..16); prompt_lookup_min/max: the n-gram lengths matched against the
+    request's own tokens (ngram); model: the draft model (draft_model: a local HF directory, a
+    `.gguf` file or a shape preset with the target's vocabulary); draft_tensor_parallel_size: the
+    draft's tensor-parallel size (1, or the target's)."""
+
+    method: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None
+    draft_tensor_parallel_size: int | None = None
+
+    @property
+    def k(self) -> int:
+        return self.num_speculative_tokens
+
+
+def _error(message: str) -> ConfigError:
+    return ConfigError(FIELD, message)
+
+
+def _parse(value: Any) -> SpeculativeConfig:
+    if isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise _error(f"not valid JSON ({exc.msg} at character {exc.pos}): {value!r}") from None
+    if not isinstance(value, dict):
+        raise _error(f"must be a JSON object such as {{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}, "
+                     f"got {value!r}")
+    try:
+        return msgspec.convert(value, SpeculativeConfig)
+    except msgspec.ValidationError as exc:
+        raise _error(str(exc).replace("$.", "")) from None
+
+
+def _method(spec: SpeculativeConfig) -> str:
+    method = spec.method
+    if method is None:
+        if spec.model is None:
+            raise _error("say which proposer to use: \"method\" is one of " + ", ".join(METHODS))
+        method = "ngram" if spec.model in ("ngram", "[ngram]") else "draft_model"
+    if method not in METHODS:
+        raise _error(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+    if method in UNSUPPORTED_METHODS:
+        raise _error(f"method {method!r} is not yet supported by corectl (it needs the target's hidden states); "
+                     "use \"ngram\" or \"draft_model\"")
+    return method
+
+
+def _lookup_bounds(spec: SpeculativeConfig) -> tuple[int, int]:
+    low, high = spec.prompt_lookup_min, spec.prompt_lookup_max
+    if low is None and high is None:
+        low = high = _DEFAULT_LOOKUP
+    low = high if low is None else low
+    high = low if high is None else high
+    if low < 1:
+        raise _error(f"prompt_lookup_min must be at least 1, got {low}")
+    if low > high:
+        raise _error(f"prompt_lookup_min ({low}) is larger than prompt_lookup_max ({high})")
+    return low, high
+
+
+def _check_k(k: int | None) -> int:
+    if k is None:
+        raise _error("num_speculative_tokens is required (the draft tokens each step verifies, 1 to "
+                     f"{MAX_SPECULATIVE_TOKENS})")
+    if isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise _error(f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {k!r}")
+    return k
+
+
+def resolve_speculative_config(value: Any, tensor_parallel_size: int = 1) -> SpeculativeConfig | None:
+    """The checked config (method and n-gram bounds filled in), None when `value` is None."""
+    if value is None:
+        return None
+    spec = _parse(value)
+    method = _method(spec)
+    k = _check_k(spec.num_speculative_tokens)
+    if method == "ngram":
+        if spec.model not in (None, "ngram", "[ngram]"):
+            raise _error(f"method \"ngram\" proposes from the request's own tokens; it takes no model "
+                         f"(got {spec.model!r})")
+        if spec.draft_tensor_parallel_size not in (None, 1):
+            raise _error("method \"ngram\" runs no draft model: draft_tensor_parallel_size does not apply")
+        low, high = _lookup_bounds(spec)
+        return SpeculativeConfig(method=method, num_speculative_tokens=k, prompt_lookup_min=low,
+                                 prompt_lookup_max=high)
+    if spec.prompt_lookup_min is not None or spec.prompt_lookup_max is not None:
+        raise _error(f"prompt_lookup_min/max apply to method \"ngram\" only, not {method!r}")
+    if not spec.model:
+        raise _error(f"method {method!r} needs \"model\": the draft model's path")
+    draft_tp = 1 if spec.draft_tensor_parallel_size is None else spec.draft_tensor_parallel_size
+    if draft_tp not in (1, tensor_parallel_size):
+        raise _error(f"draft_tensor_parallel_size must be 1 or the target's tensor_parallel_size "
+                     f"({tensor_parallel_size}), got {draft_tp!r}")
+    return SpeculativeConfig(method=method, num_speculative_tokens=k, model=spec.model,
+                             draft_tensor_parallel_size=draft_tp)
