@@ -87,7 +87,7 @@ def corectl_quantization_methods() -> Iterable[QuantizationMethodSpec]:
 def corectl_tool_parsers() -> Iterable[ToolParserSpec]:
     """Yield tool parsers for the API server (``--tool-call-parser NAME``).
 
-    The class must implement ``corectl.server.tool_parsers.base.ToolParser``: built per response
+    The class must implement ``corectl.server.http.tool_parsers.base.ToolParser``: built per response
     choice as ``cls(tokenizer)``, it turns the model's text into content and OpenAI tool calls,
     incrementally (``feed``) for streams. It runs in the API server's process, on text only.
     """
@@ -97,7 +97,7 @@ def corectl_tool_parsers() -> Iterable[ToolParserSpec]:
 def corectl_reasoning_parsers() -> Iterable[ReasoningParserSpec]:
     """Yield reasoning parsers for the API server (``--reasoning-parser NAME``).
 
-    The class must implement ``corectl.server.reasoning.base.ReasoningParser``: built per response
+    The class must implement ``corectl.server.http.reasoning.base.ReasoningParser``: built per response
     choice as ``cls(tokenizer)``, it splits the model's text into reasoning and content,
     incrementally (``feed``) for streams. It runs in the API server's process, on text only.
     """

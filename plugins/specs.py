@@ -70,14 +70,14 @@ class QuantizationMethodSpec(NamedSpec):
 
 @dataclass(frozen=True)
 class ToolParserSpec(NamedSpec):
-    """A tool parser for the API server: `path` names a `corectl.server.tool_parsers.base.ToolParser`
+    """A tool parser for the API server: `path` names a `corectl.server.http.tool_parsers.base.ToolParser`
     subclass, chosen by `name` with `corectl serve --tool-call-parser NAME`."""
 
 
 @dataclass(frozen=True)
 class ReasoningParserSpec(NamedSpec):
     """A reasoning parser for the API server: `path` names a
-    `corectl.server.reasoning.base.ReasoningParser` subclass, chosen by `name` with
+    `corectl.server.http.reasoning.base.ReasoningParser` subclass, chosen by `name` with
     `corectl serve --reasoning-parser NAME`."""
 
 

@@ -73,7 +73,7 @@ stage_prof2() {
 stage_w5() {
   # Online: the server with the llama3-8b shape, token-id prompts (no tokenizer), then the same
   # batch-1 shape offline, so the HTTP share of TPOT at concurrency 1 is measured in one call.
-  # Default serve settings (the online token budget, server/cli_serve.py SERVE_DEFAULTS).
+  # Default serve settings (the online token budget, server/cli/serve.py SERVE_DEFAULTS).
   corectl serve llama3-8b --load-format dummy --platform cuda --port 8011 > "$RES/w5_server.log" 2>&1 &
   local server=$!
   for _ in $(seq 300); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 1; done

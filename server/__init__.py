@@ -1,1 +1,2 @@
-"""The OpenAI-compatible HTTP server and the `corectl` command line."""
+"""The serving side of corectl, one subpackage per job: `http/` (the OpenAI-compatible Litestar server),
+`cli/` (the `corectl` command line) and `bench/` (the benchmarks `corectl bench` runs)."""

@@ -89,5 +89,5 @@ def test_wheel_imports_and_lists_plugins_without_the_source_tree(installed_wheel
 
 
 def test_wheel_ships_the_dashboard_page(installed_wheel):
-    static = installed_wheel / "corectl" / "server" / "dashboard_static"
+    static = installed_wheel / "corectl" / "server" / "http" / "dashboard_static"
     assert sorted(p.name for p in static.iterdir()) == ["dashboard.css", "dashboard.js", "index.html"]

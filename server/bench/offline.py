@@ -17,8 +17,8 @@ from importlib import metadata
 
 import msgspec
 
-from .bench_report import percentile
-from .engine_args import add_engine_args, config_from_args
+from ..cli.engine_args import add_engine_args, config_from_args
+from .report import percentile
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 # Distribution names to report, first one installed wins (ROCm wheels rename triton).
@@ -104,7 +104,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     print(f"Total num prompt tokens: {n_in}\nTotal num output tokens: {n_out}")
     _save(args, llm, result)
     if args.profile:
-        from .bench_profile import profile_batch
+        from .profiling import profile_batch
 
         # Fresh prompts again: the timed ones sit in the prefix cache now.
         fresh = [_random_prompts(random.Random(2 + i), in_lens, _prompt_vocab(llm)) for i in range(2)]
@@ -141,7 +141,7 @@ def run_latency(args: argparse.Namespace) -> int:
           f"p99 {tpot['p99'] * 1e3:.3f} ms; prefill step median {result['prefill_step_s']['p50'] * 1e3:.2f} ms")
     _save(args, llm, result)
     if args.profile:
-        from .bench_profile import profile_batch
+        from .profiling import profile_batch
 
         prompts = _random_prompts(rng, [args.input_len] * args.batch_size, vocab)
         print(profile_batch(lambda: _token_intervals(llm, prompts, params)))

@@ -23,7 +23,7 @@ import anyio
 import httpx
 import msgspec
 
-from .bench_report import RequestResult, format_report, save_result, summarize
+from .report import RequestResult, format_report, save_result, summarize
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 # --structured-output json: records of bounded fields in an array of any length.

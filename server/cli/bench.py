@@ -2,13 +2,13 @@
 and the per-step cost of grammar-constrained decoding."""
 from __future__ import annotations
 
-from . import bench_grammar, bench_offline, bench_serve
+from ..bench import grammar, offline, serve
 
 
 def register(sub) -> None:
     parser = sub.add_parser("bench", help="benchmarks: offline throughput and latency, online serving, grammar overhead")
     bench = parser.add_subparsers(dest="bench_command", required=True)
-    bench_offline.register_throughput(bench)
-    bench_offline.register_latency(bench)
-    bench_serve.register(bench)
-    bench_grammar.register(bench)
+    offline.register_throughput(bench)
+    offline.register_latency(bench)
+    serve.register(bench)
+    grammar.register(bench)

@@ -6,9 +6,9 @@ import sys
 
 from corectl.errors import CorectlError
 
-from . import cli_bench, cli_generate, cli_plan, cli_plugins, cli_serve
+from . import bench, generate, plan, plugins, serve
 
-SUBCOMMANDS = [cli_generate, cli_plugins, cli_serve, cli_plan, cli_bench]
+SUBCOMMANDS = [generate, plugins, serve, plan, bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

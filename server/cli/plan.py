@@ -9,7 +9,7 @@ import argparse
 import json
 import re
 
-from .cli_serve import SERVE_DEFAULTS
+from .serve import SERVE_DEFAULTS
 from .engine_args import add_engine_args, config_from_args
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

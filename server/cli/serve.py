@@ -15,8 +15,8 @@ import uvicorn
 from corectl import envs
 from corectl.errors import ConfigError
 
+from ..http.logs import LOG_FORMATS
 from .engine_args import add_engine_args, config_from_args
-from .logs import LOG_FORMATS
 
 logger = logging.getLogger("corectl.server")
 
@@ -75,7 +75,7 @@ def register(sub) -> None:
 
 
 def settings_from_args(args: argparse.Namespace):
-    from .state import ServeSettings, default_served_name
+    from ..http.state import ServeSettings, default_served_name
 
     config = config_from_args(args)
     if not 0 <= args.port <= 65535:
@@ -87,7 +87,7 @@ def settings_from_args(args: argparse.Namespace):
     if any(not key for key in args.api_key or []):
         raise ConfigError("api_key", "must not be empty")
     if args.otlp_traces_endpoint:
-        from .tracing import exporter_class
+        from ..http.tracing import exporter_class
 
         exporter_class()  # a missing extra fails here, before the engine loads
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -107,7 +107,7 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from .logs import configure_logging
+    from ..http.logs import configure_logging
 
     configure_logging(args.log_format, envs.log_level())
     settings = settings_from_args(args)
@@ -116,8 +116,8 @@ def run(args: argparse.Namespace) -> int:
 
 def serve(settings) -> int:
     """Run the server until it is stopped; returns the process exit status."""
-    from .app import create_app
-    from .state import ServerState
+    from ..http.app import create_app
+    from ..http.state import ServerState
 
     sock = _bind(settings)  # before the engine starts, so a taken port fails in a second, not after loading
     settings.port = sock.getsockname()[1]

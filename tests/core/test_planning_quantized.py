@@ -13,7 +13,7 @@ from corectl.backends.cpu import worker as cpu_worker
 from corectl.config import EngineConfig
 from corectl.errors import ConfigError
 from corectl.planning import plan_deployment, read_checkpoint
-from corectl.server.cli import main
+from corectl.server.cli.main import main
 from helpers import held_bytes
 
 H100 = {"device_memory": 80 << 30, "device_capability": (9, 0)}

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from corectl.server.bench_report import (
+from corectl.server.bench.report import (
     RequestResult,
     format_report,
     percentile,
     summarize,
 )
-from corectl.server.metrics import token_buckets
+from corectl.server.http.metrics import token_buckets
 
 
 @pytest.mark.parametrize("p", [0, 25, 50, 90, 99, 100])

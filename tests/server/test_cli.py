@@ -40,9 +40,9 @@ def test_plugins_lists_builtins_with_package_and_availability():
 
 def test_serve_checks_the_tool_and_reasoning_flags():
     from corectl.errors import ConfigError
-    from corectl.server.cli import build_parser
-    from corectl.server.cli_serve import settings_from_args
-    from corectl.server.state import ServerState
+    from corectl.server.cli.main import build_parser
+    from corectl.server.cli.serve import settings_from_args
+    from corectl.server.http.state import ServerState
 
     parser = build_parser()
     with pytest.raises(ConfigError, match="--enable-auto-tool-choice needs --tool-call-parser"):
@@ -55,8 +55,8 @@ def test_serve_checks_the_tool_and_reasoning_flags():
 
 def test_serve_takes_the_online_token_budget_and_offline_keeps_its_own():
     from corectl.config import EngineConfig
-    from corectl.server.cli import build_parser
-    from corectl.server.cli_serve import settings_from_args
+    from corectl.server.cli.main import build_parser
+    from corectl.server.cli.serve import settings_from_args
 
     parser = build_parser()
     served = settings_from_args(parser.parse_args(["serve"]))

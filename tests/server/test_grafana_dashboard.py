@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from corectl.engine.messages import SchedulerStats
-from corectl.server.metrics import ServerMetrics
+from corectl.server.http.metrics import ServerMetrics
 from prometheus_client.parser import text_string_to_metric_families
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "examples" / "grafana" / "corectl-dashboard.json"

@@ -11,7 +11,7 @@ from corectl import LLM
 from corectl.config import EngineConfig
 from corectl.loaders.resolve import default_model
 from corectl.planning import plan_deployment
-from corectl.server.cli import main
+from corectl.server.cli.main import main
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 LLAMA3_8B_KV_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K and V, layers, KV heads, head_dim, bf16 bytes

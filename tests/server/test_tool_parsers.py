@@ -7,10 +7,10 @@ import json
 
 import pytest
 from corectl.errors import ConfigError
-from corectl.server.parsers import reasoning_parser_class, tool_parser_class
-from corectl.server.reasoning.builtin import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
-from corectl.server.tool_parsers.builtin import HermesToolParser, Llama3JsonToolParser, MistralToolParser
-from corectl.server.tool_parsers.forced import NamedCallParser, RequiredCallsParser
+from corectl.server.http.parsers import reasoning_parser_class, tool_parser_class
+from corectl.server.http.reasoning.builtin import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+from corectl.server.http.tool_parsers.builtin import HermesToolParser, Llama3JsonToolParser, MistralToolParser
+from corectl.server.http.tool_parsers.forced import NamedCallParser, RequiredCallsParser
 from corectl.tokenizer import Tokenizer
 
 # What Qwen2.5/Qwen3 write with their chat template's tool instructions (hermes format).

@@ -13,10 +13,10 @@ import httpx
 import pytest
 from corectl.config import EngineConfig
 from corectl.errors import ConfigError
-from corectl.server import cli_serve
-from corectl.server.app import create_app
-from corectl.server.state import ServerState, ServeSettings
-from corectl.server.tracing import RequestTracer
+from corectl.server.cli import serve as cli_serve
+from corectl.server.http.app import create_app
+from corectl.server.http.state import ServerState, ServeSettings
+from corectl.server.http.tracing import RequestTracer
 from litestar.testing import TestClient
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,

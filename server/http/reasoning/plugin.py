@@ -6,7 +6,7 @@ from corectl.plugins import ReasoningParserSpec, hookimpl
 
 @hookimpl
 def corectl_reasoning_parsers():
-    base = "corectl.server.reasoning.builtin"
+    base = "corectl.server.http.reasoning.builtin"
     yield ReasoningParserSpec("qwen3", f"{base}:Qwen3ReasoningParser",
                               description="<think>...</think> when the output opens with <think> (Qwen3, QwQ)")
     yield ReasoningParserSpec("deepseek_r1", f"{base}:DeepSeekR1ReasoningParser",

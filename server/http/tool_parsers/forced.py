@@ -1,4 +1,4 @@
-"""The calls a grammar forced (`tool_choice` "required" or a named function; see `server/tools.py`),
+"""The calls a grammar forced (`tool_choice` "required" or a named function; see `server/http/tools.py`),
 read back from the output the grammar shaped."""
 from __future__ import annotations
 

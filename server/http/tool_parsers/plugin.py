@@ -6,7 +6,7 @@ from corectl.plugins import ToolParserSpec, hookimpl
 
 @hookimpl
 def corectl_tool_parsers():
-    base = "corectl.server.tool_parsers.builtin"
+    base = "corectl.server.http.tool_parsers.builtin"
     yield ToolParserSpec("hermes", f"{base}:HermesToolParser",
                          description="<tool_call>{json}</tool_call> (Hermes, Qwen2.5, Qwen3)")
     yield ToolParserSpec("llama3_json", f"{base}:Llama3JsonToolParser",

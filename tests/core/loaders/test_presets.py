@@ -14,7 +14,7 @@ from corectl.engine.client import EngineClient
 from corectl.errors import ConfigError, InvalidRequestError
 from corectl.loaders import resolve_model_source
 from corectl.loaders.presets import PRESETS
-from corectl.server.cli import main
+from corectl.server.cli.main import main
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 from transformers import LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
@@ -106,7 +106,7 @@ def test_bench_latency_reports_step_and_end_to_end_percentiles(scheduling, tmp_p
 def test_presets_load_where_the_gguf_package_is_missing(tmp_path):
     # GPU images may lack gguf: only GGUF checkpoints may need it.
     script = ("import sys; sys.modules['gguf'] = None\n"
-              "from corectl.server import cli, bench_offline\n"
+              "from corectl.server.cli import main\nfrom corectl.server.bench import offline\n"
               "from corectl.loaders import resolve_model_source\nfrom corectl import EngineConfig\n"
               "print(resolve_model_source(EngineConfig(model='llama3-8b', load_format='dummy')).description)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,

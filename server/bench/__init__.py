@@ -1,0 +1,1 @@
+"""The benchmarks behind `corectl bench`: offline throughput/latency, HTTP serving load, grammar compile."""

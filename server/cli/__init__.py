@@ -1,0 +1,1 @@
+"""The `corectl` command line: `main.py` dispatches to one module per subcommand."""

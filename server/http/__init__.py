@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: the Litestar app, its routes, and the tool and reasoning parsers."""
