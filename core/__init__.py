@@ -25,6 +25,7 @@ _EXPORTS = {
     "EmbeddingOutput": "corectl.outputs",
     "PoolingParams": "corectl.pooling",
     "EngineClient": "corectl.engine.client",
+    "LoRARequest": "corectl.lora.request",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from .config import EngineConfig
     from .engine.client import EngineClient
     from .llm import LLM
+    from .lora.request import LoRARequest
     from .outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
     from .pooling import PoolingParams
     from .sampling_params import ReasoningGate, SamplingParams, StructuredOutputsParams

@@ -10,6 +10,7 @@ from torch.nn import functional as F
 from .activation import silu_and_mul
 from .fp8_gemv import MAX_M, dense_decode_config, dense_gemv
 from .fused_moe import fused_moe, topk_softmax
+from .lora import lora_expand, lora_shrink
 from .rms_norm import rms_norm
 from .rotary import qk_norm_rotary, rotary_embedding
 
@@ -55,4 +56,5 @@ def _dense_linear(x, weight, bias, gated):
 def triton_layer_kernels() -> LayerKernels:
     return LayerKernels(rms_norm=rms_norm, silu_and_mul=silu_and_mul, rotary_embedding=_rotary_trusted,
                         qk_norm_rotary=_qk_norm_rotary_trusted, fused_moe=_routed_fused_moe,
-                        router_logits=_router_logits, dense_linear=_dense_linear)
+                        router_logits=_router_logits, dense_linear=_dense_linear, lora_shrink=lora_shrink,
+                        lora_expand=lora_expand)

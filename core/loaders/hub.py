@@ -42,6 +42,11 @@ def download_model(repo_id: str, revision: str | None, cache_dir: str | None, wi
     return _snapshot(repo_id, snapshot.name, cache_dir, patterns)
 
 
+def download_adapter(repo_id: str, cache_dir: str | None) -> Path:
+    """Snapshot folder of a PEFT adapter repo: its config and weights (the pickle file only to name it)."""
+    return _snapshot(repo_id, None, cache_dir, ["adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"])
+
+
 def download_tokenizer(repo_id: str, cache_dir: str | None) -> Path:
     return _snapshot(repo_id, None, cache_dir, TOKENIZER_PATTERNS)
 

@@ -1,0 +1,96 @@
+"""LoRA shrink: xa = x @ A[slot].T for every token of a step, each with its own adapter slot.
+
+Gathered form (decode steps, CUDA graphs): one program per (token, rank block) reads its token's
+slot and reduces over the input features; a base token (slot -1) writes zeros. Segment form
+(prefill and mixed steps): one program per (segment, row block, rank block) multiplies a tile of
+a run of tokens sharing one adapter with that adapter's A by `tl.dot`, so A is read once per tile
+instead of once per token. Loads are converted to fp32 at once and accumulate in fp32 (the
+interpreter computes no bf16 arithmetic); the result is fp32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from corectl.lora.punica import LoRASegments
+
+from ..checks import check_float, check_same_device, require
+from .checks import check_slots
+
+_GATHER_BLOCK_K = 256
+_SEGMENT_BLOCK_M = 16
+_SEGMENT_BLOCK_K = 64
+
+
+@triton.jit
+def _shrink_gathered_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, K, R, stride_xt, stride_as, stride_ar, stride_ot,
+                            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    if slot >= 0:
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(x_ptr + token * stride_xt + k, mask=k < K, other=0.0).to(tl.float32)
+            a = tl.load(a_ptr + slot * stride_as + r[:, None] * stride_ar + k[None, :],
+                        mask=(r[:, None] < R) & (k[None, :] < K), other=0.0).to(tl.float32)
+            acc += tl.sum(a * xk[None, :], axis=1)
+    tl.store(out_ptr + token * stride_ot + r, acc, mask=r < R)
+
+
+@triton.jit
+def _shrink_segment_kernel(x_ptr, a_ptr, starts_ptr, lens_ptr, seg_slots_ptr, out_ptr, K, R, stride_xt, stride_as,
+                           stride_ar, stride_ot, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+    seg = tl.program_id(0)
+    m0 = tl.program_id(1) * BLOCK_M
+    length = tl.load(lens_ptr + seg)
+    if m0 < length:
+        start = tl.load(starts_ptr + seg).to(tl.int64)
+        slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+        m = m0 + tl.arange(0, BLOCK_M)
+        rows = start + m
+        r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+        acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xt = tl.load(x_ptr + rows[:, None] * stride_xt + k[None, :], mask=(m[:, None] < length) & (k[None, :] < K),
+                         other=0.0).to(tl.float32)
+            at = tl.load(a_ptr + slot * stride_as + r[None, :] * stride_ar + k[:, None],
+                         mask=(r[None, :] < R) & (k[:, None] < K), other=0.0).to(tl.float32)
+            acc += tl.dot(xt, at)
+        tl.store(out_ptr + rows[:, None] * stride_ot + r[None, :], acc, mask=(m[:, None] < length) & (r[None, :] < R))
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, segments: LoRASegments | None = None,
+                check_indices: bool = False) -> torch.Tensor:
+    """x [T, K], a [S, R, K], token_slots [T] int32 (-1: base) -> fp32 [T, R] = x @ a[slot].T per row
+    (zero on base rows). With `segments` the segment form runs (rows outside every segment are zero).
+    `check_indices` reads the slots back to check their range (a host sync)."""
+    check_float("x", x, 2)
+    check_float("a", a, 3)
+    require(a.stride(1) == a.shape[2] or a.shape[1] <= 1, f"a's rows must be contiguous, got strides {a.stride()}")
+    require(a.shape[2] == x.shape[1], f"a has {a.shape[2]} input features, x has {x.shape[1]}")
+    check_same_device(x=x, a=a, token_slots=token_slots)
+    num_tokens, k = x.shape
+    num_slots, rank = a.shape[0], a.shape[1]
+    check_slots(token_slots, num_tokens, num_slots, segments, check_indices)
+    if segments is None:
+        out = torch.empty((num_tokens, rank), dtype=torch.float32, device=x.device)
+        if num_tokens and rank:
+            block_r = min(triton.next_power_of_2(rank), 64)
+            block_k = min(_GATHER_BLOCK_K, triton.next_power_of_2(k))
+            _shrink_gathered_kernel[(num_tokens, triton.cdiv(rank, block_r))](
+                x, a, token_slots, out, k, rank, x.stride(0), a.stride(0), a.stride(1), out.stride(0),
+                BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+        return out
+    out = torch.zeros((num_tokens, rank), dtype=torch.float32, device=x.device)
+    if segments.num_segments and segments.max_len and rank:
+        block_r = max(16, min(triton.next_power_of_2(rank), 64))
+        block_k = max(16, min(_SEGMENT_BLOCK_K, triton.next_power_of_2(k)))
+        grid = (segments.num_segments, triton.cdiv(segments.max_len, _SEGMENT_BLOCK_M), triton.cdiv(rank, block_r))
+        _shrink_segment_kernel[grid](
+            x, a, segments.starts, segments.lens, segments.slots, out, k, rank, x.stride(0), a.stride(0),
+            a.stride(1), out.stride(0), BLOCK_M=_SEGMENT_BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+    return out

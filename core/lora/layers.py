@@ -1,0 +1,152 @@
+"""LoRA on a model's projections: a wrapper around each adapted linear layer, sharing one step batch.
+
+`attach_lora` replaces every attention and dense MLP projection (`qkv_proj`, `o_proj`,
+`gate_up_proj`, `down_proj`) of a built model with a `LoRALinear` that runs the original layer
+(dense, quantized or prepacked, whatever it is) and adds the adapters' products to its output.
+The wrapper keeps the base layer's tensor-parallel layout:
+  - packed column-parallel layers (qkv, gate_up): A per sub-projection, whole (every rank sees the
+    whole input); B rows sliced exactly as the base shards its output rows;
+  - row-parallel layers (o, down): A sliced along the input as the base is; each rank's partial
+    x @ A.T is summed over the ranks (a [T, r] all-reduce) before the expand, with B whole.
+The adapted output is `base(x) + (x @ A.T @ B.T) * scaling` per token, PEFT's formula.
+
+Which slot each token uses is in the shared `LoRABatch` (one per model, written by the adapter
+manager before each forward pass): a static device buffer, so a captured decode graph reads the
+slots of whatever step replays it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..models.kernels import UsesLayerKernels
+from ..loaders.packing import PACKED_MODULES
+from ..models.quantizable import QuantizableLinear
+from .punica import LoRASegments, SlotGroup, grouped_lora
+
+ADAPTED_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+class LoRABatch:
+    """One step's adapter layout, read by every `LoRALinear` of the model.
+
+    `token_slots` [max_tokens] int32 holds each token row's slot (-1: base only, and every row past
+    the step's tokens); `scales` [S] fp32 each slot's scaling. `segments` is the segment form of a
+    prefill or mixed step, None for the gathered form (decode steps, graph capture); `groups` the
+    rows of each slot for the torch path; `active` is False for a step with no adapter at all.
+    """
+
+    def __init__(self, max_loras: int, max_tokens: int, device: torch.device):
+        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)
+        self.scale_list = [0.0] * max_loras
+        self.ranks = [0] * max_loras
+        self.segments: LoRASegments | None = None
+        self.groups: list[SlotGroup] = []
+        self.active = True
+
+    def reset(self) -> None:
+        """Back to the state a captured decode graph is recorded in: every kernel runs, gathered form."""
+        self.segments, self.groups, self.active = None, [], True
+
+
+class LoRALinear(UsesLayerKernels, nn.Module):
+    """A base projection plus the LoRA adapters of the device slots.
+
+    `projections` are the checkpoint projections packed in the base (`q_proj`, `k_proj`, `v_proj`;
+    or one); `slices` their (offset, size, first checkpoint row) in the base's local output;
+    `input_slice` the (first, count) input features this rank holds (row-parallel layers).
+    """
+
+    def __init__(self, base: nn.Module, projections: list[str], slices: list[tuple[int, int, int]],
+                 input_slice: tuple[int, int] | None, batch: LoRABatch, max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device, reduce_xa=None):
+        super().__init__()
+        self.base = base
+        self.projections = projections
+        self.slices = slices
+        self.input_slice = input_slice
+        self.batch = batch
+        self.reduce_xa = reduce_xa
+        self.max_rank = max_rank
+        in_features = base.in_features
+        out_features = sum(size for _, size, _ in slices)
+        self.register_buffer("lora_a", torch.zeros(max_loras, len(projections), max_rank, in_features, dtype=dtype,
+                                                   device=device), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        if self.batch.active:
+            self._add_lora(x, out)
+        return out
+
+    def forward_gated(self, gate_up: torch.Tensor) -> None:
+        """A gated MLP's fused down projection: LoRA needs the activation itself, so there is none."""
+        return None
+
+    def _add_lora(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        batch, kernels = self.batch, self.kernels
+        if kernels is None or kernels.lora_shrink is None:
+            slices = [(offset, size) for offset, size, _ in self.slices]
+            grouped_lora(x, out, self.lora_a, self.lora_b, slices, batch.groups, batch.ranks, batch.scale_list,
+                         self.reduce_xa)
+            return
+        slots = batch.token_slots[: x.shape[0]]
+        num_slots, n, rank, in_features = self.lora_a.shape
+        xa = kernels.lora_shrink(x, self.lora_a.view(num_slots, n * rank, in_features), slots, batch.segments)
+        if self.reduce_xa is not None:
+            xa = self.reduce_xa(xa)
+        for j, (offset, size, _) in enumerate(self.slices):
+            kernels.lora_expand(xa[:, j * rank:(j + 1) * rank], self.lora_b[:, offset:offset + size], batch.scales,
+                                slots, batch.segments, out[:, offset:offset + size])
+
+    def load_slot(self, slot: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write an adapter's (A [r, in], B [out, r]) per checkpoint projection into `slot` (this
+        rank's slices; zeros for the projections it does not adapt and past its rank)."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        for j, projection in enumerate(self.projections):
+            if projection not in pairs:
+                continue
+            a, b = pairs[projection]
+            rank = a.shape[0]
+            if self.input_slice is not None:
+                a = a.narrow(1, *self.input_slice)
+            offset, size, first = self.slices[j]
+            self.lora_a[slot, j, :rank].copy_(a)
+            self.lora_b[slot, offset:offset + size, :rank].copy_(b.narrow(0, first, size))
+
+    def extra_repr(self) -> str:
+        return f"projections={self.projections}, slots={self.lora_a.shape[0]}, max_rank={self.max_rank}"
+
+
+def attach_lora(model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: int, dtype: torch.dtype,
+                device: torch.device) -> dict[str, tuple[LoRALinear, str]]:
+    """Wrap every adapted projection of `model` in place; returns checkpoint module path
+    (`model.layers.0.self_attn.q_proj`) -> (its wrapper, its projection name)."""
+    targets = [(parent, name, f"{prefix}.{name}" if prefix else name, child)
+               for prefix, parent in model.named_modules() for name, child in parent.named_children()
+               if name in ADAPTED_LAYERS and isinstance(child, QuantizableLinear)]
+    modules: dict[str, tuple[LoRALinear, str]] = {}
+    for parent, name, path, base in targets:
+        wrapper = _wrap(base, name, batch, max_loras, max_rank, dtype, device)
+        setattr(parent, name, wrapper)
+        stem = path.rsplit(".", 1)[0]
+        for projection in wrapper.projections:
+            modules[f"{stem}.{projection}"] = (wrapper, projection)
+    return modules
+
+
+def _wrap(base: QuantizableLinear, name: str, batch: LoRABatch, max_loras: int, max_rank: int,
+          dtype: torch.dtype, device: torch.device) -> LoRALinear:
+    if base.shards is not None:
+        by_shard = {shard: proj for proj, (packed, shard) in PACKED_MODULES.items() if packed == name}
+        projections = [by_shard[shard] for shard in base.shards]
+        return LoRALinear(base, projections, list(base.shards.values()), None, batch, max_loras, max_rank, dtype,
+                          device)
+    slices = [(0, base.out_features, 0)]
+    input_slice = None if base.first_input is None else (base.first_input, base.in_features)
+    return LoRALinear(base, [name], slices, input_slice, batch, max_loras, max_rank, dtype, device,
+                      reduce_xa=base.reduce_output)

@@ -1,0 +1,82 @@
+"""Batched mixed-adapter LoRA arithmetic (punica's shrink and expand) in torch.
+
+Every LoRA layer holds its adapters stacked by device slot: A as [S, n, R, K] (n sub-projections
+of a packed layer, R = max_lora_rank, zero rows past an adapter's rank) and B as [S, N, R] (rows in
+the base layer's output order). A step's tokens each carry a slot (-1: no adapter, the base only):
+shrink computes xa = x @ A[slot].T per token, expand adds (xa_j @ B[slot][slice_j].T) * scale[slot]
+into slice j of the base output.
+
+Two torch forms live here: `shrink_reference`/`expand_reference` gather per token (the numerical
+reference the Triton kernels are tested against), and `grouped_lora` loops over the distinct
+adapters of the step, one pair of GEMMs each (the CPU path: no per-token Python loop, and each GEMM
+has PEFT's shapes, so fp32 outputs match PEFT's).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True)
+class LoRASegments:
+    """Runs of consecutive tokens that share one adapter (base-only runs are left out): the
+    segment form a prefill or mixed step's kernels take. Device int32 tensors of G entries."""
+
+    starts: torch.Tensor
+    lens: torch.Tensor
+    slots: torch.Tensor
+    max_len: int
+
+    @property
+    def num_segments(self) -> int:
+        return self.slots.shape[0]
+
+
+@dataclass(frozen=True)
+class SlotGroup:
+    """The rows of one adapter slot in a step: a slice when they are contiguous, else an index."""
+
+    slot: int
+    rows: slice | torch.Tensor
+
+
+def shrink_reference(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """x [T, K], a [S, R', K] (R' = n * R), token_slots [T] -> fp32 xa [T, R'], zero on base rows."""
+    base = token_slots < 0
+    gathered = a[token_slots.clamp(min=0).long()].float()
+    xa = torch.bmm(gathered, x.float().unsqueeze(-1)).squeeze(-1)
+    return xa.masked_fill(base.unsqueeze(-1), 0.0)
+
+
+def expand_reference(xa: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, token_slots: torch.Tensor,
+                     out: torch.Tensor) -> None:
+    """out [T, N] += (xa [T, R] @ b[slot] [N, R].T) * scales[slot], for rows with a slot >= 0."""
+    base = token_slots < 0
+    index = token_slots.clamp(min=0).long()
+    delta = torch.bmm(b[index].float(), xa.float().unsqueeze(-1)).squeeze(-1) * scales[index].unsqueeze(-1)
+    out += delta.masked_fill(base.unsqueeze(-1), 0.0).to(out.dtype)
+
+
+def grouped_lora(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 slices: Sequence[tuple[int, int]], groups: Sequence[SlotGroup], ranks: Sequence[int],
+                 scales: Sequence[float], reduce_xa: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+    """Add each group's LoRA product into `out` in place: a [S, n, R, K], b [S, N, R], slice j of
+    `slices` ((offset, size) in `out`'s columns) takes sub-projection j. Each adapter's matrices are
+    cut to its own rank, so the GEMMs are the adapter's (PEFT's) shapes. `reduce_xa` sums the
+    shrink's partial products over tensor-parallel ranks (a layer whose input is split)."""
+    for group in groups:
+        slot, rows, rank = group.slot, group.rows, ranks[group.slot]
+        xs = x[rows]
+        xa = F.linear(xs, a[slot, :, :rank].reshape(-1, a.shape[-1]))
+        if reduce_xa is not None:
+            xa = reduce_xa(xa)
+        for j, (offset, size) in enumerate(slices):
+            delta = F.linear(xa[:, j * rank:(j + 1) * rank], b[slot, offset:offset + size, :rank]) * scales[slot]
+            target = out[:, offset:offset + size]
+            if isinstance(rows, slice):
+                target[rows] += delta
+            else:
+                target.index_add_(0, rows, delta)

@@ -1,0 +1,77 @@
+"""LoRA shrink and expand kernels (segment and gathered forms) against the per-token torch reference."""
+import pytest
+import torch
+from corectl.backends.triton.lora import lora_expand, lora_shrink
+from corectl.lora.punica import LoRASegments, expand_reference, shrink_reference
+
+DTYPES = [torch.float32, torch.bfloat16]
+# Requests of 3, 1, 5 and 2 tokens: adapter slot 1, base, slot 0, slot 1 again.
+REQUESTS = [(3, 1), (1, -1), (5, 0), (2, 1)]
+
+
+def _layout(requests, decode: bool):
+    slots = torch.tensor([s for n, s in requests for _ in range(n)], dtype=torch.int32)
+    if decode:
+        return slots, None
+    starts, lens, seg_slots, start = [], [], [], 0
+    for n, s in requests:
+        if s >= 0:
+            starts.append(start), lens.append(n), seg_slots.append(s)
+        start += n
+    as_i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    return slots, LoRASegments(as_i32(starts), as_i32(lens), as_i32(seg_slots), max(lens))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("decode", [True, False], ids=["gathered", "segment"])
+@pytest.mark.parametrize("rank", [8, 24])
+def test_shrink_matches_reference(dtype, decode, rank, assert_close):
+    requests = [(1, s) for _, s in REQUESTS] if decode else REQUESTS
+    slots, segments = _layout(requests, decode)
+    x = torch.randn(slots.shape[0], 40).to(dtype)
+    a = torch.randn(2, rank, 40).to(dtype)
+    out = lora_shrink(x, a, slots, segments, check_indices=True)
+    assert out.dtype == torch.float32
+    assert (out[slots < 0] == 0).all()
+    # The interpreter sums in another order than the reference's bmm; inputs are exact in fp32.
+    torch.testing.assert_close(out, shrink_reference(x, a, slots), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("decode", [True, False], ids=["gathered", "segment"])
+def test_expand_adds_into_a_slice(dtype, decode, assert_close):
+    """The expand writes only its slice of a packed output (here the middle 24 of 64 columns) and
+    only rows with an adapter."""
+    requests = [(1, s) for _, s in REQUESTS] if decode else REQUESTS
+    slots, segments = _layout(requests, decode)
+    rank, num_tokens = 16, slots.shape[0]
+    xa = torch.randn(num_tokens, 2 * rank)
+    b = torch.randn(2, 64, rank).to(dtype)
+    scales = torch.tensor([0.5, 2.0])
+    out = torch.randn(num_tokens, 64).to(dtype)
+    expected = out.clone()
+    expand_reference(xa[:, rank:], b[:, 20:44], scales, slots, expected[:, 20:44])
+    before = out.clone()
+    lora_expand(xa[:, rank:], b[:, 20:44], scales, slots, segments, out[:, 20:44], check_indices=True)
+    assert torch.equal(out[:, :20], before[:, :20]) and torch.equal(out[:, 44:], before[:, 44:])
+    assert torch.equal(out[slots < 0], before[slots < 0])
+    if dtype == torch.float32:
+        assert_close(out, expected)
+    else:
+        # Base output and delta are each bf16-sized: where they cancel, the sum keeps their absolute step.
+        step = 2.0 ** -7 * expected.float().abs().max().item()
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2.0 ** -6, atol=2 * step)
+
+
+def test_launchers_name_bad_arguments():
+    x, a = torch.randn(4, 32), torch.randn(2, 8, 32)
+    slots = torch.tensor([0, 1, 2, -1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="token_slots values must lie in"):
+        lora_shrink(x, a, slots, check_indices=True)
+    with pytest.raises(ValueError, match="token_slots must be int32"):
+        lora_shrink(x, a, slots.long())
+    with pytest.raises(ValueError, match="a has 32 input features, x has 16"):
+        lora_shrink(torch.randn(4, 16), a, slots)
+    with pytest.raises(ValueError, match="out must be"):
+        lora_expand(torch.randn(4, 8), torch.randn(2, 10, 8), torch.ones(2), slots.clamp(max=1), None,
+                    torch.zeros(4, 12))
