@@ -411,20 +411,28 @@ class Scheduler:
             self._release(req)
 
     def _append_token(self, req: Request, token: int, logprobs: LogprobsLists | None, row: int) -> EngineCoreOutput:
-        req.append_output_token(token)
-        if len(req.all_token_ids) >= self.max_model_len:
+        error = None if self.structured is None else self.structured.dead_end(req)
+        if error is not None:
+            # Its grammar allowed no token: the one sampled from its unmasked row is not output.
+            req.status = RequestStatus.FINISHED_ABORTED
+        else:
+            req.append_output_token(token)
+        if req.status.finished:
+            pass
+        elif len(req.all_token_ids) >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
         elif not self._grammar_ends(req, token):
             req.check_stop()
         return EngineCoreOutput(
             req_id=req.request_id,
-            new_token_ids=[token],
+            new_token_ids=[] if error is not None else [token],
             finish_reason=req.status.finish_reason,
             stop_reason=req.stop_reason,
             logprobs=logprobs_row(logprobs, row),
             prompt_logprobs=self._prompt_logprobs.pop(req.request_id),
             num_cached_tokens=max(req.num_cached_tokens, 0),
             first_scheduled_time=req.first_scheduled_time,
+            error=error,
         )
 
     def _grammar_ends(self, req: Request, token: int) -> bool:

@@ -63,3 +63,7 @@ class StructuredOutputBackend(abc.ABC):
     @abc.abstractmethod
     def new_matcher(self, grammar: Any) -> GrammarMatcher:
         """A matcher at the start of a compiled grammar."""
+
+    @abc.abstractmethod
+    def grammar_bytes(self, grammar: Any) -> int:
+        """The memory a compiled grammar holds (the manager's cache is bounded by the sum)."""

@@ -2,17 +2,21 @@
 one bitmask per step.
 
 The scheduler owns the manager and is its only caller. A request that asks for structured output
-has its grammar compiled on a small thread pool (the backend itself is built there too, the first
-time); it stays in the waiting queue, skipped, until the grammar is ready, so it blocks no one.
-Compiled grammars are cached by spec (LRU), and concurrent requests with one spec share a compile.
-A compile that fails, or that is still running `compile_timeout_s` after the request arrived, ends
-that request with an error; a compile thread cannot be interrupted, so an overrunning one finishes
-in the background and its grammar is cached for later requests.
+has its grammar compiled off the loop (`compiles.GrammarCompiles`: a small and a large lane, shared
+by spec, cached within a byte bound; the backend itself is built on a lane thread the first time);
+it stays in the waiting queue, skipped, until the grammar is ready, so it blocks no one. A compile
+that fails, or that is still running `compile_timeout_s` after the request arrived, ends that
+request with an error that says which limit applied.
 
 Each request's matcher advances with every token the request accepts. Preemption recomputes K/V but
 keeps the tokens, so the matcher stays where it is; nothing is ever rolled back. Under async
 scheduling a step's masks are filled after the step before it has been read, while the device runs
 the step's forward pass (see `Scheduler`).
+
+A grammar the backend could not prove empty may still reach a point where it allows no token
+(a rule that never ends behind a prefix). Its row then allows every token, so the sampler never
+sees an all-forbidden row, and the request is marked: the scheduler drops the token it samples and
+ends the request with the reason (`dead_end`), a client error rather than an overload.
 
 A request whose spec carries a `ReasoningGate` thinks first (`reasoning.GatePhase`): while it
 thinks its row gets no mask and its matcher does not move; the end marker hands the next token to
@@ -23,9 +27,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, wait
 
 import msgspec
 import numpy as np
@@ -34,6 +37,7 @@ from ..request import Request
 from ..sampling_params import StructuredOutputsParams
 from ..scheduler.output import GrammarBitmask
 from .backend import GrammarMatcher, StructuredOutputBackend, bitmask_width
+from .compiles import DEFAULT_CACHE_BYTES, Compile, GrammarCompiles
 from .reasoning import GatePhase
 
 
@@ -41,20 +45,19 @@ class StructuredOutputManager:
     """`backend_cls` is built as `backend_cls(tokenizer_dir, vocab_size, stop_token_ids)` on first use."""
 
     def __init__(self, backend_cls: type[StructuredOutputBackend], tokenizer_dir: str, vocab_size: int,
-                 stop_token_ids: list[int], compile_timeout_s: float, max_workers: int = 2,
-                 cache_size: int = 256):
+                 stop_token_ids: list[int], compile_timeout_s: float, cache_bytes: int = DEFAULT_CACHE_BYTES):
         self._backend_args = (tokenizer_dir, vocab_size, list(stop_token_ids))
         self._backend_cls = backend_cls
         self._backend: StructuredOutputBackend | None = None
         self._backend_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="corectl-grammar")
+        self.compiles = GrammarCompiles(self._compile, lambda grammar: self._backend.grammar_bytes(grammar),
+                                        cache_bytes)
         self.compile_timeout_s = compile_timeout_s
         self.width = bitmask_width(vocab_size)
-        self._cache: OrderedDict[bytes, Future] = OrderedDict()
-        self._cache_size = cache_size
-        self._compiling: dict[Request, tuple[Future, float]] = {}
+        self._compiling: dict[Request, tuple[Compile, float]] = {}
         self._matchers: dict[Request, GrammarMatcher] = {}
         self._gates: dict[Request, GatePhase] = {}
+        self._dead_ends: dict[Request, str] = {}
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -64,21 +67,16 @@ class StructuredOutputManager:
         if spec.reasoning is not None:
             self._gates[req] = GatePhase(spec.reasoning)
             spec = msgspec.structs.replace(spec, reasoning=None)
-        key = msgspec.msgpack.encode(spec)
-        future = self._cache.get(key)
-        if future is None:
-            future = self._pool.submit(self._compile, spec)
-            self._cache[key] = future
-            if len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
-        self._compiling[req] = (future, time.monotonic() + self.compile_timeout_s)
+        job = self.compiles.join(msgspec.json.encode(spec), spec)
+        self._compiling[req] = (job, time.monotonic() + self.compile_timeout_s)
 
     def remove(self, req: Request) -> None:
-        self._compiling.pop(req, None)
+        compiling = self._compiling.pop(req, None)
+        if compiling is not None:
+            self.compiles.leave(compiling[0])
         self._matchers.pop(req, None)
         self._gates.pop(req, None)
+        self._dead_ends.pop(req, None)
 
     def __contains__(self, req: Request) -> bool:
         return req in self._matchers or req in self._compiling
@@ -92,30 +90,36 @@ class StructuredOutputManager:
         """Whether the request's grammar has compiled (its matcher is made then)."""
         if req in self._matchers:
             return True
-        future, _ = self._compiling[req]
-        if not future.done() or future.exception() is not None:
+        job, _ = self._compiling[req]
+        if not job.future.done() or job.future.exception() is not None:
             return False
         del self._compiling[req]
-        self._matchers[req] = self._backend.new_matcher(future.result())
+        self.compiles.leave(job)
+        self._matchers[req] = self._backend.new_matcher(job.future.result())
         return True
 
     def failures(self) -> list[tuple[Request, str]]:
         """Requests whose grammar failed to compile or overran the bound, with the reason."""
         now, failed = time.monotonic(), []
-        for req, (future, deadline) in self._compiling.items():
-            if future.done() and future.exception() is not None:
-                failed.append((req, str(future.exception())))
-            elif not future.done() and now > deadline:
+        for req, (job, deadline) in self._compiling.items():
+            if job.future.done() and job.future.exception() is not None:
+                failed.append((req, str(job.future.exception())))
+            elif not job.future.done() and now > deadline:
                 kind = req.sampling_params.structured_outputs.kind
-                reason = f"structured_outputs.{kind} took longer than {self.compile_timeout_s:g} s to compile"
-                failed.append((req, f"{reason}; simplify it"))
+                failed.append((req, f"structured_outputs.{kind} took longer than the engine's limit of "
+                                    f"{self.compile_timeout_s:g} s to compile (structured_outputs_compile_timeout): "
+                                    f"{job.describe_wait(now)}; simplify it"))
         return failed
 
     def wait_for_compile(self, timeout_s: float) -> None:
         """Sleep until some grammar finishes compiling or `timeout_s` passes (the loop is idle)."""
-        pending = [future for future, _ in self._compiling.values() if not future.done()]
+        pending = [job.future for job, _ in self._compiling.values() if not job.future.done()]
         if pending:
             wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    def dead_end(self, req: Request) -> str | None:
+        """Why the request's grammar allowed no token at its last mask (None: it allowed some)."""
+        return self._dead_ends.get(req)
 
     # -- per step ------------------------------------------------------------------------------
 
@@ -149,6 +153,12 @@ class StructuredOutputManager:
         if gate is not None and gate.phase == "opening":
             start = gate.gate.start
             bitmask[row].view(np.uint32)[start // 32] |= np.uint32(1 << (start % 32))
+        if not bitmask[row].any():
+            kind = req.sampling_params.structured_outputs.kind
+            self._dead_ends[req] = (f"structured_outputs.{kind} admits no string that continues this output (after "
+                                    f"{req.num_output_tokens} tokens it allows no token at all: a part of it can "
+                                    "never end or match); the request ends here")
+            bitmask[row] = -1  # the sampler sees a row it can sample; the scheduler drops the token
 
     def accept(self, req: Request, token_id: int) -> bool:
         """Advance the request's matcher; False when its grammar does not allow the token. A token

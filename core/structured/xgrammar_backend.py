@@ -15,6 +15,7 @@ import numpy as np
 from ..errors import InvalidRequestError
 from ..sampling_params import StructuredOutputsParams
 from .backend import GrammarMatcher, StructuredOutputBackend
+from .xgrammar_language import admits_some_string
 
 # xgrammar's C++ errors start with a timestamp and a source location the user has no use for.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -82,20 +83,26 @@ class XGrammarBackend(StructuredOutputBackend):
     def validate(cls, spec: StructuredOutputsParams) -> None:
         import xgrammar as xgr
 
-        kind = spec.kind
+        kind, grammar = spec.kind, None
         try:
             if kind == "json":
-                xgr.Grammar.from_json_schema(_json_schema_text(spec), any_whitespace=not spec.disable_any_whitespace)
+                grammar = xgr.Grammar.from_json_schema(_json_schema_text(spec),
+                                                       any_whitespace=not spec.disable_any_whitespace)
             elif kind == "regex":
-                xgr.Grammar.from_regex(spec.regex)
+                grammar = xgr.Grammar.from_regex(spec.regex)
             elif kind == "grammar":
-                xgr.Grammar.from_ebnf(spec.grammar)
+                grammar = xgr.Grammar.from_ebnf(spec.grammar)
             elif kind == "structural_tag":
-                xgr.Grammar.from_structural_tag(*_structural_tag_args(spec.structural_tag))
+                grammar = xgr.Grammar.from_structural_tag(*_structural_tag_args(spec.structural_tag))
         except InvalidRequestError:
             raise
         except Exception as exc:  # xgrammar raises RuntimeError, ValueError, TypeError or its own errors
             raise _refusal(spec, exc) from exc
+        if grammar is not None and not admits_some_string(grammar):
+            raise InvalidRequestError(
+                f"structured_outputs.{kind} admits no string: every way through it passes a part that can never "
+                "end or match (a $ref that loops, a rule defined only by itself, a character class that excludes "
+                "every character)", param=f"structured_outputs.{kind}", code="grammar_admits_no_string")
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         compiler, kind = self._compiler, spec.kind
@@ -121,3 +128,6 @@ class XGrammarBackend(StructuredOutputBackend):
         import xgrammar as xgr
 
         return XGrammarMatcher(xgr.GrammarMatcher(grammar))
+
+    def grammar_bytes(self, grammar: Any) -> int:
+        return grammar.memory_size_bytes
