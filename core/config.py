@@ -16,6 +16,8 @@ EXECUTOR_BACKENDS = ("mp", "ray")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 # vLLM's names: "fp8" is e4m3 with per-tensor scales.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# vLLM's allowed --max-lora-rank values.
+LORA_RANKS = (8, 16, 32, 64, 128, 256)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -55,6 +57,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         (`1_Pooling/config.json`), else LAST. MEAN and CLS need every prompt token's hidden state,
         so such an engine runs without prefix caching.
     normalize: L2-normalise pooled vectors; None: the checkpoint's (a Normalize module), else True.
+    enable_lora: serve LoRA adapters (`corectl.lora`, docs/lora.md): requests may name a `LoRARequest`.
+    max_loras: adapters resident on the device at once (each step mixes at most this many);
+        max_cpu_loras: adapters kept loaded in host memory (None: max_loras); max_lora_rank: the
+        largest adapter rank served (8, 16, 32, 64, 128 or 256; device slots are sized by it);
+        lora_dtype: the adapters' dtype on the device ("auto": the model's).
     speculative_config: speculative decoding, vLLM's `--speculative-config` (a dict or its JSON
         string, see `corectl.spec_decode.config`); None: off. Checked here and kept as a
         `SpeculativeConfig`.
@@ -101,6 +108,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     runner: str = "auto"
     pooling_type: str | None = None
     normalize: bool | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
+    lora_dtype: str = "auto"
     speculative_config: SpeculativeConfig | str | None = None
 
     def __post_init__(self) -> None:
@@ -137,7 +149,18 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not self.platform or not isinstance(self.platform, str):
             raise ConfigError("platform", "must be 'auto' or a platform name (see `corectl plugins`)")
+        self._check_lora()
         self.speculative_config = resolve_speculative_config(self.speculative_config, self.tensor_parallel_size)
+
+    def _check_lora(self) -> None:
+        self._check_positive("max_loras")
+        self._check_choice("max_lora_rank", LORA_RANKS)
+        self._check_choice("lora_dtype", DTYPES)
+        if self.max_cpu_loras is not None:
+            self._check_positive("max_cpu_loras")
+            if self.max_cpu_loras < self.max_loras:
+                raise ConfigError("max_cpu_loras", f"{self.max_cpu_loras} is below max_loras={self.max_loras}: every "
+                                  "adapter on the device is also kept in host memory")
 
     def _check_choice(self, field: str, allowed: tuple) -> None:
         value = getattr(self, field)

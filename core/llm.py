@@ -12,6 +12,7 @@ from .engine.core import EngineCore
 from .engine.intake import NO_TOKENIZER, encode_prompt
 from .engine.output_processor import OutputProcessor
 from .errors import InvalidRequestError
+from .lora.request import LoRARequest
 from .outputs import EmbeddingRequestOutput, RequestOutput
 from .pooling import PoolingParams
 from .sampling_params import SamplingParams
@@ -28,6 +29,7 @@ class LLM:
         llm = LLM("path/to/hf_dir", dtype="float32")  # any EngineConfig option as a keyword
         llm = LLM("llama-tiny", load_format="dummy")  # a shape preset: token-id prompts, no text
         llm = LLM("Qwen/Qwen3-Embedding-0.6B")         # an embedding model: llm.embed(["text", ...])
+        llm = LLM("path/to/hf_dir", enable_lora=True)  # then generate(..., lora_request=LoRARequest(...))
 
     `tokenizer` is None when the engine runs without one (see `EngineConfig.skip_tokenizer_init`).
     """
@@ -46,17 +48,20 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a batch; outputs come back in input order.
 
         A prompt is a string, a list of token ids, or vLLM's `{"prompt": text}` /
-        `{"prompt_token_ids": ids}`; `sampling_params` is one for all or one per prompt.
+        `{"prompt_token_ids": ids}`; `sampling_params` is one for all or one per prompt, and so is
+        `lora_request` (the LoRA adapter to run with, None for the base model; needs enable_lora).
         """
         batch = _as_prompt_list(prompts)
         params = _broadcast(sampling_params or SamplingParams(), len(batch), "sampling_params")
         priorities = _broadcast(list(priority) if priority is not None else 0, len(batch), "priority")
+        loras = _broadcast(_as_list(lora_request), len(batch), "lora_request")
         encoded = [encode_prompt(self.tokenizer, p) for p in batch]
-        return self._run(encoded, params, priorities, use_tqdm)
+        return self._run(encoded, params, priorities, use_tqdm, loras)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -101,13 +106,14 @@ class LLM:
     def _processor(self) -> OutputProcessor:
         return OutputProcessor(self.engine.info, self.tokenizer, stream_deltas=False, final_only=True)
 
-    def _run(self, encoded, params, priorities, use_tqdm) -> list[RequestOutput]:
+    def _run(self, encoded, params, priorities, use_tqdm, loras=None) -> list[RequestOutput]:
         processor = self._processor()
         ids = [str(next(self._counter)) for _ in encoded]
+        loras = loras or [None] * len(encoded)
         requests = [
             core_request
-            for rid, (text, token_ids), p, prio in zip(ids, encoded, params, priorities)
-            for core_request in processor.add_request(rid, text, token_ids, p, prio)
+            for rid, (text, token_ids), p, prio, lora in zip(ids, encoded, params, priorities, loras)
+            for core_request in processor.add_request(rid, text, token_ids, p, prio, lora)
         ]
         return self._drive(processor, ids, requests, use_tqdm, "Generating")
 
@@ -137,6 +143,11 @@ def _as_prompt_list(prompts) -> list[PromptType]:
     if prompts and isinstance(prompts[0], int):
         return [prompts]
     return prompts
+
+
+def _as_list(lora_request):
+    """One adapter for every prompt stays one; a sequence of them (one per prompt) becomes a list."""
+    return lora_request if lora_request is None or isinstance(lora_request, LoRARequest) else list(lora_request)
 
 
 def _broadcast(value, count: int, name: str) -> list:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 
+from .lora.request import LoRARequest
 from .sampling_params import SamplingParams
 
 
@@ -54,6 +55,7 @@ class Request:
         arrival_time: float | None = None,
         group_id: str | None = None,
         sample_index: int = 0,
+        lora_request: LoRARequest | None = None,
     ):
         if not prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
@@ -66,6 +68,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.group_id = group_id or request_id
         self.sample_index = sample_index
+        self.lora_request = lora_request
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1

@@ -26,6 +26,7 @@ from ..discovery import (
 from ..errors import ConfigError, CorectlError, InvalidRequestError
 from ..executor import StepHandle, WorkerSpec, create_executor
 from ..loaders import ModelSource, resolve_model_source
+from ..lora.shapes import BaseModelShape
 from ..pooling import PoolingInfo, resolve_pooling
 from ..quantization.selection import resolve_quantization
 from ..request import Request
@@ -95,6 +96,7 @@ class EngineCore:
             structured_outputs_backend=None if self.structured is None else config.structured_outputs_backend,
             pooling=self.pooling,
             quantization=None if quantization is None else quantization.describe(),
+            lora=BaseModelShape.of(hf, config.max_lora_rank) if config.enable_lora else None,
         )
         logger.info(
             "engine ready: %s (%s) on %s, %s, %s weights, %d KV tokens, max_model_len %d, %s scheduling, %.1f s",
@@ -149,7 +151,7 @@ class EngineCore:
             eos_token_id=self.eos_token_id,
             max_tokens=min(params.max_tokens or remaining, remaining),
             priority=request.priority, arrival_time=request.arrival_time,
-            group_id=request.group_id, sample_index=request.sample_index,
+            group_id=request.group_id, sample_index=request.sample_index, lora_request=request.lora_request,
         )
 
     def abort_requests(self, request_ids: list[str]) -> None:

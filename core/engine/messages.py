@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import msgspec
 
 from ..kv.block_map import KVBlockMap
+from ..lora.request import LoRARequest
+from ..lora.shapes import BaseModelShape
 from ..pooling import PoolingInfo
 from ..sampling_params import SamplingParams
 from ..worker.output import LogprobsLists
@@ -40,6 +42,8 @@ class EngineInfo:
     pooling: PoolingInfo | None = None
     # How the weights are served quantized ("gguf (Q4_1 int4 layers via cpu_int4pack)"); None: dense.
     quantization: str | None = None
+    # What adapters are checked against when LoRA is enabled (`corectl.lora.intake`); None: no LoRA.
+    lora: BaseModelShape | None = None
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -57,6 +61,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
     priority: int = 0
     group_id: str | None = None
     sample_index: int = 0
+    lora_request: LoRARequest | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
@@ -93,6 +98,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # The adapters of the running and the waiting requests (vLLM's lora_requests_info gauge).
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class EngineSnapshot(msgspec.Struct, array_like=True, gc=False):

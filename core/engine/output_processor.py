@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 
 from ..detokenizer import IncrementalDetokenizer, StopStringMatcher
+from ..lora.intake import check_lora_request
+from ..lora.request import LoRARequest
 from ..outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -118,14 +120,19 @@ class OutputProcessor:
         self.final_only = final_only
         self.trackers: dict[str, RequestTracker] = {}
         self._children: dict[str, tuple[RequestTracker, int]] = {}
+        # LoRA adapters checked so far, by id (an id names one adapter for good).
+        self._loras: dict[int, LoRARequest] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, priority: int = 0) -> list[EngineCoreRequest]:
+                    params: SamplingParams, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> list[EngineCoreRequest]:
         """Check and register a user request; returns the core requests (one per sample) to send.
+        `lora_request`: the adapter it runs with (None: the base model).
 
         Raises InvalidRequestError, registering nothing, when intake refuses it."""
         child_ids = _child_ids(request_id, params.n)
         check_request([request_id, *child_ids], prompt_token_ids, params, self.info, self._in_use)
+        check_lora_request(lora_request, self.info.lora, self._loras)
         now = time.monotonic()
         samples = [_Sample(i, self.tokenizer, prompt_token_ids, params) for i in range(params.n)]
         tracker = RequestTracker(request_id, prompt, list(prompt_token_ids), params, samples,
@@ -139,7 +146,8 @@ class OutputProcessor:
                 child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
             self._children[child_id] = (tracker, i)
             core_requests.append(EngineCoreRequest(child_id, list(prompt_token_ids), child_params, now,
-                                                   priority, group_id=request_id, sample_index=i))
+                                                   priority, group_id=request_id, sample_index=i,
+                                                   lora_request=lora_request))
         return core_requests
 
     def add_pooling_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],

@@ -26,9 +26,19 @@ def hash_block(parent: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
-def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[int]:
-    """Grow `hashes` in place to cover the first `num_blocks` full blocks of `token_ids`."""
-    parent = hashes[-1] if hashes else None
+def adapter_root(lora_int_id: int | None) -> int | None:
+    """The parent of a request's first block: None for the base model, else a hash of its LoRA
+    adapter's id, so the K/V an adapter computed is never found by another adapter or the base."""
+    if lora_int_id is None:
+        return None
+    return hash_block(None, [-1, lora_int_id])
+
+
+def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, num_blocks: int,
+                        root: int | None = None) -> list[int]:
+    """Grow `hashes` in place to cover the first `num_blocks` full blocks of `token_ids`; `root` is
+    the first block's parent (`adapter_root`)."""
+    parent = hashes[-1] if hashes else root
     for index in range(len(hashes), num_blocks):
         start = index * block_size
         parent = hash_block(parent, token_ids[start:start + block_size])

@@ -18,15 +18,16 @@ from pathlib import Path
 
 import torch
 
+from ..config import LORA_RANKS
 from ..errors import InvalidRequestError
 from .request import LoRARequest
+from .shapes import BaseModelShape
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
 # The projections an adapter may target, by their checkpoint names.
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LORA_RANKS = (8, 16, 32, 64, 128, 256)
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A|lora_B)(?:\.[^.]+)?\.weight$")
 # The modules an adapter may adapt: a decoder layer's attention and dense MLP projections.
 _MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)$")
@@ -37,44 +38,6 @@ class LoRAAdapterError(InvalidRequestError):
 
     def __init__(self, message: str, param: str | None = "lora_request", code: str = "invalid_request_error"):
         super().__init__(message, param=param, code=code)
-
-
-@dataclass(frozen=True)
-class ProjectionShape:
-    """A base projection's full (unsharded) input and output features."""
-
-    in_features: int
-    out_features: int
-
-
-def projection_shapes(hf_config) -> dict[str, ProjectionShape]:
-    """Each supported projection's full shape in a Llama-family model built from `hf_config`."""
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    hidden, ffn = hf_config.hidden_size, hf_config.intermediate_size
-    return {
-        "q_proj": ProjectionShape(hidden, heads * head_dim),
-        "k_proj": ProjectionShape(hidden, kv_heads * head_dim),
-        "v_proj": ProjectionShape(hidden, kv_heads * head_dim),
-        "o_proj": ProjectionShape(heads * head_dim, hidden),
-        "gate_proj": ProjectionShape(hidden, ffn),
-        "up_proj": ProjectionShape(hidden, ffn),
-        "down_proj": ProjectionShape(ffn, hidden),
-    }
-
-
-@dataclass(frozen=True)
-class BaseModelShape:
-    """What an adapter is checked against: the base's projections and layer count, the rank limit."""
-
-    projections: dict[str, ProjectionShape]
-    num_layers: int
-    max_lora_rank: int
-
-    @classmethod
-    def of(cls, hf_config, max_lora_rank: int) -> "BaseModelShape":
-        return cls(projection_shapes(hf_config), hf_config.num_hidden_layers, max_lora_rank)
 
 
 @dataclass(frozen=True)

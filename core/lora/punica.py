@@ -70,11 +70,11 @@ def grouped_lora(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.T
     for group in groups:
         slot, rows, rank = group.slot, group.rows, ranks[group.slot]
         xs = x[rows]
-        xa = F.linear(xs, a[slot, :, :rank].reshape(-1, a.shape[-1]))
+        xa = F.linear(xs, a[slot, :, :rank].reshape(-1, a.shape[-1]).to(x.dtype))
         if reduce_xa is not None:
             xa = reduce_xa(xa)
         for j, (offset, size) in enumerate(slices):
-            delta = F.linear(xa[:, j * rank:(j + 1) * rank], b[slot, offset:offset + size, :rank]) * scales[slot]
+            delta = F.linear(xa[:, j * rank:(j + 1) * rank], b[slot, offset:offset + size, :rank].to(x.dtype)) * scales[slot]
             target = out[:, offset:offset + size]
             if isinstance(rows, slice):
                 target[rows] += delta

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from ..lora.request import LoRARequest
 from ..sampling_params import SamplingParams
 
 
@@ -19,6 +20,7 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     block_ids: list[int]
     num_computed_tokens: int
     sample_index: int = 0
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):

@@ -45,6 +45,7 @@ from ..engine.messages import EngineCoreOutput, SchedulerStats
 from ..errors import ConfigError, InvalidRequestError, QueueFullError
 from ..kv import KVCacheManager, PrefixHit
 from ..kv.sizing import blocks_per_sequence
+from ..lora.admission import AdapterAdmission, adapter_names
 from ..request import Request, RequestStatus
 from ..worker.output import LogprobsLists, ModelRunnerOutput
 from .inflight import StepsInFlight
@@ -114,6 +115,8 @@ class Scheduler:
         self._grammar_rows: list[Request] = []
         # A pooling engine's requests are prefill only: each ends with its pooled vector.
         self.pooling = config.runner == "pooling"
+        # LoRA: no step mixes more than max_loras adapters (corectl/lora/admission.py).
+        self.adapters = AdapterAdmission(config.max_loras) if config.enable_lora else None
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -177,7 +180,14 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.num_preemptions,
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict:
+        if self.adapters is None:
+            return {}
+        running, waiting = adapter_names(self._requests)
+        return dict(running_lora_adapters=running, waiting_lora_adapters=waiting)
 
     # -- scheduling ----------------------------------------------------------------------------
 
@@ -247,11 +257,14 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         skipped: list[Request] = []
+        if self.adapters is not None:
+            self.adapters.begin(self.running)
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
             # A request preempted while a step held it waits for that step's results (its token in
             # flight); the engine applies them before the next schedule, direct callers may not.
-            if self.in_flight.holds(req) or self._sibling_prefilling(req) or self._grammar_compiling(req):
+            if (self.in_flight.holds(req) or self._sibling_prefilling(req) or self._grammar_compiling(req)
+                    or (self.adapters is not None and not self.adapters.admits(req))):
                 skipped.append(self.waiting.pop())
                 continue
             hit = self.kv.lookup_prefix(req)
@@ -261,6 +274,8 @@ class Scheduler:
             self.waiting.pop()
             self._start(req, hit, num_tokens, plan)
         self.waiting.prepend(skipped)
+        if self.adapters is not None:
+            self.adapters.end()
 
     def _grammar_compiling(self, req: Request) -> bool:
         return self.structured is not None and req in self.structured and not self.structured.ready(req)
@@ -304,6 +319,7 @@ class Scheduler:
                 block_ids=self.kv.block_ids(req),
                 num_computed_tokens=req.num_computed_tokens,
                 sample_index=req.sample_index,
+                lora_request=req.lora_request,
             )
             for req in plan.new
         ]

@@ -8,6 +8,7 @@ selected with an uploaded index, never a Python list (which torch would copy syn
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,6 +24,9 @@ from .inflight import HostFetch, InflightStep, PooledRows, SampledRows, fetch_no
 from .output import LogprobsLists, ModelRunnerOutput
 from .pooler import Pooler
 from .request_states import CachedRequestState, HostStep, RequestStates
+
+if TYPE_CHECKING:
+    from ..lora.manager import AdapterManager
 
 _PROMPT_LOGPROB_CHUNK = 512
 
@@ -66,6 +70,8 @@ class ModelRunner:
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         # Set by the worker on a pooling engine: steps pool finished prompts instead of sampling.
         self.pooler: Pooler | None = None
+        # Set by the worker when LoRA is on: the adapter manager (corectl.lora.manager).
+        self.lora: AdapterManager | None = None
         # A launched step's logits waiting for their grammar masks (`grammar_pending`).
         self._awaiting_masks: tuple[HostStep, torch.Tensor, InflightStep] | None = None
 
@@ -87,11 +93,13 @@ class ModelRunner:
         if self._awaiting_masks is not None:
             raise RuntimeError("a step was launched before the previous one received its grammar masks")
         self.states.apply(sched)
+        if self.lora is not None:
+            self.lora.apply(sched)
         if sched.is_empty:
             return InflightStep.done()
         inputs = self.upload(self.states.build_step(sched, self.block_size))
         self._feed_unread_ids(inputs)
-        hidden = self.run_model(inputs)
+        hidden = self._run_with_adapters(inputs)
         if self.pooler is not None:
             return self._pool(inputs.host, hidden)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden, sched)
@@ -160,6 +168,16 @@ class ModelRunner:
             return sampled[:len(sources)]
         (index,) = self.to_device([np.array(sources, dtype=np.int64)])
         return sampled.index_select(0, index)
+
+    def _run_with_adapters(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward pass, with the step's LoRA adapters in place when LoRA is on."""
+        if self.lora is None:
+            return self.run_model(inputs)
+        self.lora.prepare(inputs.host, self.to_device)
+        try:
+            return self.run_model(inputs)
+        finally:
+            self.lora.finish_step()
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass over the step's tokens; platforms override to replay captured graphs."""

@@ -16,6 +16,8 @@ from ..attention import AttentionBackend
 from ..config import EngineConfig
 from ..distributed import get_tp, shard_range
 from ..errors import ConfigError
+from ..lora.manager import AdapterManager
+from ..lora.shapes import BaseModelShape
 from ..models.kernels import LayerKernels, install_layer_kernels
 from ..models.layers import Attention
 from ..models.registry import resolve_model_class
@@ -100,6 +102,7 @@ class Worker(abc.ABC):
         if self.quantization is not None:
             process_loaded_weights(model)
         model.eval()
+        lora = self._attach_lora(model, hf) if self.config.enable_lora else None
         install_layer_kernels(model, self.layer_kernels())
         if self.config.kv_cache_dtype not in self.attention_backend_cls.kv_cache_dtypes:
             raise ConfigError("kv_cache_dtype", f"the {self.attention_backend_cls.name!r} attention backend stores "
@@ -112,10 +115,21 @@ class Worker(abc.ABC):
         )
         self.runner = self.runner_cls(model, backend, self.device, self.config.block_size,
                                       hf.vocab_size, self.eos_token_id, self.platform.capabilities())
+        self.runner.lora = lora
         if pooling:
             self.runner.pooler = Pooler(self.config.pooling_type)
         self.model_info = info
         return info
+
+    def _attach_lora(self, model: torch.nn.Module, hf) -> AdapterManager:
+        """Wrap the model's projections for LoRA; the manager owns the adapters from then on."""
+        cfg = self.config
+        return AdapterManager(
+            model, BaseModelShape.of(hf, cfg.max_lora_rank), max_loras=cfg.max_loras,
+            max_cpu_loras=cfg.max_cpu_loras or cfg.max_loras,
+            max_tokens=max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
+            dtype=self.torch_dtype if cfg.lora_dtype == "auto" else _DTYPES[cfg.lora_dtype], device=self.device,
+            download_dir=cfg.download_dir)
 
     def _build_model(self, hf, pooling: bool) -> torch.nn.Module:
         """The model on the device. A pooling model reads hidden states only (corectl.pooling): it
