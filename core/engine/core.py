@@ -78,8 +78,7 @@ class EngineCore:
         self.executor.init_kv_cache(num_blocks)
         self.executor.warmup()
         self.structured = self._structured_outputs(info.vocab_size)
-        self.async_scheduling = (platform.capabilities().async_output if config.async_scheduling is None
-                                 else config.async_scheduling)
+        self.async_scheduling = _async_scheduling(config, platform.capabilities().async_output)
         self.scheduler = Scheduler(config, self.max_model_len, num_blocks, self.structured,
                                    sliding_window=info.sliding_window, defer_grammar=self.async_scheduling)
         self.snapshots = SnapshotPublisher(self.scheduler)
@@ -208,6 +207,16 @@ def _runner_config(config: EngineConfig, pooling: PoolingInfo | None) -> EngineC
         return config.replace(runner="generate")
     return config.replace(runner="pooling", pooling_type=pooling.pooling_type, normalize=pooling.normalize,
                           enable_prefix_caching=config.enable_prefix_caching and pooling.pooling_type == "LAST")
+
+
+def _async_scheduling(config: EngineConfig, platform_default: bool) -> bool:
+    """Whether steps overlap the host's work; speculative decoding runs the synchronous loop
+    (its drafts come from the tokens the step before produced)."""
+    if config.speculative_config is not None:
+        if config.async_scheduling:
+            logger.warning("speculative decoding runs with synchronous scheduling; async_scheduling is ignored")
+        return False
+    return platform_default if config.async_scheduling is None else config.async_scheduling
 
 
 def resolve_max_model_len(config: EngineConfig, hf) -> int:

@@ -101,6 +101,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     # The adapters of the running and the waiting requests (vLLM's lora_requests_info gauge).
     running_lora_adapters: list[str] = []
     waiting_lora_adapters: list[str] = []
+    # Speculative decoding (vLLM's spec_decode_* counters): verified drafts (a request in a step),
+    # their draft tokens, the accepted ones, and acceptances by draft position.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
 
 class EngineSnapshot(msgspec.Struct, array_like=True, gc=False):

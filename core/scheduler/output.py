@@ -47,6 +47,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     `grammar_bitmask` masks the logits of the rows that sample under a grammar this step;
     `grammar_pending`: those masks come after the launch, and the worker samples this step only
     once they arrive (async scheduling: see `Executor.sample_pending`).
+    `spec_token_ids` holds the draft tokens of speculating requests (speculative decoding): the
+    last of their scheduled tokens, verified by the step (`corectl.spec_decode`).
     """
 
     new_requests: list[NewRequestData]
@@ -56,6 +58,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     finished_req_ids: list[str]
     grammar_bitmask: GrammarBitmask | None = None
     grammar_pending: bool = False
+    spec_token_ids: dict[str, list[int]] = {}
 
     @property
     def is_empty(self) -> bool:

@@ -4,11 +4,12 @@ from __future__ import annotations
 from ..worker.output import LogprobsLists
 
 
-def logprobs_row(lists: LogprobsLists | None, row: int) -> LogprobsLists | None:
-    """The one-position slice of a step's logprobs that belongs to one request."""
+def logprobs_rows(lists: LogprobsLists | None, start: int, stop: int) -> LogprobsLists | None:
+    """The positions `start:stop` of a step's logprobs: the rows of one request's new tokens."""
     if lists is None:
         return None
-    return LogprobsLists(token_ids=[lists.token_ids[row]], logprobs=[lists.logprobs[row]], ranks=[lists.ranks[row]])
+    return LogprobsLists(token_ids=lists.token_ids[start:stop], logprobs=lists.logprobs[start:stop],
+                         ranks=lists.ranks[start:stop])
 
 
 class PromptLogprobsBuffer:

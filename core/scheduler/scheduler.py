@@ -47,10 +47,11 @@ from ..kv import KVCacheManager, PrefixHit
 from ..kv.sizing import blocks_per_sequence
 from ..lora.admission import AdapterAdmission, adapter_names
 from ..request import Request, RequestStatus
+from ..spec_decode.scheduling import DraftPlanner
 from ..worker.output import LogprobsLists, ModelRunnerOutput
 from .inflight import StepsInFlight
 from .output import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
-from .prompt_logprobs import PromptLogprobsBuffer, logprobs_row
+from .prompt_logprobs import PromptLogprobsBuffer, logprobs_rows
 from .request_queue import create_request_queue
 
 if TYPE_CHECKING:
@@ -68,6 +69,8 @@ class _StepPlan:
     running: dict[str, tuple[Request, list[int]]] = field(default_factory=dict)
     new: list[Request] = field(default_factory=list)
     preempted: bool = False
+    # Draft tokens of speculating requests, the last of their scheduled tokens.
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
     def take(self, req: Request, num_tokens: int) -> None:
         self.num_scheduled[req.request_id] = num_tokens
@@ -77,6 +80,7 @@ class _StepPlan:
         """Undo scheduling a running request that is preempted later in the same step."""
         self.budget += self.num_scheduled.pop(req.request_id, 0)
         self.running.pop(req.request_id, None)
+        self.drafts.pop(req.request_id, None)
 
 
 class Scheduler:
@@ -117,6 +121,9 @@ class Scheduler:
         self.pooling = config.runner == "pooling"
         # LoRA: no step mixes more than max_loras adapters (corectl/lora/admission.py).
         self.adapters = AdapterAdmission(config.max_loras) if config.enable_lora else None
+        spec = config.speculative_config
+        # Speculative decoding (n-gram drafts; see corectl/spec_decode/scheduling.py).
+        self.drafts = None if spec is None or self.pooling else DraftPlanner(spec, max_model_len)
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -181,7 +188,16 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.num_preemptions,
             **self._lora_stats(),
+            **self._spec_decode_stats(),
         )
+
+    def _spec_decode_stats(self) -> dict:
+        if self.drafts is None:
+            return {}
+        counters = self.drafts.counters
+        return dict(spec_decode_num_drafts=counters.num_drafts, spec_decode_num_draft_tokens=counters.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=counters.num_accepted_tokens,
+                    spec_decode_num_accepted_tokens_per_pos=list(counters.accepted_per_position))
 
     def _lora_stats(self) -> dict:
         if self.adapters is None:
@@ -207,7 +223,12 @@ class Scheduler:
                 index += 1
                 continue
             num_tokens = min(req.num_tokens + self.in_flight.num_tokens(req) - req.num_computed_tokens, plan.budget)
-            new_ids = self.kv.allocate(req, num_tokens)
+            drafts = self._drafts_for(req, num_tokens, plan.budget)
+            new_ids = self.kv.allocate(req, num_tokens + len(drafts))
+            if new_ids is None and drafts:
+                # Speculation never preempts: without room for its drafts the request decodes plainly.
+                drafts = []
+                new_ids = self.kv.allocate(req, num_tokens)
             while new_ids is None:
                 victim_index = self._victim_index()
                 victim = self.running.pop(victim_index)
@@ -217,9 +238,19 @@ class Scheduler:
                 if victim_index < index:
                     index -= 1
                 new_ids = self.kv.allocate(req, num_tokens)
-            plan.take(req, num_tokens)
+            plan.take(req, num_tokens + len(drafts))
             plan.running[req.request_id] = (req, new_ids)
+            if drafts:
+                plan.drafts[req.request_id] = drafts
             index += 1
+
+    def _drafts_for(self, req: Request, num_tokens: int, budget: int) -> list[int]:
+        """Draft tokens for a request whose step computes only its newest token (speculation
+        on; never under a grammar, whose matcher advances one token a step)."""
+        if (self.drafts is None or num_tokens != 1 or req.num_computed_tokens + 1 != req.num_tokens
+                or (self.structured is not None and req in self.structured)):
+            return []
+        return self.drafts.drafts(req.all_token_ids, req.num_output_tokens, req.max_tokens, budget)
 
     def _ends_by_length(self, req: Request) -> bool:
         """Whether the request's tokens in flight already bring it to max_tokens or max_model_len."""
@@ -334,7 +365,8 @@ class Scheduler:
             num_computed_tokens=[req.num_computed_tokens for req in running],
         )
         for req in running + plan.new:
-            req.num_computed_tokens += plan.num_scheduled[req.request_id]
+            # Drafts count as computed only once accepted (`update`).
+            req.num_computed_tokens += plan.num_scheduled[req.request_id] - len(plan.drafts.get(req.request_id, ()))
             self.in_flight.schedule(req)
             self.kv.commit(req)
         finished = list(self._forget)
@@ -347,6 +379,7 @@ class Scheduler:
             finished_req_ids=finished,
             grammar_bitmask=grammar_bitmask,
             grammar_pending=grammar_pending,
+            spec_token_ids=plan.drafts,
         )
 
     def _grammar_rows_of(self, scheduled: list[Request], plan: _StepPlan) -> list[Request]:
@@ -380,7 +413,7 @@ class Scheduler:
                 self._prompt_logprobs.add(req_id, chunk)
         outputs, stopped = self._apply_pooled(runner_out.pooled, stale)
         scheduled, logprobs = sched_out.num_scheduled_tokens, runner_out.logprobs
-        for row, (req_id, token) in enumerate(zip(runner_out.req_ids, runner_out.sampled_token_ids)):
+        for req_id, rows in zip(runner_out.req_ids, runner_out.token_rows()):
             if req_id not in scheduled:
                 raise RuntimeError(
                     f"the worker sampled a token for request {req_id!r}, which this step did not schedule"
@@ -389,7 +422,12 @@ class Scheduler:
             if req_id in stale or req is None:
                 continue  # finished or aborted while the step ran
             self.in_flight.arrive(req)
-            output = self._append_token(req, token, logprobs, row)
+            drafts = sched_out.spec_token_ids.get(req_id)
+            if drafts:
+                # Every emitted token but the last is an accepted draft, whose K/V the step wrote.
+                self.drafts.counters.record(len(drafts), len(rows) - 1)
+                req.num_computed_tokens += len(rows) - 1
+            output = self._append_tokens(req, runner_out.sampled_token_ids, logprobs, rows)
             outputs.append(output)
             if output.finish_reason is not None:
                 stopped.append(req)
@@ -426,25 +464,30 @@ class Scheduler:
             self._forget[req.request_id] = None
             self._release(req)
 
-    def _append_token(self, req: Request, token: int, logprobs: LogprobsLists | None, row: int) -> EngineCoreOutput:
+    def _append_tokens(self, req: Request, token_ids: list[int], logprobs: LogprobsLists | None,
+                       rows: range) -> EngineCoreOutput:
+        """Append the request's tokens of this step (`token_ids[rows]`: one, or a verify step's
+        accepted drafts and the token after them) up to the first that ends it."""
         error = None if self.structured is None else self.structured.dead_end(req)
         if error is not None:
             # Its grammar allowed no token: the one sampled from its unmasked row is not output.
             req.status = RequestStatus.FINISHED_ABORTED
-        else:
+            rows = range(rows.start, rows.start)
+        end = rows.start
+        while end < rows.stop and not req.status.finished:
+            token = token_ids[end]
+            end += 1
             req.append_output_token(token)
-        if req.status.finished:
-            pass
-        elif len(req.all_token_ids) >= self.max_model_len:
-            req.status = RequestStatus.FINISHED_LENGTH
-        elif not self._grammar_ends(req, token):
-            req.check_stop()
+            if len(req.all_token_ids) >= self.max_model_len:
+                req.status = RequestStatus.FINISHED_LENGTH
+            elif not self._grammar_ends(req, token):
+                req.check_stop()
         return EngineCoreOutput(
             req_id=req.request_id,
-            new_token_ids=[] if error is not None else [token],
+            new_token_ids=token_ids[rows.start:end],
             finish_reason=req.status.finish_reason,
             stop_reason=req.stop_reason,
-            logprobs=logprobs_row(logprobs, row),
+            logprobs=logprobs_rows(logprobs, rows.start, end),
             prompt_logprobs=self._prompt_logprobs.pop(req.request_id),
             num_cached_tokens=max(req.num_cached_tokens, 0),
             first_scheduled_time=req.first_scheduled_time,

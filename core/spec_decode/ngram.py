@@ -49,14 +49,10 @@ class NgramProposer:
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
-    def propose(self, token_ids: Sequence[Sequence[int]], limits: Sequence[int]) -> list[list[int]]:
-        """Drafts for each request whose tokens are `token_ids[i]`, at most `limits[i]` (<= k) of
+    def propose(self, token_ids: Sequence[int], limit: int) -> list[int]:
+        """Drafts continuing a request whose tokens are `token_ids`, at most `limit` (<= k) of
         them (fewer near max_tokens or the context's end)."""
-        drafts = []
-        for tokens, limit in zip(token_ids, limits):
-            if limit <= 0:
-                drafts.append([])
-                continue
-            context = np.asarray(tokens, dtype=np.int64)
-            drafts.append(propose_ngram(context, self.min_n, self.max_n, min(limit, self.k)).tolist())
-        return drafts
+        if limit <= 0:
+            return []
+        context = np.asarray(token_ids, dtype=np.int64)
+        return propose_ngram(context, self.min_n, self.max_n, min(limit, self.k)).tolist()

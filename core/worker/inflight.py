@@ -8,6 +8,7 @@ the device's work. Every device-to-host copy of a step starts at launch, in one 
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,12 +36,15 @@ def fetch_now(tensors: Sequence[torch.Tensor]) -> HostFetch:
 class SampledRows:
     """What a launched step sampled: the requests' states in row order and the `RequestStates`
     holding them, the copy of their ids (and logprobs) under way, and how many top logprobs each
-    row keeps (None: no logprobs)."""
+    row keeps (None: no logprobs). A verify step (speculative decoding) fetches `[B, K + 1]` ids
+    and each request's number of emitted tokens; `verified_rows` then holds each request's
+    number of verified rows (its logprobs rows), else None."""
 
     request_states: RequestStates
     states: list[CachedRequestState]
     fetch: HostFetch
     num_logprobs: list[int] | None
+    verified_rows: list[int] | None = None
 
 
 @dataclass
@@ -91,6 +95,8 @@ class InflightStep:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=self._prompt_logprobs,
                                      pooled=pooled)
         sampled.fetch.wait()
+        if sampled.verified_rows is not None:
+            return self._read_verified(sampled)
         ids_host, *logprob_host = sampled.fetch.tensors
         token_ids = ids_host.tolist()
         sampled.request_states.receive_sampled(sampled.states, token_ids)
@@ -99,3 +105,21 @@ class InflightStep:
             logprobs = LogprobsTensors(*logprob_host).to_lists(sampled.num_logprobs)
         return ModelRunnerOutput(req_ids=[s.req_id for s in sampled.states], sampled_token_ids=token_ids,
                                  logprobs=logprobs, prompt_logprobs=self._prompt_logprobs)
+
+    def _read_verified(self, sampled: SampledRows) -> ModelRunnerOutput:
+        """A verify step's output: every request's emitted tokens, request after request."""
+        ids_host, emitted_host, *logprob_host = sampled.fetch.tensors
+        counts = emitted_host.tolist()
+        tokens = [row[:count] for row, count in zip(ids_host.tolist(), counts)]
+        sampled.request_states.receive_verified(sampled.states, tokens)
+        logprobs = None
+        if sampled.num_logprobs is not None:
+            every_row = LogprobsTensors(*logprob_host).to_lists(sampled.num_logprobs)
+            starts = itertools.accumulate(sampled.verified_rows, initial=0)
+            keep = [row for start, count in zip(starts, counts) for row in range(start, start + count)]
+            logprobs = LogprobsLists(token_ids=[every_row.token_ids[r] for r in keep],
+                                     logprobs=[every_row.logprobs[r] for r in keep],
+                                     ranks=[every_row.ranks[r] for r in keep])
+        return ModelRunnerOutput(req_ids=[s.req_id for s in sampled.states],
+                                 sampled_token_ids=[t for row in tokens for t in row], logprobs=logprobs,
+                                 prompt_logprobs=self._prompt_logprobs, num_sampled=counts)

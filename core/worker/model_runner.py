@@ -20,6 +20,8 @@ from ..sample.grammar import apply_grammar_bitmask
 from ..sample.metadata import PLAIN_GREEDY, UnreadOutputTokens
 from ..sample.transfer import DeviceTarget, to_device
 from ..scheduler.output import GrammarBitmask, SchedulerOutput
+from ..spec_decode.rejection import VerifyLayout
+from ..spec_decode.verify import expand_rows, verify
 from .inflight import HostFetch, InflightStep, PooledRows, SampledRows, fetch_now
 from .output import LogprobsLists, ModelRunnerOutput
 from .pooler import Pooler
@@ -138,11 +140,11 @@ class ModelRunner:
     def _apply_grammar(self, host: HostStep, logits: torch.Tensor, grammar: GrammarBitmask) -> None:
         """Forbid what each constrained row's grammar does not allow next, before the sampler reads
         the logits (logprobs included, as vLLM does); the other rows are not touched."""
-        row_of = {req_id: row for row, req_id in enumerate(host.sample_req_ids)}
+        row_of = host.logits_rows()
         rows = [row_of[req_id] for req_id in grammar.req_ids]
         # A copy: torch will not share the read-only buffer of the message's bytes.
         arrays = [np.frombuffer(grammar.bitmask, dtype=np.int32).reshape(len(rows), grammar.width).copy()]
-        if rows != list(range(len(row_of))):
+        if rows != list(range(logits.shape[0])):
             arrays.append(np.array(rows, dtype=np.int64))
         bitmask, *index = self.to_device(arrays)
         apply_grammar_bitmask(logits, bitmask, index[0] if index else None)
@@ -211,6 +213,8 @@ class ModelRunner:
         return [torch.from_numpy(a).to(self.device, non_blocking=True) for a in arrays]
 
     def _sample(self, host: HostStep, logits: torch.Tensor) -> SampledRows:
+        if host.verifies:
+            return self._verify(host, logits)
         states = [self.states[r] for r in host.sample_req_ids]
         out = self.sampler(logits, self._sampling_metadata(states))
         self.states.expect_sampled(states)
@@ -221,25 +225,46 @@ class ModelRunner:
             num_logprobs = [s.sampling_params.logprobs or 0 for s in states]
         return SampledRows(self.states, states, self.fetch_to_host(tensors), num_logprobs)
 
+    def _verify(self, host: HostStep, logits: torch.Tensor) -> SampledRows:
+        """A verify step (speculative decoding): each request's accepted drafts and one more token.
+        Steps with drafts run synchronously, so no id of theirs feeds a later step on the device."""
+        states = [self.states[r] for r in host.sample_req_ids]
+        layout = VerifyLayout.build(host.sample_drafts, self.target)
+        verified, logprobs = verify(logits, self._sampling_metadata(states, host.sample_drafts), layout)
+        self.states.expect_sampled(states)
+        self._last_sampled = None
+        tensors, num_logprobs = [verified.token_ids, verified.num_emitted], None
+        if logprobs is not None:
+            tensors += [logprobs.token_ids, logprobs.logprobs, logprobs.ranks]
+            num_logprobs = [s.sampling_params.logprobs or 0 for s, d in zip(states, host.sample_drafts)
+                            for _ in range(len(d) + 1)]
+        rows = [len(d) + 1 for d in host.sample_drafts]
+        return SampledRows(self.states, states, self.fetch_to_host(tensors), num_logprobs, rows)
+
     def fetch_to_host(self, tensors: list[torch.Tensor]) -> HostFetch:
         """Start copying a step's results to the host; platforms with an asynchronous device
         override this so the copy does not wait for work queued after it."""
         return fetch_now(tensors)
 
-    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+    def _sampling_metadata(self, states: list[CachedRequestState],
+                           drafts: list[list[int]] | None = None) -> SamplingMetadata:
+        """One row per state; with `drafts` (a verify step) one per verified position of each."""
         if all(s.plain_greedy for s in states):
             return PLAIN_GREEDY
         # Token histories are copied only for the rows whose penalties or min_tokens read them.
-        return SamplingMetadata.build(
-            params=[s.sampling_params for s in states],
-            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] if s.reads_prompt else () for s in states],
-            output_token_ids=[s.output_token_ids if s.reads_output else () for s in states],
-            generators=[s.seeded_generator() for s in states],
-            eos_token_id=self.eos_token_id,
-            vocab_size=self.vocab_size,
-            target=self.target,
-            unread=self._unread_output_tokens(states),
-        )
+        params = [s.sampling_params for s in states]
+        prompts = [s.token_ids[: s.num_prompt_tokens] if s.reads_prompt else () for s in states]
+        outputs = [s.output_token_ids if s.reads_output else () for s in states]
+        generators = [s.seeded_generator() for s in states]
+        unread = None
+        if drafts is None:
+            unread = self._unread_output_tokens(states)
+        else:
+            rows = expand_rows(params, prompts, outputs, generators, drafts)
+            params, prompts, outputs, generators = rows.params, rows.prompt_token_ids, rows.output_token_ids, rows.generators
+        return SamplingMetadata.build(params=params, prompt_token_ids=prompts, output_token_ids=outputs,
+                                      generators=generators, eos_token_id=self.eos_token_id,
+                                      vocab_size=self.vocab_size, target=self.target, unread=unread)
 
     def _unread_output_tokens(self, states: list[CachedRequestState]) -> UnreadOutputTokens | None:
         """The history rows' tokens that the previous step sampled and the host has not read."""

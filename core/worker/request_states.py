@@ -8,6 +8,7 @@ its rows in one take instead of re-reading every request's list.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -117,10 +118,25 @@ class HostStep:
     # samples, so `input_ids` holds 0 there until the runner copies them in on the device.
     device_fed_req_ids: list[str] = field(default_factory=list)
     device_fed_rows: list[int] = field(default_factory=list)
+    # A verify step (speculative decoding): each sampled request's draft tokens, in
+    # `sample_req_ids` order. Its last 1 + len(drafts) rows are all sampled (`sample_rows`).
+    sample_drafts: list[list[int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
         return len(self.req_ids)
+
+    @property
+    def verifies(self) -> bool:
+        return any(self.sample_drafts)
+
+    def logits_rows(self) -> dict[str, int]:
+        """Each sampled request's first row among the sampled rows (the logits' rows)."""
+        rows, row = {}, 0
+        for req_id, drafts in itertools.zip_longest(self.sample_req_ids, self.sample_drafts, fillvalue=()):
+            rows[req_id] = row
+            row += 1 + len(drafts)
+        return rows
 
     @property
     def num_tokens(self) -> int:
@@ -173,6 +189,14 @@ class RequestStates:
                 state.token_ids.append(token)
                 state.num_unread_tokens -= 1
 
+    def receive_verified(self, states: list[CachedRequestState], token_ids: list[list[int]]) -> None:
+        """The host has read what a verify step emitted: each state's accepted drafts and the
+        token after them, in place of the one token `expect_sampled` announced."""
+        for state, tokens in zip(states, token_ids):
+            if self.states.get(state.req_id) is state:
+                state.token_ids.extend(tokens)
+                state.num_unread_tokens -= 1
+
     def prompt_logprobs_done(self, req_id: str) -> None:
         """Every prompt position of the request has had its logprobs computed."""
         self.awaiting_prompt_logprobs.discard(req_id)
@@ -183,25 +207,29 @@ class RequestStates:
         query_lens = list(sched.num_scheduled_tokens.values())
         token_ids: list[int] = []
         starts, rows, query_starts, sample_req_ids, sample_rows = [], [], [], [], []
-        fed_req_ids, fed_rows = [], []
+        fed_req_ids, fed_rows, sample_drafts = [], [], []
         for req_id, n in zip(req_ids, query_lens):
             state = self.states[req_id]
             start = state.num_computed_tokens
             query_starts.append(len(token_ids))
-            known = state.token_ids[start:start + n]
+            drafts = sched.spec_token_ids.get(req_id, [])
+            num_known = n - len(drafts)
+            known = state.token_ids[start:start + num_known]
             token_ids += known
-            if len(known) < n:
-                if len(known) + 1 < n or not state.num_unread_tokens:
-                    raise RuntimeError(f"request {req_id!r}: {n} tokens scheduled from position {start}, "
+            if len(known) < num_known:
+                if len(known) + 1 < num_known or not state.num_unread_tokens:
+                    raise RuntimeError(f"request {req_id!r}: {num_known} tokens scheduled from position {start}, "
                                        f"only {len(known)} known and {state.num_unread_tokens} unread")
                 fed_req_ids.append(req_id)
                 fed_rows.append(len(token_ids))
                 token_ids.append(0)
+            token_ids += drafts
             starts.append(start)
             rows.append(state.table_row)
-            if start + n == len(state.token_ids) + state.num_unread_tokens:
+            if start + num_known == len(state.token_ids) + state.num_unread_tokens:
                 sample_req_ids.append(req_id)
-                sample_rows.append(len(token_ids) - 1)
+                sample_rows.extend(range(len(token_ids) - 1 - len(drafts), len(token_ids)))
+                sample_drafts.append(drafts)
         lens = np.array(query_lens, dtype=np.int64)
         seq_lens = np.array(starts, dtype=np.int64) + lens
         query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int32)
@@ -229,6 +257,7 @@ class RequestStates:
             sample_rows=sample_rows,
             device_fed_req_ids=fed_req_ids,
             device_fed_rows=fed_rows,
+            sample_drafts=sample_drafts if sched.spec_token_ids else [],
         )
 
     def _forget(self, req_id: str) -> None:

@@ -1,0 +1,53 @@
+"""The scheduler's side of speculative decoding: which draft tokens a decoding request carries into
+a step, and the `spec_decode_*` counters of what verification accepted.
+
+Drafts are proposed when a request is scheduled, from its own tokens (n-gram), and travel in
+`SchedulerOutput.spec_token_ids` as extra new tokens of the request: the target computes k + 1
+positions through the ordinary paged prefill/extend path. A request's `num_computed_tokens`
+advances by its one known token at scheduling and by the accepted drafts when the step's result
+arrives, so a rejected draft's K/V slot is simply overwritten by the next step. Drafts are capped
+so that every emitted token fits `max_tokens` and `max_model_len`. Requests under a grammar get
+no drafts: their matcher advances one token a step (see docs/speculative.md).
+"""
+from __future__ import annotations
+
+from .config import SpeculativeConfig
+from .ngram import NgramProposer
+
+
+class SpecDecodeCounters:
+    """vLLM's `spec_decode_*` counters, cumulative: verified drafts (requests x steps that carried
+    drafts), their draft tokens, the accepted ones, and acceptances by draft position."""
+
+    def __init__(self, k: int):
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * k
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+
+class DraftPlanner:
+    """Proposes each decoding request's drafts for a step, within what it may still emit."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        if config.method != "ngram":
+            raise ValueError(f"the scheduler proposes n-gram drafts only, not {config.method!r}")
+        self.k = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                      config.prompt_lookup_max)
+        self.counters = SpecDecodeCounters(self.k)
+
+    def drafts(self, token_ids: list[int], num_output_tokens: int, max_tokens: int, budget: int) -> list[int]:
+        """Drafts for a request whose next step computes only its newest token: at most k, and
+        at most what leaves room for the token verification adds after them (max_tokens,
+        max_model_len) within the step's remaining token `budget`."""
+        limit = min(self.k, budget - 1, max_tokens - num_output_tokens - 1, self.max_model_len - len(token_ids) - 1)
+        return self.proposer.propose(token_ids, limit)
