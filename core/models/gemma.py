@@ -25,8 +25,9 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from ..attention import ForwardContext
+from ..loaders.packing import load_packed_weights
 from .base import CausalLM
-from .layers import Attention, RotaryEmbedding, load_packed_weights
+from .layers import Attention, RotaryEmbedding
 from .parallel import PackedLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, gather_logits
 from .sliding_window import layer_sliding_windows
 

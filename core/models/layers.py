@@ -6,18 +6,14 @@ decoding is token-exact against `transformers` in fp32.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-
 import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..attention import ForwardContext
 from .kernels import UsesLayerKernels
-from .parallel import PackedLinear
 
-__all__ = ["PACKED_MODULES", "Attention", "PackedLinear", "RMSNorm", "RotaryEmbedding", "default_weight_loader",
-           "load_packed_weights"]
+__all__ = ["Attention", "RMSNorm", "RotaryEmbedding"]
 
 
 class RMSNorm(UsesLayerKernels, nn.Module):
@@ -97,51 +93,6 @@ class RotaryEmbedding(UsesLayerKernels, nn.Module):
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
-    param.data.copy_(loaded)
-
-
-# checkpoint projection -> (packed parameter, shard id): one GEMM computes q, k and v (and gate, up)
-PACKED_MODULES = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
-}
-
-
-def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                        skip: Callable[[str], bool]) -> set[str]:
-    """Copy HF checkpoint tensors into `model`'s parameters, each shard of a packed projection
-    (PACKED_MODULES) into its slice; `skip` names tensors the model does not hold (a tied head,
-    rotary buffers). Returns the names of the parameters filled."""
-    params = dict(model.named_parameters())
-    loaded: set[str] = set()
-    for name, tensor in weights:
-        if skip(name):
-            continue
-        target, shard_id = _packed_target(name)
-        if target not in params:
-            raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
-        param = params[target]
-        if shard_id is None:
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-        else:
-            param.weight_loader(param, tensor, shard_id)
-        loaded.add(target)
-    return loaded
-
-
-def _packed_target(name: str) -> tuple[str, str | None]:
-    for proj, (packed, shard_id) in PACKED_MODULES.items():
-        if f".{proj}." in name:
-            return name.replace(f".{proj}.", f".{packed}."), shard_id
-    return name, None
 
 
 class Attention(nn.Module):

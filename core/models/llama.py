@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from ..attention import ForwardContext
+from ..loaders.packing import load_packed_weights
 from .base import CausalLM
 from .kernels import UsesLayerKernels
-from .layers import Attention, RMSNorm, RotaryEmbedding, load_packed_weights
+from .layers import Attention, RMSNorm, RotaryEmbedding
 from .parallel import (
     PackedLinear,
     ParallelLMHead,

@@ -34,10 +34,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..distributed import all_reduce, get_tp, shard_range
-from ..quantization.base import MoEMethod
+from ..loaders.packing import load_packed_weights
+from ..quantization.base import MoEMethod, QuantizableLayer, QuantizationConfig
 from ..quantization.scope import deferred_weight_device
 from .kernels import UsesLayerKernels
-from .layers import load_packed_weights
 
 # A per-expert checkpoint tensor: "<prefix>.experts.<e>.<gate_proj|up_proj|down_proj>.<kind>"
 EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
@@ -94,7 +94,7 @@ def _expert_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     return (F.linear(x.float(), weight[expert].float()) * scale[expert]).to(x.dtype)
 
 
-class FusedMoE(UsesLayerKernels, nn.Module):
+class FusedMoE(UsesLayerKernels, QuantizableLayer, nn.Module):
     """The experts of one layer, tensor parallel along their intermediate dimension (module doc):
     routes each token to its top-k experts (`select_experts`) and sums their weighted outputs."""
 
@@ -126,6 +126,9 @@ class FusedMoE(UsesLayerKernels, nn.Module):
         param.weight_loader = loader
         self.register_parameter(name, param)
         return param
+
+    def quant_method_for(self, config: QuantizationConfig, prefix: str) -> MoEMethod | None:
+        return config.moe_method(prefix, self)
 
     def set_quant_method(self, method: MoEMethod | None, dtype: torch.dtype, device: torch.device) -> None:
         """Give the layer its method (None: materialise the dense experts it deferred)."""

@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 from ..distributed import all_gather, all_reduce, get_tp, shard_range
 from ..errors import ConfigError
+from ..loaders.packing import PACKED_MODULES
 from ..quantization.scope import deferred_weight_device
 from .kernels import UsesLayerKernels
 from .quantizable import QuantizableLinear
@@ -56,6 +57,12 @@ class PackedLinear(QuantizableLinear, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_forward(x)
+
+    def checkpoint_weight_names(self, prefix: str) -> list[str]:
+        """`...q_proj.weight`, `...k_proj.weight`, ...: one checkpoint weight per shard."""
+        stem, packed = prefix.rsplit(".", 1)
+        by_shard = {shard: proj for proj, (target, shard) in PACKED_MODULES.items() if target == packed}
+        return [f"{stem}.{by_shard[shard]}.weight" for shard in self.full_sizes]
 
     def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         offset, size, first = self.shards[shard_id]

@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..quantization.base import LinearMethod, QuantAxes
+from ..quantization.base import LinearMethod, QuantAxes, QuantizableLayer, QuantizationConfig
 from .kernels import UsesLayerKernels
 
 
-class QuantizableLinear(UsesLayerKernels):
+class QuantizableLinear(UsesLayerKernels, QuantizableLayer):
     """Mixin for `PackedLinear` and `RowParallelLinear` (both `nn.Linear`s). Without a method the
     layer is dense: its GEMM is the installed kernels' `dense_linear` where that takes the shape,
     else F.linear."""
@@ -60,15 +60,12 @@ class QuantizableLinear(UsesLayerKernels):
         self.register_parameter(name, param)
         return param
 
-    def checkpoint_weight_names(self, prefix: str) -> list[str]:
-        """The checkpoint weights this layer holds (`...q_proj.weight`, ... for a packed layer)."""
-        if not self.full_sizes:
-            return [f"{prefix}.weight"]
-        from .layers import PACKED_MODULES
+    def quant_method_for(self, config: QuantizationConfig, prefix: str) -> LinearMethod | None:
+        return config.linear_method(prefix, self)
 
-        stem, packed = prefix.rsplit(".", 1)
-        by_shard = {shard: proj for proj, (target, shard) in PACKED_MODULES.items() if target == packed}
-        return [f"{stem}.{by_shard[shard]}.weight" for shard in self.full_sizes]
+    def checkpoint_weight_names(self, prefix: str) -> list[str]:
+        """The checkpoint weights this layer holds (a packed layer names each shard's)."""
+        return [f"{prefix}.weight"]
 
     def quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x)

@@ -166,5 +166,28 @@ class QuantizationConfig(abc.ABC):
         return f"{self.name} ({self.kernel})"
 
 
+
+class QuantizableLayer(abc.ABC):
+    """A layer a quantization config can serve: the linear layers (`corectl.models.quantizable`)
+    and a mixture-of-experts layer's experts (`corectl.models.moe.FusedMoE`). Built inside a
+    `quantization_scope` it defers its dense weights; `bind_linear_methods` asks it for its
+    method, so the scope never needs to know the layer classes (they sit above it)."""
+
+    quant_method: LinearMethod | MoEMethod | None = None
+
+    @abc.abstractmethod
+    def quant_method_for(self, config: QuantizationConfig, prefix: str) -> LinearMethod | MoEMethod | None:
+        """The method `config` gives this layer (named `prefix` in the model); None keeps it dense."""
+
+    @abc.abstractmethod
+    def set_quant_method(self, method: LinearMethod | MoEMethod | None, dtype: torch.dtype,
+                         device: torch.device) -> None:
+        """Give the layer its method (None: materialise the dense weights it deferred)."""
+
+    def check_loaded(self, prefix: str) -> None:
+        """Raise naming a quantized parameter the checkpoint did not fill. Nothing to check by
+        default: a layer whose loader counts what arrived (`load_moe_weights`) reports it there."""
+
+
 # Kernels a worker hands the methods (name -> callable), beside the torch ops core calls itself.
 KernelTable = dict[str, Callable[..., torch.Tensor]]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError
+from ..loaders.packing import PACKED_MODULES
 from .base import LinearMethod, QuantAxes, QuantizationConfig, tensor_bytes
 from .gguf_blocks import GROUP, INT4_TYPES, INT8_GROUPS, SYMMETRIC, Int4Groups, Int8Groups
 from .gguf_int8 import GGUFInt8Method
@@ -79,8 +80,6 @@ class GGUFConfig(QuantizationConfig):
 
 def _packed_groups(types: dict[str, str]) -> list[list[str]]:
     """The projection weights of each linear layer, a packed layer's (q/k/v, gate/up) together."""
-    from ..models.layers import PACKED_MODULES
-
     groups: dict[str, list[str]] = {}
     for name in types:
         if not (name.endswith("_proj.weight") and ".layers." in name):

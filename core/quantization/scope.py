@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .base import KernelTable, QuantizationConfig
+from .base import KernelTable, QuantizableLayer, QuantizationConfig
 
 _ACTIVE: QuantizationConfig | None = None
 _KERNELS: KernelTable = {}
@@ -56,19 +56,12 @@ def bind_linear_methods(model: nn.Module, config: QuantizationConfig, dtype: tor
                         device: torch.device) -> int:
     """Give every quantizable layer of `model` its method (or its dense weight); returns how many
     layers are quantized. Runs inside the same `quantization_scope` the model was built in."""
-    from ..models.moe import FusedMoE
-    from ..models.quantizable import QuantizableLinear
-
     quantized = 0
     for prefix, layer in model.named_modules():
-        if isinstance(layer, QuantizableLinear):
-            method = config.linear_method(prefix, layer)
-        elif isinstance(layer, FusedMoE):
-            method = config.moe_method(prefix, layer)
-        else:
-            continue
-        layer.set_quant_method(method, dtype, device)
-        quantized += method is not None
+        if isinstance(layer, QuantizableLayer):
+            method = layer.quant_method_for(config, prefix)
+            layer.set_quant_method(method, dtype, device)
+            quantized += method is not None
     return quantized
 
 
@@ -76,12 +69,7 @@ def bind_linear_methods(model: nn.Module, config: QuantizationConfig, dtype: tor
 def process_loaded_weights(model: nn.Module) -> None:
     """Check every quantized layer got all its shards, then repack them for their kernels. (A
     mixture-of-experts layer's loader already counted every expert's tensors: `load_moe_weights`.)"""
-    from ..models.quantizable import QuantizableLinear
-
     for prefix, layer in model.named_modules():
-        method = getattr(layer, "quant_method", None)
-        if method is None:
-            continue
-        if isinstance(layer, QuantizableLinear):
+        if isinstance(layer, QuantizableLayer) and layer.quant_method is not None:
             layer.check_loaded(prefix)
-        method.process_weights_after_loading(layer)
+            layer.quant_method.process_weights_after_loading(layer)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from corectl.distributed import TensorParallel, parallel_state, shard_range
 from corectl.errors import ConfigError
-from corectl.models.layers import load_packed_weights
+from corectl.loaders.packing import load_packed_weights
 from corectl.models.llama import LlamaForCausalLM
 from corectl.models.parallel import (
     PackedLinear,

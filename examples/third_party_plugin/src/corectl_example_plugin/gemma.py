@@ -18,7 +18,9 @@ from transformers.activations import ACT2FN
 from corectl.attention import ForwardContext
 from corectl.models.base import CausalLM
 from corectl.models.gemma import GemmaRMSNorm  # core's building blocks are there for plugins too
-from corectl.models.layers import Attention, PackedLinear, RotaryEmbedding, load_packed_weights
+from corectl.loaders.packing import load_packed_weights
+from corectl.models.layers import Attention, RotaryEmbedding
+from corectl.models.parallel import PackedLinear
 
 
 class GemmaAttention(nn.Module):
