@@ -11,8 +11,8 @@ import itertools
 import random
 
 import torch
-from corectl.backends.triton.decode_attention import DecodeConfig, choose_decode_splits, paged_decode_attention
-from corectl.backends.triton.testing import random_paged_batch
+from corectl.backends.triton.attention.decode_attention import DecodeConfig, choose_decode_splits, paged_decode_attention
+from corectl.backends.triton.bench.paged_batch import random_paged_batch
 from triton.testing import do_bench
 
 # name: (sequence lengths, q heads, kv heads, the max_seq_len the splits are chosen for)

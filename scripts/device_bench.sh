@@ -25,7 +25,7 @@ AWQ='{"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 12
 stage_tests() { python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "$RES/gpu_tests.log" | tail -15; }
 stage_kernels() {
   python3 "$PEER" ceilings
-  python3 -m corectl.backends.triton.bench_kernels 2>&1 | tail -20
+  python3 -m corectl.backends.triton.bench.kernels 2>&1 | tail -20
 }
 stage_w3() {
   bench latency --model qwen3-0.6b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w3.json"
@@ -161,9 +161,9 @@ stage_prof7() {
 }
 stage_qbench() {
   # The quantized decode kernels' config sweeps (their tables are filled from these), each bounded.
-  timeout 200 python3 -m corectl.backends.triton.bench_w4a16 --quick > "$RES/bench_w4a16.txt" 2>&1
+  timeout 200 python3 -m corectl.backends.triton.bench.w4a16 --quick > "$RES/bench_w4a16.txt" 2>&1
   tail -40 "$RES/bench_w4a16.txt"
-  timeout 240 python3 -m corectl.backends.triton.bench_fp8 > "$RES/bench_fp8.txt" 2>&1
+  timeout 240 python3 -m corectl.backends.triton.bench.fp8 > "$RES/bench_fp8.txt" 2>&1
   tail -60 "$RES/bench_fp8.txt"
 }
 stage_w4() {
@@ -174,7 +174,7 @@ stage_w7() {
   # Mixture of experts: one layer's kernels alone (bench_moe), then the qwen3-30b-a3b shape (61 GB of
   # bf16 weights, ~3.3B active per token): W1's offline workload and batch-1 TPOT. The peer's SHAPES needs the same config as the preset
   # (core/loaders/presets.py; tests/core/loaders/test_presets.py PEER_SHAPES holds the constructor call).
-  python3 -m corectl.backends.triton.bench_moe 2>&1 | tail -20
+  python3 -m corectl.backends.triton.bench.moe 2>&1 | tail -20
   bench throughput --model qwen3-30b-a3b --num-prompts 256 --input-len 512 --output-len 128 --save-result "$RES/w7.json"
   bench latency --model qwen3-30b-a3b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w7_latency.json"
   timeout 240 python3 "$PEER" static --shape qwen3-30b-a3b --batch 1 64 --input-len 512 --output-len 128
@@ -259,10 +259,10 @@ stage_w2awq() {
 stage_w2awqab() {
   # W2 AWQ end to end with the earlier 4-bit kernel, its configs and loader (.bench/w4a16_before.py,
   # .bench/w4a16_configs_before.py, .bench/int4_before.py) and with the current ones, alternating.
-  local keep=/tmp/w2awqab files="backends/triton/w4a16.py backends/triton/w4a16_configs.py core/quantization/int4.py"
+  local keep=/tmp/w2awqab files="backends/triton/gemm/w4a16.py backends/triton/gemm/w4a16_configs.py core/quantization/int4.py"
   mkdir -p $keep; cp $files $keep/
   for round in 1 2; do
-    cp .bench/w4a16_before.py backends/triton/w4a16.py; cp .bench/w4a16_configs_before.py backends/triton/w4a16_configs.py
+    cp .bench/w4a16_before.py backends/triton/gemm/w4a16.py; cp .bench/w4a16_configs_before.py backends/triton/gemm/w4a16_configs.py
     cp .bench/int4_before.py core/quantization/int4.py
     echo "before ($round)"; bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --hf-overrides "$AWQ" --save-result "$RES/w2_awq_before_$round.json" | grep TPOT
     for f in $files; do cp $keep/$(basename $f) $f; done
@@ -270,7 +270,7 @@ stage_w2awqab() {
   done
 }
 stage_w8bench() {
-  # W8_BEFORE=1: carry the earlier kernel as .bench/w8a16_before.py (git show REV:backends/triton/w8a16.py).
+  # W8_BEFORE=1: carry the earlier kernel as .bench/w8a16_before.py (git show REV:backends/triton/gemm/w8a16.py).
   [ "${W8_BEFORE:-0}" = 1 ] && cp .bench/w8a16_before.py backends/triton/w8a16_before.py
   timeout 300 python3 scripts/w8a16_bench.py 2>&1 | tee "$RES/w8bench.txt"
   rm -f backends/triton/w8a16_before.py
@@ -281,21 +281,21 @@ stage_w2bf16() {
 }
 stage_densesweep() {
   # The bf16 dense GEMV against F.linear at decode batches (llama3-8b's and qwen3-0.6b's projections);
-  # its DENSE_TUNED goes into backends/triton/fp8_gemv.py (DENSE_APPLY=1 also writes it into this copy,
+  # its DENSE_TUNED goes into backends/triton/gemm/fp8_gemv.py (DENSE_APPLY=1 also writes it into this copy,
   # so the stages after it run with it).
   # DENSE_SHAPES picks bench_fp8's shapes (default: all); the table printed keeps the other shapes' entries.
-  timeout "${DENSE_TIMEOUT:-420}" python3 -m corectl.backends.triton.bench_fp8 --dense --m 1 2 4 8 \
+  timeout "${DENSE_TIMEOUT:-420}" python3 -m corectl.backends.triton.bench.fp8 --dense --m 1 2 4 8 \
     ${DENSE_SHAPES:+--shapes $DENSE_SHAPES} > "$RES/densesweep.txt" 2>&1
   grep -E "^N=" "$RES/densesweep.txt" | cut -c1-150; sed -n '/^DENSE_TUNED/,/^}/p' "$RES/densesweep.txt"
   [ "${DENSE_APPLY:-0}" = 1 ] || return 0
   python3 - "$RES/densesweep.txt" <<'PY'
 import re, sys
 table = re.search(r"^DENSE_TUNED.*?^}", open(sys.argv[1]).read(), re.S | re.M).group(0)
-path = "backends/triton/fp8_gemv.py"
+path = "backends/triton/gemm/fp8_gemv.py"
 src = open(path).read()
 open(path, "w").write(re.sub(r"^DENSE_TUNED.*?^}$", lambda _: table, src, count=1, flags=re.M | re.S))
 PY
-  sed -n '/^DENSE_TUNED/,/^}/p' backends/triton/fp8_gemv.py | grep -c "GemvConfig("
+  sed -n '/^DENSE_TUNED/,/^}/p' backends/triton/gemm/fp8_gemv.py | grep -c "GemvConfig("
 }
 stage_peers2() {
   # The HF peer of W2 and W3 (batch-1 decode, 512 in / 128 out), for the runs above in the same call.
@@ -340,17 +340,17 @@ stage_w1fp8kv() {
 }
 stage_w4ab() {
   # The 4-bit GEMV before and after a change in one call (scripts/w4a16_ab.py): carry the earlier
-  # kernel as .bench/w4a16_before.py (git show REV:backends/triton/w4a16.py > .bench/w4a16_before.py).
+  # kernel as .bench/w4a16_before.py (git show REV:backends/triton/gemm/w4a16.py > .bench/w4a16_before.py).
   cp .bench/w4a16_before.py backends/triton/w4a16_before.py
   timeout 420 python3 scripts/w4a16_ab.py > "$RES/w4ab.txt" 2>&1; tail -6 "$RES/w4ab.txt"
   rm -f backends/triton/w4a16_before.py
 }
 stage_moetests() { python3 -m pytest -q tests/gpu/test_gpu_moe.py -p no:cacheprovider 2>&1 | tee "$RES/gpu_moe_tests.log" | tail -15; }
 # The pairs path's tile sweep (prints moe_pairs.TUNED's entry), then W7's batch-1 TPOT alone.
-stage_moesweep() { python3 -m corectl.backends.triton.bench_moe --sweep coarse 2>&1 | tail -12; }
-stage_moefine() { python3 -m corectl.backends.triton.bench_moe --sweep fine --num-tokens 1 2>&1 | tail -6; }
+stage_moesweep() { python3 -m corectl.backends.triton.bench.moe --sweep coarse 2>&1 | tail -12; }
+stage_moefine() { python3 -m corectl.backends.triton.bench.moe --sweep fine --num-tokens 1 2>&1 | tail -6; }
 stage_w7lat() {
-  python3 -m corectl.backends.triton.bench_moe --num-tokens 1 8 2>&1 | tail -10
+  python3 -m corectl.backends.triton.bench.moe --num-tokens 1 8 2>&1 | tail -10
   bench latency --model qwen3-30b-a3b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/w7_latency.json"
 }
 stage_w4fp8bound() {

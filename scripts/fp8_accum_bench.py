@@ -2,7 +2,7 @@
 device_bench.sh): TFLOP/s at llama3-8b's projections for a prefill chunk (M = 8192) and a decode
 batch (M = 256), and each form's error against the fp32 product of the same e4m3 operands."""
 import torch
-from corectl.backends.triton.bench_fp8 import graph_us
+from corectl.backends.triton.bench.fp8 import graph_us
 from corectl.quantization.fp8 import fp8_gemm_reference, quantize_rows
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}

@@ -1,7 +1,7 @@
 """The 4-bit GEMV before and after a change, in one device call (stage `w4ab` of device_bench.sh).
 
 The earlier kernel module is imported as `corectl.backends.triton.w4a16_before` (the stage copies
-it there from `.bench/w4a16_before.py`, e.g. `git show REV:backends/triton/w4a16.py`). At M = 1
+it there from `.bench/w4a16_before.py`, e.g. `git show REV:backends/triton/gemm/w4a16.py`). At M = 1
 on llama3-8b's four projections (group 128, bf16 x), each version runs the table's config and a
 few others (GEMV forms, and 16-row tl.dot tiles padding the one row), timed from CUDA-graph
 replays that cycle through weight copies past L2, and is checked against the fp32 reference; the
@@ -14,10 +14,10 @@ import os
 import math
 
 import torch
-from corectl.backends.triton import w4a16 as after
+from corectl.backends.triton.gemm import w4a16 as after
 from corectl.backends.triton import w4a16_before as before
-from corectl.backends.triton.bench_fp8 import graph_us
-from corectl.backends.triton.w4a16_configs import W4Config, choose
+from corectl.backends.triton.bench.fp8 import graph_us
+from corectl.backends.triton.gemm.w4a16_configs import W4Config, choose
 from corectl.quantization.int4 import pack_int32, tile_words, w4a16_reference
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}

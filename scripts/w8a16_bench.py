@@ -10,10 +10,10 @@ import math
 import os
 
 import torch
-from corectl.backends.triton.bench_fp8 import graph_us
+from corectl.backends.triton.bench.fp8 import graph_us
 from corectl.backends.triton.layer_kernels import triton_layer_kernels
 from torch.nn import functional as F
-from corectl.backends.triton.w8a16 import W8Config, config, w8a16_gemm
+from corectl.backends.triton.gemm.w8a16 import W8Config, config, w8a16_gemm
 from corectl.quantization.gguf_int8 import w8a16_reference
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}

@@ -7,7 +7,7 @@ step never waits for the previous step's transfers.
 
 Graphs: a pure-decode step (one token per request) replays the graph captured for the smallest
 batch-size bucket that holds it, padded with rows that store nothing (slot -1) and attend to
-nothing (seq_len 0); backends/triton/attention.py lists what must stay fixed across replays.
+nothing (seq_len 0); backends/triton/attention/backend.py lists what must stay fixed across replays.
 Buckets are captured largest first into one memory pool, so the smaller graphs reuse the largest
 one's activation memory (one graph runs at a time). Every graph reads the first rows of one set
 of static input buffers sized for the largest bucket, and keeps the output tensor its capture

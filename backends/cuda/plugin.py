@@ -10,5 +10,5 @@ def corectl_platforms():
 
 @hookimpl
 def corectl_attention_backends():
-    yield AttentionBackendSpec("triton", "corectl.backends.triton.attention:TritonAttentionBackend",
+    yield AttentionBackendSpec("triton", "corectl.backends.triton.attention.backend:TritonAttentionBackend",
                                platforms=("cuda", "rocm"))

@@ -72,10 +72,10 @@ class CUDAWorker(Worker):
         return num_blocks
 
     def quantization_kernels(self) -> dict:
-        from ..triton.fp8_gemv import fp8_w8a16_gemv
-        from ..triton.fp8_quant import quantize_rows_fp8
-        from ..triton.w4a16 import w4a16_gemm_trusted
-        from ..triton.w8a16 import w8a16_gemm
+        from ..triton.gemm.fp8_gemv import fp8_w8a16_gemv
+        from ..triton.gemm.fp8_quant import quantize_rows_fp8
+        from ..triton.gemm.w4a16 import w4a16_gemm_trusted
+        from ..triton.gemm.w8a16 import w8a16_gemm
 
         return {"w4a16": w4a16_gemm_trusted, "w8a16": w8a16_gemm, "fp8_quantize_rows": quantize_rows_fp8,
                 "fp8_w8a16_gemv": fp8_w8a16_gemv}

@@ -4,4 +4,9 @@ Every kernel comes as a trio: the `@triton.jit` kernel, a launcher that validate
 dtypes and (optionally) index ranges before launching, and a plain torch reference in
 `reference.py` that tests compare against. Importing this package imports nothing heavy; the
 kernel modules import triton when they are used.
+
+Kernels are grouped by family: `attention/` (with the attention backend), `gemm/` (quantized GEMMs),
+`moe/`, `elementwise/` (norms, rotary, activation) and `lora/`. `checks.py` (launcher validation), `pdl.py`,
+`reference.py` and `layer_kernels.py` (the kernels as the models' layer kernels) serve them all; `bench/`
+holds the GPU benchmarks and sweeps.
 """

@@ -7,12 +7,12 @@ import torch
 from corectl.models.kernels import LayerKernels
 from torch.nn import functional as F
 
-from .activation import silu_and_mul
-from .fp8_gemv import MAX_M, dense_decode_config, dense_gemv
-from .fused_moe import fused_moe, topk_softmax
+from .elementwise.activation import silu_and_mul
+from .elementwise.rms_norm import rms_norm
+from .elementwise.rotary import qk_norm_rotary, rotary_embedding
+from .gemm.fp8_gemv import MAX_M, dense_decode_config, dense_gemv
 from .lora import lora_expand, lora_shrink
-from .rms_norm import rms_norm
-from .rotary import qk_norm_rotary, rotary_embedding
+from .moe.fused_moe import fused_moe, topk_softmax
 
 
 def _rotary_trusted(positions, q, k, cos, sin) -> None:

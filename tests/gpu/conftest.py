@@ -29,7 +29,7 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session", autouse=True)
 def compiled_kernels():
-    from corectl.backends.triton import decode_attention
+    from corectl.backends.triton.attention import decode_attention
     from triton.runtime.interpreter import InterpretedFunction
 
     if isinstance(decode_attention._decode_kernel, InterpretedFunction):

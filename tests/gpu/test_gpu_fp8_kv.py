@@ -10,11 +10,11 @@ if torch.version.hip is not None or torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("the FP8 KV cache needs an NVIDIA GPU of compute capability 8.9 or newer", allow_module_level=True)
 
 from corectl import SamplingParams  # noqa: E402
-from corectl.backends.triton.decode_attention import paged_decode_attention  # noqa: E402
-from corectl.backends.triton.kv_cache_store import store_kvcache  # noqa: E402
-from corectl.backends.triton.prefill_attention import paged_prefill_attention  # noqa: E402
+from corectl.backends.triton.attention.decode_attention import paged_decode_attention  # noqa: E402
+from corectl.backends.triton.attention.kv_cache_store import store_kvcache  # noqa: E402
+from corectl.backends.triton.attention.prefill_attention import paged_prefill_attention  # noqa: E402
 from corectl.backends.triton.reference import paged_attention_ref, store_kvcache_ref  # noqa: E402
-from corectl.backends.triton.testing import random_paged_batch  # noqa: E402
+from corectl.backends.triton.bench.paged_batch import random_paged_batch  # noqa: E402
 from gpu_helpers import generate, random_prompts  # noqa: E402
 
 FP8 = torch.float8_e4m3fn

@@ -115,7 +115,7 @@ def test_programmatic_dependent_launch_changes_no_bit(checkpoint, monkeypatch):
     against the same kernels launched plainly (CORECTL_PDL=0): the same tokens and logprobs to the
     bit, with graphs and eager steps (prefill), dense decode layers on the GEMV."""
     from corectl.backends.triton import layer_kernels
-    from corectl.backends.triton.fp8_gemv import MAX_M, GemvConfig
+    from corectl.backends.triton.gemm.fp8_gemv import MAX_M, GemvConfig
 
     monkeypatch.setattr(layer_kernels, "dense_decode_config",
                         lambda m, n, k: GemvConfig(1, 8, 256, 1, 4, 3) if m == 1 else

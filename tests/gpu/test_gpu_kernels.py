@@ -5,8 +5,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA or ROCm GPU", allow_module_level=True)
 
-from corectl.backends.triton.bench_kernels import SMOLLM2, W6, Shapes, check_correctness  # noqa: E402
-from corectl.backends.triton.decode_attention import (  # noqa: E402
+from corectl.backends.triton.bench.kernels import SMOLLM2, W6, Shapes, check_correctness  # noqa: E402
+from corectl.backends.triton.attention.decode_attention import (  # noqa: E402
     choose_decode_splits,
     paged_decode_attention,
 )
@@ -82,7 +82,7 @@ def test_decode_kernel_replays_in_a_cuda_graph():
 
 
 def _dense_cases():
-    from corectl.backends.triton.fp8_gemv import DENSE_TUNED
+    from corectl.backends.triton.gemm.fp8_gemv import DENSE_TUNED
 
     return [(n, k, m) for (n, k), per_m in sorted(DENSE_TUNED.items()) for m in sorted(per_m)]
 
@@ -92,7 +92,7 @@ def test_dense_decode_gemv_matches_f_linear_at_its_tuned_shapes(n, k, m):
     """Every (shape, batch) the dense GEMV takes from cuBLAS: the layer's kernel (`dense_linear`) at
     its tuned config against the fp32 product to bf16 rounding, the gated form against
     silu_and_mul then the product, and a CUDA-graph replay on new inputs giving the eager bits."""
-    from corectl.backends.triton.activation import silu_and_mul
+    from corectl.backends.triton.elementwise.activation import silu_and_mul
     from corectl.backends.triton.layer_kernels import triton_layer_kernels
 
     linear = triton_layer_kernels().dense_linear

@@ -8,7 +8,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA or ROCm GPU", allow_module_level=True)
 
 from corectl import SamplingParams  # noqa: E402
-from corectl.backends.triton.fused_moe import fused_moe  # noqa: E402
+from corectl.backends.triton.moe.fused_moe import fused_moe  # noqa: E402
 from corectl.backends.triton.layer_kernels import triton_layer_kernels  # noqa: E402
 from corectl.models.moe import fused_moe_torch, select_experts  # noqa: E402
 from corectl.quantization.fp8 import quantize_rows  # noqa: E402

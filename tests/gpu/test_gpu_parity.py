@@ -42,7 +42,7 @@ def test_greedy_matches_transformers_with_every_dense_layer_on_the_gemv(checkpoi
     (the table names llama3-8b's and qwen3-0.6b's shapes only; here every shape takes it), CUDA
     graphs on: the same agreement with transformers."""
     from corectl.backends.triton import layer_kernels
-    from corectl.backends.triton.fp8_gemv import MAX_M, GemvConfig
+    from corectl.backends.triton.gemm.fp8_gemv import MAX_M, GemvConfig
 
     def every_shape(m, n, k):
         if m == 1:

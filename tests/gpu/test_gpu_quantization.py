@@ -34,7 +34,7 @@ def test_fp8_activation_quantizer_and_scaled_mm_match_references(m, n, k, fast_a
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     weight, scale = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    from corectl.backends.triton.fp8_quant import quantize_rows_fp8
+    from corectl.backends.triton.gemm.fp8_quant import quantize_rows_fp8
 
     xq, x_scale = quantize_rows_fp8(x)
     expected_q, expected_scale = quantize_rows(x)
@@ -53,7 +53,7 @@ def test_fp8_activation_quantizer_and_scaled_mm_match_references(m, n, k, fast_a
 def test_fp8_w8a16_gemv_matches_reference_and_beats_w8a8(m, n, k):
     """The decode kernel (table or heuristic config) against its fp32 reference to bf16 rounding,
     and closer to the dense product than W8A8 (its activations are not rounded to e4m3)."""
-    from corectl.backends.triton.fp8_gemv import fp8_w8a16_gemv
+    from corectl.backends.triton.gemm.fp8_gemv import fp8_w8a16_gemv
 
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     weight, scale = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
@@ -71,7 +71,7 @@ def test_fp8_w8a16_gemv_matches_reference_and_beats_w8a8(m, n, k):
 def test_fp8_w8a16_gemv_replays_from_a_cuda_graph(m, config):
     """Captured once, replayed on new inputs: the same bits as eager calls (split-K is reduced in
     a fixed order, no atomics)."""
-    from corectl.backends.triton.fp8_gemv import GemvConfig, fp8_w8a16_gemv
+    from corectl.backends.triton.gemm.fp8_gemv import GemvConfig, fp8_w8a16_gemv
 
     n, k = LLAMA3_8B[3]
     cfg = GemvConfig(*config)
@@ -102,7 +102,7 @@ def _w4_layer(n: int, k: int, act_order: bool, group: int = 128):
 @pytest.mark.parametrize("n,k", LLAMA3_8B)
 @pytest.mark.parametrize("act_order", [False, True])
 def test_w4a16_gemm_matches_reference(m, n, k, act_order):
-    from corectl.backends.triton.w4a16 import w4a16_gemm
+    from corectl.backends.triton.gemm.w4a16 import w4a16_gemm
 
     qweight, scales, zeros, g_idx, group_size = _w4_layer(n, k, act_order)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -118,7 +118,7 @@ def test_w4a16_decode_path_matches_reference_and_replays_in_graphs(n, k, dtype, 
     """Every decode batch size the graphs use (GEMV at 1, split-K dots above) at real sizes, words
     plain or in the column tiles the model serves, then one captured call replayed on new inputs:
     the split-K buffers and sums are graph-safe."""
-    from corectl.backends.triton.w4a16 import w4a16_gemm_trusted
+    from corectl.backends.triton.gemm.w4a16 import w4a16_gemm_trusted
 
     qweight, scales, zeros, g_idx, group_size = _w4_layer(n, k, False)
     qweight = tile_words(qweight) if tiled else qweight
@@ -145,7 +145,7 @@ def test_w4a16_decode_path_matches_reference_and_replays_in_graphs(n, k, dtype, 
 def test_w8a16_gemm_matches_reference_and_replays_in_graphs(n, k, dtype, group, offsets):
     """GGUF's int8 groups (Q8_0: 32, symmetric; Q6_K: 16; mixed with Q4_K: 16 with offsets) at
     every decode batch size and a prefill chunk, then a captured decode call replayed."""
-    from corectl.backends.triton.w8a16 import w8a16_gemm
+    from corectl.backends.triton.gemm.w8a16 import w8a16_gemm
 
     codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, device="cuda")
     scales = (torch.rand(n, k // group, device="cuda") * 1e-3).to(torch.float16)

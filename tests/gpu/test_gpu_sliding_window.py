@@ -9,9 +9,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA or ROCm GPU", allow_module_level=True)
 
 from corectl import SamplingParams  # noqa: E402
-from corectl.backends.triton.decode_attention import choose_decode_splits, paged_decode_attention  # noqa: E402
-from corectl.backends.triton.prefill_attention import paged_prefill_attention  # noqa: E402
-from corectl.backends.triton.testing import (  # noqa: E402
+from corectl.backends.triton.attention.decode_attention import choose_decode_splits, paged_decode_attention  # noqa: E402
+from corectl.backends.triton.attention.prefill_attention import paged_prefill_attention  # noqa: E402
+from corectl.backends.triton.bench.paged_batch import (  # noqa: E402
     contiguous_attention_ref,
     poison_outside_windows,
     random_paged_batch,

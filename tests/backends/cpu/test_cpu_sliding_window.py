@@ -6,7 +6,7 @@ import pytest
 import torch
 from corectl.attention import AttentionBatch
 from corectl.backends.cpu.attention import TorchSDPABackend
-from corectl.backends.triton.testing import contiguous_attention_ref, random_paged_batch
+from corectl.backends.triton.bench.paged_batch import contiguous_attention_ref, random_paged_batch
 
 H, HK, D, BLOCK = 6, 2, 8, 4
 SCALE = 0.35

@@ -200,7 +200,7 @@ def test_static_inputs_take_each_step_whole_whatever_the_previous_step_left():
 def test_padded_decode_through_the_triton_backend_matches_the_unpadded_step():
     """The graph's view of a step (padded rows, stale block-table columns, split count chosen for the
     model's max length) attends and stores exactly as the eager step does."""
-    from corectl.backends.triton.attention import TritonAttentionBackend
+    from corectl.backends.triton.attention.backend import TritonAttentionBackend
 
     heads, kv_heads, head_dim, max_model_len = 4, 2, 16, 48
     backend = TritonAttentionBackend(heads, kv_heads, head_dim, torch.float32, torch.device("cpu"), BS)

@@ -4,13 +4,13 @@ Contexts live in shuffled, non-contiguous blocks; every cache slot outside a con
 """
 import pytest
 import torch
-from corectl.backends.triton.decode_attention import (
+from corectl.backends.triton.attention.decode_attention import (
     MAX_SPLITS,
     decode_num_splits,
     paged_decode_attention,
 )
 from corectl.backends.triton.reference import paged_attention_ref
-from corectl.backends.triton.testing import contiguous_attention_ref, random_paged_batch
+from corectl.backends.triton.bench.paged_batch import contiguous_attention_ref, random_paged_batch
 
 SCALE = 0.25
 
@@ -108,7 +108,7 @@ def test_rejects_wrong_shapes_and_dtypes():
 
 
 def test_unsplit_fp8_launches_take_the_measured_tiles():
-    from corectl.backends.triton.decode_attention import FP8_LARGE_BATCH, FP8_UNSPLIT, DecodeConfig, decode_config
+    from corectl.backends.triton.attention.decode_attention import FP8_LARGE_BATCH, FP8_UNSPLIT, DecodeConfig, decode_config
 
     assert decode_config(torch.float8_e4m3fn, 1, 64) == FP8_UNSPLIT != DecodeConfig()
     assert decode_config(torch.float8_e4m3fn, 1, 256) == FP8_LARGE_BATCH != FP8_UNSPLIT

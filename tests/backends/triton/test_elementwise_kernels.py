@@ -1,14 +1,14 @@
 """RMSNorm (+ residual), SiLU-and-mul and rotary embedding against their torch references."""
 import pytest
 import torch
-from corectl.backends.triton.activation import silu_and_mul
+from corectl.backends.triton.elementwise.activation import silu_and_mul
 from corectl.backends.triton.reference import (
     rms_norm_ref,
     rotary_embedding_ref,
     silu_and_mul_ref,
 )
-from corectl.backends.triton.rms_norm import rms_norm
-from corectl.backends.triton.rotary import qk_norm_rotary, rotary_embedding
+from corectl.backends.triton.elementwise.rms_norm import rms_norm
+from corectl.backends.triton.elementwise.rotary import qk_norm_rotary, rotary_embedding
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
-from corectl.backends.triton import fp8_gemv
-from corectl.backends.triton.activation import silu_and_mul
-from corectl.backends.triton.fp8_gemv import (
+from corectl.backends.triton.gemm import fp8_gemv
+from corectl.backends.triton.elementwise.activation import silu_and_mul
+from corectl.backends.triton.gemm.fp8_gemv import (
     MAX_M,
     GemvConfig,
     default_config,

@@ -5,11 +5,11 @@ The references read the same e4m3 cache, so kernel and reference differ only by 
 that the cache is lossy is measured once, against the full-precision attention."""
 import pytest
 import torch
-from corectl.backends.triton.decode_attention import paged_decode_attention
-from corectl.backends.triton.kv_cache_store import store_kvcache
-from corectl.backends.triton.prefill_attention import paged_prefill_attention
+from corectl.backends.triton.attention.decode_attention import paged_decode_attention
+from corectl.backends.triton.attention.kv_cache_store import store_kvcache
+from corectl.backends.triton.attention.prefill_attention import paged_prefill_attention
 from corectl.backends.triton.reference import paged_attention_ref, store_kvcache_ref
-from corectl.backends.triton.testing import contiguous_attention_ref, random_paged_batch
+from corectl.backends.triton.bench.paged_batch import contiguous_attention_ref, random_paged_batch
 
 FP8 = torch.float8_e4m3fn
 SCALE = 0.3

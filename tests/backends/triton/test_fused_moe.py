@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import BF16_STEP
-from corectl.backends.triton.fused_moe import fused_moe, topk_softmax
-from corectl.backends.triton.moe_align import align_to_experts
+from corectl.backends.triton.moe.fused_moe import fused_moe, topk_softmax
+from corectl.backends.triton.moe.moe_align import align_to_experts
 from corectl.backends.triton.reference import align_to_experts_ref
 from corectl.models.moe import fused_moe_torch, select_experts
 from corectl.quantization.fp8 import quantize_rows

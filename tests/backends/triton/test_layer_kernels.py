@@ -9,7 +9,7 @@ import pytest
 import torch
 from corectl import LLM, SamplingParams
 from corectl.backends.cpu.worker import CPUWorker
-from corectl.backends.triton.fp8_gemv import fp8_w8a16_gemv
+from corectl.backends.triton.gemm.fp8_gemv import fp8_w8a16_gemv
 from corectl.backends.triton.layer_kernels import triton_layer_kernels
 from corectl.models.kernels import install_layer_kernels
 from corectl.quantization.fp8 import GEMV_KERNEL, GEMV_MAX_M
@@ -123,8 +123,9 @@ def test_dense_layers_take_the_gemv_where_the_table_has_their_shape(num_tokens, 
     """bf16 column- and row-parallel layers with the Triton kernels installed: decode-sized inputs
     of a shape in DENSE_TUNED go through the dense GEMV (the down projection gated: silu(gate) * up
     formed on load), others through F.linear; both equal the torch layers."""
-    from corectl.backends.triton import fp8_gemv, layer_kernels
-    from corectl.backends.triton.fp8_gemv import GemvConfig
+    from corectl.backends.triton import layer_kernels
+    from corectl.backends.triton.gemm import fp8_gemv
+    from corectl.backends.triton.gemm.fp8_gemv import GemvConfig
     from corectl.models.parallel import PackedLinear, RowParallelLinear
     from torch.nn import functional as F
 
@@ -158,8 +159,8 @@ def test_dense_layers_take_the_gemv_where_the_table_has_their_shape(num_tokens, 
 
 def test_lm_head_takes_the_dense_gemv_at_decode_rows(monkeypatch):
     """The LM head's logits come from the dense GEMV where the table has its shape, and equal F.linear."""
-    from corectl.backends.triton import fp8_gemv
-    from corectl.backends.triton.fp8_gemv import GemvConfig
+    from corectl.backends.triton.gemm import fp8_gemv
+    from corectl.backends.triton.gemm.fp8_gemv import GemvConfig
     from corectl.models.parallel import ParallelLMHead
 
     head = ParallelLMHead(32, 200).to(torch.bfloat16)

@@ -5,12 +5,12 @@ contexts in shuffled blocks and NaN in every slot that holds no context.
 """
 import pytest
 import torch
-from corectl.backends.triton.prefill_attention import (
+from corectl.backends.triton.attention.prefill_attention import (
     paged_prefill_attention,
     prefill_block_m,
 )
 from corectl.backends.triton.reference import paged_attention_ref
-from corectl.backends.triton.testing import contiguous_attention_ref, random_paged_batch
+from corectl.backends.triton.bench.paged_batch import contiguous_attention_ref, random_paged_batch
 
 SCALE = 0.3
 

@@ -6,10 +6,10 @@ wide, so windows here cross tile and block edges at several offsets.
 """
 import pytest
 import torch
-from corectl.backends.triton.decode_attention import paged_decode_attention
-from corectl.backends.triton.prefill_attention import paged_prefill_attention
+from corectl.backends.triton.attention.decode_attention import paged_decode_attention
+from corectl.backends.triton.attention.prefill_attention import paged_prefill_attention
 from corectl.backends.triton.reference import causal_attention_ref, paged_attention_ref
-from corectl.backends.triton.testing import contiguous_attention_ref, poison_outside_windows, random_paged_batch
+from corectl.backends.triton.bench.paged_batch import contiguous_attention_ref, poison_outside_windows, random_paged_batch
 
 SCALE = 0.3
 

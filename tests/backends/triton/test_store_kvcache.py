@@ -1,7 +1,7 @@
 """store_kvcache against its torch reference: pages written at the slots, nothing else touched."""
 import pytest
 import torch
-from corectl.backends.triton.kv_cache_store import store_kvcache
+from corectl.backends.triton.attention.kv_cache_store import store_kvcache
 from corectl.backends.triton.reference import store_kvcache_ref
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 5, 4, 2, 16

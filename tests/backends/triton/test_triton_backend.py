@@ -7,7 +7,7 @@ reference attends over contiguous ground-truth K/V, never through the pages.
 import pytest
 import torch
 from corectl.attention import AttentionBatch
-from corectl.backends.triton.attention import TritonAttentionBackend
+from corectl.backends.triton.attention.backend import TritonAttentionBackend
 from corectl.backends.triton.reference import causal_attention_ref
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 6, 2, 16, 4

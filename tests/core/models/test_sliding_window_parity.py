@@ -15,7 +15,7 @@ import torch
 from corectl import LLM, SamplingParams
 from corectl.backends.cpu.platform import CPUPlatform
 from corectl.backends.cpu.worker import CPUWorker
-from corectl.backends.triton.attention import TritonAttentionBackend
+from corectl.backends.triton.attention.backend import TritonAttentionBackend
 from corectl.config import EngineConfig
 from corectl.errors import ConfigError
 from corectl.loaders import resolve_model_source

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from corectl.backends.triton.w4a16 import w4a16_gemm
+from corectl.backends.triton.gemm.w4a16 import w4a16_gemm
 from corectl.models.parallel import PackedLinear, RowParallelLinear
 from corectl.quantization.gguf import GGUFConfig
 from corectl.quantization.gguf_blocks import decode_int4_groups

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from corectl.backends.triton.w8a16 import W8Config, w8a16_gemm
+from corectl.backends.triton.gemm.w8a16 import W8Config, w8a16_gemm
 from corectl.errors import ConfigError
 from corectl.models.parallel import PackedLinear, RowParallelLinear
 from corectl.quantization import quantization_scope

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from corectl.backends.triton.w4a16_configs import W4Config
+from corectl.backends.triton.gemm.w4a16_configs import W4Config
 from corectl.quantization.fp8 import (FP8_MAX, GEMV_KERNEL, GEMV_MAX_M, Fp8Config, Fp8LinearMethod,
                                       fp8_linear_reference, fp8_w8a16_reference, quantize_rows)
 from corectl.quantization.scope import quantization_scope
@@ -126,8 +126,8 @@ def test_fp8_method_runs_decode_batches_on_the_w8a16_kernel_when_provided():
 def test_fp8_method_fuses_silu_and_mul_into_the_w8a16_kernel(m):
     """`apply_gated` of a packed gate_up is `apply` of silu_and_mul's output, to the bit (the Triton
     kernels, interpreted); steps the W8A16 kernel does not take, or no such kernel, have no fused form."""
-    from corectl.backends.triton.activation import silu_and_mul
-    from corectl.backends.triton.fp8_gemv import fp8_w8a16_gemv
+    from corectl.backends.triton.elementwise.activation import silu_and_mul
+    from corectl.backends.triton.gemm.fp8_gemv import fp8_w8a16_gemv
 
     weight, scale = quantize_rows(torch.randn(32, 64))
     layer = SimpleNamespace(weight=weight, weight_scale=scale.view(-1), bias=torch.randn(32).bfloat16())
@@ -188,7 +188,7 @@ INTERPRETED_DOT_DTYPES = (torch.float32, torch.float16)
 @pytest.mark.parametrize("m", list(range(1, 17)) + [70])
 @pytest.mark.parametrize("act_order", [False, True])
 def test_triton_w4a16_matches_reference(m, act_order):
-    from corectl.backends.triton.w4a16 import w4a16_gemm
+    from corectl.backends.triton.gemm.w4a16 import w4a16_gemm
 
     k, group = (200, 8) if act_order else (192, 64)
     x, qweight, scales, zeros, g_idx, _ = _w4_case(m, k, 80, group, act_order)
@@ -204,7 +204,7 @@ def test_triton_w4a16_matches_reference(m, act_order):
 @pytest.mark.parametrize("k", [96, 160])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_w4a16_float_offsets_match_reference(m, k, dtype):
-    from corectl.backends.triton.w4a16 import w4a16_gemm
+    from corectl.backends.triton.gemm.w4a16 import w4a16_gemm
 
     if dtype not in INTERPRETED_DOT_DTYPES and m > 1:
         pytest.skip("bf16 tl.dot is wrong under Triton's interpreter")
@@ -231,7 +231,7 @@ def test_triton_w4a16_configs_match_reference(config, dtype, group, act_order, o
     """Each config with contiguous groups (G = 24: blocks shrink to 8 inputs for GEMV, tl.dot falls
     back to gathering) and act-order, in every activation dtype, with zero codes or float offsets;
     scales (and offsets) in x's dtype as loaded."""
-    from corectl.backends.triton.w4a16 import w4a16_gemm
+    from corectl.backends.triton.gemm.w4a16 import w4a16_gemm
 
     if dtype not in INTERPRETED_DOT_DTYPES and not W4_CONFIGS[config].gemv:
         pytest.skip("bf16 tl.dot is wrong under Triton's interpreter")
@@ -248,7 +248,7 @@ def test_triton_w4a16_configs_match_reference(config, dtype, group, act_order, o
 def test_triton_w4a16_gemv_reads_inputs_in_pairs_or_singly(offset):
     """16-bit rows that start 4-byte aligned are read two inputs a load; a view starting one input
     further is not, and is read one input a load; both agree with the reference, over three rows."""
-    from corectl.backends.triton.w4a16 import _packed_inputs, w4a16_gemm
+    from corectl.backends.triton.gemm.w4a16 import _packed_inputs, w4a16_gemm
 
     x, qweight, scales, zeros, g_idx, _ = _w4_case(3, 128, 48, 32, False, offsets=True)
     wide = torch.randn(3, 130).to(torch.bfloat16)
@@ -265,7 +265,7 @@ def test_triton_w4a16_gemv_reads_inputs_in_pairs_or_singly(offset):
 def test_triton_w4a16_reads_column_tiles(config, n, tile):
     """Words as column tiles (N = 72 pads its last tile of 16; tiles wider and narrower than the
     config's column slice) give the plain layout's answer."""
-    from corectl.backends.triton.w4a16 import w4a16_gemm
+    from corectl.backends.triton.gemm.w4a16 import w4a16_gemm
 
     m = 1 if W4_CONFIGS[config].gemv else 5
     x, qweight, scales, offsets, g_idx, _ = _w4_case(m, 192, n, 32, False, offsets=True)
@@ -278,7 +278,7 @@ def test_triton_w4a16_reads_column_tiles(config, n, tile):
 
 
 def test_triton_w4a16_checks_its_inputs():
-    from corectl.backends.triton.w4a16 import w4a16_gemm
+    from corectl.backends.triton.gemm.w4a16 import w4a16_gemm
 
     x, qweight, scales, zeros, g_idx, _ = _w4_case(2, 64, 16, 16, False)
     with pytest.raises(ValueError, match="qweight must be"):
@@ -296,7 +296,7 @@ def test_triton_w4a16_checks_its_inputs():
 def test_w4a16_configs_cover_the_sms_at_decode():
     """Decode splits K until a llama3-8b layer's grid covers an H100's 132 SMs several times;
     prefill tiles already do, and table entries win over the heuristic."""
-    from corectl.backends.triton import w4a16_configs as configs
+    from corectl.backends.triton.gemm import w4a16_configs as configs
 
     o_proj = configs.heuristic(1, 4096, 4096, 132)
     assert o_proj.gemv and (4096 // o_proj.block_n) * o_proj.split_k >= 132
@@ -311,7 +311,7 @@ def test_w4a16_configs_cover_the_sms_at_decode():
 
 
 def test_triton_fp8_row_quantizer_matches_reference():
-    from corectl.backends.triton.fp8_quant import quantize_rows_fp8
+    from corectl.backends.triton.gemm.fp8_quant import quantize_rows_fp8
 
     x = torch.randn(5, 300) * torch.rand(5, 1) * 10
     x[0, :4] = torch.tensor([0.0, 1e-4, -3e-3, 7e-3])  # zero and e4m3 subnormals (after scaling)

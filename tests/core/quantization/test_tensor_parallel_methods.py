@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from quant_checkpoints import AWQ_ORDER, pack_nibbles, quantize_int4
-from corectl.backends.triton.w4a16 import w4a16_gemm
+from corectl.backends.triton.gemm.w4a16 import w4a16_gemm
 from corectl.distributed import TensorParallel, parallel_state
 from corectl.errors import ConfigError
 from corectl.models.parallel import PackedLinear, RowParallelLinear

@@ -41,7 +41,7 @@ def test_dummy_step_keeps_the_requested_sequences_when_they_fit(worker, monkeypa
 @pytest.mark.parametrize("group", [1, 2, 4, 8, 16])
 def test_cuda_warmup_steps_reach_both_prefill_tile_sizes(group):
     from corectl.backends.cuda.worker import warmup_prefill_shapes
-    from corectl.backends.triton.prefill_attention import prefill_block_m
+    from corectl.backends.triton.attention.prefill_attention import prefill_block_m
 
     query_lens = [tokens // seqs for tokens, seqs in warmup_prefill_shapes(2048, 8192)]
     assert min(query_lens) > 1  # a one-token query per sequence would take the decode kernel

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_float, require
+from ..checks import check_float, require
 
 # constexpr, so compiled kernels may read them (Triton refuses plain globals; its interpreter does not).
 FP8_MAX = tl.constexpr(448.0)

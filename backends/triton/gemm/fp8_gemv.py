@@ -40,10 +40,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .activation import silu_mul
-from .checks import check_float, check_same_device, require
-from .paged_softmax import dot_dtype
-from .pdl import grid_dependency, pdl_enabled
+from ..attention.paged_softmax import dot_dtype
+from ..checks import check_float, check_same_device, require
+from ..elementwise.activation import silu_mul
+from ..pdl import grid_dependency, pdl_enabled
 
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
 MAX_M = 8
@@ -66,7 +66,7 @@ class GemvConfig(NamedTuple):
     num_stages: int
 
 
-# Tuned on an H100 (2026-11-25, triton 3.6, torch 2.11) by `python -m corectl.backends.triton.bench_fp8`
+# Tuned on an H100 (2026-11-25, triton 3.6, torch 2.11) by `python -m corectl.backends.triton.bench.fp8`
 # (it prints this table): {(N, K): {M bucket (1, 2, 4, 8, 16): GemvConfig}}, llama3-8b's layers.
 # Shapes not listed use `_heuristic_config`.
 TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from corectl.attention import AttentionBackend, AttentionBatch
 
-from .checks import check_packed_heads, require
+from ..checks import check_packed_heads, require
 from .decode_attention import choose_decode_splits, paged_decode_attention
 from .kv_cache_store import store_kvcache
 from .prefill_attention import paged_prefill_attention

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (
+from ..checks import (
     attention_output,
     check_index,
     check_kv_cache,

@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_float, check_index, check_range, check_same_device, require
-from .pdl import grid_dependency, pdl_enabled
+from ..checks import check_float, check_index, check_range, check_same_device, require
+from ..pdl import grid_dependency, pdl_enabled
 from .split_k import split_k_program, sum_splits
 from .tiles import load_rows
 from .w4a16_configs import W4Config, choose

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_float, require
-from .pdl import grid_dependency, pdl_enabled
+from ..checks import check_float, require
+from ..pdl import grid_dependency, pdl_enabled
 
 _BLOCK = 1024
 

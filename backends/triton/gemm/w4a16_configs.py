@@ -1,5 +1,5 @@
 """Launch configurations of the 4-bit GEMM (`w4a16.py`): a table keyed by (M bucket, N, K) that
-`python -m corectl.backends.triton.bench_w4a16` fills, and a heuristic for shapes it lacks.
+`python -m corectl.backends.triton.bench.w4a16` fills, and a heuristic for shapes it lacks.
 
 Decode (M <= 16) reads the weight once per call, so it is a bandwidth problem: it needs wide
 contiguous rows of packed words (BLOCK_N), enough programs to cover every SM several times

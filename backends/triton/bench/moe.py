@@ -1,6 +1,6 @@
 """Time one mixture-of-experts layer at Qwen3-30B-A3B's shape on the GPU (W7's expert share).
 
-    python -m corectl.backends.triton.bench_moe [--num-tokens 1 8 64 256] [--sweep coarse|fine]
+    python -m corectl.backends.triton.bench.moe [--num-tokens 1 8 64 256] [--sweep coarse|fine]
 
 For each batch: the layer kernel the CUDA worker installs (routing, then the path the launcher
 picks), each kernel path forced, and the torch path (the CPU code, run eagerly on the GPU), as
@@ -26,8 +26,8 @@ def bench_layer(num_tokens: int, gate_up: torch.Tensor, down: torch.Tensor) -> l
     from corectl.models.moe import fused_moe_torch, select_experts
     from triton.testing import do_bench
 
-    from .fused_moe import fused_moe
-    from .layer_kernels import triton_layer_kernels
+    from ..layer_kernels import triton_layer_kernels
+    from ..moe.fused_moe import fused_moe
 
     hidden = torch.randn(num_tokens, HIDDEN, device="cuda").to(DTYPE)
     logits = torch.randn(num_tokens, EXPERTS, device="cuda").to(DTYPE)
@@ -59,7 +59,7 @@ def sweep_pairs(num_tokens: int, gate_up: torch.Tensor, down: torch.Tensor, copy
     from corectl.models.moe import select_experts
     from triton.testing import do_bench
 
-    from .moe_pairs import PairConfig, PairConfigs, down_sum_by_token, gate_up_by_pair
+    from ..moe.moe_pairs import PairConfig, PairConfigs, down_sum_by_token, gate_up_by_pair
 
     hidden = torch.randn(num_tokens, HIDDEN, device="cuda").to(DTYPE)
     weights, ids = select_experts(torch.randn(num_tokens, EXPERTS, device="cuda"), TOP_K, renormalize=True)

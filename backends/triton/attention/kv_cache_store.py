@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (
+from ..checks import (
     FP8_KV_DTYPE,
     check_cache_dtype,
     check_index,
@@ -16,7 +16,7 @@ from .checks import (
     check_same_device,
     require,
 )
-from .pdl import grid_dependency, pdl_enabled
+from ..pdl import grid_dependency, pdl_enabled
 
 
 @triton.jit

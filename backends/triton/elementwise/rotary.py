@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_float, check_index, check_range, check_same_device, require
-from .pdl import grid_dependency, pdl_enabled
+from ..checks import check_float, check_index, check_range, check_same_device, require
+from ..pdl import grid_dependency, pdl_enabled
 
 
 @triton.jit

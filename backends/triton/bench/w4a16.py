@@ -1,8 +1,8 @@
 """Sweep the 4-bit GEMM's launch configs at llama3-8b's layer shapes on a GPU and print the table
 to paste into `w4a16_configs.TABLE`.
 
-    python -m corectl.backends.triton.bench_w4a16            # H100: about 2-3 minutes
-    python -m corectl.backends.triton.bench_w4a16 --quick    # fewer candidates, M in (1, 16)
+    python -m corectl.backends.triton.bench.w4a16            # H100: about 2-3 minutes
+    python -m corectl.backends.triton.bench.w4a16 --quick    # fewer candidates, M in (1, 16)
 
 For each shape (group 128, contiguous groups as AWQ loads) and M in 1, 4, 16, 64, 512: every
 candidate config is checked against `w4a16_reference` once, then timed with CUDA graphs of
@@ -17,8 +17,8 @@ import itertools
 
 import torch
 
-from .w4a16 import w4a16_gemm
-from .w4a16_configs import W4Config, heuristic, sm_count
+from ..gemm.w4a16 import w4a16_gemm
+from ..gemm.w4a16_configs import W4Config, heuristic, sm_count
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 M_VALUES = (1, 4, 16, 64, 512)
@@ -68,7 +68,7 @@ def graph_time_us(fn) -> float:
 
 
 def layer(n: int, k: int):
-    from ...quantization.int4 import dequantize_w4, pack_int32
+    from corectl.quantization.int4 import dequantize_w4, pack_int32
 
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, device="cuda")
     scales = (torch.rand(k // GROUP, n, device="cuda") * 0.01 + 0.001).to(torch.bfloat16)
@@ -79,7 +79,7 @@ def layer(n: int, k: int):
 
 
 def bench_shape(name: str, n: int, k: int, ms, quick: bool) -> list[tuple]:
-    from ...quantization.int4 import w4a16_reference
+    from corectl.quantization.int4 import w4a16_reference
 
     qweight, scales, zeros, g_idx, dense = layer(n, k)
     rows = []

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (
+from ..checks import (
     attention_output,
     check_index,
     check_kv_cache,
@@ -36,8 +36,8 @@ from .checks import (
     check_window_and_cap,
     require,
 )
+from ..pdl import grid_dependency, pdl_enabled
 from .paged_softmax import attend_paged, dot_dtype, head_block, score_scale
-from .pdl import grid_dependency, pdl_enabled
 
 # Fewest keys worth a program of its own: below this the combine step costs more than it saves.
 MIN_KEYS_PER_SPLIT = 256

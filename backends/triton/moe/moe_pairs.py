@@ -15,7 +15,7 @@ Both stream weights row-major along K with per-thread [BLOCK_N, BLOCK_K] fp32 ac
 multiply-adds only, one cross-thread sum at the end) and evict-first loads, so the activations stay
 in L2. Bandwidth comes from programs x bytes in flight per program: narrow column blocks give
 enough programs at batch 1 and `num_stages` keeps loads ahead, both tuned per shape on an H100
-(`python -m corectl.backends.triton.bench_moe --sweep coarse|fine` prints the table below).
+(`python -m corectl.backends.triton.bench.moe --sweep coarse|fine` prints the table below).
 
 FP8 weights (SCALED): e4m3 rows widened in registers; gate and up sums scaled per row before the
 SiLU; in the down kernel the row scale joins the routing weight of each slot. Deterministic: no

@@ -34,11 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_float, check_index, check_range, check_same_device, require
-from .fp8_gemv import FP8_WEIGHT_DTYPE
+from ..attention.paged_softmax import dot_dtype
+from ..checks import check_float, check_index, check_range, check_same_device, require
+from ..gemm.fp8_gemv import FP8_WEIGHT_DTYPE
 from .moe_align import align_to_experts
 from .moe_pairs import by_pair, scale_args
-from .paged_softmax import dot_dtype
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """Time FP8-weight linear layers at decode batch sizes on the GPU and pick the W8A16 kernel's configs.
 
-    python -m corectl.backends.triton.bench_fp8 [--m 1 2 4 8 16] [--shapes qkv o gate_up down]
-    python -m corectl.backends.triton.bench_fp8 --dense [--m 1 2 4 8] [--shapes ...]
+    python -m corectl.backends.triton.bench.fp8 [--m 1 2 4 8 16] [--shapes qkv o gate_up down]
+    python -m corectl.backends.triton.bench.fp8 --dense [--m 1 2 4 8] [--shapes ...]
 
 `--dense` sweeps the same kernel on bf16 weights (`dense_gemv`) against F.linear instead, the down
 projection also gated (silu(gate) * up formed on load, against silu_and_mul + F.linear), and prints
@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 import torch
 
-from .activation import silu_and_mul
-from .fp8_gemv import GemvConfig, default_config, dense_gemv, fp8_w8a16_gemv
+from ..elementwise.activation import silu_and_mul
+from ..gemm.fp8_gemv import GemvConfig, default_config, dense_gemv, fp8_w8a16_gemv
 
 # llama3-8b's projections, then qwen3-0.6b's (W3's model; `--shapes` picks), then both LM heads (--dense).
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -90,7 +90,7 @@ def bench_shape(n: int, k: int, ms: list[int]) -> list[dict]:
     """One row per M: baselines and the sweep's results (us per call)."""
     from corectl.quantization.fp8 import fp8_gemm_scaled_mm, quantize_rows
 
-    from .fp8_quant import quantize_rows_fp8
+    from ..gemm.fp8_quant import quantize_rows_fp8
 
     fp8 = [quantize_rows((torch.randn(n, k, device="cuda") * k ** -0.5).to(DTYPE)) for _ in range(_copies(n * k))]
     fp8 = [(w, s.view(-1)) for w, s in fp8]
@@ -140,7 +140,7 @@ def summarize_dense(rows: list[dict]) -> None:
     """The DENSE_TUNED table: per (N, K) and M, the best config where it beats F.linear by the
     margin in the plain and (down projections) the gated form alike; the table's entries for the
     shapes and batches not measured here are kept."""
-    from . import fp8_gemv
+    from ..gemm import fp8_gemv
 
     measured = {(r["n"], r["k"], r["m"]) for r in rows}
     wins = {shape: {m: cfg for m, cfg in per_m.items() if (*shape, m) not in measured}
@@ -154,7 +154,7 @@ def summarize_dense(rows: list[dict]) -> None:
             ok = ok and twin["sweep"][r["best"]] < DENSE_MARGIN * twin["bf16"]
         if ok:
             wins.setdefault((r["n"], r["k"]), {})[r["m"]] = r["best"]
-    print("\n# paste into backends/triton/fp8_gemv.py:\nDENSE_TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {")
+    print("\n# paste into backends/triton/gemm/fp8_gemv.py:\nDENSE_TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {")
     for (n, k), per_m in sorted((shape, per_m) for shape, per_m in wins.items() if per_m):
         entries = ", ".join(f"{m}: GemvConfig{tuple(cfg)}" for m, cfg in sorted(per_m.items()))
         print(f"    ({n}, {k}): {{{entries}}},")
@@ -190,7 +190,7 @@ def summarize(rows: list[dict]) -> None:
             gemv = LAYERS * sum(r["sweep"][r["best"]] for r in per_m) / 1e3
             print(f"M={m}: linear layers per decode step (x{LAYERS}, no lm_head): W8A8 {step['w8a8']:.2f} ms, "
                   f"bf16 {step['bf16']:.2f} ms, gemv {gemv:.2f} ms")
-    print("\n# paste into backends/triton/fp8_gemv.py:\nTUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {")
+    print("\n# paste into backends/triton/gemm/fp8_gemv.py:\nTUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {")
     for n, k in sorted({(r["n"], r["k"]) for r in rows}):
         entries = ", ".join(f"{r['m']}: GemvConfig{tuple(r['best'])}" for r in rows if (r["n"], r["k"]) == (n, k))
         print(f"    ({n}, {k}): {{{entries}}},")

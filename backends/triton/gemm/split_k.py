@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import grid_dependency
+from ..pdl import grid_dependency
 
 REDUCE_BLOCK = 1024
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .reference import causal_attention_ref
+from ..reference import causal_attention_ref
 
 
 @dataclass

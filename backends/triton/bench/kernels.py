@@ -1,7 +1,7 @@
 """Check the Triton kernels at real sizes against torch, then time W6 (DESIGN.md section 5).
 
-    python -m corectl.backends.triton.bench_kernels            # on a GPU: checks, timings, table
-    python -m corectl.backends.triton.bench_kernels --small    # tiny shapes, CPU interpreter, checks only
+    python -m corectl.backends.triton.bench.kernels            # on a GPU: checks, timings, table
+    python -m corectl.backends.triton.bench.kernels --small    # tiny shapes, CPU interpreter, checks only
 
 W6: paged decode attention alone, batch 64 x context 4096, 32 q / 8 kv heads, head_dim 128, bf16.
 Bandwidth counts the bytes that must move (K/V of every context read once, q read, out written)
@@ -48,14 +48,14 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def check_correctness(shapes: Shapes, device: str) -> list[tuple[str, float]]:
     """Relative error of each kernel against its torch reference on fresh random inputs."""
-    from . import reference as ref
-    from .activation import silu_and_mul
-    from .decode_attention import paged_decode_attention
-    from .kv_cache_store import store_kvcache
-    from .prefill_attention import paged_prefill_attention
-    from .rms_norm import rms_norm
-    from .rotary import qk_norm_rotary, rotary_embedding
-    from .testing import contiguous_attention_ref, random_paged_batch
+    from .. import reference as ref
+    from ..attention.decode_attention import paged_decode_attention
+    from ..attention.kv_cache_store import store_kvcache
+    from ..attention.prefill_attention import paged_prefill_attention
+    from ..elementwise.activation import silu_and_mul
+    from ..elementwise.rms_norm import rms_norm
+    from ..elementwise.rotary import qk_norm_rotary, rotary_embedding
+    from .paged_batch import contiguous_attention_ref, random_paged_batch
 
     s, scale, results = shapes, shapes.head_dim ** -0.5, []
     seq_lens = [s.context - 7 * i for i in range(s.num_seqs)]
@@ -112,8 +112,8 @@ def bench_w6(shapes: Shapes) -> list[tuple[str, float, float]]:
     """(name, median ms, TB/s) for the copy ceiling, our decode at several split counts, and SDPA."""
     from triton.testing import do_bench
 
-    from .decode_attention import choose_decode_splits
-    from .testing import random_paged_batch
+    from ..attention.decode_attention import choose_decode_splits
+    from .paged_batch import random_paged_batch
 
     s, scale = shapes, shapes.head_dim ** -0.5
     batch = random_paged_batch([s.context] * s.num_seqs, [1] * s.num_seqs, s.num_heads, s.num_kv_heads,
@@ -137,7 +137,7 @@ def bench_w6(shapes: Shapes) -> list[tuple[str, float, float]]:
 
 
 def _time_decode(do_bench, batch, kv_cache, scale: float, max_len: int, splits: int, **masking) -> float:
-    from .decode_attention import paged_decode_attention
+    from ..attention.decode_attention import paged_decode_attention
 
     def decode():
         paged_decode_attention(batch.q, kv_cache, batch.block_tables, batch.seq_lens, scale, max_seq_len=max_len,
@@ -149,8 +149,8 @@ def _time_decode(do_bench, batch, kv_cache, scale: float, max_len: int, splits: 
 def _bench_window(do_bench, s: Shapes, scale: float, moved: int) -> tuple[str, float, float]:
     """A sliding window of `s.context` keys at 4x that context: the bytes that must move are those of
     the window, so it should match the unwindowed row at `s.context`."""
-    from .decode_attention import choose_decode_splits
-    from .testing import random_paged_batch
+    from ..attention.decode_attention import choose_decode_splits
+    from .paged_batch import random_paged_batch
 
     context = 4 * s.context
     batch = random_paged_batch([context] * s.num_seqs, [1] * s.num_seqs, s.num_heads, s.num_kv_heads,

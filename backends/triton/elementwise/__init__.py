@@ -1,0 +1,1 @@
+"""Per-token kernels of a decoder layer: RMSNorm (with the residual add), rotary embedding, SiLU-and-mul."""
