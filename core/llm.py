@@ -78,10 +78,10 @@ class LLM:
                                       "add_generation_prompt=False with it", param="continue_final_message")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        extra = dict(chat_template_kwargs or {}, **({"continue_final_message": True} if continue_final_message else {}))
         prompts = [
             tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tools=tools,
-                                          chat_template=chat_template, **extra)
+                                          chat_template=chat_template, continue_final_message=continue_final_message,
+                                          template_kwargs=chat_template_kwargs)
             for conv in conversations
         ]
         params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")

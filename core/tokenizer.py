@@ -5,6 +5,8 @@ decoding goes straight through it, so `decode` is exactly the text the increment
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -33,6 +35,7 @@ class Tokenizer:
         self.hf = hf_tokenizer
         self.backend_tokenizer: tokenizers.Tokenizer = hf_tokenizer.backend_tokenizer
         self.path = path
+        self._reserved: frozenset[str] | None = None
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str], chat_template: str | None = None) -> Tokenizer:
@@ -85,32 +88,77 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, chat_template: str | None = None,
-                            **template_kwargs: Any) -> str:
+                            continue_final_message: bool = False,
+                            template_kwargs: Mapping[str, Any] | None = None) -> str:
         """Render a conversation to the prompt text the model was trained on.
 
         Message content may be a string or a list of OpenAI text parts. `chat_template` (a Jinja
         string, never a path: requests must not read server files) replaces the model's template for
-        this call; `template_kwargs` reach the template as variables (e.g. `enable_thinking`).
+        this call; `template_kwargs` reach the template as variables (e.g. `enable_thinking`): names
+        the renderer sets itself are refused (`reserved_template_kwargs`), and whatever the render
+        raises with them, where it renders without them, is their fault (a 400 naming
+        `chat_template_kwargs`); any other failure is the messages'.
         """
         if chat_template is None and self.hf.chat_template is None:
             raise InvalidRequestError(
                 f"the model's tokenizer ({self.path}) has no chat template, so chat messages cannot be "
                 "rendered; start corectl with --chat-template (a Jinja string or .jinja file) or send a "
                 "plain prompt to the completions API", param="messages")
+        template_kwargs = dict(template_kwargs or {})
+        reserved = sorted(set(template_kwargs) & self.reserved_template_kwargs())
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}: the renderer sets "
+                                      "them itself (from the request's own fields or the tokenizer)",
+                                      param="chat_template_kwargs")
+        messages = _normalise_messages(messages)
+        render = functools.partial(self.hf.apply_chat_template, messages, tools=tools, chat_template=chat_template,
+                                   add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message, tokenize=False)
         try:
-            return self.hf.apply_chat_template(
-                _normalise_messages(messages), tools=tools, chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs)
-        except jinja2.TemplateError as exc:
-            raise InvalidRequestError(f"the chat template cannot render these messages: {exc}",
-                                      param="messages") from exc
+            return render(**template_kwargs)
+        except Exception as exc:  # a template raises whatever its code does with what it is given
+            raise self._render_error(exc, render, bool(template_kwargs)) from exc
+
+    @staticmethod
+    def _render_error(exc: Exception, render: Any, with_kwargs: bool) -> InvalidRequestError:
+        if with_kwargs and _renders(render):
+            return InvalidRequestError(f"the chat template cannot render with these chat_template_kwargs: "
+                                       f"{_describe_error(exc)}", param="chat_template_kwargs")
+        return InvalidRequestError(f"the chat template cannot render these messages: {_describe_error(exc)}",
+                                   param="messages")
+
+    def reserved_template_kwargs(self) -> frozenset[str]:
+        """Names a request's template variables may not take: the renderer's own arguments (whatever
+        this transformers version has), the variables it sets (`messages`) and the special tokens."""
+        if self._reserved is None:
+            parameters = inspect.signature(self.hf.apply_chat_template).parameters.values()
+            own = {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+            self._reserved = frozenset(own | {"messages", "conversations"} | set(self.hf.special_tokens_map))
+        return self._reserved
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, chat_template: str | None = None,
-                    **template_kwargs: Any) -> list[int]:
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Token ids of the rendered conversation; the template writes its own special tokens."""
-        text = self.apply_chat_template(messages, add_generation_prompt, tools, chat_template, **template_kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, chat_template,
+                                        template_kwargs=template_kwargs)
         return self.encode(text, add_special_tokens=False)
+
+
+def _renders(render: Any) -> bool:
+    """Whether the render succeeds without the request's template variables."""
+    try:
+        render()
+    except Exception:
+        return False
+    return True
+
+
+def _describe_error(exc: Exception) -> str:
+    text = str(exc).strip()
+    if isinstance(exc, jinja2.TemplateError):
+        return text or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _read_template(value: str) -> str:

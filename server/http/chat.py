@@ -55,7 +55,7 @@ class ChatController(Controller):
             "messages", "chat messages cannot be rendered; use /v1/completions with token-id prompts")
         tools = template_tools(data.tools) if data.tools and tool_choice != "none" else None
         prompt = tokenizer.encode_chat(message_dicts(data.messages), add_generation_prompt=data.add_generation_prompt,
-                                       tools=tools, **(data.chat_template_kwargs or {}))
+                                       tools=tools, template_kwargs=data.chat_template_kwargs)
         reasoning = ChatReasoning(server.reasoning_parser, tokenizer, prompt, params)
         group = GenerationGroup(server, [prompt], reasoning.params, f"chatcmpl-{uuid.uuid4().hex}", data.priority)
         with errors_name("tools" if tool_choice in ("required", "named") else data.constraint_field):

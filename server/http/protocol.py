@@ -183,10 +183,6 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     tool_call_id: str | None = None
 
 
-# The chat-template render's own arguments, which chat_template_kwargs must not override.
-TEMPLATE_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-                      "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-                      "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -224,10 +220,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
             if message.role not in CHAT_ROLES:
                 raise APIError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
                                f"got {message.role!r}", "messages")
-        reserved = set(self.chat_template_kwargs or ()) & TEMPLATE_ARGUMENTS
-        if reserved:
-            raise APIError(400, f"chat_template_kwargs may not set {', '.join(sorted(reserved))} (the request's own "
-                           "fields do)", "chat_template_kwargs")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
 

@@ -144,8 +144,8 @@ def test_per_call_template_tools_and_kwargs(tok):
                 "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %}!{% endif %}")
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
     messages = [{"role": "user", "content": "hi"}]
-    assert tok.apply_chat_template(messages, tools=tools, chat_template=template, shout=True) == \
-        "<tool>get_weather</tool>hi!"
+    shout = tok.apply_chat_template(messages, tools=tools, chat_template=template, template_kwargs={"shout": True})
+    assert shout == "<tool>get_weather</tool>hi!"
     assert tok.apply_chat_template(messages, chat_template=template, tools=[]) == "hi"
     # The model's own template is untouched by a per-call one.
     assert tok.apply_chat_template(messages).startswith(SYSTEM_DEFAULT)
