@@ -31,8 +31,8 @@ from ..pooling import PoolingInfo, resolve_pooling
 from ..quantization.selection import resolve_quantization
 from ..request import Request
 from ..scheduler import Scheduler
-from ..scheduler.output import SchedulerOutput
 from ..scheduler.snapshot import SnapshotPublisher
+from ..step_messages import SchedulerOutput
 from ..structured.manager import StructuredOutputManager
 from .messages import (
     AbortRequests,

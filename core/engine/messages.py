@@ -15,7 +15,7 @@ from ..lora.request import LoRARequest
 from ..lora.shapes import BaseModelShape
 from ..pooling import PoolingInfo
 from ..sampling_params import SamplingParams
-from ..worker.output import LogprobsLists
+from ..step_messages import LogprobsLists
 
 
 @dataclass(frozen=True)

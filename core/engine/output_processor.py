@@ -25,8 +25,8 @@ from ..outputs import (
 )
 from ..pooling import PoolingParams, finish_embedding, vector_from_bytes
 from ..sampling_params import SamplingParams
+from ..step_messages import LogprobsLists
 from ..tokenizer import Tokenizer
-from ..worker.output import LogprobsLists
 from .intake import check_pooling_request, check_request
 from .messages import EngineCoreOutput, EngineCoreRequest, EngineInfo
 

@@ -22,8 +22,7 @@ from ..config import EngineConfig
 from ..loaders import ModelSource
 from ..platform import Platform
 from ..quantization.base import QuantizationConfig
-from ..scheduler.output import GrammarBitmask, SchedulerOutput
-from ..worker.output import ModelRunnerOutput
+from ..step_messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from ..worker.worker import ModelInfo, Worker
 
 

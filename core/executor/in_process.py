@@ -1,7 +1,7 @@
 """One worker in the engine's own process: each call goes straight to it (tensor-parallel size 1)."""
 from __future__ import annotations
 
-from ..scheduler.output import GrammarBitmask, SchedulerOutput
+from ..step_messages import GrammarBitmask, SchedulerOutput
 from ..worker.worker import ModelInfo
 from .base import Executor, StepHandle, WorkerSpec
 

@@ -17,7 +17,7 @@ import msgspec
 import torch
 
 from ..distributed import destroy_tensor_parallel, init_tensor_parallel
-from ..scheduler.output import GrammarBitmask, SchedulerOutput
+from ..step_messages import GrammarBitmask, SchedulerOutput
 from .base import StepHandle, WorkerSpec
 
 

@@ -11,8 +11,7 @@ from typing import Any
 
 import msgspec
 
-from ..scheduler.output import GrammarBitmask, SchedulerOutput
-from ..worker.output import ModelRunnerOutput
+from ..step_messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from ..worker.worker import ModelInfo
 from .base import Executor
 

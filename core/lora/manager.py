@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..scheduler.output import SchedulerOutput
+from ..step_messages import SchedulerOutput
 from ..worker.request_states import HostStep
 from .checkpoint import BaseModelShape, LoRAAdapter, LoRAAdapterError, load_adapter
 from .layers import LoRABatch, LoRALinear, attach_lora

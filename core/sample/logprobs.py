@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..worker.output import LogprobsLists
+from ..step_messages import LogprobsLists
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """Shaping the worker's logprobs into per-request pieces for EngineCoreOutput."""
 from __future__ import annotations
 
-from ..worker.output import LogprobsLists
+from ..step_messages import LogprobsLists
 
 
 def logprobs_rows(lists: LogprobsLists | None, start: int, stop: int) -> LogprobsLists | None:

@@ -48,9 +48,15 @@ from ..kv.sizing import blocks_per_sequence
 from ..lora.admission import AdapterAdmission, adapter_names
 from ..request import Request, RequestStatus
 from ..spec_decode.scheduling import DraftPlanner
-from ..worker.output import LogprobsLists, ModelRunnerOutput
+from ..step_messages import (
+    CachedRequestData,
+    GrammarBitmask,
+    LogprobsLists,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from .inflight import StepsInFlight
-from .output import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
 from .prompt_logprobs import PromptLogprobsBuffer, logprobs_rows
 from .request_queue import create_request_queue
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 
 from ..engine.messages import EngineSnapshot
-from .output import SchedulerOutput
+from ..step_messages import SchedulerOutput
 from .scheduler import Scheduler
 
 SNAPSHOT_INTERVAL_S = 0.25

@@ -35,7 +35,7 @@ import numpy as np
 
 from ..request import Request
 from ..sampling_params import StructuredOutputsParams
-from ..scheduler.output import GrammarBitmask
+from ..step_messages import GrammarBitmask
 from .backend import GrammarMatcher, StructuredOutputBackend, bitmask_width
 from .compiles import DEFAULT_CACHE_BYTES, Compile, GrammarCompiles
 from .reasoning import GatePhase

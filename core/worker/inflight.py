@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sample.logprobs import LogprobsTensors
-from .output import LogprobsLists, ModelRunnerOutput
+from ..step_messages import LogprobsLists, ModelRunnerOutput
 from .request_states import CachedRequestState, RequestStates
 
 

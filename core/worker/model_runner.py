@@ -19,11 +19,10 @@ from ..sample import Sampler, SamplingMetadata, compute_prompt_logprobs
 from ..sample.grammar import apply_grammar_bitmask
 from ..sample.metadata import PLAIN_GREEDY, UnreadOutputTokens
 from ..sample.transfer import DeviceTarget, to_device
-from ..scheduler.output import GrammarBitmask, SchedulerOutput
 from ..spec_decode.rejection import VerifyLayout
 from ..spec_decode.verify import expand_rows, verify
+from ..step_messages import GrammarBitmask, LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from .inflight import HostFetch, InflightStep, PooledRows, SampledRows, fetch_now
-from .output import LogprobsLists, ModelRunnerOutput
 from .pooler import Pooler
 from .request_states import CachedRequestState, HostStep, RequestStates
 

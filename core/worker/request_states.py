@@ -16,7 +16,7 @@ import torch
 
 from ..sample.metadata import is_plain_greedy, reads_output_ids, reads_prompt_ids
 from ..sampling_params import SamplingParams
-from ..scheduler.output import NewRequestData, SchedulerOutput
+from ..step_messages import NewRequestData, SchedulerOutput
 
 
 @dataclass

@@ -26,7 +26,7 @@ from ..pooling import pooling_architectures, pooling_weights
 from ..quantization.base import KernelTable, QuantizationConfig
 from ..quantization.scope import bind_linear_methods, process_loaded_weights, quantization_scope
 from ..sampling_params import SamplingParams
-from ..scheduler.output import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
+from ..step_messages import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
 from .inflight import InflightStep
 from .model_runner import ModelRunner
 from .pooler import Pooler

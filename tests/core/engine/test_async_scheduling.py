@@ -9,7 +9,7 @@ from collections import defaultdict
 import pytest
 from corectl import LLM, SamplingParams
 from corectl.request import RequestStatus
-from corectl.worker.output import LogprobsLists, ModelRunnerOutput
+from corectl.step_messages import LogprobsLists, ModelRunnerOutput
 from test_scheduler import (
     PagedOracle,
     assert_all_blocks_free,

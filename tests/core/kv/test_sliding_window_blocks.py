@@ -18,7 +18,7 @@ from corectl.kv.sizing import blocks_per_sequence
 from corectl.request import Request
 from corectl.sampling_params import SamplingParams
 from corectl.scheduler import Scheduler
-from corectl.worker.output import ModelRunnerOutput
+from corectl.step_messages import ModelRunnerOutput
 from test_scheduler import PagedOracle
 
 BS = 4

@@ -1,6 +1,6 @@
 """The scheduler's books on steps in flight (async scheduling): the real scheduler schedules ahead of
 results fed by hand, and `StepsInFlight` must say what those steps still owe each request."""
-from corectl.worker.output import ModelRunnerOutput
+from corectl.step_messages import ModelRunnerOutput
 from test_scheduler import assert_all_blocks_free, make_req, make_scheduler
 
 

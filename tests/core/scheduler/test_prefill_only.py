@@ -4,7 +4,7 @@ from corectl.config import EngineConfig
 from corectl.request import Request, RequestStatus
 from corectl.sampling_params import SamplingParams
 from corectl.scheduler import Scheduler
-from corectl.worker.output import ModelRunnerOutput
+from corectl.step_messages import ModelRunnerOutput
 
 BS = 8
 

@@ -19,7 +19,7 @@ from corectl.kv import NULL_BLOCK_ID
 from corectl.request import Request, RequestStatus
 from corectl.sampling_params import SamplingParams
 from corectl.scheduler import Scheduler
-from corectl.worker.output import LogprobsLists, ModelRunnerOutput
+from corectl.step_messages import LogprobsLists, ModelRunnerOutput
 from corectl.worker.request_states import RequestStates
 
 BS = 8

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from corectl.sampling_params import SamplingParams
-from corectl.scheduler.output import CachedRequestData, NewRequestData
+from corectl.step_messages import CachedRequestData, NewRequestData
 from corectl.worker.inflight import InflightStep, SampledRows, fetch_now
 from corectl.worker.request_states import BlockTable, RequestStates
 from helpers import new_request_data, scheduler_output

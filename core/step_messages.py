@@ -1,0 +1,115 @@
+"""Every type that crosses the scheduler<->worker boundary, in-process or to a rank's process.
+
+What the scheduler hands the worker each step (`SchedulerOutput`) and what the step gives back
+(`ModelRunnerOutput`). They sit below both (and below the sampler, the grammar manager and the
+executors that carry them), so none of those imports another's package for a message type.
+
+`SchedulerOutput` carries diffs, as vLLM V1 does: a request travels in full once
+(`NewRequestData`, also after a preemption), afterwards only its new block ids and computed-token
+count, so a worker may live in another process and keep its own per-request state.
+"""
+from __future__ import annotations
+
+import itertools
+
+import msgspec
+
+from .lora.request import LoRARequest
+from .sampling_params import SamplingParams
+
+# -- scheduler -> worker -----------------------------------------------------------------------
+
+
+class NewRequestData(msgspec.Struct, array_like=True, gc=False):
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    sample_index: int = 0
+    lora_request: LoRARequest | None = None
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
+    req_ids: list[str] = []
+    new_block_ids: list[list[int]] = []
+    num_computed_tokens: list[int] = []
+
+
+class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):
+    """Which tokens each constrained request of a step may sample next: row i of `bitmask` is
+    request `req_ids[i]`'s, int32 words in xgrammar's layout (bit `t % 32` of word `t // 32` set
+    when token `t` is allowed), `width` words a row, as little-endian bytes."""
+
+    req_ids: list[str]
+    width: int
+    bitmask: bytes
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
+    """One step's work. `num_computed_tokens` values are counts *before* this step's tokens.
+
+    `finished_req_ids` lists requests the worker must forget (finished, aborted or preempted
+    since the previous step); a preempted request comes back later as a new request.
+    `grammar_bitmask` masks the logits of the rows that sample under a grammar this step;
+    `grammar_pending`: those masks come after the launch, and the worker samples this step only
+    once they arrive (async scheduling: see `Executor.sample_pending`).
+    `spec_token_ids` holds the draft tokens of speculating requests (speculative decoding): the
+    last of their scheduled tokens, verified by the step (`corectl.spec_decode`).
+    """
+
+    new_requests: list[NewRequestData]
+    cached_requests: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: list[str]
+    grammar_bitmask: GrammarBitmask | None = None
+    grammar_pending: bool = False
+    spec_token_ids: dict[str, list[int]] = {}
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+# -- worker -> scheduler -----------------------------------------------------------------------
+
+
+class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs for a run of positions: row i holds the chosen token first, then the top-k.
+
+    `ranks[i]` is the chosen token's rank in the distribution (1 = most likely).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
+    """What a step produced: one sampled token for every request that reached the end of its tokens.
+
+    Requests still in a partial (chunked) prefill produce no token and are absent from `req_ids`.
+    `logprobs` rows align with `req_ids`; `prompt_logprobs` holds, per request, the logprobs of
+    the prompt positions computed this step (position 0 has none and is skipped).
+    `pooled` holds a pooling engine's vectors (raw, little-endian float32 bytes) for the requests
+    whose prompt's last chunk ran this step; such an engine samples nothing.
+    `num_sampled` (a verify step of speculative decoding) holds how many tokens each request
+    emitted: `sampled_token_ids` and the `logprobs` rows are then every request's tokens, request
+    after request. Empty: one token each.
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: LogprobsLists | None = None
+    prompt_logprobs: dict[str, LogprobsLists] = {}
+    pooled: dict[str, bytes] = {}
+    num_sampled: list[int] = []
+
+    def token_rows(self) -> list[range]:
+        """The rows of `sampled_token_ids` (and `logprobs`) of each request, in `req_ids` order."""
+        if not self.num_sampled:
+            return [range(row, row + 1) for row in range(len(self.req_ids))]
+        ends = list(itertools.accumulate(self.num_sampled))
+        return [range(end - count, end) for end, count in zip(ends, self.num_sampled)]
