@@ -40,6 +40,7 @@ class LLM:
         folder = self.engine.source.tokenizer_dir
         self.tokenizer = None if folder is None else Tokenizer.from_dir(folder, chat_template=self.config.chat_template)
         self._counter = itertools.count()
+        self._loras: dict[int, LoRARequest] = {}  # adapters checked so far, by id
 
     def get_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
@@ -104,7 +105,8 @@ class LLM:
         return self._drive(processor, ids, requests, use_tqdm, "Embedding")
 
     def _processor(self) -> OutputProcessor:
-        return OutputProcessor(self.engine.info, self.tokenizer, stream_deltas=False, final_only=True)
+        return OutputProcessor(self.engine.info, self.tokenizer, stream_deltas=False, final_only=True,
+                               known_loras=self._loras)
 
     def _run(self, encoded, params, priorities, use_tqdm, loras=None) -> list[RequestOutput]:
         processor = self._processor()

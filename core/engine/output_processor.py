@@ -109,19 +109,19 @@ def _update_metrics(metrics: RequestMetrics, out: EngineCoreOutput, now: float) 
 
 class OutputProcessor:
     def __init__(self, info: EngineInfo, tokenizer: Tokenizer | None, stream_deltas: bool,
-                 final_only: bool = False):
+                 final_only: bool = False, known_loras: dict[int, LoRARequest] | None = None):
         """`info`: the engine's limits, which intake checks against. `stream_deltas`: outputs carry
         what is new since the last one (servers); otherwise the whole text so far. `final_only`: emit
         a request's output only once it has finished (offline batches), which saves copying every
-        request's tokens on every step."""
+        request's tokens on every step. `known_loras`: the LoRA adapters checked so far, by id,
+        shared by the processors of one engine (an id names one adapter for good)."""
         self.info = info
         self.tokenizer = tokenizer
         self.stream_deltas = stream_deltas
         self.final_only = final_only
         self.trackers: dict[str, RequestTracker] = {}
         self._children: dict[str, tuple[RequestTracker, int]] = {}
-        # LoRA adapters checked so far, by id (an id names one adapter for good).
-        self._loras: dict[int, LoRARequest] = {}
+        self._loras = {} if known_loras is None else known_loras
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0,

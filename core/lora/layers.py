@@ -126,16 +126,15 @@ def attach_lora(model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: in
                 device: torch.device) -> dict[str, tuple[LoRALinear, str]]:
     """Wrap every adapted projection of `model` in place; returns checkpoint module path
     (`model.layers.0.self_attn.q_proj`) -> (its wrapper, its projection name)."""
-    targets = [(parent, name, f"{prefix}.{name}" if prefix else name, child)
+    targets = [(prefix, parent, name, child)
                for prefix, parent in model.named_modules() for name, child in parent.named_children()
                if name in ADAPTED_LAYERS and isinstance(child, QuantizableLinear)]
     modules: dict[str, tuple[LoRALinear, str]] = {}
-    for parent, name, path, base in targets:
+    for prefix, parent, name, base in targets:
         wrapper = _wrap(base, name, batch, max_loras, max_rank, dtype, device)
         setattr(parent, name, wrapper)
-        stem = path.rsplit(".", 1)[0]
         for projection in wrapper.projections:
-            modules[f"{stem}.{projection}"] = (wrapper, projection)
+            modules[f"{prefix}.{projection}" if prefix else projection] = (wrapper, projection)
     return modules
 
 

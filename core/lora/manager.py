@@ -75,7 +75,7 @@ class AdapterManager:
         batch.token_slots[num_tokens:].fill_(-1)
         batch.segments = None if host.max_query_len == 1 else LoRASegments(
             seg_starts, seg_lens, seg_slots, int(lens[keep].max()))
-        batch.groups = _slot_groups(starts[keep], lens[keep], req_slots[keep], batch.token_slots.device)
+        batch.groups = slot_groups(starts[keep], lens[keep], req_slots[keep], batch.token_slots.device)
 
     def finish_step(self) -> None:
         self.batch.reset()
@@ -132,7 +132,7 @@ class AdapterManager:
         return adapter
 
 
-def _slot_groups(starts: np.ndarray, lens: np.ndarray, slots: np.ndarray, device: torch.device) -> list[SlotGroup]:
+def slot_groups(starts: np.ndarray, lens: np.ndarray, slots: np.ndarray, device: torch.device) -> list[SlotGroup]:
     """Each adapter slot's token rows: one slice when its requests are adjacent, else an index."""
     groups = []
     for slot in dict.fromkeys(slots.tolist()):

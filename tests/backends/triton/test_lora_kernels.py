@@ -75,3 +75,45 @@ def test_launchers_name_bad_arguments():
     with pytest.raises(ValueError, match="out must be"):
         lora_expand(torch.randn(4, 8), torch.randn(2, 10, 8), torch.ones(2), slots.clamp(max=1), None,
                     torch.zeros(4, 12))
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["gathered", "segment"])
+def test_layer_with_kernels_matches_torch_path(decode):
+    """A packed qkv layer with three adapters in slots: the Triton kernels (installed as layer
+    kernels) add what the grouped torch path adds, into the q, k and v slices."""
+    from corectl.backends.triton.layer_kernels import triton_layer_kernels
+    from corectl.lora.layers import LoRABatch, attach_lora
+    from corectl.lora.manager import slot_groups
+    from corectl.models.parallel import PackedLinear
+    from torch import nn
+
+    model = nn.Module()
+    model.qkv_proj = PackedLinear(32, {"q": 32, "k": 16, "v": 16}, bias=False, unit=8)
+    nn.init.normal_(model.qkv_proj.weight)
+    batch = LoRABatch(max_loras=3, max_tokens=16, device=torch.device("cpu"))
+    modules = attach_lora(model, batch, max_loras=3, max_rank=16, dtype=torch.float32, device=torch.device("cpu"))
+    for slot, rank in enumerate([8, 16, 4]):
+        pairs = {proj: (torch.randn(rank, 32), torch.randn(out, rank)) for proj, out in
+                 [("q_proj", 32), ("k_proj", 16), ("v_proj", 16)]}
+        model.qkv_proj.load_slot(slot, pairs)
+        batch.ranks[slot], batch.scale_list[slot] = rank, 0.5 * (slot + 1)
+        batch.scales[slot] = batch.scale_list[slot]
+    assert set(modules) == {"q_proj", "k_proj", "v_proj"}
+    requests = [(1, s) for _, s in REQUESTS] + [(1, 2)] if decode else REQUESTS + [(2, 2)]
+    slots, segments = _layout(requests, decode)
+    num_tokens = slots.shape[0]
+    batch.token_slots[:num_tokens] = slots
+    starts = torch.tensor([0] + [n for n, _ in requests]).cumsum(0)[:-1].to(torch.int32).numpy()
+    lens = torch.tensor([n for n, _ in requests], dtype=torch.int32).numpy()
+    req_slots = torch.tensor([s for _, s in requests], dtype=torch.int32).numpy()
+    keep = req_slots >= 0
+    batch.groups = slot_groups(starts[keep], lens[keep], req_slots[keep], torch.device("cpu"))
+    batch.segments, batch.active = segments, True
+    x = torch.randn(num_tokens, 32)
+    torch_path = model.qkv_proj(x)
+    model.qkv_proj.kernels = triton_layer_kernels()
+    with_kernels = model.qkv_proj(x)
+    torch.testing.assert_close(with_kernels, torch_path, rtol=1e-4, atol=1e-4)
+    base = model.qkv_proj.base(x)
+    assert torch.equal(with_kernels[slots < 0], base[slots < 0])
+    assert not torch.allclose(with_kernels[slots >= 0], base[slots >= 0])

@@ -4,9 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-
-ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from support.adapters import save_adapter
 
 
 @pytest.fixture(scope="session")
@@ -14,20 +12,6 @@ def lora_base(tmp_path_factory, default_model_dir) -> Path:
     from support.models import build_random_checkpoint
 
     return build_random_checkpoint("llama", tmp_path_factory.mktemp("lora-base"), default_model_dir)
-
-
-def save_adapter(base_dir: Path, folder: Path, rank: int, seed: int, targets=ALL_PROJECTIONS, **config):
-    """A PEFT adapter with random A and B (PEFT's `init_lora_weights=False`) saved in `folder`;
-    returns the PeftModel, the reference."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    torch.manual_seed(seed)
-    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=config.pop("lora_alpha", 2 * rank),
-                                            target_modules=targets, init_lora_weights=False, **config))
-    model.save_pretrained(folder)
-    return model.eval()
 
 
 @pytest.fixture(scope="session")
