@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 from corectl.backends.triton.gemm.w4a16_configs import W4Config
+from corectl.loaders.gguf_blocks import Int4Groups, decode_int4_groups
 from corectl.quantization.fp8 import (FP8_MAX, GEMV_KERNEL, GEMV_MAX_M, Fp8Config, Fp8LinearMethod,
                                       fp8_linear_reference, fp8_w8a16_reference, quantize_rows)
 from corectl.quantization.scope import quantization_scope
-from corectl.quantization.gguf_blocks import Int4Groups, decode_int4_groups
 from corectl.quantization.int4 import (AWQ_ORDER, dequantize_w4, pack_int32, tile_words, unpack_int32, untile_words,
                                        w4a16_reference)
 from corectl.quantization.int4_cpu import int4_linear, pack_int4
