@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 import torch
 
-from ..quantization.gguf_blocks import Int4Groups, Int8Groups, decode_int4_groups, decode_int8_groups
+from .gguf_blocks import Int4Groups, Int8Groups, decode_int4_groups, decode_int8_groups
 from .gguf_cache import dequantized_tensor, hf_tensor_name, read_gguf_header, unpermute_rotary_rows
 
 

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError
+from ..loaders.gguf_blocks import GROUP, INT4_TYPES, INT8_GROUPS, SYMMETRIC, Int4Groups, Int8Groups
+from ..loaders.gguf_weights import gguf_tensor_types, iter_gguf_weights
 from ..loaders.packing import PACKED_MODULES
 from .base import LinearMethod, QuantAxes, QuantizationConfig, tensor_bytes
-from .gguf_blocks import GROUP, INT4_TYPES, INT8_GROUPS, SYMMETRIC, Int4Groups, Int8Groups
 from .gguf_int8 import GGUFInt8Method
 from .int4 import register_w4a16, w4a16_bytes, w4a16_linear
 from .int4_cpu import int4_linear, int4pack_bytes, register_int4pack
@@ -45,8 +46,6 @@ class GGUFConfig(QuantizationConfig):
     def from_checkpoint(cls, quant_config, source) -> "GGUFConfig":
         if source.gguf_file is None:
             raise ConfigError("quantization", "'gguf' serves GGUF files; this model is not one")
-        from ..loaders.gguf_weights import gguf_tensor_types
-
         types = gguf_tensor_types(source.gguf_file)
         return cls(tensor_types=types, kept=frozenset(_kept_tensors(types)))
 
@@ -66,8 +65,6 @@ class GGUFConfig(QuantizationConfig):
         return None
 
     def weight_stream(self, source) -> Iterator[tuple[str, torch.Tensor | Int4Groups | Int8Groups]]:
-        from ..loaders.gguf_weights import iter_gguf_weights
-
         return iter_gguf_weights(source.gguf_file, source.hf_config, self.kept, self.int8_groups)
 
     def describe(self) -> str:

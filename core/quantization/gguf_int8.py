@@ -8,8 +8,8 @@ import functools
 import torch
 
 from ..errors import ConfigError
+from ..loaders.gguf_blocks import Int8Groups, dequantize_groups
 from .base import LinearMethod, QuantAxes, tensor_bytes
-from .gguf_blocks import Int8Groups, dequantize_groups
 from .scope import kernel as provided_kernel
 
 

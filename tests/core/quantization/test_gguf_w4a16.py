@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 from corectl.backends.triton.gemm.w4a16 import w4a16_gemm
+from corectl.loaders.gguf_blocks import decode_int4_groups
 from corectl.models.parallel import PackedLinear, RowParallelLinear
 from corectl.quantization.gguf import GGUFConfig
-from corectl.quantization.gguf_blocks import decode_int4_groups
 from corectl.quantization.int4 import W4_TILE
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize

@@ -9,10 +9,10 @@ import pytest
 import torch
 from corectl.backends.triton.gemm.w8a16 import W8Config, w8a16_gemm
 from corectl.errors import ConfigError
+from corectl.loaders.gguf_blocks import decode_int8_groups
 from corectl.models.parallel import PackedLinear, RowParallelLinear
 from corectl.quantization import quantization_scope
 from corectl.quantization.gguf import GGUFConfig, GGUFInt4Method
-from corectl.quantization.gguf_blocks import decode_int8_groups
 from corectl.quantization.gguf_int8 import GGUFInt8Method, w8a16_reference
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize

@@ -12,11 +12,11 @@ from quant_checkpoints import AWQ_ORDER, pack_nibbles, quantize_int4
 from corectl.backends.triton.gemm.w4a16 import w4a16_gemm
 from corectl.distributed import TensorParallel, parallel_state
 from corectl.errors import ConfigError
+from corectl.loaders.gguf_blocks import Int4Groups
 from corectl.models.parallel import PackedLinear, RowParallelLinear
 from corectl.quantization import layer_bytes, quantization_scope
 from corectl.quantization.fp8 import CompressedTensorsFp8Config, Fp8Config
 from corectl.quantization.gguf import GGUFConfig
-from corectl.quantization.gguf_blocks import Int4Groups
 from corectl.quantization.int4 import AWQConfig, GPTQConfig
 
 HIDDEN, HEAD_DIM, GROUP = 128, 16, 32
