@@ -1,0 +1,112 @@
+"""n-gram speculation through the whole engine on SmolLM2 (real weights): greedy output token-exact
+against the engine without it (alone, in a mixed batch, from the prefix cache, through
+preemption), stops and max_tokens inside a draft, penalties / min_tokens / logprobs, seeded
+sampling with n > 1, and structured output that stays valid."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from corectl import LLM, SamplingParams
+from corectl.sampling_params import StructuredOutputsParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+COPY = [{"role": "user", "content": "Copy this sentence word for word: The quick brown fox jumps over the lazy "
+                                    "dog near the old river bank, and the dog sleeps on."}]
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    return LLM(dtype="float32", max_model_len=1024, kv_cache_memory_gib=0.25, max_num_seqs=32,
+               speculative_config=NGRAM)
+
+
+def _tokens(llm, prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _accepted(llm) -> int:
+    return llm.engine.scheduler.make_stats().spec_decode_num_accepted_tokens
+
+
+def test_greedy_is_token_exact_alone_batched_and_from_the_prefix_cache(llm_fp32, spec_llm):
+    tok = spec_llm.get_tokenizer()
+    copy = tok.encode_chat(COPY)
+    others = [tok.encode(f"Story number {i}: once upon a time" + " and then" * i) for i in range(5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=28)] + [
+        SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(5)]
+    reference = _tokens(llm_fp32, [copy] + others, params)
+    accepted_before = _accepted(spec_llm)
+    assert _tokens(spec_llm, [copy], params[0]) == reference[:1]
+    assert _accepted(spec_llm) > accepted_before, "the copy prompt must have been sped up by accepted drafts"
+    assert _tokens(spec_llm, [copy] + others, params) == reference
+    again = spec_llm.generate([copy], params[0], use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == reference[0]
+    stats = spec_llm.engine.scheduler.make_stats()
+    assert stats.kv_cache_usage == 0.0
+    assert stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
+    assert sum(stats.spec_decode_num_accepted_tokens_per_pos) == stats.spec_decode_num_accepted_tokens
+
+
+def test_max_tokens_and_stop_tokens_inside_a_draft(llm_fp32, spec_llm):
+    copy = spec_llm.get_tokenizer().encode_chat(COPY)
+    full = _tokens(llm_fp32, [copy], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
+    for max_tokens in (1, 2, 7, 13):
+        out = spec_llm.generate([copy], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                                use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == full[:max_tokens] and out.outputs[0].finish_reason == "length"
+    stop = full[9]
+    out = spec_llm.generate([copy], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                                   stop_token_ids=[stop]),
+                            use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full[: full.index(stop) + 1] and out.finish_reason == "stop"
+
+
+def test_penalties_min_tokens_and_logprobs_match_plain_decoding(llm_fp32, spec_llm):
+    copy = spec_llm.get_tokenizer().encode_chat(COPY)
+    params = SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.05, frequency_penalty=0.2,
+                            min_tokens=20, logprobs=2)
+    plain = llm_fp32.generate([copy], params, use_tqdm=False)[0].outputs[0]
+    spec = spec_llm.generate([copy], params, use_tqdm=False)[0].outputs[0]
+    assert spec.token_ids == plain.token_ids
+    assert len(spec.logprobs) == len(spec.token_ids)
+    for ours, theirs in zip(spec.logprobs, plain.logprobs):
+        assert ours.keys() == theirs.keys()
+        for token, entry in ours.items():
+            assert entry.logprob == pytest.approx(theirs[token].logprob, abs=1e-3)
+            assert entry.rank == theirs[token].rank
+
+
+def test_seeded_sampling_with_n_is_reproducible(spec_llm):
+    copy = spec_llm.get_tokenizer().encode_chat(COPY)
+    params = SamplingParams(n=3, temperature=0.8, top_p=0.95, seed=7, max_tokens=16)
+    first = [o.token_ids for o in spec_llm.generate([copy], params, use_tqdm=False)[0].outputs]
+    second = [o.token_ids for o in spec_llm.generate([copy], params, use_tqdm=False)[0].outputs]
+    assert first == second and all(len(t) > 0 for t in first)
+    assert len(set(map(tuple, first))) > 1
+
+
+def test_structured_output_stays_valid_beside_speculating_requests(spec_llm):
+    tok = spec_llm.get_tokenizer()
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    constrained = SamplingParams(temperature=0.0, max_tokens=40,
+                                 structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    person = tok.encode_chat([{"role": "user", "content": "Describe a person as JSON with a name and an age."}])
+    outputs = spec_llm.generate([person, tok.encode_chat(COPY)],
+                                [constrained, SamplingParams(temperature=0.0, max_tokens=24)], use_tqdm=False)
+    value = json.loads(outputs[0].outputs[0].text)
+    assert isinstance(value["name"], str) and isinstance(value["age"], int)
+
+
+def test_preemption_resumes_with_identical_output(llm_fp32):
+    tok = llm_fp32.get_tokenizer()
+    prompts = [tok.encode(f"Count from 1 to 30, number {i}: 1, 2, 3, 4, 5,") for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    reference = _tokens(llm_fp32, prompts, params)
+    small = LLM(dtype="float32", max_model_len=256, kv_cache_memory_gib=0.02, enable_prefix_caching=False,
+                speculative_config=NGRAM)
+    assert _tokens(small, prompts, params) == reference
+    stats = small.engine.scheduler.make_stats()
+    assert stats.num_preemptions > 0 and stats.spec_decode_num_accepted_tokens > 0
+    assert stats.kv_cache_usage == 0.0
