@@ -53,7 +53,7 @@ class DecodeConfig(NamedTuple):
 
 
 # Unsplit launches over an FP8 cache: half the bytes per key make the default's tiles too few to
-# hide latency. H100 sweep (scripts/decode_sweep.py, 2026-11-26), FP8 against the default: 256
+# hide latency. H100 sweep (benchmarks/decode_sweep.py, 2026-11-26), FP8 against the default: 256
 # sequences of 512-640 keys 160 against 213 us (FP8_LARGE_BATCH; FP8_UNSPLIT 180), qwen3-0.6b's
 # 256 x 100-1100 207 against 233, 64 x 4096 288 (FP8_UNSPLIT; FP8_LARGE_BATCH 323) against 325.
 # Split launches (small batches) and bf16 caches (at 91% of copy bandwidth already on the first

@@ -76,7 +76,7 @@ TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {
     (28672, 4096): {1: GemvConfig(1, 8, 512, 1, 4, 3), 2: GemvConfig(16, 64, 128, 1, 4, 3), 4: GemvConfig(16, 64, 128, 1, 4, 3), 8: GemvConfig(16, 64, 128, 1, 4, 3), 16: GemvConfig(16, 64, 128, 1, 4, 3)},
 }
 
-# The dense (16-bit weight) GEMV's configs where `bench_fp8 --dense` measured it at least 3% faster
+# The dense (16-bit weight) GEMV's configs where `bench.fp8 --dense` measured it at least 3% faster
 # than F.linear (cuBLAS) on an H100 (2026-11-26, triton 3.6, torch 2.11; llama3-8b's and qwen3-0.6b's
 # projections), {(N, K): {M bucket: GemvConfig}}; any other shape or batch takes F.linear
 # (`dense_decode_config`). At M = 1: llama3-8b's gate_up 78.0 against 94.9 us (3.0 against 2.5 TB/s),

@@ -43,8 +43,8 @@ class W4Config:
             raise ValueError(f"tl.dot tiles need block_m >= 16, got {self}")
 
 
-# (M bucket, N, K) -> config, from the H100 sweep of bench_w4a16 --quick (2026-11-25, triton 3.6;
-# llama3-8b shapes, group 128); the M = 1 entries re-picked by scripts/w4a16_ab.py on 2026-11-26 once
+# (M bucket, N, K) -> config, from the H100 sweep of bench.w4a16 --quick (2026-11-25, triton 3.6;
+# llama3-8b shapes, group 128); the M = 1 entries re-picked by an A/B script (since removed) on 2026-11-26 once
 # words were column tiles and each code one LOP3 (weights cycled past L2, PDL on: qkv 8.7, o 7.0,
 # gate_up 26.9, down 16.7 us, 59.2 a layer against 72.4 before). Other shapes take the heuristic.
 TABLE: dict[tuple[int, int, int], W4Config] = {

@@ -43,7 +43,7 @@ class W8Config:
 
 
 def config(m: int, n: int, k: int, group: int, sms: int) -> W8Config:
-    """From the H100 sweep of scripts/w8a16_bench.py (W8_SWEEP=1, llama3-8b shapes): GEMV at M = 1
+    """From the H100 sweep of benchmarks/w8a16_bench.py (W8_SWEEP=1, llama3-8b shapes): GEMV at M = 1
     over 16-row slices in 512-input blocks (256 with groups of 16), K split four ways; 32- or
     64-column dot tiles of 128 inputs for decode batches, K split while the grid covers the SMs
     less than three times; 64x64 tiles for prefill. Each split keeps two blocks."""

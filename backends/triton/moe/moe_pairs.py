@@ -46,7 +46,7 @@ class PairConfigs(NamedTuple):
     down: PairConfig
 
 
-# Tuned on an H100 (2026-11-25, triton 3.6) by `bench_moe --sweep` (bucket 8: `--sweep fine`), bf16 weights:
+# Tuned on an H100 (2026-11-25, triton 3.6) by `bench.moe --sweep` (bucket 8: `--sweep fine`), bf16 weights:
 # {(hidden, intermediate): {pairs bucket: PairConfigs}}, buckets the powers of two of the pair count
 # (tokens x top_k). They serve 16-bit and e4m3 weights; fp32 weights (whose staged tiles need twice
 # the shared memory) and other shapes take the heuristic.

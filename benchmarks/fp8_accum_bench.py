@@ -1,5 +1,5 @@
-"""torch._scaled_mm with row-wise scales, with and without fast accumulation (stage `w1accum` of
-device_bench.sh): TFLOP/s at llama3-8b's projections for a prefill chunk (M = 8192) and a decode
+"""torch._scaled_mm with row-wise scales, with and without fast accumulation (`bash benchmarks/device_bench.sh
+sweep:fp8accum`): TFLOP/s at llama3-8b's projections for a prefill chunk (M = 8192) and a decode
 batch (M = 256), and each form's error against the fp32 product of the same e4m3 operands."""
 import torch
 from corectl.backends.triton.bench.fp8 import graph_us

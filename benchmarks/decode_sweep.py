@@ -2,7 +2,7 @@
 the workloads, on the GPU: W1's batch of 256 at 512-640 keys, W6's 64 x 4096, batch-1 decode at
 640 keys split as a graph for an 8192-token model splits it, and qwen3-0.6b's batch of 256.
 
-    python scripts/decode_sweep.py
+    python benchmarks/decode_sweep.py     (on the device: bash benchmarks/device_bench.sh sweep:decode)
 
 Each case checks every config's output against the default launch's (relative error), then times
 it (`triton.testing.do_bench` median); the best configs per case and cache dtype come last.

@@ -1,25 +1,22 @@
 """GGUF's int8 groups through the Triton 8-bit GEMM against the dense bf16 weight they replace
-(stage `w8bench` of device_bench.sh): llama3-8b's projections at M = 1 and 16, Q8_0's form (groups
+(`bash benchmarks/device_bench.sh sweep:w8a16`): llama3-8b's projections at M = 1 and 16, Q8_0's form (groups
 of 32, no offsets) and Q6_K-with-Q4_K's (groups of 16 with offsets), bf16 x, timed from CUDA-graph
 replays that cycle through weight copies past L2; the dense side is the model's own decode path
 (the Triton dense GEMV where its table has the shape, else F.linear). W8_SWEEP=1 also times
-other launch configs and prints the best per case; W8_BEFORE=1 also times an earlier kernel
-(`.bench/w8a16_before.py`, copied in as `w8a16_before` by the stage) with the same configs."""
-import dataclasses
+other launch configs and prints the best per case."""
 import math
 import os
 
 import torch
 from corectl.backends.triton.bench.fp8 import graph_us
-from corectl.backends.triton.layer_kernels import triton_layer_kernels
-from torch.nn import functional as F
 from corectl.backends.triton.gemm.w8a16 import W8Config, config, w8a16_gemm
+from corectl.backends.triton.layer_kernels import triton_layer_kernels
 from corectl.quantization.gguf_int8 import w8a16_reference
+from torch.nn import functional as F
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 FORMS = {"g32": (32, False), "g16+off": (16, True)}
 SWEEP = os.environ.get("W8_SWEEP") == "1"
-BEFORE = os.environ.get("W8_BEFORE") == "1"
 
 
 def candidates(m: int, n: int, k: int, group: int) -> list[W8Config]:
@@ -68,11 +65,6 @@ def main() -> None:
                       f"{n * k * 2 / dense_us / 1e3:6.0f}   {error:.1e}", flush=True)
                 if SWEEP:
                     print(f"    best {timed[0][0]:.2f} us {timed[0][2]}", flush=True)
-                if BEFORE:
-                    from corectl.backends.triton import w8a16_before as old
-                    cfg = old.W8Config(**dataclasses.asdict(config(m, n, k, group, 132)))
-                    old_us = graph_us([lambda q=q: old.w8a16_gemm(x, *q, group, cfg) for q in weights])
-                    print(f"    earlier kernel, same config: {old_us:.2f} us", flush=True)
                 del weights
             torch.cuda.empty_cache()
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # C1 and C2 (DESIGN.md section 5) on this machine's CPU, corectl and its transformers peer in one run:
-#   bash scripts/cpu_bench.sh [OUT_DIR]
+#   bash benchmarks/cpu_bench.sh [OUT_DIR]
 # C1: batch-1 decode; C2: 16 concurrent requests. SmolLM2-135M (the embedded model), random
 # token-id prompts of 32 tokens, 128 new tokens, EOS ignored: served from its 4-bit Q4_1 blocks (the
 # default: no --dtype, compute dtype from the CPU's instruction set), then dequantized in bf16; the
@@ -16,5 +16,5 @@ corectl bench throughput --num-prompts 16 "${common[@]}" --save-result "$out/c2_
 corectl bench latency --batch-size 1 --num-iters 3 --dtype bfloat16 "${common[@]}" --save-result "$out/c1.json"
 corectl bench throughput --num-prompts 16 --dtype bfloat16 "${common[@]}" --save-result "$out/c2.json"
 for dtype in float32 bfloat16; do
-  python scripts/hf_peer_cpu.py --batch 1 16 --input-len 32 --output-len 128 --dtype $dtype | tee "$out/hf_peer_$dtype.jsonl"
+  python benchmarks/hf_peer_cpu.py --batch 1 16 --input-len 32 --output-len 128 --dtype $dtype | tee "$out/hf_peer_$dtype.jsonl"
 done

@@ -3,7 +3,7 @@
 Same weights as corectl (the safetensors folder corectl converts the SmolLM2 GGUF into), same prompts
 shape (random token ids, seed 0), EOS ignored. Prints one JSON line per measurement.
 
-  python scripts/hf_peer_cpu.py --batch 1 16 --input-len 32 --output-len 128 --dtype bfloat16
+  python benchmarks/hf_peer_cpu.py --batch 1 16 --input-len 32 --output-len 128 --dtype bfloat16
 """
 from __future__ import annotations
 

