@@ -101,9 +101,15 @@ def resolve_text_parser(kind: str, name: str, option: str) -> type:
                              option, kind)
 
 
+def resolve_lora_resolver(name: str) -> type:
+    """The `corectl.lora.resolvers.LoRAResolver` class registered under `name` (`corectl_lora_resolvers`)."""
+    return import_registered(get_plugin_manager().lora_resolvers(), name, "lora_resolver", "LoRA resolver")
+
+
 @dataclass(frozen=True)
 class InventoryRow:
-    kind: str  # "platform", "model", "attention", "structured", "quantization", "tool_parser" or "reasoning"
+    # "platform", "model", "attention", "structured", "quantization", "tool_parser", "reasoning", "lora_resolver"
+    kind: str
     name: str
     plugin: str
     package: str
@@ -128,7 +134,8 @@ def plugin_inventory() -> list[InventoryRow]:
              for s in sorted(pm.structured_output_backends().values(), key=lambda s: s.name)]
     rows += [InventoryRow("quantization", s.name, s.plugin, pm.provider(s.plugin), "", s.description)
              for s in sorted(pm.quantization_methods().values(), key=lambda s: s.name)]
-    for kind, specs in (("tool_parser", pm.tool_parsers()), ("reasoning", pm.reasoning_parsers())):
+    for kind, specs in (("tool_parser", pm.tool_parsers()), ("reasoning", pm.reasoning_parsers()),
+                        ("lora_resolver", pm.lora_resolvers())):
         rows += [InventoryRow(kind, s.name, s.plugin, pm.provider(s.plugin), "", s.description)
                  for s in sorted(specs.values(), key=lambda s: s.name)]
     return rows

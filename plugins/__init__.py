@@ -12,6 +12,7 @@ from .manager import (
 )
 from .specs import (
     AttentionBackendSpec,
+    LoRAResolverSpec,
     ModelSpec,
     PlatformSpec,
     QuantizationMethodSpec,
@@ -23,6 +24,7 @@ from .specs import (
 
 __all__ = [
     "AttentionBackendSpec",
+    "LoRAResolverSpec",
     "ModelSpec",
     "PlatformSpec",
     "PluginConflictError",

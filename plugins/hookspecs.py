@@ -19,6 +19,7 @@ import pluggy
 
 from .specs import (
     AttentionBackendSpec,
+    LoRAResolverSpec,
     ModelSpec,
     PlatformSpec,
     QuantizationMethodSpec,
@@ -100,4 +101,14 @@ def corectl_reasoning_parsers() -> Iterable[ReasoningParserSpec]:
     The class must implement ``corectl.server.http.reasoning.base.ReasoningParser``: built per response
     choice as ``cls(tokenizer)``, it splits the model's text into reasoning and content,
     incrementally (``feed``) for streams. It runs in the API server's process, on text only.
+    """
+
+
+@hookspec
+def corectl_lora_resolvers() -> Iterable[LoRAResolverSpec]:
+    """Yield LoRA resolvers for the API server (``--lora-resolver NAME``).
+
+    The class must subclass ``corectl.lora.resolvers.LoRAResolver``: built once as
+    ``cls(options)``, its ``resolve(base_model_name, lora_name)`` returns a local folder holding the
+    PEFT adapter a request names, or None. It runs in a worker thread of the API server's process.
     """

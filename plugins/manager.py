@@ -12,6 +12,7 @@ import pluggy
 from . import hookspecs
 from .specs import (
     AttentionBackendSpec,
+    LoRAResolverSpec,
     ModelSpec,
     PlatformSpec,
     QuantizationMethodSpec,
@@ -108,6 +109,9 @@ class PluginManager:
 
     def reasoning_parsers(self) -> dict[str, ReasoningParserSpec]:
         return self._collect("corectl_reasoning_parsers", "name")
+
+    def lora_resolvers(self) -> dict[str, LoRAResolverSpec]:
+        return self._collect("corectl_lora_resolvers", "name")
 
 
 _MANAGER: PluginManager | None = None

@@ -81,6 +81,12 @@ class ReasoningParserSpec(NamedSpec):
     `corectl serve --reasoning-parser NAME`."""
 
 
+@dataclass(frozen=True)
+class LoRAResolverSpec(NamedSpec):
+    """A LoRA resolver: `path` names a `corectl.lora.resolvers.LoRAResolver` subclass, enabled by
+    `name` with `corectl serve --lora-resolver NAME`."""
+
+
 def import_dotted(path: str) -> Any:
     """Import `package.module:attr` or `package.module.attr` and return the attribute."""
     module_name, sep, attr = path.partition(":")

@@ -18,6 +18,8 @@ import anyio
 
 from ..config import EngineConfig
 from ..errors import EngineDeadError, QueueFullError
+from ..lora.intake import check_lora_request
+from ..lora.request import LoRARequest
 from ..outputs import EmbeddingRequestOutput, RequestOutput
 from ..pooling import PoolingParams
 from ..sampling_params import SamplingParams
@@ -82,7 +84,8 @@ class EngineClient:
         # the difference is what the stats cannot count yet, so a burst meets the queue bound exactly.
         self._num_sent = 0
         self._num_received = 0
-        self._processor = OutputProcessor(self.info, tokenizer, stream_deltas=True)
+        self._loras: dict[int, LoRARequest] = {}  # adapters checked so far, by id
+        self._processor = OutputProcessor(self.info, tokenizer, stream_deltas=True, known_loras=self._loras)
         self._collectors: dict[str, _OutputCollector] = {}
         self._dead: BaseException | None = None
 
@@ -124,11 +127,13 @@ class EngineClient:
         return self.transport.engine_stats(self.stats)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         request_id = request_id or uuid.uuid4().hex
         self._check_alive()
         text, token_ids = encode_prompt(self.tokenizer, prompt)
-        core_requests = self._processor.add_request(request_id, text, token_ids, params, priority)
+        if lora_request is not None:
+            await self.check_lora(lora_request)  # off this loop the first time; intake then finds it checked
+        core_requests = self._processor.add_request(request_id, text, token_ids, params, priority, lora_request)
         async with contextlib.aclosing(self._follow(request_id, core_requests)) as outputs:
             async for out in outputs:
                 yield out
@@ -143,6 +148,12 @@ class EngineClient:
         async with contextlib.aclosing(self._follow(request_id, [core_request])) as outputs:
             async for out in outputs:
                 yield out
+
+    async def check_lora(self, lora: LoRARequest) -> None:
+        """Check an adapter this engine may be asked for (read once per id, in a worker thread);
+        raises InvalidRequestError naming what is wrong."""
+        if lora.lora_int_id not in self._loras:
+            await anyio.to_thread.run_sync(check_lora_request, lora, self.info.lora, self._loras)
 
     def _check_alive(self) -> None:
         if self._dead is not None:

@@ -11,6 +11,7 @@ from corectl.config import (
     EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    LORA_RANKS,
     POLICIES,
     EngineConfig,
 )
@@ -22,6 +23,7 @@ _CACHE = "KV cache and scheduling"
 _PLATFORM = "platform"
 _PARALLEL = "parallelism"
 _POOLING = "pooling (embedding models)"
+_LORA = "LoRA adapters"
 # field -> (flag or flags, group, help, argparse extras)
 ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] = {
     "tokenizer": ("--tokenizer", _MODEL, "tokenizer directory (default: the model's)", {}),
@@ -78,6 +80,15 @@ ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] 
                                      "how ranks start: one process each on this host (mp), or Ray actors "
                                      "(ray; RAY_ADDRESS names the cluster); unset: mp above one rank",
                                      {"choices": EXECUTOR_BACKENDS}),
+    "enable_lora": ("--enable-lora", _LORA, "serve LoRA adapters (docs/lora.md)", {"action": "store_true"}),
+    "max_loras": ("--max-loras", _LORA, "adapters on the device at once (one step mixes at most this many)",
+                  {"type": int}),
+    "max_cpu_loras": ("--max-cpu-loras", _LORA, "adapters kept loaded in host memory (unset: --max-loras)",
+                      {"type": int}),
+    "max_lora_rank": ("--max-lora-rank", _LORA, "the largest adapter rank served (device slots are sized by it)",
+                      {"type": int, "choices": LORA_RANKS}),
+    "lora_dtype": ("--lora-dtype", _LORA, "the adapters' dtype on the device ('auto': the model's)",
+                   {"choices": DTYPES}),
 }
 
 

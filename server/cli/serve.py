@@ -66,12 +66,45 @@ def register(sub) -> None:
     group.add_argument("--reasoning-parser", default=None, metavar="NAME",
                        help="split the model's <think> reasoning into reasoning_content: qwen3, deepseek_r1, or "
                             "a plugin's parser")
+    _add_lora_args(parser.add_argument_group("LoRA serving"))
     group = parser.add_argument_group("logging")
     group.add_argument("--log-format", choices=LOG_FORMATS, default="auto",
                        help="'human' lines, 'json' lines, or 'auto': human on a terminal (default: auto)")
     group.add_argument("--log-prompts", action="store_true", help="include prompts in the per-request log lines")
     add_engine_args(parser, model_positional=True, defaults=SERVE_DEFAULTS)
     parser.set_defaults(handler=run)
+
+
+def _add_lora_args(group) -> None:
+    group.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                       help="adapters served by name (the request's model): NAME=PATH or JSON "
+                            "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; PATH is a folder or hub id")
+    group.add_argument("--lora-allowed-roots", nargs="+", default=None, metavar="DIR",
+                       help="folders run-time loads may read adapters from (default: the folders holding "
+                            "the --lora-modules adapters)")
+    group.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
+                            "CORECTL_ALLOW_RUNTIME_LORA_UPDATING=1 or VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)")
+    group.add_argument("--lora-resolver", action="append", default=[], metavar="NAME",
+                       help="resolve unknown model names to adapters: filesystem (needs --lora-resolver-root), "
+                            "hub, or a plugin's (see `corectl plugins`); repeatable, tried in order")
+    group.add_argument("--lora-resolver-root", default=None, metavar="DIR",
+                       help="the filesystem resolver's folder: <DIR>/<name> holds adapter <name>")
+
+
+def _lora_settings(args: argparse.Namespace, enable_lora: bool):
+    from ..http.lora import LoRAModule, LoRASettings
+
+    modules = tuple(LoRAModule.parse(text) for text in args.lora_modules)
+    if (modules or args.lora_resolver) and not enable_lora:
+        raise ConfigError("enable_lora", "--lora-modules and --lora-resolver serve adapters: add --enable-lora")
+    names = [m.name for m in modules]
+    duplicate = next((name for name in names if names.count(name) > 1), None)
+    if duplicate is not None:
+        raise ConfigError("lora_modules", f"the name {duplicate!r} is given twice")
+    roots = None if args.lora_allowed_roots is None else tuple(args.lora_allowed_roots)
+    return LoRASettings(modules, roots, args.allow_runtime_lora_updating, tuple(args.lora_resolver),
+                        args.lora_resolver_root)
 
 
 def settings_from_args(args: argparse.Namespace):
@@ -102,7 +135,7 @@ def settings_from_args(args: argparse.Namespace):
         shutdown_timeout=args.shutdown_timeout, otlp_traces_endpoint=args.otlp_traces_endpoint,
         embed_chunking=args.embed_chunking,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
+        reasoning_parser=args.reasoning_parser, lora=_lora_settings(args, config.enable_lora),
     )
 
 

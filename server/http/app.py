@@ -26,6 +26,7 @@ from .dashboard import DashboardController
 from .embeddings import EmbeddingsController
 from .errors import EXCEPTION_HANDLERS, APIError
 from .logs import configure_logging
+from .lora_routes import LoRAAdapterController
 from .metrics import ServerMetrics
 from .ops import LoadController, ModelsController, OpsController, TokenizerController
 from .state import ServerState
@@ -47,7 +48,8 @@ def create_app(server: ServerState) -> Litestar:
     tracer = _tracer(server)
     return Litestar(
         route_handlers=[CompletionsController, ChatController, EmbeddingsController, ModelsController,
-                        TokenizerController, LoadController, OpsController, DashboardController],
+                        TokenizerController, LoadController, OpsController, DashboardController,
+                        LoRAAdapterController],
         dependencies={"server": Provide(_provide_server, sync_to_thread=False)},
         lifespan=[_engine_lifespan],
         middleware=[] if tracer is None else [tracer.middleware],
@@ -111,7 +113,10 @@ async def _engine_lifespan(app: Litestar) -> AsyncIterator[None]:
             transport = await _start_engine(server, tg)
             async with EngineClient.serving(transport, server.settings.engine, tg) as client:
                 server.client = client
-                server.metrics = ServerMetrics(server.model_name, client.info.max_model_len, lambda: client.engine_stats)
+                engine = server.settings.engine
+                server.metrics = ServerMetrics(server.model_name, client.info.max_model_len, lambda: client.engine_stats,
+                                               engine.max_loras if engine.enable_lora else None)
+                await _register_lora_modules(server, client)
                 _log_ready(server)
                 stop = anyio.Event()
                 tg.start_soon(_watch_engine, server, client, stop)
@@ -143,6 +148,12 @@ async def _start_engine(server: ServerState, tg) -> EngineTransport:
     return await start_engines(settings.engine, tg, lambda config, index: RemoteEngine.start(
         config, tg, hang_timeout=settings.engine_hang_timeout,
         process_init=EngineProcessInit(index, settings.engine, setup_logging)))
+
+
+async def _register_lora_modules(server: ServerState, client: EngineClient) -> None:
+    """The `--lora-modules` adapters, each checked before the server takes requests."""
+    for module in server.settings.lora.modules:
+        await server.loras.add(client, module.name, module.path, module.base_model_name)
 
 
 async def _watch_engine(server: ServerState, client: EngineClient, stop: anyio.Event) -> None:

@@ -44,7 +44,7 @@ class ChatController(Controller):
     async def create_chat_completion(self, data: ChatCompletionRequest, request: Request,
                                      server: ServerState) -> Response:
         server.check_accepting()
-        server.check_model(data.model)
+        lora = await server.adapter_for(data.model)
         server.check_priority(data.priority)
         data.check_supported()
         tool_choice = check_tool_choice(data.tools, data.tool_choice, server.settings.enable_auto_tool_choice)
@@ -57,7 +57,8 @@ class ChatController(Controller):
         prompt = tokenizer.encode_chat(message_dicts(data.messages), add_generation_prompt=data.add_generation_prompt,
                                        tools=tools, template_kwargs=data.chat_template_kwargs)
         reasoning = ChatReasoning(server.reasoning_parser, tokenizer, prompt, params)
-        group = GenerationGroup(server, [prompt], reasoning.params, f"chatcmpl-{uuid.uuid4().hex}", data.priority)
+        group = GenerationGroup(server, [prompt], reasoning.params, f"chatcmpl-{uuid.uuid4().hex}", data.priority,
+                                lora)
         with errors_name("tools" if tool_choice in ("required", "named") else data.constraint_field):
             await group.start(request.receive)
         head = group.response_head()

@@ -124,12 +124,12 @@ class CompletionsController(Controller):
         200: ResponseSpec(CompletionResponse, description="the completion, or SSE chunks"), **ERROR_RESPONSES})
     async def create_completion(self, data: CompletionRequest, request: Request, server: ServerState) -> Response:
         server.check_accepting()
-        server.check_model(data.model)
+        lora = await server.adapter_for(data.model)
         server.check_priority(data.priority)
         data.check_supported()
         _check_text_fields(data, server)
         params = data.sampling_params()
-        group = GenerationGroup(server, data.prompts(), params, f"cmpl-{uuid.uuid4().hex}", data.priority)
+        group = GenerationGroup(server, data.prompts(), params, f"cmpl-{uuid.uuid4().hex}", data.priority, lora)
         with errors_name(data.constraint_field):
             await group.start(request.receive)
         head = group.response_head()

@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import anyio
 import structlog
+from corectl.lora.request import LoRARequest
 from corectl.outputs import RequestMetrics, RequestOutput
 from corectl.sampling_params import SamplingParams
 from litestar import Response
@@ -33,14 +34,14 @@ class Generation:
     """One prompt's request in the engine, with its metrics and its log line."""
 
     def __init__(self, server: ServerState, prompt: str | list[int], params: SamplingParams, request_id: str,
-                 priority: int):
+                 priority: int, lora_request: LoRARequest | None = None):
         self.server = server
         self.request_id = request_id
         self.prompt = prompt
         self.first: RequestOutput | None = None
         self._params = params
         self._trace_parent = None if server.tracer is None else server.tracer.parent()
-        self._outputs = server.engine.generate(prompt, params, request_id, priority)
+        self._outputs = server.engine.generate(prompt, params, request_id, priority, lora_request)
         self._finish_reasons: list[str | None] = [None] * params.n
         self._last: RequestOutput | None = None
         self._ended = False
@@ -123,12 +124,16 @@ def _seconds(later: float | None, earlier: float) -> float | None:
 
 
 class GenerationGroup:
-    """All prompts of one HTTP request (completions accept several); choice i*n+j is prompt i, sample j."""
+    """All prompts of one HTTP request (completions accept several); choice i*n+j is prompt i, sample j.
+    `lora_request`: the LoRA adapter they run with (None: the base model), which the responses name."""
 
     def __init__(self, server: ServerState, prompts: list[str | list[int]], params: SamplingParams,
-                 request_id: str, priority: int):
+                 request_id: str, priority: int, lora_request: LoRARequest | None = None):
         self.server = server
         self.request_id = request_id
+        self.model_name = server.model_name if lora_request is None else lora_request.lora_name
+        if lora_request is not None and server.metrics is not None:
+            server.metrics.count_lora_request(lora_request.lora_name)
         self.n = params.n
         self.generations: list[Generation] = []
         self._closed = False
@@ -136,14 +141,14 @@ class GenerationGroup:
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                self.generations.append(Generation(server, prompt, params, rid, priority))
+                self.generations.append(Generation(server, prompt, params, rid, priority, lora_request))
         except BaseException:
             server.in_flight -= 1
             raise
 
     def response_head(self) -> dict:
         """The id, created and model fields every response and chunk of this group carries."""
-        return dict(id=self.request_id, created=int(time.time()), model=self.server.model_name)
+        return dict(id=self.request_id, created=int(time.time()), model=self.model_name)
 
     async def respond(self, receive: Callable, stream: bool, chunks: Callable[[], AsyncIterator[bytes]],
                       collect: Callable[[], Awaitable[T]]) -> Response | Stream:

@@ -7,6 +7,7 @@ request tracker as outputs arrive and cover the whole server.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 
 from corectl.engine.messages import SchedulerStats
@@ -52,9 +53,10 @@ class _SchedulerCollector(Collector):
          "num_preemptions"),
     )
 
-    def __init__(self, model_name: str, engine_stats: Callable[[], list[SchedulerStats]]):
+    def __init__(self, model_name: str, engine_stats: Callable[[], list[SchedulerStats]], max_loras: int | None):
         self._model_name = model_name
         self._engine_stats = engine_stats
+        self._max_loras = max_loras
 
     def collect(self) -> Iterable:
         engines = list(enumerate(self._engine_stats()))
@@ -64,14 +66,29 @@ class _SchedulerCollector(Collector):
                 for index, stats in engines:
                     family.add_metric([self._model_name, str(index)], getattr(stats, field))
                 yield family
+        if self._max_loras is not None:
+            yield self._lora_info(engines)
+
+    def _lora_info(self, engines: list[tuple[int, SchedulerStats]]) -> GaugeMetricFamily:
+        """vLLM's `lora_requests_info`: the adapters of running and waiting requests as labels
+        (comma-separated names), the scrape time as the value."""
+        family = GaugeMetricFamily("corectl:lora_requests_info", "Running and waiting LoRA adapters.",
+                                   labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters", "engine"])
+        now = time.time()
+        for index, stats in engines:
+            family.add_metric([str(self._max_loras), ",".join(stats.waiting_lora_adapters),
+                               ",".join(stats.running_lora_adapters), str(index)], now)
+        return family
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, max_model_len: int, engine_stats: Callable[[], list[SchedulerStats]]):
-        """`engine_stats` gives each engine core's latest stats, in engine order."""
+    def __init__(self, model_name: str, max_model_len: int, engine_stats: Callable[[], list[SchedulerStats]],
+                 max_loras: int | None = None):
+        """`engine_stats` gives each engine core's latest stats, in engine order; `max_loras` is set
+        when LoRA is on."""
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(_SchedulerCollector(model_name, engine_stats))
+        self.registry.register(_SchedulerCollector(model_name, engine_stats, max_loras))
         reg, name = self.registry, model_name
         self.prompt_tokens = Counter("corectl:prompt_tokens", "Prompt tokens of admitted requests.",
                                      _LABELS, registry=reg).labels(name)
@@ -92,6 +109,11 @@ class ServerMetrics:
                                                      sizes)
         self.request_generation_tokens = self._histogram("corectl:request_generation_tokens",
                                                          "Generated tokens per request.", sizes)
+        self._lora_requests = Counter("corectl:lora_requests", "Requests admitted per LoRA adapter.",
+                                      _LABELS + ["lora_name"], registry=reg)
+
+    def count_lora_request(self, lora_name: str) -> None:
+        self._lora_requests.labels(self.model_name, lora_name).inc()
 
     def _histogram(self, metric: str, doc: str, buckets: list[float]):
         return Histogram(metric, doc, _LABELS, buckets=buckets, registry=self.registry).labels(self.model_name)

@@ -31,8 +31,12 @@ class ModelsController(Controller):
     async def list_models(self, server: ServerState) -> ModelList:
         info = server.engine.info
         created = int(server.started_at)
-        return ModelList([ModelCard(id=name, created=created, root=info.model_dir, max_model_len=info.max_model_len)
-                          for name in server.settings.served_model_names])
+        cards = [ModelCard(id=name, created=created, root=info.model_dir, max_model_len=info.max_model_len)
+                 for name in server.settings.served_model_names]
+        adapters = [] if server.loras is None else server.loras.adapters()
+        cards += [ModelCard(id=lora.lora_name, created=created, root=lora.lora_path, parent=lora.base_model_name,
+                            max_model_len=info.max_model_len) for lora in adapters]
+        return ModelList(cards)
 
 
 class TokenizerController(Controller):

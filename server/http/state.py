@@ -10,9 +10,11 @@ from pathlib import Path
 from corectl.config import EngineConfig
 from corectl.engine.client import EngineClient
 from corectl.engine.intake import NO_TOKENIZER
+from corectl.lora.request import LoRARequest
 from corectl.tokenizer import Tokenizer
 
 from .errors import APIError
+from .lora import LoRARegistry, LoRASettings
 from .metrics import ServerMetrics
 from .parsers import reasoning_parser_class, tool_parser_class
 
@@ -31,6 +33,7 @@ class ServeSettings:
     enable_auto_tool_choice: `tool_choice` "auto" is served, with `tool_call_parser` (a registered
     tool parser's name) finding the calls. reasoning_parser: splits reasoning from content (a
     registered reasoning parser's name; None: the output is all content).
+    lora: the adapters served by name and who may add more (`lora.py`; with --enable-lora).
     """
 
     engine: EngineConfig
@@ -50,6 +53,7 @@ class ServeSettings:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    lora: LoRASettings = field(default_factory=LoRASettings)
 
     @property
     def url(self) -> str:
@@ -84,6 +88,8 @@ class ServerState:
         self.tool_parser = None if settings.tool_call_parser is None else tool_parser_class(settings.tool_call_parser)
         self.reasoning_parser = (None if settings.reasoning_parser is None
                                  else reasoning_parser_class(settings.reasoning_parser))
+        self.loras = (LoRARegistry(settings.lora, self.model_name, settings.engine.download_dir)
+                      if settings.engine.enable_lora else None)
         # Set by whoever runs the HTTP server: asks it to stop (after the engine died).
         self.request_exit: Callable[[], None] = lambda: None
 
@@ -103,9 +109,26 @@ class ServerState:
         return True, "ok"
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.settings.served_model_names:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves "
-                           f"{', '.join(self.settings.served_model_names)}", "model", "model_not_found")
+        """A 404 unless `model` is a served name or a LoRA adapter's."""
+        if model is not None and model not in self.settings.served_model_names and (
+                self.loras is None or self.loras.get(model) is None):
+            raise self._unknown_model(model)
+
+    async def adapter_for(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a generation request's `model` names (None: the base model); an unknown
+        name is tried on the enabled resolvers, then a 404."""
+        if model is None or model in self.settings.served_model_names:
+            return None
+        lora = None if self.loras is None else (self.loras.get(model) or await self.loras.resolve(self.engine, model))
+        if lora is None:
+            raise self._unknown_model(model)
+        return lora
+
+    def _unknown_model(self, model: str) -> APIError:
+        adapters = [] if self.loras is None else [lora.lora_name for lora in self.loras.adapters()]
+        served = ", ".join(self.settings.served_model_names + adapters)
+        return APIError(404, f"The model `{model}` does not exist; this server serves {served}", "model",
+                        "model_not_found")
 
     def check_priority(self, priority: int) -> None:
         if priority != 0 and self.settings.engine.scheduling_policy != "priority":

@@ -1,0 +1,143 @@
+"""LoRA over HTTP with the real server and the `openai` client: adapters by model name, listing with
+their parent, run-time load and unload (path checks, API key), a resolver, 404s, and metrics."""
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import openai
+import pytest
+from support.adapters import save_adapter
+from support.models import build_random_checkpoint, hf_greedy
+from support.server import API_KEY, ServerProcess
+from transformers import AutoTokenizer
+
+PROMPT = [5, 77, 300, 1234, 999, 42, 17]
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory, default_model_dir):
+    root = tmp_path_factory.mktemp("lora-serve")
+    base = build_random_checkpoint("llama", root / "base", default_model_dir)
+    served = root / "served"
+    references = {name: save_adapter(base, served / name, rank=rank, seed=seed)
+                  for name, rank, seed in [("r8", 8, 1), ("r16", 16, 2)]}
+    resolvable = root / "resolvable"
+    shutil.copytree(served / "r16", resolvable / "res16")
+    (root / "outside").mkdir()
+    shutil.copytree(served / "r8", root / "outside" / "r8")
+    return root, base, references
+
+
+@pytest.fixture(scope="module")
+def lora_server(lora_setup):
+    root, base, _ = lora_setup
+    proc = ServerProcess(str(base), "--served-model-name", "base", "--dtype", "float32", "--max-model-len", "256",
+                         "--kv-cache-memory", "0.05", "--api-key", API_KEY, "--enable-lora", "--max-loras", "2",
+                         "--lora-modules", f"r8={root / 'served' / 'r8'}", "--allow-runtime-lora-updating",
+                         "--lora-resolver", "filesystem", "--lora-resolver-root", str(root / "resolvable"))
+    yield proc.wait_ready()
+    assert proc.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(lora_server):
+    return openai.OpenAI(base_url=lora_server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(lora_server):
+    with httpx.Client(base_url=lora_server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as c:
+        yield c
+
+
+def complete(client, model: str, max_tokens: int = 6):
+    return client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0.0,
+                                     extra_body={"ignore_eos": True})
+
+
+def test_models_lists_adapters_with_their_parent(client):
+    cards = {card.id: card for card in client.models.list().data}
+    assert set(cards) == {"base", "r8"}
+    assert cards["r8"].parent == "base" and cards["base"].parent is None
+
+
+def test_the_adapter_named_by_model_generates_its_tokens(client, lora_setup):
+    """The adapter's text is PEFT's greedy tokens; the base's differs; responses name the adapter."""
+    _, _, references = lora_setup
+    reference = hf_greedy(references["r8"], PROMPT, 6)[0]
+    tokenizer = AutoTokenizer.from_pretrained(lora_setup[1])
+    adapted = complete(client, "r8")
+    assert adapted.model == "r8"
+    assert adapted.choices[0].text == tokenizer.decode(reference)
+    assert complete(client, "base").choices[0].text != adapted.choices[0].text
+    chat = client.chat.completions.create(model="r8", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert chat.model == "r8" and chat.choices[0].message.content
+
+
+def test_unknown_model_is_a_404(client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        complete(client, "no-such-adapter")
+    assert caught.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        complete(client, "../served/r8")  # not a resolver name: no path escapes the root
+
+
+def test_a_resolver_finds_an_adapter_by_name(client):
+    assert complete(client, "res16").model == "res16"
+    assert "res16" in {card.id for card in client.models.list().data}
+
+
+def test_load_and_unload_at_run_time(client, http, lora_setup):
+    root = lora_setup[0]
+    body = {"lora_name": "r16", "lora_path": str(root / "served" / "r16")}
+    assert http.post("/v1/load_lora_adapter", json=body).status_code == 200
+    assert complete(client, "r16").model == "r16"
+    again = http.post("/v1/load_lora_adapter", json=body)
+    assert again.status_code == 400 and "already served" in again.json()["error"]["message"]
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "r16"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        complete(client, "r16")
+    gone = http.post("/v1/unload_lora_adapter", json={"lora_name": "r16"})
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("path", ["{root}/served/../outside/r8", "{root}/outside/r8", "served/r8", "/etc"])
+def test_load_outside_the_allowed_roots_is_refused(http, lora_setup, path):
+    response = http.post("/v1/load_lora_adapter", json={"lora_name": "sneaky", "lora_path": path.format(
+        root=lora_setup[0])})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "lora_path"
+
+
+def test_load_needs_the_api_key(lora_server, lora_setup):
+    response = httpx.post(lora_server.url + "/v1/load_lora_adapter",
+                          json={"lora_name": "x", "lora_path": str(lora_setup[0] / "served" / "r16")})
+    assert response.status_code == 401
+
+
+def test_a_bad_adapter_is_a_400_and_the_server_serves_on(client, http, lora_setup):
+    broken = lora_setup[0] / "served" / "broken"
+    shutil.copytree(lora_setup[0] / "served" / "r8", broken)
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    response = http.post("/v1/load_lora_adapter", json={"lora_name": "broken", "lora_path": str(broken)})
+    assert response.status_code == 400 and "not a readable safetensors file" in response.json()["error"]["message"]
+    assert complete(client, "r8").model == "r8"
+
+
+def test_unloading_an_adapter_in_use_lets_its_requests_finish(client, http, lora_setup):
+    root = lora_setup[0]
+    http.post("/v1/load_lora_adapter", json={"lora_name": "busy", "lora_path": str(root / "served" / "r16")})
+    stream = client.completions.create(model="busy", prompt=PROMPT, max_tokens=24, temperature=0.0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = [next(stream)]
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "busy"}).status_code == 200
+    chunks += list(stream)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_metrics_show_adapters(client, http):
+    complete(client, "r8")
+    text = http.get("/metrics").text
+    assert 'corectl:lora_requests_info{' in text and 'max_lora="2"' in text
+    assert 'corectl:lora_requests_total{lora_name="r8",model_name="base"}' in text
