@@ -23,6 +23,8 @@ METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 # Methods whose proposer this engine does not have yet: refused at start-up, not silently ignored.
 UNSUPPORTED_METHODS = ("eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 16
+# The token id of a draft position that the scheduler reserves and the worker's draft model fills.
+PLACEHOLDER = -1
 _DEFAULT_LOOKUP = 5
 
 
@@ -31,7 +33,7 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     verifies per request (1..16); prompt_lookup_min/max: the n-gram lengths matched against the
     request's own tokens (ngram); model: the draft model (draft_model: a local HF directory, a
     `.gguf` file or a shape preset with the target's vocabulary); draft_tensor_parallel_size: the
-    draft's tensor-parallel size (1, or the target's)."""
+    draft's tensor-parallel size (1: draft models run beside a target at tensor-parallel size 1)."""
 
     method: str | None = None
     num_speculative_tokens: int | None = None
@@ -123,8 +125,8 @@ def resolve_speculative_config(value: Any, tensor_parallel_size: int = 1) -> Spe
     if not spec.model:
         raise _error(f"method {method!r} needs \"model\": the draft model's path")
     draft_tp = 1 if spec.draft_tensor_parallel_size is None else spec.draft_tensor_parallel_size
-    if draft_tp not in (1, tensor_parallel_size):
-        raise _error(f"draft_tensor_parallel_size must be 1 or the target's tensor_parallel_size "
-                     f"({tensor_parallel_size}), got {draft_tp!r}")
+    if draft_tp != 1 or tensor_parallel_size != 1:
+        raise _error(f"a draft model runs at tensor_parallel_size 1 beside a target at 1 for now (got "
+                     f"draft_tensor_parallel_size={draft_tp!r}, tensor_parallel_size={tensor_parallel_size})")
     return SpeculativeConfig(method=method, num_speculative_tokens=k, model=spec.model,
                              draft_tensor_parallel_size=draft_tp)

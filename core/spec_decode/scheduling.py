@@ -1,7 +1,8 @@
 """The scheduler's side of speculative decoding: which draft tokens a decoding request carries into
 a step, and the `spec_decode_*` counters of what verification accepted.
 
-Drafts are proposed when a request is scheduled, from its own tokens (n-gram), and travel in
+n-gram drafts are proposed when a request is scheduled, from its own tokens; a draft model's are
+reserved as placeholders that the worker fills (`draft_model.py`). Either way they travel in
 `SchedulerOutput.spec_token_ids` as extra new tokens of the request: the target computes k + 1
 positions through the ordinary paged prefill/extend path. A request's `num_computed_tokens`
 advances by its one known token at scheduling and by the accepted drafts when the step's result
@@ -11,7 +12,7 @@ no drafts: their matcher advances one token a step (see docs/speculative.md).
 """
 from __future__ import annotations
 
-from .config import SpeculativeConfig
+from .config import PLACEHOLDER, SpeculativeConfig
 from .ngram import NgramProposer
 
 
@@ -37,12 +38,11 @@ class DraftPlanner:
     """Proposes each decoding request's drafts for a step, within what it may still emit."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
-        if config.method != "ngram":
-            raise ValueError(f"the scheduler proposes n-gram drafts only, not {config.method!r}")
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                                      config.prompt_lookup_max)
+        # None: a draft model in the worker proposes; the scheduler only reserves the positions.
+        self.proposer = None if config.method != "ngram" else NgramProposer(
+            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
         self.counters = SpecDecodeCounters(self.k)
 
     def drafts(self, token_ids: list[int], num_output_tokens: int, max_tokens: int, budget: int) -> list[int]:
@@ -50,4 +50,6 @@ class DraftPlanner:
         at most what leaves room for the token verification adds after them (max_tokens,
         max_model_len) within the step's remaining token `budget`."""
         limit = min(self.k, budget - 1, max_tokens - num_output_tokens - 1, self.max_model_len - len(token_ids) - 1)
+        if self.proposer is None:
+            return [PLACEHOLDER] * max(limit, 0)
         return self.proposer.propose(token_ids, limit)

@@ -19,6 +19,7 @@ from ..sample import Sampler, SamplingMetadata, compute_prompt_logprobs
 from ..sample.grammar import apply_grammar_bitmask
 from ..sample.metadata import PLAIN_GREEDY, UnreadOutputTokens
 from ..sample.transfer import DeviceTarget, to_device
+from ..spec_decode.draft_model import DraftModelProposer, DraftRequest
 from ..spec_decode.rejection import VerifyLayout
 from ..spec_decode.verify import expand_rows, verify
 from ..step_messages import GrammarBitmask, LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -75,6 +76,8 @@ class ModelRunner:
         self.lora: AdapterManager | None = None
         # A launched step's logits waiting for their grammar masks (`grammar_pending`).
         self._awaiting_masks: tuple[HostStep, torch.Tensor, InflightStep] | None = None
+        # Set by the worker for draft-model speculation: fills the scheduler's draft placeholders.
+        self.drafter: DraftModelProposer | None = None
 
     def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
@@ -96,9 +99,11 @@ class ModelRunner:
         self.states.apply(sched)
         if self.lora is not None:
             self.lora.apply(sched)
+        if self.drafter is not None:
+            self.drafter.forget(sched.finished_req_ids)
         if sched.is_empty:
             return InflightStep.done()
-        inputs = self.upload(self.states.build_step(sched, self.block_size))
+        inputs = self.upload(self.states.build_step(sched, self.block_size, self._drafts(sched)))
         self._feed_unread_ids(inputs)
         hidden = self._run_with_adapters(inputs)
         if self.pooler is not None:
@@ -128,6 +133,17 @@ class ModelRunner:
         if grammar is not None:
             self._apply_grammar(host, logits, grammar)
         step.set_sampled(self._sample(host, logits))
+
+    def _drafts(self, sched: SchedulerOutput) -> dict[str, list[int]]:
+        """The step's draft tokens: the scheduler's (n-gram), or the draft model's in place of its
+        placeholders. Verify steps run synchronously, so every request's tokens are known here."""
+        if self.drafter is None or not sched.spec_token_ids:
+            return sched.spec_token_ids
+        states = self.states
+        return self.drafter.propose([
+            DraftRequest(req_id, states[req_id].token_ids, states[req_id].num_prompt_tokens, len(placeholders))
+            for req_id, placeholders in sched.spec_token_ids.items()
+        ])
 
     def _pool(self, host: HostStep, hidden: torch.Tensor) -> InflightStep:
         """A pooling engine's step: the vectors of the prompts it finished start for the host."""

@@ -201,8 +201,11 @@ class RequestStates:
         """Every prompt position of the request has had its logprobs computed."""
         self.awaiting_prompt_logprobs.discard(req_id)
 
-    def build_step(self, sched: SchedulerOutput, block_size: int) -> HostStep:
-        """The host arrays of a non-empty step whose diff has been applied."""
+    def build_step(self, sched: SchedulerOutput, block_size: int,
+                   drafts: dict[str, list[int]] | None = None) -> HostStep:
+        """The host arrays of a non-empty step whose diff has been applied; `drafts`: the step's
+        draft tokens when they are not the scheduler's own (`spec_token_ids`)."""
+        drafts_of = sched.spec_token_ids if drafts is None else drafts
         req_ids = list(sched.num_scheduled_tokens)
         query_lens = list(sched.num_scheduled_tokens.values())
         token_ids: list[int] = []
@@ -212,7 +215,7 @@ class RequestStates:
             state = self.states[req_id]
             start = state.num_computed_tokens
             query_starts.append(len(token_ids))
-            drafts = sched.spec_token_ids.get(req_id, [])
+            drafts = drafts_of.get(req_id, [])
             num_known = n - len(drafts)
             known = state.token_ids[start:start + num_known]
             token_ids += known

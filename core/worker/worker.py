@@ -27,6 +27,8 @@ from ..quantization.base import KernelTable, QuantizationConfig
 from ..quantization.scope import bind_linear_methods, process_loaded_weights, quantization_scope
 from ..sampling_params import SamplingParams
 from ..step_messages import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
+from ..loaders import resolve_model_source
+from ..spec_decode.draft_model import DraftModelProposer
 from .inflight import InflightStep
 from .model_runner import ModelRunner
 from .pooler import Pooler
@@ -85,6 +87,8 @@ class Worker(abc.ABC):
         self.device = self.init_device()
         self.runner: ModelRunner | None = None
         self.model_info: ModelInfo | None = None
+        # The draft model's shape (draft-model speculation), for its KV cache.
+        self._draft_info: ModelInfo | None = None
 
     @abc.abstractmethod
     def init_device(self) -> torch.device:
@@ -118,8 +122,33 @@ class Worker(abc.ABC):
         self.runner.lora = lora
         if pooling:
             self.runner.pooler = Pooler(self.config.pooling_type)
+        spec = self.config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            self.runner.drafter = self._load_drafter(hf, spec.model)
         self.model_info = info
         return info
+
+    def _load_drafter(self, hf, draft: str) -> DraftModelProposer:
+        """The draft model of speculative decoding (dense, in the target's dtype), with a runner
+        of its own; refused when its vocabulary is not the target's."""
+        source = resolve_model_source(self.config.replace(model=draft, tokenizer=None, hf_overrides=None,
+                                                          quantization=None, speculative_config=None))
+        draft_hf = source.hf_config
+        if draft_hf.vocab_size != hf.vocab_size:
+            raise ConfigError("speculative_config", f"the draft model {draft!r} has a {draft_hf.vocab_size}-token "
+                              f"vocabulary but the target {self.config.model or 'default'!r} has {hf.vocab_size}: "
+                              "a draft must share the target's vocabulary")
+        model = build_model(resolve_model_class(draft_hf), draft_hf, self.torch_dtype, self.device, self.max_model_len)
+        source.load_weights(model)
+        model.eval()
+        install_layer_kernels(model, self.layer_kernels())
+        info = _model_info(draft_hf, model, self.dtype)
+        backend = self.attention_backend_cls(info.num_heads, info.num_kv_heads, info.head_dim, self.torch_dtype,
+                                             self.device, self.config.block_size)
+        runner = self.runner_cls(model, backend, self.device, self.config.block_size, draft_hf.vocab_size, None,
+                                 self.platform.capabilities())
+        self._draft_info = info
+        return DraftModelProposer(runner, self.config.block_size)
 
     def _attach_lora(self, model: torch.nn.Module, hf) -> AdapterManager:
         """Wrap the model's projections for LoRA; the manager owns the adapters from then on."""
@@ -152,6 +181,14 @@ class Worker(abc.ABC):
         dtype = torch.float8_e4m3fn if info.kv_cache_dtype == _FP8_KV else self.torch_dtype
         caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(info.num_layers)]
         self.runner.set_kv_caches(caches)
+        if self.runner.drafter is not None:
+            # As many blocks as the target's and one per sequence slot: the draft never runs out first.
+            draft, num_draft_blocks = self._draft_info, num_blocks + self.config.max_num_seqs
+            shape = self.runner.drafter.runner.backend.kv_cache_shape(num_draft_blocks, self.config.block_size,
+                                                                      draft.num_kv_heads, draft.head_dim)
+            self.runner.drafter.set_kv_caches(
+                [torch.zeros(shape, dtype=self.torch_dtype, device=self.device) for _ in range(draft.num_layers)],
+                num_draft_blocks)
 
     def warmup(self) -> None:
         """Compile or capture ahead of serving; nothing to do by default."""
