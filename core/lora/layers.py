@@ -89,6 +89,11 @@ class LoRALinear(UsesLayerKernels, nn.Module):
     def _add_lora(self, x: torch.Tensor, out: torch.Tensor) -> None:
         batch, kernels = self.batch, self.kernels
         if kernels is None or kernels.lora_shrink is None:
+            if not batch.groups:
+                # Only a forward pass outside a prepared step gets here (a CUDA graph capture):
+                # the torch path reads host-side groups, which a replayed graph could not follow.
+                raise RuntimeError("LoRA in a captured graph needs the platform's LoRA kernels "
+                                   "(CORECTL_FUSED_KERNELS=0 leaves the torch path: add --enforce-eager)")
             slices = [(offset, size) for offset, size, _ in self.slices]
             grouped_lora(x, out, self.lora_a, self.lora_b, slices, batch.groups, batch.ranks, batch.scale_list,
                          self.reduce_xa)

@@ -18,6 +18,7 @@ from importlib import metadata
 import msgspec
 
 from ..cli.engine_args import add_engine_args, config_from_args
+from .lora import add_lora_bench_args, bench_loras, lora_engine_options, round_robin
 from .report import percentile
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -38,6 +39,7 @@ def register_throughput(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--save-result", default=None, help="write the result as JSON to this file")
     _add_profile_arg(p)
+    add_lora_bench_args(p)
     add_engine_args(p)
     p.set_defaults(handler=run_throughput)
 
@@ -51,6 +53,7 @@ def register_latency(sub) -> None:
     p.add_argument("--num-iters", type=int, default=3)
     _add_profile_arg(p)
     p.add_argument("--save-result", default=None, help="write the result as JSON to this file")
+    add_lora_bench_args(p)
     add_engine_args(p)
     p.set_defaults(handler=run_latency)
 
@@ -86,22 +89,20 @@ def run_throughput(args: argparse.Namespace) -> int:
     out_lens = _lengths(rng, args, args.num_prompts, args.output_len)
     prompts = _random_prompts(rng, in_lens, _prompt_vocab(llm))
     params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n, seed=None) for n in out_lens]
+    loras = round_robin(bench_loras(args, llm), len(prompts))
     # Warm-up: the same workload on other prompts (no prefix-cache hits for the timed run), so the
     # Triton kernels' first-use compilation for every shape this workload meets stays out of the timing.
-    llm.generate(_random_prompts(random.Random(1), in_lens, _prompt_vocab(llm)), params, use_tqdm=False)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
-    n_in = sum(in_lens)
-    result = {
-        "benchmark": "throughput", "num_prompts": len(prompts), "elapsed_s": elapsed,
-        "requests_per_s": len(prompts) / elapsed, "output_tokens_per_s": n_out / elapsed,
-        "total_tokens_per_s": (n_in + n_out) / elapsed, "input_tokens": n_in, "output_tokens": n_out,
-    }
+    llm.generate(_random_prompts(random.Random(1), in_lens, _prompt_vocab(llm)), params, use_tqdm=False,
+                 lora_request=loras)
+    result = _timed_throughput(llm, prompts, params, loras)
     print(f"Throughput: {result['requests_per_s']:.2f} requests/s, {result['total_tokens_per_s']:.2f} total tokens/s, "
           f"{result['output_tokens_per_s']:.2f} output tokens/s")
-    print(f"Total num prompt tokens: {n_in}\nTotal num output tokens: {n_out}")
+    print(f"Total num prompt tokens: {result['input_tokens']}\nTotal num output tokens: {result['output_tokens']}")
+    if loras and args.lora_compare_base:
+        base = _timed_throughput(llm, _random_prompts(random.Random(3), in_lens, _prompt_vocab(llm)), params, None)
+        result["base"] = base
+        print(f"Base model (no adapter): {base['output_tokens_per_s']:.2f} output tokens/s; with adapters "
+              f"{result['output_tokens_per_s'] / base['output_tokens_per_s']:.3f}x of it")
     _save(args, llm, result)
     if args.profile:
         from .profiling import profile_batch
@@ -112,6 +113,19 @@ def run_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _timed_throughput(llm, prompts, params, loras) -> dict:
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    elapsed = time.perf_counter() - start
+    n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    n_in = sum(len(p) for p in prompts)
+    return {
+        "benchmark": "throughput", "num_prompts": len(prompts), "elapsed_s": elapsed,
+        "requests_per_s": len(prompts) / elapsed, "output_tokens_per_s": n_out / elapsed,
+        "total_tokens_per_s": (n_in + n_out) / elapsed, "input_tokens": n_in, "output_tokens": n_out,
+    }
+
+
 def run_latency(args: argparse.Namespace) -> int:
     from corectl import SamplingParams
 
@@ -119,10 +133,11 @@ def run_latency(args: argparse.Namespace) -> int:
     rng = random.Random(0)
     vocab = _prompt_vocab(llm)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
+    loras = round_robin(bench_loras(args, llm), args.batch_size)
     e2e, steps, prefills = [], [], []
     for it in range(args.num_iters_warmup + args.num_iters):
         prompts = _random_prompts(rng, [args.input_len] * args.batch_size, vocab)
-        times = _token_intervals(llm, prompts, params)
+        times = _token_intervals(llm, prompts, params, loras)
         if it >= args.num_iters_warmup:
             e2e.append(sum(times))
             prefills.append(times[0])
@@ -139,16 +154,22 @@ def run_latency(args: argparse.Namespace) -> int:
     tpot = result["decode_step_s"]
     print(f"TPOT (decode step): mean {tpot['mean'] * 1e3:.3f} ms, median {tpot['p50'] * 1e3:.3f} ms, "
           f"p99 {tpot['p99'] * 1e3:.3f} ms; prefill step median {result['prefill_step_s']['p50'] * 1e3:.2f} ms")
+    if loras and args.lora_compare_base:
+        base = [t for _ in range(args.num_iters) for t in _token_intervals(
+            llm, _random_prompts(rng, [args.input_len] * args.batch_size, vocab), params, None)[1:]]
+        result["base_decode_step_s"] = _percentiles(base)
+        print(f"Base model TPOT: median {result['base_decode_step_s']['p50'] * 1e3:.3f} ms; with adapters "
+              f"{tpot['p50'] / result['base_decode_step_s']['p50']:.3f}x of it")
     _save(args, llm, result)
     if args.profile:
         from .profiling import profile_batch
 
         prompts = _random_prompts(rng, [args.input_len] * args.batch_size, vocab)
-        print(profile_batch(lambda: _token_intervals(llm, prompts, params)))
+        print(profile_batch(lambda: _token_intervals(llm, prompts, params, loras)))
     return 0
 
 
-def _token_intervals(llm, prompts, params) -> list[float]:
+def _token_intervals(llm, prompts, params, loras=None) -> list[float]:
     """Run one batch to completion; returns the time to the step that produced the first tokens
     (the prefill), then the time between each step producing tokens and the next (one TPOT each).
 
@@ -158,7 +179,8 @@ def _token_intervals(llm, prompts, params) -> list[float]:
     from corectl.engine.messages import EngineCoreRequest
 
     engine = llm.engine
-    engine.add_requests([EngineCoreRequest(f"lat-{time.monotonic_ns()}-{i}", ids, params, time.monotonic())
+    engine.add_requests([EngineCoreRequest(f"lat-{time.monotonic_ns()}-{i}", ids, params, time.monotonic(),
+                                           lora_request=None if loras is None else loras[i])
                          for i, ids in enumerate(prompts)])
     times, last = [], time.perf_counter()
     while engine.has_unfinished_requests():
@@ -172,7 +194,7 @@ def _token_intervals(llm, prompts, params) -> list[float]:
 def _make_llm(args):
     from corectl import LLM
 
-    config = config_from_args(args)
+    config = config_from_args(args).replace(**lora_engine_options(args))
     return LLM(**{f: getattr(config, f) for f in config.__struct_fields__})
 
 

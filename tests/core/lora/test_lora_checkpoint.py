@@ -140,3 +140,13 @@ def test_lora_request_checks_its_fields():
         LoRARequest("a", 0, "/x")
     with pytest.raises(ValueError, match="needs a lora_path"):
         LoRARequest("a", 1, "")
+
+
+def test_dummy_adapters_are_real_checkpoints(lora_base, shape, tmp_path):
+    """The benchmarks' random adapters load through the same checks, on all seven projections."""
+    from corectl.lora.dummy import write_dummy_adapters
+
+    loras = write_dummy_adapters(tmp_path, AutoConfig.from_pretrained(lora_base), num=2, rank=8)
+    assert [lora.lora_int_id for lora in loras] == [1, 2]
+    adapter = load_adapter(loras[1], shape)
+    assert adapter.rank == 8 and len(adapter.weights) == 7 * shape.num_layers
