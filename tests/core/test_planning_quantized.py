@@ -14,7 +14,7 @@ from corectl.config import EngineConfig
 from corectl.errors import ConfigError
 from corectl.planning import plan_deployment, read_checkpoint
 from corectl.server.cli.main import main
-from helpers import held_bytes
+from support.models import held_bytes
 
 H100 = {"device_memory": 80 << 30, "device_capability": (9, 0)}
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}

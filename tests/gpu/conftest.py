@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpu_helpers import ARCHITECTURES, build_checkpoint
+from support.gpu import ARCHITECTURES, build_checkpoint
 
 GPU_DIR = Path(__file__).parent.resolve()
 

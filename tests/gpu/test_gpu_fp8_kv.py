@@ -15,18 +15,14 @@ from corectl.backends.triton.attention.kv_cache_store import store_kvcache  # no
 from corectl.backends.triton.attention.prefill_attention import paged_prefill_attention  # noqa: E402
 from corectl.backends.triton.reference import paged_attention_ref, store_kvcache_ref  # noqa: E402
 from corectl.backends.triton.bench.paged_batch import random_paged_batch  # noqa: E402
-from gpu_helpers import generate, random_prompts  # noqa: E402
+from support.close import relative_error  # noqa: E402
+from support.gpu import generate, random_prompts  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 HEADS = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
 SCALE = 128 ** -0.5
 K_SCALE, V_SCALE = 0.04, 0.03
 REL_TOL = 1e-2
-
-
-def _rel_error(out, ref) -> float:
-    assert torch.isfinite(out).all()
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def test_store_rounds_like_torch():
@@ -54,11 +50,11 @@ def test_decode_and_prefill_read_fp8(window):
                                    SCALE, **masking)
     out = paged_prefill_attention(batch.q, cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, SCALE,
                                   max_query_len=700, **masking)
-    assert _rel_error(out, expected) < REL_TOL
+    assert relative_error(out, expected) < REL_TOL
     decode_rows = [0, 1]
     out = paged_decode_attention(batch.q[decode_rows], cache, batch.block_tables[:2], batch.seq_lens[:2], SCALE,
                                  max_seq_len=4096, **masking)
-    assert _rel_error(out, expected[decode_rows]) < REL_TOL
+    assert relative_error(out, expected[decode_rows]) < REL_TOL
 
 
 def test_fp8_engine_doubles_capacity_and_stays_close(checkpoint):

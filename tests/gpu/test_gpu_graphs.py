@@ -1,7 +1,5 @@
 """Decode CUDA graphs give eager execution's tokens across buckets; async scheduling gives the
 synchronous loop's tokens, and launching a step never waits for the device."""
-import warnings
-
 import pytest
 import torch
 
@@ -10,20 +8,22 @@ if not torch.cuda.is_available():
 
 from corectl import SamplingParams  # noqa: E402
 from corectl.backends.cuda.graph_runner import CUDAGraphModelRunner, _GraphStepInputs  # noqa: E402
-from gpu_helpers import compare_greedy, generate, random_prompts  # noqa: E402
+from support.gpu import (  # noqa: E402
+    MAX_TOKENS,
+    PROMPT_LENGTHS,
+    assert_async_gives_synchronous_tokens,
+    assert_launches_never_wait,
+    compare_greedy,
+    generate,
+    random_prompts,
+)
 
-# Requests finishing one after another: decode batches shrink from 13 to 1 through buckets 16, 8, 4, 2, 1.
-PROMPT_LENGTHS = [3, 250, 17, 64, 9, 130, 33, 1, 90, 47, 5, 200, 12]
-MAX_TOKENS = [6 + 3 * i for i in range(len(PROMPT_LENGTHS))]
 # Graphs pad GEMMs to the bucket and split decode attention for the model's max length, so bf16
 # results may differ from eager by a rounding; fp32 ones by far less than any logit gap.
 TIE_TOLERANCE = {"float32": 0.0, "bfloat16": 0.25}
 # A graph's decode kernel splits the context as for max_model_len, eager as for the actual length:
 # the fp32 partial sums combine in another order, and bf16 rounds the results differently.
 LOGPROB_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25}
-# What torch's sync debug mode says at a synchronizing call. Switching the mode on also warns,
-# once per process, that it is a prototype ("Synchronization debug mode ..."): that is no sync.
-SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
 @pytest.fixture
@@ -69,43 +69,11 @@ def test_graphs_decode_the_tokens_eager_execution_does(dtype, checkpoint, replay
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 def test_launching_a_step_never_waits_for_the_device(enforce_eager, checkpoint):
-    """With async scheduling the host reads a step's ids only in `InflightStep.result()`, after the
-    next step is queued; `launch` itself must not synchronize."""
-    syncs_per_launch: list[int] = []
-
-    def count_syncs(llm):
-        assert llm.engine.async_scheduling
-        launch = llm.engine.executor.worker.launch
-
-        def counted(sched):
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    result = launch(sched)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-            syncs_per_launch.append(sum(SYNC_WARNING in str(w.message) for w in caught))
-            return result
-
-        llm.engine.executor.worker.launch = counted
-
-    # A small token budget chunks the long prompt: steps that sample nothing, mixed steps, decodes.
-    prompts = random_prompts([700, 40, 9, 300], seed=2)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    generate(checkpoint, prompts, params, prepare=count_syncs, max_num_batched_tokens=256,
-             enforce_eager=enforce_eager)
-    assert len(syncs_per_launch) > 12 and max(syncs_per_launch) == 0, syncs_per_launch
+    assert_launches_never_wait(checkpoint, enforce_eager)
 
 
 def test_async_scheduling_gives_the_tokens_of_the_synchronous_loop(checkpoint):
-    prompts = random_prompts(PROMPT_LENGTHS, seed=3)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS[:7]]
-    params += [SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=n)
-               for i, n in enumerate(MAX_TOKENS[7:])]
-    sync = generate(checkpoint, prompts, params, dtype="float32", async_scheduling=False)
-    overlapped = generate(checkpoint, prompts, params, dtype="float32")
-    assert [o.outputs[0].token_ids for o in overlapped] == [o.outputs[0].token_ids for o in sync]
+    assert_async_gives_synchronous_tokens(checkpoint)
 
 
 @pytest.mark.skipif(torch.version.hip is not None or torch.cuda.get_device_capability(0) < (9, 0),

@@ -12,13 +12,15 @@ from corectl.backends.triton.moe.fused_moe import fused_moe  # noqa: E402
 from corectl.backends.triton.layer_kernels import triton_layer_kernels  # noqa: E402
 from corectl.models.moe import fused_moe_torch, select_experts  # noqa: E402
 from corectl.quantization.fp8 import quantize_rows  # noqa: E402
-from gpu_helpers import MOE_ARCHITECTURES, build_checkpoint, compare_greedy, generate, random_prompts  # noqa: E402
-
-# The graphs module's engine checks, collected here again to run on the MoE model (the `checkpoint`
-# fixture below): a launch never waits for the device; async scheduling gives the synchronous tokens.
-from test_gpu_graphs import (  # noqa: E402, F401
-    test_async_scheduling_gives_the_tokens_of_the_synchronous_loop,
-    test_launching_a_step_never_waits_for_the_device,
+from support.close import relative_error  # noqa: E402
+from support.gpu import (  # noqa: E402
+    MOE_ARCHITECTURES,
+    assert_async_gives_synchronous_tokens,
+    assert_launches_never_wait,
+    build_checkpoint,
+    compare_greedy,
+    generate,
+    random_prompts,
 )
 
 # Qwen3-30B-A3B: hidden 2048, 128 experts of width 768, top 8.
@@ -36,10 +38,6 @@ def layer_inputs(num_tokens: int, dtype: torch.dtype):
     down = (torch.randn(EXPERTS, HIDDEN, INTER, device=device) / INTER ** 0.5).to(dtype)
     weights, ids = select_experts(torch.randn(num_tokens, EXPERTS, device=device), TOP_K, renormalize=True)
     return hidden, gate_up, down, weights, ids
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 # The pair path reads an expert's weights once per pair: decode batches only.
@@ -97,6 +95,17 @@ def moe_checkpoint(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return build_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe_engine"))
+
+
+# The graphs module's engine checks, on the MoE model: a launch never waits for the device; async
+# scheduling gives the synchronous tokens.
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_launching_a_step_never_waits_for_the_device(enforce_eager, checkpoint):
+    assert_launches_never_wait(checkpoint, enforce_eager)
+
+
+def test_async_scheduling_gives_the_tokens_of_the_synchronous_loop(checkpoint):
+    assert_async_gives_synchronous_tokens(checkpoint)
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])

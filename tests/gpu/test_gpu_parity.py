@@ -6,7 +6,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA or ROCm GPU", allow_module_level=True)
 
 from corectl import SamplingParams  # noqa: E402
-from gpu_helpers import compare_greedy, generate, random_prompts  # noqa: E402
+from support.gpu import compare_greedy, generate, random_prompts  # noqa: E402
 
 NEW_TOKENS = 16
 PROMPT_LENGTHS = (5, 17, 40, 64, 100, 130, 257, 600)

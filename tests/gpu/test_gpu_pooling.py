@@ -8,7 +8,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA or ROCm GPU", allow_module_level=True)
 
-from gpu_helpers import random_prompts  # noqa: E402
+from support.gpu import random_prompts  # noqa: E402
 
 PROMPT_LENGTHS = (5, 17, 40, 64, 100, 130, 257, 600)
 # bf16 weights and activations against an fp32 reference: measured on the H100, the lowest

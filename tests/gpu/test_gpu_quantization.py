@@ -13,16 +13,13 @@ from corectl.quantization.fp8 import (fp8_gemm_reference, fp8_gemm_scaled_mm, fp
                                       fp8_w8a16_reference, quantize_rows)
 from corectl.quantization.gguf_int8 import w8a16_reference  # noqa: E402
 from corectl.quantization.int4 import pack_int32, tile_words, w4a16_reference  # noqa: E402
-from gpu_helpers import build_checkpoint, generate, random_prompts  # noqa: E402
+from support.close import relative_error  # noqa: E402
+from support.gpu import build_checkpoint, generate, random_prompts  # noqa: E402
 
 FP8 = torch.cuda.get_device_capability(0) >= (8, 9)
 # (N, K) of llama3-8b's qkv, o, gate_up and down projections
 LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 REL_TOL = 1e-2
-
-
-def _rel_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
 @pytest.mark.skipif(not FP8, reason="FP8 tensor cores need compute capability 8.9 or newer")
@@ -42,7 +39,7 @@ def test_fp8_activation_quantizer_and_scaled_mm_match_references(m, n, k, fast_a
     # Bit-exact on the CPU interpreter; here a division may differ by an fp32 ulp: one e4m3 step at most.
     diff = (xq.float() - expected_q.float()).abs()
     assert (diff <= expected_q.float().abs() * 2 ** -3 + 2 ** -9).all()
-    error = _rel_error(fp8_gemm_scaled_mm(xq, x_scale, weight, scale.view(-1), bias, x.dtype),
+    error = relative_error(fp8_gemm_scaled_mm(xq, x_scale, weight, scale.view(-1), bias, x.dtype),
                        fp8_gemm_reference(xq, x_scale, weight, scale.view(-1), bias, x.dtype))
     assert error < REL_TOL, error
 
@@ -59,9 +56,9 @@ def test_fp8_w8a16_gemv_matches_reference_and_beats_w8a8(m, n, k):
     weight, scale = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
     scale, bias = scale.view(-1), torch.randn(n, device="cuda", dtype=torch.bfloat16)
     out = fp8_w8a16_gemv(x, weight, scale, bias)
-    assert _rel_error(out, fp8_w8a16_reference(x, weight, scale, bias)) < 2 ** -8
+    assert relative_error(out, fp8_w8a16_reference(x, weight, scale, bias)) < 2 ** -8
     dense = x.float() @ (weight.float() * scale.view(-1, 1)).t() + bias.float()
-    assert _rel_error(out, dense) < _rel_error(fp8_linear_reference(x, weight, scale, bias), dense)
+    assert relative_error(out, dense) < relative_error(fp8_linear_reference(x, weight, scale, bias), dense)
 
 
 @pytest.mark.skipif(not FP8, reason="e4m3 conversions need compute capability 8.9 or newer")
@@ -106,7 +103,7 @@ def test_w4a16_gemm_matches_reference(m, n, k, act_order):
 
     qweight, scales, zeros, g_idx, group_size = _w4_layer(n, k, act_order)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    error = _rel_error(w4a16_gemm(x, qweight, scales, zeros, g_idx, group_size),
+    error = relative_error(w4a16_gemm(x, qweight, scales, zeros, g_idx, group_size),
                        w4a16_reference(x, qweight, scales, zeros, g_idx))
     assert error < REL_TOL, error
 
@@ -126,7 +123,7 @@ def test_w4a16_decode_path_matches_reference_and_replays_in_graphs(n, k, dtype, 
     tol = 1e-5 if dtype == torch.float32 else REL_TOL
     for m in (1, 2, 3, 4, 8, 16):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
-        error = _rel_error(w4a16_gemm_trusted(x, qweight, scales, zeros, g_idx, group_size),
+        error = relative_error(w4a16_gemm_trusted(x, qweight, scales, zeros, g_idx, group_size),
                            w4a16_reference(x, qweight, scales, zeros, g_idx))
         assert error < tol, (m, error)
     x = torch.randn(1, k, device="cuda", dtype=dtype)
@@ -152,7 +149,7 @@ def test_w8a16_gemm_matches_reference_and_replays_in_graphs(n, k, dtype, group, 
     mins = (torch.randn(n, k // group, device="cuda") * 1e-3).to(torch.float16) if offsets else None
     for m in (1, 2, 4, 8, 16, 300):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
-        error = _rel_error(w8a16_gemm(x, codes, scales, mins, group), w8a16_reference(x, codes, scales, mins, group))
+        error = relative_error(w8a16_gemm(x, codes, scales, mins, group), w8a16_reference(x, codes, scales, mins, group))
         assert error < REL_TOL, (m, error)
     x = torch.randn(1, k, device="cuda", dtype=dtype)
     w8a16_gemm(x, codes, scales, mins, group)
@@ -207,7 +204,7 @@ def test_awq_checkpoint_matches_its_dequantized_model(tmp_path):
     """The AWQ checkpoint (real packing, tests/quant_checkpoints.py) against the fp32 model of its
     dequantized weights, served in fp32 (same weights: near-exact) and in bf16 (within the error
     bf16 serving adds to the dense model; every divergence is a flip that error explains)."""
-    from quant_checkpoints import write_w4_checkpoints
+    from support.quant_checkpoints import write_w4_checkpoints
 
     dense = build_checkpoint("llama", tmp_path / "llama")
     quantized, reference = write_w4_checkpoints(dense, tmp_path, "awq", group=128)
@@ -229,7 +226,7 @@ def _assert_gguf_matches_its_dequantized_model(tmp_path, types: dict[str, str], 
     the same weights (fp32 scales and offsets: near-exact); in bf16 (fp16 scales and offsets, the
     file's precision) within the AWQ test's bound."""
     from gguf import GGMLQuantizationType as Q
-    from gguf_files import write_gguf
+    from support.gguf_files import write_gguf
 
     dense = build_checkpoint("llama", tmp_path / "dense")
     path = write_gguf(dense, tmp_path / "llama.gguf", {kind: Q[name] for kind, name in types.items()},

@@ -16,7 +16,8 @@ from corectl.backends.triton.bench.paged_batch import (  # noqa: E402
     poison_outside_windows,
     random_paged_batch,
 )
-from gpu_helpers import VOCAB_SIZE, compare_greedy, generate, random_prompts, write_tokenizer  # noqa: E402
+from support.close import relative_error  # noqa: E402
+from support.gpu import VOCAB_SIZE, compare_greedy, generate, random_prompts, write_tokenizer  # noqa: E402
 
 MISTRAL_HEADS = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
 SCALE = 128 ** -0.5
@@ -26,7 +27,7 @@ REL_TOL = 1e-2
 
 def _rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert torch.isfinite(out).all(), "the kernel read a key outside every window (NaN) or left rows unwritten"
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    return relative_error(out, ref)
 
 
 @pytest.mark.parametrize("window, soft_cap", [(4096, None), (1000, None), (4096, 50.0)])

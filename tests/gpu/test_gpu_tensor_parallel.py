@@ -11,7 +11,7 @@ if torch.cuda.device_count() < 2:
     pytest.skip("needs two CUDA or ROCm GPUs", allow_module_level=True)
 
 from corectl import SamplingParams  # noqa: E402
-from gpu_helpers import compare_greedy, generate, random_prompts  # noqa: E402
+from support.gpu import compare_greedy, generate, random_prompts  # noqa: E402
 
 NEW_TOKENS = 16
 PROMPT_LENGTHS = (5, 17, 40, 64, 100, 130, 257, 600)

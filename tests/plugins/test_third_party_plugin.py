@@ -18,7 +18,7 @@ from corectl import LLM, SamplingParams
 from corectl.discovery import resolve_platform
 from corectl.errors import ConfigError
 from corectl.plugins import get_plugin_manager, reset_plugin_manager
-from helpers import build_random_checkpoint, held_bytes, hf_greedy
+from support.models import build_random_checkpoint, held_bytes, hf_greedy
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "third_party_plugin"
 PACKAGE = "corectl_example_plugin"
@@ -156,7 +156,7 @@ def test_gemma_greedy_matches_transformers(plugin_site, gemma_dir, gemma_referen
 def test_quantization_method_from_a_plugin_serves_its_4bit_weights(plugin_site, tmp_path, default_model_dir):
     """`--quantization rtn_int4` comes from the plugin's hook; the engine decodes the greedy tokens
     of the dense model of the weights it quantized (or diverges at near-ties of that model)."""
-    from quant_checkpoints import greedy_divergences, random_prompts
+    from support.quant_checkpoints import greedy_divergences, random_prompts
     from safetensors.torch import load_file, save_file
 
     rtn = importlib.import_module(f"{PACKAGE}.quantization")

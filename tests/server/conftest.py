@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from server_process import API_KEY, SMALL_ENGINE, ServerProcess
+from support.server import API_KEY, SMALL_ENGINE, ServerProcess
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_process import API_KEY, SMALL_ENGINE, ServerProcess
+from support.server import API_KEY, SMALL_ENGINE, ServerProcess
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 DEADLINE_S = 180

@@ -8,8 +8,8 @@ import re
 import numpy as np
 import pytest
 import torch
-from api_errors import expect_error
-from server_process import API_KEY, ServerProcess
+from support.openai_errors import expect_error
+from support.server import API_KEY, ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 TEXTS = ["Paris is the capital of France.", "The sea is calm tonight.", "Spiders have eight legs."]

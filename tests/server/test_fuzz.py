@@ -12,9 +12,9 @@ import json
 
 import httpx
 import pytest
-from api_errors import openai_error
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from support.openai_errors import openai_error
 
 FUZZ = settings(derandomize=True, database=None, deadline=None, phases=[Phase.explicit, Phase.generate],
                 suppress_health_check=list(HealthCheck))

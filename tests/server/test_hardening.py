@@ -6,8 +6,8 @@ import json
 
 import httpx
 import pytest
-from api_errors import expect_error
-from server_process import SMALL_ENGINE, ServerProcess
+from support.openai_errors import expect_error
+from support.server import SMALL_ENGINE, ServerProcess
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 JSON = {"content-type": "application/json"}

@@ -6,8 +6,8 @@ import json
 import httpx
 import openai
 import pytest
-from api_errors import expect_error as _error
-from server_process import API_KEY
+from support.openai_errors import expect_error as _error
+from support.server import API_KEY
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from server_process import SMALL_ENGINE, ServerProcess
+from support.server import SMALL_ENGINE, ServerProcess
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 README_URL = "http://127.0.0.1:8000"

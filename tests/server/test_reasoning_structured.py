@@ -11,8 +11,8 @@ import json
 
 import jsonschema
 import pytest
-from helpers import build_random_checkpoint, save_think_tokenizer
-from server_process import SMALL_ENGINE, ServerProcess
+from support.models import build_random_checkpoint, save_think_tokenizer
+from support.server import SMALL_ENGINE, ServerProcess
 
 MODEL = "think"
 HELLO, END = 19556, 49153

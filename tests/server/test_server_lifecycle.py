@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from server_process import SMALL_ENGINE, ServerProcess, free_port
+from support.server import SMALL_ENGINE, ServerProcess, free_port
 
 
 def _health_until_down(url: str) -> list[int | str]:

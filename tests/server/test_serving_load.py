@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import API_KEY
+from support.server import API_KEY
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from api_errors import expect_error
 from pydantic import BaseModel, Field
-from server_process import SMALL_ENGINE, ServerProcess
+from support.openai_errors import expect_error
+from support.server import SMALL_ENGINE, ServerProcess
 
 TEMPLATE = Path(__file__).parents[2] / "examples" / "chat_templates" / "smollm2_tools.jinja"
 MODEL = "SmolLM2-135M-Instruct.Q4_1"

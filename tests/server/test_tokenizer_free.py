@@ -8,7 +8,7 @@ import sys
 
 import httpx
 import pytest
-from server_process import SMALL_ENGINE, ServerProcess
+from support.server import SMALL_ENGINE, ServerProcess
 
 PROMPT = [5, 17, 42, 99, 3, 250]
 

@@ -25,7 +25,7 @@ from corectl.backends.rocm import platform as rocm_platform
 from corectl.platform import PlatformCaps
 from corectl.worker.model_runner import ModelRunner
 from corectl.worker.request_states import RequestStates
-from helpers import new_request_data, scheduler_output
+from support.scheduling import new_request_data, scheduler_output
 
 BS = 4
 

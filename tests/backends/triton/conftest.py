@@ -11,10 +11,7 @@ import random
 
 import pytest
 import torch
-
-# bf16 keeps 8 significant bits: one rounding moves a value by at most 2**-7 of itself, and the
-# interpreter truncates instead of rounding, so kernel and reference may each be a step off.
-BF16_STEP = 2.0 ** -7
+from support.close import assert_close
 
 
 @pytest.fixture(autouse=True)
@@ -33,18 +30,7 @@ def nan_filled_allocations():
     torch.use_deterministic_algorithms(was)
 
 
-def _assert_close(out: torch.Tensor, ref: torch.Tensor, roundings: int = 1) -> None:
-    """Compare with the reference: fp32 to rounding noise; 16-bit within `roundings` dtype steps."""
-    assert out.shape == ref.shape, f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
-    assert torch.isfinite(out).all(), f"{(~torch.isfinite(out)).sum().item()} elements unwritten or not finite"
-    if out.dtype == torch.float32:
-        rtol, atol = 2e-5, 2e-5
-    else:
-        step = BF16_STEP if out.dtype == torch.bfloat16 else 2.0 ** -10
-        rtol, atol = roundings * step, 1e-4
-    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol)
-
-
-@pytest.fixture
-def assert_close():
-    return _assert_close
+@pytest.fixture(name="assert_close")
+def assert_close_fixture():
+    """tests/support/close.py's check, for the kernel tests that take it as an argument."""
+    return assert_close

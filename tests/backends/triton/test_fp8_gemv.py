@@ -13,6 +13,7 @@ from corectl.backends.triton.gemm.fp8_gemv import (
     fp8_w8a16_gemv,
 )
 from corectl.quantization.fp8 import GEMV_MAX_M, fp8_w8a16_reference, quantize_rows
+from support.close import BF16_STEP
 
 LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 H100_SMS = 132
@@ -140,27 +141,25 @@ def test_dense_gemv_matches_torch(m, n, k):
     torch.testing.assert_close(fp8_gemv.dense_gemv(x, weight), x @ weight.t(), rtol=1e-5, atol=1e-5)
 
 
-def test_dense_gemv_at_batch_1_is_one_unsplit_launch_over_narrow_columns():
+def test_dense_gemv_at_batch_1_is_one_unsplit_launch_over_narrow_columns(assert_close):
     cfg = fp8_gemv._small_n_config(1, 128, 2048)
     assert (cfg.block_m, cfg.split_k, cfg.block_n) == (1, 1, 2)
     x, weight = torch.randn(1, 300).to(torch.bfloat16), torch.randn(24, 300).to(torch.bfloat16)
-    ref = x.float() @ weight.float().t()
-    assert (fp8_gemv.dense_gemv(x, weight).float() - ref).abs().max() <= ref.abs().max() * 2 ** -7
+    assert_close(fp8_gemv.dense_gemv(x, weight), x.float() @ weight.float().t(), BF16_STEP, norm="max")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,cfg", [(1, GemvConfig(1, 8, 64, 1, 4, 3)), (1, GemvConfig(1, 16, 32, 2, 4, 1)),
                                    (3, GemvConfig(16, 16, 64, 2, 4, 3)), (MAX_M, GemvConfig(16, 32, 32, 1, 4, 1))])
-def test_dense_gemv_with_bias_and_gated_matches_torch(m, cfg, dtype):
+def test_dense_gemv_with_bias_and_gated_matches_torch(m, cfg, dtype, assert_close):
     """A dense layer's decode GEMM: the bias added once after a split-K reduction, and the gated form
     multiplying exactly what silu_and_mul stores (so it equals silu_and_mul then the GEMV)."""
     n, k = 40, 136
     weight, bias = (torch.randn(n, k) * k ** -0.5).to(dtype), torch.randn(n).to(dtype)
     x, gate_up = torch.randn(m, k).to(dtype), torch.randn(m, 2 * k).to(dtype)
     ref = x.float() @ weight.float().t() + bias.float()
-    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
-    got = fp8_gemv.dense_gemv(x, weight, bias, cfg)
-    assert (got.float() - ref).abs().max() <= tol * ref.abs().max()
+    assert_close(fp8_gemv.dense_gemv(x, weight, bias, cfg), ref, 1e-5 if dtype == torch.float32 else BF16_STEP,
+                 norm="max")
     gated = fp8_gemv.dense_gemv(gate_up, weight, bias, cfg, gated=True)
     torch.testing.assert_close(gated, fp8_gemv.dense_gemv(silu_and_mul(gate_up), weight, bias, cfg), rtol=0, atol=0)
 

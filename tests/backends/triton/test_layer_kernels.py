@@ -13,7 +13,7 @@ from corectl.backends.triton.gemm.fp8_gemv import fp8_w8a16_gemv
 from corectl.backends.triton.layer_kernels import triton_layer_kernels
 from corectl.models.kernels import install_layer_kernels
 from corectl.quantization.fp8 import GEMV_KERNEL, GEMV_MAX_M
-from helpers import build_random_checkpoint
+from support.models import build_random_checkpoint
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True)
 

@@ -9,9 +9,9 @@ from corectl import LLM, EngineConfig, SamplingParams
 from corectl.engine.client import EngineClient
 from corectl.engine.dp import DataParallelEngines, engine_config, engine_devices
 from corectl.errors import ConfigError
+from support.engines import TINY
 
-TINY = {"model": "llama-tiny", "load_format": "dummy", "platform": "cpu", "kv_cache_memory_gib": 0.01,
-        "dtype": "float32"}
+ENGINE = {**TINY, "dtype": "float32"}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[(7 * i + j) % 500 + 1 for j in range(20 + 9 * i)] for i in range(6)]
 
@@ -29,7 +29,7 @@ async def _generate(client: EngineClient, prompt: list[int], params: SamplingPar
 
 def _run_dp2(body):
     async def main():
-        async with EngineClient.in_process(EngineConfig(**TINY, data_parallel_size=2)) as client:
+        async with EngineClient.in_process(EngineConfig(**ENGINE, data_parallel_size=2)) as client:
             assert isinstance(client.transport, DataParallelEngines)
             return await body(client)
 
@@ -49,7 +49,7 @@ def test_two_engines_share_the_load_and_answer_as_one_engine():
         return results, client.engine_stats, client.stats
 
     served, per_engine, total = _run_dp2(body)
-    single = LLM(**TINY).generate(PROMPTS, GREEDY, use_tqdm=False)
+    single = LLM(**ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False)
     assert served == [out.outputs[0].token_ids for out in single]
     # Both engines looked up prompts (each served some), and the client's stats add them up.
     assert all(stats.prefix_cache_queries > 0 for stats in per_engine)
@@ -109,7 +109,7 @@ def test_each_engine_gets_its_own_devices_and_share_of_cores():
 
 def test_a_failed_start_raises_the_engines_error_once():
     async def main():
-        async with EngineClient.in_process(EngineConfig(**TINY, data_parallel_size=2, max_model_len=4096)):
+        async with EngineClient.in_process(EngineConfig(**ENGINE, data_parallel_size=2, max_model_len=4096)):
             pass
 
     # The client's task group wraps what its body raises; inside is the one error, not one per engine.
@@ -121,4 +121,4 @@ def test_a_failed_start_raises_the_engines_error_once():
 
 def test_the_offline_llm_refuses_data_parallelism():
     with pytest.raises(ConfigError, match="data_parallel_size"):
-        LLM(**TINY, data_parallel_size=2)
+        LLM(**ENGINE, data_parallel_size=2)

@@ -12,8 +12,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import SMALL_ENGINE, ServerProcess
-from test_serve_tp import alive, descendants
+from support.server import SMALL_ENGINE, ServerProcess, alive, descendants
 
 pytestmark = pytest.mark.slow
 

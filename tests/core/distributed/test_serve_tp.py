@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 from corectl import LLM, SamplingParams
-from helpers import build_random_checkpoint
-from server_process import SMALL_ENGINE, ServerProcess
+from support.models import build_random_checkpoint
+from support.server import SMALL_ENGINE, ServerProcess, alive, descendants
 
 pytestmark = pytest.mark.slow
 
@@ -31,21 +31,6 @@ def server(checkpoint):
         yield process.wait_ready()
     finally:
         process.stop()
-
-
-def descendants(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            found += [int(child), *descendants(int(child))]
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_serve_tp2_completes_like_one_device(server, checkpoint):

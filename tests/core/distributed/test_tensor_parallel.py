@@ -16,7 +16,7 @@ import time
 import pytest
 from corectl import LLM, SamplingParams
 from corectl.errors import ConfigError
-from helpers import build_random_checkpoint
+from support.models import build_random_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import pytest
 from corectl import LLM, SamplingParams
 from corectl.request import RequestStatus
 from corectl.step_messages import LogprobsLists, ModelRunnerOutput
-from test_scheduler import (
+from support.scheduling import (
     PagedOracle,
     assert_all_blocks_free,
     make_req,

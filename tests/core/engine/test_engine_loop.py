@@ -13,8 +13,8 @@ from corectl.engine.messages import EngineCoreRequest
 from corectl.engine.output_processor import OutputProcessor
 from corectl.engine.remote import RemoteEngine
 from corectl.errors import InvalidRequestError, QueueFullError
+from support.engines import TINY
 
-TINY = {"model": "llama-tiny", "load_format": "dummy", "platform": "cpu", "kv_cache_memory_gib": 0.01}
 TWO = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
 

@@ -4,7 +4,7 @@ import random
 import pytest
 from corectl.kv.block_map import summarize_block_states
 from corectl.kv.block_pool import CACHED, FREE, USED
-from test_scheduler import PagedOracle, make_req, make_scheduler
+from support.scheduling import PagedOracle, make_req, make_scheduler
 
 
 def recomputed_states(pool) -> bytearray:

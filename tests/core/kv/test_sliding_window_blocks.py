@@ -19,7 +19,7 @@ from corectl.request import Request
 from corectl.sampling_params import SamplingParams
 from corectl.scheduler import Scheduler
 from corectl.step_messages import ModelRunnerOutput
-from test_scheduler import PagedOracle
+from support.scheduling import PagedOracle
 
 BS = 4
 VOCAB = 1000

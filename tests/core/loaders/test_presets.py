@@ -15,6 +15,7 @@ from corectl.errors import ConfigError, InvalidRequestError
 from corectl.loaders import resolve_model_source
 from corectl.loaders.presets import PRESETS
 from corectl.server.cli.main import main
+from support.engines import TINY
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 from transformers import LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
@@ -43,7 +44,6 @@ PEER_SHAPES = {
 }
 # What the peer's constructor calls leave unset: it passes dtype to from_config and needs no architecture.
 NOT_COMPARED = {"architectures", "dtype", "transformers_version", "_name_or_path"}
-TINY = dict(model="llama-tiny", load_format="dummy", platform="cpu", kv_cache_memory_gib=0.01)
 
 
 pytestmark = pytest.mark.usefixtures("isolated_env")

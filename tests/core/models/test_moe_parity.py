@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from corectl import LLM, SamplingParams
-from helpers import build_random_checkpoint, hf_greedy
+from support.models import build_random_checkpoint, hf_greedy
 
 NEW_TOKENS = 16
 LOGPROB_TOL = 1e-3

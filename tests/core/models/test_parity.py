@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 from corectl import LLM, SamplingParams
-from helpers import CHAT_PROMPTS, build_random_checkpoint, hf_greedy, smollm2_folder
+from support.models import CHAT_PROMPTS, build_random_checkpoint, hf_greedy, smollm2_folder
 
 NEW_TOKENS = 32
 LOGPROB_TOL = 1e-3

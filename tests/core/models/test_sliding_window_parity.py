@@ -21,7 +21,7 @@ from corectl.errors import ConfigError
 from corectl.loaders import resolve_model_source
 from corectl.request import Request
 from corectl.scheduler import Scheduler
-from helpers import hf_greedy
+from support.models import hf_greedy
 
 NEW_TOKENS = 16
 WINDOW = 8

@@ -8,9 +8,9 @@ import pytest
 from corectl import LLM, EngineConfig, PoolingParams
 from corectl.engine.client import EngineClient
 from corectl.engine.remote import RemoteEngine
+from support.engines import TINY
 
-TINY = {"model": "llama-tiny", "load_format": "dummy", "platform": "cpu", "kv_cache_memory_gib": 0.01,
-        "runner": "pooling", "pooling_type": "MEAN", "max_num_batched_tokens": 32, "dtype": "float32"}
+POOLING = {**TINY, "runner": "pooling", "pooling_type": "MEAN", "max_num_batched_tokens": 32, "dtype": "float32"}
 PROMPTS = [[5, 6, 7], list(range(10, 80)), [9] * 40]
 
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("isolated_env")
 
 @pytest.fixture(scope="module")
 def offline():
-    llm = LLM(**TINY)
+    llm = LLM(**POOLING)
     return [np.array(out.outputs.embedding) for out in llm.embed(PROMPTS, use_tqdm=False)]
 
 
@@ -34,7 +34,7 @@ async def _embed_all(client: EngineClient) -> list[np.ndarray]:
 
 
 def test_the_async_client_embeds_as_offline_in_process_and_over_the_socket(offline):
-    config = EngineConfig(**TINY)
+    config = EngineConfig(**POOLING)
 
     async def main():
         async with EngineClient.in_process(config) as client:
@@ -54,7 +54,7 @@ def test_the_async_client_embeds_as_offline_in_process_and_over_the_socket(offli
 
 
 def test_a_consumer_that_stops_aborts_its_request_and_frees_its_blocks():
-    config = EngineConfig(**TINY)
+    config = EngineConfig(**POOLING)
 
     async def main():
         async with EngineClient.in_process(config) as client:
@@ -79,6 +79,6 @@ def test_a_consumer_that_stops_aborts_its_request_and_frees_its_blocks():
 
 
 def test_past_the_queue_bound_an_embedding_finishes_as_abort():
-    llm = LLM(**TINY, max_queued_requests=1)
+    llm = LLM(**POOLING, max_queued_requests=1)
     outs = llm.embed([[1, 2, 3], [4, 5]], use_tqdm=False)
     assert [(o.finish_reason, len(o.outputs.embedding) > 0) for o in outs] == [("stop", True), ("abort", False)]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from corectl import LLM, PoolingParams
 from corectl.errors import InvalidRequestError
-from helpers import build_random_checkpoint
+from support.models import build_random_checkpoint
 
 TOL = 1e-5
 LENGTHS = (5, 17, 40, 64, 100)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quant_checkpoints import greedy_divergences, random_prompts, write_fp8_checkpoints, write_w4_checkpoints
 from corectl import LLM, SamplingParams
 from corectl.errors import ConfigError
 from corectl.quantization.fp8 import quantize_rows
-from helpers import build_random_checkpoint
 from safetensors.torch import load_file
+from support.models import build_random_checkpoint
+from support.quant_checkpoints import greedy_divergences, random_prompts, write_fp8_checkpoints, write_w4_checkpoints
 
 ENGINE = {"dtype": "float32", "kv_cache_memory_gib": 0.05, "max_model_len": 128}
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from corectl import LLM
 from gguf import GGMLQuantizationType as Q
-from gguf_files import write_gguf
-from helpers import build_random_checkpoint
-from quant_checkpoints import greedy_divergences, random_prompts
+from support.gguf_files import write_gguf
+from support.models import build_random_checkpoint
+from support.quant_checkpoints import greedy_divergences, random_prompts
 
 ENGINE = {"kv_cache_memory_gib": 0.05, "max_model_len": 128}
 # projection -> storage type; layer 1's down projection stays Q8_0 (dequantized at load)

@@ -14,8 +14,9 @@ from corectl.quantization.gguf import GGUFConfig
 from corectl.quantization.int4 import W4_TILE
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from gguf_files import quantize_blocks
-from helpers import assert_row_parallel_sums, build_quantized_layer, finish_loading
+from support.close import assert_close
+from support.gguf_files import quantize_blocks
+from support.quantized_layers import assert_row_parallel_sums, build_quantized_layer, finish_loading
 
 N = 64
 # Q4_0/Q4_1 rows of 192 inputs split into 96 per rank (3 groups: no multiple of a 64-input
@@ -45,11 +46,6 @@ def _finish(layer, prefix: str) -> None:
     assert layer.w4_qweight.shape == (-(-layer.out_features // W4_TILE), layer.in_features // 8, W4_TILE)
 
 
-def _close(got: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
-    error = ((got.float() - expected).norm() / expected.norm()).item()
-    assert error < tol, error
-
-
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("m", [1, 3, 16, 70])
 @pytest.mark.parametrize("qtype", list(IN_FEATURES))
@@ -63,8 +59,7 @@ def test_row_parallel_gguf_blocks_on_w4a16_match_their_dequantized_weights(qtype
         _finish(layer, PREFIX)
         return layer
 
-    assert_row_parallel_sums(loaded, torch.randn(m, k), _reference(qtype, rows), world_size,
-                             lambda got, want: _close(got, want, 1e-5))
+    assert_row_parallel_sums(loaded, torch.randn(m, k), _reference(qtype, rows), world_size, 1e-5)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -82,9 +77,7 @@ def test_packed_column_parallel_shards_of_mixed_formats(world_size):
         _finish(layer, prefix)
         expected = torch.cat([x @ _reference(types[s], rows[s])[first:first + size].t()
                               for s, (_, size, first) in layer.shards.items()], -1)
-        out = layer.quant_method.apply(layer, x)
-        assert out.shape == expected.shape
-        _close(out, expected, 1e-5)
+        assert_close(layer.quant_method.apply(layer, x), expected, 1e-5)
 
 
 def test_bf16_decode_serves_fp16_scales_and_offsets():
@@ -98,4 +91,4 @@ def test_bf16_decode_serves_fp16_scales_and_offsets():
     x = torch.randn(1, 256).bfloat16()
     out = layer.quant_method.apply(layer, x)
     assert out.dtype == torch.bfloat16
-    _close(out, x.float() @ _reference("Q4_K", rows).t(), 1e-2)
+    assert_close(out, x.float() @ _reference("Q4_K", rows).t(), 1e-2)

@@ -16,8 +16,9 @@ from corectl.quantization.gguf import GGUFConfig, GGUFInt4Method
 from corectl.quantization.gguf_int8 import GGUFInt8Method, w8a16_reference
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from gguf_files import quantize_blocks
-from helpers import assert_row_parallel_sums, build_quantized_layer, finish_loading
+from support.close import assert_close
+from support.gguf_files import quantize_blocks
+from support.quantized_layers import assert_row_parallel_sums, build_quantized_layer, finish_loading
 
 N = 48
 PREFIX = "model.layers.0.mlp.down_proj"
@@ -28,11 +29,6 @@ def _case(m: int, n: int, k: int, group: int, offsets: bool, dtype: torch.dtype)
     scales = (torch.rand(n, k // group) * 0.01 + 0.001).to(dtype)
     mins = (torch.randn(n, k // group) * 0.01).to(dtype) if offsets else None
     return torch.randn(m, k).to(dtype), codes, scales, mins
-
-
-def _close(got: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
-    error = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
-    assert error < tol, error
 
 
 # GEMV at M = 1 (K = 96: one partial 256-input block), tl.dot tiles above; bf16 only through GEMV
@@ -47,7 +43,7 @@ def test_triton_w8a16_matches_reference(m, group, offsets, dtype):
     x, codes, scales, mins = _case(m, N, 96, group, offsets, dtype)
     out = w8a16_gemm(x, codes, scales, mins, group)
     assert out.dtype == dtype and out.shape == (m, N)
-    _close(out, w8a16_reference(x, codes, scales, mins, group), 1e-5 if dtype == torch.float32 else 1e-2)
+    assert_close(out, w8a16_reference(x, codes, scales, mins, group), 1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("cfg", [W8Config(1, 16, 64, 3, 4), W8Config(16, 32, 64, 2, 4)])
@@ -55,7 +51,7 @@ def test_triton_w8a16_split_k_sums_every_slice(cfg):
     """K = 320 in 64-input blocks split three (GEMV) or two (dot) ways: uneven slices, one partial."""
     m = cfg.block_m if cfg.block_m > 1 else 1
     x, codes, scales, mins = _case(m, 40, 320, 32, True, torch.float32)
-    _close(w8a16_gemm(x, codes, scales, mins, 32, cfg), w8a16_reference(x, codes, scales, mins, 32), 1e-5)
+    assert_close(w8a16_gemm(x, codes, scales, mins, 32, cfg), w8a16_reference(x, codes, scales, mins, 32), 1e-5)
 
 
 def test_triton_w8a16_checks_its_inputs():
@@ -107,8 +103,7 @@ def test_row_parallel_int8_blocks_match_their_dequantized_weights(qtype, m, worl
         assert layer.w8_offsets is None and layer.w8_scales.shape == (N, layer.in_features // group)
         return layer
 
-    assert_row_parallel_sums(loaded, torch.randn(m, k), _reference(qtype, rows), world_size,
-                             lambda got, want: _close(got, want, 1e-5))
+    assert_row_parallel_sums(loaded, torch.randn(m, k), _reference(qtype, rows), world_size, 1e-5)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -130,7 +125,7 @@ def test_packed_layer_mixing_q4_k_and_q6_k_keeps_int8_groups_of_16(world_size):
         assert layer.w8_offsets is not None and layer.w8_scales.shape[1] == k // 16
         expected = torch.cat([x @ _reference(types[s], rows[s])[first:first + size].t()
                               for s, (_, size, first) in layer.shards.items()], -1)
-        _close(layer.quant_method.apply(layer, x), expected, 1e-5)
+        assert_close(layer.quant_method.apply(layer, x), expected, 1e-5)
 
 
 def test_half_precision_models_keep_fp16_scales():
@@ -141,7 +136,7 @@ def test_half_precision_models_keep_fp16_scales():
     _finish(layer, PREFIX)
     assert layer.w8_scales.dtype == torch.float16
     x = torch.randn(1, 256).half()
-    _close(layer.quant_method.apply(layer, x), x.float() @ _reference("Q6_K", rows).t(), 1e-2)
+    assert_close(layer.quant_method.apply(layer, x), x.float() @ _reference("Q6_K", rows).t(), 1e-2)
 
 
 def test_q4_k_m_layers_split_between_int4_and_int8_where_the_platform_has_w8a16():

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quant_checkpoints import greedy_divergences, random_prompts, write_fp8_checkpoints
 from corectl import LLM
 from corectl.backends.cpu.worker import CPUWorker
 from corectl.quantization import fp8
-from helpers import build_random_checkpoint
 from safetensors.torch import load_file
+from support.models import build_random_checkpoint
+from support.quant_checkpoints import greedy_divergences, random_prompts, write_fp8_checkpoints
 
 ENGINE = {"dtype": "float32", "kv_cache_memory_gib": 0.05, "max_model_len": 128}
 NUM_LAYERS, NUM_EXPERTS = 2, 8

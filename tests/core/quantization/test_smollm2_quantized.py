@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from quant_checkpoints import NEW_TOKENS, greedy_divergences
 from corectl import LLM, SamplingParams
 from corectl.backends.cpu.platform import CPUPlatform
-from helpers import CHAT_PROMPTS
+from support.models import CHAT_PROMPTS
+from support.quant_checkpoints import NEW_TOKENS, greedy_divergences
 
 ENGINE = {"max_model_len": 1024, "kv_cache_memory_gib": 0.25, "max_num_seqs": 32}
 

@@ -8,16 +8,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from quant_checkpoints import AWQ_ORDER, pack_nibbles, quantize_int4
 from corectl.backends.triton.gemm.w4a16 import w4a16_gemm
-from corectl.distributed import TensorParallel, parallel_state
 from corectl.errors import ConfigError
 from corectl.loaders.gguf_blocks import Int4Groups
 from corectl.models.parallel import PackedLinear, RowParallelLinear
-from corectl.quantization import layer_bytes, quantization_scope
+from corectl.quantization import layer_bytes
 from corectl.quantization.fp8 import CompressedTensorsFp8Config, Fp8Config
 from corectl.quantization.gguf import GGUFConfig
 from corectl.quantization.int4 import AWQConfig, GPTQConfig
+from support.close import assert_close
+from support.quant_checkpoints import AWQ_ORDER, pack_nibbles, quantize_int4
+from support.quantized_layers import assert_row_parallel_sums, build_quantized_layer
 
 HIDDEN, HEAD_DIM, GROUP = 128, 16, 32
 SHARDS = {"q": 4 * HEAD_DIM, "k": 2 * HEAD_DIM, "v": 2 * HEAD_DIM}
@@ -74,12 +75,7 @@ CASES = {
 
 
 def _build(rank: int, world_size: int, config, make, prefix: str):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(parallel_state, "_state", TensorParallel(rank, world_size))
-        with quantization_scope(config, {"w4a16": w4a16_gemm}):
-            layer = make()
-            layer.set_quant_method(config.linear_method(prefix, layer), torch.float32, torch.device("cpu"))
-    return layer
+    return build_quantized_layer(config, {"w4a16": w4a16_gemm}, make, prefix, torch.float32, rank, world_size)
 
 
 def _finish(layer, prefix: str) -> None:
@@ -92,10 +88,6 @@ def _finish(layer, prefix: str) -> None:
     layer.quant_method.process_weights_after_loading(layer)
     if not hasattr(layer, "dense_weight") and getattr(layer, "w4_group_size", None) != 0:
         assert layer_bytes(layer) == planned
-
-
-def _close(got: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
-    assert (got - expected).abs().max() <= tol * expected.abs().max(), (got - expected).abs().max()
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -114,7 +106,7 @@ def test_packed_column_parallel_rank_outputs(case, world_size):
                 params[name].weight_loader(params[name], tensor, shard)
         _finish(layer, prefix)
         expected = torch.cat([x @ full[s][1][first:first + size].t() for s, (_, size, first) in layer.shards.items()], 1)
-        _close(layer.quant_method.apply(layer, x), expected, tol)
+        assert_close(layer.quant_method.apply(layer, x), expected, tol, norm="max")
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -123,19 +115,16 @@ def test_row_parallel_partial_sums_rebuild_the_output(case, world_size):
     config, make_tensors, tol = CASES[case]
     prefix = "model.layers.0.mlp.down_proj"
     tensors, dense = make_tensors(torch.randn(64, HIDDEN) * 0.1)
-    x = torch.randn(3, HIDDEN)
-    total = torch.zeros(3, 64)
-    for rank in range(world_size):
+
+    def loaded(rank: int):
         layer = _build(rank, world_size, config, lambda: RowParallelLinear(HIDDEN, 64, bias=False), prefix)
         params = dict(layer.named_parameters())
         for name, tensor in tensors.items():
             params[name].weight_loader(params[name], tensor)
         _finish(layer, prefix)
-        columns = slice(layer.first_input, layer.first_input + layer.in_features)
-        partial = layer.quant_method.apply(layer, x[:, columns])
-        _close(partial, x[:, columns] @ dense[:, columns].t(), tol)
-        total += partial
-    _close(total, x @ dense.t(), tol)
+        return layer
+
+    assert_row_parallel_sums(loaded, torch.randn(3, HIDDEN), dense, world_size, tol, norm="max")
 
 
 def test_packed_shards_with_different_act_orders_are_refused():

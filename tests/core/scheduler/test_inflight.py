@@ -1,7 +1,7 @@
 """The scheduler's books on steps in flight (async scheduling): the real scheduler schedules ahead of
 results fed by hand, and `StepsInFlight` must say what those steps still owe each request."""
 from corectl.step_messages import ModelRunnerOutput
-from test_scheduler import assert_all_blocks_free, make_req, make_scheduler
+from support.scheduling import assert_all_blocks_free, make_req, make_scheduler
 
 
 def _sampled(req_ids, token_ids):

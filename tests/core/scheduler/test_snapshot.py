@@ -1,6 +1,6 @@
 """The engine's live snapshot: per-step batch sizes, running ids and the block map, rate-limited."""
 from corectl.scheduler.snapshot import STEP_HISTORY, SnapshotPublisher
-from test_scheduler import PagedOracle, make_req, make_scheduler
+from support.scheduling import PagedOracle, make_req, make_scheduler
 
 
 def step(sched, oracle, publisher):

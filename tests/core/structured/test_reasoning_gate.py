@@ -11,7 +11,7 @@ from corectl.structured.manager import StructuredOutputManager
 from corectl.structured.reasoning import reasoning_gate
 from corectl.structured.xgrammar_backend import XGrammarBackend
 from corectl.tokenizer import Tokenizer
-from helpers import save_think_tokenizer
+from support.models import save_think_tokenizer
 
 EOS = 2
 VOCAB = 49280  # the model's logits are wider than the tokenizer, as in the end-to-end tests

@@ -11,7 +11,7 @@ import pytest
 from corectl import LLM, SamplingParams
 from corectl.sampling_params import ReasoningGate, StructuredOutputsParams
 from corectl.structured.reasoning import reasoning_gate
-from helpers import build_random_checkpoint, save_think_tokenizer
+from support.models import build_random_checkpoint, save_think_tokenizer
 
 START, END, EOS = 49152, 49153, 2
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,

@@ -8,7 +8,7 @@ import pytest
 from corectl import LLM, SamplingParams
 from corectl.errors import InvalidRequestError
 from corectl.sampling_params import StructuredOutputsParams
-from helpers import CHAT_PROMPTS, build_random_checkpoint
+from support.models import CHAT_PROMPTS, build_random_checkpoint
 
 SCHEMAS = {
     "nested": ({"type": "object", "properties": {"user": {

@@ -7,7 +7,7 @@ from corectl.sampling_params import SamplingParams
 from corectl.step_messages import CachedRequestData, NewRequestData
 from corectl.worker.inflight import InflightStep, SampledRows, fetch_now
 from corectl.worker.request_states import BlockTable, RequestStates
-from helpers import new_request_data, scheduler_output
+from support.scheduling import new_request_data, scheduler_output
 
 BS = 4
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 from corectl import EngineConfig
 from corectl.engine.core import EngineCore
+from support.engines import TINY
 
 MAX_MODEL_LEN = 32
 
@@ -13,8 +14,7 @@ def worker(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CORECTL_CACHE_DIR", str(tmp_path_factory.mktemp("corectl-cache")))
         mp.setenv("HF_HUB_OFFLINE", "1")
-        core = EngineCore(EngineConfig(model="llama-tiny", load_format="dummy", platform="cpu",
-                                       kv_cache_memory_gib=0.01, max_model_len=MAX_MODEL_LEN))
+        core = EngineCore(EngineConfig(**TINY, max_model_len=MAX_MODEL_LEN))
     return core.executor.worker
 
 

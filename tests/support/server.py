@@ -1,4 +1,4 @@
-"""`corectl serve` in a subprocess on a free loopback port, for the server tests."""
+"""`corectl serve` in a subprocess on a free loopback port, and the processes it starts."""
 from __future__ import annotations
 
 import os
@@ -71,3 +71,20 @@ class ServerProcess:
                 self.proc.wait()
         os.unlink(self._log.name)
         return self.proc.returncode
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, children before their own children."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            found += [int(child), *descendants(int(child))]
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

@@ -1,15 +1,12 @@
-"""Shared test utilities: locating the embedded model, building small random-weight checkpoints,
-greedy references from `transformers`, and the row-parallel check of quantized layers."""
+"""Models for the tests: the embedded SmolLM2 (its folder and GGUF), small random-weight checkpoints
+of real architectures, greedy references from `transformers`, and what an engine holds in memory."""
 from __future__ import annotations
 
 import importlib.util
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from corectl.sampling_params import SamplingParams
-from corectl.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -84,17 +81,6 @@ def build_random_checkpoint(arch: str, folder: Path, tokenizer_dir: Path, seed: 
     return folder
 
 
-def new_request_data(req_id, tokens, blocks, computed=0, prompt=None):
-    return NewRequestData(req_id=req_id, token_ids=list(tokens), num_prompt_tokens=prompt or len(tokens),
-                          sampling_params=SamplingParams(temperature=0.0), block_ids=list(blocks),
-                          num_computed_tokens=computed)
-
-
-def scheduler_output(new=(), scheduled=None, cached=None, finished=()):
-    scheduled = scheduled or {}
-    return SchedulerOutput(list(new), cached or CachedRequestData(), scheduled, sum(scheduled.values()), list(finished))
-
-
 def save_think_tokenizer(tokenizer_dir: Path, folder: Path) -> Path:
     """The SmolLM2 tokenizer with `<think>` and `</think>` added as single tokens (ids 49152 and
     49153), not special, as in Qwen3's tokenizer (so decoded text keeps them)."""
@@ -112,44 +98,3 @@ def held_bytes(llm) -> int:
     copies are held outside the module's tensors)."""
     model = llm.engine.executor.worker.runner.model
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-
-
-def assert_row_parallel_sums(make_loaded_layer: Callable[[int], torch.nn.Module], x: torch.Tensor,
-                             dense: torch.Tensor, world_size: int,
-                             close: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
-    """Each rank's row-parallel layer (`make_loaded_layer(rank)`, loaded and repacked) computes its
-    inputs' part of x @ dense.T, and the parts sum to the whole product."""
-    total = torch.zeros(x.shape[0], dense.shape[0])
-    for rank in range(world_size):
-        layer = make_loaded_layer(rank)
-        columns = slice(layer.first_input, layer.first_input + layer.in_features)
-        partial = layer.quant_method.apply(layer, x[:, columns])
-        close(partial, x[:, columns] @ dense[:, columns].t())
-        total += partial
-    close(total, x @ dense.t())
-
-
-def build_quantized_layer(config, kernels: dict, make: Callable[[], torch.nn.Module], prefix: str,
-                          dtype: torch.dtype, rank: int = 0, world_size: int = 1) -> torch.nn.Module:
-    """`make()` on tensor-parallel rank `rank` of `world_size`, given the method `config` picks for
-    `prefix` with the worker kernels `kernels`."""
-    import pytest
-    from corectl.distributed import TensorParallel, parallel_state
-    from corectl.quantization import quantization_scope
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(parallel_state, "_state", TensorParallel(rank, world_size))
-        with quantization_scope(config, kernels):
-            layer = make()
-            layer.set_quant_method(config.linear_method(prefix, layer), dtype, torch.device("cpu"))
-    return layer
-
-
-def finish_loading(layer: torch.nn.Module, prefix: str) -> None:
-    """Repack a loaded layer; it then holds exactly what `served_bytes` stated from the shapes alone."""
-    from corectl.quantization import layer_bytes
-
-    planned = layer.quant_method.served_bytes(layer)
-    layer.check_loaded(prefix)
-    layer.quant_method.process_weights_after_loading(layer)
-    assert layer_bytes(layer) == planned

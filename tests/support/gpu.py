@@ -1,4 +1,4 @@
-"""Models, engines and comparisons shared by the GPU tests.
+"""Models, engines, comparisons and engine checks shared by the GPU tests.
 
 Models are small random-weight checkpoints of real architectures, written with a word-level
 tokenizer covering their vocabulary: nothing is downloaded and no GGUF conversion is needed.
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -27,6 +28,12 @@ MOE_ARCHITECTURES = {
     "mixtral": dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False, num_local_experts=8,
                     num_experts_per_tok=2),
 }
+# Requests finishing one after another: decode batches shrink from 13 to 1 through buckets 16, 8, 4, 2, 1.
+PROMPT_LENGTHS = [3, 250, 17, 64, 9, 130, 33, 1, 90, 47, 5, 200, 12]
+MAX_TOKENS = [6 + 3 * i for i in range(len(PROMPT_LENGTHS))]
+# What torch's sync debug mode says at a synchronizing call. Switching the mode on also warns,
+# once per process, that it is a prototype ("Synchronization debug mode ..."): that is no sync.
+SYNC_WARNING = "called a synchronizing CUDA operation"
 # Scores of a few units: attention neither uniform nor one-hot, so which keys it reads matters.
 INIT_STD = 0.1
 
@@ -102,3 +109,48 @@ def compare_greedy(expected: list[int], got: list[int], expected_logprob, got_lo
             return pos, max_error
         max_error = max(max_error, abs(expected_logprob(pos, want) - got_logprobs[pos]))
     return min(len(expected), len(got)), max_error
+
+
+def assert_launches_never_wait(checkpoint: Path, enforce_eager: bool) -> None:
+    """With async scheduling the host reads a step's ids only in `InflightStep.result()`, after the
+    next step is queued; `launch` itself must not synchronize (run on dense and MoE models)."""
+    from corectl import SamplingParams
+
+    syncs_per_launch: list[int] = []
+
+    def count_syncs(llm):
+        assert llm.engine.async_scheduling
+        launch = llm.engine.executor.worker.launch
+
+        def counted(sched):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    result = launch(sched)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs_per_launch.append(sum(SYNC_WARNING in str(w.message) for w in caught))
+            return result
+
+        llm.engine.executor.worker.launch = counted
+
+    # A small token budget chunks the long prompt: steps that sample nothing, mixed steps, decodes.
+    prompts = random_prompts([700, 40, 9, 300], seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    generate(checkpoint, prompts, params, prepare=count_syncs, max_num_batched_tokens=256,
+             enforce_eager=enforce_eager)
+    assert len(syncs_per_launch) > 12 and max(syncs_per_launch) == 0, syncs_per_launch
+
+
+def assert_async_gives_synchronous_tokens(checkpoint: Path) -> None:
+    """Async scheduling gives the synchronous loop's tokens, greedy and seeded sampling alike."""
+    from corectl import SamplingParams
+
+    prompts = random_prompts(PROMPT_LENGTHS, seed=3)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS[:7]]
+    params += [SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=n)
+               for i, n in enumerate(MAX_TOKENS[7:])]
+    sync = generate(checkpoint, prompts, params, dtype="float32", async_scheduling=False)
+    overlapped = generate(checkpoint, prompts, params, dtype="float32")
+    assert [o.outputs[0].token_ids for o in overlapped] == [o.outputs[0].token_ids for o in sync]

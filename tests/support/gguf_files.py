@@ -11,8 +11,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
-from helpers import smollm2_gguf
 from safetensors.torch import load_file
+from support.models import smollm2_gguf
 
 HF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",

@@ -1,0 +1,23 @@
+"""What the tests stand on (importable as `support.<module>`: pyproject's pytest `pythonpath` is `tests`).
+No test module imports another test module; what two of them share lives here or in a conftest.
+
+Modules
+- `close`: `assert_close(got, expected, tol=None, norm="fro"|"max", roundings=1)`, the one closeness
+  check (relative error within `tol`, else to the dtype's rounding), `relative_error`, `BF16_STEP`.
+- `engines`: `TINY`, the kwargs of an engine on the random-weight `llama-tiny` preset (CPU, tiny cache).
+- `models`: the embedded SmolLM2 (`smollm2_folder`, `smollm2_gguf`, `CHAT_PROMPTS`), small random-weight
+  checkpoints of real architectures (`build_random_checkpoint`), transformers' greedy reference
+  (`hf_greedy`), `save_think_tokenizer`, `held_bytes`.
+- `scheduling`: the scheduler without a model (`make_scheduler`, `make_req`, `step`, `run`,
+  `PagedOracle`, `random_requests`, hand-built `SchedulerOutput`s).
+- `server`: `ServerProcess` (`corectl serve` in a subprocess on a free port), `SMALL_ENGINE` flags,
+  `API_KEY`, `descendants`/`alive` for process checks; `openai_errors`: `expect_error`, `openai_error`.
+- `quantized_layers`, `quant_checkpoints`, `gguf_files`: quantized layers, checkpoints (AWQ, GPTQ, FP8)
+  and GGUF files written as their tools write them. `gpu`: checkpoints and engine checks of tests/gpu.
+
+Fixtures (conftest.py files; session-scoped ones start once per pytest-xdist worker)
+- tests/conftest.py: `default_model_dir` (the embedded model converted once), `llm_fp32` (one shared
+  fp32 engine on it, for tests that only generate), `isolated_env`, `cpu_with_fp8_reference`.
+- tests/server/conftest.py: `server`, `http`, `openai_client`, `model_id` (one shared server with an API
+  key), `pooling_server`, `pooling_http`. A test that needs its own flags starts its own `ServerProcess`.
+"""
