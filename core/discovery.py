@@ -38,6 +38,20 @@ def resolve_platform(name: str) -> Platform:
     return cls()
 
 
+def host_platform() -> Platform:
+    """The available platform of highest priority whose device is the host's CPU
+    (`Platform.on_host`): what `corectl plan --device cpu` sizes for."""
+    ranked = sorted(get_plugin_manager().platforms().values(), key=lambda s: s.priority, reverse=True)
+    for spec in ranked:
+        try:
+            cls = platform_class(spec)
+        except ImportError:
+            continue
+        if cls.on_host and cls.is_available():
+            return cls()
+    raise ConfigError("device", "no available platform computes on this machine's CPU")
+
+
 def planned_platform(name: str, compute_capability: tuple[int, int]) -> tuple[Platform, PlatformCaps]:
     """A platform whose device this machine need not have, and what one of `compute_capability`
     can do (`Platform.planned_capabilities`): the one named, or for `auto` the highest-priority

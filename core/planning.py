@@ -20,7 +20,7 @@ from typing import Any
 
 
 from .config import EngineConfig
-from .discovery import planned_platform, resolve_platform
+from .discovery import host_platform, planned_platform, resolve_platform
 from .distributed import shard_range
 from .engine.core import resolve_max_model_len
 from .errors import ConfigError, ModelNotFoundError
@@ -210,7 +210,7 @@ def resolve_target(config: EngineConfig, model_dtype: str | None, device: str = 
         raise ConfigError("device_capability", "is a GPU's compute capability; it does not apply to --device cpu")
     if device == "gpu" and capability is not None:
         return _gpu_elsewhere(config, model_dtype, memory_bytes, capability)
-    platform = resolve_platform("cpu" if device == "cpu" else config.platform)
+    platform = host_platform() if device == "cpu" else resolve_platform(config.platform)
     caps = platform.capabilities()
     if device == "gpu" and not caps.profiles_memory:
         return _gpu_elsewhere(config, model_dtype, memory_bytes, DEFAULT_GPU_CAPABILITY)

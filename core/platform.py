@@ -1,11 +1,14 @@
 """The hardware-neutral platform contract. Backends implement it; core only calls it.
 
-Core never asks "is this CUDA?": it asks a platform for its capabilities, and the platform's
-worker, runner and attention backend do the device-specific work.
+Core never asks "is this CUDA?": it asks a platform for its capabilities, for the device of a
+tensor-parallel rank, for what confines a data-parallel engine's process to its devices and for
+what Ray reserves per rank; the platform's worker, runner and attention backend do the
+device-specific work. tests/test_architecture.py fails on a platform or device-type name in core.
 """
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -61,10 +64,18 @@ class Platform(abc.ABC):
     #: The name of ``--platform``; it must equal the ``PlatformSpec`` name, and attention backends
     #: list it in ``AttentionBackendSpec.platforms`` to be allowed here.
     name: str = ""
-    #: The torch device type the worker's tensors live on ("cpu", "cuda", ...), as
-    #: ``torch.get_device_module`` takes it: the executor selects each rank's device through it
-    #: (``core/executor/``), and it is the default of ``device_name``.
-    device_type: str = "cpu"
+    #: The torch device type the worker's tensors live on ("cpu", "cuda", "xpu", ...), as
+    #: ``torch.get_device_module`` takes it: ``device_for_rank`` selects a rank's device through it
+    #: by default, and it is the default of ``device_name``. Every platform sets it.
+    device_type: str = ""
+    #: The environment variable the device runtime reads for the devices a process may use
+    #: ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ZE_AFFINITY_MASK", ...), through which
+    #: ``confine_process_env`` gives each data-parallel engine its own devices. None: the
+    #: platform's processes share one device (the host CPU), so an engine needs no confinement.
+    visible_devices_env: str | None = None
+    #: The device is the host's CPU itself: ``corectl plan --device cpu`` sizes for the available
+    #: platform of highest priority that says so.
+    on_host: bool = False
 
     @classmethod
     @abc.abstractmethod
@@ -127,6 +138,41 @@ class Platform(abc.ABC):
         from .errors import ConfigError
 
         raise ConfigError("tensor_parallel_size", f"platform {self.name!r} does not support tensor parallelism")
+
+    def device_for_rank(self, local_rank: int):
+        """Make device `local_rank` (among those this process sees) the current one, and return
+        it as a ``torch.device``. The executors call it first thing in each tensor-parallel
+        rank's process, before the rank joins its group: ``mp`` ranks pass their rank, Ray
+        actors 0 (Ray confines each actor to its bundle's device). By default through torch's
+        device module of ``device_type`` (``set_device``), which serves the device types torch
+        knows (CUDA, XPU, ...); a platform whose ranks share one device (the CPU) overrides it."""
+        import torch
+
+        device = torch.device(self.device_type, local_rank)
+        torch.get_device_module(self.device_type).set_device(device)
+        return device
+
+    def visible_devices(self) -> str | None:
+        """The devices this process may use, as ``visible_devices_env`` lists them (comma
+        separated); None: every device, numbered from 0 (or the variable is not set)."""
+        return os.environ.get(self.visible_devices_env) if self.visible_devices_env else None
+
+    def confine_process_env(self, device_ids: list[str]) -> dict[str, str]:
+        """The environment variables that confine a new process to `device_ids` (entries of
+        ``visible_devices``, or indices when that is None), set in it before it touches a device;
+        its tensor-parallel ranks inherit them. Data parallelism gives each engine process its
+        own run of devices so (``corectl.engine.dp``). By default ``visible_devices_env`` set to
+        the ids; nothing where the platform has none."""
+        return {self.visible_devices_env: ",".join(device_ids)} if self.visible_devices_env else {}
+
+    def ray_resources_per_rank(self) -> dict[str, float]:
+        """The Ray resources one tensor-parallel rank reserves (its placement group bundle, e.g.
+        one GPU); the ``ray`` executor places each rank's actor on them. Ray's resource names are
+        its own, so a platform that runs under Ray says which; by default it does not."""
+        from .errors import ConfigError
+
+        raise ConfigError("distributed_executor_backend", f"platform {self.name!r} does not say which Ray "
+                          "resources a rank takes (Platform.ray_resources_per_rank); use the mp backend")
 
     def device_memory(self) -> int | None:
         """Bytes of memory on the device the engine would use (what `corectl plan` sizes for by

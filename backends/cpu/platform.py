@@ -21,6 +21,7 @@ def has_native_bf16() -> bool:
 class CPUPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
+    on_host = True
 
     @classmethod
     def is_available(cls) -> bool:
@@ -39,6 +40,14 @@ class CPUPlatform(Platform):
 
     def distributed_backend(self) -> str:
         return "gloo"
+
+    def device_for_rank(self, local_rank: int):
+        import torch
+
+        return torch.device("cpu")  # the ranks share the host's one device (and split its cores)
+
+    def ray_resources_per_rank(self) -> dict[str, float]:
+        return {"CPU": 1.0}
 
     def worker_cls(self):
         from .worker import CPUWorker

@@ -33,6 +33,9 @@ def gpu_caps(capability: tuple[int, int]) -> PlatformCaps:
 class CUDAPlatform(Platform):
     name = "cuda"
     device_type = "cuda"
+    # ROCm's torch honours it too (and inherits it): HIP_VISIBLE_DEVICES would stack on a
+    # CUDA_VISIBLE_DEVICES the server was started with instead of replacing it.
+    visible_devices_env = "CUDA_VISIBLE_DEVICES"
 
     @classmethod
     def is_available(cls) -> bool:
@@ -66,6 +69,9 @@ class CUDAPlatform(Platform):
 
     def distributed_backend(self) -> str:
         return "nccl"  # ROCm's torch maps it to RCCL
+
+    def ray_resources_per_rank(self) -> dict[str, float]:
+        return {"GPU": 1.0}
 
     def check_config(self, config) -> None:
         import torch

@@ -14,8 +14,9 @@ the engines' step reports into one stream: each report keeps its engine's output
 stats of all engines added up, so the client's queue bound and gauges see the whole server.
 
 Devices: engine i of an engine process gets `engine_devices(i, tp)`, the i-th run of `tp` devices
-among those visible to the server, through `CUDA_VISIBLE_DEVICES` set in its process before any
-device is touched (CUDA and ROCm builds of torch both honour it; the CPU ignores it); its
+among those visible to the server (`Platform.visible_devices`), through the environment its
+platform's `confine_process_env` names (`CUDA_VISIBLE_DEVICES` on CUDA and ROCm; nothing on the
+CPU, whose engines share the host), set in its process before any device is touched; its
 tensor-parallel ranks inherit it. With the Ray executor on a cluster (`RAY_ADDRESS` set) Ray
 places every engine's ranks instead. On the CPU the engines share the cores: each rank of each
 engine takes `cores / (M * tp)` torch threads unless `num_threads` is set.
@@ -35,6 +36,7 @@ import msgspec
 from anyio.abc import TaskGroup
 
 from ..config import EngineConfig
+from ..discovery import resolve_platform
 from ..errors import ConfigError, EngineDeadError
 from .messages import (
     EngineCoreOutputs,
@@ -59,8 +61,8 @@ def engine_config(config: EngineConfig, index: int) -> EngineConfig:
 
 
 def engine_devices(index: int, tensor_parallel_size: int, visible: str | None) -> str:
-    """The `CUDA_VISIBLE_DEVICES` value of engine `index`: its run of devices among `visible`
-    (the server's own value; None: every device, numbered from 0)."""
+    """The devices of engine `index`, comma separated: its run among `visible` (the server's own
+    `Platform.visible_devices`; None: every device, numbered from 0)."""
     first = index * tensor_parallel_size
     if visible is None:
         return ",".join(str(d) for d in range(first, first + tensor_parallel_size))
@@ -68,23 +70,31 @@ def engine_devices(index: int, tensor_parallel_size: int, visible: str | None) -
     mine = devices[first:first + tensor_parallel_size]
     if len(mine) < tensor_parallel_size:
         raise ConfigError("data_parallel_size", f"engine {index} needs devices {first}..{first + tensor_parallel_size - 1} "
-                          f"of CUDA_VISIBLE_DEVICES={visible!r}, which lists {len(devices)}")
+                          f"of the visible devices {visible!r}, which lists {len(devices)}")
     return ",".join(mine)
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineProcessInit:
     """Runs first in engine `index`'s process (picklable): confine it to its devices, then run
-    `then` (e.g. the server's logging setup)."""
+    `then` (e.g. the server's logging setup).
+
+    `env` is computed where the init is built (the API process): resolving the platform in the
+    engine's own process would start its device runtime, which reads the confinement only once."""
 
     index: int
     config: EngineConfig
     then: Callable[[], None] | None = None
+    env: dict[str, str] = dataclasses.field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.config.data_parallel_size > 1 and not _ray_places_devices(self.config):
+            platform = resolve_platform(self.config.platform)
+            devices = engine_devices(self.index, self.config.tensor_parallel_size, platform.visible_devices())
+            object.__setattr__(self, "env", platform.confine_process_env(devices.split(",")))
 
     def __call__(self) -> None:
-        if self.config.data_parallel_size > 1 and not _ray_places_devices(self.config):
-            os.environ["CUDA_VISIBLE_DEVICES"] = engine_devices(
-                self.index, self.config.tensor_parallel_size, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        os.environ.update(self.env)
         if self.then is not None:
             self.then()
 

@@ -28,8 +28,7 @@ class RankWorker:
         torch.set_num_threads(config.num_threads or max(1, len(os.sched_getaffinity(0)) // world_size))
         # Unseeded sampling draws from the global generator: every rank must draw the same.
         torch.manual_seed(config.seed)
-        if spec.platform.device_type != "cpu":
-            torch.get_device_module(spec.platform.device_type).set_device(device_index)
+        spec.platform.device_for_rank(device_index)
         init_tensor_parallel(rank, world_size, spec.platform.distributed_backend(), init_method)
         self.rank = rank
         self.worker = spec.build()

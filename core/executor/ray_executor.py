@@ -2,10 +2,10 @@
 
 It joins the cluster `RAY_ADDRESS` names (`ray start --head` on one machine, `ray start
 --address=...` on the others), or starts a local one when none is set; a process that has
-already called `ray.init` keeps its own. The placement group reserves one bundle per rank (a GPU
-each, or a CPU on the CPU platform) and packs them onto as few machines as it can. The group's
-rendezvous is rank 0's node address and a port free there. Actors are owned by the engine
-process: when it exits, however it ends, Ray ends them too.
+already called `ray.init` keeps its own. The placement group reserves one bundle per rank (the
+platform's `ray_resources_per_rank`: a GPU each on CUDA, a CPU on the CPU platform) and packs them
+onto as few machines as it can. The group's rendezvous is rank 0's node address and a port free
+there. Actors are owned by the engine process: when it exits, however it ends, Ray ends them too.
 
 Steps go to every actor as the same msgspec bytes (Ray puts them in its object store once per
 call); rank 0's return value carries the previous step's output, as with the mp executor.
@@ -53,14 +53,21 @@ class RankActor:
         return self.rank_worker.flush()
 
 
+def _actor_resources(bundle: dict[str, float]) -> dict:
+    """A rank actor's options for its bundle: Ray takes its own CPU and GPU counts as keywords and
+    every other resource (a TPU, a custom accelerator) in `resources`."""
+    others = {name: amount for name, amount in bundle.items() if name not in ("CPU", "GPU")}
+    return {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0), "resources": others}
+
+
 class RayExecutor(RemoteRanksExecutor):
     def __init__(self, spec: WorkerSpec):
         super().__init__()
+        bundle = spec.platform.ray_resources_per_rank()
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(address=os.environ.get("RAY_ADDRESS"))
         world_size = spec.config.tensor_parallel_size
-        bundle = {"CPU": 1.0} if spec.platform.device_type == "cpu" else {"GPU": 1.0}
         self._group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
         self._actors: list = []
         self._error: EngineDeadError | None = None
@@ -68,7 +75,7 @@ class RayExecutor(RemoteRanksExecutor):
             self._place(bundle, world_size)
             actor_cls = ray.remote(RankActor)
             self._actors = [
-                actor_cls.options(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                actor_cls.options(**_actor_resources(bundle),
                                   scheduling_strategy=PlacementGroupSchedulingStrategy(
                                       self._group, placement_group_bundle_index=rank)).remote()
                 for rank in range(world_size)
