@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from .errors import ConfigError
+
 
 @dataclass
 class AttentionBatch:
@@ -53,10 +55,20 @@ class AttentionBackend(abc.ABC):
     #: between steps from the metadata's tensors, which the runner refills in place. Graph
     #: runners run every step eagerly with any other backend.
     supports_graph_capture: bool = False
-    #: The `EngineConfig.kv_cache_dtype` values this backend reads and writes; the worker refuses
-    #: others at startup. "auto" caches hold the model's dtype; "fp8"/"fp8_e4m3" caches hold
-    #: torch.float8_e4m3fn (values divided by a per-tensor scale, 1.0 unless calibrated).
+    #: The `EngineConfig.kv_cache_dtype` values this backend reads and writes; the engine refuses
+    #: others at startup (`check_kv_cache_dtype`). "auto" caches hold the model's dtype;
+    #: "fp8"/"fp8_e4m3" caches hold torch.float8_e4m3fn (values divided by a per-tensor scale,
+    #: 1.0 unless calibrated).
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
+
+    @classmethod
+    def check_kv_cache_dtype(cls, kv_cache_dtype: str) -> None:
+        """Raise ConfigError when this backend does not store `kv_cache_dtype` caches; the engine
+        asks once the backend is chosen, before any weight loads."""
+        if kv_cache_dtype not in cls.kv_cache_dtypes:
+            raise ConfigError("kv_cache_dtype", f"the {cls.name!r} attention backend stores only "
+                              f"{', '.join(cls.kv_cache_dtypes)} KV caches, not {kv_cache_dtype!r}; use "
+                              "--kv-cache-dtype auto or a backend that supports it (triton, on GPUs)")
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, block_size: int):

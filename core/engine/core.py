@@ -69,6 +69,7 @@ class EngineCore:
         dtype = platform.resolve_dtype(config.dtype, self.source.model_dtype)
         quantization = resolve_quantization(config, self.source, platform)
         backend_cls = resolve_attention_backend(platform, config.attention_backend, hf)
+        backend_cls.check_kv_cache_dtype(config.kv_cache_dtype)
         self.executor = create_executor(WorkerSpec(
             config, platform, self.source, dtype=dtype, max_model_len=self.max_model_len,
             eos_token_id=self.eos_token_id, attention_backend_cls=backend_cls, quantization=quantization,

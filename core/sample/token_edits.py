@@ -1,7 +1,9 @@
 """Per-token logit edits: OpenAI's `logit_bias` and the stop-token suppression behind `min_tokens`.
 
 Both touch a handful of (row, token) cells, so they travel as one flat index into the
-contiguous `[B, V]` logits (`row * V + token`) and cost one indexed kernel each.
+contiguous `[B, V]` logits (`row * V + token`) and cost one indexed kernel each. The token ids are
+inside the vocabulary: intake checked the request's (`corectl.engine.intake.check_request`), and
+a check here would raise inside the engine's step, ending every request.
 """
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ..errors import InvalidRequestError
 from ..sampling_params import SamplingParams
 from .transfer import DeviceTarget, to_device
 
@@ -21,13 +22,6 @@ class LogitBias(NamedTuple):
     values: torch.Tensor
 
 
-def _check_token(token: int, vocab_size: int, field: str) -> None:
-    if not 0 <= token < vocab_size:
-        raise InvalidRequestError(
-            f"{field} names token id {token}, outside this model's vocabulary [0, {vocab_size})", param=field
-        )
-
-
 def build_logit_bias(
     params: Sequence[SamplingParams], vocab_size: int, target: DeviceTarget
 ) -> LogitBias | None:
@@ -37,7 +31,6 @@ def build_logit_bias(
     values: list[float] = []
     for row, p in enumerate(params):
         for token, bias in (p.logit_bias or {}).items():
-            _check_token(token, vocab_size, "logit_bias")
             flat_index.append(row * vocab_size + token)
             values.append(bias)
     return LogitBias(to_device(flat_index, torch.int64, target), to_device(values, torch.float32, target))
@@ -64,7 +57,6 @@ def build_min_tokens(
         if eos_token_id is not None and not p.ignore_eos:
             stops.add(eos_token_id)
         for token in stops:
-            _check_token(token, vocab_size, "stop_token_ids")
             flat_index.append(row * vocab_size + token)
     if not flat_index:
         return None

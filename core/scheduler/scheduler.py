@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from ..config import EngineConfig
 from ..engine.messages import EngineCoreOutput, SchedulerStats
-from ..errors import ConfigError, InvalidRequestError, QueueFullError
+from ..errors import ConfigError, QueueFullError
 from ..kv import KVCacheManager, PrefixHit
 from ..kv.sizing import blocks_per_sequence
 from ..lora.admission import AdapterAdmission, adapter_names
@@ -141,10 +141,7 @@ class Scheduler:
         if limit is not None and req.group_id not in self._groups and len(self.waiting) >= limit:
             raise QueueFullError(f"the request queue is full ({limit} requests waiting); retry later")
         if req.sampling_params.structured_outputs is not None:
-            if self.structured is None:
-                raise InvalidRequestError("this engine runs without a tokenizer, so it cannot constrain output "
-                                          "to a grammar", param="structured_outputs")
-            self.structured.add(req)
+            self.structured.add(req)  # intake refused grammars on an engine without a tokenizer
         self.waiting.add(req)
         self._requests[req.request_id] = req
         self._groups.setdefault(req.group_id, []).append(req)

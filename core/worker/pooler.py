@@ -3,7 +3,8 @@
 On a pooling engine every request is prefill only: its prompt runs in one or more chunks, and the
 step that runs its last chunk pools it. LAST takes the last prompt token's hidden state, CLS the
 first token's (kept from the first chunk), MEAN the mean over every prompt token: each chunk's
-rows are summed in fp32 into the request's running sum (`CachedRequestState.pooled_partial`), so
+rows are summed in fp32 into the request's running sum (`CachedRequestState.pooled_partial`,
+written through `RequestStates.keep_pooled`, the states' one writer), so
 chunked prefill gives the same vector as one pass. A preempted request is forgotten with its
 partial state and recomputed from its first token (MEAN and CLS engines run without prefix caching,
 so nothing is skipped).
@@ -56,7 +57,7 @@ class Pooler:
         if carried:
             sums[carried] += torch.stack([request_states[i].pooled_partial for i in carried])
         for i, state in enumerate(request_states):
-            state.pooled_partial = sums[i]
+            states.keep_pooled(state, sums[i])
         return sums.index_select(0, finishing_t) / counts_t[:, None]
 
     def _cls(self, host: HostStep, hidden: torch.Tensor, states: RequestStates, to_device: ToDevice) -> torch.Tensor:
@@ -66,7 +67,7 @@ class Pooler:
             state = states[req_id]
             if state.num_computed_tokens == 0:
                 # A clone: a replayed graph's output buffer is overwritten by the next step.
-                state.pooled_partial = hidden[q_start].float().clone()
+                states.keep_pooled(state, hidden[q_start].float().clone())
             if req_id in finishing:
                 vectors.append(state.pooled_partial)
         return torch.stack(vectors) if vectors else hidden.new_zeros((0, hidden.shape[1]), dtype=torch.float32)

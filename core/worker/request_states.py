@@ -197,6 +197,10 @@ class RequestStates:
                 state.token_ids.extend(tokens)
                 state.num_unread_tokens -= 1
 
+    def keep_pooled(self, state: CachedRequestState, partial: torch.Tensor) -> None:
+        """A pooling request's running state once this step's chunk is in (`corectl.worker.pooler`)."""
+        state.pooled_partial = partial
+
     def prompt_logprobs_done(self, req_id: str) -> None:
         """Every prompt position of the request has had its logprobs computed."""
         self.awaiting_prompt_logprobs.discard(req_id)

@@ -108,11 +108,6 @@ class Worker(abc.ABC):
         model.eval()
         lora = self._attach_lora(model, hf) if self.config.enable_lora else None
         install_layer_kernels(model, self.layer_kernels())
-        if self.config.kv_cache_dtype not in self.attention_backend_cls.kv_cache_dtypes:
-            raise ConfigError("kv_cache_dtype", f"the {self.attention_backend_cls.name!r} attention backend stores "
-                              f"only {', '.join(self.attention_backend_cls.kv_cache_dtypes)} KV caches, not "
-                              f"{self.config.kv_cache_dtype!r}; use --kv-cache-dtype auto or a backend that "
-                              "supports it (triton, on GPUs)")
         info = _model_info(hf, model, self.dtype, self.config.kv_cache_dtype)
         backend = self.attention_backend_cls(
             info.num_heads, info.num_kv_heads, info.head_dim, self.torch_dtype, self.device, self.config.block_size

@@ -2,13 +2,15 @@
 leaves behind (nothing: the engine keeps serving). Few tokens per request keep this file quick."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import anyio
 import pytest
-from corectl import EngineConfig, SamplingParams
+from corectl import EngineConfig, SamplingParams, StructuredOutputsParams
 from corectl.engine.actor import InProcessEngine
 from corectl.engine.client import EngineClient
+from corectl.engine.intake import check_request
 from corectl.engine.messages import EngineCoreRequest
 from corectl.errors import InvalidRequestError, QueueFullError
 
@@ -118,3 +120,12 @@ async def _burst(client: EngineClient, count: int) -> list[str]:
             for i in range(count):
                 tg.start_soon(one, i)
     return outcomes
+
+
+def test_a_grammar_without_a_tokenizer_is_refused_at_intake(llm_fp32):
+    """Intake is the one check: the scheduler takes every grammar that reaches it."""
+    info = dataclasses.replace(llm_fp32.engine.info, tokenizer_dir=None, structured_outputs_backend=None)
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    with pytest.raises(InvalidRequestError, match="grammar") as err:
+        check_request(["grammar-1"], [5, 6, 7], params, info, lambda request_id: False)
+    assert err.value.param == "structured_outputs"

@@ -7,7 +7,6 @@ from collections import Counter
 
 import pytest
 import torch
-from corectl.errors import InvalidRequestError
 from corectl.sample import Sampler, SamplingMetadata, compute_prompt_logprobs
 from corectl.sample.metadata import UnreadOutputTokens
 from corectl.sample.random_sampling import truncate
@@ -242,12 +241,6 @@ def test_logit_bias_is_added_and_steers_greedy(device):
     torch.testing.assert_close(edit_logits(logits.to(device), build(params, device=device)).cpu(), expected)
     tokens, _ = sample(logits.to(device), params)
     assert tokens.tolist() == [5, int(logits[1].argmax())]
-
-
-def test_logit_bias_outside_the_vocabulary_is_a_request_error():
-    with pytest.raises(InvalidRequestError, match="logit_bias") as info:
-        build([SamplingParams(logit_bias={32: 1.0})], vocab=32)
-    assert info.value.param == "logit_bias"
 
 
 def test_min_tokens_suppresses_eos_and_stop_token_ids(device):
