@@ -24,6 +24,7 @@ from ..outputs import EmbeddingRequestOutput, RequestOutput
 from ..pooling import PoolingParams
 from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
+from .grammar_intake import GrammarIntake
 from .intake import encode_prompt
 from .live import LiveRequest, RecentActivity, live_requests
 from .messages import EngineCoreRequest, EngineSnapshot, SchedulerStats
@@ -86,6 +87,7 @@ class EngineClient:
         self._num_received = 0
         self._loras: dict[int, LoRARequest] = {}  # adapters checked so far, by id
         self._processor = OutputProcessor(self.info, tokenizer, stream_deltas=True, known_loras=self._loras)
+        self._grammars = GrammarIntake(self.info)
         self._collectors: dict[str, _OutputCollector] = {}
         self._dead: BaseException | None = None
 
@@ -131,6 +133,8 @@ class EngineClient:
         request_id = request_id or uuid.uuid4().hex
         self._check_alive()
         text, token_ids = encode_prompt(self.tokenizer, prompt)
+        if params.structured_outputs is not None and self.info.structured_outputs_backend is not None:
+            await self._grammars.check(params.structured_outputs)  # off this loop; intake then finds it passed
         if lora_request is not None:
             await self.check_lora(lora_request)  # off this loop the first time; intake then finds it checked
         core_requests = self._processor.add_request(request_id, text, token_ids, params, priority, lora_request)

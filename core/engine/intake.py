@@ -8,8 +8,12 @@ two requests' state. Only admission (the queue bound) is decided later, where th
 """
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from ..discovery import resolve_structured_output_backend
 from ..errors import InvalidRequestError
@@ -19,6 +23,11 @@ from .messages import EngineInfo
 
 if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
+
+# Specs that passed the backend's check, by text (each at most the server's 64 KB bound).
+_MAX_PASSED = 256
+_PASSED: OrderedDict[bytes, None] = OrderedDict()
+_PASSED_LOCK = threading.Lock()
 
 NO_TOKENIZER = ("this model runs without a tokenizer (skip_tokenizer_init, a shape preset, or dummy weights "
                 "with no tokenizer files)")
@@ -77,7 +86,7 @@ def check_request(request_ids: list[str], prompt_token_ids: list[int], params: S
     if not prompt_token_ids:
         raise InvalidRequestError("prompt is empty", param="prompt")
     if params.structured_outputs is not None:
-        _check_structured_outputs(params.structured_outputs, info)
+        check_structured_outputs(params.structured_outputs, info)
     _check_in_vocab(prompt_token_ids, info.vocab_size, "prompt")
     if params.logit_bias:
         _check_in_vocab(params.logit_bias, info.vocab_size, "logit_bias")
@@ -107,12 +116,26 @@ def _check_id(request_ids: list[str], in_use: Callable[[str], bool]) -> None:
         raise InvalidRequestError(f"request id {taken!r} is already in use; ids must be unique", param="request_id")
 
 
-def _check_structured_outputs(spec: StructuredOutputsParams, info: EngineInfo) -> None:
-    """Refuse a grammar the engine's backend cannot parse here, before the engine compiles it."""
+def check_structured_outputs(spec: StructuredOutputsParams, info: EngineInfo) -> None:
+    """Refuse a grammar the engine's backend cannot parse here, before the engine compiles it.
+
+    Thread-safe: the async client runs it off its event loop first (`grammar_intake`). A spec
+    that passed is remembered by its text, so `check_request` on the same request (and a client
+    that sends one schema again and again) costs a lookup."""
     if info.structured_outputs_backend is None:
         raise InvalidRequestError(f"{NO_TOKENIZER}, so output cannot be constrained to a grammar",
                                   param="structured_outputs")
-    resolve_structured_output_backend(info.structured_outputs_backend).validate(spec)
+    key = info.structured_outputs_backend.encode() + b" " + msgspec.json.encode(spec)
+    with _PASSED_LOCK:
+        passed = key in _PASSED
+        if passed:
+            _PASSED.move_to_end(key)
+    if not passed:
+        resolve_structured_output_backend(info.structured_outputs_backend).validate(spec)
+        with _PASSED_LOCK:
+            _PASSED[key] = None
+            if len(_PASSED) > _MAX_PASSED:
+                _PASSED.popitem(last=False)
     if spec.reasoning is not None:
         markers = [spec.reasoning.end] + ([spec.reasoning.start] if spec.reasoning.start is not None else [])
         _check_in_vocab(markers, info.vocab_size, "structured_outputs.reasoning")

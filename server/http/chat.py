@@ -11,7 +11,6 @@ from litestar.openapi import ResponseSpec
 from . import sse
 from .auth import require_api_key
 from .chat_output import ChoiceText
-from .constraints import errors_name
 from .errors import ERROR_RESPONSES
 from .generation import GenerationGroup, UsageCounter
 from .logprobs import chat_logprobs, prompt_logprobs
@@ -58,9 +57,8 @@ class ChatController(Controller):
                                        tools=tools, template_kwargs=data.chat_template_kwargs)
         reasoning = ChatReasoning(server.reasoning_parser, tokenizer, prompt, params)
         group = GenerationGroup(server, [prompt], reasoning.params, f"chatcmpl-{uuid.uuid4().hex}", data.priority,
-                                lora)
-        with errors_name("tools" if tool_choice in ("required", "named") else data.constraint_field):
-            await group.start(request.receive)
+                                lora, "tools" if tool_choice in ("required", "named") else data.constraint_field)
+        await group.start(request.receive)
         head = group.response_head()
         top_n = (data.top_logprobs or 0) if data.logprobs else None
         texts = {i: ChoiceText(ROLE, reasoning.parser(), _tool_parser(data, tool_choice, server, tokenizer))

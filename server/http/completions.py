@@ -11,7 +11,6 @@ from litestar.openapi import ResponseSpec
 
 from . import sse
 from .auth import require_api_key
-from .constraints import errors_name
 from .errors import ERROR_RESPONSES
 from .generation import GenerationGroup, UsageCounter
 from .logprobs import completion_logprobs, extend_completion_logprobs, prompt_logprobs
@@ -129,9 +128,9 @@ class CompletionsController(Controller):
         data.check_supported()
         _check_text_fields(data, server)
         params = data.sampling_params()
-        group = GenerationGroup(server, data.prompts(), params, f"cmpl-{uuid.uuid4().hex}", data.priority, lora)
-        with errors_name(data.constraint_field):
-            await group.start(request.receive)
+        group = GenerationGroup(server, data.prompts(), params, f"cmpl-{uuid.uuid4().hex}", data.priority, lora,
+                                data.constraint_field)
+        await group.start(request.receive)
         head = group.response_head()
         choices = _Choices(data, server.engine.tokenizer, params.n)
         return await group.respond(request.receive, data.stream,

@@ -21,6 +21,9 @@ from corectl.sampling_params import StructuredOutputsParams
 # engine's compile bound (`structured_outputs_compile_timeout`) and its text small on the wire.
 MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_SCHEMA_BYTES = 64 * 1024
+# Parsing a schema costs roughly the cube of its nesting (300 nested objects: ~20 s); 64 levels
+# (32 objects inside each other, with their "properties") take ~40 ms. $refs are not nesting.
+MAX_SCHEMA_DEPTH = 64
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 1024
 
@@ -97,12 +100,12 @@ class ConstraintFields(msgspec.Struct, kw_only=True):
             return _response_format_spec(self.response_format)
         if field == "structured_outputs":
             values = msgspec.structs.asdict(self.structured_outputs)
-            check_schema_size(values["json"])
+            check_schema_bounds(values["json"])
             return StructuredOutputsParams(**values)
         kind = field.removeprefix("guided_")
         value = getattr(self, field)
         if kind == "json":
-            check_schema_size(value)
+            check_schema_bounds(value)
         return StructuredOutputsParams(**{kind: value})
 
 
@@ -112,17 +115,41 @@ def _response_format_spec(fmt: ResponseFormat) -> StructuredOutputsParams:
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
         raise InvalidRequestError("response_format of type json_schema needs json_schema.schema",
                                   param="response_format")
-    check_schema_size(fmt.json_schema.schema_)
+    check_schema_bounds(fmt.json_schema.schema_)
     return StructuredOutputsParams(json=fmt.json_schema.schema_)
 
 
-def check_schema_size(schema: dict | str | None, param: str = "structured_outputs") -> None:
+def check_schema_bounds(schema: dict | str | None, param: str = "structured_outputs") -> None:
+    """The schema's size and nesting bounds (a string schema that is not JSON is left to the backend)."""
     if schema is None:
         return
     size = len(schema.encode()) if isinstance(schema, str) else len(msgspec.json.encode(schema))
     if size > MAX_SCHEMA_BYTES:
         raise InvalidRequestError(f"the JSON schema is {size} bytes; at most {MAX_SCHEMA_BYTES} are accepted",
                                   param=param)
+    if isinstance(schema, str):
+        try:
+            schema = msgspec.json.decode(schema)
+        except msgspec.DecodeError:
+            return
+    depth = nesting_depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise InvalidRequestError(f"the JSON schema nests objects and arrays {depth} levels deep; at most "
+                                  f"{MAX_SCHEMA_DEPTH} are accepted (use $defs and $ref for deep structures)",
+                                  param=param)
+
+
+def nesting_depth(value: Any) -> int:
+    """How deeply objects and arrays nest in a decoded JSON value (iteratively: any depth is safe)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 @contextlib.contextmanager
@@ -132,7 +159,15 @@ def errors_name(field: str | None) -> Iterator[None]:
     try:
         yield
     except InvalidRequestError as exc:
-        param = exc.param
-        if field is None or param is None or not param.startswith("structured_outputs") or field == "structured_outputs":
+        named = named_for(exc, field)
+        if named is exc:
             raise
-        raise InvalidRequestError(str(exc).replace(param, field, 1), param=field, code=exc.code) from exc
+        raise named from exc
+
+
+def named_for(exc: InvalidRequestError, field: str | None) -> InvalidRequestError:
+    """`exc` naming `field` where it names the engine's `structured_outputs` (itself otherwise)."""
+    param = exc.param
+    if field is None or param is None or not param.startswith("structured_outputs") or field == "structured_outputs":
+        return exc
+    return InvalidRequestError(str(exc).replace(param, field, 1), param=field, code=exc.code)

@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import anyio
 import structlog
+from corectl.errors import InvalidRequestError
 from corectl.lora.request import LoRARequest
 from corectl.outputs import RequestMetrics, RequestOutput
 from corectl.sampling_params import SamplingParams
@@ -22,6 +23,7 @@ from litestar import Response
 from litestar.response import Stream
 
 from . import sse
+from .constraints import errors_name, named_for
 from .errors import APIError, ClientDisconnected
 from .responses import PromptTokensDetails, Usage
 from .state import ServerState
@@ -34,8 +36,9 @@ class Generation:
     """One prompt's request in the engine, with its metrics and its log line."""
 
     def __init__(self, server: ServerState, prompt: str | list[int], params: SamplingParams, request_id: str,
-                 priority: int, lora_request: LoRARequest | None = None):
+                 priority: int, lora_request: LoRARequest | None = None, grammar_field: str | None = None):
         self.server = server
+        self._grammar_field = grammar_field
         self.request_id = request_id
         self.prompt = prompt
         self.first: RequestOutput | None = None
@@ -86,8 +89,18 @@ class Generation:
         if out.finished:
             self._record("finished")
             if "abort" in self._finish_reasons:
-                raise APIError(503, "the engine could not take this request (it is overloaded); retry later")
+                raise self._abort_error(out)
         return out
+
+    def _abort_error(self, out: RequestOutput) -> Exception:
+        """An abort with a reason is the request's fault, and every such reason is about its grammar
+        (it did not compile, or admits no string): a 400 naming the field; one without is an overload."""
+        error = next((sample.error for sample in out.outputs if sample.error is not None), None)
+        if error is None:
+            return APIError(503, "the engine could not take this request (it is overloaded); retry later")
+        spec = self._params.structured_outputs
+        return named_for(InvalidRequestError(error, param=None if spec is None else f"structured_outputs.{spec.kind}"),
+                         self._grammar_field)
 
     def _record(self, status: str) -> None:
         self._ended = True
@@ -125,11 +138,14 @@ def _seconds(later: float | None, earlier: float) -> float | None:
 
 class GenerationGroup:
     """All prompts of one HTTP request (completions accept several); choice i*n+j is prompt i, sample j.
-    `lora_request`: the LoRA adapter they run with (None: the base model), which the responses name."""
+    `lora_request`: the LoRA adapter they run with (None: the base model), which the responses name.
+    `grammar_field`: the request field their grammar came from, which errors about it name."""
 
     def __init__(self, server: ServerState, prompts: list[str | list[int]], params: SamplingParams,
-                 request_id: str, priority: int, lora_request: LoRARequest | None = None):
+                 request_id: str, priority: int, lora_request: LoRARequest | None = None,
+                 grammar_field: str | None = None):
         self.server = server
+        self.grammar_field = grammar_field
         self.request_id = request_id
         self.model_name = server.model_name if lora_request is None else lora_request.lora_name
         if lora_request is not None and server.metrics is not None:
@@ -141,7 +157,7 @@ class GenerationGroup:
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                self.generations.append(Generation(server, prompt, params, rid, priority, lora_request))
+                self.generations.append(Generation(server, prompt, params, rid, priority, lora_request, grammar_field))
         except BaseException:
             server.in_flight -= 1
             raise
@@ -164,7 +180,8 @@ class GenerationGroup:
     async def start(self, receive: Callable) -> None:
         """Submit every prompt and wait for each first output; on failure everything is aborted."""
         try:
-            await until_disconnected(receive, self._start_all)
+            with errors_name(self.grammar_field):
+                await until_disconnected(receive, self._start_all)
         except BaseException:
             await self.aclose()
             raise

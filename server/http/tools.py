@@ -19,7 +19,7 @@ from msgspec import Meta
 from corectl.errors import InvalidRequestError
 from corectl.sampling_params import StructuredOutputsParams
 
-from .constraints import check_schema_size
+from .constraints import check_schema_bounds
 
 # OpenAI's limits: 128 tools a request, function names of at most 64 letters, digits, '_' or '-'.
 MAX_TOOLS = 128
@@ -120,15 +120,47 @@ def forced_calls_spec(tools: list[ChatTool], choice: ToolChoice, parallel: bool)
         function = next(t.function for t in tools if t.function.name == choice.function.name)
         schema = function.parameters or EMPTY_PARAMETERS
     else:
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": [_call_schema(t.function) for t in tools]}}
+        schema = _required_calls_schema(tools)
         if not parallel:
             schema["maxItems"] = 1
-    check_schema_size(schema, "tools")
+    check_schema_bounds(schema, "tools")
     return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
 
-def _call_schema(function: FunctionDefinition) -> dict[str, Any]:
-    return {"type": "object",
-            "properties": {"name": {"type": "string", "enum": [function.name]},
-                           "parameters": function.parameters or EMPTY_PARAMETERS},
-            "required": ["name", "parameters"], "additionalProperties": False}
+def _required_calls_schema(tools: list[ChatTool]) -> dict[str, Any]:
+    """An array of calls, each one tool's. A tool's parameters are a schema whose local `$ref`s
+    ("#/$defs/Item", as pydantic writes nested models) point into that schema; wrapped, they would
+    point into the wrapper. So each tool's parameters sit whole under the wrapper's `$defs`, with
+    their references rebased there."""
+    defs, calls = {}, []
+    for index, tool in enumerate(tools):
+        parameters = tool.function.parameters or EMPTY_PARAMETERS
+        check_schema_bounds(parameters, "tools")
+        base = f"#/$defs/tool_{index}"
+        defs[f"tool_{index}"] = _rebased(parameters, base)
+        calls.append({"type": "object",
+                      "properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                     "parameters": {"$ref": base}},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
+
+
+# Keywords whose values are data, not schemas: a "$ref" inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """A copy of `schema` with every local reference ("#..." JSON pointer) made relative to `base`."""
+    if isinstance(schema, list):
+        return [_rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rebased(value, base)
+    return out
