@@ -6,6 +6,7 @@ checkpoint in seconds instead of parsing and dequantizing the GGUF again.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -23,7 +24,7 @@ from safetensors.torch import save_file
 from transformers import CONFIG_MAPPING, AutoTokenizer, PretrainedConfig
 
 from .. import envs
-from ..errors import ConfigError, ModelNotFoundError
+from ..errors import ConfigError, CorectlError, ModelNotFoundError
 from .checkpoint_files import INDEX_FILE
 
 logger = logging.getLogger(__name__)
@@ -69,20 +70,33 @@ def ensure_converted(path: Path) -> Path:
     # The folder only ever appears through an atomic rename of a finished conversion.
     if target.is_dir():
         return target
-    logger.info("converting GGUF %s into %s (once; later starts load the cache)", path, target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    # Processes starting together (servers, test workers) convert once: the others wait on the cache
+    # folder's lock, then find the converted folder.
+    lock = os.open(target.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.is_dir():
+            _convert_into(path, target)
+    finally:
+        os.close(lock)
+    return target
+
+
+def _convert_into(path: Path, target: Path) -> None:
+    logger.info("converting GGUF %s into %s (once; later starts load the cache)", path, target)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         convert_gguf(path, staging)
         try:
             os.rename(staging, target)
         except OSError:
-            # Another process finished the same conversion first; its copy is as good as ours.
+            # Where the lock does not reach (another host sharing the folder) a process may finish
+            # the same conversion first; its copy is as good as ours.
             if not target.is_dir():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 @dataclass(frozen=True)
@@ -106,11 +120,22 @@ def read_gguf_header(path: Path) -> GGUFHeader:
     """Parse the GGUF at `path` without reading its weights; raise if the loader cannot convert it."""
     try:
         reader = gguf.GGUFReader(path)
-    except (ValueError, OSError) as exc:
-        raise ModelNotFoundError(f"{path} is not a readable GGUF file: {exc}") from exc
+    except Exception as exc:  # the gguf package fails on a short or corrupt file with whatever numpy raises
+        raise ModelNotFoundError(f"{path} is not a readable GGUF file (truncated or corrupt?): "
+                                 f"{type(exc).__name__}: {exc}") from exc
+    try:
+        return _header(path, reader)
+    except CorectlError:
+        raise
+    except Exception as exc:  # metadata of the wrong type or shape, a missing tensor: the file is at fault
+        raise ConfigError("model", f"GGUF {path} has metadata the loader cannot use: {type(exc).__name__}: "
+                                   f"{exc}") from exc
+
+
+def _header(path: Path, reader: gguf.GGUFReader) -> GGUFHeader:
     meta = _scalar_metadata(reader)
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise ConfigError(
             "model",
             f"GGUF {path} has architecture {arch!r}; supported GGUF architectures: {', '.join(ARCHITECTURES)} "

@@ -3,6 +3,8 @@ import importlib.util
 import json
 import os
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import gguf
@@ -243,6 +245,24 @@ def test_gguf_cache_key_follows_the_file(tmp_path):
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
     assert gguf_cache.gguf_cache_dir(path) != before
+
+
+def test_a_gguf_opened_by_two_starts_at_once_is_converted_once(tmp_path, monkeypatch):
+    """Two servers (or test workers) starting together: one converts, the other waits and loads its folder."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, tiny_model("qwen3"), "qwen3")
+    monkeypatch.setenv("CORECTL_CACHE_DIR", str(tmp_path / "cache"))
+    conversions, convert = [], gguf_cache.convert_gguf
+    monkeypatch.setattr(gguf_cache, "convert_gguf", lambda *args: (conversions.append(args), convert(*args)))
+    together = threading.Barrier(2)
+
+    def start(_):
+        together.wait()
+        return gguf_cache.ensure_converted(path)
+
+    with ThreadPoolExecutor(2) as pool:
+        first, second = pool.map(start, range(2))
+    assert len(conversions) == 1 and first == second and (first / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("arch, extra, match", [
