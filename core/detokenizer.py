@@ -30,21 +30,29 @@ class IncrementalDetokenizer:
     byte-level tokenizers is `tokenizer.decode(output_ids)` itself.
     """
 
-    __slots__ = ("_backend", "_skip_special", "_stream", "_context", "_held_ids")
+    __slots__ = ("_backend", "_skip_special", "_stream", "_context", "_held_ids", "_added", "_prev_added")
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool):
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool,
+                 spaces_between_special_tokens: bool = False):
+        """`spaces_between_special_tokens`: put a space between an added token (e.g. `<|im_end|>`) and
+        the text next to it, as transformers' slow tokenizers and vLLM's slow detokenizer do (the
+        fast decoders join them without one); it matters only when special tokens are not skipped."""
         self._backend = tokenizer.backend_tokenizer
         self._skip_special = skip_special_tokens
         prime = self._prompt_tail(prompt_token_ids)
         self._stream = DecodeStream(ids=prime, skip_special_tokens=skip_special_tokens)
         self._context = prime  # ids decoded just before the held ones, for `flush`
         self._held_ids: list[int] = []  # ids whose text is still held back
+        self._added = tokenizer.added_token_ids if spaces_between_special_tokens and not skip_special_tokens else None
+        self._prev_added = None if self._added is None or not prompt_token_ids else prompt_token_ids[-1] in self._added
 
     def push(self, token_ids: list[int]) -> str:
         """Add generated ids; returns the text they finalised (possibly empty)."""
         pieces = []
         for token_id in token_ids:
             piece = self._step(token_id)
+            if self._added is not None:
+                piece = self._spaced(token_id, piece)
             if piece is None:
                 self._held_ids.append(token_id)
             else:
@@ -53,6 +61,13 @@ class IncrementalDetokenizer:
                 if self._held_ids:
                     self._held_ids = []
         return "".join(pieces)
+
+    def _spaced(self, token_id: int, piece: str | None) -> str | None:
+        added = token_id in self._added
+        if piece and self._prev_added is not None and (added or self._prev_added):
+            piece = " " + piece
+        self._prev_added = added
+        return piece
 
     def flush(self) -> str:
         """Text still held back when generation ends: an unfinished character decodes to U+FFFD, as in

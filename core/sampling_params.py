@@ -86,6 +86,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     reproducible for this request whatever else is batched with it. `logprobs` returns that many
     top alternatives per generated token (0: only the chosen token's logprob). `structured_outputs`
     constrains the output to a grammar (JSON schema, regex, choice, EBNF): see `StructuredOutputsParams`.
+
+    vLLM's extensions: `allowed_token_ids` restricts every step to those tokens; `bad_words` are never
+    completed (intake tokenizes them into `bad_words_token_ids`, each word as is and after a space);
+    `truncate_prompt_tokens` keeps only the prompt's last that many tokens; `cache_salt` keys the
+    request's prefix-cache blocks, so only requests with the same salt share them;
+    `spaces_between_special_tokens` separates special tokens from their neighbours in the text when
+    they are not skipped.
     """
 
     n: int = 1
@@ -108,6 +115,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    truncate_prompt_tokens: int | None = None
+    cache_salt: str | None = None
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -132,6 +145,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
              f"must be in [0, {MAX_LOGPROBS}]"),
             ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
              f"must be in [0, {MAX_LOGPROBS}]"),
+            ("allowed_token_ids", self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+             "must not be empty"),
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
+             "must be at least 1"),
+            ("cache_salt", self.cache_salt is None or len(self.cache_salt) > 0, "must be a non-empty string"),
+            ("bad_words_token_ids", all(self.bad_words_token_ids or [[0]]), "must hold non-empty token lists"),
         ]
         for field, ok, message in checks:
             if not ok:

@@ -72,6 +72,11 @@ class Tokenizer:
     def all_special_ids(self) -> list[int]:
         return list(self.hf.all_special_ids)
 
+    @functools.cached_property
+    def added_token_ids(self) -> frozenset[int]:
+        """Ids of the tokens added to the vocabulary (special tokens and the like)."""
+        return frozenset(self.hf.get_added_vocab().values())
+
     @property
     def chat_template(self) -> str | dict[str, str] | None:
         return self.hf.chat_template
@@ -89,12 +94,14 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, chat_template: str | None = None,
                             continue_final_message: bool = False,
-                            template_kwargs: Mapping[str, Any] | None = None) -> str:
+                            template_kwargs: Mapping[str, Any] | None = None,
+                            documents: list[dict[str, str]] | None = None) -> str:
         """Render a conversation to the prompt text the model was trained on.
 
         Message content may be a string or a list of OpenAI text parts. `chat_template` (a Jinja
         string, never a path: requests must not read server files) replaces the model's template for
-        this call; `template_kwargs` reach the template as variables (e.g. `enable_thinking`): names
+        this call; `documents` are RAG documents for the templates that render them (others ignore
+        them, as transformers does); `template_kwargs` reach the template as variables (e.g. `enable_thinking`): names
         the renderer sets itself are refused (`reserved_template_kwargs`), and whatever the render
         raises with them, where it renders without them, is their fault (a 400 naming
         `chat_template_kwargs`); any other failure is the messages'.
@@ -111,7 +118,8 @@ class Tokenizer:
                                       "them itself (from the request's own fields or the tokenizer)",
                                       param="chat_template_kwargs")
         messages = _normalise_messages(messages)
-        render = functools.partial(self.hf.apply_chat_template, messages, tools=tools, chat_template=chat_template,
+        render = functools.partial(self.hf.apply_chat_template, messages, tools=tools, documents=documents,
+                                   chat_template=chat_template,
                                    add_generation_prompt=add_generation_prompt,
                                    continue_final_message=continue_final_message, tokenize=False)
         try:
@@ -138,11 +146,13 @@ class Tokenizer:
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, chat_template: str | None = None,
-                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
-        """Token ids of the rendered conversation; the template writes its own special tokens."""
+                    template_kwargs: Mapping[str, Any] | None = None, continue_final_message: bool = False,
+                    documents: list[dict[str, str]] | None = None, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of the rendered conversation; the template writes its own special tokens
+        (`add_special_tokens` adds the tokenizer's on top, as vLLM's field of that name does)."""
         text = self.apply_chat_template(messages, add_generation_prompt, tools, chat_template,
-                                        template_kwargs=template_kwargs)
-        return self.encode(text, add_special_tokens=False)
+                                        continue_final_message, template_kwargs, documents)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _renders(render: Any) -> bool:

@@ -92,7 +92,40 @@ def check_request(request_ids: list[str], prompt_token_ids: list[int], params: S
         _check_in_vocab(params.logit_bias, info.vocab_size, "logit_bias")
     if params.stop_token_ids:
         _check_in_vocab(params.stop_token_ids, info.vocab_size, "stop_token_ids")
+    if params.allowed_token_ids:
+        _check_in_vocab(params.allowed_token_ids, info.vocab_size, "allowed_token_ids")
+    if params.bad_words_token_ids:
+        _check_in_vocab([t for word in params.bad_words_token_ids for t in word], info.vocab_size, "bad_words")
     _check_context_length(len(prompt_token_ids), params.max_tokens or 1, info.max_model_len)
+
+
+def prepare_request(prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                    tokenizer: Tokenizer | None) -> tuple[str | None, list[int], SamplingParams]:
+    """Apply the request's own prompt and word edits before intake checks it: `truncate_prompt_tokens`
+    keeps the prompt's last tokens (the text then no longer matches and is dropped), `bad_words`
+    become the token ids the sampler forbids."""
+    if params.truncate_prompt_tokens is not None and len(prompt_token_ids) > params.truncate_prompt_tokens:
+        prompt, prompt_token_ids = None, prompt_token_ids[-params.truncate_prompt_tokens:]
+    if params.bad_words and params.bad_words_token_ids is None:
+        if tokenizer is None:
+            raise InvalidRequestError(f"{NO_TOKENIZER}, so bad_words cannot be tokenized", param="bad_words")
+        params = params.clone(bad_words_token_ids=bad_words_token_ids(params.bad_words, tokenizer))
+    return prompt, prompt_token_ids, params
+
+
+def bad_words_token_ids(words: list[str], tokenizer: Tokenizer) -> list[list[int]]:
+    """vLLM's tokenization of bad words: each word as written and, where it tokenizes differently
+    with the same number of tokens, after a space (the word inside a sentence)."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if not bare:
+            raise InvalidRequestError(f"bad_words entry {word!r} has no tokens", param="bad_words")
+        out.append(bare)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out
 
 
 def check_pooling_request(request_id: str, prompt_token_ids: list[int], params: PoolingParams, info: EngineInfo,

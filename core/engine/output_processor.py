@@ -27,7 +27,7 @@ from ..pooling import PoolingParams, finish_embedding, vector_from_bytes
 from ..sampling_params import SamplingParams
 from ..step_messages import LogprobsLists
 from ..tokenizer import Tokenizer
-from .intake import check_pooling_request, check_request
+from .intake import check_pooling_request, check_request, prepare_request
 from .messages import EngineCoreOutput, EngineCoreRequest, EngineInfo
 
 
@@ -52,7 +52,8 @@ class _Sample:
     def __init__(self, index: int, tokenizer: Tokenizer | None, prompt_ids: list[int], params: SamplingParams):
         self.index = index
         self.detok = (_NoText() if tokenizer is None
-                      else IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens))
+                      else IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens,
+                                                   params.spaces_between_special_tokens))
         self.stop = StopStringMatcher(params.stop or [], params.include_stop_str_in_output)
         self.text = ""
         self.token_ids: list[int] = []
@@ -130,6 +131,7 @@ class OutputProcessor:
         `lora_request`: the adapter it runs with (None: the base model).
 
         Raises InvalidRequestError, registering nothing, when intake refuses it."""
+        prompt, prompt_token_ids, params = prepare_request(prompt, prompt_token_ids, params, self.tokenizer)
         child_ids = _child_ids(request_id, params.n)
         check_request([request_id, *child_ids], prompt_token_ids, params, self.info, self._in_use)
         check_lora_request(lora_request, self.info.lora, self._loras)

@@ -34,10 +34,23 @@ def adapter_root(lora_int_id: int | None) -> int | None:
     return hash_block(None, [-1, lora_int_id])
 
 
+def request_root(lora_int_id: int | None, cache_salt: str | None) -> int | None:
+    """The parent of a request's first block: its adapter's root, salted with the request's
+    `cache_salt` when it has one, so only requests with the same adapter and the same salt share
+    blocks (one tenant cannot probe another's prompts by timing its cache hits)."""
+    root = adapter_root(lora_int_id)
+    if cache_salt is None:
+        return root
+    digest = hashlib.blake2b(digest_size=_DIGEST_SIZE, person=b"corectl-salt")
+    digest.update(_ROOT if root is None else root.to_bytes(_DIGEST_SIZE, "little"))
+    digest.update(cache_salt.encode())
+    return int.from_bytes(digest.digest(), "little")
+
+
 def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, num_blocks: int,
                         root: int | None = None) -> list[int]:
     """Grow `hashes` in place to cover the first `num_blocks` full blocks of `token_ids`; `root` is
-    the first block's parent (`adapter_root`)."""
+    the first block's parent (`request_root`)."""
     parent = hashes[-1] if hashes else root
     for index in range(len(hashes), num_blocks):
         start = index * block_size

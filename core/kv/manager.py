@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..request import Request
-from .block_hash import adapter_root, extend_block_hashes
+from .block_hash import extend_block_hashes, request_root
 from .block_map import MAX_CELLS, KVBlockMap, summarize_block_states
 from .block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
 
@@ -194,5 +194,6 @@ class KVCacheManager:
 
     def _block_hashes(self, req: Request, num_blocks: int) -> list[int]:
         lora = req.lora_request
-        root = None if lora is None or req.block_hashes else adapter_root(lora.lora_int_id)
+        root = None if req.block_hashes else request_root(None if lora is None else lora.lora_int_id,
+                                                           req.sampling_params.cache_salt)
         return extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, num_blocks, root)

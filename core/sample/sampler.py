@@ -1,6 +1,6 @@
 """One token per row from a step's logits, vLLM V1's order of operations.
 
-logit_bias -> min_tokens suppression -> penalties; greedy rows take the argmax of those logits,
+logit_bias -> min_tokens suppression -> penalties -> allowed_token_ids -> bad_words; greedy rows take the argmax of those logits,
 random rows go on through temperature, top-k, top-p, min-p and the platform's draw. Logprobs
 come from the raw logits (vLLM V1's default), before any of it.
 """
@@ -15,6 +15,7 @@ from .metadata import SamplingMetadata
 from .penalties import apply_penalties
 from .random_sampling import DRAWS, RandomParams, sample_random, temper_and_truncate
 from .token_edits import add_logit_bias, suppress_tokens
+from .token_masks import ban_bad_words, keep_allowed_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +25,8 @@ class SamplerOutput:
 
 
 def edit_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Apply logit_bias, min_tokens and penalties; returns the edited logits (in place where it can)."""
+    """Apply logit_bias, min_tokens, penalties, allowed_token_ids and bad_words; returns the edited
+    logits (in place where it can)."""
     logits = logits.contiguous()
     if meta.logit_bias is not None:
         add_logit_bias(logits, meta.logit_bias)
@@ -32,6 +34,10 @@ def edit_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         suppress_tokens(logits, meta.min_tokens)
     if meta.penalties is not None:
         logits = apply_penalties(logits, meta.penalties)
+    if meta.allowed is not None:
+        keep_allowed_tokens(logits, meta.allowed)
+    if meta.bad_words is not None:
+        ban_bad_words(logits, meta.bad_words)
     return logits
 
 

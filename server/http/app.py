@@ -29,6 +29,7 @@ from .logs import configure_logging
 from .lora_routes import LoRAAdapterController
 from .metrics import ServerMetrics
 from .ops import LoadController, ModelsController, OpsController, TokenizerController
+from .request_id import request_id_middleware
 from .state import ServerState
 from .tracing import RequestTracer
 
@@ -52,7 +53,7 @@ def create_app(server: ServerState) -> Litestar:
                         LoRAAdapterController],
         dependencies={"server": Provide(_provide_server, sync_to_thread=False)},
         lifespan=[_engine_lifespan],
-        middleware=[] if tracer is None else [tracer.middleware],
+        middleware=[request_id_middleware] + ([] if tracer is None else [tracer.middleware]),
         on_shutdown=[] if tracer is None else [tracer.shutdown],
         exception_handlers=EXCEPTION_HANDLERS,
         cors_config=cors,

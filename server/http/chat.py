@@ -1,7 +1,6 @@
 """POST /v1/chat/completions: messages rendered with the model's chat template, then generated."""
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 
 from corectl.outputs import CompletionOutput
@@ -15,6 +14,7 @@ from .errors import ERROR_RESPONSES
 from .generation import GenerationGroup, UsageCounter
 from .logprobs import chat_logprobs, prompt_logprobs
 from .protocol import ChatCompletionRequest, message_dicts
+from .request_id import request_id_for
 from .reasoning.gate import ChatReasoning
 from .responses import (
     ChatChoice,
@@ -42,30 +42,48 @@ class ChatController(Controller):
                      **ERROR_RESPONSES})
     async def create_chat_completion(self, data: ChatCompletionRequest, request: Request,
                                      server: ServerState) -> Response:
-        server.check_accepting()
-        lora = await server.adapter_for(data.model)
-        server.check_priority(data.priority)
-        data.check_supported()
-        tool_choice = check_tool_choice(data.tools, data.tool_choice, server.settings.enable_auto_tool_choice)
-        params = data.sampling_params(tool_choice)
-        if tool_choice == "auto" and server.tool_parser.needs_special_tokens:
-            params = params.clone(skip_special_tokens=False)  # the call markers are special tokens
-        tokenizer = server.require_tokenizer(
-            "messages", "chat messages cannot be rendered; use /v1/completions with token-id prompts")
-        tools = template_tools(data.tools) if data.tools and tool_choice != "none" else None
-        prompt = tokenizer.encode_chat(message_dicts(data.messages), add_generation_prompt=data.add_generation_prompt,
-                                       tools=tools, template_kwargs=data.chat_template_kwargs)
-        reasoning = ChatReasoning(server.reasoning_parser, tokenizer, prompt, params)
-        group = GenerationGroup(server, [prompt], reasoning.params, f"chatcmpl-{uuid.uuid4().hex}", data.priority,
-                                lora, "tools" if tool_choice in ("required", "named") else data.constraint_field)
-        await group.start(request.receive)
+        group, texts = await start_chat(data, request, server, f"chatcmpl-{request_id_for(request, data.request_id)}")
         head = group.response_head()
         top_n = (data.top_logprobs or 0) if data.logprobs else None
-        texts = {i: ChoiceText(ROLE, reasoning.parser(), _tool_parser(data, tool_choice, server, tokenizer))
-                 for i in range(group.n)}
+        echo = data.echoed_text()
         return await group.respond(request.receive, data.stream,
-                                   lambda: _chunks(group, head, top_n, data.include_usage, texts),
-                                   lambda: _collect(group, head, top_n, texts))
+                                   lambda: _chunks(group, head, top_n, data.include_usage, texts, echo,
+                                                   data.continuous_usage),
+                                   lambda: _collect(group, head, top_n, texts, echo))
+
+
+async def start_chat(data: ChatCompletionRequest, request: Request, server: ServerState,
+                     request_id: str) -> tuple[GenerationGroup, dict[int, ChoiceText]]:
+    """A chat request checked, rendered and started in the engine, with each choice's text reader
+    (the Responses API runs its turns through here too)."""
+    server.check_accepting()
+    lora = await server.adapter_for(data.model)
+    server.check_priority(data.priority)
+    data.check_supported()
+    tool_choice = check_tool_choice(data.tools, data.tool_choice, server.settings.enable_auto_tool_choice)
+    params = data.sampling_params(tool_choice)
+    if tool_choice == "auto" and server.tool_parser.needs_special_tokens:
+        # The call markers are special tokens, which the parser reads as the model wrote them.
+        params = params.clone(skip_special_tokens=False, spaces_between_special_tokens=False)
+    tokenizer = server.require_tokenizer(
+        "messages", "chat messages cannot be rendered; use /v1/completions with token-id prompts")
+    tools = template_tools(data.tools) if data.tools and tool_choice != "none" else None
+    prompt = chat_prompt(data, tokenizer, tools)
+    reasoning = ChatReasoning(server.reasoning_parser, tokenizer, prompt, params)
+    group = GenerationGroup(server, [prompt], reasoning.params, request_id, data.priority,
+                            lora, "tools" if tool_choice in ("required", "named") else data.constraint_field)
+    await group.start(request.receive)
+    texts = {i: ChoiceText(ROLE, reasoning.parser(), _tool_parser(data, tool_choice, server, tokenizer))
+             for i in range(group.n)}
+    return group, texts
+
+
+def chat_prompt(data: ChatCompletionRequest, tokenizer, tools: list[dict] | None) -> list[int]:
+    """The request's messages rendered with the template and every template field it sets."""
+    return tokenizer.encode_chat(message_dicts(data.messages), add_generation_prompt=data.add_generation_prompt,
+                                 tools=tools, template_kwargs=data.template_kwargs(),
+                                 continue_final_message=data.continue_final_message, documents=data.documents,
+                                 chat_template=data.chat_template, add_special_tokens=data.add_special_tokens)
 
 
 def _tool_parser(data: ChatCompletionRequest, tool_choice: str, server: ServerState, tokenizer) -> ToolParser | None:
@@ -85,7 +103,7 @@ def _logprobs(sample: CompletionOutput, top_n: int | None) -> ChatLogprobs | Non
 
 
 async def _collect(group: GenerationGroup, head: dict, top_n: int | None,
-                   texts: dict[int, ChoiceText]) -> ChatCompletionResponse:
+                   texts: dict[int, ChoiceText], echo: str) -> ChatCompletionResponse:
     usage = UsageCounter()
     generated: dict[int, list[str]] = {}
     logprobs: dict[int, ChatLogprobs | None] = {}
@@ -105,6 +123,8 @@ async def _collect(group: GenerationGroup, head: dict, top_n: int | None,
         text = texts[index]
         text.feed("".join(generated[index]), final=True)
         message, calls = text.message()
+        if echo:
+            message.content = echo + (message.content or "")
         finish_reason, stop_reason = ends[index]
         if calls and finish_reason == "stop":
             finish_reason = "tool_calls"
@@ -115,11 +135,11 @@ async def _collect(group: GenerationGroup, head: dict, top_n: int | None,
 
 
 async def _chunks(group: GenerationGroup, head: dict, top_n: int | None, include_usage: bool,
-                  texts: dict[int, ChoiceText]) -> AsyncIterator[bytes]:
+                  texts: dict[int, ChoiceText], echo: str, continuous_usage: bool) -> AsyncIterator[bytes]:
     usage = UsageCounter()
-    # OpenAI's first chunk of each choice carries the role and no content.
+    # OpenAI's first chunk of each choice carries the role and no content (the echoed text with echo).
     yield sse.frame(ChatCompletionChunk(**head, choices=[
-        ChatChunkChoice(index=i, delta=ChatDelta(role=ROLE, content="")) for i in range(group.n)]))
+        ChatChunkChoice(index=i, delta=ChatDelta(role=ROLE, content=echo)) for i in range(group.n)]))
     async for _, out in group.merged():
         usage.add(0, out)
         choices = []
@@ -131,6 +151,7 @@ async def _chunks(group: GenerationGroup, head: dict, top_n: int | None, include
                                                finish_reason=text.finish_reason(s.finish_reason),
                                                stop_reason=s.stop_reason))
         if choices:
-            yield sse.frame(ChatCompletionChunk(**head, choices=choices))
+            yield sse.frame(ChatCompletionChunk(**head, choices=choices,
+                                                usage=usage.usage() if continuous_usage else None))
     if include_usage:
         yield sse.frame(ChatCompletionChunk(**head, choices=[], usage=usage.usage()))

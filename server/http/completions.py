@@ -1,7 +1,6 @@
 """POST /v1/completions: prompts in, text out, whole or streamed as server-sent events."""
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 
 from corectl.outputs import CompletionOutput, RequestOutput
@@ -15,6 +14,7 @@ from .errors import ERROR_RESPONSES
 from .generation import GenerationGroup, UsageCounter
 from .logprobs import completion_logprobs, extend_completion_logprobs, prompt_logprobs
 from .protocol import CompletionRequest
+from .request_id import request_id_for
 from .responses import CompletionChoice, CompletionLogprobs, CompletionResponse
 from .state import ServerState
 
@@ -114,6 +114,16 @@ def _check_text_fields(data: CompletionRequest, server: ServerState) -> None:
                                  "prompt_logprobs (keyed by token id) still works")
 
 
+def _prompts(data: CompletionRequest, server: ServerState) -> list[str | list[int]]:
+    """The request's prompts; text ones tokenized here without the tokenizer's special tokens when
+    the request turns them off (vLLM's add_special_tokens)."""
+    prompts = data.prompts()
+    if data.add_special_tokens:
+        return prompts
+    tokenizer = server.require_tokenizer("add_special_tokens", "text prompts cannot be tokenized")
+    return [tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p for p in prompts]
+
+
 class CompletionsController(Controller):
     path = "/v1"
     guards = [require_api_key]
@@ -128,13 +138,14 @@ class CompletionsController(Controller):
         data.check_supported()
         _check_text_fields(data, server)
         params = data.sampling_params()
-        group = GenerationGroup(server, data.prompts(), params, f"cmpl-{uuid.uuid4().hex}", data.priority, lora,
+        group = GenerationGroup(server, _prompts(data, server), params, f"cmpl-{request_id_for(request, data.request_id)}",
+                                data.priority, lora,
                                 data.constraint_field)
         await group.start(request.receive)
         head = group.response_head()
         choices = _Choices(data, server.engine.tokenizer, params.n)
         return await group.respond(request.receive, data.stream,
-                                   lambda: _chunks(group, choices, head, data.include_usage),
+                                   lambda: _chunks(group, choices, head, data.include_usage, data.continuous_usage),
                                    lambda: _collect(group, choices, head))
 
 
@@ -160,13 +171,14 @@ async def _collect(group: GenerationGroup, choices: _Choices, head: dict) -> Com
     return CompletionResponse(**head, choices=ordered, usage=usage.usage())
 
 
-async def _chunks(group: GenerationGroup, choices: _Choices, head: dict, include_usage: bool) -> AsyncIterator[bytes]:
+async def _chunks(group: GenerationGroup, choices: _Choices, head: dict, include_usage: bool,
+                  continuous_usage: bool) -> AsyncIterator[bytes]:
     usage = UsageCounter()
     async for prompt_index, out in group.merged():
         out = choices.visible(out)
         usage.add(prompt_index, out)
         pieces = choices.stream_pieces(prompt_index, out)
         if pieces:
-            yield sse.frame(CompletionResponse(**head, choices=pieces))
+            yield sse.frame(CompletionResponse(**head, choices=pieces, usage=usage.usage() if continuous_usage else None))
     if include_usage:
         yield sse.frame(CompletionResponse(**head, choices=[], usage=usage.usage()))

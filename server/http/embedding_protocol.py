@@ -7,7 +7,7 @@ positive `dimensions`.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from corectl.pooling import MAX_EMBED_INPUTS, PoolingParams
@@ -22,7 +22,7 @@ TokenId = Annotated[int, Meta(ge=0, le=(1 << 31) - 1)]
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
     """POST /v1/embeddings."""
 
-    input: str | list[str | TokenId | list[TokenId]]
+    input: str | list[str | TokenId | list[TokenId]] | None = None
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Meta(ge=1, le=(1 << 31) - 1)] | None = None
@@ -31,11 +31,25 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     normalize: bool | None = None
     add_special_tokens: bool = True
     priority: Int64 = 0
+    # Keep each input's last tokens (-1: as many as the context holds).
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=(1 << 31) - 1)] | None = None
+    request_id: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    # vLLM's chat form of an embedding request, which this server does not take.
+    messages: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    mm_processor_kwargs: Any = None
 
     def inputs(self) -> list[str | list[int]]:
         """The inputs, each a string or a list of token ids; 400 naming `input` when the field is
         empty, holds an empty input, mixes kinds or holds more than MAX_EMBED_INPUTS."""
+        for name in ("messages", "chat_template", "chat_template_kwargs", "mm_processor_kwargs"):
+            if getattr(self, name) is not None:
+                raise APIError(400, f"{name} is not supported: embeddings take text or token ids in input, not "
+                               "chat messages", name)
         value = self.input
+        if value is None:
+            raise APIError(400, "input is required", "input")
         if isinstance(value, str):
             inputs: list = [value]
         elif not value:

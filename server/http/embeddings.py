@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -27,6 +26,7 @@ from .auth import require_api_key
 from .embedding_protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from .errors import ERROR_RESPONSES, APIError
 from .generation import record_request, until_disconnected
+from .request_id import request_id_for
 from .state import ServerState
 
 T = TypeVar("T")
@@ -54,7 +54,7 @@ class EmbeddingsController(Controller):
         check_pooling_params(params, pooling)
         prompts = _token_ids(data, server)
         _check_lengths(prompts, server)
-        request_id = f"embd-{uuid.uuid4().hex}"
+        request_id = f"embd-{request_id_for(request, data.request_id)}"
         server.in_flight += 1
         try:
             vectors = await until_disconnected(request.receive, lambda: _gather([
@@ -73,9 +73,24 @@ def _token_ids(data: EmbeddingRequest, server: ServerState) -> list[tuple[str | 
     """Each input as (its text, or None for token ids; its token ids)."""
     inputs = data.inputs()
     if not any(isinstance(item, str) for item in inputs):
-        return [(None, list(item)) for item in inputs]
+        return _truncated(data, server, [(None, list(item)) for item in inputs])
     tokenizer = server.require_tokenizer("input", "inputs must be token ids, not text")
-    return [(text, tokenizer.encode(text, add_special_tokens=data.add_special_tokens)) for text in inputs]
+    return _truncated(data, server, [(text, tokenizer.encode(text, add_special_tokens=data.add_special_tokens))
+                                     for text in inputs])
+
+
+def _truncated(data: EmbeddingRequest, server: ServerState,
+               prompts: list[tuple[str | None, list[int]]]) -> list[tuple[str | None, list[int]]]:
+    """vLLM's truncate_prompt_tokens: each input's last k tokens (-1: the context's length); a
+    truncated input no longer matches its text."""
+    keep = data.truncate_prompt_tokens
+    if keep is None:
+        return prompts
+    if keep == -1:
+        keep = server.engine.info.max_model_len
+    if keep == 0:
+        raise APIError(400, "truncate_prompt_tokens must be -1 or at least 1", "truncate_prompt_tokens")
+    return [(text if len(ids) <= keep else None, ids[-keep:]) for text, ids in prompts]
 
 
 def _check_lengths(prompts: list[tuple[str | None, list[int]]], server: ServerState) -> None:

@@ -10,16 +10,16 @@ cost host work per token or per engine step (samples, stop lists, logit_bias) to
 """
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 from corectl.errors import InvalidRequestError
 from corectl.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
-from .constraints import ConstraintFields
 from .errors import APIError
 from .tools import MAX_TOOLS, ChatTool, ToolCallIn, ToolChoice, forced_calls_spec, template_tool_calls
+from .vllm_fields import RefusedFields
 
 
 # OpenAI's cap on `n`; a completions request also holds at most MAX_CHOICES samples over all its prompts
@@ -34,6 +34,10 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300
 MAX_MESSAGES = 4096
 MAX_DETOKENIZE_TOKENS = 1 << 20
+# allowed_token_ids may list a whole vocabulary; bad words cost a tail comparison per word per step.
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
+MAX_BAD_WORDS = 64
+MAX_DOCUMENTS = 256
 INT32_MAX = (1 << 31) - 1
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -44,9 +48,11 @@ StopString = Annotated[str, Meta(max_length=MAX_STOP_CHARS)]
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
+    # vLLM's extension: usage on every chunk, not only in a last one.
+    continuous_usage_stats: bool = False
 
 
-class SamplingFields(ConstraintFields, kw_only=True):
+class SamplingFields(RefusedFields, kw_only=True):
     """Fields shared by completions and chat completions (the output constraints among them)."""
 
     model: str | None = None
@@ -72,16 +78,32 @@ class SamplingFields(ConstraintFields, kw_only=True):
     include_stop_str_in_output: bool = False
     priority: Int64 = 0
     prompt_logprobs: int | None = None
+    best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
+    allowed_token_ids: Annotated[list[int], Meta(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
+    bad_words: Annotated[list[StopString], Meta(max_length=MAX_BAD_WORDS)] | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=1024)] | None = None
+    spaces_between_special_tokens: bool = True
+    # The request's id in logs and responses (an X-Request-Id header takes precedence).
+    request_id: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's `stream_options.continuous_usage_stats`: every chunk carries the usage so far."""
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     def check_stream_fields(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
         if self.stream and self.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not available when stream is true", "prompt_logprobs")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of is not supported (it must be unset or equal to n)", "best_of")
+        self.check_refused()
 
     def build_sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
                               structured_outputs: StructuredOutputsParams | None) -> SamplingParams:
@@ -93,6 +115,9 @@ class SamplingFields(ConstraintFields, kw_only=True):
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None,
+            truncate_prompt_tokens=self.truncate_prompt_tokens, cache_salt=self.cache_salt,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                         presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -119,9 +144,11 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
-    best_of: int | None = None
-    # vLLM's extension: each choice also carries prompt_token_ids and token_ids.
+    # vLLM's extensions: each choice also carries prompt_token_ids and token_ids; whether text
+    # prompts get the tokenizer's special tokens (BOS).
     return_token_ids: bool = False
+    add_special_tokens: bool = True
+    prompt_embeds: Any = None  # refused (vllm_fields)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request, each a string or a list of token ids."""
@@ -145,8 +172,6 @@ class CompletionRequest(SamplingFields, kw_only=True):
         self.check_stream_fields()
         if self.suffix is not None:
             raise APIError(400, "suffix (insertion) is not supported by this server", "suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise APIError(400, "best_of is not supported (it must be unset or equal to n)", "best_of")
         if self.echo and self.stream and self.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not available when stream is true", "prompt_logprobs")
         if self.max_tokens == 0 and not self.echo:
@@ -209,8 +234,19 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: Annotated[list[ChatTool], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
-    # vLLM's extension: extra variables for the chat template (e.g. Qwen3's enable_thinking).
+    # vLLM's extensions: extra variables for the chat template (e.g. Qwen3's enable_thinking); the
+    # final message continued instead of a new one started; echo the last message when the
+    # assistant wrote it; RAG documents and OpenAI's reasoning_effort for templates that read them;
+    # a template for this request (a Jinja string); special tokens on top of the template's.
     chat_template_kwargs: Annotated[dict[str, Any], Meta(max_length=64)] | None = None
+    continue_final_message: bool = False
+    echo: bool = False
+    documents: Annotated[list[dict[str, str]], Meta(max_length=MAX_DOCUMENTS)] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    chat_template: Annotated[str, Meta(max_length=1 << 16)] | None = None
+    add_special_tokens: bool = False
+    structural_tag: Any = None  # refused (vllm_fields)
+    include_reasoning: bool = True  # refused when false (vllm_fields)
 
     def check_supported(self) -> None:
         self.check_stream_fields()
@@ -222,6 +258,28 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
                                f"got {message.role!r}", "messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true (set "
+                           "add_generation_prompt to false to continue the last message)", "continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise APIError(400, "continue_final_message continues the last message, which must be the "
+                           "assistant's", "continue_final_message")
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The template's variables: chat_template_kwargs, plus reasoning_effort for the templates that
+        read it (the request's field wins over the same name in chat_template_kwargs)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {**(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort}
+
+    def echoed_text(self) -> str:
+        """vLLM's chat `echo`: the last message's text, prepended to the reply when the assistant wrote it."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant" or last.content is None:
+            return ""
+        if isinstance(last.content, str):
+            return last.content
+        return "".join(part.text or "" for part in last.content if part.type == "text")
 
     def sampling_params(self, tool_choice: str) -> SamplingParams:
         """`tool_choice` is the effective choice (`tools.check_tool_choice`): "required" and "named"

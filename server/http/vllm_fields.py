@@ -1,0 +1,52 @@
+"""vLLM's request fields this server cannot honour, refused by name instead of dropped.
+
+vLLM clients send these; a request that sets one to anything but its default gets a 400 naming
+the field and saying why, so no one mistakes an ignored setting for an applied one. Fields outside
+vLLM's and OpenAI's request models are ignored, as vLLM ignores them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from .constraints import ConstraintFields
+from .errors import APIError
+
+# field -> why it is refused. A field counts as sent when it differs from its default.
+REFUSED_REASONS = {
+    "use_beam_search": "beam search is not available on this server; sample with n and seed instead",
+    "length_penalty": "length_penalty weighs beam search, which this server does not run",
+    "logits_processors": "this server loads no custom logits processors",
+    "kv_transfer_params": "this server does no disaggregated KV transfer",
+    "vllm_xargs": "this server has no extensions that read vllm_xargs",
+    "mm_processor_kwargs": "this server serves text-only models",
+    "prompt_embeds": "this server takes prompts as text or token ids, not embeddings",
+    "guided_decoding_backend": "the structured-output backend is chosen at start-up (--structured-outputs-backend)",
+    "guided_whitespace_pattern": "JSON whitespace is set with structured_outputs.disable_any_whitespace",
+    "structural_tag": "send the structural tag as structured_outputs.structural_tag",
+    "return_tokens_as_token_ids": "logprob tokens are returned as text; return_token_ids gives the token ids",
+    "include_reasoning": "reasoning is always returned in reasoning_content when a reasoning parser is set",
+}
+
+
+class RefusedFields(ConstraintFields, kw_only=True):
+    """The refused fields completions and chat requests share, at their vLLM defaults (each request
+    declares its own others); `check_refused` checks every field named in REFUSED_REASONS."""
+
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    logits_processors: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    mm_processor_kwargs: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    return_tokens_as_token_ids: Any = None
+
+    def check_refused(self) -> None:
+        for field in msgspec.structs.fields(self):
+            value = getattr(self, field.name)
+            unset = value is None or value == field.default or (field.default is None and value is False)
+            if field.name in REFUSED_REASONS and not unset:
+                raise APIError(400, f"{field.name} is not supported: {REFUSED_REASONS[field.name]}", field.name)
