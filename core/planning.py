@@ -204,6 +204,8 @@ def resolve_target(config: EngineConfig, model_dtype: str | None, device: str = 
     reports."""
     if device not in DEVICES:
         raise ConfigError("device", f"must be one of {', '.join(DEVICES)}; got {device!r}")
+    if memory_bytes is not None and memory_bytes <= 0:
+        raise ConfigError("device_memory", f"must be a positive size (e.g. 80GiB); got {memory_bytes} bytes")
     if device == "auto" and (memory_bytes is not None or capability is not None):
         device = "gpu"
     if device == "cpu" and capability is not None:
@@ -215,7 +217,7 @@ def resolve_target(config: EngineConfig, model_dtype: str | None, device: str = 
     if device == "gpu" and not caps.profiles_memory:
         return _gpu_elsewhere(config, model_dtype, memory_bytes, DEFAULT_GPU_CAPABILITY)
     memory = memory_bytes or platform.device_memory()
-    if memory is None:
+    if not memory:
         raise ConfigError("device_memory", f"platform {platform.name!r} does not report its memory; "
                                            "give it (--device-memory 80GiB)")
     return Target(platform.name, caps.profiles_memory, memory, platform.resolve_dtype(config.dtype, model_dtype),

@@ -21,15 +21,26 @@ def load_hf_config(source: Path, overrides: dict[str, Any] | None) -> tuple[Pret
         config_dict, _ = PretrainedConfig.get_config_dict(str(source))
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(f"cannot read a model config from {source}: {exc}") from exc
+    except (TypeError, AttributeError, KeyError) as exc:  # transformers reads the JSON as a mapping
+        raise ConfigError("model", f"the config at {source} is not an object of model settings "
+                                   f"({type(exc).__name__}: {exc})") from exc
+    if not isinstance(config_dict, dict):
+        raise ConfigError("model", f"the config at {source} holds a JSON {type(config_dict).__name__}, "
+                                   "not an object of model settings")
     config_dict = {**config_dict, **(overrides or {})}
     model_type = config_dict.get("model_type")
-    if model_type not in CONFIG_MAPPING:
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise ConfigError(
             "model",
             f"config at {source} has model_type {model_type!r}, which the installed transformers does not know "
             "(a decoder-only model such as llama, mistral, qwen2 or qwen3 is expected)",
         )
-    return CONFIG_MAPPING[model_type].from_dict(config_dict), checkpoint_dtype(config_dict)
+    try:
+        config = CONFIG_MAPPING[model_type].from_dict(config_dict)
+    except Exception as exc:  # transformers checks fields its own way: any refusal is the file's fault
+        raise ConfigError("model", f"the config at {source} is not a valid {model_type} config: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+    return config, checkpoint_dtype(config_dict)
 
 
 def checkpoint_dtype(config_dict: dict[str, Any]) -> str | None:
