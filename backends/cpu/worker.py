@@ -18,6 +18,8 @@ class CPUWorker(Worker):
     def load_model(self) -> ModelInfo:
         info = super().load_model()
         prepack_linears(self.runner.model, self.torch_dtype)
+        if self.runner.drafter is not None:
+            prepack_linears(self.runner.drafter.runner.model, self.torch_dtype)
         return info
 
     def profile_num_kv_blocks(self) -> int:

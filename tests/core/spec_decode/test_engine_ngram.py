@@ -1,7 +1,7 @@
-"""n-gram speculation through the whole engine on SmolLM2 (real weights): greedy output token-exact
+"""Speculation through the whole engine on SmolLM2 (real weights): n-gram greedy output token-exact
 against the engine without it (alone, in a mixed batch, from the prefix cache, through
 preemption), stops and max_tokens inside a draft, penalties / min_tokens / logprobs, seeded
-sampling with n > 1, and structured output that stays valid."""
+sampling with n > 1, structured output that stays valid; and a draft model (the target itself)."""
 from __future__ import annotations
 
 import json
@@ -110,3 +110,16 @@ def test_preemption_resumes_with_identical_output(llm_fp32):
     stats = small.engine.scheduler.make_stats()
     assert stats.num_preemptions > 0 and stats.spec_decode_num_accepted_tokens > 0
     assert stats.kv_cache_usage == 0.0
+
+
+def test_draft_model_speculation_is_token_exact(llm_fp32, default_model_dir):
+    # The target as its own draft: every greedy draft is accepted, k + 1 tokens a step.
+    tok = llm_fp32.get_tokenizer()
+    prompts = [tok.encode("The three primary colours are")]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    reference = _tokens(llm_fp32, prompts, params)
+    spec = {"method": "draft_model", "model": str(default_model_dir), "num_speculative_tokens": 3}
+    llm = LLM(dtype="float32", max_model_len=256, kv_cache_memory_gib=0.05, speculative_config=spec)
+    assert _tokens(llm, prompts, params) == reference
+    stats = llm.engine.scheduler.make_stats()
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0

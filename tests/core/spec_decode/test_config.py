@@ -1,0 +1,44 @@
+"""`--speculative-config` checked at the edge: vLLM's defaults, and one clear error for each
+malformed or contradictory config."""
+from __future__ import annotations
+
+import pytest
+from corectl import EngineConfig
+from corectl.errors import ConfigError
+
+
+def test_ngram_defaults_and_json_string_form():
+    spec = EngineConfig.from_kwargs(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}').speculative_config
+    assert (spec.method, spec.k, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 3, 5, 5)
+    one_bound = EngineConfig(speculative_config={"model": "[ngram]", "num_speculative_tokens": 2,
+                                                 "prompt_lookup_max": 3}).speculative_config
+    assert (one_bound.method, one_bound.prompt_lookup_min, one_bound.prompt_lookup_max) == ("ngram", 3, 3)
+    draft = EngineConfig(speculative_config={"model": "path/to/draft", "num_speculative_tokens": 4}).speculative_config
+    assert (draft.method, draft.model, draft.draft_tensor_parallel_size) == ("draft_model", "path/to/draft", 1)
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ('{"method": "ngram", "num_speculative_tokens": 3', "not valid JSON"),
+    ("[1, 2]", "must be a JSON object"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "between 1 and 16, got 0"),
+    ({"method": "ngram", "num_speculative_tokens": 17}, "between 1 and 16, got 17"),
+    ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "unknown method 'medusa'"),
+    ({"num_speculative_tokens": 2}, "say which proposer"),
+    ({"method": "eagle", "model": "heads", "num_speculative_tokens": 2}, "'eagle' is not yet supported"),
+    ({"method": "eagle3", "model": "heads", "num_speculative_tokens": 2}, "'eagle3' is not yet supported"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     r"prompt_lookup_min \(4\) is larger than prompt_lookup_max \(2\)"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "at least 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "some/draft"}, "takes no model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs \"model\""),
+    ({"method": "draft_model", "model": "d", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+     "apply to method \"ngram\" only"),
+    ({"method": "draft_model", "model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+     "tensor_parallel_size 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown field `lookahead`"),
+])
+def test_each_bad_config_gives_one_clear_error(value, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        EngineConfig.from_kwargs(speculative_config=value)
+    assert "speculative_config" in str(info.value)

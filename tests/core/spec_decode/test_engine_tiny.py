@@ -1,0 +1,57 @@
+"""Both proposers on a tiny random Llama (`llama-tiny`, dummy weights): greedy output token-exact
+against the engine without speculation at batch 1, in a mixed batch, and through preemption in a
+small KV cache; a draft model with another vocabulary is refused naming both sides."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from corectl import LLM, SamplingParams
+from corectl.errors import ConfigError
+
+# fp32: bf16 sums depend on the batch's shape, and a random model's logits are near ties.
+TINY = dict(model="llama-tiny", load_format="dummy", platform="cpu", dtype="float32")
+METHODS = {
+    # The same preset and seed: the draft is the target itself, so every greedy draft is accepted.
+    "draft_model": {"method": "draft_model", "model": "llama-tiny", "num_speculative_tokens": 3},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+}
+
+
+def _requests(seed: int, count: int):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(5, 40))] for _ in range(count)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(8, 50), ignore_eos=True) for _ in range(count)]
+    return prompts, params
+
+
+def _tokens(llm, prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def reference(isolated_env):
+    return LLM(**TINY, kv_cache_memory_gib=0.01)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_greedy_is_token_exact_alone_batched_and_preempted(reference, method):
+    prompts, params = _requests(0, 8)
+    expected = _tokens(reference, prompts, params)
+    llm = LLM(**TINY, kv_cache_memory_gib=0.01, speculative_config=METHODS[method])
+    assert _tokens(llm, prompts[:1], params[:1]) == expected[:1]
+    assert _tokens(llm, prompts, params) == expected
+    stats = llm.engine.scheduler.make_stats()
+    assert stats.spec_decode_num_accepted_tokens > 0 and stats.kv_cache_usage == 0.0
+    # 12 blocks of 16 tokens (fp32) for 8 requests of up to 90 tokens: requests are preempted and resumed.
+    small = LLM(**TINY, kv_cache_memory_gib=0.0001, max_model_len=128, speculative_config=METHODS[method])
+    assert _tokens(small, prompts, params) == expected
+    stats = small.engine.scheduler.make_stats()
+    assert stats.num_preemptions > 0 and stats.kv_cache_usage == 0.0
+
+
+def test_a_draft_with_another_vocabulary_is_refused_naming_both(isolated_env):
+    # Checked from the draft's config, before its weights are built.
+    spec = {"method": "draft_model", "model": "qwen3-0.6b", "num_speculative_tokens": 2}
+    with pytest.raises(ConfigError, match=r"'qwen3-0.6b' has a 151936-token vocabulary but the target 'llama-tiny' has 512"):
+        LLM(**TINY, kv_cache_memory_gib=0.01, speculative_config=spec)
