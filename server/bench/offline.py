@@ -20,6 +20,7 @@ import msgspec
 from ..cli.engine_args import add_engine_args, config_from_args
 from .lora import add_lora_bench_args, bench_loras, lora_engine_options, round_robin
 from .report import percentile
+from .edit_text import acceptance, edit_text_prompts, format_acceptance
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 # Distribution names to report, first one installed wins (ROCm wheels rename triton).
@@ -29,7 +30,11 @@ PACKAGES = {"corectl": ("corectl",), "torch": ("torch",), "triton": ("triton", "
 
 def register_throughput(sub) -> None:
     p = sub.add_parser("throughput", help="offline throughput: all prompts submitted at once")
-    p.add_argument("--dataset", choices=["random"], default="random")
+    p.add_argument("--dataset", choices=["random", "edit-text"], default="random",
+                   help="random token ids, or 'edit-text': passages the answer repeats with small edits (greedy, "
+                   "EOS ends it; --output-len caps it), speculative decoding's case")
+    p.add_argument("--spec-compare-base", action="store_true",
+                   help="with --speculative-config: also time the same prompts without speculation, in this run")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.0,
@@ -87,17 +92,28 @@ def run_throughput(args: argparse.Namespace) -> int:
     rng = random.Random(0)
     in_lens = _lengths(rng, args, args.num_prompts, args.input_len)
     out_lens = _lengths(rng, args, args.num_prompts, args.output_len)
-    prompts = _random_prompts(rng, in_lens, _prompt_vocab(llm))
-    params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n, seed=None) for n in out_lens]
+    if args.dataset == "edit-text":
+        prompts, warmup = (edit_text_prompts(llm.get_tokenizer(), args.num_prompts, seed) for seed in (0, 1))
+        params = [SamplingParams(temperature=0.0, max_tokens=n) for n in out_lens]
+    else:
+        prompts, warmup = (_random_prompts(r, in_lens, _prompt_vocab(llm)) for r in (rng, random.Random(1)))
+        params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n, seed=None) for n in out_lens]
     loras = round_robin(bench_loras(args, llm), len(prompts))
     # Warm-up: the same workload on other prompts (no prefix-cache hits for the timed run), so the
     # Triton kernels' first-use compilation for every shape this workload meets stays out of the timing.
-    llm.generate(_random_prompts(random.Random(1), in_lens, _prompt_vocab(llm)), params, use_tqdm=False,
-                 lora_request=loras)
+    llm.generate(warmup, params, use_tqdm=False, lora_request=loras)
+    stats_before = llm.engine.scheduler.make_stats()
     result = _timed_throughput(llm, prompts, params, loras)
     print(f"Throughput: {result['requests_per_s']:.2f} requests/s, {result['total_tokens_per_s']:.2f} total tokens/s, "
           f"{result['output_tokens_per_s']:.2f} output tokens/s")
     print(f"Total num prompt tokens: {result['input_tokens']}\nTotal num output tokens: {result['output_tokens']}")
+    result["speculative"] = acceptance(stats_before, llm.engine.scheduler.make_stats())
+    if result["speculative"] is not None:
+        print(format_acceptance(result["speculative"]))
+    if args.spec_compare_base and llm.config.speculative_config is not None:
+        result["base"] = _timed_without_speculation(args, warmup, prompts, params)
+        print(f"Without speculation: {result['base']['output_tokens_per_s']:.2f} output tokens/s; with it "
+              f"{result['output_tokens_per_s'] / result['base']['output_tokens_per_s']:.3f}x")
     if loras and args.lora_compare_base:
         base = _timed_throughput(llm, _random_prompts(random.Random(3), in_lens, _prompt_vocab(llm)), params, None)
         result["base"] = base
@@ -111,6 +127,13 @@ def run_throughput(args: argparse.Namespace) -> int:
         fresh = [_random_prompts(random.Random(2 + i), in_lens, _prompt_vocab(llm)) for i in range(2)]
         print(profile_batch(lambda: llm.generate(fresh.pop(), params, use_tqdm=False)))
     return 0
+
+
+def _timed_without_speculation(args, warmup, prompts, params) -> dict:
+    """The same workload on an engine like the benchmarked one but without speculative decoding."""
+    base = llm_from_config(config_from_args(args).replace(speculative_config=None))
+    base.generate(warmup, params, use_tqdm=False)
+    return _timed_throughput(base, prompts, params, None)
 
 
 def _timed_throughput(llm, prompts, params, loras) -> dict:
@@ -192,9 +215,12 @@ def _token_intervals(llm, prompts, params, loras=None) -> list[float]:
 
 
 def _make_llm(args):
+    return llm_from_config(config_from_args(args).replace(**lora_engine_options(args)))
+
+
+def llm_from_config(config):
     from corectl import LLM
 
-    config = config_from_args(args).replace(**lora_engine_options(args))
     return LLM(**{f: getattr(config, f) for f in config.__struct_fields__})
 
 

@@ -1,8 +1,8 @@
-"""`corectl bench {throughput,latency,serve,grammar}`: offline engine benchmarks, the online load generator,
-and the per-step cost of grammar-constrained decoding."""
+"""`corectl bench {throughput,latency,serve,grammar,verify-step}`: offline engine benchmarks, the online
+load generator, the per-step cost of grammar-constrained decoding, and of speculative verification."""
 from __future__ import annotations
 
-from ..bench import grammar, offline, serve
+from ..bench import grammar, offline, serve, verify_step
 
 
 def register(sub) -> None:
@@ -12,3 +12,4 @@ def register(sub) -> None:
     offline.register_latency(bench)
     serve.register(bench)
     grammar.register(bench)
+    verify_step.register(bench)

@@ -24,6 +24,7 @@ _PLATFORM = "platform"
 _PARALLEL = "parallelism"
 _POOLING = "pooling (embedding models)"
 _LORA = "LoRA adapters"
+_SPEC = "speculative decoding"
 # field -> (flag or flags, group, help, argparse extras)
 ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] = {
     "tokenizer": ("--tokenizer", _MODEL, "tokenizer directory (default: the model's)", {}),
@@ -89,6 +90,9 @@ ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] 
                       {"type": int, "choices": LORA_RANKS}),
     "lora_dtype": ("--lora-dtype", _LORA, "the adapters' dtype on the device ('auto': the model's)",
                    {"choices": DTYPES}),
+    "speculative_config": ("--speculative-config", _SPEC, "vLLM's JSON form, e.g. '{\"method\": \"ngram\", "
+                           "\"num_speculative_tokens\": 4}' or a draft model: '{\"method\": \"draft_model\", "
+                           "\"model\": PATH, \"num_speculative_tokens\": 3}' (docs/speculative.md)", {}),
 }
 
 
