@@ -69,6 +69,8 @@ logger = logging.getLogger("corectl.engine")
 
 _HEADER = struct.Struct(">I")
 _WATCH_INTERVAL_S = 0.25
+# How often an idle engine process looks at its ranks (a dead one ends it: see `_serve`).
+_IDLE_RANK_CHECK_S = 0.5
 _CLOSE_GRACE_S = 10.0
 
 
@@ -357,8 +359,11 @@ def _serve(core: EngineCore, channel: _Channel) -> None:
         block = not core.has_unfinished_requests()
         while True:
             try:
-                message = channel.inbox.get(block)
+                message = channel.inbox.get(block, _IDLE_RANK_CHECK_S)
             except queue.Empty:
+                if block:
+                    core.executor.check_alive()  # idle: no step would notice a rank that died
+                    continue
                 break
             block = False
             if message is None or isinstance(message, ShutdownEngine):

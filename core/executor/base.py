@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..config import EngineConfig
+from ..errors import EngineDeadError
 from ..loaders import ModelSource
 from ..platform import Platform
 from ..quantization.base import QuantizationConfig
@@ -81,6 +82,12 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def is_alive(self) -> bool:
         ...
+
+    def check_alive(self) -> None:
+        """Raise EngineDeadError when a rank has died. The engine loop asks while it is idle too, so a
+        rank that dies with no step in flight is noticed within a second, not at the next request."""
+        if not self.is_alive():
+            raise EngineDeadError("the engine's workers are gone")
 
     @abc.abstractmethod
     def shutdown(self) -> None:

@@ -133,6 +133,14 @@ class MultiprocExecutor(RemoteRanksExecutor):
     def is_alive(self) -> bool:
         return self._error is None and all(p.exitcode is None for p in self._procs)
 
+    def check_alive(self) -> None:
+        if self._error is None:
+            dead = next((rank for rank, proc in enumerate(self._procs) if proc.exitcode is not None), None)
+            if dead is not None:
+                self._rank_failure(dead, startup=False)  # records how it ended, its last words first
+        if self._error is not None:
+            raise self._error
+
     def shutdown(self) -> None:
         self._finalizer()
 

@@ -16,7 +16,7 @@ import contextlib
 import os
 
 import ray
-from ray.exceptions import GetTimeoutError, RayError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -26,6 +26,7 @@ from .rank import RankWorker, free_port
 from .remote_ranks import RemoteRanksExecutor
 
 _PLACEMENT_TIMEOUT_S = 60.0
+_PING_TIMEOUT_S = 2.0
 
 
 class RankActor:
@@ -134,6 +135,17 @@ class RayExecutor(RemoteRanksExecutor):
 
     def is_alive(self) -> bool:
         return self._error is None
+
+    def check_alive(self) -> None:
+        """Each actor answers a no-op; a dead one's answer is how it died (a slow answer is no death)."""
+        if self._error is None:
+            with contextlib.suppress(GetTimeoutError):
+                try:
+                    ray.get([actor.__ray_ready__.remote() for actor in self._actors], timeout=_PING_TIMEOUT_S)
+                except RayActorError as exc:
+                    self._dead(f"a tensor-parallel rank's actor died while the engine was idle: {exc}")
+        if self._error is not None:
+            raise self._error
 
     def shutdown(self) -> None:
         for actor in self._actors:

@@ -1,0 +1,44 @@
+"""A tensor-parallel rank that dies while the server is idle (issue 27, defect 5): the engine watches its
+ranks between requests too, so /health turns 503 within 5 s and the server exits non-zero."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from support.models import build_random_checkpoint
+from support.server import SMALL_ENGINE, ServerProcess, descendants
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def server(tmp_path, default_model_dir):
+    checkpoint = build_random_checkpoint("qwen2", tmp_path / "qwen2", default_model_dir)
+    process = ServerProcess(str(checkpoint), "-tp", "2", "--served-model-name", "tiny", *SMALL_ENGINE)
+    try:
+        yield process.wait_ready()
+    finally:
+        process.stop()
+
+
+def test_a_rank_killed_while_idle_is_noticed_without_a_request(server):
+    ranks = [pid for pid in descendants(server.engine_pid())
+             if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(ranks) == 2, ranks
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+    os.kill(ranks[1], signal.SIGKILL)
+    killed_at = time.monotonic()
+    while time.monotonic() - killed_at < 5:
+        try:
+            if httpx.get(server.url + "/health", timeout=1).status_code == 503:
+                break
+        except httpx.TransportError:
+            break  # already shut down: it noticed
+        time.sleep(0.1)
+    assert time.monotonic() - killed_at < 5
+    assert server.proc.wait(30) != 0  # as after a death mid-stream: requests drain, then it exits
+    assert "tensor-parallel rank 1" in server.log()
