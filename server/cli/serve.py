@@ -55,6 +55,12 @@ def register(sub) -> None:
     group.add_argument("--embed-chunking", action="store_true",
                        help="/v1/embeddings embeds an input longer than the context in chunks of max_model_len "
                             "tokens, averaged by token count (default: refuse it with context_length_exceeded)")
+    group.add_argument("--responses-store-max-entries", type=int, default=1024, metavar="N",
+                       help="/v1/responses keeps the last N responses in memory for previous_response_id and "
+                            "GET /v1/responses/{id} (default: 1024; 0: keep none)")
+    group.add_argument("--responses-store-max-bytes", type=int, default=64 * 1024 * 1024, metavar="BYTES",
+                       help="bound on the kept responses' encoded size, least recently used out first "
+                            "(default: 64 MiB)")
 
     group = parser.add_argument_group("tools and reasoning")
     group.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -115,6 +121,8 @@ def settings_from_args(args: argparse.Namespace):
         raise ConfigError("port", f"must be in [0, 65535], got {args.port}")
     if args.max_request_body < 1:
         raise ConfigError("max_request_body", f"must be a positive number of bytes, got {args.max_request_body}")
+    if args.responses_store_max_entries < 0 or args.responses_store_max_bytes < 0:
+        raise ConfigError("responses_store_max_entries", "the responses store bounds must not be negative")
     if args.shutdown_timeout < 0:
         raise ConfigError("shutdown_timeout", f"must be a non-negative number of seconds, got {args.shutdown_timeout}")
     if any(not key for key in args.api_key or []):
@@ -133,7 +141,8 @@ def settings_from_args(args: argparse.Namespace):
         log_format=args.log_format, log_prompts=args.log_prompts, max_request_body=args.max_request_body,
         engine_in_process=args.engine_in_process, engine_hang_timeout=args.engine_hang_timeout,
         shutdown_timeout=args.shutdown_timeout, otlp_traces_endpoint=args.otlp_traces_endpoint,
-        embed_chunking=args.embed_chunking,
+        embed_chunking=args.embed_chunking, responses_store_max_entries=args.responses_store_max_entries,
+        responses_store_max_bytes=args.responses_store_max_bytes,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, lora=_lora_settings(args, config.enable_lora),
     )

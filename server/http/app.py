@@ -30,6 +30,7 @@ from .lora_routes import LoRAAdapterController
 from .metrics import ServerMetrics
 from .ops import LoadController, ModelsController, OpsController, TokenizerController
 from .request_id import request_id_middleware
+from .responses_api import ResponsesController
 from .state import ServerState
 from .tracing import RequestTracer
 
@@ -50,7 +51,7 @@ def create_app(server: ServerState) -> Litestar:
     return Litestar(
         route_handlers=[CompletionsController, ChatController, EmbeddingsController, ModelsController,
                         TokenizerController, LoadController, OpsController, DashboardController,
-                        LoRAAdapterController],
+                        LoRAAdapterController, ResponsesController],
         dependencies={"server": Provide(_provide_server, sync_to_thread=False)},
         lifespan=[_engine_lifespan],
         middleware=[request_id_middleware] + ([] if tracer is None else [tracer.middleware]),

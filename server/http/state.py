@@ -17,6 +17,7 @@ from .errors import APIError
 from .lora import LoRARegistry, LoRASettings
 from .metrics import ServerMetrics
 from .parsers import reasoning_parser_class, tool_parser_class
+from .response_store import ResponseStore
 
 logger = logging.getLogger("corectl.server")
 
@@ -34,6 +35,8 @@ class ServeSettings:
     tool parser's name) finding the calls. reasoning_parser: splits reasoning from content (a
     registered reasoning parser's name; None: the output is all content).
     lora: the adapters served by name and who may add more (`lora.py`; with --enable-lora).
+    responses_store_max_entries, responses_store_max_bytes: bounds of the /v1/responses store
+    (`response_store.py`; 0 entries: none kept).
     """
 
     engine: EngineConfig
@@ -54,6 +57,8 @@ class ServeSettings:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     lora: LoRASettings = field(default_factory=LoRASettings)
+    responses_store_max_entries: int = 1024
+    responses_store_max_bytes: int = 64 * 1024 * 1024
 
     @property
     def url(self) -> str:
@@ -90,6 +95,7 @@ class ServerState:
                                  else reasoning_parser_class(settings.reasoning_parser))
         self.loras = (LoRARegistry(settings.lora, self.model_name, settings.engine.download_dir)
                       if settings.engine.enable_lora else None)
+        self.responses = ResponseStore(settings.responses_store_max_entries, settings.responses_store_max_bytes)
         # Set by whoever runs the HTTP server: asks it to stop (after the engine died).
         self.request_exit: Callable[[], None] = lambda: None
 
