@@ -41,3 +41,19 @@ def test_int4_gguf_base_takes_an_adapter(smollm2_adapter):
     adapted, base = llm.generate([prompt, prompt], GREEDY, lora_request=[lora, None], use_tqdm=False)
     assert base.outputs[0].token_ids == alone.outputs[0].token_ids
     assert list(adapted.outputs[0].token_ids) != list(base.outputs[0].token_ids)
+
+
+def test_readme_lora_example(smollm2_adapter):
+    """README's LoRA example runs as written, its placeholder path replaced by a real adapter."""
+    import contextlib
+    import io
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "LoRARequest" in b]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code.replace("path/to/sql-adapter", smollm2_adapter[0].lora_path), "README.md", "exec"), {})
+    adapted, base = eval(printed.getvalue())
+    assert adapted and base and adapted != base
