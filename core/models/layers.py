@@ -50,7 +50,14 @@ class RotaryEmbedding(UsesLayerKernels, nn.Module):
     """cos/sin tables for every position up to `max_positions`, looked up by absolute position.
 
     `layer_type` picks one entry of a config whose `rope_parameters` differ per layer type
-    (Gemma 3: "sliding_attention" and "full_attention" layers rotate with different bases)."""
+    (Gemma 3: "sliding_attention" and "full_attention" layers rotate with different bases).
+    A `partial_rotary_factor` below 1 rotates the first `rotary_dim` features of each head and
+    passes the rest (Phi-4-mini). LongRoPE (Phi-3/Phi-4) rotates positions below
+    `original_max_position_embeddings` with the short factors and later ones with the long factors:
+    a fixed table per position, so cached keys never change. transformers switches a whole forward
+    on its last position, which agrees with this wherever the prompt fits the original length
+    (decoding past it included); a prompt longer than that keeps short factors for its first
+    positions here, where transformers would rotate all of them with the long ones."""
 
     def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype, layer_type: str | None = None):
         super().__init__()
@@ -58,24 +65,33 @@ class RotaryEmbedding(UsesLayerKernels, nn.Module):
         if layer_type is not None:
             rope = rope[layer_type]
         rope_type = rope.get("rope_type", "default")
+        self.rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        positions = torch.arange(max_positions, dtype=torch.float)[:, None]
         if rope_type == "default":
             theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            dim = self.rotary_dim
+            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             scaling = 1.0
         else:
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type=layer_type)
-        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+        freqs = positions * inv_freq[None, :]
+        if rope_type == "longrope":
+            original = rope["original_max_position_embeddings"]
+            long_inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, None, seq_len=original + 1, layer_type=layer_type)
+            freqs = torch.where(positions < original, freqs, positions * long_inv_freq[None, :])
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
+        self.partial = self.rotary_dim < head_dim
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 norms: tuple["RMSNorm", "RMSNorm"] | None = None):
         """q: [T, Hq, D], k: [T, Hk, D] -> rotated q, k (the same tensors, rotated in place, when
-        fused kernels are installed). `norms`: per-head RMSNorms of q and k to apply first (Qwen3)."""
-        kernels = self.kernels
+        fused kernels are installed). `norms`: per-head RMSNorms of q and k to apply first (Qwen3).
+        The fused kernels rotate whole heads, so a partial rotation keeps the torch code."""
+        kernels = None if self.partial else self.kernels
         if kernels is not None and norms is not None and kernels.qk_norm_rotary is not None:
             q_norm, k_norm = norms
             kernels.qk_norm_rotary(positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps, self.cos, self.sin)
@@ -87,7 +103,14 @@ class RotaryEmbedding(UsesLayerKernels, nn.Module):
             return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
+        if self.partial:
+            return _rotate_part(q, cos, sin, self.rotary_dim), _rotate_part(k, cos, sin, self.rotary_dim)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
+    rotated, passed = x[..., :dim], x[..., dim:]
+    return torch.cat((rotated * cos + _rotate_half(rotated) * sin, passed), dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
