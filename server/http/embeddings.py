@@ -3,10 +3,11 @@
 Each input is one prefill-only engine request (`EngineClient.encode`), all of a request's inputs at
 once. An input longer than the context is refused with `context_length_exceeded`, unless the server
 runs with `--embed-chunking`: then it is split into chunks of at most `max_model_len` tokens, each
-pooled raw (neither truncated nor normalised), and the chunk vectors are averaged weighted by their
-token counts before `dimensions` and normalisation apply (vLLM's chunked processing; for MEAN pooling
-this is the mean over every token, each chunk attending only to itself). A generative model answers
-this route with 400, as a pooling model answers the text routes.
+pooled unnormalised, and the chunk vectors are averaged weighted by their token counts before
+normalisation applies (vLLM's chunked processing; for MEAN pooling this is the mean over every
+token, each chunk attending only to itself). A generative model answers this route with 400, as a
+pooling model answers the text routes. Every check on an input is intake's
+(`corectl.engine.intake.check_pooling_request`); this route names the field as its client sent it.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import TypeVar
 import anyio
 import numpy as np
 from corectl.errors import InvalidRequestError
-from corectl.pooling import PoolingParams, check_pooling_params, finish_embedding
+from corectl.pooling import PoolingParams, finish_embedding
 from litestar import Controller, Request, post
 from litestar.openapi import ResponseSpec
 
@@ -30,8 +31,6 @@ from .request_id import request_id_for
 from .state import ServerState
 
 T = TypeVar("T")
-# A chunk of a long input is pooled raw: the chunks' vectors are averaged before finishing.
-_RAW = PoolingParams(normalize=False)
 
 
 class EmbeddingsController(Controller):
@@ -46,22 +45,18 @@ class EmbeddingsController(Controller):
         server.check_accepting()
         server.check_model(data.model)
         server.check_priority(data.priority)
-        pooling = server.engine.info.pooling
-        if pooling is None:
-            raise APIError(400, f"the model `{server.model_name}` is served for text generation and makes no "
-                           "embeddings; serve an embedding model, or this one with --runner pooling", "model")
+        # Intake checks each input (a pooling engine, the vocabulary, the context, `dimensions`); the
+        # route only renames what it refuses (`_as_input_error`).
         params = data.pooling_params()
-        check_pooling_params(params, pooling)
         prompts = _token_ids(data, server)
-        _check_lengths(prompts, server)
         request_id = f"embd-{request_id_for(request, data.request_id)}"
-        server.in_flight += 1
+        server.begin_request()
         try:
             vectors = await until_disconnected(request.receive, lambda: _gather([
                 _embedder(server, f"{request_id}-{i}", prompt, params, data.priority)
                 for i, prompt in enumerate(prompts)]))
         finally:
-            server.in_flight -= 1
+            server.end_request()
         num_tokens = sum(len(ids) for _, ids in prompts)
         return EmbeddingResponse(
             id=request_id, created=int(time.time()), model=server.model_name,
@@ -93,30 +88,22 @@ def _truncated(data: EmbeddingRequest, server: ServerState,
     return [(text if len(ids) <= keep else None, ids[-keep:]) for text, ids in prompts]
 
 
-def _check_lengths(prompts: list[tuple[str | None, list[int]]], server: ServerState) -> None:
-    """Refuse an input past the context, unless the server embeds such inputs in chunks."""
-    if server.settings.embed_chunking:
-        return
-    limit = server.engine.info.max_model_len
-    for i, (_, ids) in enumerate(prompts):
-        if len(ids) > limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens; input {i} has {len(ids)} "
-                           "tokens (a server run with --embed-chunking embeds longer inputs in chunks)",
-                           "input", "context_length_exceeded")
-
-
 def _embedder(server: ServerState, request_id: str, prompt: tuple[str | None, list[int]], params: PoolingParams,
               priority: int) -> Callable[[], Awaitable[list[float] | np.ndarray]]:
-    """The work of one input: one engine request, or one per chunk of an input past the context."""
+    """The work of one input: one engine request, or one per chunk of an input past the context
+    (with --embed-chunking; without, intake refuses it)."""
     text, ids = prompt
     limit = server.engine.info.max_model_len
-    if len(ids) <= limit:
+    if len(ids) <= limit or not server.settings.embed_chunking:
         return lambda: _encode(server, request_id, ids, text, params, priority)
+    # Chunks are pooled unnormalised; truncated to `dimensions` already, as truncation commutes with
+    # the weighted mean (and so intake checks `dimensions` on every chunk).
+    raw = PoolingParams(dimensions=params.dimensions, normalize=False)
 
     async def chunked() -> np.ndarray:
         chunks = [ids[start:start + limit] for start in range(0, len(ids), limit)]
         vectors = await _gather([
-            lambda c=c, chunk=chunk: _encode(server, f"{request_id}.{c}", chunk, None, _RAW, priority)
+            lambda c=c, chunk=chunk: _encode(server, f"{request_id}.{c}", chunk, None, raw, priority)
             for c, chunk in enumerate(chunks)])
         weights = np.array([len(chunk) for chunk in chunks], dtype=np.float32)
         mean = (np.asarray(vectors, dtype=np.float32) * weights[:, None]).sum(0) / weights.sum()
@@ -134,8 +121,7 @@ async def _encode(server: ServerState, request_id: str, ids: list[int], text: st
         async for out in server.engine.encode(ids, params, request_id, priority):
             pass
     except InvalidRequestError as exc:
-        # Intake names the engine's field; the client sent it as `input`.
-        raise InvalidRequestError(str(exc), "input" if exc.param == "prompt" else exc.param, exc.code) from None
+        raise _as_input_error(exc) from None
     except anyio.get_cancelled_exc_class():
         record_request(server, request_id, "aborted", ["abort"], None, ids if text is None else text, time.monotonic())
         raise
@@ -148,6 +134,15 @@ async def _encode(server: ServerState, request_id: str, ids: list[int], text: st
     if out.finish_reason == "abort":
         raise APIError(503, "the engine could not take this request (it is overloaded); retry later")
     return out.outputs.embedding
+
+
+def _as_input_error(exc: InvalidRequestError) -> InvalidRequestError:
+    """Intake's refusal as this route names it: the engine's `prompt` is the client's `input`, and an
+    input past the context is told how to be embedded anyway."""
+    message = str(exc)
+    if exc.code == "context_length_exceeded":
+        message += " (a server run with --embed-chunking embeds longer inputs in chunks)"
+    return InvalidRequestError(message, "input" if exc.param == "prompt" else exc.param, exc.code)
 
 
 async def _gather(works: list[Callable[[], Awaitable[T]]]) -> list[T]:

@@ -153,13 +153,13 @@ class GenerationGroup:
         self.n = params.n
         self.generations: list[Generation] = []
         self._closed = False
-        server.in_flight += 1
+        server.begin_request()
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 self.generations.append(Generation(server, prompt, params, rid, priority, lora_request, grammar_field))
         except BaseException:
-            server.in_flight -= 1
+            server.end_request()
             raise
 
     def response_head(self) -> dict:
@@ -233,7 +233,7 @@ class GenerationGroup:
         if self._closed:
             return
         self._closed = True
-        self.server.in_flight -= 1
+        self.server.end_request()
         with anyio.CancelScope(shield=True):
             for generation in self.generations:
                 await generation.aclose()

@@ -88,7 +88,7 @@ class ServerState:
         self.failure: str | None = None  # why the engine stopped serving, once it has
         self.startup_error: BaseException | None = None
         self.exit_code = 0
-        self.in_flight = 0
+        self._in_flight = 0
         self.started_at = time.time()
         self.tool_parser = None if settings.tool_call_parser is None else tool_parser_class(settings.tool_call_parser)
         self.reasoning_parser = (None if settings.reasoning_parser is None
@@ -98,6 +98,18 @@ class ServerState:
         self.responses = ResponseStore(settings.responses_store_max_entries, settings.responses_store_max_bytes)
         # Set by whoever runs the HTTP server: asks it to stop (after the engine died).
         self.request_exit: Callable[[], None] = lambda: None
+
+    @property
+    def in_flight(self) -> int:
+        """HTTP requests being served (the load `/load` and the dashboard report); `begin_request`
+        and `end_request` are its one writer."""
+        return self._in_flight
+
+    def begin_request(self) -> None:
+        self._in_flight += 1
+
+    def end_request(self) -> None:
+        self._in_flight -= 1
 
     @property
     def engine(self) -> EngineClient:
