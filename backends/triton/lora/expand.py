@@ -15,6 +15,7 @@ from corectl.lora.punica import LoRASegments
 
 from ..checks import check_float, check_same_device, require
 from .checks import check_slots
+from .segments import segment_tile
 
 _GATHER_BLOCK_N = 128
 _SEGMENT_BLOCK_M = 16
@@ -42,22 +43,16 @@ def _expand_gathered_kernel(xa_ptr, b_ptr, scales_ptr, slots_ptr, out_ptr, N, R,
 def _expand_segment_kernel(xa_ptr, b_ptr, scales_ptr, starts_ptr, lens_ptr, seg_slots_ptr, out_ptr, N, R,
                            stride_xt, stride_bs, stride_bn, stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_R: tl.constexpr):
-    seg = tl.program_id(0)
-    m0 = tl.program_id(1) * BLOCK_M
-    length = tl.load(lens_ptr + seg)
-    if m0 < length:
-        start = tl.load(starts_ptr + seg).to(tl.int64)
-        slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
-        m = m0 + tl.arange(0, BLOCK_M)
-        rows = start + m
+    rows, in_segment, slot, live = segment_tile(starts_ptr, lens_ptr, seg_slots_ptr, BLOCK_M)
+    if live:
         n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
         r = tl.arange(0, BLOCK_R)
-        xa = tl.load(xa_ptr + rows[:, None] * stride_xt + r[None, :], mask=(m[:, None] < length) & (r[None, :] < R),
+        xa = tl.load(xa_ptr + rows[:, None] * stride_xt + r[None, :], mask=in_segment[:, None] & (r[None, :] < R),
                      other=0.0).to(tl.float32)
         bt = tl.load(b_ptr + slot * stride_bs + n[None, :] * stride_bn + r[:, None],
                      mask=(n[None, :] < N) & (r[:, None] < R), other=0.0).to(tl.float32)
         delta = tl.dot(xa, bt) * tl.load(scales_ptr + slot)
-        mask = (m[:, None] < length) & (n[None, :] < N)
+        mask = in_segment[:, None] & (n[None, :] < N)
         out = out_ptr + rows[:, None] * stride_ot + n[None, :]
         y = tl.load(out, mask=mask, other=0.0).to(tl.float32)
         tl.store(out, (y + delta).to(out_ptr.dtype.element_ty), mask=mask)

@@ -16,6 +16,7 @@ from corectl.lora.punica import LoRASegments
 
 from ..checks import check_float, check_same_device, require
 from .checks import check_slots
+from .segments import segment_tile
 
 _GATHER_BLOCK_K = 256
 _SEGMENT_BLOCK_M = 16
@@ -43,24 +44,18 @@ def _shrink_gathered_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, K, R, stride_xt, s
 def _shrink_segment_kernel(x_ptr, a_ptr, starts_ptr, lens_ptr, seg_slots_ptr, out_ptr, K, R, stride_xt, stride_as,
                            stride_ar, stride_ot, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                            BLOCK_K: tl.constexpr):
-    seg = tl.program_id(0)
-    m0 = tl.program_id(1) * BLOCK_M
-    length = tl.load(lens_ptr + seg)
-    if m0 < length:
-        start = tl.load(starts_ptr + seg).to(tl.int64)
-        slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
-        m = m0 + tl.arange(0, BLOCK_M)
-        rows = start + m
+    rows, in_segment, slot, live = segment_tile(starts_ptr, lens_ptr, seg_slots_ptr, BLOCK_M)
+    if live:
         r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
         acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            xt = tl.load(x_ptr + rows[:, None] * stride_xt + k[None, :], mask=(m[:, None] < length) & (k[None, :] < K),
+            xt = tl.load(x_ptr + rows[:, None] * stride_xt + k[None, :], mask=in_segment[:, None] & (k[None, :] < K),
                          other=0.0).to(tl.float32)
             at = tl.load(a_ptr + slot * stride_as + r[None, :] * stride_ar + k[:, None],
                          mask=(r[None, :] < R) & (k[:, None] < K), other=0.0).to(tl.float32)
             acc += tl.dot(xt, at)
-        tl.store(out_ptr + rows[:, None] * stride_ot + r[None, :], acc, mask=(m[:, None] < length) & (r[None, :] < R))
+        tl.store(out_ptr + rows[:, None] * stride_ot + r[None, :], acc, mask=in_segment[:, None] & (r[None, :] < R))
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, segments: LoRASegments | None = None,
