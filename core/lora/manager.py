@@ -39,6 +39,8 @@ class AdapterManager:
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
         self._requests: dict[str, LoRARequest] = {}
+        # Whether `batch.token_slots` holds a slot other than -1 (a step with adapters wrote it).
+        self._slots_written = False
 
     @property
     def resident(self) -> list[int]:
@@ -63,7 +65,12 @@ class AdapterManager:
         batch = self.batch
         batch.active = bool((req_slots >= 0).any())
         if not batch.active:
+            if self._slots_written:
+                # A replayed decode graph runs the kernels whatever the step: they must see no adapter.
+                batch.token_slots.fill_(-1)
+                self._slots_written = False
             return
+        self._slots_written = True
         lens = np.array(host.query_lens, dtype=np.int32)
         starts = np.asarray(host.query_start_loc[:-1], dtype=np.int32)
         token_slots = np.repeat(req_slots, lens)
@@ -75,7 +82,13 @@ class AdapterManager:
         batch.token_slots[num_tokens:].fill_(-1)
         batch.segments = None if host.max_query_len == 1 else LoRASegments(
             seg_starts, seg_lens, seg_slots, int(lens[keep].max()))
-        batch.groups = slot_groups(starts[keep], lens[keep], req_slots[keep], batch.token_slots.device)
+        if self._torch_path():
+            batch.groups = slot_groups(starts[keep], lens[keep], req_slots[keep], batch.token_slots.device)
+
+    def _torch_path(self) -> bool:
+        """Whether the layers add LoRA in torch (no platform kernels), which reads host-side groups."""
+        kernels = self.layers[0].kernels if self.layers else None
+        return kernels is None or kernels.lora_shrink is None
 
     def finish_step(self) -> None:
         self.batch.reset()

@@ -71,3 +71,14 @@ def test_one_slot_serves_adapters_in_turn(lora_base, adapters):
     outputs = tokens(one_slot.generate([PROMPTS[0]] * 4, GREEDY, lora_request=loras, use_tqdm=False))
     expected = {n: hf_greedy(adapters[n][1], PROMPTS[0], GREEDY.max_tokens)[0] for n in set(names)}
     assert outputs == [expected[n] for n in names]
+
+
+def test_a_step_without_adapters_clears_the_slots(llm, adapters):
+    """Decode graphs read the slot buffer whatever the step: after a step with adapters, a base-only
+    step leaves every row at -1 (no adapter), and the device slots stay resident (LRU)."""
+    manager = llm.engine.executor.worker.runner.lora
+    llm.generate(PROMPTS[0], GREEDY, lora_request=lora(adapters, "r8"), use_tqdm=False)
+    assert (manager.batch.token_slots >= 0).any()
+    llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+    assert (manager.batch.token_slots == -1).all()
+    assert IDS["r8"] in manager.resident
