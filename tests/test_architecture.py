@@ -51,7 +51,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
 # (importer, imported, why) imports that break the floors on purpose. Keep it short.
 FLOOR_EXCEPTIONS: list[tuple[str, str, str]] = []
 
-# Modules of one floor that still must not import each other: they talk through messages only.
+# Packages that must not import each other, in either direction, whatever their floors.
 SIBLINGS_APART = [("corectl.scheduler", "corectl.worker", "the two exchange corectl.step_messages only")]
 
 # Names of platforms and torch device types; core asks `Platform` instead of naming one.
