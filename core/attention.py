@@ -60,6 +60,10 @@ class AttentionBackend(abc.ABC):
     #: "fp8"/"fp8_e4m3" caches hold torch.float8_e4m3fn (values divided by a per-tensor scale,
     #: 1.0 unless calibrated).
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
+    #: Whether `forward` takes `sinks` (learned per-head logits joining each softmax's denominator,
+    #: gpt-oss). The model's `Attention` layer refuses a backend without them, by name, and passes
+    #: `sinks` only to backends that take it.
+    supports_sinks: bool = False
 
     @classmethod
     def check_kv_cache_dtype(cls, kv_cache_dtype: str) -> None:
@@ -113,6 +117,9 @@ class AttentionBackend(abc.ABC):
           (docs/architecture.md, section 6). The Triton kernels do not even read them.
         - `logits_soft_cap` c: each score s (after `scale`) becomes c * tanh(s / c) before the
           mask and softmax (Gemma 2); None leaves scores as they are.
+        - `sinks` [num_heads] (keyword, only for backends with `supports_sinks`): head h's softmax
+          denominator gains exp(sinks[h]), a key with that logit and a zero value (gpt-oss), so a
+          query may give its keys less than all of its weight.
         """
 
 

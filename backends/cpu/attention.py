@@ -12,7 +12,8 @@ query head, which torch's CPU flash kernel runs 3-5x faster in bf16 (16 sequence
 1.5 ms one row per head, 0.4 ms grouped) and without expanding K/V for GQA.
 
 Sliding-window layers narrow the step's mask to each query's window (built once per step and
-window); soft-capped layers (Gemma 2) spell the attention out, since SDPA cannot cap scores.
+window); soft-capped layers (Gemma 2) and layers with attention sinks (gpt-oss: a per-head logit
+joins the softmax's denominator) spell the attention out, since SDPA can do neither.
 """
 from __future__ import annotations
 
@@ -107,25 +108,32 @@ def _padded_metadata(batch: AttentionBatch, cols: torch.Tensor) -> SDPAMetadata:
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
-            soft_cap: float | None, causal: bool = False) -> torch.Tensor:
+            soft_cap: float | None, causal: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA over [..., heads, rows, D] with as many or fewer (grouped) key heads; soft-capped scores
-    (which SDPA cannot take) go through the same math spelled out, scores and softmax in fp32."""
-    if soft_cap is None:
+    and sinks (`sinks` shaped [heads, rows or 1, 1] to broadcast against the scores), which SDPA
+    cannot take, go through the same math spelled out, scores and softmax in fp32."""
+    if soft_cap is None and sinks is None:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, is_causal=causal,
                                               enable_gqa=keys.shape[-3] != q.shape[-3])
     group = q.shape[-3] // keys.shape[-3]
     keys, values = keys.repeat_interleave(group, dim=-3), values.repeat_interleave(group, dim=-3)
     scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
-    scores = soft_cap * torch.tanh(scores / soft_cap)
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
     if causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)
+    if sinks is None:
+        return torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.matmul(probs.to(values.dtype), values)
 
 
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
+    supports_sinks = True
 
     def build_metadata(self, batch: AttentionBatch, check_indices: bool = True) -> SDPAMetadata:
         # Indices are never read back here, so there is nothing to skip.
@@ -137,8 +145,9 @@ class TorchSDPABackend(AttentionBackend):
         return _padded_metadata(batch, cols)
 
     def forward(self, q, k, v, kv_cache, meta: SDPAMetadata, scale: float, *, sliding_window: int | None = None,
-                logits_soft_cap: float | None = None) -> torch.Tensor:
+                logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        per_head = None if sinks is None else sinks.view(h, 1, 1)
         k = k.view(-1, hk, d)
         v = v.view(-1, hk, d)
         key_cache, value_cache = kv_cache[0].view(-1, hk, d), kv_cache[1].view(-1, hk, d)
@@ -149,7 +158,8 @@ class TorchSDPABackend(AttentionBackend):
         mask = meta.mask_for(sliding_window)
         if meta.fresh_single_prefill:
             out = _attend(q.view(1, -1, h, d).transpose(1, 2), k.unsqueeze(0).transpose(1, 2),
-                          v.unsqueeze(0).transpose(1, 2), mask, scale, logits_soft_cap, causal=mask is None)
+                          v.unsqueeze(0).transpose(1, 2), mask, scale, logits_soft_cap, causal=mask is None,
+                          sinks=per_head)
             return out.transpose(1, 2).reshape(-1, h * d)
         b = meta.num_seqs
         rows = kv_cache.view(-1, hk, d)
@@ -160,9 +170,10 @@ class TorchSDPABackend(AttentionBackend):
         keys, values = pages[0].transpose(1, 2), pages[1].transpose(1, 2)
         if meta.query_index is None:
             grouped = q.view(b, hk, h // hk, d)
-            out = _attend(grouped, keys, values, mask, scale, logits_soft_cap)
+            out = _attend(grouped, keys, values, mask, scale, logits_soft_cap,
+                          sinks=None if sinks is None else sinks.view(hk, h // hk, 1))
             return out.reshape(b, h * d)
         queries = q.view(-1, h, d)[meta.query_index].transpose(1, 2)
-        out = _attend(queries, keys, values, mask, scale, logits_soft_cap)
+        out = _attend(queries, keys, values, mask, scale, logits_soft_cap, sinks=per_head)
         out = out.transpose(1, 2).reshape(b * meta.max_query_len, h * d)
         return out[meta.token_index]

@@ -11,6 +11,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..attention import ForwardContext
+from ..errors import ConfigError
 from .kernels import UsesLayerKernels
 
 __all__ = ["Attention", "RMSNorm", "RotaryEmbedding"]
@@ -123,7 +124,7 @@ class Attention(nn.Module):
 
     `sliding_window` (tokens, None = global) and `logits_soft_cap` are the layer's own
     (`corectl.attention.AttentionBackend.forward` says what they mean); `scale` defaults to
-    head_dim ** -0.5."""
+    head_dim ** -0.5. A model with attention sinks calls `add_sinks`."""
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  scale: float | None = None, sliding_window: int | None = None,
@@ -136,7 +137,27 @@ class Attention(nn.Module):
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.sinks: nn.Parameter | None = None
+
+    def add_sinks(self, first_head: int, total_heads: int) -> None:
+        """A learned sink logit per query head (gpt-oss); this rank holds heads first_head.. of the
+        checkpoint's `total_heads`, loaded from the checkpoint's per-layer `sinks` [total_heads]."""
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32), requires_grad=False)
+        self.first_head, self.total_heads = first_head, total_heads
+        self.sinks.weight_loader = self._load_sinks
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if tuple(loaded.shape) != (self.total_heads,):
+            raise ValueError(f"sinks: expected ({self.total_heads},), checkpoint has {tuple(loaded.shape)}")
+        param.data.copy_(loaded.narrow(0, self.first_head, self.num_heads))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        extra = {}
+        if self.sinks is not None:
+            if not ctx.backend.supports_sinks:
+                raise ConfigError("model", f"this model's attention has sinks (gpt-oss), which the "
+                                  f"{ctx.backend.name!r} attention backend does not implement; use one that does "
+                                  "(torch_sdpa, on CPU)")
+            extra["sinks"] = self.sinks
         return ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale,
-                                   sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
+                                   sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap, **extra)

@@ -57,16 +57,26 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of rows [n, 2I] holding gate then up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def fused_moe_torch(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
-                    down_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    down_scale: torch.Tensor | None = None, *, gate_up_bias: torch.Tensor | None = None,
+                    down_bias: torch.Tensor | None = None,
+                    activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul) -> torch.Tensor:
     """sum_j w[t, j] * down[e_j] @ (silu(gate[e_j] @ x_t) * up[e_j] @ x_t) for every token t.
 
     hidden [T, H]; gate_up [E, 2I, H]; down [E, H, I]; topk_weights [T, k]; topk_ids [T, k].
     Each expert multiplies all its routed rows at once (rows sorted by expert); the k results of a
     token are weighted and summed in fp32, in slot order. Reads the per-expert counts back to the
     host: the CPU path, and eager execution elsewhere. With scales ([E, 2I] and [E, H] fp32) the
-    weights are FP8 and each expert's product is scaled per output row (`_expert_linear`)."""
+    weights are FP8 and each expert's product is scaled per output row (`_expert_linear`). Biases
+    ([E, 2I], [E, H]) are added to each projection, and `activation` maps gate_up rows to the down
+    projection's input (gpt-oss: biased experts and a clamped SwiGLU)."""
     num_tokens, top_k = topk_ids.shape
     flat = topk_ids.flatten()
     order = flat.argsort(stable=True)
@@ -76,8 +86,11 @@ def fused_moe_torch(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
     start = 0
     for expert, count in enumerate(counts):
         if count:
-            gate, up = _expert_linear(rows[start:start + count], gate_up, gate_up_scale, expert).chunk(2, dim=-1)
-            sorted_out[start:start + count] = _expert_linear(F.silu(gate) * up, down, down_scale, expert)
+            projected = _expert_linear(rows[start:start + count], gate_up, gate_up_scale, expert)
+            if gate_up_bias is not None:
+                projected = projected + gate_up_bias[expert]
+            out = _expert_linear(activation(projected), down, down_scale, expert)
+            sorted_out[start:start + count] = out if down_bias is None else out + down_bias[expert]
         start += count
     per_slot = torch.empty_like(sorted_out)
     per_slot[order] = sorted_out

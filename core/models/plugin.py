@@ -15,3 +15,4 @@ def corectl_model_architectures():
     yield ModelSpec("Gemma2ForCausalLM", "corectl.models.gemma:Gemma2ForCausalLM")
     yield ModelSpec("Gemma3ForCausalLM", "corectl.models.gemma:Gemma3ForCausalLM")
     yield ModelSpec("Phi3ForCausalLM", "corectl.models.phi3:Phi3ForCausalLM")
+    yield ModelSpec("GptOssForCausalLM", "corectl.models.gpt_oss:GptOssForCausalLM")
