@@ -18,6 +18,8 @@ from .checks import check_slots
 from .segments import segment_tile
 
 _GATHER_BLOCK_N = 128
+# Elements of one program's B tile: 64 registers a thread at 4 warps.
+_TILE_ELEMENTS = 8192
 _SEGMENT_BLOCK_M = 16
 _SEGMENT_BLOCK_N = 64
 
@@ -77,16 +79,17 @@ def lora_expand(xa: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, token_s
     if not (num_tokens and rank and n_out):
         return
     if segments is None:
-        block_n = min(_GATHER_BLOCK_N, triton.next_power_of_2(n_out))
+        block_r = triton.next_power_of_2(rank)
+        block_n = min(_GATHER_BLOCK_N, max(16, _TILE_ELEMENTS // block_r), triton.next_power_of_2(n_out))
         _expand_gathered_kernel[(num_tokens, triton.cdiv(n_out, block_n))](
             xa, b, scales, token_slots, out, n_out, rank, xa.stride(0), b.stride(0), b.stride(1), out.stride(0),
-            BLOCK_N=block_n, BLOCK_R=triton.next_power_of_2(rank), num_warps=4)
+            BLOCK_N=block_n, BLOCK_R=block_r, num_warps=4)
         return
     if not segments.num_segments or not segments.max_len:
         return
-    block_n = max(16, min(_SEGMENT_BLOCK_N, triton.next_power_of_2(n_out)))
+    block_r = max(16, triton.next_power_of_2(rank))
+    block_n = max(16, min(_SEGMENT_BLOCK_N, _TILE_ELEMENTS // block_r, triton.next_power_of_2(n_out)))
     grid = (segments.num_segments, triton.cdiv(segments.max_len, _SEGMENT_BLOCK_M), triton.cdiv(n_out, block_n))
     _expand_segment_kernel[grid](
         xa, b, scales, segments.starts, segments.lens, segments.slots, out, n_out, rank, xa.stride(0), b.stride(0),
-        b.stride(1), out.stride(0), BLOCK_M=_SEGMENT_BLOCK_M, BLOCK_N=block_n,
-        BLOCK_R=max(16, triton.next_power_of_2(rank)), num_warps=4)
+        b.stride(1), out.stride(0), BLOCK_M=_SEGMENT_BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=4)

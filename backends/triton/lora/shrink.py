@@ -19,6 +19,8 @@ from .checks import check_slots
 from .segments import segment_tile
 
 _GATHER_BLOCK_K = 256
+# Elements of one program's fp32 tile: 64 registers a thread at 4 warps.
+_TILE_ELEMENTS = 8192
 _SEGMENT_BLOCK_M = 16
 _SEGMENT_BLOCK_K = 64
 
@@ -75,7 +77,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, seg
         out = torch.empty((num_tokens, rank), dtype=torch.float32, device=x.device)
         if num_tokens and rank:
             block_r = min(triton.next_power_of_2(rank), 64)
-            block_k = min(_GATHER_BLOCK_K, triton.next_power_of_2(k))
+            block_k = min(_GATHER_BLOCK_K, _TILE_ELEMENTS // block_r, triton.next_power_of_2(k))
             _shrink_gathered_kernel[(num_tokens, triton.cdiv(rank, block_r))](
                 x, a, token_slots, out, k, rank, x.stride(0), a.stride(0), a.stride(1), out.stride(0),
                 BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)

@@ -39,12 +39,13 @@ def test_shrink_matches_reference(dtype, decode, rank, assert_close):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("decode", [True, False], ids=["gathered", "segment"])
-def test_expand_adds_into_a_slice(dtype, decode, assert_close):
+@pytest.mark.parametrize("rank", [16, 128])
+def test_expand_adds_into_a_slice(dtype, decode, rank, assert_close):
     """The expand writes only its slice of a packed output (here the middle 24 of 64 columns) and
     only rows with an adapter."""
     requests = [(1, s) for _, s in REQUESTS] if decode else REQUESTS
     slots, segments = _layout(requests, decode)
-    rank, num_tokens = 16, slots.shape[0]
+    num_tokens = slots.shape[0]
     xa = torch.randn(num_tokens, 2 * rank)
     b = torch.randn(2, 64, rank).to(dtype)
     scales = torch.tensor([0.5, 2.0])
