@@ -178,7 +178,12 @@ class CUDAGraphModelRunner(ModelRunner):
         sizes = graph_batch_sizes(max_num_seqs)
         self._static = _StaticDecodeInputs(sizes[-1], -(-max_model_len // self.block_size), self.device)
         pool = torch.cuda.graph_pool_handle()
-        graphs = {size: self._capture(size, max_model_len, pool) for size in reversed(sizes)}
+        logger.info("capturing %d decode CUDA graphs (batch sizes %d down to 1)", len(sizes), sizes[-1])
+        graphs = {}
+        for size in reversed(sizes):
+            graphs[size] = self._capture(size, max_model_len, pool)
+            if len(graphs) % 8 == 0:
+                logger.info("captured %d of %d CUDA graphs", len(graphs), len(sizes))
         torch.cuda.synchronize()
         self.graphs, self._graph_sizes = graphs, sizes
         logger.info("captured %d decode CUDA graphs (batch sizes 1 to %d) in %.1f s using %.2f GiB",

@@ -13,6 +13,7 @@ one more message, without a reply. Startup calls and errors are pickled, once.
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import multiprocessing.util
 import os
@@ -26,6 +27,10 @@ from ..process_exit import describe_exit
 from .base import WorkerSpec
 from .rank import RankWorker, free_port
 from .remote_ranks import RemoteRanksExecutor
+
+logger = logging.getLogger("corectl.executor")
+# Start-up calls long enough to be worth a line per rank (loading weights, profiling, graph capture).
+_STARTUP_CALLS = frozenset({"load_model", "profile_num_kv_blocks", "init_kv_cache", "warmup"})
 
 _STEP, _MASK, _FLUSH, _CALL, _STOP = b"S", b"M", b"F", b"C", b"Q"  # engine -> rank
 _OUTPUT, _RESULT, _ERROR = b"O", b"R", b"E"  # rank -> engine
@@ -58,6 +63,7 @@ class MultiprocExecutor(RemoteRanksExecutor):
         try:
             for rank in range(world_size):
                 self._receive(rank, expect=_RESULT)
+                logger.info("tensor-parallel rank %d ready (%d of %d)", rank, rank + 1, world_size)
         except BaseException:
             self.shutdown()
             raise
@@ -66,7 +72,12 @@ class MultiprocExecutor(RemoteRanksExecutor):
         message = _CALL + pickle.dumps((method, args))
         for conn in self._conns:
             conn.send_bytes(message)
-        return [pickle.loads(self._receive(rank, expect=_RESULT)) for rank in range(len(self._conns))]
+        results = []
+        for rank in range(len(self._conns)):
+            results.append(pickle.loads(self._receive(rank, expect=_RESULT)))
+            if method in _STARTUP_CALLS:
+                logger.info("%s: tensor-parallel rank %d done (%d of %d)", method, rank, rank + 1, len(self._conns))
+        return results
 
     def _send_step(self, payload: bytes) -> bool:
         self._broadcast(_STEP + payload)

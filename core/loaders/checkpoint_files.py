@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -11,6 +13,9 @@ from safetensors import safe_open
 from ..errors import ModelNotFoundError
 
 INDEX_FILE = "model.safetensors.index.json"
+logger = logging.getLogger("corectl.loaders")
+# Within a long file, a progress line at most this often.
+_PROGRESS_SECONDS = 5.0
 
 
 def safetensors_files(directory: Path) -> list[Path]:
@@ -48,8 +53,22 @@ def count_tensors(files: Sequence[Path]) -> int:
 
 
 def iter_safetensors(files: Sequence[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, cpu tensor) one tensor at a time, so a checkpoint is never held in memory whole."""
-    for file in files:
+    """Yield (name, cpu tensor) one tensor at a time, so a checkpoint is never held in memory whole.
+    Logs the files and bytes read so far (after each file, and every few seconds inside one)."""
+    total = sum(file.stat().st_size for file in files)
+    done, last_log = 0, time.monotonic()
+    for index, file in enumerate(files, 1):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                tensor = f.get_tensor(name)
+                done += tensor.nbytes
+                if time.monotonic() - last_log > _PROGRESS_SECONDS:
+                    last_log = time.monotonic()
+                    _log_progress(index - 1, len(files), done, total)
+                yield name, tensor
+        _log_progress(index, len(files), done, total)
+
+
+def _log_progress(files_done: int, num_files: int, done: int, total: int) -> None:
+    logger.info("loading weights: %d/%d files, %.2f/%.2f GiB", files_done, num_files, min(done, total) / 2**30,
+                total / 2**30)

@@ -105,8 +105,8 @@ def rejection_sample(logits: torch.Tensor, layout: VerifyLayout, *, greedy_rows:
     """Verify the drafts of a step. `logits` `[T, V]` fp32 are the target's after every edit,
     temperature and truncation (`corectl.sample.sampler.target_logits`); `greedy_rows` `[T]` marks
     greedy rows of a mixed batch (None: none, or every row when `all_greedy`); `generators` maps a
-    flat row to its request's seeded generator (one generator serves all its request's rows, in
-    row order); `draft_probs` `[T, V]` is the draft's distribution per row (None: n-gram drafts)."""
+    seeded request's flat row to the generator of its output position (its accept draw, then its
+    recovered token's); `draft_probs` `[T, V]` is the draft's distribution per row (None: n-gram drafts)."""
     if all_greedy:
         argmax = logits.argmax(dim=-1)
         accepted, recovered = (argmax == layout.draft_ids) & ~layout.is_bonus, argmax

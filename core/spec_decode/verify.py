@@ -32,17 +32,18 @@ class VerifyRows:
 
 
 def expand_rows(params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
-                outputs: Sequence[Sequence[int]], generators: Sequence[torch.Generator | None],
+                outputs: Sequence[Sequence[int]], generators: Sequence[Sequence[torch.Generator] | None],
                 drafts: Sequence[Sequence[int]]) -> VerifyRows:
-    """One row per verified position: request i's k_i + 1 rows share its parameters, prompt and
-    generator; row j's output history ends with the request's first j drafts."""
+    """One row per verified position: request i's k_i + 1 rows share its parameters and prompt;
+    row j's output history ends with the request's first j drafts, and it draws from `generators[i][j]`,
+    seeded for its own output position (None: an unseeded request)."""
     rows = VerifyRows([], [], [], [])
     for p, prompt, output, generator, draft in zip(params, prompts, outputs, generators, drafts):
         for j in range(len(draft) + 1):
             rows.params.append(p)
             rows.prompt_token_ids.append(prompt)
             rows.output_token_ids.append([*output, *draft[:j]] if j else output)
-            rows.generators.append(generator)
+            rows.generators.append(None if generator is None else generator[j])
     return rows
 
 

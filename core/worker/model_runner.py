@@ -270,12 +270,13 @@ class ModelRunner:
         params = [s.sampling_params for s in states]
         prompts = [s.token_ids[: s.num_prompt_tokens] if s.reads_prompt else () for s in states]
         outputs = [s.output_token_ids if s.reads_output else () for s in states]
-        generators = [s.seeded_generator() for s in states]
         unread = None
         if drafts is None:
+            generators = [s.seeded_generator() for s in states]
             unread = self._unread_output_tokens(states)
         else:
-            rows = expand_rows(params, prompts, outputs, generators, drafts)
+            per_position = [s.seeded_generators(len(d) + 1) for s, d in zip(states, drafts)]
+            rows = expand_rows(params, prompts, outputs, per_position, drafts)
             params, prompts, outputs, generators = rows.params, rows.prompt_token_ids, rows.output_token_ids, rows.generators
         return SamplingMetadata.build(params=params, prompt_token_ids=prompts, output_token_ids=outputs,
                                       generators=generators, eos_token_id=self.eos_token_id,

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..sample.metadata import is_plain_greedy, reads_output_ids, reads_prompt_ids
+from ..sample.seeding import position_seed
 from ..sampling_params import SamplingParams
 from ..step_messages import NewRequestData, SchedulerOutput
 
@@ -28,7 +29,9 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     table_row: int
-    generator: torch.Generator | None = None
+    # Seeded requests: one generator per output position a step samples (more than one when it
+    # verifies speculative drafts), reseeded for its position each step (`seeded_generators`).
+    generators: list[torch.Generator] | None = None
     # Tokens a launched step sampled whose ids the host has not read back yet (0 or 1); they
     # follow `token_ids`.
     num_unread_tokens: int = 0
@@ -44,16 +47,28 @@ class CachedRequestState:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
-    def seeded_generator(self) -> torch.Generator | None:
-        """The request's generator, reseeded from (seed, output position).
+    def seeded_generators(self, count: int = 1) -> list[torch.Generator] | None:
+        """Generators for the next `count` output positions, each seeded from (seed, its position)
+        alone (None for an unseeded request).
 
-        Deriving each draw from the position rather than from generator history makes a seeded
-        request's tokens independent of batching and identical after a preemption resume.
+        A counter-based stream: the numbers drawn for an output position depend on the request's
+        seed and that position only, never on what else is batched, how the logits are padded, a
+        prefix-cache hit, a preemption, or how many drafts a step verifies.
         """
-        if self.generator is not None:
-            step = len(self.token_ids) + self.num_unread_tokens - self.num_prompt_tokens
-            self.generator.manual_seed((self.sampling_params.seed * 1_000_003 + step) % (1 << 63))
-        return self.generator
+        if self.generators is None:
+            return None
+        while len(self.generators) < count:
+            self.generators.append(torch.Generator(device=self.generators[0].device))
+        first = len(self.token_ids) + self.num_unread_tokens - self.num_prompt_tokens
+        seed = self.sampling_params.seed
+        for offset, generator in enumerate(self.generators[:count]):
+            generator.manual_seed(position_seed(seed, first + offset))
+        return self.generators[:count]
+
+    def seeded_generator(self) -> torch.Generator | None:
+        """The generator of the next output position (`seeded_generators`)."""
+        generators = self.seeded_generators(1)
+        return None if generators is None else generators[0]
 
 
 class BlockTable:
@@ -279,9 +294,9 @@ class RequestStates:
         if (params.prompt_logprobs is not None and len(new.token_ids) == new.num_prompt_tokens
                 and new.num_computed_tokens < new.num_prompt_tokens):
             self.awaiting_prompt_logprobs.add(new.req_id)
-        generator = None
+        generators = None
         if params.seed is not None and not params.greedy:
-            generator = torch.Generator(device=self.device)
+            generators = [torch.Generator(device=self.device)]
         return CachedRequestState(
             req_id=new.req_id,
             token_ids=list(new.token_ids),
@@ -290,7 +305,7 @@ class RequestStates:
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             table_row=self.block_table.add(new.block_ids),
-            generator=generator,
+            generators=generators,
             plain_greedy=is_plain_greedy(params),
             reads_prompt=reads_prompt_ids(params),
             reads_output=reads_output_ids(params),

@@ -86,7 +86,8 @@ def test_greedy_rows_accept_exactly_the_argmax_prefix():
 def _verify_seeded(seed: int, drafts: list[list[int]], batch_noise: int) -> list[list[int]]:
     """A seeded request verified beside `batch_noise` unseeded ones, through the sampler's processing."""
     params = [SamplingParams(temperature=1.0, top_k=4, seed=seed)] + [SamplingParams(temperature=0.9)] * batch_noise
-    gens = [torch.Generator().manual_seed(seed)] + [None] * batch_noise
+    # One generator per verified position of the seeded request (its rows draw from their own).
+    gens = [[torch.Generator().manual_seed(seed + j) for j in range(len(drafts[0]) + 1)]] + [None] * batch_noise
     all_drafts = drafts + [[1, 2]] * batch_noise
     rows = expand_rows(params, [()] * len(params), [()] * len(params), gens, all_drafts)
     meta = SamplingMetadata.build(rows.params, rows.prompt_token_ids, rows.output_token_ids, rows.generators,
