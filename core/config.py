@@ -65,6 +65,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     speculative_config: speculative decoding, vLLM's `--speculative-config` (a dict or its JSON
         string, see `corectl.spec_decode.config`); None: off. Checked here and kept as a
         `SpeculativeConfig`.
+    enable_sleep_mode: the engine may sleep (`EngineCore.sleep`, corectl.worker.sleep): free its KV
+        cache and offload (level 1) or drop (level 2) its weights until woken up.
     quantization: the quantization method (`corectl.quantization`; vLLM's names: fp8, awq, gptq,
         compressed-tensors, gguf, or a plugin's). None: the checkpoint's own `quantization_config`,
         and GGUF files kept quantized where the platform has the kernel (unless `dtype` is set);
@@ -114,6 +116,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_lora_rank: int = 16
     lora_dtype: str = "auto"
     speculative_config: SpeculativeConfig | str | None = None
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)

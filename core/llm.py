@@ -42,6 +42,15 @@ class LLM:
         self._counter = itertools.count()
         self._loras: dict[int, LoRARequest] = {}  # adapters checked so far, by id
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache and move the weights to host memory (level 1) or drop them (level 2);
+        needs `enable_sleep_mode=True`. Generation waits for `wake_up()`."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the weights and the KV cache (or only the `tags` named: "weights", "kv_cache")."""
+        self.engine.wake_up(tags)
+
     def get_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise InvalidRequestError(f"{NO_TOKENIZER}, so there is no tokenizer to return")

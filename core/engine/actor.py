@@ -21,6 +21,7 @@ from .messages import (
     AbortRequests,
     AddRequests,
     ClientMessage,
+    EngineControl,
     EngineCoreOutputs,
     EngineCoreRequest,
     ShutdownEngine,
@@ -53,6 +54,10 @@ class InProcessEngine(EngineTransport):
     async def abort_requests(self, request_ids: list[str]) -> None:
         if self._error is None and not self._closed:
             self._inbox_send.send_nowait(AbortRequests(request_ids))
+
+    async def control(self, message: EngineControl) -> None:
+        self._check_alive()
+        self._inbox_send.send_nowait(message)
 
     async def outputs(self) -> AsyncIterator[EngineCoreOutputs]:
         async for batch in self._out_recv:

@@ -29,6 +29,7 @@ from .intake import encode_prompt
 from .live import LiveRequest, RecentActivity, live_requests
 from .messages import EngineCoreRequest, EngineSnapshot, SchedulerStats
 from .output_processor import OutputProcessor
+from .sleep_control import SleepControl
 from .transport import EngineTransport
 
 
@@ -90,6 +91,7 @@ class EngineClient:
         self._grammars = GrammarIntake(self.info)
         self._collectors: dict[str, _OutputCollector] = {}
         self._dead: BaseException | None = None
+        self.sleep_mode = SleepControl(transport)
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -226,6 +228,7 @@ class EngineClient:
         try:
             async for batch in self.transport.outputs():
                 self.stats, self._num_received = batch.stats, batch.num_requests_received
+                self.sleep_mode.observe(batch)
                 if batch.snapshot is not None:
                     self.snapshot = batch.snapshot
                 outputs, to_abort = self._processor.process_outputs(batch.outputs)
@@ -240,5 +243,6 @@ class EngineClient:
             self._dead = exc
         else:
             self._dead = EngineDeadError("engine stopped")
+        self.sleep_mode.engine_stopped()
         for collector in self._collectors.values():
             collector.put(self._dead if isinstance(self._dead, EngineDeadError) else EngineDeadError(str(self._dead)))

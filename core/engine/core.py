@@ -33,14 +33,17 @@ from ..request import Request
 from ..scheduler import Scheduler
 from ..scheduler.snapshot import SnapshotPublisher
 from ..step_messages import SchedulerOutput
+from ..worker.sleep import TAGS as SLEEP_TAGS
 from ..structured.manager import StructuredOutputManager
 from .messages import (
     AbortRequests,
     AddRequests,
+    EngineControl,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineInfo,
+    SleepEngine,
 )
 
 logger = logging.getLogger("corectl.engine")
@@ -86,6 +89,12 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self.num_requests_received = 0
         self._refused: list[EngineCoreOutput] = []  # abort outputs the next step reports first
+        # Sleep mode: controls wait for the running requests to finish, then run between steps.
+        self.sleep_level = 0
+        self._controls: list[EngineControl] = []
+        self._controls_done = 0
+        self._asleep_parts: set[str] = set()
+        self._control_errors: list[tuple[int, str]] = []
         tokenizer_dir = self.source.tokenizer_dir
         self.info = EngineInfo(
             model=config.model or "default", model_dir=str(self.source.model_dir),
@@ -119,12 +128,14 @@ class EngineCore:
         return StructuredOutputManager(backend_cls, str(self.source.tokenizer_dir), vocab_size, stop_ids,
                                        self.config.structured_outputs_compile_timeout)
 
-    def apply(self, message: AddRequests | AbortRequests) -> None:
+    def apply(self, message: AddRequests | AbortRequests | EngineControl) -> None:
         """Apply one message a client sent."""
         if isinstance(message, AddRequests):
             self.add_requests(message.requests)
-        else:
+        elif isinstance(message, AbortRequests):
             self.abort_requests(message.request_ids)
+        else:
+            self._controls.append(message)
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         """Queue requests that passed intake (`engine/intake.py`, on the client's side).
@@ -134,6 +145,10 @@ class EngineCore:
         """
         for request in requests:
             self.num_requests_received += 1
+            if self.sleep_level:
+                self._refused.append(EngineCoreOutput(request.request_id, [], finish_reason="abort",
+                                                      error="the engine is asleep; wake it up first"))
+                continue
             try:
                 self.scheduler.add_request(self._make_request(request))
             except CorectlError as exc:
@@ -162,6 +177,9 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._refused)
 
     def step(self) -> EngineCoreOutputs:
+        if self.sleep_level:
+            # Nothing runs while asleep (requests are refused); the finished ids wait for waking.
+            return self._report([])
         self._refused += self.scheduler.reap_grammar_failures()
         sched = self.scheduler.schedule()
         launches = not sched.is_empty or bool(sched.finished_req_ids)
@@ -182,12 +200,55 @@ class EngineCore:
         if not launches and not outputs and self._in_flight is None and self.structured is not None:
             # Only grammars still compiling hold work back: sleep on them rather than spin.
             self.structured.wait_for_compile(_IDLE_COMPILE_WAIT_S)
+        return self._report(outputs)
+
+    def _report(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        """The step's outputs after the refusals, with the stats; pending sleep-mode controls run
+        here once no request is left."""
         if self._refused:
             outputs[:0], self._refused = self._refused, []
+        if self._controls and not self.has_unfinished_requests():
+            self._run_controls()
         now = time.monotonic()
+        errors, self._control_errors = self._control_errors, []
         return EngineCoreOutputs(outputs=outputs, stats=self.scheduler.make_stats(), timestamp=now,
                                  num_requests_received=self.num_requests_received,
-                                 snapshot=self.snapshots.poll(now))
+                                 snapshot=self.snapshots.poll(now), sleep_level=self.sleep_level,
+                                 controls_done=self._controls_done, control_errors=errors)
+
+    def _run_controls(self) -> None:
+        """Sleep or wake up, in the order asked; each failure is reported with its number."""
+        for control in self._controls:
+            self._controls_done += 1
+            try:
+                if isinstance(control, SleepEngine):
+                    self.sleep(control.level)
+                else:
+                    self.wake_up(control.tags)
+            except CorectlError as exc:
+                self._control_errors.append((self._controls_done, str(exc)))
+        self._controls.clear()
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache (its cached prefixes with it) and offload (1) or drop (2) the weights;
+        no request may be running. Requests that arrive while asleep are refused."""
+        if not self.config.enable_sleep_mode:
+            raise ConfigError("enable_sleep_mode", "sleep mode is off; start the engine with --enable-sleep-mode")
+        if self.has_unfinished_requests():
+            raise InvalidRequestError("the engine can only sleep while no request runs")
+        self.executor.sleep(level)
+        self.scheduler.kv.reset_prefix_cache()
+        self.sleep_level = level
+        self._asleep_parts = set(SLEEP_TAGS)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the weights and/or the KV cache (None: both); awake once both are back."""
+        if not self.sleep_level:
+            return
+        self.executor.wake_up(tags)
+        self._asleep_parts -= set(tags or SLEEP_TAGS)
+        if not self._asleep_parts:
+            self.sleep_level = 0
 
     def _complete_in_flight(self) -> list[EngineCoreOutput]:
         if self._in_flight is None:

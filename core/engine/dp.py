@@ -39,6 +39,7 @@ from ..config import EngineConfig
 from ..discovery import resolve_platform
 from ..errors import ConfigError, EngineDeadError
 from .messages import (
+    EngineControl,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineSnapshot,
@@ -156,6 +157,8 @@ class DataParallelEngines(EngineTransport):
         self.router = Router(len(engines), first.block_size)
         self._owners: dict[str, int] = {}  # core request id -> the engine that holds it
         self._snapshots: list[EngineSnapshot | None] = [None] * len(engines)
+        # Each engine's (sleep level, controls done): all are asleep, or awake, once every one is.
+        self._sleep: list[tuple[int, int]] = [(0, 0)] * len(engines)
         self._error: EngineDeadError | None = None
         self._closed = False
         send, self._reports = anyio.create_memory_object_stream[tuple[int, EngineCoreOutputs | EngineDeadError]](
@@ -185,6 +188,11 @@ class DataParallelEngines(EngineTransport):
                 by_engine.setdefault(engine, []).append(request_id)
         for engine, ids in by_engine.items():
             await self.engines[engine].abort_requests(ids)
+
+    async def control(self, message: EngineControl) -> None:
+        self._check_alive()
+        for engine in self.engines:
+            await engine.control(message)
 
     async def outputs(self) -> AsyncIterator[EngineCoreOutputs]:
         async for index, report in self._reports:
@@ -234,10 +242,13 @@ class DataParallelEngines(EngineTransport):
         loads = self.router.loads
         if batch.snapshot is not None:
             self._snapshots[index] = batch.snapshot
+        self._sleep[index] = (batch.sleep_level, batch.controls_done)
         return EngineCoreOutputs(
             outputs=batch.outputs, stats=_total(self.engines, [load.stats for load in loads]),
             timestamp=batch.timestamp, num_requests_received=sum(load.num_received for load in loads),
             snapshot=self._combined_snapshot() if batch.snapshot is not None else None,
+            sleep_level=max(level for level, _ in self._sleep), controls_done=min(done for _, done in self._sleep),
+            control_errors=batch.control_errors,
         )
 
     def _combined_snapshot(self) -> EngineSnapshot | None:

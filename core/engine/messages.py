@@ -89,6 +89,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     pooled: bytes | None = None
 
 
+# Upper bounds of the tokens-per-step histogram (vLLM's iteration_tokens_total); a last bucket is +Inf.
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     """Gauges and counters the scheduler exposes after each step (counters are cumulative)."""
 
@@ -107,6 +111,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
+    # Tokens scheduled per step: steps by bucket of ITERATION_TOKENS_BUCKETS (plus +Inf), and their sum.
+    iteration_tokens_counts: list[int] = []
+    iteration_tokens_sum: int = 0
 
 
 class EngineSnapshot(msgspec.Struct, array_like=True, gc=False):
@@ -134,6 +141,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
     `num_requests_received` counts the core requests the engine had taken in (admitted or refused)
     before this step, so a client can tell which of the requests it sent the stats already count.
     `snapshot` is set on the steps that publish one (see `EngineSnapshot`).
+    Sleep mode: `sleep_level` is the engine's (0: awake), `controls_done` counts the `SleepEngine`
+    and `WakeEngine` messages it carried out, and `control_errors` gives (number, error) of those
+    among them that failed since the last report.
     """
 
     outputs: list[EngineCoreOutput]
@@ -141,6 +151,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
     timestamp: float
     num_requests_received: int = 0
     snapshot: EngineSnapshot | None = None
+    sleep_level: int = 0
+    controls_done: int = 0
+    control_errors: list[tuple[int, str]] = msgspec.field(default_factory=list)
 
 
 # -- what a transport carries (msgspec tagged unions, so one decoder reads either direction) -------
@@ -155,6 +168,21 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
 
 class ShutdownEngine(msgspec.Struct, tag="shutdown", array_like=True):
     pass
+
+
+class SleepEngine(msgspec.Struct, tag="sleep", array_like=True):
+    """Sleep at `level` (1: weights to host memory, 2: weights dropped) once no request runs."""
+
+    level: int
+
+
+class WakeEngine(msgspec.Struct, tag="wake", array_like=True):
+    """Bring back the weights and/or the KV cache (`tags`; None: both)."""
+
+    tags: list[str] | None = None
+
+
+EngineControl = SleepEngine | WakeEngine
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):
@@ -179,5 +207,5 @@ class EngineStep(msgspec.Struct, tag="step", array_like=True):
     num_messages_applied: int
 
 
-ClientMessage = AddRequests | AbortRequests | ShutdownEngine
+ClientMessage = AddRequests | AbortRequests | SleepEngine | WakeEngine | ShutdownEngine
 EngineMessage = EngineReady | EngineFailed | EngineStep

@@ -54,6 +54,7 @@ from .messages import (
     AbortRequests,
     AddRequests,
     ClientMessage,
+    EngineControl,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineFailed,
@@ -176,6 +177,10 @@ class RemoteEngine(EngineTransport):
         if self.is_alive():
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                 await self._send(self._encoder.encode(AbortRequests(request_ids)))
+
+    async def control(self, message: EngineControl) -> None:
+        self._check_alive()
+        await self._send(self._encoder.encode(message))
 
     async def outputs(self) -> AsyncIterator[EngineCoreOutputs]:
         while True:

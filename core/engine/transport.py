@@ -4,7 +4,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 
-from .messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo, SchedulerStats
+from .messages import EngineControl, EngineCoreOutputs, EngineCoreRequest, EngineInfo, SchedulerStats
 
 
 class EngineTransport(abc.ABC):
@@ -20,6 +20,11 @@ class EngineTransport(abc.ABC):
     @abc.abstractmethod
     async def abort_requests(self, request_ids: list[str]) -> None:
         ...
+
+    @abc.abstractmethod
+    async def control(self, message: EngineControl) -> None:
+        """Send a sleep-mode message to every engine core; its outcome comes in the outputs
+        (`EngineCoreOutputs.controls_done`)."""
 
     @abc.abstractmethod
     def outputs(self) -> AsyncIterator[EngineCoreOutputs]:

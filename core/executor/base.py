@@ -80,6 +80,14 @@ class Executor(abc.ABC):
         """Give the last launched step (`grammar_pending`) its masks: every rank samples it now."""
 
     @abc.abstractmethod
+    def sleep(self, level: int) -> None:
+        """Sleep mode on every rank (`Worker.sleep`): the KV cache freed, the weights offloaded or dropped."""
+
+    @abc.abstractmethod
+    def wake_up(self, tags: list[str] | None) -> None:
+        """Bring back the weights and/or KV cache (`tags`; None: both) on every rank."""
+
+    @abc.abstractmethod
     def is_alive(self) -> bool:
         ...
 

@@ -28,6 +28,12 @@ class InProcessExecutor(Executor):
     def sample_pending(self, bitmask: GrammarBitmask | None) -> None:
         self.worker.sample_pending(bitmask)
 
+    def sleep(self, level: int) -> None:
+        self.worker.sleep(level)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self.worker.wake_up(tags)
+
     def is_alive(self) -> bool:
         return True
 

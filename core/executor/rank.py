@@ -38,7 +38,8 @@ class RankWorker:
         self._encoder = msgspec.msgpack.Encoder()
 
     def call(self, method: str, *args):
-        """A startup call (`load_model`, `profile_num_kv_blocks`, `init_kv_cache`, `warmup`)."""
+        """A startup call (`load_model`, `profile_num_kv_blocks`, `init_kv_cache`, `warmup`) or a sleep-mode
+        one (`sleep`, `wake_up`)."""
         return getattr(self.worker, method)(*args)
 
     def step(self, payload: bytes | memoryview) -> bytes | None:

@@ -70,6 +70,12 @@ class RemoteRanksExecutor(Executor):
     def warmup(self) -> None:
         self._call_all("warmup")
 
+    def sleep(self, level: int) -> None:
+        self._call_all("sleep", level)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self._call_all("wake_up", tags)
+
     def launch(self, sched: SchedulerOutput) -> RankStep:
         reply = self._send_step(self._encoder.encode(sched))
         if self._last is not None and self._last.reply is None:

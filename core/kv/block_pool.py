@@ -91,6 +91,16 @@ class BlockPool:
                 self._free[block.block_id] = block
                 self.states[block.block_id] = FREE if block.block_hash is None else CACHED
 
+    def forget_cached(self) -> None:
+        """Drop every hash (the KV tensors were freed, so no block holds what its hash says); the
+        blocks stay where they are. Only while no request holds a block."""
+        if len(self._free) != self.num_usable_blocks:
+            raise RuntimeError("the prefix cache can only be dropped while no request holds KV blocks")
+        for block in self._cached.values():
+            block.block_hash = None
+            self.states[block.block_id] = FREE
+        self._cached.clear()
+
     def cache(self, block: KVBlock, block_hash: int) -> None:
         """Make a full, computed block findable by its hash.
 

@@ -85,6 +85,10 @@ class KVCacheManager:
         """Used, cached and free blocks, summarized in at most `max_cells` cells (live views)."""
         return summarize_block_states(self.pool.states, max_cells)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the KV tensors behind them were freed); no request may hold blocks."""
+        self.pool.forget_cached()
+
     def block_ids(self, req: Request) -> list[int]:
         return [b.block_id for b in self._req_blocks.get(req.request_id, ())]
 

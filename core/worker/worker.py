@@ -32,6 +32,7 @@ from ..spec_decode.draft_model import DraftModelProposer
 from .inflight import InflightStep
 from .model_runner import ModelRunner
 from .pooler import Pooler
+from .sleep import OffloadedTensors, SleepState, release_device_memory
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The KV tensors' dtype under `--kv-cache-dtype fp8` (one byte per element).
@@ -89,6 +90,8 @@ class Worker(abc.ABC):
         self.model_info: ModelInfo | None = None
         # The draft model's shape (draft-model speculation), for its KV cache.
         self._draft_info: ModelInfo | None = None
+        self._num_kv_blocks = 0
+        self._sleep = SleepState()
 
     @abc.abstractmethod
     def init_device(self) -> torch.device:
@@ -171,6 +174,7 @@ class Worker(abc.ABC):
         return {}
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        self._num_kv_blocks = num_blocks
         info = self.model_info
         shape = self.runner.backend.kv_cache_shape(num_blocks, self.config.block_size, info.num_kv_heads, info.head_dim)
         dtype = torch.float8_e4m3fn if info.kv_cache_dtype == _FP8_KV else self.torch_dtype
@@ -215,6 +219,37 @@ class Worker(abc.ABC):
         self.runner.execute_model(SchedulerOutput(new, CachedRequestData(), {i: per_seq for i in ids},
                                                   per_seq * num_seqs, []))
         self.runner.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, ids))
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache and move the weights to host memory (level 1) or drop them (level 2)
+        (corectl.worker.sleep); the engine holds no request meanwhile."""
+        self._sleep.check_sleep(level, self.config.enable_lora)
+        self.runner.set_kv_caches([])
+        self._sleep.kv_asleep = True
+        if level == 1:
+            self._sleep.offloaded = OffloadedTensors(self.runner.model, self.device)
+        else:
+            self.runner = None
+        self._sleep.weights_level = level
+        release_device_memory(self.device)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the weights and/or the KV cache; warm-up runs again once both are back."""
+        tags = self._sleep.wake_tags(tags)
+        if "weights" in tags and self._sleep.weights_level:
+            if self._sleep.weights_level == 1:
+                self._sleep.offloaded.restore()
+                self._sleep.offloaded = None
+            else:
+                self.load_model()
+            self._sleep.weights_level = 0
+        if "kv_cache" in tags and self._sleep.kv_asleep:
+            if self._sleep.weights_level == 2:
+                raise ConfigError("tags", "the weights were dropped (level 2): wake them up before the KV cache")
+            self.init_kv_cache(self._num_kv_blocks)
+            self._sleep.kv_asleep = False
+        if not self._sleep.asleep:
+            self.warmup()
 
     def launch(self, sched: SchedulerOutput) -> InflightStep:
         """Queue a step; its output comes with `result()` (see corectl.worker.inflight)."""

@@ -31,6 +31,7 @@ from .metrics import ServerMetrics
 from .ops import LoadController, ModelsController, OpsController, TokenizerController
 from .request_id import request_id_middleware
 from .responses_api import ResponsesController
+from .sleep_routes import SleepController
 from .state import ServerState
 from .tracing import RequestTracer
 
@@ -51,7 +52,7 @@ def create_app(server: ServerState) -> Litestar:
     return Litestar(
         route_handlers=[CompletionsController, ChatController, EmbeddingsController, ModelsController,
                         TokenizerController, LoadController, OpsController, DashboardController,
-                        LoRAAdapterController, ResponsesController],
+                        LoRAAdapterController, ResponsesController, SleepController],
         dependencies={"server": Provide(_provide_server, sync_to_thread=False)},
         lifespan=[_engine_lifespan],
         middleware=[request_id_middleware] + ([] if tracer is None else [tracer.middleware]),

@@ -163,6 +163,8 @@ class ServerState:
     def check_accepting(self) -> None:
         if self.draining:
             raise APIError(503, "the server is shutting down; retry on another instance")
+        if self.client is not None and self.client.sleep_mode.requested:
+            raise APIError(503, "the engine is asleep (sleep mode); POST /wake_up first")
 
     def engine_failed(self, reason: str) -> None:
         """Mark the server failed: /health answers 503 and the process will exit with status 1."""

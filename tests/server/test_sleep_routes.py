@@ -1,0 +1,52 @@
+"""Sleep mode over HTTP on the embedded SmolLM2 (engine in its own process): POST /sleep, GET
+/is_sleeping, a 503 for generation while asleep, POST /wake_up (whole or by tags), and the same
+greedy completion afterwards; without --enable-sleep-mode the routes answer 400."""
+from __future__ import annotations
+
+import httpx
+import pytest
+from support.server import SMALL_ENGINE, ServerProcess
+
+BODY = {"prompt": "The capital of France is Paris. The capital of Italy is", "max_tokens": 4, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def sleepy():
+    proc = ServerProcess(*SMALL_ENGINE, "--enable-sleep-mode").wait_ready()
+    with httpx.Client(base_url=proc.url, timeout=300) as client:
+        yield client
+    assert proc.stop() == 0
+
+
+def complete(client: httpx.Client) -> str:
+    r = client.post("/v1/completions", json=BODY)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("level,wake", [(1, [None]), (2, [["weights"], ["kv_cache"]])])
+def test_sleep_and_wake_keep_the_output(sleepy, level, wake):
+    before = complete(sleepy)
+    assert sleepy.post("/sleep", params={"level": level}).status_code == 200
+    assert sleepy.get("/is_sleeping").json() == {"is_sleeping": True}
+    refused = sleepy.post("/v1/completions", json=BODY)
+    assert refused.status_code == 503 and "asleep" in refused.json()["error"]["message"]
+    for tags in wake:
+        assert sleepy.post("/wake_up", params={} if tags is None else {"tags": tags}).status_code == 200
+    assert sleepy.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert complete(sleepy) == before
+
+
+def test_bad_sleep_requests_are_400s(sleepy):
+    r = sleepy.post("/sleep", params={"level": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "level"
+    assert sleepy.post("/sleep", params={"level": 1}).status_code == 200
+    r = sleepy.post("/wake_up", params={"tags": ["everything"]})
+    assert r.status_code == 400 and "unknown wake-up tags" in r.json()["error"]["message"]
+    assert sleepy.post("/wake_up").status_code == 200 and complete(sleepy)
+
+
+def test_routes_need_the_flag(http):
+    r = http.post("/sleep", params={"level": 1})
+    assert r.status_code == 400 and "--enable-sleep-mode" in r.json()["error"]["message"]
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
