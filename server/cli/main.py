@@ -6,9 +6,9 @@ import sys
 
 from corectl.errors import CorectlError
 
-from . import bench, generate, plan, plugins, serve
+from . import bench, generate, plan, plugins, run_batch, serve
 
-SUBCOMMANDS = [generate, plugins, serve, plan, bench]
+SUBCOMMANDS = [generate, plugins, serve, run_batch, plan, bench]
 
 
 def build_parser() -> argparse.ArgumentParser:
