@@ -1,0 +1,34 @@
+"""The speculative-decoding benchmarks: `bench verify-step` on a preset, the "edit this text"
+dataset (SmolLM2's tokenizer) and the acceptance figures `bench throughput` prints."""
+from __future__ import annotations
+
+import re
+
+from corectl.engine.messages import SchedulerStats
+from corectl.server.bench.edit_text import acceptance, edit_text_prompts, format_acceptance
+from corectl.server.cli.main import main
+
+
+def test_verify_step_times_decode_and_verify_steps(isolated_env, capsys):
+    code = main(["bench", "verify-step", "--model", "llama-tiny", "--load-format", "dummy", "--platform", "cpu",
+                 "--kv-cache-memory", "0.01", "--batch-sizes", "1,3", "--context-len", "12", "--num-steps", "2",
+                 "--num-warmup-steps", "1", "-k", "2"])
+    assert code == 0
+    lines = re.findall(r"batch (\d+): decode step median [\d.]+ ms .* verify step \(k=2\) median [\d.]+ ms .*: [\d.]+x",
+                       capsys.readouterr().out)
+    assert lines == ["1", "3"]
+
+
+def test_edit_text_prompts_hold_a_passage_and_acceptance_figures_follow_vllm(llm_fp32):
+    prompts = edit_text_prompts(llm_fp32.get_tokenizer(), 2)
+    assert prompts[0] != prompts[1] and all(300 <= len(p) <= 400 for p in prompts)
+    before = SchedulerStats(spec_decode_num_drafts=2, spec_decode_num_draft_tokens=8,
+                            spec_decode_num_accepted_tokens=5, spec_decode_num_accepted_tokens_per_pos=[2, 2, 1, 0])
+    after = SchedulerStats(spec_decode_num_drafts=12, spec_decode_num_draft_tokens=48,
+                           spec_decode_num_accepted_tokens=35, spec_decode_num_accepted_tokens_per_pos=[12, 10, 8, 5])
+    figures = acceptance(before, after)
+    assert (figures["num_drafts"], figures["num_draft_tokens"], figures["num_accepted_tokens"]) == (10, 40, 30)
+    assert figures["acceptance_rate"] == 0.75 and figures["mean_accepted_length"] == 4.0
+    assert figures["acceptance_by_position"] == [1.0, 0.8, 0.7, 0.5]
+    assert "acceptance rate 0.750 (30/40 draft tokens), mean accepted length 4.00" in format_acceptance(figures)
+    assert acceptance(after, after) is None
