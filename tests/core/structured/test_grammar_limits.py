@@ -8,16 +8,14 @@ import numpy as np
 import pytest
 from corectl import SamplingParams
 from corectl.errors import InvalidRequestError
-from corectl.request import Request
 from corectl.sampling_params import StructuredOutputsParams
 from corectl.structured import compiles
 from corectl.structured.compiles import GrammarCompiles, estimated_cost
 from corectl.structured.manager import StructuredOutputManager
 from corectl.structured.xgrammar_backend import XGrammarBackend
+from support.grammars import EOS, VOCAB, constrained, wait_ready
 from transformers import AutoTokenizer
 
-EOS = 2
-VOCAB = 49152
 LOOPING_REF = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
 # A root that can be "b", or "a" followed by a rule that never ends: not empty, so it passes
 # validation, but a request that writes "a" is at a dead end.
@@ -27,17 +25,6 @@ DEAD_END_AFTER_A = 'root ::= "b" | "a" x\nx ::= x'
 @pytest.fixture(scope="module")
 def tokenizer(default_model_dir):
     return AutoTokenizer.from_pretrained(default_model_dir)
-
-
-def constrained(req_id, spec):
-    return Request(req_id, [1, 2, 3], SamplingParams(structured_outputs=spec), eos_token_id=EOS, max_tokens=32)
-
-
-def wait_ready(manager, req):
-    deadline = time.monotonic() + 60
-    while not manager.ready(req):
-        assert not manager.failures() and time.monotonic() < deadline
-        manager.wait_for_compile(0.05)
 
 
 @pytest.mark.parametrize("fields", [

@@ -12,14 +12,12 @@ from corectl.plugins import (
     hookimpl,
     reset_plugin_manager,
 )
-from corectl.request import Request
-from corectl.sampling_params import SamplingParams, StructuredOutputsParams
+from corectl.sampling_params import StructuredOutputsParams
 from corectl.structured.manager import StructuredOutputManager
 from corectl.structured.xgrammar_backend import XGrammarBackend
+from support.grammars import EOS, VOCAB, constrained, wait_ready
 from transformers import AutoTokenizer
 
-EOS = 2
-VOCAB = 49152
 
 
 @pytest.fixture(scope="module")
@@ -36,21 +34,9 @@ def make_manager(model_dir, timeout_s=10.0):
     return StructuredOutputManager(XGrammarBackend, str(model_dir), VOCAB, [EOS], timeout_s)
 
 
-def constrained(req_id, spec, **params):
-    return Request(req_id, [1, 2, 3], SamplingParams(structured_outputs=spec, **params), eos_token_id=EOS,
-                   max_tokens=32)
-
-
 def allowed(bitmask_row):
     bits = np.unpackbits(bitmask_row.view(np.uint8), bitorder="little")
     return set(np.flatnonzero(bits).tolist())
-
-
-def wait_ready(manager, req):
-    deadline = time.monotonic() + 30
-    while not manager.ready(req):
-        assert not manager.failures() and time.monotonic() < deadline
-        manager.wait_for_compile(0.05)
 
 
 @pytest.mark.parametrize("fields, param", [
