@@ -25,8 +25,9 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # Why the engine ended the sample as "abort" when the request itself was at fault (a grammar
-    # that did not compile in time): a client error (400), not an overload.
+    # Why the engine ended the sample as "abort" when the request itself was at fault (its grammar
+    # did not compile, overran the compile bound, or allowed no token): a client error (400), not
+    # an overload.
     error: str | None = None
 
     @property

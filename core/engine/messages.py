@@ -72,7 +72,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     `first_scheduled_time` (`time.monotonic()` in the engine's process, a clock shared by the
     processes of one host) is when the request first got a step: it ends its queue time.
     `error` says why the engine ended a request it could not serve as asked (an "abort" whose
-    cause is the request: a grammar that does not compile in time); None for a full queue.
+    cause is the request: a grammar that does not compile in time, or that allows no token); None
+    for a full queue.
     `pooled` is a pooling engine's result (prefill-only requests finish with it, no tokens): the
     raw pooled vector as little-endian float32 bytes.
     """
