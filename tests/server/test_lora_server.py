@@ -3,6 +3,8 @@ their parent, run-time load and unload (path checks, API key), a resolver, 404s,
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -141,3 +143,34 @@ def test_metrics_show_adapters(client, http):
     text = http.get("/metrics").text
     assert 'corectl:lora_requests_info{' in text and 'max_lora="2"' in text
     assert 'corectl:lora_requests_total{lora_name="r8",model_name="base"}' in text
+
+
+def _serve_exit(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "corectl.server.cli", "serve", "--port", "0", *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lora-modules", "a=/x", "a=/y"], "the name 'a' is given twice"),
+    (["--lora-modules", "nameonly"], "is not NAME=PATH or a JSON object"),
+    (["--lora-resolver", "filesystem"], "needs an existing folder of adapters"),
+    (["--lora-resolver", "nope"], "unknown LoRA resolver 'nope'"),
+], ids=["duplicate", "malformed", "resolver-root", "resolver-name"])
+def test_bad_lora_flags_exit_2_in_one_line(lora_setup, flags, message):
+    done = _serve_exit(str(lora_setup[1]), "--enable-lora", *flags)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_bad_startup_adapter_names_the_problem(lora_setup):
+    """An adapter of too high a rank given at start-up: the server does not start, and says why."""
+    root, base, _ = lora_setup
+    done = _serve_exit(str(base), "--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory", "0.02",
+                       "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"r16={root / 'served' / 'r16'}")
+    assert done.returncode == 2 and "rank 16, above max_lora_rank 8" in done.stderr
+
+
+def test_plugins_lists_the_lora_resolvers():
+    done = subprocess.run([sys.executable, "-m", "corectl.server.cli", "plugins"], capture_output=True, text=True,
+                          timeout=120)
+    rows = {tuple(line.split()[:2]) for line in done.stdout.splitlines()[1:]}
+    assert {("lora_resolver", "filesystem"), ("lora_resolver", "hub")} <= rows
