@@ -34,6 +34,7 @@ manager decides at fill time whether it gets a row.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Iterable
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..config import EngineConfig
-from ..engine.messages import EngineCoreOutput, SchedulerStats
+from ..engine.messages import ITERATION_TOKENS_BUCKETS, EngineCoreOutput, SchedulerStats
 from ..errors import ConfigError, QueueFullError
 from ..kv import KVCacheManager, PrefixHit
 from ..kv.sizing import blocks_per_sequence
@@ -119,6 +120,8 @@ class Scheduler:
         self.in_flight = StepsInFlight()
         self._prompt_logprobs = PromptLogprobsBuffer()
         self.num_preemptions = 0
+        self._iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self._iteration_tokens_sum = 0
         self.structured = structured
         self.defer_grammar = defer_grammar
         # The constrained requests the last step samples for, when its masks are pending.
@@ -190,9 +193,16 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.num_preemptions,
+            iteration_tokens_counts=list(self._iteration_tokens),
+            iteration_tokens_sum=self._iteration_tokens_sum,
             **self._lora_stats(),
             **self._spec_decode_stats(),
         )
+
+    def _count_iteration(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._iteration_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
+            self._iteration_tokens_sum += num_tokens
 
     def _spec_decode_stats(self) -> dict:
         if self.drafts is None:
@@ -374,6 +384,7 @@ class Scheduler:
             self.kv.commit(req)
         finished = list(self._forget)
         self._forget.clear()
+        self._count_iteration(sum(plan.num_scheduled.values()))
         return SchedulerOutput(
             new_requests=new_requests,
             cached_requests=cached,

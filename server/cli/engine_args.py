@@ -26,6 +26,8 @@ _POOLING = "pooling (embedding models)"
 _LORA = "LoRA adapters"
 _SPEC = "speculative decoding"
 # field -> (flag or flags, group, help, argparse extras)
+# vLLM's other names for the dtypes.
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] = {
     "tokenizer": ("--tokenizer", _MODEL, "tokenizer directory (default: the model's)", {}),
     "skip_tokenizer_init": ("--skip-tokenizer-init", _MODEL, "load no tokenizer: prompts must be token ids and "
@@ -38,7 +40,8 @@ ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] 
                      "awq, gptq, compressed-tensors, gguf, a plugin's, or 'none' for dense weights (unset: the "
                      "checkpoint's own; GGUF files stay 4-bit where the platform has the kernel unless --dtype is "
                      "given; see `corectl plugins`)", {}),
-    "dtype": ("--dtype", _MODEL, "compute dtype ('auto': the platform's best for this model)", {"choices": DTYPES}),
+    "dtype": ("--dtype", _MODEL, "compute dtype ('auto': the platform's best for this model; vLLM's 'half' and "
+              "'float' too)", {"choices": DTYPES, "type": lambda value: _DTYPE_ALIASES.get(value, value)}),
     "max_model_len": ("--max-model-len", _MODEL, "context length (default: the model's)", {"type": int}),
     "chat_template": ("--chat-template", _MODEL, "chat template (Jinja string or .jinja file) overriding the model's", {}),
     "hf_overrides": ("--hf-overrides", _MODEL, "JSON object merged into the model config", {"type": json.loads}),

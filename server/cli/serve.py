@@ -17,6 +17,7 @@ from corectl.errors import ConfigError
 
 from ..http.logs import LOG_FORMATS
 from .engine_args import add_engine_args, config_from_args
+from .vllm_flags import add_vllm_flags, api_keys_from_env, check_vllm_flags
 
 logger = logging.getLogger("corectl.server")
 
@@ -73,6 +74,7 @@ def register(sub) -> None:
                        help="split the model's <think> reasoning into reasoning_content: qwen3, deepseek_r1, or "
                             "a plugin's parser")
     _add_lora_args(parser.add_argument_group("LoRA serving"))
+    add_vllm_flags(parser)
     group = parser.add_argument_group("logging")
     group.add_argument("--log-format", choices=LOG_FORMATS, default="auto",
                        help="'human' lines, 'json' lines, or 'auto': human on a terminal (default: auto)")
@@ -117,6 +119,7 @@ def settings_from_args(args: argparse.Namespace):
     from ..http.state import ServeSettings, default_served_name
 
     config = config_from_args(args)
+    compat = check_vllm_flags(args)
     if not 0 <= args.port <= 65535:
         raise ConfigError("port", f"must be in [0, 65535], got {args.port}")
     if args.max_request_body < 1:
@@ -137,14 +140,14 @@ def settings_from_args(args: argparse.Namespace):
     origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
     return ServeSettings(
         engine=config, served_model_names=args.served_model_name or [default_served_name(config)],
-        host=args.host, port=args.port, api_keys=args.api_key or [], allowed_origins=origins,
+        host=args.host, port=args.port, api_keys=args.api_key or api_keys_from_env(), allowed_origins=origins,
         log_format=args.log_format, log_prompts=args.log_prompts, max_request_body=args.max_request_body,
         engine_in_process=args.engine_in_process, engine_hang_timeout=args.engine_hang_timeout,
         shutdown_timeout=args.shutdown_timeout, otlp_traces_endpoint=args.otlp_traces_endpoint,
         embed_chunking=args.embed_chunking, responses_store_max_entries=args.responses_store_max_entries,
         responses_store_max_bytes=args.responses_store_max_bytes,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser, lora=_lora_settings(args, config.enable_lora),
+        reasoning_parser=args.reasoning_parser, lora=_lora_settings(args, config.enable_lora), **compat,
     )
 
 
@@ -165,7 +168,9 @@ def serve(settings) -> int:
     settings.port = sock.getsockname()[1]
     state = ServerState(settings)
     config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, log_config=None,
-                            access_log=False, lifespan="on", timeout_graceful_shutdown=settings.shutdown_timeout)
+                            access_log=False, lifespan="on", timeout_graceful_shutdown=settings.shutdown_timeout,
+                            ssl_keyfile=settings.ssl_keyfile, ssl_certfile=settings.ssl_certfile,
+                            root_path=settings.root_path)
     server = _Server(config, state)
     state.request_exit = server.request_exit
     quiet = _QuietStartupTraceback(state)

@@ -29,6 +29,7 @@ from .logs import configure_logging
 from .lora_routes import LoRAAdapterController
 from .metrics import ServerMetrics
 from .ops import LoadController, ModelsController, OpsController, TokenizerController
+from .generation_defaults import generation_defaults
 from .request_id import request_id_middleware
 from .responses_api import ResponsesController
 from .sleep_routes import SleepController
@@ -108,6 +109,13 @@ async def _require_json_body(request: Request) -> None:
     raise APIError(415, f"the request body must be sent with Content-Type: application/json, {got}")
 
 
+def _cache_config(info, engine) -> dict[str, str]:
+    """vLLM's cache_config_info labels."""
+    return {"block_size": str(info.block_size), "num_gpu_blocks": str(info.num_kv_blocks),
+            "cache_dtype": str(engine.kv_cache_dtype), "enable_prefix_caching": str(engine.enable_prefix_caching),
+            "gpu_memory_utilization": str(engine.gpu_memory_utilization)}
+
+
 @contextlib.asynccontextmanager
 async def _engine_lifespan(app: Litestar) -> AsyncIterator[None]:
     server: ServerState = app.state.server
@@ -116,11 +124,13 @@ async def _engine_lifespan(app: Litestar) -> AsyncIterator[None]:
             transport = await _start_engine(server, tg)
             async with EngineClient.serving(transport, server.settings.engine, tg) as client:
                 # Before the client is set: a bad adapter is a startup error (exit 2, its message).
+                server.sampling_defaults = generation_defaults(server.settings.generation_config, client.info.model_dir)
                 await _register_lora_modules(server, client)
                 server.client = client
                 engine = server.settings.engine
                 server.metrics = ServerMetrics(server.model_name, client.info.max_model_len, lambda: client.engine_stats,
-                                               engine.max_loras if engine.enable_lora else None)
+                                               engine.max_loras if engine.enable_lora else None,
+                                               server.settings.metrics_prefix, _cache_config(client.info, engine))
                 _log_ready(server)
                 stop = anyio.Event()
                 tg.start_soon(_watch_engine, server, client, stop)

@@ -14,8 +14,8 @@ from .errors import ERROR_RESPONSES
 from .generation import GenerationGroup, UsageCounter
 from .logprobs import chat_logprobs, prompt_logprobs
 from .protocol import ChatCompletionRequest, message_dicts
-from .request_id import request_id_for
 from .reasoning.gate import ChatReasoning
+from .request_id import request_id_for
 from .responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -28,6 +28,7 @@ from .state import ServerState
 from .tool_parsers.base import ToolParser
 from .tool_parsers.forced import NamedCallParser, RequiredCallsParser
 from .tools import check_tool_choice, template_tools
+from .vllm_fields import check_max_logprobs
 
 ROLE = "assistant"
 
@@ -61,7 +62,8 @@ async def start_chat(data: ChatCompletionRequest, request: Request, server: Serv
     server.check_priority(data.priority)
     data.check_supported()
     tool_choice = check_tool_choice(data.tools, data.tool_choice, server.settings.enable_auto_tool_choice)
-    params = data.sampling_params(tool_choice)
+    params = data.sampling_params(tool_choice, server.sampling_defaults)
+    check_max_logprobs(params, server.settings.max_logprobs, "top_logprobs")
     if tool_choice == "auto" and server.tool_parser.needs_special_tokens:
         # The call markers are special tokens, which the parser reads as the model wrote them.
         params = params.clone(skip_special_tokens=False, spaces_between_special_tokens=False)

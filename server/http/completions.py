@@ -17,6 +17,7 @@ from .protocol import CompletionRequest
 from .request_id import request_id_for
 from .responses import CompletionChoice, CompletionLogprobs, CompletionResponse
 from .state import ServerState
+from .vllm_fields import check_max_logprobs
 
 
 class _Choice:
@@ -137,7 +138,8 @@ class CompletionsController(Controller):
         server.check_priority(data.priority)
         data.check_supported()
         _check_text_fields(data, server)
-        params = data.sampling_params()
+        params = data.sampling_params(server.sampling_defaults)
+        check_max_logprobs(params, server.settings.max_logprobs, "logprobs")
         group = GenerationGroup(server, _prompts(data, server), params, f"cmpl-{request_id_for(request, data.request_id)}",
                                 data.priority, lora,
                                 data.constraint_field)

@@ -129,7 +129,8 @@ def record_request(server: ServerState, request_id: str, status: str, reasons: l
         )
     if server.settings.log_prompts:
         fields["prompt"] = prompt
-    request_log.info("request " + status, **fields)
+    if server.settings.log_requests:
+        request_log.info("request " + status, **fields)
 
 
 def _seconds(later: float | None, earlier: float) -> float | None:
@@ -151,6 +152,8 @@ class GenerationGroup:
         if lora_request is not None and server.metrics is not None:
             server.metrics.count_lora_request(lora_request.lora_name)
         self.n = params.n
+        if server.metrics is not None:
+            server.metrics.observe_params(params.n, params.max_tokens)
         self.generations: list[Generation] = []
         self._closed = False
         server.begin_request()

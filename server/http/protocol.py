@@ -10,6 +10,8 @@ cost host work per token or per engine step (samples, stop lists, logit_bias) to
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -44,6 +46,7 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 Count = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
 StopString = Annotated[str, Meta(max_length=MAX_STOP_CHARS)]
+_NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -106,11 +109,13 @@ class SamplingFields(RefusedFields, kw_only=True):
         self.check_refused()
 
     def build_sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
-                              structured_outputs: StructuredOutputsParams | None) -> SamplingParams:
-        """SamplingParams for this request; out-of-range values raise InvalidRequestError(param=...)."""
+                              structured_outputs: StructuredOutputsParams | None,
+                              defaults: Mapping[str, Any]) -> SamplingParams:
+        """SamplingParams for this request; out-of-range values raise InvalidRequestError(param=...).
+        `defaults` fill the sampling fields the request leaves unset (the model's generation config)."""
         values: dict[str, Any] = dict(
             structured_outputs=structured_outputs,
-            n=self.n, max_tokens=max_tokens, seed=self.seed, min_tokens=self.min_tokens,
+            n=self.n, max_tokens=defaults.get("max_tokens") if max_tokens is None else max_tokens, seed=self.seed, min_tokens=self.min_tokens,
             stop=[self.stop] if isinstance(self.stop, str) else self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
@@ -122,7 +127,8 @@ class SamplingFields(RefusedFields, kw_only=True):
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                         presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                         repetition_penalty=self.repetition_penalty)
-        values.update({k: v for k, v in optional.items() if v is not None})
+        values.update({k: defaults.get(k) if v is None else v for k, v in optional.items()
+                       if v is not None or defaults.get(k) is not None})
         return SamplingParams(**values)
 
     def _logit_bias(self) -> dict[int, float] | None:
@@ -183,7 +189,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
         """OpenAI's `echo` with `max_tokens` 0: the prompt comes back and nothing is generated."""
         return self.echo and self.max_tokens == 0
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, Any] = _NO_DEFAULTS) -> SamplingParams:
         # Echoing with logprobs returns the prompt's logprobs too, as OpenAI does.
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
@@ -191,7 +197,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
         # The engine computes prompt logprobs on the way to a first token, so echo_only runs one token
         # and the response leaves it out (vLLM does the same).
         max_tokens = 1 if self.echo_only else self.max_tokens
-        return self.build_sampling_params(max_tokens, self.logprobs, prompt_logprobs, self.structured_spec())
+        return self.build_sampling_params(max_tokens, self.logprobs, prompt_logprobs, self.structured_spec(), defaults)
 
 
 class ContentPart(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -281,7 +287,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
             return last.content
         return "".join(part.text or "" for part in last.content if part.type == "text")
 
-    def sampling_params(self, tool_choice: str) -> SamplingParams:
+    def sampling_params(self, tool_choice: str, defaults: Mapping[str, Any] = _NO_DEFAULTS) -> SamplingParams:
         """`tool_choice` is the effective choice (`tools.check_tool_choice`): "required" and "named"
         constrain the output to calls, which leaves no room for another constraint."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -292,7 +298,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
                 raise APIError(400, f"tool_choice {tool_choice!r} constrains the output to tool calls; it cannot "
                                f"be combined with {self.constraint_field}", self.constraint_field)
             spec = forced_calls_spec(self.tools, self.tool_choice, self.parallel_tool_calls)
-        return self.build_sampling_params(max_tokens, logprobs, self.prompt_logprobs, spec)
+        return self.build_sampling_params(max_tokens, logprobs, self.prompt_logprobs, spec, defaults)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

@@ -37,6 +37,10 @@ class ServeSettings:
     lora: the adapters served by name and who may add more (`lora.py`; with --enable-lora).
     responses_store_max_entries, responses_store_max_bytes: bounds of the /v1/responses store
     (`response_store.py`; 0 entries: none kept).
+    vLLM's serving flags (`corectl.server.cli.vllm_flags`): HTTPS key and certificate, the ASGI
+    root_path, whether each request gets a log line, the /metrics prefix, the most logprobs a
+    request may ask for, and where sampling defaults come from (generation_config: auto, vllm or a
+    folder).
     """
 
     engine: EngineConfig
@@ -59,11 +63,19 @@ class ServeSettings:
     lora: LoRASettings = field(default_factory=LoRASettings)
     responses_store_max_entries: int = 1024
     responses_store_max_bytes: int = 64 * 1024 * 1024
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    root_path: str = ""
+    log_requests: bool = True
+    metrics_prefix: str = "vllm:"
+    max_logprobs: int = 20
+    generation_config: str = "auto"
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        scheme = "https" if self.ssl_certfile else "http"
+        return f"{scheme}://{host}:{self.port}"
 
 
 def default_served_name(config: EngineConfig) -> str:
@@ -90,6 +102,8 @@ class ServerState:
         self.exit_code = 0
         self._in_flight = 0
         self.started_at = time.time()
+        # Sampling defaults for the fields a request leaves unset (generation_defaults), once the engine is up.
+        self.sampling_defaults: dict = {}
         self.tool_parser = None if settings.tool_call_parser is None else tool_parser_class(settings.tool_call_parser)
         self.reasoning_parser = (None if settings.reasoning_parser is None
                                  else reasoning_parser_class(settings.reasoning_parser))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from corectl.sampling_params import SamplingParams
 
 from .constraints import ConstraintFields
 from .errors import APIError
@@ -28,6 +29,13 @@ REFUSED_REASONS = {
     "return_tokens_as_token_ids": "logprob tokens are returned as text; return_token_ids gives the token ids",
     "include_reasoning": "reasoning is always returned in reasoning_content when a reasoning parser is set",
 }
+
+
+def check_max_logprobs(params: SamplingParams, limit: int, logprobs_field: str) -> None:
+    """The server's `--max-logprobs` bound on a request's logprobs and prompt_logprobs."""
+    for field, value in ((logprobs_field, params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+        if value is not None and value > limit:
+            raise APIError(400, f"{field} must be at most {limit} on this server (--max-logprobs), got {value}", field)
 
 
 class RefusedFields(ConstraintFields, kw_only=True):

@@ -125,9 +125,9 @@ def test_metrics_and_log_lines_cover_embeddings(pooling_server, pooling_http):
     after = pooling_http.get("/metrics").text
     tokens = body["usage"]["prompt_tokens"]
     assert tokens > 0
-    for name, labels, grew in [("corectl:prompt_tokens_total", {}, tokens),
-                               ("corectl:request_success_total", {"finished_reason": "stop"}, 3),
-                               ("corectl:request_prompt_tokens_count", {}, 3)]:
+    for name, labels, grew in [("vllm:prompt_tokens_total", {}, tokens),
+                               ("vllm:request_success_total", {"finished_reason": "stop"}, 3),
+                               ("vllm:request_prompt_tokens_count", {}, 3)]:
         assert _counter(after, name, **labels) - _counter(before, name, **labels) == grew, name
     request_id = body["id"]
     lines = [line for line in pooling_server.log().splitlines() if request_id in line and "request finished" in line]

@@ -10,7 +10,7 @@ from corectl.server.http.metrics import ServerMetrics
 from prometheus_client.parser import text_string_to_metric_families
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "examples" / "grafana" / "corectl-dashboard.json"
-METRIC = re.compile(r"corectl:[A-Za-z0-9_:]+")
+METRIC = re.compile(r"vllm:[A-Za-z0-9_:]+")
 GROUPING = re.compile(r"\bby \(([^)]*)\)")
 
 

@@ -141,8 +141,8 @@ def test_unloading_an_adapter_in_use_lets_its_requests_finish(client, http, lora
 def test_metrics_show_adapters(client, http):
     complete(client, "r8")
     text = http.get("/metrics").text
-    assert 'corectl:lora_requests_info{' in text and 'max_lora="2"' in text
-    assert 'corectl:lora_requests_total{lora_name="r8",model_name="base"}' in text
+    assert 'vllm:lora_requests_info{' in text and 'max_lora="2"' in text
+    assert 'vllm:lora_requests_total{lora_name="r8",model_name="base"}' in text
 
 
 def _serve_exit(*args: str) -> subprocess.CompletedProcess:

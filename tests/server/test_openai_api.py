@@ -184,7 +184,7 @@ def test_api_key_is_required_on_api_routes_only(server):
         assert anonymous.get("/health").status_code == 200
         assert anonymous.get("/ping").status_code == 200 and anonymous.post("/ping").status_code == 200
         assert anonymous.get("/version").json()["version"]
-        assert "corectl:num_requests_running" in anonymous.get("/metrics").text
+        assert "vllm:num_requests_running" in anonymous.get("/metrics").text
         assert anonymous.get("/docs/openapi.json").json()["paths"]["/v1/chat/completions"]
     from openai import OpenAI
 

@@ -30,7 +30,7 @@ def _wait_idle(http: httpx.Client) -> dict[str, float]:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         metrics = _metrics(http)
-        if metrics["corectl:num_requests_running"] == 0 and metrics["corectl:kv_cache_usage_perc"] == 0:
+        if metrics["vllm:num_requests_running"] == 0 and metrics["vllm:kv_cache_usage_perc"] == 0:
             return metrics
         time.sleep(0.05)
     raise AssertionError(f"the engine did not go idle: {metrics}")
@@ -45,16 +45,16 @@ def test_metrics_move_with_a_request(http):
     out = http.post("/v1/completions", json={"prompt": "Metrics are", "max_tokens": 5, "ignore_eos": True}).json()
     after = _metrics(http)
     usage = out["usage"]
-    assert after["corectl:prompt_tokens_total"] - before["corectl:prompt_tokens_total"] == usage["prompt_tokens"]
-    assert after["corectl:generation_tokens_total"] - before["corectl:generation_tokens_total"] == 5
-    key = "corectl:request_success_total{finished_reason=length}"
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == usage["prompt_tokens"]
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 5
+    key = "vllm:request_success_total{finished_reason=length}"
     assert after[key] - before.get(key, 0) == 1
     for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prompt_tokens"):
         name = f"corectl:{histogram}_count"
         assert after[name] - before[name] == 1
-    assert after["corectl:inter_token_latency_seconds_count"] - before["corectl:inter_token_latency_seconds_count"] == 4
-    assert after["corectl:request_generation_tokens_sum"] - before["corectl:request_generation_tokens_sum"] == 5
-    assert after["corectl:prefix_cache_queries_total"] > before["corectl:prefix_cache_queries_total"]
+    assert after["vllm:inter_token_latency_seconds_count"] - before["vllm:inter_token_latency_seconds_count"] == 4
+    assert after["vllm:request_generation_tokens_sum"] - before["vllm:request_generation_tokens_sum"] == 5
+    assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(http):
@@ -67,11 +67,11 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(http):
             frames += line.startswith("data: ")
             if frames == 3:
                 break
-        assert _metrics(http)["corectl:num_requests_running"] == 1
+        assert _metrics(http)["vllm:num_requests_running"] == 1
     after = _wait_idle(http)
-    key = "corectl:request_success_total{finished_reason=abort}"
+    key = "vllm:request_success_total{finished_reason=abort}"
     assert after[key] - before.get(key, 0) == 1
-    generated = after["corectl:generation_tokens_total"] - before["corectl:generation_tokens_total"]
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert 3 <= generated < 400
     assert http.get("/load").json()["server_load"] == 0
 
@@ -88,7 +88,7 @@ def test_disconnect_before_the_first_token_aborts(http, server):
         else:
             raise AssertionError("400 tokens on 2 CPU cores should take longer than the client waits")
     metrics = _wait_idle(http)
-    assert metrics["corectl:num_requests_waiting"] == 0
+    assert metrics["vllm:num_requests_waiting"] == 0
 
 
 def test_32_concurrent_streams_match_their_whole_responses(server):

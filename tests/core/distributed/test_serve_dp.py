@@ -53,11 +53,11 @@ def test_both_engines_serve_and_a_prefix_returns_to_its_engine(server):
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= first.usage.prompt_tokens // 2
     # The engines were idle: without affinity the second request would have gone to the other one.
-    hits = engine_samples(server, "corectl:prefix_cache_hits_total")
+    hits = engine_samples(server, "vllm:prefix_cache_hits_total")
     assert sorted(hits) == ["0", "1"] and sorted(hits.values()) == [0, cached]
     # Idle engines alternate: an unrelated prompt goes to the engine that has not served yet.
     complete(client, "A short unrelated question about the weather?")
-    queries = engine_samples(server, "corectl:prefix_cache_queries_total")
+    queries = engine_samples(server, "vllm:prefix_cache_queries_total")
     assert all(value > 0 for value in queries.values())
     load = httpx.get(server.url + "/load", timeout=10).json()
     assert [engine["engine"] for engine in load["engines"]] == ["0", "1"]

@@ -1,0 +1,138 @@
+"""A vLLM user's launch command and requests against a real server, with the official `openai` client.
+
+The server starts from a YAML `--config` plus vLLM's flags (the API key from VLLM_API_KEY), so the
+launch path is the one a vLLM script takes.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+from support.server import SMALL_ENGINE, ServerProcess
+
+KEY = "env-key-123"
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat. " * 3
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dropin")
+    (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3}))
+    config = folder / "serve.yaml"
+    config.write_text("served-model-name: smol\nmax-num-seqs: 8\ntrust-remote-code: true\n"
+                      "enable-chunked-prefill: true\n")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_API_KEY", KEY)
+        mp.delenv("CORECTL_API_KEY", raising=False)
+        proc = ServerProcess(*SMALL_ENGINE, "--config", str(config), "--generation-config", str(folder),
+                             "--max-logprobs", "5", "--disable-log-requests", "--seed", "0").wait_ready(600)
+    yield proc
+    assert proc.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(vllm_server):
+    return openai.OpenAI(base_url=vllm_server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_api_key_comes_from_vllm_api_key(vllm_server, client):
+    assert httpx.get(vllm_server.url + "/v1/models").status_code == 401
+    assert [m.id for m in client.models.list().data] == ["smol"]
+
+
+def test_x_request_id_is_echoed_and_names_the_response(vllm_server, client):
+    raw = client.chat.completions.with_raw_response.create(
+        model="smol", messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_headers={"X-Request-Id": "trace-7"})
+    assert raw.headers["x-request-id"] == "trace-7" and raw.parse().id == "chatcmpl-trace-7"
+    generated = client.completions.with_raw_response.create(model="smol", prompt="hi", max_tokens=1)
+    assert generated.parse().id == "cmpl-" + generated.headers["x-request-id"]
+    refused = httpx.post(vllm_server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}",
+                                                                        "X-Request-Id": "bad-1"},
+                         json={"model": "smol", "prompt": "hi", "use_beam_search": True})
+    assert refused.status_code == 400 and refused.headers["x-request-id"] == "bad-1"
+    assert refused.json()["error"]["param"] == "use_beam_search"
+
+
+def test_generation_config_sets_unset_max_tokens(client):
+    reply = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Tell a story"}],
+                                           extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 3
+    assert client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Tell a story"}],
+                                          max_tokens=5, extra_body={"ignore_eos": True}).usage.completion_tokens == 5
+
+
+def test_max_logprobs_bounds_requests(client):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model="smol", prompt="hi", max_tokens=1, logprobs=6)
+    assert exc.value.body["param"] == "logprobs"
+
+
+def test_continuous_usage_stats_put_usage_on_every_chunk(client):
+    chunks = list(client.completions.create(model="smol", prompt="Once upon a time", max_tokens=4, stream=True,
+                                            extra_body={"ignore_eos": True},
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    with_text = [c for c in chunks if c.choices]
+    assert with_text and all(c.usage is not None for c in with_text)
+    assert [c.usage.completion_tokens for c in with_text] == sorted(c.usage.completion_tokens for c in with_text)
+    assert chunks[-1].usage.completion_tokens == 4
+
+
+def test_chat_echo_and_continue_final_message(client):
+    messages = [{"role": "user", "content": "Write a story"}, {"role": "assistant", "content": "Once upon a"}]
+    reply = client.chat.completions.create(model="smol", messages=messages, max_tokens=3,
+                                           extra_body={"echo": True, "continue_final_message": True,
+                                                       "add_generation_prompt": False})
+    assert reply.choices[0].message.content.startswith("Once upon a")
+    stream = client.chat.completions.create(model="smol", messages=messages, max_tokens=3, stream=True,
+                                            extra_body={"echo": True, "continue_final_message": True,
+                                                        "add_generation_prompt": False})
+    assert next(iter(stream)).choices[0].delta.content == "Once upon a"
+
+
+def test_bad_words_allowed_tokens_and_truncation(client):
+    prompt = "The capital of France is"
+    free = client.completions.create(model="smol", prompt=prompt, max_tokens=3, temperature=0).choices[0].text
+    word = free.split()[0]
+    banned = client.completions.create(model="smol", prompt=prompt, max_tokens=3, temperature=0,
+                                       extra_body={"bad_words": [word]}).choices[0].text
+    assert word not in banned.split()
+    allowed = client.completions.create(model="smol", prompt=prompt, max_tokens=3, temperature=0,
+                                        extra_body={"allowed_token_ids": [11, 12], "return_token_ids": True})
+    assert set(allowed.choices[0].model_extra["token_ids"]) <= {11, 12}
+    truncated = client.completions.create(model="smol", prompt=LONG_PROMPT, max_tokens=1,
+                                          extra_body={"truncate_prompt_tokens": 5})
+    assert truncated.usage.prompt_tokens == 5
+
+
+def test_cache_salt_isolates_prefix_cache_hits(client):
+    def cached(salt: str | None) -> int:
+        usage = client.completions.create(model="smol", prompt=LONG_PROMPT + "?", max_tokens=1,
+                                          extra_body={} if salt is None else {"cache_salt": salt}).usage
+        details = usage.prompt_tokens_details
+        return 0 if details is None else details.cached_tokens
+
+    cached("tenant-a")
+    assert cached("tenant-a") > 0
+    assert cached("tenant-b") == 0
+    assert cached(None) == 0
+
+
+def test_metrics_have_vllm_names(vllm_server):
+    text = httpx.get(vllm_server.url + "/metrics").text
+    for name in ("vllm:num_requests_waiting{", "vllm:num_requests_running{", "vllm:kv_cache_usage_perc{",
+                 "vllm:time_to_first_token_seconds_bucket{", "vllm:request_prefill_time_seconds_count{",
+                 "vllm:request_params_n_bucket{", "vllm:cache_config_info{", "vllm:prompt_tokens_total{",
+                 'vllm:request_success_total{finished_reason="length",model_name="smol"}'):
+        assert name in text, name
+    assert "corectl:" not in text
+
+
+def test_unknown_flag_shows_serve_usage_and_exits_2():
+    out = subprocess.run([sys.executable, "-m", "corectl.server.cli", "serve", "--no-such-flag"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "usage: corectl serve" in out.stderr and "--no-such-flag" in out.stderr
