@@ -82,3 +82,20 @@ def test_a_step_without_adapters_clears_the_slots(llm, adapters):
     llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
     assert (manager.batch.token_slots == -1).all()
     assert IDS["r8"] in manager.resident
+
+
+def test_preemption_and_async_scheduling_keep_each_adapters_tokens(lora_base, adapters, llm):
+    """A KV cache of 10 blocks for four 64-token requests (two adapters, the base, one adapter
+    twice) under async scheduling: requests are preempted and recomputed, and each still gets the
+    tokens it gets alone in a roomy engine."""
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers x (K, V) x block tokens x KV heads x head dim x fp32
+    tight = LLM(str(lora_base), enable_lora=True, max_loras=2, max_lora_rank=64, dtype="float32", max_model_len=96,
+                block_size=16, max_num_batched_tokens=32, async_scheduling=True,
+                kv_cache_memory_gib=10.5 * block_bytes / 2**30)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [[(31 * i + 7 * j) % 40000 + 100 for j in range(40)] for i in range(4)]
+    loras = [lora(adapters, "r8"), None, lora(adapters, "r64"), lora(adapters, "r8")]
+    got = tokens(tight.generate(prompts, params, lora_request=loras, use_tqdm=False))
+    assert tight.engine.scheduler.make_stats().num_preemptions > 0
+    alone = [tokens(llm.generate(p, params, lora_request=one, use_tqdm=False))[0] for p, one in zip(prompts, loras)]
+    assert got == alone
