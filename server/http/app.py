@@ -32,6 +32,7 @@ from .ops import LoadController, ModelsController, OpsController, TokenizerContr
 from .generation_defaults import generation_defaults
 from .request_id import request_id_middleware
 from .responses_api import ResponsesController
+from .scoring import ScoringController
 from .sleep_routes import SleepController
 from .state import ServerState
 from .tracing import RequestTracer
@@ -53,7 +54,7 @@ def create_app(server: ServerState) -> Litestar:
     return Litestar(
         route_handlers=[CompletionsController, ChatController, EmbeddingsController, ModelsController,
                         TokenizerController, LoadController, OpsController, DashboardController,
-                        LoRAAdapterController, ResponsesController, SleepController],
+                        LoRAAdapterController, ResponsesController, SleepController, ScoringController],
         dependencies={"server": Provide(_provide_server, sync_to_thread=False)},
         lifespan=[_engine_lifespan],
         middleware=[request_id_middleware] + ([] if tracer is None else [tracer.middleware]),
