@@ -74,7 +74,8 @@ def grouped_lora(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.T
         if reduce_xa is not None:
             xa = reduce_xa(xa)
         for j, (offset, size) in enumerate(slices):
-            delta = F.linear(xa[:, j * rank:(j + 1) * rank], b[slot, offset:offset + size, :rank].to(x.dtype)) * scales[slot]
+            b_slice = b[slot, offset:offset + size, :rank].to(x.dtype)
+            delta = F.linear(xa[:, j * rank:(j + 1) * rank], b_slice) * scales[slot]
             target = out[:, offset:offset + size]
             if isinstance(rows, slice):
                 target[rows] += delta

@@ -68,7 +68,8 @@ class LoRASettings:
 
     @property
     def updating_allowed(self) -> bool:
-        return self.runtime_updating or any(os.environ.get(env) in ("1", "true", "True") for env in RUNTIME_UPDATING_ENVS)
+        return self.runtime_updating or any(os.environ.get(env, "").lower() in ("1", "true")
+                                            for env in RUNTIME_UPDATING_ENVS)
 
 
 class LoRARegistry:

@@ -45,7 +45,7 @@ class TokenizerController(Controller):
 
     @post("/tokenize", status_code=200)
     async def tokenize(self, data: TokenizeRequest, server: ServerState) -> TokenizeResponse:
-        server.check_model(data.model)
+        server.check_model(data.model, adapters=True)
         if (data.prompt is None) == (data.messages is None):
             raise APIError(400, "send exactly one of prompt or messages", "prompt")
         param = "prompt" if data.prompt is not None else "messages"
@@ -61,7 +61,7 @@ class TokenizerController(Controller):
 
     @post("/detokenize", status_code=200)
     async def detokenize(self, data: DetokenizeRequest, server: ServerState) -> DetokenizeResponse:
-        server.check_model(data.model)
+        server.check_model(data.model, adapters=True)
         vocab = server.engine.info.vocab_size
         bad = [t for t in data.tokens if not 0 <= t < vocab]
         if bad:

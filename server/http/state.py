@@ -140,11 +140,16 @@ class ServerState:
             return False, "the server is shutting down"
         return True, "ok"
 
-    def check_model(self, model: str | None) -> None:
-        """A 404 unless `model` is a served name or a LoRA adapter's."""
-        if model is not None and model not in self.settings.served_model_names and (
-                self.loras is None or self.loras.get(model) is None):
+    def check_model(self, model: str | None, adapters: bool = False) -> None:
+        """A 404 unless `model` is a served name (or, where `adapters` may be named, a LoRA adapter's:
+        the tokenizer routes); a route that would run the base model for an adapter's name says so."""
+        if model is None or model in self.settings.served_model_names:
+            return
+        if self.loras is None or self.loras.get(model) is None:
             raise self._unknown_model(model)
+        if not adapters:
+            raise APIError(400, f"`{model}` is a LoRA adapter, which this route does not apply; name the base "
+                           f"model ({self.model_name})", "model")
 
     async def adapter_for(self, model: str | None) -> LoRARequest | None:
         """The LoRA adapter a generation request's `model` names (None: the base model); an unknown

@@ -174,3 +174,9 @@ def test_plugins_lists_the_lora_resolvers():
                           timeout=120)
     rows = {tuple(line.split()[:2]) for line in done.stdout.splitlines()[1:]}
     assert {("lora_resolver", "filesystem"), ("lora_resolver", "hub")} <= rows
+
+
+def test_routes_that_do_not_apply_adapters_say_so(http):
+    assert http.post("/tokenize", json={"model": "r8", "prompt": "hi"}).status_code == 200
+    response = http.post("/v1/embeddings", json={"model": "r8", "input": "hi"})
+    assert response.status_code == 400 and "LoRA adapter" in response.json()["error"]["message"]

@@ -79,7 +79,8 @@ def test_wrong_hidden_size(lora_base, tmp_path, shape):
 
     other = build_random_checkpoint("llama", tmp_path / "wide", lora_base, hidden_size=96)
     save_adapter(other, tmp_path / "wide-adapter", rank=8, seed=0)
-    with pytest.raises(LoRAAdapterError, match=r"module 'model\.layers\.0\.\S+' has lora_A .*96.*was it trained on another base model"):
+    with pytest.raises(LoRAAdapterError,
+                       match=r"module 'model\.layers\.0\.\S+' has lora_A .*96.*was it trained on another base model"):
         load(tmp_path / "wide-adapter", shape)
 
 
