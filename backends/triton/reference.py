@@ -36,11 +36,14 @@ def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor,
 
 
 def causal_attention_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, *,
-                         sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                         sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [Lq, Hq, D] are the last Lq positions of a context keys/values [L, Hk, D]; returns fp32 [Lq, Hq, D].
 
     The query at position p sees keys j with p - sliding_window < j <= p (all j <= p without a
-    window); `logits_soft_cap` c turns each score s into c * tanh(s / c) before the mask (Gemma 2).
+    window); `logits_soft_cap` c turns each score s into c * tanh(s / c) before the mask (Gemma 2);
+    `sinks` [Hq] add exp(sinks[h]) to head h's softmax denominator (gpt-oss), as transformers does:
+    a column of sink logits joins the scores and is dropped after the softmax.
     """
     query_len, num_heads, _ = q.shape
     context = keys.shape[0]
@@ -58,16 +61,20 @@ def causal_attention_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     # Only the visible keys enter the products: a key outside every window may hold anything
     # (its block may be back in the pool), even NaN.
     scores = scores.masked_fill(~visible, float("-inf"))
-    probs = scores.softmax(dim=-1)
+    if sinks is None:
+        probs = scores.softmax(dim=-1)
+    else:
+        sink = sinks.float()[:, None, None].expand(num_heads, query_len, 1)
+        probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
     return torch.einsum("hqk,khd->qhd", probs, v.masked_fill(~visible.any(0)[:, None, None], 0.0))
 
 
 def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
                         sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                        k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                        k_scale: float = 1.0, v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed queries q [T, Hq * D] over each sequence's paged context
-    (windows and soft-capping as in `causal_attention_ref`); the cached keys and values count as
+    (windows, soft-capping and sinks as in `causal_attention_ref`); the cached keys and values count as
     k_scale and v_scale times what the cache holds (an FP8 cache's scales)."""
     head_dim = kv_cache.shape[4]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -80,7 +87,7 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         keys, values = keys.float() * k_scale, values.float() * v_scale
         q_i = q[lo:hi].view(hi - lo, -1, head_dim)
         attended = causal_attention_ref(q_i, keys, values, scale, sliding_window=sliding_window,
-                                        logits_soft_cap=logits_soft_cap)
+                                        logits_soft_cap=logits_soft_cap, sinks=sinks)
         out[lo:hi] = attended.reshape(hi - lo, -1).to(q.dtype)
     return out
 

@@ -157,7 +157,7 @@ class Attention(nn.Module):
             if not ctx.backend.supports_sinks:
                 raise ConfigError("model", f"this model's attention has sinks (gpt-oss), which the "
                                   f"{ctx.backend.name!r} attention backend does not implement; use one that does "
-                                  "(torch_sdpa, on CPU)")
+                                  "(torch_sdpa on CPUs, triton on GPUs)")
             extra["sinks"] = self.sinks
         return ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale,
                                    sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap, **extra)

@@ -14,6 +14,9 @@ combine to nothing; a sequence of length 0 (graph padding) yields zeros.
 Sliding windows: the splits share out only the keys from the window's first tile on, the first
 of which is masked at the window's edge; a layer's window is a kernel argument fixed per layer,
 so a captured graph replays it like the scale.
+
+Sinks (gpt-oss: a logit per head joining the softmax's denominator) fold into the softmax state
+once per head: by the decode kernel with one split, by the combine kernel with several.
 """
 from __future__ import annotations
 
@@ -37,8 +40,9 @@ from ..checks import (
     require,
 )
 from ..pdl import grid_dependency, pdl_enabled
-from .paged_softmax import attend_paged, dot_dtype, head_block, score_scale
+from .paged_softmax import LOG2E, attend_paged, check_sinks, dot_dtype, fold_sinks, head_block, score_scale
 
+_LOG2E = tl.constexpr(LOG2E)  # kernels read globals only as constexpr
 # Fewest keys worth a program of its own: below this the combine step costs more than it saves.
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
@@ -73,11 +77,11 @@ def decode_config(cache_dtype: torch.dtype, splits: int, num_seqs: int) -> Decod
 # The block-table width changes every eager step (see the prefill kernel); a layer's window is fixed.
 @triton.jit(do_not_specialize=["stride_table", "window"])
 def _decode_kernel(
-    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, qk_scale, v_scale, window,
-    stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table, num_heads,
+    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, qk_scale, v_scale,
+    window, stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table, num_heads,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, PDL: tl.constexpr,
+    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
     grid_dependency(PDL)
     seq = tl.program_id(0)
@@ -121,6 +125,8 @@ def _decode_kernel(
     acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, q_first, k_base, v_base, table_row, bulk_end, hi,
                                  first, qk_scale, stride_blk, stride_tok, offs_d, d_mask,
                                  BLOCK_SIZE, BLOCK_N, DOT_DTYPE, True, SOFT_CAP)
+    if HAS_SINKS and NUM_SPLITS == 1:
+        acc, m_i, l_i = fold_sinks(acc, m_i, l_i, sinks_ptr, kv_head * GROUP + offs_m, m_mask)
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc * (v_scale / safe_l)[:, None]
     if NUM_SPLITS == 1:
@@ -134,9 +140,9 @@ def _decode_kernel(
 
 @triton.jit
 def _combine_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, stride_ot, num_heads,
+    part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, stride_ot, num_heads,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
     grid_dependency(PDL)
     seq = tl.program_id(0)
@@ -148,11 +154,16 @@ def _combine_splits_kernel(
     row0 = (seq * num_heads + head) * NUM_SPLITS
     lse = tl.load(part_lse_ptr + row0 + offs_s, mask=s_mask, other=float("-inf"))
     top = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * _LOG2E
+        top = tl.maximum(top, sink)
     top = tl.where(top == float("-inf"), 0.0, top)
     weight = tl.exp2(lse - top)
     parts = tl.load(part_out_ptr + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                     mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     total = tl.sum(weight, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - top)
     out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + seq * stride_ot + head * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -184,7 +195,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            num_splits: int | None = None, out: torch.Tensor | None = None,
                            check_indices: bool = True, sliding_window: int | None = None,
                            logits_soft_cap: float | None = None, k_scale: float = 1.0,
-                           v_scale: float = 1.0, config: DecodeConfig | None = None) -> torch.Tensor:
+                           v_scale: float = 1.0, config: DecodeConfig | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context (the token's own K/V included).
 
     q: [B, num_heads * head_dim]; block_tables: int32 [B, max_blocks]; seq_lens: int32 [B], the
@@ -197,6 +209,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     An FP8 (e4m3) `kv_cache` holds keys / k_scale and values / v_scale (`store_kvcache`): the
     scales fold into the score scale and the output, so the tiles are only widened as they load.
     `config` overrides the launch's tile, warps and stages (a benchmark's sweep).
+    `sinks` [num_heads]: head h's softmax denominator gains exp(sinks[h]) (gpt-oss); None: no sinks.
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     check_index("block_tables", block_tables, 2, (torch.int32,))
@@ -213,6 +226,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     check_kv_scales(k_scale, v_scale)
     require(max_seq_len >= 0, f"max_seq_len must be >= 0, got {max_seq_len}")
     check_window_and_cap(sliding_window, logits_soft_cap)
+    sinks = check_sinks(sinks, num_heads, q)
     splits = num_splits if num_splits is not None else choose_decode_splits(
         num_seqs, num_kv_heads, max_seq_len, q.device)
     require(1 <= splits <= MAX_SPLITS, f"num_splits must lie in [1, {MAX_SPLITS}], got {splits}")
@@ -225,12 +239,12 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         return out
     _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, num_heads // num_kv_heads, splits,
                    sliding_window, logits_soft_cap, k_scale, v_scale,
-                   config or decode_config(kv_cache.dtype, splits, num_seqs))
+                   config or decode_config(kv_cache.dtype, splits, num_seqs), sinks)
     return out
 
 
 def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, splits, window, soft_cap,
-                   k_scale, v_scale, cfg: DecodeConfig) -> None:
+                   k_scale, v_scale, cfg: DecodeConfig, sinks: torch.Tensor | None) -> None:
     num_seqs = q.shape[0]
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     num_heads = num_kv_heads * group
@@ -243,18 +257,19 @@ def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, split
         part_out = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
-        q, kv_cache, block_tables, seq_lens, out, part_out, part_lse, score_scale(scale * k_scale, soft_cap), v_scale,
+        q, kv_cache, block_tables, seq_lens, out, part_out, part_lse, q if sinks is None else sinks,
+        score_scale(scale * k_scale, soft_cap), v_scale,
         window or 0,
         q.stride(0), out.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_tables.stride(0), num_heads,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=cfg.block_n, BLOCK_SIZE=kv_cache.shape[2], NUM_SPLITS=splits,
         DOT_DTYPE=dot_dtype(q.dtype, q.device), SLIDING=window is not None, SOFT_CAP=float(soft_cap or 0.0),
-        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        HAS_SINKS=sinks is not None, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     if splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, out.stride(0), num_heads,
+            part_out, part_lse, out, q if sinks is None else sinks, out.stride(0), num_heads,
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-            PDL=pdl, num_warps=4, launch_pdl=pdl,
+            HAS_SINKS=sinks is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )

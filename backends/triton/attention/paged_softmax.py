@@ -70,6 +70,26 @@ def attend_paged(
     return acc, m_i, l_i
 
 
+@triton.jit
+def fold_sinks(acc, m_i, l_i, sinks_ptr, heads, head_mask):
+    """Add each row's sink (a logit, in natural units, of a key with a zero value: gpt-oss) to the
+    softmax state (acc, m_i, l_i) of `attend_paged`: the denominator gains exp(sink)."""
+    sink = tl.load(sinks_ptr + heads, mask=head_mask, other=-1.0e30).to(tl.float32) * _LOG2E
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_new)
+    return acc * alpha[:, None], m_new, l_i * alpha + tl.exp2(sink - m_new)
+
+
+def check_sinks(sinks: torch.Tensor | None, num_heads: int, q: torch.Tensor) -> torch.Tensor | None:
+    """The sinks as the kernels read them: fp32 [num_heads], contiguous, on q's device."""
+    if sinks is None:
+        return None
+    if tuple(sinks.shape) != (num_heads,) or sinks.device != q.device:
+        raise ValueError(f"sinks must be [{num_heads}] (one per query head) on {q.device}, got "
+                         f"{tuple(sinks.shape)} on {sinks.device}")
+    return sinks.float().contiguous()
+
+
 def score_scale(scale: float, logits_soft_cap: float | None) -> float:
     """What `attend_paged` multiplies the dot products by (see its docstring)."""
     return scale if logits_soft_cap else scale * LOG2E

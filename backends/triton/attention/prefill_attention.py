@@ -11,7 +11,8 @@ by the whole group, which keeps decode rows in a mixed batch cheap. Tiles are nu
 
 Sliding windows (`sliding_window`): a tile starts at the key tile holding its first row's first
 visible key, masks the keys up to where every row's window has begun, then runs unmasked; no key
-before the first row's window is read. Soft-capping (`logits_soft_cap`) is a compile-time variant.
+before the first row's window is read. Soft-capping (`logits_soft_cap`) and sinks (`sinks`) are
+compile-time variants.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from ..checks import (
     check_window_and_cap,
     require,
 )
-from .paged_softmax import attend_paged, dot_dtype, head_block, score_scale
+from .paged_softmax import attend_paged, check_sinks, dot_dtype, fold_sinks, head_block, score_scale
 
 PREFILL_BLOCK_N = 64
 
@@ -55,11 +56,11 @@ def _find_sequence(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 # for integers divisible by 16) would compile variants at first use while serving.
 @triton.jit(do_not_specialize=["num_seqs", "stride_table", "window"])
 def _prefill_kernel(
-    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr, out_ptr, qk_scale, v_scale, window, num_seqs,
-    stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table,
+    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr, out_ptr, sinks_ptr, qk_scale, v_scale, window,
+    num_seqs, stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
+    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -113,6 +114,8 @@ def _prefill_kernel(
     acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, q_first, k_base, v_base, table_row, bulk_end, hi,
                                  key_lo, qk_scale, stride_blk, stride_tok, offs_d, d_mask,
                                  BLOCK_SIZE, BLOCK_N, DOT_DTYPE, True, SOFT_CAP)
+    if HAS_SINKS:
+        acc, m_i, l_i = fold_sinks(acc, m_i, l_i, sinks_ptr, kv_head * GROUP + offs_m % GROUP, m_mask)
     out = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
     tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head_offs, out.to(out_ptr.dtype.element_ty),
              mask=row_mask)
@@ -129,7 +132,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
                             max_query_len: int, out: torch.Tensor | None = None,
                             check_indices: bool = True, sliding_window: int | None = None,
                             logits_soft_cap: float | None = None, k_scale: float = 1.0,
-                            v_scale: float = 1.0) -> torch.Tensor:
+                            v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of T packed new tokens over their sequences' paged context.
 
     q: [T, num_heads * head_dim]; query_start_loc: int32 [B + 1]; seq_lens: int32 [B] (cached
@@ -138,6 +141,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     validate them (a GPU synchronisation). Returns `out` [T, num_heads * head_dim].
     `sliding_window`, `logits_soft_cap` and the FP8 cache's `k_scale`, `v_scale` as in
     `paged_decode_attention`: no key before the window of a tile's first token is read.
+    `sinks` [num_heads] as in `paged_decode_attention`.
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     check_index("block_tables", block_tables, 2, (torch.int32,))
@@ -156,6 +160,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     check_kv_scales(k_scale, v_scale)
     require(max_query_len >= 1, f"max_query_len must be >= 1, got {max_query_len}")
     check_window_and_cap(sliding_window, logits_soft_cap)
+    sinks = check_sinks(sinks, num_heads, q)
     out = attention_output(out, q)
     check_same_device(q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens,
                       query_start_loc=query_start_loc, out=out)
@@ -165,7 +170,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     if num_tokens == 0:
         return out
     _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, max_query_len,
-                    sliding_window, logits_soft_cap, k_scale, v_scale)
+                    sliding_window, logits_soft_cap, k_scale, v_scale, sinks)
     return out
 
 
@@ -186,7 +191,7 @@ def _check_prefill_indices(block_tables, seq_lens, query_start_loc, num_blocks, 
 
 
 def _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, max_query_len,
-                    window, soft_cap, k_scale, v_scale) -> None:
+                    window, soft_cap, k_scale, v_scale, sinks) -> None:
     num_seqs = block_tables.shape[0]
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     group = q.shape[1] // head_dim // num_kv_heads
@@ -194,12 +199,14 @@ def _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, s
     block_q = block_m // group
     num_tiles = q.shape[0] // block_q + num_seqs
     _prefill_kernel[(num_tiles, num_kv_heads)](
-        q, kv_cache, block_tables, seq_lens, query_start_loc, out, score_scale(scale * k_scale, soft_cap), v_scale,
+        q, kv_cache, block_tables, seq_lens, query_start_loc, out, q if sinks is None else sinks,
+        score_scale(scale * k_scale, soft_cap), v_scale,
         window or 0,
         num_seqs,
         q.stride(0), out.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=head_block(head_dim),
         BLOCK_N=PREFILL_BLOCK_N, BLOCK_SIZE=kv_cache.shape[2], DOT_DTYPE=dot_dtype(q.dtype, q.device),
-        SLIDING=window is not None, SOFT_CAP=float(soft_cap or 0.0), num_warps=4, num_stages=2,
+        SLIDING=window is not None, SOFT_CAP=float(soft_cap or 0.0), HAS_SINKS=sinks is not None,
+        num_warps=4, num_stages=2,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from corectl.attention import ForwardContext
+from corectl.backends.cpu.attention import TorchSDPABackend
 from corectl.errors import ConfigError
 from corectl.models.layers import Attention
 from support.arch_parity import assert_engine_matches, save_random_model
@@ -69,16 +70,31 @@ def test_sinks_and_clamp_change_the_model(tmp_path, default_model_dir):
 
 
 def test_backend_without_sinks_is_refused():
-    """The Triton kernels have no sinks yet: a gpt-oss layer names the gap instead of ignoring them."""
-    from corectl.backends.triton.attention.backend import TritonAttentionBackend
+    """A backend that does not declare sinks (a plugin's) gets a gpt-oss layer's refusal by name,
+    never attention that silently ignores them."""
 
-    assert not TritonAttentionBackend.supports_sinks
-    backend = TritonAttentionBackend(4, 2, 16, torch.float32, torch.device("cpu"), 8)
+    class NoSinksBackend(TorchSDPABackend):
+        name = "no_sinks"
+        supports_sinks = False
+
+    backend = NoSinksBackend(4, 2, 16, torch.float32, torch.device("cpu"), 8)
     attn = Attention(0, 4, 2, 16, sliding_window=8)
     attn.add_sinks(0, 4)
     q, kv = torch.zeros(3, 64), torch.zeros(3, 32)
-    with pytest.raises(ConfigError, match="attention has sinks .* 'triton' attention backend does not implement"):
+    with pytest.raises(ConfigError, match="attention has sinks .* 'no_sinks' attention backend does not implement"):
         attn(q, kv, kv, ForwardContext(backend, None, [None]))
+
+
+def test_triton_backend_under_the_interpreter(tmp_path, default_model_dir):
+    """The real CPU worker and scheduler with the Triton kernels (sinks, windows) in place of SDPA."""
+    from support.models import hf_greedy
+    from test_sliding_window_parity import _run_triton_engine
+
+    hf_model = _checkpoint(tmp_path / "oss", default_model_dir)
+    prompts = [[5 + i for i in range(n)] for n in (11, 19)]
+    outputs, _, _ = _run_triton_engine(tmp_path / "oss", prompts, 6)
+    for prompt, output in zip(prompts, outputs):
+        assert [token for token, _ in output] == hf_greedy(hf_model, prompt, 6)[0]
 
 
 def _quantize_mxfp4(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
