@@ -28,6 +28,9 @@ from .messages import (
 )
 from .transport import EngineTransport
 
+# How often an idle engine looks at its ranks, as the engine process does (`remote._serve`).
+_IDLE_RANK_CHECK_S = 0.5
+
 
 class InProcessEngine(EngineTransport):
     def __init__(self, core: EngineCore):
@@ -85,9 +88,16 @@ class InProcessEngine(EngineTransport):
         except Exception as exc:  # the engine is dead: record why; ending the stream tells clients
             self._error = exc
 
+    async def _next_message(self) -> ClientMessage:
+        """The next message; while none comes, the ranks are checked (no step would notice a death)."""
+        while True:
+            with anyio.move_on_after(_IDLE_RANK_CHECK_S):
+                return await self._inbox.receive()
+            self.core.executor.check_alive()
+
     async def _loop(self) -> None:
         while True:
-            messages = [] if self.core.has_unfinished_requests() else [await self._inbox.receive()]
+            messages = [] if self.core.has_unfinished_requests() else [await self._next_message()]
             with contextlib.suppress(anyio.WouldBlock):
                 while True:
                     messages.append(self._inbox.receive_nowait())
