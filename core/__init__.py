@@ -26,6 +26,7 @@ _EXPORTS = {
     "PoolingParams": "corectl.pooling",
     "EngineClient": "corectl.engine.client",
     "LoRARequest": "corectl.lora.request",
+    "BeamSearchParams": "corectl.beam_search",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -41,6 +42,7 @@ def __getattr__(name: str):
 
 
 if TYPE_CHECKING:
+    from .beam_search import BeamSearchParams
     from .config import EngineConfig
     from .engine.client import EngineClient
     from .llm import LLM

@@ -7,6 +7,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from .beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from .config import EngineConfig
 from .engine.core import EngineCore
 from .engine.intake import NO_TOKENIZER, encode_prompt
@@ -97,6 +98,18 @@ class LLM:
         params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
         encoded = [(p, tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
         return self._run(encoded, params, [0] * len(prompts), use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: the `params.beam_width` best sequences of each prompt by
+        cumulative logprob (`corectl.beam_search`); each sequence's `text` is the prompt's and its own."""
+        encoded = [encode_prompt(self.tokenizer, p)[1] for p in _as_prompt_list(prompts)]
+        decode = None if self.tokenizer is None else self.tokenizer.decode
+
+        def generate(batch: list[list[int]], step: SamplingParams) -> list[RequestOutput]:
+            return self._run([(None, ids) for ids in batch], [step] * len(batch), [0] * len(batch), use_tqdm)
+
+        return run_beam_search(generate, encoded, params, self.engine.eos_token_id, decode)
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
