@@ -64,6 +64,9 @@ class AttentionBackend(abc.ABC):
     #: gpt-oss). The model's `Attention` layer refuses a backend without them, by name, and passes
     #: `sinks` only to backends that take it.
     supports_sinks: bool = False
+    #: Whether `forward` takes `attention_chunk` (chunked local attention, Llama 4); the `Attention`
+    #: layer refuses a backend without it, by name.
+    supports_chunked_attention: bool = False
 
     @classmethod
     def check_kv_cache_dtype(cls, kv_cache_dtype: str) -> None:
@@ -120,6 +123,9 @@ class AttentionBackend(abc.ABC):
         - `sinks` [num_heads] (keyword, only for backends with `supports_sinks`): head h's softmax
           denominator gains exp(sinks[h]), a key with that logit and a zero value (gpt-oss), so a
           query may give its keys less than all of its weight.
+        - `attention_chunk` C (keyword, only for backends with `supports_chunked_attention`): the
+          token at position p attends to keys C * (p // C) <= j <= p only, those of its own chunk
+          (Llama 4's local layers).
         """
 
 

@@ -13,7 +13,8 @@ query head, which torch's CPU flash kernel runs 3-5x faster in bf16 (16 sequence
 
 Sliding-window layers narrow the step's mask to each query's window (built once per step and
 window); soft-capped layers (Gemma 2) and layers with attention sinks (gpt-oss: a per-head logit
-joins the softmax's denominator) spell the attention out, since SDPA can do neither.
+joins the softmax's denominator) spell the attention out, since SDPA can do neither. Chunked
+local layers (Llama 4) narrow the mask to each query's chunk, like windows.
 """
 from __future__ import annotations
 
@@ -42,19 +43,25 @@ class SDPAMetadata:
     # [2 * B * Lmax]: key_index into a layer's cache seen as [2 * slots] rows, keys then values;
     # made by the first layer of the step (the metadata does not know the cache's size).
     kv_index: torch.Tensor | None = None
-    # window -> mask, built by the first layer with that window in the step
-    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # (window, chunk) -> mask, built by the first layer with that window or chunk in the step
+    window_masks: dict[tuple[int | None, int | None], torch.Tensor] = field(default_factory=dict)
 
-    def mask_for(self, sliding_window: int | None) -> torch.Tensor | None:
-        """The attention mask of a layer: `mask`, narrowed to each query's window when it has one."""
-        if sliding_window is None:
+    def mask_for(self, sliding_window: int | None, attention_chunk: int | None = None) -> torch.Tensor | None:
+        """The attention mask of a layer: `mask`, narrowed to each query's window or chunk when it
+        has one."""
+        if sliding_window is None and attention_chunk is None:
             return self.mask
-        mask = self.window_masks.get(sliding_window)
+        key = (sliding_window, attention_chunk)
+        mask = self.window_masks.get(key)
         if mask is None:
             cols = torch.arange(self.max_seq_len)[None, None, :]
             pos = self.query_pos[:, :, None]
-            mask = (cols <= pos) & (cols > pos - sliding_window) & (cols < self.seq_lens[:, None, None])
-            mask = self.window_masks[sliding_window] = mask.unsqueeze(1)
+            mask = (cols <= pos) & (cols < self.seq_lens[:, None, None])
+            if sliding_window is not None:
+                mask &= cols > pos - sliding_window
+            if attention_chunk is not None:
+                mask &= cols >= pos // attention_chunk * attention_chunk
+            mask = self.window_masks[key] = mask.unsqueeze(1)
         return mask
 
 
@@ -134,6 +141,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
     supports_sinks = True
+    supports_chunked_attention = True
 
     def build_metadata(self, batch: AttentionBatch, check_indices: bool = True) -> SDPAMetadata:
         # Indices are never read back here, so there is nothing to skip.
@@ -145,7 +153,8 @@ class TorchSDPABackend(AttentionBackend):
         return _padded_metadata(batch, cols)
 
     def forward(self, q, k, v, kv_cache, meta: SDPAMetadata, scale: float, *, sliding_window: int | None = None,
-                logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+                attention_chunk: int | None = None) -> torch.Tensor:
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         per_head = None if sinks is None else sinks.view(h, 1, 1)
         k = k.view(-1, hk, d)
@@ -155,7 +164,7 @@ class TorchSDPABackend(AttentionBackend):
         value_cache.index_copy_(0, meta.slot_mapping, v)
         # Keys outside a window are read and given no weight (blocks freed by the KV manager still
         # hold finite K/V of some request), so windowed layers share the step's one gather.
-        mask = meta.mask_for(sliding_window)
+        mask = meta.mask_for(sliding_window, attention_chunk)
         if meta.fresh_single_prefill:
             out = _attend(q.view(1, -1, h, d).transpose(1, 2), k.unsqueeze(0).transpose(1, 2),
                           v.unsqueeze(0).transpose(1, 2), mask, scale, logits_soft_cap, causal=mask is None,

@@ -124,13 +124,15 @@ class Attention(nn.Module):
 
     `sliding_window` (tokens, None = global) and `logits_soft_cap` are the layer's own
     (`corectl.attention.AttentionBackend.forward` says what they mean); `scale` defaults to
-    head_dim ** -0.5. A model with attention sinks calls `add_sinks`."""
+    head_dim ** -0.5; `attention_chunk` (tokens) keeps each query to its own chunk (Llama 4's local
+    layers). A model with attention sinks calls `add_sinks`."""
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  scale: float | None = None, sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None):
+                 logits_soft_cap: float | None = None, attention_chunk: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
+        self.attention_chunk = attention_chunk
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -154,10 +156,17 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         extra = {}
         if self.sinks is not None:
-            if not ctx.backend.supports_sinks:
-                raise ConfigError("model", f"this model's attention has sinks (gpt-oss), which the "
-                                  f"{ctx.backend.name!r} attention backend does not implement; use one that does "
-                                  "(torch_sdpa on CPUs, triton on GPUs)")
+            _require(ctx.backend, "supports_sinks", "attention has sinks (gpt-oss)", "torch_sdpa on CPUs, triton on GPUs")
             extra["sinks"] = self.sinks
+        if self.attention_chunk is not None:
+            _require(ctx.backend, "supports_chunked_attention", "attention has chunked local layers (Llama 4)",
+                     "torch_sdpa")
+            extra["attention_chunk"] = self.attention_chunk
         return ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale,
                                    sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap, **extra)
+
+
+def _require(backend, flag: str, what: str, backends: str) -> None:
+    if not getattr(backend, flag):
+        raise ConfigError("model", f"this model's {what}, which the {backend.name!r} attention backend does not "
+                          f"implement; use one that does ({backends})")

@@ -82,9 +82,9 @@ class GatedMLP(UsesLayerKernels, nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
-                 mlp: nn.Module):
+                 mlp: nn.Module, attention: type[DecoderAttention] = DecoderAttention):
         super().__init__()
-        self.self_attn = DecoderAttention(config, layer_idx, rotary, qkv_bias, qk_norm)
+        self.self_attn = attention(config, layer_idx, rotary, qkv_bias, qk_norm)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -102,13 +102,13 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, config, max_positions: int, dtype: torch.dtype, qkv_bias: bool, qk_norm: bool,
-                 make_mlp: Callable[[object, int], nn.Module]):
+                 make_mlp: Callable[[object, int], nn.Module], attention: type[DecoderAttention] = DecoderAttention):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One set of cos/sin tables for every layer: they are identical.
         rotary = RotaryEmbedding(config, head_dim(config), max_positions, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, rotary, qkv_bias, qk_norm, make_mlp(config, i))
+            DecoderLayer(config, i, rotary, qkv_bias, qk_norm, make_mlp(config, i), attention)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -125,12 +125,15 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(CausalLM):
     qkv_bias = False
     qk_norm = False
+    # Each layer's attention module (a subclass changes how q and k are rotated, e.g. Llama 4).
+    attention_class = DecoderAttention
 
     def __init__(self, config, max_positions: int, dtype: torch.dtype):
         super().__init__()
         self.config = config
         qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
-        self.model = DecoderModel(config, max_positions, dtype, qkv_bias, self.qk_norm, self.make_mlp)
+        self.model = DecoderModel(config, max_positions, dtype, qkv_bias, self.qk_norm, self.make_mlp,
+                                  self.attention_class)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # A tied head is a Linear over the embedding's own Parameter, so a platform can swap the
         # module (e.g. for a prepacked one) without knowing about tying.

@@ -16,3 +16,4 @@ def corectl_model_architectures():
     yield ModelSpec("Gemma3ForCausalLM", "corectl.models.gemma:Gemma3ForCausalLM")
     yield ModelSpec("Phi3ForCausalLM", "corectl.models.phi3:Phi3ForCausalLM")
     yield ModelSpec("GptOssForCausalLM", "corectl.models.gpt_oss:GptOssForCausalLM")
+    yield ModelSpec("Llama4ForCausalLM", "corectl.models.llama4:Llama4ForCausalLM")
