@@ -22,32 +22,28 @@ class OffloadedTensors:
     """Every tensor a model holds on its device (parameters, buffers, and tensors kept as plain
     attributes, such as prepacked weights), copied to host memory; the device copies are released."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device):
-        self._slots: list[tuple[object, str, torch.Tensor]] = []
-        if device.type == "cpu":
-            return  # already in host memory
-        pin = torch.cuda.is_available() and device.type == "cuda"
+    def __init__(self, model: torch.nn.Module):
+        self._slots: list[tuple[torch.Tensor, torch.Tensor]] = []
         seen: set[int] = set()
         for module in model.modules():
-            for name, tensor in _device_tensors(module):
+            for tensor in _device_tensors(module):
                 if id(tensor) in seen:
                     continue  # tied weights: one copy
                 seen.add(id(tensor))
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
-                host.copy_(tensor.detach())
-                self._slots.append((tensor, name, host))
+                self._slots.append((tensor, tensor.detach().cpu()))
                 tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
     def restore(self) -> None:
-        for tensor, _, host in self._slots:
-            tensor.data = host.to(tensor.device, non_blocking=True)
+        for tensor, host in self._slots:
+            tensor.data = host.to(tensor.device)
         self._slots.clear()
 
 
 def _device_tensors(module: torch.nn.Module):
-    for name, tensor in [*module._parameters.items(), *module._buffers.items(), *vars(module).items()]:
-        if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
-            yield name, tensor
+    """The module's own tensors that are not in host memory already."""
+    for tensor in [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]:
+        if isinstance(tensor, torch.Tensor) and not tensor.is_cpu:
+            yield tensor
 
 
 class SleepState:
@@ -82,8 +78,8 @@ class SleepState:
         return tuple(tags)
 
 
-def release_device_memory(device: torch.device) -> None:
+def release_device_memory() -> None:
     """Hand freed blocks back to the device, not only to torch's caching allocator."""
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    if torch.accelerator.is_available():
+        torch.accelerator.empty_cache()

@@ -227,11 +227,11 @@ class Worker(abc.ABC):
         self.runner.set_kv_caches([])
         self._sleep.kv_asleep = True
         if level == 1:
-            self._sleep.offloaded = OffloadedTensors(self.runner.model, self.device)
+            self._sleep.offloaded = OffloadedTensors(self.runner.model)
         else:
             self.runner = None
         self._sleep.weights_level = level
-        release_device_memory(self.device)
+        release_device_memory()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Bring back the weights and/or the KV cache; warm-up runs again once both are back."""
