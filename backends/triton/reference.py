@@ -37,13 +37,14 @@ def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor,
 
 def causal_attention_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, *,
                          sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                         sinks: torch.Tensor | None = None) -> torch.Tensor:
+                         sinks: torch.Tensor | None = None, attention_chunk: int | None = None) -> torch.Tensor:
     """q [Lq, Hq, D] are the last Lq positions of a context keys/values [L, Hk, D]; returns fp32 [Lq, Hq, D].
 
     The query at position p sees keys j with p - sliding_window < j <= p (all j <= p without a
     window); `logits_soft_cap` c turns each score s into c * tanh(s / c) before the mask (Gemma 2);
     `sinks` [Hq] add exp(sinks[h]) to head h's softmax denominator (gpt-oss), as transformers does:
-    a column of sink logits joins the scores and is dropped after the softmax.
+    a column of sink logits joins the scores and is dropped after the softmax; `attention_chunk` C
+    keeps the query at p to keys C * (p // C) <= j <= p (Llama 4's chunked local layers).
     """
     query_len, num_heads, _ = q.shape
     context = keys.shape[0]
@@ -58,6 +59,8 @@ def causal_attention_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     visible = k_pos <= q_pos
     if sliding_window is not None:
         visible &= k_pos > q_pos - sliding_window
+    if attention_chunk is not None:
+        visible &= k_pos >= q_pos // attention_chunk * attention_chunk
     # Only the visible keys enter the products: a key outside every window may hold anything
     # (its block may be back in the pool), even NaN.
     scores = scores.masked_fill(~visible, float("-inf"))

@@ -160,7 +160,7 @@ class Attention(nn.Module):
             extra["sinks"] = self.sinks
         if self.attention_chunk is not None:
             _require(ctx.backend, "supports_chunked_attention", "attention has chunked local layers (Llama 4)",
-                     "torch_sdpa")
+                     "torch_sdpa on CPUs, triton on GPUs")
             extra["attention_chunk"] = self.attention_chunk
         return ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale,
                                    sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap, **extra)

@@ -46,6 +46,7 @@ class TritonAttentionBackend(AttentionBackend):
     # FP8 caches are read and written by the kernels themselves (scales 1.0: no calibrated ones yet).
     kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")
     supports_sinks = True
+    supports_chunked_attention = True
 
     def build_metadata(self, batch: AttentionBatch, check_indices: bool = True) -> TritonAttentionMetadata:
         require(batch.block_size == self.block_size,
@@ -71,7 +72,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: TritonAttentionMetadata, scale: float, *, sliding_window: int | None = None,
-                logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+                attention_chunk: int | None = None) -> torch.Tensor:
         check_packed_heads("q", q, meta.num_tokens, self.num_heads, self.head_dim)
         check = meta.check_indices
         store_kvcache(k, v, kv_cache, meta.slot_mapping, check_indices=check)
@@ -80,12 +82,14 @@ class TritonAttentionBackend(AttentionBackend):
                 q, kv_cache, meta.block_tables, meta.seq_lens, scale,
                 max_seq_len=meta.max_seq_len, num_splits=meta.num_splits, check_indices=check,
                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                attention_chunk=attention_chunk,
             )
         else:
             out = paged_prefill_attention(
                 q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
                 max_query_len=meta.max_query_len, check_indices=check,
                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                attention_chunk=attention_chunk,
             )
         meta.check_indices = False
         return out

@@ -40,7 +40,16 @@ from ..checks import (
     require,
 )
 from ..pdl import grid_dependency, pdl_enabled
-from .paged_softmax import LOG2E, attend_paged, check_sinks, dot_dtype, fold_sinks, head_block, score_scale
+from .paged_softmax import (
+    LOG2E,
+    attend_paged,
+    check_sinks,
+    dot_dtype,
+    fold_sinks,
+    head_block,
+    local_attention,
+    score_scale,
+)
 
 _LOG2E = tl.constexpr(LOG2E)  # kernels read globals only as constexpr
 # Fewest keys worth a program of its own: below this the combine step costs more than it saves.
@@ -81,15 +90,22 @@ def _decode_kernel(
     window, stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table, num_heads,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
+    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, CHUNKED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     grid_dependency(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # The new token sees keys [first, seq_len): the window's, or the whole context.
-    first = tl.maximum(seq_len - window, 0) if SLIDING else 0
+    # The new token sees keys [first, seq_len): the window's, its chunk's (CHUNKED: `window` is the
+    # chunk length), or the whole context.
+    if CHUNKED:
+        first = tl.maximum(seq_len - 1, 0) // window * window
+    elif SLIDING:
+        first = tl.maximum(seq_len - window, 0)
+    else:
+        first = 0
     start = first // BLOCK_N * BLOCK_N
     # Splits share the keys from the window's first tile on, in whole tiles, so only the first
     # tile (the window's edge) and the last (ragged) need masks.
@@ -196,7 +212,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            check_indices: bool = True, sliding_window: int | None = None,
                            logits_soft_cap: float | None = None, k_scale: float = 1.0,
                            v_scale: float = 1.0, config: DecodeConfig | None = None,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, attention_chunk: int | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context (the token's own K/V included).
 
     q: [B, num_heads * head_dim]; block_tables: int32 [B, max_blocks]; seq_lens: int32 [B], the
@@ -210,6 +226,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     scales fold into the score scale and the output, so the tiles are only widened as they load.
     `config` overrides the launch's tile, warps and stages (a benchmark's sweep).
     `sinks` [num_heads]: head h's softmax denominator gains exp(sinks[h]) (gpt-oss); None: no sinks.
+    `attention_chunk` C: the token at p sees keys C * (p // C) <= j <= p only (Llama 4's local
+    layers; not with a window), read like a window's.
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     check_index("block_tables", block_tables, 2, (torch.int32,))
@@ -227,6 +245,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     require(max_seq_len >= 0, f"max_seq_len must be >= 0, got {max_seq_len}")
     check_window_and_cap(sliding_window, logits_soft_cap)
     sinks = check_sinks(sinks, num_heads, q)
+    local = local_attention(sliding_window, attention_chunk)
     splits = num_splits if num_splits is not None else choose_decode_splits(
         num_seqs, num_kv_heads, max_seq_len, q.device)
     require(1 <= splits <= MAX_SPLITS, f"num_splits must lie in [1, {MAX_SPLITS}], got {splits}")
@@ -238,13 +257,14 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     if num_seqs == 0:
         return out
     _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, num_heads // num_kv_heads, splits,
-                   sliding_window, logits_soft_cap, k_scale, v_scale,
+                   local, logits_soft_cap, k_scale, v_scale,
                    config or decode_config(kv_cache.dtype, splits, num_seqs), sinks)
     return out
 
 
-def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, splits, window, soft_cap,
+def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, splits, local, soft_cap,
                    k_scale, v_scale, cfg: DecodeConfig, sinks: torch.Tensor | None) -> None:
+    span, sliding, chunked = local
     num_seqs = q.shape[0]
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     num_heads = num_kv_heads * group
@@ -259,13 +279,13 @@ def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, split
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, kv_cache, block_tables, seq_lens, out, part_out, part_lse, q if sinks is None else sinks,
         score_scale(scale * k_scale, soft_cap), v_scale,
-        window or 0,
+        span,
         q.stride(0), out.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_tables.stride(0), num_heads,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=cfg.block_n, BLOCK_SIZE=kv_cache.shape[2], NUM_SPLITS=splits,
-        DOT_DTYPE=dot_dtype(q.dtype, q.device), SLIDING=window is not None, SOFT_CAP=float(soft_cap or 0.0),
-        HAS_SINKS=sinks is not None, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        DOT_DTYPE=dot_dtype(q.dtype, q.device), SLIDING=sliding, SOFT_CAP=float(soft_cap or 0.0),
+        HAS_SINKS=sinks is not None, CHUNKED=chunked, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     if splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](

@@ -80,6 +80,17 @@ def fold_sinks(acc, m_i, l_i, sinks_ptr, heads, head_mask):
     return acc * alpha[:, None], m_new, l_i * alpha + tl.exp2(sink - m_new)
 
 
+def local_attention(sliding_window: int | None, attention_chunk: int | None) -> tuple[int, bool, bool]:
+    """(span, SLIDING, CHUNKED) of a launch: the kernels read one span argument, a window's or a
+    chunk's length, and give every row a first visible key (SLIDING, true for both kinds) from it."""
+    if attention_chunk is not None:
+        if not (isinstance(attention_chunk, int) and attention_chunk >= 1) or sliding_window is not None:
+            raise ValueError(f"attention_chunk must be a positive number of tokens, without a sliding window; got "
+                             f"{attention_chunk!r} with sliding_window={sliding_window!r}")
+        return attention_chunk, True, True
+    return sliding_window or 0, sliding_window is not None, False
+
+
 def check_sinks(sinks: torch.Tensor | None, num_heads: int, q: torch.Tensor) -> torch.Tensor | None:
     """The sinks as the kernels read them: fp32 [num_heads], contiguous, on q's device."""
     if sinks is None:

@@ -32,7 +32,7 @@ from ..checks import (
     check_window_and_cap,
     require,
 )
-from .paged_softmax import attend_paged, check_sinks, dot_dtype, fold_sinks, head_block, score_scale
+from .paged_softmax import attend_paged, check_sinks, dot_dtype, fold_sinks, head_block, local_attention, score_scale
 
 PREFILL_BLOCK_N = 64
 
@@ -60,7 +60,7 @@ def _prefill_kernel(
     num_seqs, stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, CHUNKED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -95,11 +95,18 @@ def _prefill_kernel(
     bulk_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     hi = prefix + tl.minimum((local + 1) * BLOCK_Q, q_len)
     if SLIDING:
-        # Row r sees keys from q_pos[r] - window + 1: none of the tile's rows sees a key before
-        # key_lo (its first row's edge), all of them see the keys from head_end (its last row's).
-        q_first = q_pos - window + 1
-        key_lo = tl.maximum(first_pos - window + 1, 0)
-        head_end = tl.minimum(tl.cdiv(tl.maximum(hi - window, 0), BLOCK_N) * BLOCK_N, hi)
+        # Row r sees keys from q_pos[r] - window + 1 (CHUNKED: from its chunk's start, `window`
+        # being the chunk length): none of the tile's rows sees a key before key_lo (its first
+        # row's edge), all of them see the keys from head_end (its last row's).
+        if CHUNKED:
+            q_first = q_pos // window * window
+            key_lo = first_pos // window * window
+            last_first = (hi - 1) // window * window
+        else:
+            q_first = q_pos - window + 1
+            key_lo = tl.maximum(first_pos - window + 1, 0)
+            last_first = tl.maximum(hi - window, 0)
+        head_end = tl.minimum(tl.cdiv(last_first, BLOCK_N) * BLOCK_N, hi)
         acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, q_first, k_base, v_base, table_row,
                                      key_lo // BLOCK_N * BLOCK_N, head_end, key_lo, qk_scale, stride_blk,
                                      stride_tok, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, True, SOFT_CAP)
@@ -132,7 +139,8 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
                             max_query_len: int, out: torch.Tensor | None = None,
                             check_indices: bool = True, sliding_window: int | None = None,
                             logits_soft_cap: float | None = None, k_scale: float = 1.0,
-                            v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                            v_scale: float = 1.0, sinks: torch.Tensor | None = None,
+                            attention_chunk: int | None = None) -> torch.Tensor:
     """Causal attention of T packed new tokens over their sequences' paged context.
 
     q: [T, num_heads * head_dim]; query_start_loc: int32 [B + 1]; seq_lens: int32 [B] (cached
@@ -141,7 +149,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     validate them (a GPU synchronisation). Returns `out` [T, num_heads * head_dim].
     `sliding_window`, `logits_soft_cap` and the FP8 cache's `k_scale`, `v_scale` as in
     `paged_decode_attention`: no key before the window of a tile's first token is read.
-    `sinks` [num_heads] as in `paged_decode_attention`.
+    `sinks` [num_heads] and `attention_chunk` as in `paged_decode_attention`.
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     check_index("block_tables", block_tables, 2, (torch.int32,))
@@ -161,6 +169,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     require(max_query_len >= 1, f"max_query_len must be >= 1, got {max_query_len}")
     check_window_and_cap(sliding_window, logits_soft_cap)
     sinks = check_sinks(sinks, num_heads, q)
+    local = local_attention(sliding_window, attention_chunk)
     out = attention_output(out, q)
     check_same_device(q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens,
                       query_start_loc=query_start_loc, out=out)
@@ -170,7 +179,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     if num_tokens == 0:
         return out
     _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, max_query_len,
-                    sliding_window, logits_soft_cap, k_scale, v_scale, sinks)
+                    local, logits_soft_cap, k_scale, v_scale, sinks)
     return out
 
 
@@ -191,8 +200,9 @@ def _check_prefill_indices(block_tables, seq_lens, query_start_loc, num_blocks, 
 
 
 def _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, max_query_len,
-                    window, soft_cap, k_scale, v_scale, sinks) -> None:
+                    local, soft_cap, k_scale, v_scale, sinks) -> None:
     num_seqs = block_tables.shape[0]
+    span, sliding, chunked = local
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     group = q.shape[1] // head_dim // num_kv_heads
     block_m = prefill_block_m(group, max_query_len)
@@ -201,12 +211,12 @@ def _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, s
     _prefill_kernel[(num_tiles, num_kv_heads)](
         q, kv_cache, block_tables, seq_lens, query_start_loc, out, q if sinks is None else sinks,
         score_scale(scale * k_scale, soft_cap), v_scale,
-        window or 0,
+        span,
         num_seqs,
         q.stride(0), out.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=head_block(head_dim),
         BLOCK_N=PREFILL_BLOCK_N, BLOCK_SIZE=kv_cache.shape[2], DOT_DTYPE=dot_dtype(q.dtype, q.device),
-        SLIDING=window is not None, SOFT_CAP=float(soft_cap or 0.0), HAS_SINKS=sinks is not None,
+        SLIDING=sliding, SOFT_CAP=float(soft_cap or 0.0), HAS_SINKS=sinks is not None, CHUNKED=chunked,
         num_warps=4, num_stages=2,
     )

@@ -43,3 +43,15 @@ def test_chunks_and_temperature_change_the_model(tmp_path, default_model_dir):
             other = AutoModelForCausalLM.from_config(llama4_config(**change), dtype=torch.float32).eval()
             other.load_state_dict(base.state_dict())
             assert (other(prompt).logits[0, -1] - logits).abs().max() > 0.1, change
+
+
+def test_triton_backend_under_the_interpreter(tmp_path, default_model_dir):
+    """The real CPU worker and scheduler with the Triton kernels (chunked layers) in place of SDPA."""
+    from support.models import hf_greedy
+    from test_sliding_window_parity import _run_triton_engine
+
+    hf_model = save_random_model(llama4_config(), tmp_path / "l4", default_model_dir, seed=8)
+    prompts = [[5 + i for i in range(n)] for n in (11, 19)]
+    outputs, _, _ = _run_triton_engine(tmp_path / "l4", prompts, 6)
+    for prompt, output in zip(prompts, outputs):
+        assert [token for token, _ in output] == hf_greedy(hf_model, prompt, 6)[0]
