@@ -57,6 +57,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         (`1_Pooling/config.json`), else LAST. MEAN and CLS need every prompt token's hidden state,
         so such an engine runs without prefix caching.
     normalize: L2-normalise pooled vectors; None: the checkpoint's (a Normalize module), else True.
+    encoder_only: set by the engine for an encoder-only model (BERT; not a flag): each prompt is
+        scheduled whole in one step (never chunked), the budget covers `max_model_len`, and
+        prefix caching is off.
     enable_lora: serve LoRA adapters (`corectl.lora`, docs/lora.md): requests may name a `LoRARequest`.
     max_loras: adapters resident on the device at once (each step mixes at most this many);
         max_cpu_loras: adapters kept loaded in host memory (None: max_loras); max_lora_rank: the
@@ -110,6 +113,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     runner: str = "auto"
     pooling_type: str | None = None
     normalize: bool | None = None
+    encoder_only: bool = False
     enable_lora: bool = False
     max_loras: int = 1
     max_cpu_loras: int | None = None

@@ -5,10 +5,13 @@ pooled into one vector when its last chunk has run, and the request ends there. 
 decided once, when the engine starts (`resolve_pooling`), from the flags or the checkpoint:
 
 - `runner`: "generate", "pooling", or "auto": pooling when the checkpoint is a sentence-transformers
-  model (`modules.json` lists a Pooling module) or names a bare backbone (`Qwen3Model`).
+  model (`modules.json` lists a Pooling module), names a bare backbone (`Qwen3Model`, `BertModel`)
+  or a sequence classifier (`*ForSequenceClassification`).
+- A sequence classifier (a model class with `classify`) pools the token its head reads
+  (`classifier_pooling`) and its vectors are the head's logits (`PoolingInfo.task == "classify"`).
 - `pooling_type`: LAST (the last prompt token's hidden state: Qwen3-Embedding, decoder embedders),
   MEAN (the mean over every prompt token) or CLS (the first token's); the flag wins, then
-  `1_Pooling/config.json`, else LAST.
+  `1_Pooling/config.json`, else CLS for an encoder (BERT) and LAST for a decoder.
 - `normalize`: L2-normalise the vector; the flag wins, then whether `modules.json` lists a
   Normalize module, else True (vLLM's default for embedding models).
 
@@ -28,6 +31,7 @@ import msgspec
 import numpy as np
 
 from .errors import ConfigError, InvalidRequestError
+from .models.registry import resolve_model_class
 
 RUNNERS = ("auto", "generate", "pooling")
 # vLLM's older spelling: `--task embed` is `--runner pooling`.
@@ -37,6 +41,8 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
 _ST_POOLING = "sentence_transformers.models.Pooling"
 _ST_NORMALIZE = "sentence_transformers.models.Normalize"
+# Architectures the auto runner pools: bare backbones (`Qwen3Model`, `BertModel`) and classifiers.
+_POOLING_SUFFIXES = ("Model", "ForSequenceClassification")
 # Most inputs one embeddings request (or `LLM.embed` call under a server) may carry.
 MAX_EMBED_INPUTS = 2048
 
@@ -56,6 +62,12 @@ class PoolingInfo:
     hidden_size: int
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] = ()
+    # "embed", or "classify": a sequence classifier whose vectors are its `hidden_size` class
+    # logits, named by `labels` (the config's id2label); one label makes a cross-encoder's score.
+    task: str = "embed"
+    labels: tuple[str, ...] = ()
+    # An encoder-only model (BERT): prompts run whole, without a KV cache (EngineConfig.encoder_only).
+    encoder: bool = False
 
 
 class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -103,15 +115,33 @@ def resolve_pooling(config, model_dir: Path, hf_config) -> PoolingInfo | None:
     runner = config.runner
     if runner == "auto":
         archs = getattr(hf_config, "architectures", None) or []
-        runner = "pooling" if st is not None or any(a.endswith("Model") for a in archs) else "generate"
+        runner = "pooling" if st is not None or any(a.endswith(_POOLING_SUFFIXES) for a in archs) else "generate"
     if runner == "generate":
         return None
-    pooling_type = config.pooling_type or (st.pooling_type if st is not None else None) or "LAST"
+    model_cls = resolve_model_class(pooling_architectures(hf_config))
+    encoder = getattr(model_cls, "is_encoder", False)
+    if hasattr(model_cls, "classify"):
+        return _classifier(config, hf_config, model_cls, encoder)
+    pooling_type = (config.pooling_type or (st.pooling_type if st is not None else None)
+                    or ("CLS" if encoder else "LAST"))
     normalize = config.normalize if config.normalize is not None else (st.normalize if st is not None else True)
     dims = getattr(hf_config, "matryoshka_dimensions", None) or ()
     return PoolingInfo(pooling_type, normalize, hf_config.hidden_size,
                        is_matryoshka=bool(getattr(hf_config, "is_matryoshka", False) or dims),
-                       matryoshka_dimensions=tuple(sorted(dims)))
+                       matryoshka_dimensions=tuple(sorted(dims)), encoder=encoder)
+
+
+def _classifier(config, hf_config, model_cls: type, encoder: bool) -> PoolingInfo:
+    """A sequence classifier pools as its head reads (CLS for encoders, LAST for decoders) and
+    returns raw logits, never normalised."""
+    pooling_type = model_cls.classifier_pooling
+    if config.pooling_type not in (None, pooling_type):
+        raise ConfigError("pooling_type", f"{model_cls.__name__} classifies the {pooling_type} token; "
+                          f"--pooling-type {config.pooling_type} does not apply to it")
+    num_labels = hf_config.num_labels
+    id2label = getattr(hf_config, "id2label", None) or {}
+    labels = tuple(str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels))
+    return PoolingInfo(pooling_type, False, num_labels, task="classify", labels=labels, encoder=encoder)
 
 
 def pooling_architectures(hf_config) -> SimpleNamespace:
@@ -127,7 +157,8 @@ def pooling_weights(weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str
     for name, tensor in weights:
         if name.startswith("lm_head."):
             continue
-        yield (name if name.startswith("model.") else "model." + name), tensor
+        # `score.`: a decoder classifier's head, beside its backbone.
+        yield (name if name.startswith(("model.", "score.")) else "model." + name), tensor
 
 
 def check_pooling_params(params: PoolingParams, info: PoolingInfo) -> None:

@@ -27,6 +27,7 @@ from ..errors import ConfigError, CorectlError, InvalidRequestError
 from ..executor import StepHandle, WorkerSpec, create_executor
 from ..loaders import ModelSource, resolve_model_source
 from ..lora.shapes import BaseModelShape
+from ..models.bert import position_offset
 from ..pooling import PoolingInfo, resolve_pooling
 from ..quantization.selection import resolve_quantization
 from ..request import Request
@@ -68,6 +69,9 @@ class EngineCore:
         platform.check_config(config)
         hf = self.source.hf_config
         self.max_model_len = resolve_max_model_len(config, hf)
+        if config.encoder_only and config.max_num_batched_tokens < self.max_model_len:
+            # Whole encoder prompts: any prompt the context admits fits one step.
+            config = self.config = config.replace(max_num_batched_tokens=self.max_model_len)
         self.eos_token_id, self.extra_eos_ids = _eos_token_ids(self.source)
         dtype = platform.resolve_dtype(config.dtype, self.source.model_dtype)
         quantization = resolve_quantization(config, self.source, platform)
@@ -267,6 +271,10 @@ def _runner_config(config: EngineConfig, pooling: PoolingInfo | None) -> EngineC
     engines run without prefix caching (LAST pooling never hits the prompt's last token)."""
     if pooling is None:
         return config.replace(runner="generate")
+    if pooling.encoder:
+        # An encoder attends over its whole prompt at once and keeps no KV cache to reuse.
+        return config.replace(runner="pooling", pooling_type=pooling.pooling_type, normalize=pooling.normalize,
+                              enable_prefix_caching=False, encoder_only=True)
     return config.replace(runner="pooling", pooling_type=pooling.pooling_type, normalize=pooling.normalize,
                           enable_prefix_caching=config.enable_prefix_caching and pooling.pooling_type == "LAST")
 
@@ -285,7 +293,7 @@ def resolve_max_model_len(config: EngineConfig, hf) -> int:
     """The user's max_model_len, capped by what the model supports (a sliding window is no cap:
     windowed layers attend within it at any length)."""
     limit = getattr(hf, "max_position_embeddings", None)
-    limit = limit if isinstance(limit, int) and limit > 0 else None
+    limit = limit - position_offset(hf) if isinstance(limit, int) and limit > 0 else None
     if config.max_model_len is None:
         if limit is None:
             raise InvalidRequestError("the model config has no max_position_embeddings; pass max_model_len",

@@ -17,3 +17,15 @@ def corectl_model_architectures():
     yield ModelSpec("Phi3ForCausalLM", "corectl.models.phi3:Phi3ForCausalLM")
     yield ModelSpec("GptOssForCausalLM", "corectl.models.gpt_oss:GptOssForCausalLM")
     yield ModelSpec("Llama4ForCausalLM", "corectl.models.llama4:Llama4ForCausalLM")
+    yield ModelSpec("DeepseekV2ForCausalLM", "corectl.models.deepseek:DeepseekV2ForCausalLM")
+    yield ModelSpec("DeepseekV3ForCausalLM", "corectl.models.deepseek:DeepseekV3ForCausalLM")
+    yield ModelSpec("BertModel", "corectl.models.bert:BertModel")
+    yield ModelSpec("BertForSequenceClassification", "corectl.models.bert:BertForSequenceClassification")
+    yield ModelSpec("XLMRobertaModel", "corectl.models.bert:XLMRobertaModel")
+    yield ModelSpec("XLMRobertaForSequenceClassification", "corectl.models.bert:XLMRobertaForSequenceClassification")
+    yield ModelSpec("LlamaForSequenceClassification",
+                    "corectl.models.sequence_classification:LlamaForSequenceClassification")
+    yield ModelSpec("Qwen2ForSequenceClassification",
+                    "corectl.models.sequence_classification:Qwen2ForSequenceClassification")
+    yield ModelSpec("Qwen3ForSequenceClassification",
+                    "corectl.models.sequence_classification:Qwen3ForSequenceClassification")

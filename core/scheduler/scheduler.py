@@ -313,6 +313,8 @@ class Scheduler:
                 continue
             hit = self.kv.lookup_prefix(req)
             num_tokens = min(req.num_tokens - hit.num_tokens, plan.budget)
+            if self.config.encoder_only and num_tokens < req.num_tokens:
+                break  # an encoder's prompt runs whole: it waits for a step with room for all of it
             if self.kv.allocate(req, num_tokens, hit) is None:
                 break
             self.waiting.pop()

@@ -10,7 +10,7 @@ partial state and recomputed from its first token (MEAN and CLS engines run with
 so nothing is skipped).
 
 The vectors are raw (fp32, neither truncated nor normalised): the client finishes them
-(`corectl.pooling.finish_embedding`).
+(`corectl.pooling.finish_embedding`). A sequence classifier's head maps them to class logits here.
 """
 from __future__ import annotations
 
@@ -25,9 +25,11 @@ ToDevice = Callable[[list[np.ndarray]], list[torch.Tensor]]
 
 
 class Pooler:
-    def __init__(self, pooling_type: str):
+    def __init__(self, pooling_type: str, head: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.pooling_type = pooling_type
         self._pool = {"LAST": self._last, "MEAN": self._mean, "CLS": self._cls}[pooling_type]
+        # A sequence classifier's head (the model's `classify`): pooled vectors -> fp32 class logits.
+        self._head = head
 
     def pool(self, host: HostStep, hidden: torch.Tensor, states: RequestStates,
              to_device: ToDevice) -> torch.Tensor | None:
@@ -36,7 +38,9 @@ class Pooler:
         the step's tokens (a replayed graph), which are ignored."""
         hidden = hidden[: host.num_tokens]
         vectors = self._pool(host, hidden, states, to_device)
-        return vectors if host.sample_req_ids else None
+        if not host.sample_req_ids:
+            return None
+        return vectors if self._head is None else self._head(vectors)
 
     def _last(self, host: HostStep, hidden: torch.Tensor, states: RequestStates, to_device: ToDevice) -> torch.Tensor:
         if host.samples_every_row:

@@ -22,6 +22,7 @@ from ..models.kernels import LayerKernels, install_layer_kernels
 from ..models.layers import Attention
 from ..models.registry import resolve_model_class
 from ..platform import Platform
+from ..models.bert import read_separator
 from ..pooling import pooling_architectures, pooling_weights
 from ..quantization.base import KernelTable, QuantizationConfig
 from ..quantization.scope import bind_linear_methods, process_loaded_weights, quantization_scope
@@ -119,7 +120,7 @@ class Worker(abc.ABC):
                                       hf.vocab_size, self.eos_token_id, self.platform.capabilities())
         self.runner.lora = lora
         if pooling:
-            self.runner.pooler = Pooler(self.config.pooling_type)
+            self.runner.pooler = Pooler(self.config.pooling_type, getattr(model, "classify", None))
         spec = self.config.speculative_config
         if spec is not None and spec.method == "draft_model":
             self.runner.drafter = self._load_drafter(hf, spec.model)
@@ -162,6 +163,8 @@ class Worker(abc.ABC):
         """The model on the device. A pooling model reads hidden states only (corectl.pooling): it
         has no LM head."""
         model_cls = resolve_model_class(pooling_architectures(hf) if pooling else hf)
+        if getattr(model_cls, "is_encoder", False):
+            read_separator(hf, self.source.tokenizer_dir)
         model = build_model(model_cls, hf, self.torch_dtype, self.device, self.max_model_len,
                             self.quantization, self.quantization_kernels())
         if pooling:
@@ -276,12 +279,16 @@ def _model_info(hf, model: torch.nn.Module, dtype: str, kv_cache_dtype: str = "a
     """The model as this rank holds it: its share of the heads under tensor parallelism."""
     num_heads = hf.num_attention_heads
     tp = get_tp()
+    # A model whose cache rows are not its config's KV heads (DeepSeek's expanded MLA) gives its own.
+    kv_heads, head_dim = getattr(model, "kv_cache_layout", None) or (
+        shard_range(getattr(hf, "num_key_value_heads", None) or num_heads, tp.rank, tp.world_size)[1],
+        getattr(hf, "head_dim", None) or hf.hidden_size // num_heads)
     return ModelInfo(
         architecture=type(model).__name__,
         num_layers=hf.num_hidden_layers,
         num_heads=num_heads // tp.world_size,
-        num_kv_heads=shard_range(getattr(hf, "num_key_value_heads", None) or num_heads, tp.rank, tp.world_size)[1],
-        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
         vocab_size=hf.vocab_size,
         dtype=dtype,
         num_params=sum(p.numel() for p in model.parameters()),
