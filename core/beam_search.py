@@ -63,41 +63,65 @@ def beam_search_score(tokens: Sequence[int], cum_logprob: float, eos_token_id: i
     return cum_logprob / (length ** length_penalty)
 
 
-def run_beam_search(generate: Callable[[list[list[int]], SamplingParams], list[RequestOutput]],
-                    prompts: list[list[int]], params: BeamSearchParams, eos_token_id: int | None,
-                    decode: Callable[[list[int]], str] | None) -> list[BeamSearchOutput]:
-    """`generate` runs a batch of token-id prompts with one SamplingParams; `decode` (None without a
-    tokenizer) gives each finished sequence its text."""
-    step = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature)
-    live = [[BeamSearchSequence(list(prompt))] for prompt in prompts]
-    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    for _ in range(params.max_tokens):
-        beams = [beam for group in live for beam in group]
-        if not beams:
-            break
-        results = iter(generate([beam.tokens for beam in beams], step))
-        for index, group in enumerate(live):
+class BeamSearch:
+    """The beams of a batch of prompts, advanced one step at a time by whoever runs the engine:
+    `requests()` gives the token ids to send this step (empty once every beam is done), each as a
+    one-token request with `step_params`; `advance` takes each one's logprobs, in the same order."""
+
+    def __init__(self, prompts: list[list[int]], params: BeamSearchParams, eos_token_id: int | None):
+        self.params = params
+        self.eos_token_id = eos_token_id
+        self.step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1,
+                                          temperature=params.temperature)
+        self.prompt_lengths = [len(prompt) for prompt in prompts]
+        self._live = [[BeamSearchSequence(list(prompt))] for prompt in prompts]
+        self._done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        self._steps = 0
+
+    def requests(self) -> list[list[int]]:
+        if self._steps >= self.params.max_tokens:
+            return []
+        return [beam.tokens for group in self._live for beam in group]
+
+    def advance(self, positions: list[PositionLogprobs]) -> None:
+        results = iter(positions)
+        for index, group in enumerate(self._live):
             grown: list[BeamSearchSequence] = []
             for beam in group:
-                position = next(results).outputs[0].logprobs[0]
+                position = next(results)
                 for token, logprob in position.items():
                     child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [position],
                                                beam.cum_logprob + logprob.logprob)
-                    if token == eos_token_id and not params.ignore_eos:
+                    if token == self.eos_token_id and not self.params.ignore_eos:
                         child.finish_reason = "stop"
-                        done[index].append(child)
+                        self._done[index].append(child)
                     else:
                         grown.append(child)
-            live[index] = _best(grown, params, eos_token_id)
-    outputs = []
-    for index, group in enumerate(live):
-        for beam in group:
-            beam.finish_reason = "length"
-        best = _best(done[index] + group, params, eos_token_id)
-        for beam in best:
-            beam.text = None if decode is None else decode(beam.tokens)
-        outputs.append(BeamSearchOutput(best))
-    return outputs
+            self._live[index] = _best(grown, self.params, self.eos_token_id)
+        self._steps += 1
+
+    def results(self, decode: Callable[[list[int]], str] | None) -> list[BeamSearchOutput]:
+        """Each prompt's best beams; `decode` (None without a tokenizer) gives each its text."""
+        outputs = []
+        for index, group in enumerate(self._live):
+            for beam in group:
+                beam.finish_reason = "length"
+            best = _best(self._done[index] + group, self.params, self.eos_token_id)
+            for beam in best:
+                beam.text = None if decode is None else decode(beam.tokens)
+            outputs.append(BeamSearchOutput(best))
+        return outputs
+
+
+def run_beam_search(generate: Callable[[list[list[int]], SamplingParams], list[RequestOutput]],
+                    prompts: list[list[int]], params: BeamSearchParams, eos_token_id: int | None,
+                    decode: Callable[[list[int]], str] | None) -> list[BeamSearchOutput]:
+    """Beam search driven by `generate`, which runs a batch of token-id prompts with one
+    SamplingParams and returns their outputs in order."""
+    search = BeamSearch(prompts, params, eos_token_id)
+    while batch := search.requests():
+        search.advance([out.outputs[0].logprobs[0] for out in generate(batch, search.step_params)])
+    return search.results(decode)
 
 
 def _best(beams: list[BeamSearchSequence], params: BeamSearchParams,

@@ -10,6 +10,7 @@ from litestar.openapi import ResponseSpec
 
 from . import sse
 from .auth import require_api_key
+from .beam_search import beam_search_response
 from .errors import ERROR_RESPONSES
 from .generation import GenerationGroup, UsageCounter
 from .logprobs import completion_logprobs, extend_completion_logprobs, prompt_logprobs
@@ -140,8 +141,11 @@ class CompletionsController(Controller):
         _check_text_fields(data, server)
         params = data.sampling_params(server.sampling_defaults)
         check_max_logprobs(params, server.settings.max_logprobs, "logprobs")
-        group = GenerationGroup(server, _prompts(data, server), params, f"cmpl-{request_id_for(request, data.request_id)}",
-                                data.priority, lora,
+        request_id = f"cmpl-{request_id_for(request, data.request_id)}"
+        if data.use_beam_search:
+            return Response(await beam_search_response(server, data, _prompts(data, server), request_id, lora,
+                                                       request.receive))
+        group = GenerationGroup(server, _prompts(data, server), params, request_id, data.priority, lora,
                                 data.constraint_field)
         await group.start(request.receive)
         head = group.response_head()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta
@@ -155,6 +155,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
     return_token_ids: bool = False
     add_special_tokens: bool = True
     prompt_embeds: Any = None  # refused (vllm_fields)
+    # vLLM's beam search: n beams, scored with length_penalty (beam_search.py).
+    implemented_fields: ClassVar[frozenset[str]] = frozenset({"use_beam_search", "length_penalty"})
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request, each a string or a list of token ids."""
@@ -178,6 +180,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
         self.check_stream_fields()
         if self.suffix is not None:
             raise APIError(400, "suffix (insertion) is not supported by this server", "suffix")
+        if self.length_penalty != 1.0 and not self.use_beam_search:
+            raise APIError(400, "length_penalty weighs beam search: it needs use_beam_search", "length_penalty")
         if self.echo and self.stream and self.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not available when stream is true", "prompt_logprobs")
         if self.max_tokens == 0 and not self.echo:

@@ -143,10 +143,17 @@ def _check_sampling_field(make, field: str) -> None:
     assert changed != getattr(_params(make({})), attribute), f"{field} did not reach SamplingParams.{attribute}"
 
 
+# Completions run beam search (test_dropin_server.py); chat refuses it.
+COMPLETION_BEAM_SEARCH = {"use_beam_search", "length_penalty"}
+
+
 @pytest.mark.parametrize("field", VLLM_COMPLETION_FIELDS)
 def test_completion_field_is_implemented_or_refused(field):
     assert field in {f.name for f in msgspec.structs.fields(CompletionRequest)}, f"{field} is not declared"
-    if field in REFUSED_VALUES:
+    if field in COMPLETION_BEAM_SEARCH:
+        _completion({"use_beam_search": True, "length_penalty": 0.5, "n": 2}).check_supported()
+        assert _refused(_completion({"length_penalty": 0.5}), "length_penalty")
+    elif field in REFUSED_VALUES:
         assert _refused(_completion({field: REFUSED_VALUES[field]}), field)
     elif field in SAMPLING:
         _check_sampling_field(_completion, field)

@@ -52,9 +52,9 @@ def test_x_request_id_is_echoed_and_names_the_response(vllm_server, client):
     assert generated.parse().id == "cmpl-" + generated.headers["x-request-id"]
     refused = httpx.post(vllm_server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}",
                                                                         "X-Request-Id": "bad-1"},
-                         json={"model": "smol", "prompt": "hi", "use_beam_search": True})
+                         json={"model": "smol", "prompt": "hi", "vllm_xargs": {"a": 1}})
     assert refused.status_code == 400 and refused.headers["x-request-id"] == "bad-1"
-    assert refused.json()["error"]["param"] == "use_beam_search"
+    assert refused.json()["error"]["param"] == "vllm_xargs"
 
 
 def test_generation_config_sets_unset_max_tokens(client):
@@ -136,3 +136,19 @@ def test_unknown_flag_shows_serve_usage_and_exits_2():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "usage: corectl serve" in out.stderr and "--no-such-flag" in out.stderr
+
+
+def test_use_beam_search_returns_n_beams_best_first(client):
+    out = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=3, n=2,
+                                    extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1] and out.choices[0].text != out.choices[1].text
+    assert out.usage.completion_tokens == 6
+    greedy = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=3, n=1,
+                                       extra_body={"use_beam_search": True, "ignore_eos": True})
+    plain = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=3, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert greedy.choices[0].text == plain.choices[0].text
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model="smol", prompt="hi", max_tokens=3, stream=True,
+                                  extra_body={"use_beam_search": True})
+    assert exc.value.body["param"] == "stream"
