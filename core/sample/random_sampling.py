@@ -138,7 +138,7 @@ def _log_exponential_noise(like: torch.Tensor, generators: dict[int, torch.Gener
     return noise.log_().neg_().log_()
 
 
-def inverse_cdf_draw(logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def _inverse_cdf_draw(logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """One uniform u per row, scaled to (0, total mass]; the token is the first whose cumulative
     mass reaches u. A masked token adds no mass, so no u can land on it. The sum runs in fp64 so
     that tokens far below fp32's resolution of the running total keep their share."""
@@ -171,6 +171,12 @@ def sample_random(logits: torch.Tensor, params: RandomParams, draw: str) -> torc
     (CPUs, where the race's vocabulary-sized noise dominates: 16 x 49k takes 7.8 ms, one uniform
     per row and an inverse-CDF search 1.2 ms): each row draws a single number instead."""
     temper_and_truncate(logits, params)
+    return draw_tokens(logits, params.generators, draw)
+
+
+def draw_tokens(logits: torch.Tensor, generators: dict[int, torch.Generator], draw: str) -> torch.Tensor:
+    """One token per row with probability softmax(logits)_i, drawn the platform's way (see
+    `sample_random`); a seeded row draws from its generator. May modify `logits` in place."""
     if draw == "inverse_cdf":
-        return inverse_cdf_draw(logits, params.generators)
-    return logits.sub_(_log_exponential_noise(logits, params.generators)).argmax(dim=-1)
+        return _inverse_cdf_draw(logits, generators)
+    return logits.sub_(_log_exponential_noise(logits, generators)).argmax(dim=-1)

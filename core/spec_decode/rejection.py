@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..sample.random_sampling import inverse_cdf_draw
+from ..sample.random_sampling import draw_tokens
 from ..sample.transfer import DeviceTarget, to_device
 
 
@@ -78,8 +78,12 @@ def _uniforms(num_rows: int, generators: dict[int, torch.Generator], device: tor
 
 
 def _random_verdicts(logits: torch.Tensor, layout: VerifyLayout, draft_probs: torch.Tensor | None,
-                     generators: dict[int, torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(accepted [T] bool, recovered [T] int64) for rows sampling from softmax(logits)."""
+                     generators: dict[int, torch.Generator], draw: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted [T] bool, recovered [T] int64) for rows sampling from softmax(logits).
+
+    Each row's token is drawn first, the platform's way, and a bonus row draws from the target's
+    logits themselves: a seeded request without drafts gets the token plain sampling gives it,
+    whatever else the step verifies. The acceptance uniforms are drawn after."""
     probs = logits.softmax(dim=-1)
     drafted = layout.draft_ids.unsqueeze(1)
     p_draft = probs.gather(1, drafted).squeeze(1)
@@ -91,27 +95,29 @@ def _random_verdicts(logits: torch.Tensor, layout: VerifyLayout, draft_probs: to
         q = draft_probs.masked_fill(layout.is_bonus.unsqueeze(1), 0.0)
         q_draft = q.gather(1, drafted).squeeze(1)
         residual = (probs - q).clamp_(min=0.0)
-    ratio = torch.where(q_draft > 0, p_draft / q_draft.clamp(min=torch.finfo(q_draft.dtype).tiny), 0.0)
-    accepted = (_uniforms(probs.shape[0], generators, probs.device) < ratio) & ~layout.is_bonus
     # A row whose draft took all of p has nothing left to recover (and is always accepted).
     residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, probs)
-    recovered = inverse_cdf_draw(residual.log(), generators)
+    recovered = draw_tokens(torch.where(layout.is_bonus.unsqueeze(1), logits, residual.log()), generators, draw)
+    ratio = torch.where(q_draft > 0, p_draft / q_draft.clamp(min=torch.finfo(q_draft.dtype).tiny), 0.0)
+    accepted = (_uniforms(probs.shape[0], generators, probs.device) < ratio) & ~layout.is_bonus
     return accepted, recovered
 
 
 def rejection_sample(logits: torch.Tensor, layout: VerifyLayout, *, greedy_rows: torch.Tensor | None,
-                     all_greedy: bool, generators: dict[int, torch.Generator],
+                     all_greedy: bool, generators: dict[int, torch.Generator], draw: str,
                      draft_probs: torch.Tensor | None = None) -> Verified:
     """Verify the drafts of a step. `logits` `[T, V]` fp32 are the target's after every edit,
     temperature and truncation (`corectl.sample.sampler.target_logits`); `greedy_rows` `[T]` marks
     greedy rows of a mixed batch (None: none, or every row when `all_greedy`); `generators` maps a
-    seeded request's flat row to the generator of its output position (its accept draw, then its
-    recovered token's); `draft_probs` `[T, V]` is the draft's distribution per row (None: n-gram drafts)."""
+    seeded request's flat row to the generator of its output position (its recovered or bonus
+    token's draw, then its accept draw); `draw` is the platform's way of drawing a token
+    (`PlatformCaps.sampling_draw`); `draft_probs` `[T, V]` is the draft's distribution per row
+    (None: one-hot drafts)."""
     if all_greedy:
         argmax = logits.argmax(dim=-1)
         accepted, recovered = (argmax == layout.draft_ids) & ~layout.is_bonus, argmax
     else:
-        accepted, recovered = _random_verdicts(logits, layout, draft_probs, generators)
+        accepted, recovered = _random_verdicts(logits, layout, draft_probs, generators, draw)
         if greedy_rows is not None:
             argmax = logits.argmax(dim=-1)
             accepted = torch.where(greedy_rows, (argmax == layout.draft_ids) & ~layout.is_bonus, accepted)

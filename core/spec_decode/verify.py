@@ -47,15 +47,16 @@ def expand_rows(params: Sequence[SamplingParams], prompts: Sequence[Sequence[int
     return rows
 
 
-def verify(logits: torch.Tensor, meta: SamplingMetadata, layout: VerifyLayout) -> tuple[Verified, LogprobsTensors | None]:
+def verify(logits: torch.Tensor, meta: SamplingMetadata, layout: VerifyLayout,
+           draw: str) -> tuple[Verified, LogprobsTensors | None]:
     """Verify a step's drafts from the target's fp32 `logits` `[T, V]` (modified in place);
-    `meta` holds one row per flat row (`expand_rows`)."""
+    `meta` holds one row per flat row (`expand_rows`); `draw` is the sampler's."""
     raw_logprobs = None if meta.max_num_logprobs is None else logits.log_softmax(dim=-1)
     processed = target_logits(logits, meta)
     random = meta.random
     verified = rejection_sample(
         processed, layout, greedy_rows=None if random is None else random.greedy_rows, all_greedy=random is None,
-        generators={} if random is None else random.generators,
+        generators={} if random is None else random.generators, draw=draw,
     )
     if raw_logprobs is None:
         return verified, None

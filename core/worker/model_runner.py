@@ -245,7 +245,8 @@ class ModelRunner:
         Steps with drafts run synchronously, so no id of theirs feeds a later step on the device."""
         states = [self.states[r] for r in host.sample_req_ids]
         layout = VerifyLayout.build(host.sample_drafts, self.target)
-        verified, logprobs = verify(logits, self._sampling_metadata(states, host.sample_drafts), layout)
+        verified, logprobs = verify(logits, self._sampling_metadata(states, host.sample_drafts), layout,
+                                    self.sampler.draw)
         self.states.expect_sampled(states)
         self._last_sampled = None
         tensors, num_logprobs = [verified.token_ids, verified.num_emitted], None

@@ -3,8 +3,10 @@ many independent requests verified in one call, n-gram (one-hot) and sampled dra
 and seeded reproducibility."""
 from __future__ import annotations
 
+import pytest
 import torch
-from corectl.sample import SamplingMetadata
+from corectl.sample import Sampler, SamplingMetadata
+from corectl.sample.random_sampling import DRAWS
 from corectl.sample.transfer import DeviceTarget
 from corectl.sampling_params import SamplingParams
 from corectl.spec_decode.rejection import VerifyLayout, rejection_sample
@@ -33,7 +35,7 @@ def _run(drafts: list[list[int]], draft_probs: torch.Tensor | None = None, seed:
     layout = VerifyLayout.build(drafts, CPU)
     logits = TARGET[: k + 1].repeat(len(drafts), 1)
     torch.manual_seed(seed)
-    out = rejection_sample(logits, layout, greedy_rows=None, all_greedy=False, generators={},
+    out = rejection_sample(logits, layout, greedy_rows=None, all_greedy=False, generators={}, draw="inverse_cdf",
                            draft_probs=draft_probs)
     return out.token_ids, out.num_emitted
 
@@ -75,7 +77,7 @@ def test_greedy_rows_accept_exactly_the_argmax_prefix():
     drafts = [[0, 1], [0, 4], [5, 1], []]
     layout = VerifyLayout.build(drafts, CPU)
     logits = torch.cat([TARGET, TARGET, TARGET, TARGET[:1]])
-    out = rejection_sample(logits, layout, greedy_rows=None, all_greedy=True, generators={})
+    out = rejection_sample(logits, layout, greedy_rows=None, all_greedy=True, generators={}, draw="inverse_cdf")
     # argmax of the rows: 0, 1, 2
     assert out.num_emitted.tolist() == [3, 2, 1, 1]
     assert out.token_ids[0].tolist() == [0, 1, 2]
@@ -93,7 +95,7 @@ def _verify_seeded(seed: int, drafts: list[list[int]], batch_noise: int) -> list
     meta = SamplingMetadata.build(rows.params, rows.prompt_token_ids, rows.output_token_ids, rows.generators,
                                   None, 6, CPU)
     logits = torch.cat([TARGET] * len(params))
-    verified, _ = verify(logits, meta, VerifyLayout.build(all_drafts, CPU))
+    verified, _ = verify(logits, meta, VerifyLayout.build(all_drafts, CPU), "inverse_cdf")
     return verified.token_ids[0, : verified.num_emitted[0]].tolist()
 
 
@@ -109,5 +111,22 @@ def test_top_k_applies_to_the_target_before_verification():
     rows = expand_rows(params, [()] * 200, [()] * 200, [None] * 200, drafts)
     meta = SamplingMetadata.build(rows.params, rows.prompt_token_ids, rows.output_token_ids, rows.generators,
                                   None, 6, CPU)
-    verified, _ = verify(TARGET.repeat(200, 1), meta, VerifyLayout.build(drafts, CPU))
+    verified, _ = verify(TARGET.repeat(200, 1), meta, VerifyLayout.build(drafts, CPU), "inverse_cdf")
     assert verified.num_emitted.eq(1).all() and verified.token_ids[:, 0].eq(0).all()
+
+
+@pytest.mark.parametrize("draw", DRAWS)
+def test_a_seeded_request_without_drafts_draws_as_plain_sampling_does(draw):
+    # Its one (bonus) row in a verify step, beside a request with drafts, against the plain sampler.
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=5)
+    plain, verified = [], []
+    for position in range(20):
+        meta = SamplingMetadata.build([params], [()], [()], [torch.Generator().manual_seed(position)], None, 6, CPU)
+        plain.append(Sampler(draw)(TARGET[2:].clone(), meta).sampled_token_ids.item())
+        rows = expand_rows([params, SamplingParams(temperature=1.0)], [(), ()], [(), ()],
+                           [[torch.Generator().manual_seed(position)], None], [[], [0, 1]])
+        meta = SamplingMetadata.build(rows.params, rows.prompt_token_ids, rows.output_token_ids, rows.generators,
+                                      None, 6, CPU)
+        out, _ = verify(torch.cat([TARGET[2:], TARGET]), meta, VerifyLayout.build([[], [0, 1]], CPU), draw)
+        verified.append(out.token_ids[0, 0].item())
+    assert verified == plain and len(set(plain)) > 1
