@@ -11,6 +11,15 @@ from ..errors import ConfigError, ModelNotFoundError
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
+def remote_code_note(config: dict[str, Any]) -> str:
+    """What to say about a checkpoint whose config points at its own Python code (`auto_map`)."""
+    auto_map = config.get("auto_map")
+    if not isinstance(auto_map, dict) or not auto_map:
+        return ""
+    return (f"; the checkpoint ships its own model code (auto_map: {', '.join(sorted(auto_map))}), which corectl "
+            "never runs, --trust-remote-code or not: it serves the architectures it implements (`corectl plugins`)")
+
+
 def load_hf_config(source: Path, overrides: dict[str, Any] | None) -> tuple[PretrainedConfig, str | None]:
     """(config, checkpoint dtype name or None) from a folder holding config.json, or a config file.
 
@@ -33,7 +42,7 @@ def load_hf_config(source: Path, overrides: dict[str, Any] | None) -> tuple[Pret
         raise ConfigError(
             "model",
             f"config at {source} has model_type {model_type!r}, which the installed transformers does not know "
-            "(a decoder-only model such as llama, mistral, qwen2 or qwen3 is expected)",
+            "(a decoder-only model such as llama, mistral, qwen2 or qwen3 is expected)" + remote_code_note(config_dict),
         )
     try:
         config = CONFIG_MAPPING[model_type].from_dict(config_dict)

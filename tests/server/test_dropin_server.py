@@ -152,3 +152,12 @@ def test_use_beam_search_returns_n_beams_best_first(client):
         client.completions.create(model="smol", prompt="hi", max_tokens=3, stream=True,
                                   extra_body={"use_beam_search": True})
     assert exc.value.body["param"] == "stream"
+
+
+def test_a_model_that_needs_remote_code_is_one_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "my_remote_arch", "architectures": ["MyLM"],
+                                                      "auto_map": {"AutoConfig": "configuration_my.MyConfig"}}))
+    out = subprocess.run([sys.executable, "-m", "corectl.server.cli", "serve", str(tmp_path), "--trust-remote-code", "--load-format", "dummy",
+                          "--port", "0"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2, out.stderr
+    assert "ships its own model code" in out.stderr and "Traceback" not in out.stderr
