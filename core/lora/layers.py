@@ -71,6 +71,10 @@ class LoRALinear(UsesLayerKernels, nn.Module):
         self.max_rank = max_rank
         in_features = base.in_features
         out_features = sum(size for _, size, _ in slices)
+        offsets = [offset for offset, _, _ in slices]
+        if offsets != [sum(size for _, size, _ in slices[:j]) for j in range(len(slices))]:
+            raise ValueError(f"LoRA needs a packed layer's slices side by side from column 0, got {slices}")
+        self.slice_sizes = [size for _, size, _ in slices]
         self.register_buffer("lora_a", torch.zeros(max_loras, len(projections), max_rank, in_features, dtype=dtype,
                                                    device=device), persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device),
@@ -100,12 +104,12 @@ class LoRALinear(UsesLayerKernels, nn.Module):
             return
         slots = batch.token_slots[: x.shape[0]]
         num_slots, n, rank, in_features = self.lora_a.shape
+        # One shrink over every sub-projection's stacked A and one expand writing every slice: at
+        # batch 1 each launch costs more than the bytes it moves.
         xa = kernels.lora_shrink(x, self.lora_a.view(num_slots, n * rank, in_features), slots, batch.segments)
         if self.reduce_xa is not None:
-            xa = self.reduce_xa(xa)
-        for j, (offset, size, _) in enumerate(self.slices):
-            kernels.lora_expand(xa[:, j * rank:(j + 1) * rank], self.lora_b[:, offset:offset + size], batch.scales,
-                                slots, batch.segments, out[:, offset:offset + size])
+            xa = self.reduce_xa(xa.sum(0, keepdim=True))
+        kernels.lora_expand(xa, self.lora_b, batch.scales, slots, batch.segments, out, self.slice_sizes)
 
     def load_slot(self, slot: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write an adapter's (A [r, in], B [out, r]) per checkpoint projection into `slot` (this

@@ -1,11 +1,16 @@
 """LoRA shrink: xa = x @ A[slot].T for every token of a step, each with its own adapter slot.
 
-Gathered form (decode steps, CUDA graphs): one program per (token, rank block) reads its token's
-slot and reduces over the input features; a base token (slot -1) writes zeros. Segment form
-(prefill and mixed steps): one program per (segment, row block, rank block) multiplies a tile of
-a run of tokens sharing one adapter with that adapter's A by `tl.dot`, so A is read once per tile
-instead of once per token. Loads are converted to fp32 at once and accumulate in fp32 (the
-interpreter computes no bf16 arithmetic); the result is fp32.
+The result is fp32 partial sums [P, T, R] over P splits of the input features (their sum is xa):
+the expand adds them up as it loads them, so a decode step's shrink can spread one token's
+reduction over many programs without a second launch or atomics.
+
+Gathered form (decode steps, CUDA graphs): one program per (token, rank block, input split) reads
+its token's slot and reduces over its share of the input features; a base token (slot -1) writes
+zeros. A batch-1 step has one token: without the split, one program would stream a whole A
+(0.4 MB for llama3-8b's qkv) alone. Segment form (prefill and mixed steps): one program per
+(segment, row block, rank block) multiplies a tile of a run of tokens sharing one adapter with that
+adapter's A by `tl.dot`, so A is read once per tile instead of once per token (P = 1). Loads are
+converted to fp32 at once and accumulate in fp32 (the interpreter computes no bf16 arithmetic).
 """
 from __future__ import annotations
 
@@ -21,25 +26,31 @@ from .segments import segment_tile
 _GATHER_BLOCK_K = 256
 # Elements of one program's fp32 tile: 64 registers a thread at 4 warps.
 _TILE_ELEMENTS = 8192
-_SEGMENT_BLOCK_M = 16
+# Programs a gathered launch aims for (about 8 per H100 multiprocessor), and the most input splits
+# (the expand reads every split's partial sums).
+_TARGET_PROGRAMS = 1024
+MAX_SPLITS = 64
+_SEGMENT_BLOCK_M = 32
 _SEGMENT_BLOCK_K = 64
 
 
 @triton.jit
-def _shrink_gathered_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, K, R, stride_xt, stride_as, stride_ar, stride_ot,
-                            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _shrink_gathered_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, K, R, K_PER_SPLIT, stride_xt, stride_as, stride_ar,
+                            stride_os, stride_ot, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    split = tl.program_id(2)
     slot = tl.load(slots_ptr + token).to(tl.int64)
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     if slot >= 0:
-        for k0 in range(0, K, BLOCK_K):
+        k_start = split * K_PER_SPLIT
+        for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             xk = tl.load(x_ptr + token * stride_xt + k, mask=k < K, other=0.0).to(tl.float32)
             a = tl.load(a_ptr + slot * stride_as + r[:, None] * stride_ar + k[None, :],
                         mask=(r[:, None] < R) & (k[None, :] < K), other=0.0).to(tl.float32)
             acc += tl.sum(a * xk[None, :], axis=1)
-    tl.store(out_ptr + token * stride_ot + r, acc, mask=r < R)
+    tl.store(out_ptr + split * stride_os + token * stride_ot + r, acc, mask=r < R)
 
 
 @triton.jit
@@ -60,11 +71,17 @@ def _shrink_segment_kernel(x_ptr, a_ptr, starts_ptr, lens_ptr, seg_slots_ptr, ou
         tl.store(out_ptr + rows[:, None] * stride_ot + r[None, :], acc, mask=in_segment[:, None] & (r[None, :] < R))
 
 
+def gathered_splits(num_tokens: int, rank_blocks: int, k_blocks: int) -> int:
+    """Input splits of a gathered launch: enough programs to fill the GPU, at most one per k block."""
+    return max(1, min(k_blocks, MAX_SPLITS, triton.cdiv(_TARGET_PROGRAMS, max(1, num_tokens * rank_blocks))))
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, segments: LoRASegments | None = None,
                 check_indices: bool = False) -> torch.Tensor:
-    """x [T, K], a [S, R, K], token_slots [T] int32 (-1: base) -> fp32 [T, R] = x @ a[slot].T per row
-    (zero on base rows). With `segments` the segment form runs (rows outside every segment are zero).
-    `check_indices` reads the slots back to check their range (a host sync)."""
+    """x [T, K], a [S, R, K], token_slots [T] int32 (-1: base) -> fp32 partial sums [P, T, R] whose
+    sum over P is x @ a[slot].T per row (zero on base rows). With `segments` the segment form runs
+    (P = 1; rows outside every segment are zero). `check_indices` reads the slots back to check
+    their range (a host sync)."""
     check_float("x", x, 2)
     check_float("a", a, 3)
     require(a.stride(1) == a.shape[2] or a.shape[1] <= 1, f"a's rows must be contiguous, got strides {a.stride()}")
@@ -74,20 +91,29 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, seg
     num_slots, rank = a.shape[0], a.shape[1]
     check_slots(token_slots, num_tokens, num_slots, segments, check_indices)
     if segments is None:
-        out = torch.empty((num_tokens, rank), dtype=torch.float32, device=x.device)
-        if num_tokens and rank:
-            block_r = min(triton.next_power_of_2(rank), 64)
-            block_k = min(_GATHER_BLOCK_K, _TILE_ELEMENTS // block_r, triton.next_power_of_2(k))
-            _shrink_gathered_kernel[(num_tokens, triton.cdiv(rank, block_r))](
-                x, a, token_slots, out, k, rank, x.stride(0), a.stride(0), a.stride(1), out.stride(0),
-                BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
-        return out
-    out = torch.zeros((num_tokens, rank), dtype=torch.float32, device=x.device)
+        return _shrink_gathered(x, a, token_slots)
+    out = torch.zeros((1, num_tokens, rank), dtype=torch.float32, device=x.device)
     if segments.num_segments and segments.max_len and rank:
         block_r = max(16, min(triton.next_power_of_2(rank), 64))
         block_k = max(16, min(_SEGMENT_BLOCK_K, triton.next_power_of_2(k)))
         grid = (segments.num_segments, triton.cdiv(segments.max_len, _SEGMENT_BLOCK_M), triton.cdiv(rank, block_r))
         _shrink_segment_kernel[grid](
             x, a, segments.starts, segments.lens, segments.slots, out, k, rank, x.stride(0), a.stride(0),
-            a.stride(1), out.stride(0), BLOCK_M=_SEGMENT_BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+            a.stride(1), out.stride(1), BLOCK_M=_SEGMENT_BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+    return out
+
+
+def _shrink_gathered(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    (num_tokens, k), rank = x.shape, a.shape[1]
+    block_r = min(triton.next_power_of_2(max(rank, 1)), 64)
+    block_k = min(_GATHER_BLOCK_K, _TILE_ELEMENTS // block_r, triton.next_power_of_2(max(k, 1)))
+    k_blocks = triton.cdiv(k, block_k)
+    splits = gathered_splits(num_tokens, triton.cdiv(rank, block_r), k_blocks)
+    k_per_split = max(1, triton.cdiv(k_blocks, splits)) * block_k
+    splits = max(1, triton.cdiv(k, k_per_split))
+    out = torch.empty((splits, num_tokens, rank), dtype=torch.float32, device=x.device)
+    if num_tokens and rank:
+        _shrink_gathered_kernel[(num_tokens, triton.cdiv(rank, block_r), splits)](
+            x, a, token_slots, out, k, rank, k_per_split, x.stride(0), a.stride(0), a.stride(1), out.stride(0),
+            out.stride(1), BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
     return out

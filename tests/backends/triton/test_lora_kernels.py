@@ -30,31 +30,44 @@ def test_shrink_matches_reference(dtype, decode, rank, assert_close):
     slots, segments = _layout(requests, decode)
     x = torch.randn(slots.shape[0], 40).to(dtype)
     a = torch.randn(2, rank, 40).to(dtype)
-    out = lora_shrink(x, a, slots, segments, check_indices=True)
-    assert out.dtype == torch.float32
-    assert (out[slots < 0] == 0).all()
+    parts = lora_shrink(x, a, slots, segments, check_indices=True)
+    assert parts.dtype == torch.float32 and parts.shape[1:] == (slots.shape[0], rank)
+    assert (parts[:, slots < 0] == 0).all()
     # The interpreter sums in another order than the reference's bmm; inputs are exact in fp32.
-    torch.testing.assert_close(out, shrink_reference(x, a, slots), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(parts.sum(0), shrink_reference(x, a, slots), rtol=1e-4, atol=1e-4)
+
+
+def test_gathered_shrink_splits_the_input_features(assert_close):
+    """A batch-1 step spreads one token's reduction over many programs: each writes the partial sum
+    of its share of the 3000 input features (the last share ragged)."""
+    slots = torch.tensor([1], dtype=torch.int32)
+    x, a = torch.randn(1, 3000), torch.randn(2, 8, 3000)
+    parts = lora_shrink(x, a, slots)
+    assert parts.shape[0] > 1
+    assert_close(parts.sum(0), shrink_reference(x, a, slots))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("decode", [True, False], ids=["gathered", "segment"])
 @pytest.mark.parametrize("rank", [16, 128])
-def test_expand_adds_into_a_slice(dtype, decode, rank, assert_close):
-    """The expand writes only its slice of a packed output (here the middle 24 of 64 columns) and
-    only rows with an adapter."""
+def test_expand_adds_every_slice(dtype, decode, rank, assert_close):
+    """One launch adds three slices (widths 24, 8 and 16, the middle 48 of 64 columns), slice j from
+    columns j of the shrink's three partial sums, and touches only rows with an adapter."""
     requests = [(1, s) for _, s in REQUESTS] if decode else REQUESTS
     slots, segments = _layout(requests, decode)
     num_tokens = slots.shape[0]
-    xa = torch.randn(num_tokens, 2 * rank)
-    b = torch.randn(2, 64, rank).to(dtype)
+    parts = torch.randn(3, num_tokens, 3 * rank)
+    b = torch.randn(2, 48, rank).to(dtype)
     scales = torch.tensor([0.5, 2.0])
     out = torch.randn(num_tokens, 64).to(dtype)
     expected = out.clone()
-    expand_reference(xa[:, rank:], b[:, 20:44], scales, slots, expected[:, 20:44])
+    xa = parts.sum(0)
+    for j, (first, last) in enumerate([(0, 24), (24, 32), (32, 48)]):
+        expand_reference(xa[:, j * rank:(j + 1) * rank], b[:, first:last], scales, slots,
+                         expected[:, 8 + first:8 + last])
     before = out.clone()
-    lora_expand(xa[:, rank:], b[:, 20:44], scales, slots, segments, out[:, 20:44], check_indices=True)
-    assert torch.equal(out[:, :20], before[:, :20]) and torch.equal(out[:, 44:], before[:, 44:])
+    lora_expand(parts, b, scales, slots, segments, out[:, 8:56], [24, 8, 16], check_indices=True)
+    assert torch.equal(out[:, :8], before[:, :8]) and torch.equal(out[:, 56:], before[:, 56:])
     assert torch.equal(out[slots < 0], before[slots < 0])
     if dtype == torch.float32:
         assert_close(out, expected)
@@ -74,8 +87,11 @@ def test_launchers_name_bad_arguments():
     with pytest.raises(ValueError, match="a has 32 input features, x has 16"):
         lora_shrink(torch.randn(4, 16), a, slots)
     with pytest.raises(ValueError, match="out must be"):
-        lora_expand(torch.randn(4, 8), torch.randn(2, 10, 8), torch.ones(2), slots.clamp(max=1), None,
+        lora_expand(torch.randn(1, 4, 8), torch.randn(2, 10, 8), torch.ones(2), slots.clamp(max=1), None,
                     torch.zeros(4, 12))
+    with pytest.raises(ValueError, match=r"slice_sizes \[6, 6\] must be 1 to 3 widths adding up to b's 10 rows"):
+        lora_expand(torch.randn(1, 4, 16), torch.randn(2, 10, 8), torch.ones(2), slots.clamp(max=1), None,
+                    torch.zeros(4, 10), [6, 6])
 
 
 @pytest.mark.parametrize("decode", [True, False], ids=["gathered", "segment"])
