@@ -21,6 +21,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
 
 from .chat import ChatController
+from .classify import ClassifyController
 from .completions import CompletionsController
 from .dashboard import DashboardController
 from .embeddings import EmbeddingsController
@@ -54,7 +55,8 @@ def create_app(server: ServerState) -> Litestar:
     return Litestar(
         route_handlers=[CompletionsController, ChatController, EmbeddingsController, ModelsController,
                         TokenizerController, LoadController, OpsController, DashboardController,
-                        LoRAAdapterController, ResponsesController, SleepController, ScoringController],
+                        LoRAAdapterController, ResponsesController, SleepController, ScoringController,
+                        ClassifyController],
         dependencies={"server": Provide(_provide_server, sync_to_thread=False)},
         lifespan=[_engine_lifespan],
         middleware=[request_id_middleware] + ([] if tracer is None else [tracer.middleware]),

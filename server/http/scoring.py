@@ -1,10 +1,13 @@
-"""vLLM's scoring routes on an embedding model (`--runner pooling`): `POST /v1/score`, `POST /v1/rerank`
+"""vLLM's scoring routes on a pooling model (`--runner pooling`): `POST /v1/score`, `POST /v1/rerank`
 (also `/rerank` and `/v2/rerank`) and `POST /pooling`.
 
 An embedding model scores a pair by the cosine similarity of the two texts' embeddings, as vLLM
 does for bi-encoders: each distinct text is embedded once (one engine request, through the same
-path as /v1/embeddings), then every pair is scored. A generative model answers 400, as on
-/v1/embeddings.
+path as /v1/embeddings), then every pair is scored. A cross-encoder (a sequence classifier with one
+label, e.g. bge-reranker) runs each pair through the model as one input, `tokenizer(text_1, text_2)`
+(the model derives the second text's token type), and its logit is the score, through a sigmoid
+unless the request sets `activation: false`, as vLLM does. A classifier of several labels cannot
+score, and a generative model answers 400, as on /v1/embeddings.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ class ScoreRequest(msgspec.Struct, kw_only=True):
     text_2: Texts
     model: str | None = None
     priority: Int64 = 0
+    activation: bool | None = None  # a cross-encoder's sigmoid (None: on)
 
 
 class RerankRequest(msgspec.Struct, kw_only=True):
@@ -45,6 +49,7 @@ class RerankRequest(msgspec.Struct, kw_only=True):
     top_n: Annotated[int, Meta(ge=0)] = 0  # 0: every document
     return_documents: bool = True
     priority: Int64 = 0
+    activation: bool | None = None
 
 
 class PoolingRequest(EmbeddingRequest, kw_only=True):
@@ -115,10 +120,7 @@ class ScoringController(Controller):
     @post(["/v1/score", "/score"], status_code=200, responses=ERROR_RESPONSES)
     async def score(self, data: ScoreRequest, request: Request, server: ServerState) -> ScoreResponse:
         pairs = _pairs(data.text_1, data.text_2)
-        texts = sorted({text for pair in pairs for text in pair})
-        vectors, tokens = await _embed(server, request, data.model, data.priority, texts, "score")
-        index = {text: i for i, text in enumerate(texts)}
-        scores = [_cosine(vectors[index[a]], vectors[index[b]]) for a, b in pairs]
+        scores, tokens = await _score(server, request, data.model, data.priority, pairs, "text_2", data.activation)
         return ScoreResponse(id=f"score-{uuid.uuid4().hex}", created=int(time.time()), model=server.model_name,
                              data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
                              usage=ScoreUsage(prompt_tokens=tokens, total_tokens=tokens))
@@ -127,9 +129,8 @@ class ScoringController(Controller):
     async def rerank(self, data: RerankRequest, request: Request, server: ServerState) -> RerankResponse:
         if not data.documents:
             raise APIError(400, "documents must hold at least one document", "documents")
-        texts = [data.query, *data.documents]
-        vectors, tokens = await _embed(server, request, data.model, data.priority, texts, "documents")
-        scores = [_cosine(vectors[0], vector) for vector in vectors[1:]]
+        pairs = [(data.query, document) for document in data.documents]
+        scores, tokens = await _score(server, request, data.model, data.priority, pairs, "documents", data.activation)
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[:data.top_n or None]
         return RerankResponse(id=f"rerank-{uuid.uuid4().hex}", model=server.model_name, usage=RerankUsage(tokens),
                               results=[RerankResult(index=i, relevance_score=scores[i], document=RerankDocument(
@@ -160,6 +161,26 @@ def _pairs(first: str | list[str], second: str | list[str]) -> list[tuple[str, s
     if any(not text for text in firsts + seconds):
         raise APIError(400, "texts to score must not be empty", "text_1")
     return list(zip(firsts, seconds))
+
+
+async def _score(server: ServerState, request: Request, model: str | None, priority: int,
+                 pairs: list[tuple[str, str]], param: str, activation: bool | None) -> tuple[list[float], int]:
+    """Each pair's score and the tokens the scoring took: a cross-encoder's logit of the pair as one
+    input, else the cosine of the two texts' embeddings (each distinct text embedded once)."""
+    pooling = server.engine.info.pooling
+    if pooling is None or pooling.task != "classify":
+        texts = sorted({text for pair in pairs for text in pair})
+        vectors, tokens = await _embed(server, request, model, priority, texts, param)
+        index = {text: i for i, text in enumerate(texts)}
+        return [_cosine(vectors[index[a]], vectors[index[b]]) for a, b in pairs], tokens
+    if pooling.hidden_size != 1:
+        raise APIError(400, f"this model classifies into {pooling.hidden_size} labels; scoring takes an embedding "
+                       "model or a cross-encoder (one label): use /classify", "model")
+    tokenizer = server.require_tokenizer(param, "texts cannot be tokenized")
+    prompts = [tokenizer.hf(first, second)["input_ids"] for first, second in pairs]
+    logits, tokens = await _embed(server, request, model, priority, prompts, param, PoolingParams(normalize=False))
+    scores = np.array([logit[0] for logit in logits], dtype=np.float64)
+    return (1 / (1 + np.exp(-scores)) if activation is not False else scores).tolist(), tokens
 
 
 async def _embed(server: ServerState, request: Request, model: str | None, priority: int, texts: list[str | list[int]],

@@ -3,6 +3,7 @@ an embedding model: scores are the cosine similarity of /v1/embeddings' vectors,
 /pooling returns the pooled vectors; bad requests are 400s naming the field."""
 from __future__ import annotations
 
+import httpx
 import numpy as np
 import pytest
 
@@ -66,3 +67,64 @@ def test_bad_requests_are_400s(pooling_http, path, body, param):
 def test_a_generative_model_refuses_scoring(http):
     r = http.post("/v1/score", json={"text_1": "a", "text_2": "b"})
     assert r.status_code == 400, r.text
+
+
+# Cross-encoders: a random BERT classifier with one label, each (query, document) pair run through
+# transformers as `tokenizer(query, document)` (token type ids included) for the expected logits.
+PAIR_QUERY = "what is the capital of france"
+PAIR_DOCS = ["paris is the capital of france", "the cat sat on the mat", "a big river"]
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory):
+    from support.encoders import build_encoder
+    from support.server import API_KEY, ServerProcess
+
+    folder = build_encoder("BertForSequenceClassification", tmp_path_factory.mktemp("reranker"), seed=2, num_labels=1)
+    proc = ServerProcess(str(folder), "--api-key", API_KEY, "--dtype", "float32",
+                         "--kv-cache-memory", "0.02", "--max-model-len", "64").wait_ready()
+    with httpx.Client(base_url=proc.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
+        yield folder, client
+    assert proc.stop() == 0
+
+
+def pair_logits(folder, pairs) -> np.ndarray:
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModelForSequenceClassification.from_pretrained(folder)
+    with torch.no_grad():
+        return np.array([model(**tokenizer(a, b, return_tensors="pt")).logits[0, 0].item() for a, b in pairs])
+
+
+def test_cross_encoder_scores_each_pair_through_the_model(cross_encoder):
+    folder, client = cross_encoder
+    logits = pair_logits(folder, [(PAIR_QUERY, doc) for doc in PAIR_DOCS])
+    r = client.post("/v1/score", json={"text_1": PAIR_QUERY, "text_2": PAIR_DOCS})
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose([item["score"] for item in r.json()["data"]], 1 / (1 + np.exp(-logits)),
+                               rtol=1e-5, atol=1e-6)
+    raw = client.post("/score", json={"text_1": PAIR_QUERY, "text_2": PAIR_DOCS, "activation": False}).json()
+    np.testing.assert_allclose([item["score"] for item in raw["data"]], logits, rtol=1e-5, atol=1e-5)
+    # The pair's order matters to a cross-encoder (token types, attention over both texts at once).
+    swapped = client.post("/v1/score", json={"text_1": PAIR_DOCS[0], "text_2": PAIR_QUERY}).json()
+    np.testing.assert_allclose(swapped["data"][0]["score"],
+                               1 / (1 + np.exp(-pair_logits(folder, [(PAIR_DOCS[0], PAIR_QUERY)])[0])), rtol=1e-5)
+
+
+def test_cross_encoder_reranks_with_the_official_client_shape(cross_encoder):
+    folder, client = cross_encoder
+    logits = pair_logits(folder, [(PAIR_QUERY, doc) for doc in PAIR_DOCS])
+    r = client.post("/v1/rerank", json={"query": PAIR_QUERY, "documents": PAIR_DOCS, "top_n": 2})
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [item["index"] for item in results] == list(np.argsort(-logits)[:2])
+    np.testing.assert_allclose([item["relevance_score"] for item in results],
+                               1 / (1 + np.exp(-np.sort(logits)[::-1][:2])), rtol=1e-5)
+
+
+def test_cross_encoder_refuses_a_pair_past_the_context(cross_encoder):
+    _, client = cross_encoder
+    r = client.post("/v1/score", json={"text_1": PAIR_QUERY, "text_2": " ".join(["cat"] * 80)})
+    assert r.status_code == 400, r.text
+    assert client.post("/v1/score", json={"text_1": "dog", "text_2": "cat"}).status_code == 200
