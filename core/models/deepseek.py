@@ -1,0 +1,243 @@
+"""DeepSeek V2 and V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`; V2-Lite, V3/R1 shapes).
+
+Following transformers' implementations operation for operation:
+  - multi-head latent attention (MLA): q from `q_proj` (V2-Lite) or `q_a_proj` -> RMSNorm ->
+    `q_b_proj`; keys and values from a latent `kv_a_proj_with_mqa` [kv_lora_rank + rope dims] ->
+    RMSNorm -> `kv_b_proj` per head, plus one rotated key part shared by all heads. Only the
+    `qk_rope_head_dim` features rotate (pairwise for V2 and V3's `rope_interleave`, halves
+    otherwise); YaRN's mscale enters the softmax scale (`yarn_apply_mscale`);
+  - mixture-of-experts layers from `first_k_dense_replace` on, each with shared experts
+    (`n_shared_experts` x `moe_intermediate_size`) and a router in fp32: V2 softmaxes and picks
+    the top-k (within the `topk_group` best groups for `group_limited_greedy`); V3 sigmoids,
+    ranks by score plus `e_score_correction_bias`, keeps the `topk_group` groups with the best
+    two-expert sums, and renormalises (`norm_topk_prob`); both scale by `routed_scaling_factor`.
+
+First version of MLA: the latent is expanded into per-head keys and values at every step and those
+are cached in the normal paged layout (num_heads x qk_head_dim per token, values zero-padded from
+v_head_dim), which costs far more cache than the latent (kv_lora_rank + rope dims per token) would.
+The latent-cache layout, absorbed decode and their kernels are not built; tensor parallelism is
+refused (the MLA projections are not sharded yet).
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+from ..attention import ForwardContext
+from ..distributed import get_tp
+from ..errors import ConfigError
+from .base import CausalLM
+from .layers import Attention, RMSNorm, RotaryEmbedding, _rotate_half
+from .llama import GatedMLP
+from .llama4 import rotate_pairs
+from .moe import FusedMoE, fused_moe_torch, load_moe_weights
+from .parallel import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, gather_logits
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention, the latent expanded per head (module doc)."""
+
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, interleave: bool):
+        super().__init__()
+        h, hidden = config.num_attention_heads, config.hidden_size
+        self.num_heads, self.nope, self.rope = h, config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_dim, self.rank = config.v_head_dim, config.kv_lora_rank
+        self.qk_dim = self.nope + self.rope
+        bias = getattr(config, "attention_bias", False)
+        if config.q_lora_rank is None:
+            # `q_full_proj` holds the checkpoint's `q_proj` (the packed loader would take that name).
+            self.q_full_proj = nn.Linear(hidden, h * self.qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, h * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.rank, h * (self.nope + self.v_dim), bias=False)
+        self.o_proj = RowParallelLinear(h * self.v_dim, hidden, bias=bias)
+        self.rotary, self.interleave = rotary, interleave
+        scale = yarn_apply_mscale(getattr(config, "rope_parameters", None) or {}, self.qk_dim ** -0.5)
+        self.attn = Attention(layer_idx, h, h, self.qk_dim, scale=scale)
+
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rotary.cos[positions].unsqueeze(1), self.rotary.sin[positions].unsqueeze(1)
+        if self.interleave:
+            half = self.rope // 2
+            return rotate_pairs(x, cos[..., :half], sin[..., :half])
+        return x * cos + _rotate_half(x) * sin
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t, h = hidden.shape[0], self.num_heads
+        if hasattr(self, "q_full_proj"):
+            q = self.q_full_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q_nope, q_rot = q.view(t, h, self.qk_dim).split([self.nope, self.rope], dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(hidden).split([self.rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(t, h, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q = torch.cat((q_nope, self._rotate(q_rot, positions)), dim=-1)
+        k_rot = self._rotate(k_rot.view(t, 1, self.rope), positions).expand(t, h, self.rope)
+        k = torch.cat((k_nope, k_rot), dim=-1)
+        # The paged cache holds keys and values of one head size: values are zero-padded to it.
+        v = F.pad(v, (0, self.qk_dim - self.v_dim))
+        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1), ctx)
+        return self.o_proj(out.view(t, h, self.qk_dim)[..., :self.v_dim].reshape(t, -1))
+
+
+def select_deepseek_experts(logits: torch.Tensor, config, correction: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, expert ids [T, k]) of fp32 router logits by V2's or V3's rule (module doc)."""
+    num_experts, top_k = logits.shape[-1], config.num_experts_per_tok
+    groups, keep = getattr(config, "n_group", None), getattr(config, "topk_group", None)
+    if correction is not None:
+        scores = logits.sigmoid()
+        choice = scores + correction
+        group_scores = choice.view(-1, groups, num_experts // groups).topk(2, dim=-1)[0].sum(dim=-1)
+        ids = _in_best_groups(choice, group_scores, keep, float("-inf")).topk(top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if config.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        scores = logits.softmax(dim=-1, dtype=torch.float32)
+        if getattr(config, "topk_method", "greedy") == "group_limited_greedy":
+            group_scores = scores.view(-1, groups, num_experts // groups).max(dim=-1).values
+            scores = _in_best_groups(scores, group_scores, keep, 0.0)
+        weights, ids = torch.topk(scores, k=top_k, dim=-1, sorted=False)
+    return weights * config.routed_scaling_factor, ids
+
+
+def _in_best_groups(scores: torch.Tensor, group_scores: torch.Tensor, keep: int, fill: float) -> torch.Tensor:
+    """`scores` with experts outside each token's `keep` best groups set to `fill`."""
+    groups = group_scores.shape[-1]
+    mask = torch.zeros_like(group_scores).scatter_(1, torch.topk(group_scores, k=keep, dim=-1, sorted=False)[1], 1)
+    mask = mask.unsqueeze(-1).expand(-1, groups, scores.shape[-1] // groups).reshape(scores.shape)
+    return scores.masked_fill(~mask.bool(), fill)
+
+
+class DeepseekExperts(FusedMoE):
+    """Routed experts picking by DeepSeek's rules from fp32 logits (module doc)."""
+
+    def __init__(self, config, correction: bool):
+        super().__init__(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size,
+                         config.num_experts_per_tok, renormalize=False)
+        self.config = config
+        self.e_score_correction_bias = (nn.Parameter(torch.zeros(config.n_routed_experts), requires_grad=False)
+                                        if correction else None)
+
+    def run_experts(self, hidden: torch.Tensor, router_logits: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
+                    down_scale: torch.Tensor | None = None) -> torch.Tensor:
+        correction = None if self.e_score_correction_bias is None else self.e_score_correction_bias.float()
+        weights, ids = select_deepseek_experts(router_logits, self.config, correction)
+        return fused_moe_torch(hidden, self.gate_up_proj, self.down_proj, weights, ids, gate_up_scale, down_scale)
+
+
+class RouterFp32(nn.Module):
+    """The router's weight, applied in fp32 as transformers does (V3 stores it in fp32); not an
+    nn.Linear, so a platform swapping linear layers for its own GEMMs leaves it alone."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden.float(), self.weight.float())
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, config, correction: bool):
+        super().__init__()
+        self.gate = RouterFp32(config.hidden_size, config.n_routed_experts)
+        self.experts = DeepseekExperts(config, correction)
+        width = config.moe_intermediate_size * config.n_shared_experts
+        self.shared_experts = GatedMLP(SimpleNamespace(hidden_size=config.hidden_size, intermediate_size=width))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.experts(hidden, self.gate(hidden)) + self.shared_experts(hidden)
+
+
+class DeepseekLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, interleave: bool, correction: bool):
+        super().__init__()
+        self.self_attn = MLAttention(config, layer_idx, rotary, interleave)
+        dense = layer_idx < config.first_k_dense_replace or not config.n_routed_experts
+        self.mlp = GatedMLP(config) if dense else DeepseekMoE(config, correction)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, ctx: ForwardContext):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, config, max_positions: int, dtype: torch.dtype, interleave: bool, correction: bool):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(config, config.qk_rope_head_dim, max_positions, dtype)
+        self.layers = nn.ModuleList(DeepseekLayer(config, i, rotary, interleave, correction)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, ctx)
+        return self.norm(hidden, residual)[0]
+
+
+class DeepseekV2ForCausalLM(CausalLM):
+    correction = False
+
+    def __init__(self, config, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        if get_tp().world_size > 1:
+            raise ConfigError("tensor_parallel_size", f"{type(self).__name__} runs on one rank only: its latent "
+                              "attention projections are not sharded yet")
+        self.config = config
+        interleave = self.correction is False or bool(getattr(config, "rope_interleave", True))
+        self.model = DeepseekModel(config, max_positions, dtype, interleave, self.correction)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size,
+                                      device="meta" if self.tie_word_embeddings else None)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        qk_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        # The expanded latent's cache rows: every head, keys and zero-padded values of qk_dim.
+        self.kv_cache_layout = (config.num_attention_heads, qk_dim)
+
+    def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return gather_logits(self.lm_head(hidden), self.config.vocab_size).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        renamed = ((name.replace(".self_attn.q_proj.", ".self_attn.q_full_proj.")
+                    .replace(".mlp.gate.e_score_correction_bias", ".mlp.experts.e_score_correction_bias"), tensor)
+                   for name, tensor in weights)
+        return load_moe_weights(self, renamed, self._skips)
+
+    def _skips(self, name: str) -> bool:
+        """Rotary buffers, a tied head, and V3's multi-token-prediction layers (numbered past the
+        model's layers: speculative heads this model does not run)."""
+        match = _LAYER.match(name)
+        return ("rotary_emb" in name or (self.tie_word_embeddings and name == "lm_head.weight")
+                or (match is not None and int(match[1]) >= self.config.num_hidden_layers))
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    correction = True
