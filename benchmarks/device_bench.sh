@@ -176,6 +176,16 @@ stage_w9() {
   done
   stop_server
 }
+stage_w10() {  # multi-LoRA: W1 with 8 rank-16 adapters round-robin, and batch-1 TPOT with one adapter; each beside the base in one engine
+  bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 --num-loras 8 --lora-rank 16 \
+    --max-loras 8 --lora-compare-base --save-result "$RES/$TAG.json"
+  bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --num-loras 1 --lora-rank 16 \
+    --lora-compare-base --save-result "$RES/${TAG}_latency.json"
+}
+stage_w11() {  # speculative decoding: a verify step with k = 4 against a plain decode step, batch 1 and 64
+  corectl bench verify-step --model llama3-8b --platform cuda --load-format dummy --num-speculative-tokens 4 \
+    --batch-sizes 1,64 --context-len 512 --num-steps 30 "${ENGINE[@]}"
+}
 stage_f1() {
   # API-process CPU per streamed output token: the server (F1_MODEL, default qwen3-0.6b) under 1024 in /
   # 128 out at concurrency 256 from 4 client processes, warmed first; the API process's CPU seconds over
