@@ -174,6 +174,10 @@ class CUDAGraphModelRunner(ModelRunner):
             logger.warning("attention backend %r cannot be captured in CUDA graphs; decoding eagerly",
                            self.backend.name)
             return
+        if not getattr(self.model, "supports_graph_capture", True):
+            logger.warning("%s reads values back to the host while it runs (its experts' torch path); "
+                           "decoding eagerly", type(self.model).__name__)
+            return
         started, free_before = time.monotonic(), torch.cuda.mem_get_info()[0]
         sizes = graph_batch_sizes(max_num_seqs)
         self._static = _StaticDecodeInputs(sizes[-1], -(-max_model_len // self.block_size), self.device)

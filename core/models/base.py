@@ -15,8 +15,11 @@ class CausalLM(nn.Module):
     `forward` takes the T tokens of a step (all sequences concatenated) and returns hidden states
     [T, hidden]; `compute_logits` maps selected hidden rows to fp32 logits [N, vocab].
     `load_weights` takes (Hugging Face parameter name, tensor) pairs and returns the names of
-    the model parameters it filled.
+    the model parameters it filled. `supports_graph_capture` False keeps a model's decode steps
+    out of CUDA graphs (its forward reads values back to the host, e.g. the torch MoE path).
     """
+
+    supports_graph_capture: bool = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         raise NotImplementedError

@@ -105,6 +105,8 @@ class GptOssMoE(nn.Module):
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
+    # The experts run the torch path, which reads expert counts back to the host.
+    supports_graph_capture = False
     def __init__(self, config, max_positions: int, dtype: torch.dtype):
         super().__init__(config, max_positions, dtype)
         for layer in self.model.layers:

@@ -125,6 +125,8 @@ class Llama4MoE(nn.Module):
 
 
 class Llama4ForCausalLM(LlamaForCausalLM):
+    # The experts run the torch path, which reads expert counts back to the host.
+    supports_graph_capture = False
     attention_class = Llama4Attention
 
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
