@@ -22,7 +22,8 @@ def build_encoder(arch: str, folder: Path, seed: int = 0, *, pooling: str | None
     common = {**dict(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, max_position_embeddings=66, initializer_range=0.2), **overrides}
     config = (BertConfig(**common, type_vocab_size=2) if arch.startswith("Bert")
-              else XLMRobertaConfig(**common, type_vocab_size=1, pad_token_id=1))
+              # pad_token_id 0 ([PAD], never in a prompt): HF numbers positions past pad tokens only.
+              else XLMRobertaConfig(**common, type_vocab_size=1, pad_token_id=0))
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).eval()
     model.save_pretrained(folder)
