@@ -1,4 +1,5 @@
-"""Fixtures: one shared real server (default model, API key) and clients for it."""
+"""Fixtures: shared real servers (the default model with an API key, without one, as a pooling model)
+and clients for them, started once per session (per pytest-xdist worker)."""
 from __future__ import annotations
 
 import httpx
@@ -32,6 +33,15 @@ def openai_client(server):
 @pytest.fixture(scope="session")
 def model_id(openai_client) -> str:
     return openai_client.models.list().data[0].id
+
+
+@pytest.fixture(scope="session")
+def keyless_server():
+    """A server without an API key (what a web page could reach, and what the README's examples call)
+    and a small bound on waiting requests."""
+    proc = ServerProcess(*SMALL_ENGINE, "--max-queued-requests", "8").wait_ready()
+    yield proc
+    assert proc.stop() == 0
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ import json
 import httpx
 import pytest
 from support.openai_errors import expect_error
-from support.server import SMALL_ENGINE, ServerProcess
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 JSON = {"content-type": "application/json"}
@@ -21,12 +20,9 @@ def _still_serving(http: httpx.Client) -> None:
 
 
 @pytest.fixture(scope="module")
-def keyless():
-    """A server without an API key (what a web page could reach) and a small bound on waiting requests."""
-    proc = ServerProcess(*SMALL_ENGINE, "--max-queued-requests", "8").wait_ready()
-    with httpx.Client(base_url=proc.url, timeout=120) as client:
+def keyless(keyless_server):
+    with httpx.Client(base_url=keyless_server.url, timeout=120) as client:
         yield client
-    assert proc.stop() == 0
 
 
 @pytest.mark.parametrize("n", [1_000_000, 2 ** 40, 2 ** 70, 129, 0, -1])

@@ -15,9 +15,11 @@ Modules
 - `quantized_layers`, `quant_checkpoints`, `gguf_files`: quantized layers, checkpoints (AWQ, GPTQ, FP8)
   and GGUF files written as their tools write them. `gpu`: checkpoints and engine checks of tests/gpu.
 
-Fixtures (conftest.py files; session-scoped ones start once per pytest-xdist worker)
+Fixtures (conftest.py files; session-scoped ones start once per pytest-xdist worker, and a module's
+tests that share a module-scoped fixture run on one worker: tests/conftest.py groups them)
 - tests/conftest.py: `default_model_dir` (the embedded model converted once), `llm_fp32` (one shared
   fp32 engine on it, for tests that only generate), `isolated_env`, `cpu_with_fp8_reference`.
 - tests/server/conftest.py: `server`, `http`, `openai_client`, `model_id` (one shared server with an API
-  key), `pooling_server`, `pooling_http`. A test that needs its own flags starts its own `ServerProcess`.
+  key), `keyless_server` (no key), `pooling_server`, `pooling_http`. Prefer these; a test that needs
+  its own flags starts its own `ServerProcess` in a module-scoped fixture.
 """
