@@ -86,11 +86,18 @@ class LoRALinear(UsesLayerKernels, nn.Module):
             self._add_lora(x, out)
         return out
 
-    def forward_gated(self, gate_up: torch.Tensor) -> None:
-        """A gated MLP's fused down projection: LoRA needs the activation itself, so there is none."""
-        return None
+    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """A gated MLP's fused down projection: the base's, with the LoRA kernels forming the
+        activation as they load `gate_up` (None where the base has none, or LoRA runs in torch)."""
+        kernels = self.kernels
+        if self.batch.active and (kernels is None or kernels.lora_shrink is None):
+            return None
+        out = self.base.forward_gated(gate_up)
+        if out is not None and self.batch.active:
+            self._add_lora(gate_up, out, gated=True)
+        return out
 
-    def _add_lora(self, x: torch.Tensor, out: torch.Tensor) -> None:
+    def _add_lora(self, x: torch.Tensor, out: torch.Tensor, gated: bool = False) -> None:
         batch, kernels = self.batch, self.kernels
         if kernels is None or kernels.lora_shrink is None:
             if not batch.groups:
@@ -106,7 +113,8 @@ class LoRALinear(UsesLayerKernels, nn.Module):
         num_slots, n, rank, in_features = self.lora_a.shape
         # One shrink over every sub-projection's stacked A and one expand writing every slice: at
         # batch 1 each launch costs more than the bytes it moves.
-        xa = kernels.lora_shrink(x, self.lora_a.view(num_slots, n * rank, in_features), slots, batch.segments)
+        xa = kernels.lora_shrink(x, self.lora_a.view(num_slots, n * rank, in_features), slots, batch.segments,
+                                 gated=gated)
         if self.reduce_xa is not None:
             xa = self.reduce_xa(xa.sum(0, keepdim=True))
         kernels.lora_expand(xa, self.lora_b, batch.scales, slots, batch.segments, out, self.slice_sizes)

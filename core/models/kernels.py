@@ -43,11 +43,11 @@ class LayerKernels:
     # steps, where a GEMV can read small weights closer to copy bandwidth than cuBLAS). None: F.linear
     dense_linear: Callable[..., torch.Tensor | None] | None = None
     # Batched mixed-adapter LoRA (corectl.lora.punica says what each computes; slot -1 rows are left
-    # alone). shrink: (x [T, K], a [S, R, K], token_slots [T] int32, segments | None) -> fp32 partial
+    # alone). shrink: (x [T, K], a [S, R, K], token_slots [T] int32, segments | None, gated=False) -> fp32 partial
     # sums [P, T, R] (xa is their sum over P); expand: (xa [P, T, n * R], b [S, N, R], scales [S] fp32,
     # token_slots, segments | None, out [T, N], slice_sizes: the n slices' widths) -> None, adding into
     # out. `segments` (a LoRASegments) gives the segment form of a prefill step, None the gathered form
-    # (decode; graph capture). None: the torch path
+    # (decode; graph capture); gated: x is [T, 2K] (gate | up) and silu(gate) * up takes its place. None: the torch path
     lora_shrink: Callable[..., torch.Tensor] | None = None
     lora_expand: Callable[..., None] | None = None
 

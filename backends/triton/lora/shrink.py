@@ -8,8 +8,9 @@ Gathered form (decode steps, CUDA graphs): one program per (token, rank block, i
 its token's slot and reduces over its share of the input features; a base token (slot -1) writes
 zeros. A batch-1 step has one token: without the split, one program would stream a whole A
 (0.4 MB for llama3-8b's qkv) alone. Segment form (prefill and mixed steps): one program per
-(segment, row block, rank block) multiplies a tile of a run of tokens sharing one adapter with that
-adapter's A by `tl.dot`, so A is read once per tile instead of once per token (P = 1). Loads are
+(segment, row block, input split and rank block) multiplies a tile of a run of tokens sharing one
+adapter with that adapter's A by `tl.dot`, so A is read once per tile instead of once per token;
+its splits are summed before it returns (P = 1). Loads are
 converted to fp32 at once and accumulate in fp32 (the interpreter computes no bf16 arithmetic).
 """
 from __future__ import annotations
@@ -35,8 +36,19 @@ _SEGMENT_BLOCK_K = 64
 
 
 @triton.jit
+def _input(ptrs, K, mask, GATED: tl.constexpr):
+    """The shrink's input at `ptrs`; gated: silu(gate) * up of a gated MLP's [gate | up] row (the
+    activation the down projection's base GEMV forms as it loads it, formed here the same way)."""
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        x = x / (1.0 + tl.exp(-x)) * up
+    return x
+
+
+@triton.jit
 def _shrink_gathered_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, K, R, K_PER_SPLIT, stride_xt, stride_as, stride_ar,
-                            stride_os, stride_ot, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                            stride_os, stride_ot, GATED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     split = tl.program_id(2)
@@ -46,7 +58,7 @@ def _shrink_gathered_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, K, R, K_PER_SPLIT,
         k_start = split * K_PER_SPLIT
         for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            xk = tl.load(x_ptr + token * stride_xt + k, mask=k < K, other=0.0).to(tl.float32)
+            xk = _input(x_ptr + token * stride_xt + k, K, k < K, GATED)
             a = tl.load(a_ptr + slot * stride_as + r[:, None] * stride_ar + k[None, :],
                         mask=(r[:, None] < R) & (k[None, :] < K), other=0.0).to(tl.float32)
             acc += tl.sum(a * xk[None, :], axis=1)
@@ -54,66 +66,82 @@ def _shrink_gathered_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, K, R, K_PER_SPLIT,
 
 
 @triton.jit
-def _shrink_segment_kernel(x_ptr, a_ptr, starts_ptr, lens_ptr, seg_slots_ptr, out_ptr, K, R, stride_xt, stride_as,
-                           stride_ar, stride_ot, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+def _shrink_segment_kernel(x_ptr, a_ptr, starts_ptr, lens_ptr, seg_slots_ptr, out_ptr, K, R, K_PER_SPLIT, stride_xt,
+                           stride_as, stride_ar, stride_os, stride_ot, RANK_BLOCKS, GATED: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     rows, in_segment, slot, live = segment_tile(starts_ptr, lens_ptr, seg_slots_ptr, BLOCK_M)
     if live:
-        r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+        # Axis 2 is (input split, rank block).
+        split = tl.program_id(2) // RANK_BLOCKS
+        r = (tl.program_id(2) % RANK_BLOCKS) * BLOCK_R + tl.arange(0, BLOCK_R)
         acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_start = split * K_PER_SPLIT
+        for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            xt = tl.load(x_ptr + rows[:, None] * stride_xt + k[None, :], mask=in_segment[:, None] & (k[None, :] < K),
-                         other=0.0).to(tl.float32)
+            xt = _input(x_ptr + rows[:, None] * stride_xt + k[None, :], K, in_segment[:, None] & (k[None, :] < K), GATED)
             at = tl.load(a_ptr + slot * stride_as + r[None, :] * stride_ar + k[:, None],
                          mask=(r[None, :] < R) & (k[:, None] < K), other=0.0).to(tl.float32)
             acc += tl.dot(xt, at)
-        tl.store(out_ptr + rows[:, None] * stride_ot + r[None, :], acc, mask=in_segment[:, None] & (r[None, :] < R))
-
-
-def gathered_splits(num_tokens: int, rank_blocks: int, k_blocks: int) -> int:
-    """Input splits of a gathered launch: enough programs to fill the GPU, at most one per k block."""
-    return max(1, min(k_blocks, MAX_SPLITS, triton.cdiv(_TARGET_PROGRAMS, max(1, num_tokens * rank_blocks))))
+        tl.store(out_ptr + split * stride_os + rows[:, None] * stride_ot + r[None, :], acc,
+                 mask=in_segment[:, None] & (r[None, :] < R))
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, segments: LoRASegments | None = None,
-                check_indices: bool = False) -> torch.Tensor:
+                check_indices: bool = False, gated: bool = False) -> torch.Tensor:
     """x [T, K], a [S, R, K], token_slots [T] int32 (-1: base) -> fp32 partial sums [P, T, R] whose
     sum over P is x @ a[slot].T per row (zero on base rows). With `segments` the segment form runs
     (P = 1; rows outside every segment are zero). `check_indices` reads the slots back to check
-    their range (a host sync)."""
+    their range (a host sync). `gated`: x is a gated MLP's [T, 2K] (gate | up), and silu(gate) * up
+    takes its place."""
     check_float("x", x, 2)
     check_float("a", a, 3)
     require(a.stride(1) == a.shape[2] or a.shape[1] <= 1, f"a's rows must be contiguous, got strides {a.stride()}")
-    require(a.shape[2] == x.shape[1], f"a has {a.shape[2]} input features, x has {x.shape[1]}")
+    width = 2 * a.shape[2] if gated else a.shape[2]
+    require(width == x.shape[1], f"a has {a.shape[2]} input features, x has {x.shape[1]}" + (" (gated)" if gated else ""))
     check_same_device(x=x, a=a, token_slots=token_slots)
-    num_tokens, k = x.shape
-    num_slots, rank = a.shape[0], a.shape[1]
-    check_slots(token_slots, num_tokens, num_slots, segments, check_indices)
+    check_slots(token_slots, x.shape[0], a.shape[0], segments, check_indices)
     if segments is None:
-        return _shrink_gathered(x, a, token_slots)
-    out = torch.zeros((1, num_tokens, rank), dtype=torch.float32, device=x.device)
-    if segments.num_segments and segments.max_len and rank:
-        block_r = max(16, min(triton.next_power_of_2(rank), 64))
-        block_k = max(16, min(_SEGMENT_BLOCK_K, triton.next_power_of_2(k)))
-        grid = (segments.num_segments, triton.cdiv(segments.max_len, _SEGMENT_BLOCK_M), triton.cdiv(rank, block_r))
-        _shrink_segment_kernel[grid](
-            x, a, segments.starts, segments.lens, segments.slots, out, k, rank, x.stride(0), a.stride(0),
-            a.stride(1), out.stride(1), BLOCK_M=_SEGMENT_BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
-    return out
+        return _shrink_gathered(x, a, token_slots, gated)
+    return _shrink_segments(x, a, segments, gated)
 
 
-def _shrink_gathered(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
-    (num_tokens, k), rank = x.shape, a.shape[1]
+def _splits(k: int, block_k: int, programs: int) -> tuple[int, int]:
+    """(input features per split, splits): enough programs to fill the GPU, at most one per k block."""
+    k_blocks = triton.cdiv(k, block_k)
+    splits = max(1, min(k_blocks, MAX_SPLITS, triton.cdiv(_TARGET_PROGRAMS, max(1, programs))))
+    k_per_split = max(1, triton.cdiv(k_blocks, splits)) * block_k
+    return k_per_split, max(1, triton.cdiv(k, k_per_split))
+
+
+def _shrink_gathered(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, gated: bool) -> torch.Tensor:
+    num_tokens, (rank, k) = x.shape[0], a.shape[1:]
     block_r = min(triton.next_power_of_2(max(rank, 1)), 64)
     block_k = min(_GATHER_BLOCK_K, _TILE_ELEMENTS // block_r, triton.next_power_of_2(max(k, 1)))
-    k_blocks = triton.cdiv(k, block_k)
-    splits = gathered_splits(num_tokens, triton.cdiv(rank, block_r), k_blocks)
-    k_per_split = max(1, triton.cdiv(k_blocks, splits)) * block_k
-    splits = max(1, triton.cdiv(k, k_per_split))
+    rank_blocks = triton.cdiv(rank, block_r)
+    k_per_split, splits = _splits(k, block_k, num_tokens * rank_blocks)
     out = torch.empty((splits, num_tokens, rank), dtype=torch.float32, device=x.device)
     if num_tokens and rank:
-        _shrink_gathered_kernel[(num_tokens, triton.cdiv(rank, block_r), splits)](
+        _shrink_gathered_kernel[(num_tokens, rank_blocks, splits)](
             x, a, token_slots, out, k, rank, k_per_split, x.stride(0), a.stride(0), a.stride(1), out.stride(0),
-            out.stride(1), BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+            out.stride(1), GATED=gated, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
     return out
+
+
+def _shrink_segments(x: torch.Tensor, a: torch.Tensor, segments: LoRASegments, gated: bool) -> torch.Tensor:
+    num_tokens, (rank, k) = x.shape[0], a.shape[1:]
+    if not (segments.num_segments and segments.max_len and rank):
+        return torch.zeros((1, num_tokens, rank), dtype=torch.float32, device=x.device)
+    block_r = max(16, min(triton.next_power_of_2(rank), 64))
+    block_k = max(16, min(_SEGMENT_BLOCK_K, triton.next_power_of_2(k)))
+    rank_blocks = triton.cdiv(rank, block_r)
+    row_blocks = triton.cdiv(segments.max_len, _SEGMENT_BLOCK_M)
+    # One 512-token prompt is 16 row blocks: its reduction is split too.
+    k_per_split, splits = _splits(k, block_k, segments.num_segments * row_blocks * rank_blocks)
+    # Rows outside every segment stay zero in every split.
+    out = torch.zeros((splits, num_tokens, rank), dtype=torch.float32, device=x.device)
+    _shrink_segment_kernel[(segments.num_segments, row_blocks, splits * rank_blocks)](
+        x, a, segments.starts, segments.lens, segments.slots, out, k, rank, k_per_split, x.stride(0), a.stride(0),
+        a.stride(1), out.stride(0), out.stride(1), rank_blocks, GATED=gated, BLOCK_M=_SEGMENT_BLOCK_M, BLOCK_R=block_r,
+        BLOCK_K=block_k, num_warps=4)
+    # The segment expand would read every split once per output block: they are summed once here.
+    return out if splits == 1 else out.sum(0, keepdim=True)

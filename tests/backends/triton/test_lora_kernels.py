@@ -37,13 +37,25 @@ def test_shrink_matches_reference(dtype, decode, rank, assert_close):
     torch.testing.assert_close(parts.sum(0), shrink_reference(x, a, slots), rtol=1e-4, atol=1e-4)
 
 
-def test_gathered_shrink_splits_the_input_features(assert_close):
-    """A batch-1 step spreads one token's reduction over many programs: each writes the partial sum
-    of its share of the 3000 input features (the last share ragged)."""
-    slots = torch.tensor([1], dtype=torch.int32)
-    x, a = torch.randn(1, 3000), torch.randn(2, 8, 3000)
-    parts = lora_shrink(x, a, slots)
-    assert parts.shape[0] > 1
+@pytest.mark.parametrize("decode", [True, False], ids=["gathered", "segment"])
+def test_gated_shrink_forms_the_activation(decode):
+    """A down projection's shrink takes the gated MLP's [gate | up] and multiplies silu(gate) * up."""
+    slots, segments = _layout([(1, s) for _, s in REQUESTS] if decode else REQUESTS, decode)
+    gate_up, a = torch.randn(slots.shape[0], 2 * 40), torch.randn(2, 8, 40)
+    gate, up = gate_up.chunk(2, dim=-1)
+    parts = lora_shrink(gate_up, a, slots, segments, gated=True)
+    expected = shrink_reference(torch.nn.functional.silu(gate) * up, a, slots)
+    torch.testing.assert_close(parts.sum(0), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["gathered", "segment"])
+def test_shrink_splits_the_input_features(decode, assert_close):
+    """One token (or one short prompt) spreads its reduction over many programs, each over its share
+    of the 3000 input features (the last share ragged); the segment form sums the shares itself."""
+    slots, segments = _layout([(1, 1)] if decode else [(3, 1)], decode)
+    x, a = torch.randn(slots.shape[0], 3000), torch.randn(2, 8, 3000)
+    parts = lora_shrink(x, a, slots, segments)
+    assert parts.shape[0] > 1 if decode else parts.shape[0] == 1
     assert_close(parts.sum(0), shrink_reference(x, a, slots))
 
 
