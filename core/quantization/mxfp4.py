@@ -98,8 +98,11 @@ class Mxfp4MoEMethod(MoEMethod):
 
     def process_weights_after_loading(self, layer) -> None:
         for stack in ("gate_up_proj", "down_proj"):
-            dense = mxfp4_dequantize(getattr(layer, f"{stack}_blocks").data, getattr(layer, f"{stack}_scales").data,
-                                     self.dtype)
+            blocks, scales = getattr(layer, f"{stack}_blocks").data, getattr(layer, f"{stack}_scales").data
+            dense = torch.empty(*scales.shape[:2], scales.shape[2] * GROUP, dtype=self.dtype, device=blocks.device)
+            # One expert at a time: the transient codes and fp32 values are one expert's, not the layer's.
+            for expert in range(dense.shape[0]):
+                dense[expert] = mxfp4_dequantize(blocks[expert], scales[expert], self.dtype)
             delattr(layer, f"{stack}_blocks")
             delattr(layer, f"{stack}_scales")
             layer.register_parameter(stack, torch.nn.Parameter(dense, requires_grad=False))
