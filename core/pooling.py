@@ -22,7 +22,7 @@ request's Matryoshka `dimensions` and normalises them, so a long input split int
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,7 +31,6 @@ import msgspec
 import numpy as np
 
 from .errors import ConfigError, InvalidRequestError
-from .models.registry import resolve_model_class
 
 RUNNERS = ("auto", "generate", "pooling")
 # vLLM's older spelling: `--task embed` is `--runner pooling`.
@@ -109,8 +108,10 @@ def read_sentence_transformers(model_dir: Path) -> _SentenceTransformers | None:
     return _SentenceTransformers(pooling_type, _ST_NORMALIZE in types)
 
 
-def resolve_pooling(config, model_dir: Path, hf_config) -> PoolingInfo | None:
-    """What the engine pools, or None for a generative engine (see the module docstring)."""
+def resolve_pooling(config, model_dir: Path, hf_config, resolve_model_class: Callable[[object], type]
+                    ) -> PoolingInfo | None:
+    """What the engine pools, or None for a generative engine (see the module docstring);
+    `resolve_model_class` maps a config to the model class (the registry's)."""
     st = read_sentence_transformers(model_dir)
     runner = config.runner
     if runner == "auto":

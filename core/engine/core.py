@@ -28,6 +28,7 @@ from ..executor import StepHandle, WorkerSpec, create_executor
 from ..loaders import ModelSource, resolve_model_source
 from ..lora.shapes import BaseModelShape
 from ..models.bert import position_offset
+from ..models.registry import resolve_model_class
 from ..pooling import PoolingInfo, resolve_pooling
 from ..quantization.selection import resolve_quantization
 from ..request import Request
@@ -62,7 +63,7 @@ class EngineCore:
         if self.source.tokenizer_dir is None and not config.skip_tokenizer_init:
             # Presets and bare dummy configs run without a tokenizer: the config as run says so.
             config = config.replace(skip_tokenizer_init=True)
-        self.pooling = resolve_pooling(config, self.source.model_dir, self.source.hf_config)
+        self.pooling = resolve_pooling(config, self.source.model_dir, self.source.hf_config, resolve_model_class)
         config = _runner_config(config, self.pooling)
         self.config = config
         platform = resolve_platform(config.platform)

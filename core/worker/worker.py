@@ -18,11 +18,11 @@ from ..distributed import get_tp, shard_range
 from ..errors import ConfigError
 from ..lora.manager import AdapterManager
 from ..lora.shapes import BaseModelShape
+from ..models.bert import read_separator
 from ..models.kernels import LayerKernels, install_layer_kernels
 from ..models.layers import Attention
 from ..models.registry import resolve_model_class
 from ..platform import Platform
-from ..models.bert import read_separator
 from ..pooling import pooling_architectures, pooling_weights
 from ..quantization.base import KernelTable, QuantizationConfig
 from ..quantization.scope import bind_linear_methods, process_loaded_weights, quantization_scope
