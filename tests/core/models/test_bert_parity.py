@@ -15,7 +15,9 @@ from corectl import LLM, PoolingParams
 from support.encoders import build_encoder
 
 TOL = 1e-5
-TEXTS = ["the cat sat on the mat", "dog", "what is the capital of france " * 4, "a big red car on the road"]
+# 80 tokens in all: more than one step's budget (64), so a prompt that does not fit waits whole.
+TEXTS = ["the cat sat on the mat", "dog", "what is the capital of france " * 4, "a big red car on the road",
+         "the small bird sat on a tree " * 5]
 PAIRS = [("what is the capital of france", "paris is the capital of france"), ("where lives the fish", "sea"),
          ("big tree", "the small bird sat on a tree by the river " * 2)]
 ENGINE = dict(dtype="float32", kv_cache_memory_gib=0.02, max_num_batched_tokens=16, max_model_len=64)
@@ -55,7 +57,8 @@ def test_encoder_embeddings_like_transformers(tmp_path, arch, pooling):
             hidden = hf_model(**_hf_inputs(tokenizer, arch, text)).last_hidden_state[0]
         want = hidden.mean(0) if pooling == "MEAN" else hidden[0]
         np.testing.assert_allclose(out.outputs.embedding, want.numpy(), atol=TOL, rtol=TOL)
-    assert max(len(tokenizer(text)["input_ids"]) for text in TEXTS) > 16
+    lengths = [len(tokenizer(text)["input_ids"]) for text in TEXTS]
+    assert max(lengths) > 16 and sum(lengths) > 64
     _assert_all_blocks_free(llm)
 
 
