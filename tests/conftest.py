@@ -6,17 +6,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`-n auto`, with pyproject's `--dist loadgroup`) the tests of a module that
-    share a module-scoped fixture (a server, an engine, a checkpoint) run on one worker, which builds
-    it once; all other tests spread one by one. Session-scoped fixtures start once per worker."""
-    for item in items:
-        fixtures = item._fixtureinfo.name2fixturedefs.values() if hasattr(item, "_fixtureinfo") else ()
-        if any(defs[-1].scope == "module" for defs in fixtures):
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
-
-
 @pytest.fixture(scope="module")
 def isolated_env(tmp_path_factory):
     """For modules that build shape presets: presets write their config to a cache folder of the

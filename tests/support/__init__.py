@@ -15,8 +15,8 @@ Modules
 - `quantized_layers`, `quant_checkpoints`, `gguf_files`: quantized layers, checkpoints (AWQ, GPTQ, FP8)
   and GGUF files written as their tools write them. `gpu`: checkpoints and engine checks of tests/gpu.
 
-Fixtures (conftest.py files; session-scoped ones start once per pytest-xdist worker, and a module's
-tests that share a module-scoped fixture run on one worker: tests/conftest.py groups them)
+Fixtures (conftest.py files). Under pytest-xdist (`-n auto`; pyproject's `--dist loadscope`) a module's
+tests run on one worker, so a module-scoped fixture starts once; a session-scoped one once per worker.
 - tests/conftest.py: `default_model_dir` (the embedded model converted once), `llm_fp32` (one shared
   fp32 engine on it, for tests that only generate), `isolated_env`, `cpu_with_fp8_reference`.
 - tests/server/conftest.py: `server`, `http`, `openai_client`, `model_id` (one shared server with an API
