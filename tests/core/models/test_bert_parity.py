@@ -120,5 +120,5 @@ def test_real_all_minilm_l6_v2_like_sentence_transformers_math():
             hidden = hf_model(**llm.tokenizer.hf(text, return_tensors="pt")).last_hidden_state[0]
         want = torch.nn.functional.normalize(hidden.mean(0), dim=0)
         np.testing.assert_allclose(out.outputs.embedding, want.numpy(), atol=2e-5, rtol=2e-5)
-    similar = np.dot(outputs[0].outputs.embedding, llm.embed("Someone eats a meal.", use_tqdm=False)[0].outputs.embedding)
-    assert similar > np.dot(outputs[0].outputs.embedding, outputs[1].outputs.embedding)
+    meal = llm.embed("Someone eats a meal.", use_tqdm=False)[0].outputs.embedding
+    assert np.dot(outputs[0].outputs.embedding, meal) > np.dot(outputs[0].outputs.embedding, outputs[1].outputs.embedding)
