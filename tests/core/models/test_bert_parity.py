@@ -121,4 +121,5 @@ def test_real_all_minilm_l6_v2_like_sentence_transformers_math():
         want = torch.nn.functional.normalize(hidden.mean(0), dim=0)
         np.testing.assert_allclose(out.outputs.embedding, want.numpy(), atol=2e-5, rtol=2e-5)
     meal = llm.embed("Someone eats a meal.", use_tqdm=False)[0].outputs.embedding
-    assert np.dot(outputs[0].outputs.embedding, meal) > np.dot(outputs[0].outputs.embedding, outputs[1].outputs.embedding)
+    eating, riding = outputs[0].outputs.embedding, outputs[1].outputs.embedding
+    assert np.dot(eating, meal) > np.dot(eating, riding)
