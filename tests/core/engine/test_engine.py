@@ -1,10 +1,12 @@
-"""End-to-end engine behaviour on the real model: batch invariance, preemption, sampling, stops."""
+"""End-to-end engine behaviour on the real model (preemption on the random-weight preset): batch
+invariance, preemption, sampling, stops."""
 from __future__ import annotations
 
 import anyio
 import pytest
 from corectl import LLM, EngineConfig, SamplingParams
 from corectl.errors import ConfigError, InvalidRequestError
+from support.engines import TINY
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -30,12 +32,15 @@ def test_batch_invariance_alone_batched_and_prefix_hit(llm_fp32):
     assert llm_fp32.engine.scheduler.make_stats().kv_cache_usage == 0.0
 
 
-def test_preemption_resumes_with_identical_output(llm_fp32):
-    tok = llm_fp32.get_tokenizer()
-    prompts = [tok.encode(f"Write a long list of fruits, number {i}:") for i in range(8)]
+def test_preemption_resumes_with_identical_output():
+    """On the random-weight preset (512 bytes of KV a token): 8 requests of 60 tokens in a cache of
+    ~400 tokens are preempted and recomputed, and give the tokens of a cache that holds them all."""
+    prompts = [[(11 * i + j) % 500 + 10 for j in range(12)] for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    reference = [o.outputs[0].token_ids for o in llm_fp32.generate(prompts, params, use_tqdm=False)]
-    small = LLM(dtype="float32", max_model_len=256, kv_cache_memory_gib=0.02, enable_prefix_caching=False)
+    roomy = LLM(**TINY, dtype="float32", max_model_len=256)
+    reference = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    small = LLM(**{**TINY, "kv_cache_memory_gib": 0.0002}, dtype="float32", max_model_len=256,
+                enable_prefix_caching=False)
     outputs = small.generate(prompts, params, use_tqdm=False)
     stats = small.engine.scheduler.make_stats()
     assert stats.num_preemptions > 0
