@@ -18,7 +18,6 @@ import triton.language as tl
 from corectl.lora.punica import LoRASegments
 
 from ..checks import check_float, check_same_device, require
-from ..pdl import grid_dependency, pdl_enabled
 from .checks import check_slots
 from .segments import segment_tile
 
@@ -27,8 +26,6 @@ _GATHER_BLOCK_N = 128
 _TILE_ELEMENTS = 8192
 _SEGMENT_BLOCK_M = 16
 _SEGMENT_BLOCK_N = 64
-# Programs a gathered launch aims for (about 16 per H100 multiprocessor).
-_TARGET_PROGRAMS = 2048
 MAX_SLICES = 3
 
 
@@ -40,37 +37,32 @@ def _slice_of(n, END0, END1):
 
 @triton.jit
 def _expand_gathered_kernel(xa_ptr, b_ptr, scales_ptr, slots_ptr, out_ptr, N, R, P, END0, END1, stride_xp, stride_xt,
-                            stride_bs, stride_bn, stride_ot, N_PER_PROGRAM, NUM_SLICES: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
-    grid_dependency(PDL)
+                            stride_bs, stride_bn, stride_ot, NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + token).to(tl.int64)
     if slot >= 0:
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         r = tl.arange(0, BLOCK_R)
         p = tl.arange(0, BLOCK_P)
-        scale = tl.load(scales_ptr + slot)
-        n_start = tl.program_id(1) * N_PER_PROGRAM
-        for n0 in range(n_start, n_start + N_PER_PROGRAM, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            b = tl.load(b_ptr + slot * stride_bs + n[:, None] * stride_bn + r[None, :],
-                        mask=(n[:, None] < N) & (r[None, :] < R), other=0.0).to(tl.float32)
-            which = _slice_of(n, END0, END1)
-            delta = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for j in tl.static_range(NUM_SLICES):
-                parts = tl.load(xa_ptr + p[:, None] * stride_xp + token * stride_xt + j * R + r[None, :],
-                                mask=(p[:, None] < P) & (r[None, :] < R), other=0.0)
-                xa = tl.sum(parts, axis=0)
-                delta = tl.where(which == j, tl.sum(b * xa[None, :], axis=1), delta)
-            out = out_ptr + token * stride_ot + n
-            y = tl.load(out, mask=n < N, other=0.0).to(tl.float32)
-            tl.store(out, (y + delta * scale).to(out_ptr.dtype.element_ty), mask=n < N)
+        b = tl.load(b_ptr + slot * stride_bs + n[:, None] * stride_bn + r[None, :],
+                    mask=(n[:, None] < N) & (r[None, :] < R), other=0.0).to(tl.float32)
+        which = _slice_of(n, END0, END1)
+        delta = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(NUM_SLICES):
+            parts = tl.load(xa_ptr + p[:, None] * stride_xp + token * stride_xt + j * R + r[None, :],
+                            mask=(p[:, None] < P) & (r[None, :] < R), other=0.0)
+            xa = tl.sum(parts, axis=0)
+            delta = tl.where(which == j, tl.sum(b * xa[None, :], axis=1), delta)
+        out = out_ptr + token * stride_ot + n
+        y = tl.load(out, mask=n < N, other=0.0).to(tl.float32)
+        tl.store(out, (y + delta * tl.load(scales_ptr + slot)).to(out_ptr.dtype.element_ty), mask=n < N)
 
 
 @triton.jit
 def _expand_segment_kernel(xa_ptr, b_ptr, scales_ptr, starts_ptr, lens_ptr, seg_slots_ptr, out_ptr, N, R, P, END0,
                            END1, stride_xp, stride_xt, stride_bs, stride_bn, stride_ot, NUM_SLICES: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
-    grid_dependency(PDL)
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     rows, in_segment, slot, live = segment_tile(starts_ptr, lens_ptr, seg_slots_ptr, BLOCK_M)
     if live:
         n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -118,16 +110,12 @@ def lora_expand(xa: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, token_s
         return
     ends = [sum(sizes[:j + 1]) for j in range(len(sizes) - 1)] + [n_out] * (MAX_SLICES - len(sizes) + 1)
     common = (n_out, rank, parts, ends[0], ends[1], xa.stride(0), xa.stride(1), b.stride(0), b.stride(1), out.stride(0))
-    pdl = pdl_enabled(out.device)
     if segments is None:
         block_r = triton.next_power_of_2(rank)
         block_n = min(_GATHER_BLOCK_N, max(16, _TILE_ELEMENTS // block_r), triton.next_power_of_2(n_out))
-        # A wide batch takes several output blocks a program: 256 tokens of gate_up were 57k programs.
-        n_blocks = triton.cdiv(n_out, block_n)
-        per_program = triton.cdiv(n_blocks, min(n_blocks, triton.cdiv(_TARGET_PROGRAMS, num_tokens))) * block_n
-        _expand_gathered_kernel[(num_tokens, triton.cdiv(n_out, per_program))](
-            xa, b, scales, token_slots, out, *common, per_program, NUM_SLICES=len(sizes), BLOCK_N=block_n,
-            BLOCK_R=block_r, BLOCK_P=triton.next_power_of_2(parts), PDL=pdl, num_warps=4, launch_pdl=pdl)
+        _expand_gathered_kernel[(num_tokens, triton.cdiv(n_out, block_n))](
+            xa, b, scales, token_slots, out, *common, NUM_SLICES=len(sizes), BLOCK_N=block_n, BLOCK_R=block_r,
+            BLOCK_P=triton.next_power_of_2(parts), num_warps=4)
         return
     if not segments.num_segments or not segments.max_len:
         return
@@ -136,4 +124,4 @@ def lora_expand(xa: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, token_s
     grid = (segments.num_segments, triton.cdiv(segments.max_len, _SEGMENT_BLOCK_M), triton.cdiv(n_out, block_n))
     _expand_segment_kernel[grid](
         xa, b, scales, segments.starts, segments.lens, segments.slots, out, *common, NUM_SLICES=len(sizes),
-        BLOCK_M=_SEGMENT_BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        BLOCK_M=_SEGMENT_BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=4)

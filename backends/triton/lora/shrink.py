@@ -21,7 +21,6 @@ import triton.language as tl
 from corectl.lora.punica import LoRASegments
 
 from ..checks import check_float, check_same_device, require
-from ..pdl import grid_dependency, pdl_enabled
 from .checks import check_slots
 from .segments import segment_tile
 
@@ -49,9 +48,7 @@ def _input(ptrs, K, mask, GATED: tl.constexpr):
 
 @triton.jit
 def _shrink_gathered_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, K, R, K_PER_SPLIT, stride_xt, stride_as, stride_ar,
-                            stride_os, stride_ot, GATED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                            PDL: tl.constexpr):
-    grid_dependency(PDL)
+                            stride_os, stride_ot, GATED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     split = tl.program_id(2)
@@ -71,8 +68,7 @@ def _shrink_gathered_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, K, R, K_PER_SPLIT,
 @triton.jit
 def _shrink_segment_kernel(x_ptr, a_ptr, starts_ptr, lens_ptr, seg_slots_ptr, out_ptr, K, R, K_PER_SPLIT, stride_xt,
                            stride_as, stride_ar, stride_os, stride_ot, RANK_BLOCKS, GATED: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    grid_dependency(PDL)
+                           BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     rows, in_segment, slot, live = segment_tile(starts_ptr, lens_ptr, seg_slots_ptr, BLOCK_M)
     if live:
         # Axis 2 is (input split, rank block).
@@ -82,8 +78,7 @@ def _shrink_segment_kernel(x_ptr, a_ptr, starts_ptr, lens_ptr, seg_slots_ptr, ou
         k_start = split * K_PER_SPLIT
         for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            xt = _input(x_ptr + rows[:, None] * stride_xt + k[None, :], K, in_segment[:, None] & (k[None, :] < K),
-                        GATED)
+            xt = _input(x_ptr + rows[:, None] * stride_xt + k[None, :], K, in_segment[:, None] & (k[None, :] < K), GATED)
             at = tl.load(a_ptr + slot * stride_as + r[None, :] * stride_ar + k[:, None],
                          mask=(r[None, :] < R) & (k[:, None] < K), other=0.0).to(tl.float32)
             acc += tl.dot(xt, at)
@@ -102,8 +97,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, seg
     check_float("a", a, 3)
     require(a.stride(1) == a.shape[2] or a.shape[1] <= 1, f"a's rows must be contiguous, got strides {a.stride()}")
     width = 2 * a.shape[2] if gated else a.shape[2]
-    require(width == x.shape[1],
-            f"a has {a.shape[2]} input features, x has {x.shape[1]}" + (" (gated: gate | up)" if gated else ""))
+    require(width == x.shape[1], f"a has {a.shape[2]} input features, x has {x.shape[1]}" + (" (gated)" if gated else ""))
     check_same_device(x=x, a=a, token_slots=token_slots)
     check_slots(token_slots, x.shape[0], a.shape[0], segments, check_indices)
     if segments is None:
@@ -126,11 +120,10 @@ def _shrink_gathered(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor
     rank_blocks = triton.cdiv(rank, block_r)
     k_per_split, splits = _splits(k, block_k, num_tokens * rank_blocks)
     out = torch.empty((splits, num_tokens, rank), dtype=torch.float32, device=x.device)
-    pdl = pdl_enabled(x.device)
     if num_tokens and rank:
         _shrink_gathered_kernel[(num_tokens, rank_blocks, splits)](
             x, a, token_slots, out, k, rank, k_per_split, x.stride(0), a.stride(0), a.stride(1), out.stride(0),
-            out.stride(1), GATED=gated, BLOCK_R=block_r, BLOCK_K=block_k, PDL=pdl, num_warps=4, launch_pdl=pdl)
+            out.stride(1), GATED=gated, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
     return out
 
 
@@ -146,10 +139,9 @@ def _shrink_segments(x: torch.Tensor, a: torch.Tensor, segments: LoRASegments, g
     k_per_split, splits = _splits(k, block_k, segments.num_segments * row_blocks * rank_blocks)
     # Rows outside every segment stay zero in every split.
     out = torch.zeros((splits, num_tokens, rank), dtype=torch.float32, device=x.device)
-    pdl = pdl_enabled(x.device)
     _shrink_segment_kernel[(segments.num_segments, row_blocks, splits * rank_blocks)](
         x, a, segments.starts, segments.lens, segments.slots, out, k, rank, k_per_split, x.stride(0), a.stride(0),
         a.stride(1), out.stride(0), out.stride(1), rank_blocks, GATED=gated, BLOCK_M=_SEGMENT_BLOCK_M, BLOCK_R=block_r,
-        BLOCK_K=block_k, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        BLOCK_K=block_k, num_warps=4)
     # The segment expand would read every split once per output block: they are summed once here.
     return out if splits == 1 else out.sum(0, keepdim=True)

@@ -146,18 +146,3 @@ def test_layer_with_kernels_matches_torch_path(decode):
     base = model.qkv_proj.base(x)
     assert torch.equal(with_kernels[slots < 0], base[slots < 0])
     assert not torch.allclose(with_kernels[slots >= 0], base[slots >= 0])
-
-
-def test_gathered_expand_walks_several_output_blocks(monkeypatch, assert_close):
-    """A wide batch gives each program several output blocks (here all five of 600 columns, the last
-    ragged): every column is added once."""
-    from corectl.backends.triton.lora import expand
-
-    monkeypatch.setattr(expand, "_TARGET_PROGRAMS", 4)
-    slots = torch.tensor([1, -1, 0, 1], dtype=torch.int32)
-    parts, b, scales = torch.randn(2, 4, 16), torch.randn(2, 600, 16), torch.tensor([0.5, 2.0])
-    out = torch.randn(4, 600)
-    expected = out.clone()
-    expand_reference(parts.sum(0), b, scales, slots, expected)
-    lora_expand(parts, b, scales, slots, None, out)
-    assert_close(out, expected)
