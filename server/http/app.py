@@ -127,13 +127,13 @@ async def _engine_lifespan(app: Litestar) -> AsyncIterator[None]:
             transport = await _start_engine(server, tg)
             async with EngineClient.serving(transport, server.settings.engine, tg) as client:
                 # Before the client is set: a bad adapter is a startup error (exit 2, its message).
-                server.sampling_defaults = generation_defaults(server.settings.generation_config, client.info.model_dir)
                 await _register_lora_modules(server, client)
                 server.client = client
                 engine = server.settings.engine
                 server.metrics = ServerMetrics(server.model_name, client.info.max_model_len, lambda: client.engine_stats,
                                                engine.max_loras if engine.enable_lora else None,
                                                server.settings.metrics_prefix, _cache_config(client.info, engine))
+                server.sampling_defaults = generation_defaults(server.settings.generation_config, client.info.model_dir)
                 _log_ready(server)
                 stop = anyio.Event()
                 tg.start_soon(_watch_engine, server, client, stop)
