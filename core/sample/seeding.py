@@ -1,20 +1,15 @@
 """Seeds of a seeded request's random numbers, one per output position (a counter-based stream).
 
-`position_seed(seed, position)` mixes the two with splitmix64's finaliser, so nearby seeds and
-positions give unrelated streams (n > 1 samples take seeds seed, seed + 1, ...), and the same pair
-always gives the same numbers.
+`position_seed(seed, position)` depends on the pair alone, so the same request draws the same
+numbers whatever else is batched, after a prefix-cache hit or a preemption, and however many
+drafts a verify step checks. n > 1 samples take seeds seed, seed + 1, ...; the multiplier keeps
+their streams apart for outputs shorter than a million tokens.
 """
 from __future__ import annotations
 
-_MASK = (1 << 64) - 1
-
-
-def _mix(x: int) -> int:
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK
-    return x ^ (x >> 31)
+_MULTIPLIER = 1_000_003
 
 
 def position_seed(seed: int, position: int) -> int:
     """A torch generator seed (in [0, 2**63)) for output `position` of a request seeded `seed`."""
-    return _mix((_mix(seed & _MASK) + 0x9E3779B97F4A7C15 * (position + 1)) & _MASK) >> 1
+    return (seed * _MULTIPLIER + position) % (1 << 63)

@@ -50,7 +50,7 @@ def test_metrics_move_with_a_request(http):
     key = "vllm:request_success_total{finished_reason=length}"
     assert after[key] - before.get(key, 0) == 1
     for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prompt_tokens"):
-        name = f"corectl:{histogram}_count"
+        name = f"vllm:{histogram}_count"
         assert after[name] - before[name] == 1
     assert after["vllm:inter_token_latency_seconds_count"] - before["vllm:inter_token_latency_seconds_count"] == 4
     assert after["vllm:request_generation_tokens_sum"] - before["vllm:request_generation_tokens_sum"] == 5
