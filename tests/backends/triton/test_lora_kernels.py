@@ -56,7 +56,8 @@ def test_shrink_splits_the_input_features(decode, assert_close):
     x, a = torch.randn(slots.shape[0], 3000), torch.randn(2, 8, 3000)
     parts = lora_shrink(x, a, slots, segments)
     assert parts.shape[0] > 1 if decode else parts.shape[0] == 1
-    assert_close(parts.sum(0), shrink_reference(x, a, slots))
+    # Relative to the whole result: a near-zero sum of 3000 fp32 terms has no useful elementwise bound.
+    assert_close(parts.sum(0), shrink_reference(x, a, slots), tol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
