@@ -99,7 +99,7 @@ def test_the_embedded_gguf_on_the_cpu_plans_the_bytes_the_engine_holds(monkeypat
     assert plan.quantization == llm.engine.info.quantization and plan.quantization.startswith("gguf")
     assert plan.weight_bytes + plan.buffer_bytes == held_bytes(llm)
     # The Q4_1 layers load a byte per code with fp32 scales and mins, and are served packed.
-    assert plan.loading_weight_bytes_per_rank > 1.4 * plan.weight_bytes
+    assert plan.loading_weight_bytes_per_rank > 1.3 * plan.weight_bytes  # fp32 embedding served as loaded
     dense = plan_deployment(EngineConfig(**options, quantization="none"), device="cpu")
     assert dense.quantization is None and plan.weight_bytes < 0.5 * dense.weight_bytes
 
