@@ -3,12 +3,11 @@ each input's label (from id2label) and probabilities against transformers' logit
 several labels cannot score pairs; models without a classification head answer 400."""
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import pytest
 import torch
 from support.encoders import build_encoder
-from support.server import API_KEY, ServerProcess
+from support.server import encoder_client
 
 TEXTS = ["the cat sat on the mat", "what is the capital of france", "rain"]
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
@@ -18,11 +17,8 @@ LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 def classifier(tmp_path_factory):
     folder = build_encoder("BertForSequenceClassification", tmp_path_factory.mktemp("classifier"), seed=6,
                            num_labels=3, id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
-    proc = ServerProcess(str(folder), "--api-key", API_KEY, "--dtype", "float32", "--kv-cache-memory", "0.02",
-                         "--max-model-len", "64").wait_ready()
-    with httpx.Client(base_url=proc.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
+    with encoder_client(folder) as client:
         yield folder, client
-    assert proc.stop() == 0
 
 
 def hf_logits(folder, texts) -> np.ndarray:

@@ -3,7 +3,6 @@ an embedding model: scores are the cosine similarity of /v1/embeddings' vectors,
 /pooling returns the pooled vectors; bad requests are 400s naming the field."""
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import pytest
 
@@ -78,14 +77,11 @@ PAIR_DOCS = ["paris is the capital of france", "the cat sat on the mat", "a big 
 @pytest.fixture(scope="module")
 def cross_encoder(tmp_path_factory):
     from support.encoders import build_encoder
-    from support.server import API_KEY, ServerProcess
+    from support.server import encoder_client
 
     folder = build_encoder("BertForSequenceClassification", tmp_path_factory.mktemp("reranker"), seed=2, num_labels=1)
-    proc = ServerProcess(str(folder), "--api-key", API_KEY, "--dtype", "float32",
-                         "--kv-cache-memory", "0.02", "--max-model-len", "64").wait_ready()
-    with httpx.Client(base_url=proc.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
+    with encoder_client(folder) as client:
         yield folder, client
-    assert proc.stop() == 0
 
 
 def pair_logits(folder, pairs) -> np.ndarray:

@@ -1,6 +1,7 @@
 """`corectl serve` in a subprocess on a free loopback port, and the processes it starts."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -88,3 +89,14 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+@contextlib.contextmanager
+def encoder_client(folder: Path):
+    """A small fp32 server (64-token context) of the encoder checkpoint in `folder`, and a client that
+    sends the API key; the server must stop cleanly afterwards."""
+    proc = ServerProcess(str(folder), "--api-key", API_KEY, "--dtype", "float32", "--kv-cache-memory", "0.02",
+                         "--max-model-len", "64").wait_ready()
+    with httpx.Client(base_url=proc.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
+        yield client
+    assert proc.stop() == 0
