@@ -1,95 +1,113 @@
-"""`use_beam_search` on /v1/completions, as vLLM serves it: `n` beams per prompt, `length_penalty`.
+"""`use_beam_search` on /v1/completions and /v1/chat/completions, as vLLM serves it: `n` beams per
+prompt, `length_penalty`.
 
 The search (`corectl.beam_search.BeamSearch`) runs over the engine client: each step sends every
 live beam as a one-token request for its top logprobs, all at once, and the beams of a prompt
-share its KV blocks through the prefix cache. The response holds each prompt's `n` best beams,
-best first, as its choices; it does not stream.
+share its KV blocks through the prefix cache. `BeamGroup` reads like a `GenerationGroup` whose
+samples are each prompt's `n` best beams, best first, so the routes build their responses (chat's
+reasoning and tool parsing included) as they do for sampled outputs; it does not stream.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import anyio
 from corectl.beam_search import BeamSearch, BeamSearchParams
 from corectl.errors import InvalidRequestError
-from corectl.outputs import PositionLogprobs
+from corectl.lora.request import LoRARequest
+from corectl.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from corectl.sampling_params import SamplingParams
+from litestar import Response
 
 from .errors import APIError
 from .generation import until_disconnected
-from .protocol import CompletionRequest
-from .responses import CompletionChoice, CompletionResponse, Usage
+from .protocol import SamplingFields
 from .state import ServerState
 
+T = TypeVar("T")
 
-def check_beam_request(data: CompletionRequest) -> BeamSearchParams:
+
+def check_beam_request(data: SamplingFields, max_tokens: int) -> BeamSearchParams:
     """The search a `use_beam_search` request asks for; 400 naming what beam search cannot do."""
-    for field, unsupported in (("stream", data.stream), ("echo", data.echo), ("logprobs", data.logprobs is not None),
+    for field, unsupported in (("stream", data.stream), ("echo", getattr(data, "echo", False)),
+                               ("logprobs", getattr(data, "logprobs", None) not in (None, False)),
                                ("prompt_logprobs", data.prompt_logprobs is not None),
-                               ("stop", bool(data.stop)), ("seed", data.seed is not None)):
+                               ("stop", bool(data.stop)), ("seed", data.seed is not None),
+                               ("best_of", data.best_of not in (None, data.n))):
         if unsupported:
             raise APIError(400, f"{field} is not available with use_beam_search", field)
     if data.constraint_field is not None:
         raise APIError(400, f"{data.constraint_field} is not available with use_beam_search", data.constraint_field)
     try:
-        return BeamSearchParams(beam_width=data.n, max_tokens=data.max_tokens or 16, ignore_eos=data.ignore_eos,
+        return BeamSearchParams(beam_width=data.n, max_tokens=max_tokens, ignore_eos=data.ignore_eos,
                                 temperature=data.temperature or 0.0, length_penalty=data.length_penalty)
     except InvalidRequestError as exc:
         raise APIError(400, f"use_beam_search: {exc}", "n" if exc.param == "beam_width" else exc.param) from None
 
 
-async def beam_search_response(server: ServerState, data: CompletionRequest, prompts: list[str | list[int]],
-                               request_id: str, lora, receive) -> CompletionResponse:
-    """The request's beams; `prompts` are its prompts (text is tokenized here), `lora` its adapter."""
-    params = check_beam_request(data)
-    tokenizer = server.engine.tokenizer
-    if any(isinstance(p, str) for p in prompts):
-        tokenizer = server.require_tokenizer("prompt", "prompts must be token ids")
-    ids = [tokenizer.encode(p, add_special_tokens=data.add_special_tokens) if isinstance(p, str) else p
-           for p in prompts]
-    search = BeamSearch(ids, params, _eos(server))
-    step = 0
-    while batch := search.requests():
-        names = [f"{request_id}-s{step}-{i}" for i in range(len(batch))]
-        positions = await until_disconnected(
-            receive, lambda: _step(server, batch, search.step_params, names, data.priority, lora))
-        search.advance(positions)
-        step += 1
-    choices, completion_tokens = [], 0
-    for index, (output, prompt_len) in enumerate(zip(search.results(None), search.prompt_lengths)):
-        for rank, beam in enumerate(output.sequences):
-            generated = beam.tokens[prompt_len:]
-            completion_tokens += len(generated)
-            text = "" if tokenizer is None else tokenizer.decode(generated, skip_special_tokens=data.skip_special_tokens)
-            choices.append(CompletionChoice(index=index * data.n + rank, text=text, logprobs=None,
-                                            finish_reason=beam.finish_reason, stop_reason=None))
-    prompt_tokens = sum(search.prompt_lengths)
-    return CompletionResponse(id=request_id, created=int(time.time()), model=server.model_name, choices=choices,
-                              usage=Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, None))
+class BeamGroup:
+    """The beams of a request's token-id prompts. `decode` turns a beam's generated ids into its
+    text (None without a tokenizer: empty text)."""
 
+    def __init__(self, server: ServerState, prompts: list[list[int]], params: BeamSearchParams, request_id: str,
+                 priority: int, lora_request: LoRARequest | None, decode: Callable[[list[int]], str] | None):
+        self.server = server
+        self.request_id = request_id
+        self.model_name = server.model_name if lora_request is None else lora_request.lora_name
+        self.n = params.beam_width
+        self._prompts = prompts
+        self._search = BeamSearch(prompts, params, None if server.engine.tokenizer is None
+                                  else server.engine.tokenizer.eos_token_id)
+        self._priority = priority
+        self._lora = lora_request
+        self._decode = decode
 
-def _eos(server: ServerState) -> int | None:
-    tokenizer = server.engine.tokenizer
-    return None if tokenizer is None else tokenizer.eos_token_id
+    def response_head(self) -> dict:
+        return dict(id=self.request_id, created=int(time.time()), model=self.model_name)
 
+    async def respond(self, receive: Callable, stream: bool, chunks: Callable[[], AsyncIterator[bytes]],
+                      collect: Callable[[], Awaitable[T]]) -> Response:
+        """`collect()`'s body once the search ended (`check_beam_request` refused `stream`)."""
+        self.server.begin_request()
+        try:
+            return Response(await until_disconnected(receive, collect))
+        finally:
+            self.server.end_request()
 
-async def _step(server: ServerState, batch: list[list[int]], params: SamplingParams, ids: list[str],
-                priority: int, lora) -> list[PositionLogprobs]:
-    """One token for every beam at once; each beam's logprobs at that token."""
-    positions: list[PositionLogprobs | None] = [None] * len(batch)
+    async def merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, its finished output holding its beams as samples), once the search ended."""
+        step = 0
+        while batch := self._search.requests():
+            names = [f"{self.request_id}-s{step}-{i}" for i in range(len(batch))]
+            self._search.advance(await self._step(batch, self._search.step_params, names))
+            step += 1
+        for index, (output, prompt) in enumerate(zip(self._search.results(None), self._prompts)):
+            samples = []
+            for rank, beam in enumerate(output.sequences):
+                generated = beam.tokens[len(prompt):]
+                text = "" if self._decode is None else self._decode(generated)
+                samples.append(CompletionOutput(rank, text, generated, beam.cum_logprob,
+                                                finish_reason=beam.finish_reason))
+            yield index, RequestOutput(self.request_id, None, prompt, samples, finished=True)
 
-    async def one(index: int) -> None:
-        async for out in server.engine.generate(batch[index], params, ids[index], priority, lora):
-            for sample in out.outputs:
-                if sample.logprobs:
-                    positions[index] = sample.logprobs[0]
+    async def _step(self, batch: list[list[int]], params: SamplingParams, ids: list[str]) -> list[PositionLogprobs]:
+        """One token for every beam at once; each beam's logprobs at that token."""
+        positions: list[PositionLogprobs | None] = [None] * len(batch)
 
-    try:
-        async with anyio.create_task_group() as tg:
-            for index in range(len(batch)):
-                tg.start_soon(one, index)
-    except BaseExceptionGroup as group:  # a refused beam (e.g. past the context) is the request's error
-        raise group.exceptions[0] from None
-    if any(p is None for p in positions):
-        raise APIError(503, "the engine could not take this request (it is overloaded); retry later")
-    return positions  # type: ignore[return-value]
+        async def one(index: int) -> None:
+            async for out in self.server.engine.generate(batch[index], params, ids[index], self._priority, self._lora):
+                for sample in out.outputs:
+                    if sample.logprobs:
+                        positions[index] = sample.logprobs[0]
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for index in range(len(batch)):
+                    tg.start_soon(one, index)
+        except BaseExceptionGroup as group:  # a refused beam (e.g. past the context) is the request's error
+            raise group.exceptions[0] from None
+        if any(p is None for p in positions):
+            raise APIError(503, "the engine could not take this request (it is overloaded); retry later")
+        return positions  # type: ignore[return-value]

@@ -9,8 +9,9 @@ from litestar.openapi import ResponseSpec
 
 from . import sse
 from .auth import require_api_key
+from .beam_search import BeamGroup, check_beam_request
 from .chat_output import ChoiceText
-from .errors import ERROR_RESPONSES
+from .errors import ERROR_RESPONSES, APIError
 from .generation import GenerationGroup, UsageCounter
 from .logprobs import chat_logprobs, prompt_logprobs
 from .protocol import ChatCompletionRequest, message_dicts
@@ -54,7 +55,7 @@ class ChatController(Controller):
 
 
 async def start_chat(data: ChatCompletionRequest, request: Request, server: ServerState,
-                     request_id: str) -> tuple[GenerationGroup, dict[int, ChoiceText]]:
+                     request_id: str) -> tuple[GenerationGroup | BeamGroup, dict[int, ChoiceText]]:
     """A chat request checked, rendered and started in the engine, with each choice's text reader
     (the Responses API runs its turns through here too)."""
     server.check_accepting()
@@ -72,12 +73,28 @@ async def start_chat(data: ChatCompletionRequest, request: Request, server: Serv
     tools = template_tools(data.tools) if data.tools and tool_choice != "none" else None
     prompt = chat_prompt(data, tokenizer, tools)
     reasoning = ChatReasoning(server.reasoning_parser, tokenizer, prompt, params)
-    group = GenerationGroup(server, [prompt], reasoning.params, request_id, data.priority,
-                            lora, "tools" if tool_choice in ("required", "named") else data.constraint_field)
-    await group.start(request.receive)
+    forced = tool_choice in ("required", "named")
+    if data.use_beam_search:
+        group = _beam_group(data, server, prompt, params, request_id, lora, forced)
+    else:
+        group = GenerationGroup(server, [prompt], reasoning.params, request_id, data.priority,
+                                lora, "tools" if forced else data.constraint_field, data.keep_best)
+        await group.start(request.receive)
     texts = {i: ChoiceText(ROLE, reasoning.parser(), _tool_parser(data, tool_choice, server, tokenizer))
              for i in range(group.n)}
     return group, texts
+
+
+def _beam_group(data: ChatCompletionRequest, server: ServerState, prompt: list[int], params, request_id: str,
+                lora, forced_calls: bool) -> BeamGroup:
+    """The request's beam search over its rendered prompt; by default its beams may fill the context."""
+    if forced_calls:
+        raise APIError(400, "a forced tool_choice constrains the output, which use_beam_search cannot", "tool_choice")
+    max_tokens = params.max_tokens or server.engine.info.max_model_len - len(prompt)
+    search = check_beam_request(data, max_tokens)
+    tokenizer = server.engine.tokenizer
+    return BeamGroup(server, [prompt], search, request_id, data.priority, lora, lambda ids: tokenizer.decode(
+        ids, skip_special_tokens=params.skip_special_tokens))
 
 
 def chat_prompt(data: ChatCompletionRequest, tokenizer, tools: list[dict] | None) -> list[int]:

@@ -10,7 +10,7 @@ from litestar.openapi import ResponseSpec
 
 from . import sse
 from .auth import require_api_key
-from .beam_search import beam_search_response
+from .beam_search import BeamGroup, check_beam_request
 from .errors import ERROR_RESPONSES
 from .generation import GenerationGroup, UsageCounter
 from .logprobs import completion_logprobs, extend_completion_logprobs, prompt_logprobs
@@ -126,6 +126,17 @@ def _prompts(data: CompletionRequest, server: ServerState) -> list[str | list[in
     return [tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p for p in prompts]
 
 
+def _beam_group(data: CompletionRequest, server: ServerState, request_id: str, lora, max_tokens: int) -> BeamGroup:
+    """The request's beam search, over its prompts as token ids."""
+    params = check_beam_request(data, max_tokens)
+    tokenizer = server.engine.tokenizer
+    prompts = [server.require_tokenizer("prompt", "prompts must be token ids").encode(
+        p, add_special_tokens=data.add_special_tokens) if isinstance(p, str) else p for p in data.prompts()]
+    decode = None if tokenizer is None else (
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=data.skip_special_tokens))
+    return BeamGroup(server, prompts, params, request_id, data.priority, lora, decode)
+
+
 class CompletionsController(Controller):
     path = "/v1"
     guards = [require_api_key]
@@ -143,13 +154,13 @@ class CompletionsController(Controller):
         check_max_logprobs(params, server.settings.max_logprobs, "logprobs")
         request_id = f"cmpl-{request_id_for(request, data.request_id)}"
         if data.use_beam_search:
-            return Response(await beam_search_response(server, data, _prompts(data, server), request_id, lora,
-                                                       request.receive))
-        group = GenerationGroup(server, _prompts(data, server), params, request_id, data.priority, lora,
-                                data.constraint_field)
-        await group.start(request.receive)
+            group = _beam_group(data, server, request_id, lora, params.max_tokens or 16)
+        else:
+            group = GenerationGroup(server, _prompts(data, server), params, request_id, data.priority, lora,
+                                    data.constraint_field, data.keep_best)
+            await group.start(request.receive)
         head = group.response_head()
-        choices = _Choices(data, server.engine.tokenizer, params.n)
+        choices = _Choices(data, server.engine.tokenizer, group.n)
         return await group.respond(request.receive, data.stream,
                                    lambda: _chunks(group, choices, head, data.include_usage, data.continuous_usage),
                                    lambda: _collect(group, choices, head))

@@ -8,6 +8,7 @@ request waits for the engine, a client that disconnects aborts it; once streamin
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -140,18 +141,21 @@ def _seconds(later: float | None, earlier: float) -> float | None:
 class GenerationGroup:
     """All prompts of one HTTP request (completions accept several); choice i*n+j is prompt i, sample j.
     `lora_request`: the LoRA adapter they run with (None: the base model), which the responses name.
-    `grammar_field`: the request field their grammar came from, which errors about it name."""
+    `grammar_field`: the request field their grammar came from, which errors about it name.
+    `keep_best`: of each prompt's `params.n` samples, only this many are returned, those of highest
+    cumulative logprob, best first (`best_of` > `n`); the others are seen only once all finished."""
 
     def __init__(self, server: ServerState, prompts: list[str | list[int]], params: SamplingParams,
                  request_id: str, priority: int, lora_request: LoRARequest | None = None,
-                 grammar_field: str | None = None):
+                 grammar_field: str | None = None, keep_best: int | None = None):
         self.server = server
         self.grammar_field = grammar_field
         self.request_id = request_id
         self.model_name = server.model_name if lora_request is None else lora_request.lora_name
         if lora_request is not None and server.metrics is not None:
             server.metrics.count_lora_request(lora_request.lora_name)
-        self.n = params.n
+        self.n = params.n if keep_best is None else keep_best
+        self._keep_best = keep_best
         if server.metrics is not None:
             server.metrics.observe_params(params.n, params.max_tokens)
         self.generations: list[Generation] = []
@@ -205,7 +209,20 @@ class GenerationGroup:
             raise errors[0]
 
     async def merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, delta) pairs as they arrive, across prompts."""
+        """(prompt index, delta) pairs as they arrive, across prompts (with `keep_best`, each prompt's
+        deltas once it finished, holding only its best samples)."""
+        if self._keep_best is None:
+            async for item in self._arrivals():
+                yield item
+            return
+        held: dict[int, list[RequestOutput]] = {}
+        async for index, out in self._arrivals():
+            held.setdefault(index, []).append(out)
+            if out.finished:
+                for kept in _best_samples(held.pop(index), self._keep_best):
+                    yield index, kept
+
+    async def _arrivals(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         if len(self.generations) == 1:
             async for out in self.generations[0].deltas():
                 yield 0, out
@@ -240,6 +257,16 @@ class GenerationGroup:
         with anyio.CancelScope(shield=True):
             for generation in self.generations:
                 await generation.aclose()
+
+
+def _best_samples(deltas: list[RequestOutput], keep: int) -> list[RequestOutput]:
+    """A finished prompt's deltas with only its `keep` samples of highest cumulative logprob (the
+    last delta carries each sample's total), renumbered best first, as vLLM's `best_of` did."""
+    totals = {s.index: s.cumulative_logprob or 0.0 for s in deltas[-1].outputs}
+    rank = {index: new for new, index in enumerate(sorted(totals, key=totals.__getitem__, reverse=True)[:keep])}
+    return [dataclasses.replace(out, outputs=sorted((dataclasses.replace(s, index=rank[s.index]) for s in out.outputs
+                                                     if s.index in rank), key=lambda s: s.index))
+            for out in deltas]
 
 
 async def until_disconnected(receive: Callable, work: Callable[[], Awaitable[T]]) -> T:

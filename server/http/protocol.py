@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -81,7 +81,11 @@ class SamplingFields(RefusedFields, kw_only=True):
     include_stop_str_in_output: bool = False
     priority: Int64 = 0
     prompt_logprobs: int | None = None
+    # vLLM v0's best_of: that many samples, the n of highest cumulative logprob returned.
     best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
+    # vLLM's beam search: n beams, scored with length_penalty (beam_search.py).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     allowed_token_ids: Annotated[list[int], Meta(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
     bad_words: Annotated[list[StopString], Meta(max_length=MAX_BAD_WORDS)] | None = None
     truncate_prompt_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None
@@ -99,13 +103,23 @@ class SamplingFields(RefusedFields, kw_only=True):
         """vLLM's `stream_options.continuous_usage_stats`: every chunk carries the usage so far."""
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
+    @property
+    def keep_best(self) -> int | None:
+        """With best_of > n, the n samples to keep of the best_of generated; else None."""
+        return self.n if self.best_of is not None and self.best_of > self.n else None
+
     def check_stream_fields(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
         if self.stream and self.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not available when stream is true", "prompt_logprobs")
-        if self.best_of is not None and self.best_of != self.n:
-            raise APIError(400, "best_of is not supported (it must be unset or equal to n)", "best_of")
+        if self.best_of is not None and self.best_of < self.n:
+            raise APIError(400, f"best_of must be at least n ({self.n}), got {self.best_of}", "best_of")
+        if self.keep_best is not None and self.stream:
+            raise APIError(400, "best_of > n cannot be streamed: the best samples are known only once all "
+                           "have finished", "best_of")
+        if self.length_penalty != 1.0 and not self.use_beam_search:
+            raise APIError(400, "length_penalty weighs beam search: it needs use_beam_search", "length_penalty")
         self.check_refused()
 
     def build_sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
@@ -113,9 +127,11 @@ class SamplingFields(RefusedFields, kw_only=True):
                               defaults: Mapping[str, Any]) -> SamplingParams:
         """SamplingParams for this request; out-of-range values raise InvalidRequestError(param=...).
         `defaults` fill the sampling fields the request leaves unset (the model's generation config)."""
+        if self.keep_best is not None and logprobs is None:
+            logprobs = 0  # the chosen tokens' logprobs, which rank the samples (not returned)
         values: dict[str, Any] = dict(
             structured_outputs=structured_outputs,
-            n=self.n, max_tokens=defaults.get("max_tokens") if max_tokens is None else max_tokens, seed=self.seed, min_tokens=self.min_tokens,
+            n=self.best_of or self.n, max_tokens=defaults.get("max_tokens") if max_tokens is None else max_tokens, seed=self.seed, min_tokens=self.min_tokens,
             stop=[self.stop] if isinstance(self.stop, str) else self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
@@ -155,8 +171,6 @@ class CompletionRequest(SamplingFields, kw_only=True):
     return_token_ids: bool = False
     add_special_tokens: bool = True
     prompt_embeds: Any = None  # refused (vllm_fields)
-    # vLLM's beam search: n beams, scored with length_penalty (beam_search.py).
-    implemented_fields: ClassVar[frozenset[str]] = frozenset({"use_beam_search", "length_penalty"})
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request, each a string or a list of token ids."""
@@ -169,9 +183,11 @@ class CompletionRequest(SamplingFields, kw_only=True):
         if kinds == {int}:
             return [list(prompt)]  # type: ignore[arg-type]
         if len(kinds) == 1 and kinds <= {str, list}:
-            if len(prompt) * self.n > MAX_CHOICES:
-                raise InvalidRequestError(f"{len(prompt)} prompts with n={self.n} ask for {len(prompt) * self.n} "
-                                          f"choices; a request may have at most {MAX_CHOICES}", param="prompt")
+            samples = self.best_of or self.n
+            if len(prompt) * samples > MAX_CHOICES:
+                raise InvalidRequestError(f"{len(prompt)} prompts with {samples} samples each ask for "
+                                          f"{len(prompt) * samples}; a request may have at most {MAX_CHOICES}",
+                                          param="prompt")
             return list(prompt)  # type: ignore[arg-type]
         raise InvalidRequestError("prompt must be a string, a list of strings, a list of token ids or a list "
                                   "of token-id lists, not a mix", param="prompt")
@@ -180,8 +196,6 @@ class CompletionRequest(SamplingFields, kw_only=True):
         self.check_stream_fields()
         if self.suffix is not None:
             raise APIError(400, "suffix (insertion) is not supported by this server", "suffix")
-        if self.length_penalty != 1.0 and not self.use_beam_search:
-            raise APIError(400, "length_penalty weighs beam search: it needs use_beam_search", "length_penalty")
         if self.echo and self.stream and self.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not available when stream is true", "prompt_logprobs")
         if self.max_tokens == 0 and not self.echo:

@@ -6,7 +6,7 @@ vLLM's and OpenAI's request models are ignored, as vLLM ignores them.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import msgspec
 from corectl.sampling_params import SamplingParams
@@ -16,8 +16,6 @@ from .errors import APIError
 
 # field -> why it is refused. A field counts as sent when it differs from its default.
 REFUSED_REASONS = {
-    "use_beam_search": "beam search runs on /v1/completions (and offline, LLM.beam_search), not on this route",
-    "length_penalty": "length_penalty weighs beam search: send it with use_beam_search on /v1/completions",
     "logits_processors": "this server loads no custom logits processors",
     "kv_transfer_params": "this server does no disaggregated KV transfer",
     "vllm_xargs": "this server has no extensions that read vllm_xargs",
@@ -40,13 +38,8 @@ def check_max_logprobs(params: SamplingParams, limit: int, logprobs_field: str) 
 
 class RefusedFields(ConstraintFields, kw_only=True):
     """The refused fields completions and chat requests share, at their vLLM defaults (each request
-    declares its own others); `check_refused` checks every field named in REFUSED_REASONS, except
-    those the request type implements (`implemented_fields`)."""
+    declares its own others); `check_refused` checks every field named in REFUSED_REASONS."""
 
-    implemented_fields: ClassVar[frozenset[str]] = frozenset()
-
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
     logits_processors: Any = None
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
@@ -59,5 +52,5 @@ class RefusedFields(ConstraintFields, kw_only=True):
         for field in msgspec.structs.fields(self):
             value = getattr(self, field.name)
             unset = value is None or value == field.default or (field.default is None and value is False)
-            if field.name in REFUSED_REASONS and field.name not in self.implemented_fields and not unset:
+            if field.name in REFUSED_REASONS and not unset:
                 raise APIError(400, f"{field.name} is not supported: {REFUSED_REASONS[field.name]}", field.name)

@@ -65,7 +65,7 @@ SAMPLING = {
     "guided_json": ({"type": "object"}, "structured_outputs"), "guided_regex": ("a+", "structured_outputs"),
     "guided_choice": (["a", "b"], "structured_outputs"), "guided_grammar": ('root ::= "a"', "structured_outputs"),
     "logprobs": (None, "logprobs"), "top_logprobs": (3, "logprobs"),
-    "best_of": (None, "n"),  # equal to n it is n; other values are refused (REFUSED_VALUES)
+    "best_of": (3, "n"),  # best_of samples run, the n best returned (test_best_of_and_beam_search.py)
 }
 COMPLETION_LOGPROBS = 2
 CHAT_LOGPROBS = True
@@ -88,10 +88,10 @@ OUTPUT = {"model", "prompt", "messages", "input", "echo", "stream", "stream_opti
           "normalize", "chat_template", "suffix"}
 # Values that must be refused, naming the field (the refused fields' non-default values).
 REFUSED_VALUES = {
-    "prompt_embeds": "AAAA", "use_beam_search": True, "length_penalty": 0.5, "guided_decoding_backend": "outlines",
+    "prompt_embeds": "AAAA", "guided_decoding_backend": "outlines",
     "guided_whitespace_pattern": " ", "logits_processors": ["m.P"], "return_tokens_as_token_ids": True,
     "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "mm_processor_kwargs": {"a": 1},
-    "structural_tag": "{}", "include_reasoning": False, "best_of": 3,
+    "structural_tag": "{}", "include_reasoning": False,
 }
 EMBEDDING_REFUSED = {"messages": [{"role": "user", "content": "hi"}], "chat_template": "x",
                      "chat_template_kwargs": {"a": 1}, "mm_processor_kwargs": {"a": 1}}
@@ -135,24 +135,26 @@ def _check_sampling_field(make, field: str) -> None:
         extra = {"logprobs": COMPLETION_LOGPROBS if make is _completion else CHAT_LOGPROBS}
         if field == "top_logprobs":
             extra["top_logprobs"] = 3
-    if field == "best_of":
-        extra = {"n": 2, "best_of": 2}
     request = make(extra)
     request.check_supported()
     changed = getattr(_params(request), attribute)
     assert changed != getattr(_params(make({})), attribute), f"{field} did not reach SamplingParams.{attribute}"
 
 
-# Completions run beam search (test_dropin_server.py); chat refuses it.
-COMPLETION_BEAM_SEARCH = {"use_beam_search", "length_penalty"}
+# Both run beam search (test_best_of_and_beam_search.py); length_penalty needs it.
+BEAM_SEARCH = {"use_beam_search", "length_penalty"}
+
+
+def _check_beam_search_fields(make) -> None:
+    make({"use_beam_search": True, "length_penalty": 0.5, "n": 2}).check_supported()
+    assert _refused(make({"length_penalty": 0.5}), "length_penalty")
 
 
 @pytest.mark.parametrize("field", VLLM_COMPLETION_FIELDS)
 def test_completion_field_is_implemented_or_refused(field):
     assert field in {f.name for f in msgspec.structs.fields(CompletionRequest)}, f"{field} is not declared"
-    if field in COMPLETION_BEAM_SEARCH:
-        _completion({"use_beam_search": True, "length_penalty": 0.5, "n": 2}).check_supported()
-        assert _refused(_completion({"length_penalty": 0.5}), "length_penalty")
+    if field in BEAM_SEARCH:
+        _check_beam_search_fields(_completion)
     elif field in REFUSED_VALUES:
         assert _refused(_completion({field: REFUSED_VALUES[field]}), field)
     elif field in SAMPLING:
@@ -166,7 +168,9 @@ def test_completion_field_is_implemented_or_refused(field):
 @pytest.mark.parametrize("field", VLLM_CHAT_FIELDS)
 def test_chat_field_is_implemented_or_refused(field, tokenizer):
     assert field in {f.name for f in msgspec.structs.fields(ChatCompletionRequest)}, f"{field} is not declared"
-    if field in REFUSED_VALUES:
+    if field in BEAM_SEARCH:
+        _check_beam_search_fields(_chat)
+    elif field in REFUSED_VALUES:
         assert _refused(_chat({field: REFUSED_VALUES[field]}), field)
     elif field in SAMPLING:
         _check_sampling_field(_chat, field)
@@ -205,3 +209,10 @@ def test_continue_final_message_needs_the_assistant_last_and_no_generation_promp
     user_last = _decode(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}],
                                                 "continue_final_message": True, "add_generation_prompt": False})
     assert _refused(user_last, "continue_final_message")
+
+
+@pytest.mark.parametrize("make", [_completion, _chat])
+def test_best_of_below_n_or_streamed_above_n_is_refused(make):
+    assert _refused(make({"n": 3, "best_of": 2}), "best_of")
+    assert _refused(make({"n": 1, "best_of": 2, "stream": True}), "best_of")
+    make({"n": 2, "best_of": 2, "stream": True}).check_supported()
