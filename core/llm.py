@@ -14,6 +14,8 @@ from .engine.intake import NO_TOKENIZER, encode_prompt
 from .engine.output_processor import OutputProcessor
 from .errors import InvalidRequestError
 from .lora.request import LoRARequest
+from .multimodal.chat import image_sources, local_image
+from .multimodal.processing import ImageProcessing
 from .outputs import EmbeddingRequestOutput, RequestOutput
 from .pooling import PoolingParams
 from .sampling_params import SamplingParams
@@ -42,6 +44,7 @@ class LLM:
         self.tokenizer = None if folder is None else Tokenizer.from_dir(folder, chat_template=self.config.chat_template)
         self._counter = itertools.count()
         self._loras: dict[int, LoRARequest] = {}  # adapters checked so far, by id
+        self._image_processing: ImageProcessing | None = None  # a vision-language model's, once images come
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache and move the weights to host memory (level 1) or drop them (level 2);
@@ -83,7 +86,9 @@ class LLM:
 
         As vLLM's `LLM.chat`: `tools` (OpenAI function specs) reach the template, `chat_template_kwargs`
         become template variables (e.g. `enable_thinking`), and `continue_final_message` leaves the
-        last (assistant) message open for the model to continue instead of starting a new turn."""
+        last (assistant) message open for the model to continue instead of starting a new turn.
+        A vision-language model reads image parts too: `{"type": "image_url", "image_url": {"url":
+        "data:image/png;base64,..."}}` or `{"type": "image_pil", "image_pil": <PIL.Image>}`."""
         if continue_final_message and add_generation_prompt:
             raise InvalidRequestError("continue_final_message continues the last message: pass "
                                       "add_generation_prompt=False with it", param="continue_final_message")
@@ -97,7 +102,24 @@ class LLM:
         ]
         params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
         encoded = [(p, tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
-        return self._run(encoded, params, [0] * len(prompts), use_tqdm)
+        images = [self._chat_images(conv, ids) for conv, (_, ids) in zip(conversations, encoded)]
+        encoded = [(text, image["prompt_token_ids"]) if image else (text, ids)
+                   for (text, ids), image in zip(encoded, images)]
+        return self._run(encoded, params, [0] * len(prompts), use_tqdm,
+                         mm_inputs=[image["mm_inputs"] if image else None for image in images])
+
+    def _chat_images(self, conversation: list[dict], token_ids: list[int]) -> dict | None:
+        """The engine prompt of a rendered conversation that holds images; None without images."""
+        sources = image_sources(conversation)
+        if not sources:
+            return None
+        if self._image_processing is None:
+            self._image_processing = ImageProcessing.for_model(self.engine.source.model_dir,
+                                                               self.engine.source.hf_config)
+            if self._image_processing is None:
+                raise InvalidRequestError(f"this model ({self.engine.info.architecture}) reads no images",
+                                          param="messages", code="images_not_supported")
+        return self._image_processing.prompt(token_ids, [local_image(source) for source in sources])
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -130,14 +152,15 @@ class LLM:
         return OutputProcessor(self.engine.info, self.tokenizer, stream_deltas=False, final_only=True,
                                known_loras=self._loras)
 
-    def _run(self, encoded, params, priorities, use_tqdm, loras=None) -> list[RequestOutput]:
+    def _run(self, encoded, params, priorities, use_tqdm, loras=None, mm_inputs=None) -> list[RequestOutput]:
         processor = self._processor()
         ids = [str(next(self._counter)) for _ in encoded]
         loras = loras or [None] * len(encoded)
+        mm_inputs = mm_inputs or [None] * len(encoded)
         requests = [
             core_request
-            for rid, (text, token_ids), p, prio, lora in zip(ids, encoded, params, priorities, loras)
-            for core_request in processor.add_request(rid, text, token_ids, p, prio, lora)
+            for rid, (text, token_ids), p, prio, lora, mm in zip(ids, encoded, params, priorities, loras, mm_inputs)
+            for core_request in processor.add_request(rid, text, token_ids, p, prio, lora, mm)
         ]
         return self._drive(processor, ids, requests, use_tqdm, "Generating")
 

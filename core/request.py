@@ -5,6 +5,7 @@ import enum
 import time
 
 from .lora.request import LoRARequest
+from .multimodal.inputs import MultiModalInput
 from .sampling_params import SamplingParams
 
 
@@ -40,7 +41,7 @@ class Request:
     below `num_prompt_tokens`. What scheduled steps still owe it under async scheduling (tokens
     sampled but not arrived, steps not applied) is the scheduler's `StepsInFlight`'s to count.
     `group_id` ties together the `n` samples of one user request so the scheduler can let one of
-    them fill the shared prompt blocks first.
+    them fill the shared prompt blocks first. `mm_inputs` are the prompt's images, in prompt order.
     """
 
     def __init__(
@@ -56,6 +57,7 @@ class Request:
         group_id: str | None = None,
         sample_index: int = 0,
         lora_request: LoRARequest | None = None,
+        mm_inputs: list[MultiModalInput] | None = None,
     ):
         if not prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
@@ -69,6 +71,7 @@ class Request:
         self.group_id = group_id or request_id
         self.sample_index = sample_index
         self.lora_request = lora_request
+        self.mm_inputs: list[MultiModalInput] = list(mm_inputs or ())
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1

@@ -15,6 +15,7 @@ import itertools
 import msgspec
 
 from .lora.request import LoRARequest
+from .multimodal.inputs import MultiModalInput
 from .sampling_params import SamplingParams
 
 # -- scheduler -> worker -----------------------------------------------------------------------
@@ -29,6 +30,7 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     num_computed_tokens: int
     sample_index: int = 0
     lora_request: LoRARequest | None = None
+    mm_inputs: list[MultiModalInput] = []
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):

@@ -17,6 +17,7 @@ import tokenizers
 from transformers import AutoTokenizer
 
 from .errors import ConfigError, InvalidRequestError, ModelNotFoundError
+from .multimodal.inputs import IMAGE_PART_TYPES
 
 
 class Tokenizer:
@@ -189,8 +190,21 @@ def _normalise_messages(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[s
             raise InvalidRequestError(f"messages[{i}] must be an object with 'role' and 'content'",
                                       param="messages")
         content = message.get("content")
-        out.append(message if isinstance(content, str) else {**message, "content": _content_text(content, i)})
+        out.append(message if isinstance(content, str) else {**message, "content": _content(content, i)})
     return out
+
+
+def _content(content: Any, index: int) -> str | list[dict[str, str]]:
+    """Text parts joined into one string; with images, the parts as a list in which each image is
+    `{"type": "image"}`, which a vision-language model's template renders as its image placeholder."""
+    if not isinstance(content, list) or not any(_kind(part) in IMAGE_PART_TYPES for part in content):
+        return _content_text(content, index)
+    return [{"type": "image"} if _kind(part) in IMAGE_PART_TYPES else {"type": "text", "text": _part_text(part, index)}
+            for part in content]
+
+
+def _kind(part: Any) -> str | None:
+    return part.get("type") if isinstance(part, Mapping) else None
 
 
 def _content_text(content: Any, index: int) -> str:
@@ -199,13 +213,13 @@ def _content_text(content: Any, index: int) -> str:
     if not isinstance(content, list):
         raise InvalidRequestError(f"messages[{index}].content must be a string or a list of text parts",
                                   param="messages")
-    texts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise InvalidRequestError(
-                f"messages[{index}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
-                f"got {kind!r}", param="messages")
-        texts.append(part["text"])
     # Parts are separate paragraphs of one message, as vLLM renders them.
-    return "\n".join(texts)
+    return "\n".join(_part_text(part, index) for part in content)
+
+
+def _part_text(part: Any, index: int) -> str:
+    if _kind(part) != "text" or not isinstance(part.get("text"), str):
+        raise InvalidRequestError(
+            f"messages[{index}].content: parts are text ({{'type': 'text', 'text': ...}}) or images "
+            f"({{'type': 'image_url', ...}}), got {_kind(part)!r}", param="messages")
+    return part["text"]

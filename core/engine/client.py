@@ -25,7 +25,7 @@ from ..pooling import PoolingParams
 from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
 from .grammar_intake import GrammarIntake
-from .intake import encode_prompt
+from .intake import encode_prompt, prompt_mm_inputs
 from .live import LiveRequest, RecentActivity, live_requests
 from .messages import EngineCoreRequest, EngineSnapshot, SchedulerStats
 from .output_processor import OutputProcessor
@@ -139,7 +139,8 @@ class EngineClient:
             await self._grammars.check(params.structured_outputs)  # off this loop; intake then finds it passed
         if lora_request is not None:
             await self.check_lora(lora_request)  # off this loop the first time; intake then finds it checked
-        core_requests = self._processor.add_request(request_id, text, token_ids, params, priority, lora_request)
+        core_requests = self._processor.add_request(request_id, text, token_ids, params, priority, lora_request,
+                                                    prompt_mm_inputs(prompt))
         async with contextlib.aclosing(self._follow(request_id, core_requests)) as outputs:
             async for out in outputs:
                 yield out

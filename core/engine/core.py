@@ -29,6 +29,7 @@ from ..loaders import ModelSource, resolve_model_source
 from ..lora.shapes import BaseModelShape
 from ..models.bert import position_offset
 from ..models.registry import resolve_model_class
+from ..multimodal.inputs import is_multimodal
 from ..pooling import PoolingInfo, resolve_pooling
 from ..quantization.selection import resolve_quantization
 from ..request import Request
@@ -111,6 +112,7 @@ class EngineCore:
             pooling=self.pooling,
             quantization=None if quantization is None else quantization.describe(),
             lora=BaseModelShape.of(hf, config.max_lora_rank) if config.enable_lora else None,
+            image_token_id=hf.image_token_id if is_multimodal(hf) else None,
         )
         logger.info(
             "engine ready: %s (%s) on %s, %s, %s weights, %d KV tokens, max_model_len %d, %s scheduling, %.1f s",
@@ -172,6 +174,7 @@ class EngineCore:
             max_tokens=min(params.max_tokens or remaining, remaining),
             priority=request.priority, arrival_time=request.arrival_time,
             group_id=request.group_id, sample_index=request.sample_index, lora_request=request.lora_request,
+            mm_inputs=request.mm_inputs,
         )
 
     def abort_requests(self, request_ids: list[str]) -> None:

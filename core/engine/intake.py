@@ -17,6 +17,7 @@ import msgspec
 
 from ..discovery import resolve_structured_output_backend
 from ..errors import InvalidRequestError
+from ..multimodal.inputs import MultiModalInput
 from ..pooling import PoolingParams, check_pooling_params
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .messages import EngineInfo
@@ -49,9 +50,32 @@ def encode_prompt(tokenizer: Tokenizer | None, prompt) -> tuple[str | None, list
     return prompt, tokenizer.encode(prompt)
 
 
+def prompt_mm_inputs(prompt) -> list[MultiModalInput]:
+    """The images of a prompt given as `{"prompt_token_ids": ids, "mm_inputs": [...]}` (the form
+    the server and `LLM.chat` build once the images are processed); none for any other prompt."""
+    return list(prompt.get("mm_inputs") or ()) if isinstance(prompt, dict) else []
+
+
+def check_mm_inputs(items: list[MultiModalInput], prompt_token_ids: list[int], info: EngineInfo) -> None:
+    """A prompt's images: a model that reads them, and each one's placeholder run inside the
+    prompt, after the previous one's, holding nothing but the image token."""
+    if not items:
+        return
+    if info.image_token_id is None:
+        raise InvalidRequestError(f"this model ({info.architecture}) reads no images; send text only",
+                                  param="messages", code="images_not_supported")
+    end = 0
+    for item in items:
+        run = prompt_token_ids[item.offset:item.end]
+        if item.offset < end or item.length < 1 or len(run) != item.length or set(run) != {info.image_token_id}:
+            raise InvalidRequestError(f"image placeholders at {item.offset}..{item.end - 1} do not match the "
+                                      "prompt (a truncated prompt cannot keep its images)", param="prompt")
+        end = item.end
+
+
 def _unwrap_prompt_dict(prompt: dict):
     """The text or ids of a vLLM-style prompt dict (TextPrompt, TokensPrompt)."""
-    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "mm_inputs"})
     if unknown:
         raise InvalidRequestError(f"prompt dicts take 'prompt' or 'prompt_token_ids' only; this engine does not "
                                   f"take {', '.join(map(repr, unknown))}", param="prompt")

@@ -13,6 +13,7 @@ import msgspec
 from ..kv.block_map import KVBlockMap
 from ..lora.request import LoRARequest
 from ..lora.shapes import BaseModelShape
+from ..multimodal.inputs import MultiModalInput
 from ..pooling import PoolingInfo
 from ..sampling_params import SamplingParams
 from ..step_messages import LogprobsLists
@@ -44,6 +45,8 @@ class EngineInfo:
     quantization: str | None = None
     # What adapters are checked against when LoRA is enabled (`corectl.lora.intake`); None: no LoRA.
     lora: BaseModelShape | None = None
+    # The token that holds an image's place in a prompt; None: the model reads no images.
+    image_token_id: int | None = None
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -62,6 +65,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
     group_id: str | None = None
     sample_index: int = 0
     lora_request: LoRARequest | None = None
+    mm_inputs: list[MultiModalInput] = []
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):

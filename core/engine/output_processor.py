@@ -27,7 +27,8 @@ from ..pooling import PoolingParams, finish_embedding, vector_from_bytes
 from ..sampling_params import SamplingParams
 from ..step_messages import LogprobsLists
 from ..tokenizer import Tokenizer
-from .intake import check_pooling_request, check_request, prepare_request
+from ..multimodal.inputs import MultiModalInput
+from .intake import check_mm_inputs, check_pooling_request, check_request, prepare_request
 from .messages import EngineCoreOutput, EngineCoreRequest, EngineInfo
 
 
@@ -125,16 +126,17 @@ class OutputProcessor:
         self._loras = {} if known_loras is None else known_loras
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, priority: int = 0,
-                    lora_request: LoRARequest | None = None) -> list[EngineCoreRequest]:
+                    params: SamplingParams, priority: int = 0, lora_request: LoRARequest | None = None,
+                    mm_inputs: list[MultiModalInput] | None = None) -> list[EngineCoreRequest]:
         """Check and register a user request; returns the core requests (one per sample) to send.
-        `lora_request`: the adapter it runs with (None: the base model).
+        `lora_request`: the adapter it runs with (None: the base model); `mm_inputs`: its images.
 
         Raises InvalidRequestError, registering nothing, when intake refuses it."""
         prompt, prompt_token_ids, params = prepare_request(prompt, prompt_token_ids, params, self.tokenizer)
         child_ids = _child_ids(request_id, params.n)
         check_request([request_id, *child_ids], prompt_token_ids, params, self.info, self._in_use)
         check_lora_request(lora_request, self.info.lora, self._loras)
+        check_mm_inputs(mm_inputs or [], prompt_token_ids, self.info)
         now = time.monotonic()
         samples = [_Sample(i, self.tokenizer, prompt_token_ids, params) for i in range(params.n)]
         tracker = RequestTracker(request_id, prompt, list(prompt_token_ids), params, samples,
@@ -149,7 +151,7 @@ class OutputProcessor:
             self._children[child_id] = (tracker, i)
             core_requests.append(EngineCoreRequest(child_id, list(prompt_token_ids), child_params, now,
                                                    priority, group_id=request_id, sample_index=i,
-                                                   lora_request=lora_request))
+                                                   lora_request=lora_request, mm_inputs=list(mm_inputs or ())))
         return core_requests
 
     def add_pooling_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],

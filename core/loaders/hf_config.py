@@ -49,7 +49,25 @@ def load_hf_config(source: Path, overrides: dict[str, Any] | None) -> tuple[Pret
     except Exception as exc:  # transformers checks fields its own way: any refusal is the file's fault
         raise ConfigError("model", f"the config at {source} is not a valid {model_type} config: "
                                    f"{type(exc).__name__}: {exc}") from exc
+    lift_text_config(config)
     return config, checkpoint_dtype(config_dict)
+
+
+# What the engine reads off a config to size the KV cache, the context and the vocabulary.
+_TEXT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "max_position_embeddings", "sliding_window", "rms_norm_eps")
+
+
+def lift_text_config(config: PretrainedConfig) -> None:
+    """A vision-language config keeps its language model's sizes in `text_config`; they are
+    copied to the top, where the engine reads them for every model (the model class itself builds
+    from `get_text_config()`)."""
+    text = config.get_text_config()
+    if text is config:
+        return
+    for name in _TEXT_FIELDS:
+        if getattr(config, name, None) is None and getattr(text, name, None) is not None:
+            setattr(config, name, getattr(text, name))
 
 
 def checkpoint_dtype(config_dict: dict[str, Any]) -> str | None:

@@ -366,6 +366,7 @@ class Scheduler:
                 num_computed_tokens=req.num_computed_tokens,
                 sample_index=req.sample_index,
                 lora_request=req.lora_request,
+                mm_inputs=req.mm_inputs,
             )
             for req in plan.new
         ]

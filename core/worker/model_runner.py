@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..attention import AttentionBackend, AttentionBatch, ForwardContext
+from ..multimodal.step import MultiModalStep
 from ..platform import PlatformCaps
 from ..sample import Sampler, SamplingMetadata, compute_prompt_logprobs
 from ..sample.grammar import apply_grammar_bitmask
@@ -78,6 +79,8 @@ class ModelRunner:
         self._awaiting_masks: tuple[HostStep, torch.Tensor, InflightStep] | None = None
         # Set by the worker for draft-model speculation: fills the scheduler's draft placeholders.
         self.drafter: DraftModelProposer | None = None
+        # A vision-language model's image rows and M-RoPE positions (corectl.multimodal.step).
+        self.multimodal = MultiModalStep(model, self.to_device) if hasattr(model, "encode_images") else None
 
     def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
@@ -101,6 +104,8 @@ class ModelRunner:
             self.lora.apply(sched)
         if self.drafter is not None:
             self.drafter.forget(sched.finished_req_ids)
+        if self.multimodal is not None:
+            self.multimodal.forget(sched.finished_req_ids)
         if sched.is_empty:
             return InflightStep.done()
         inputs = self.upload(self.states.build_step(sched, self.block_size, self._drafts(sched)))
@@ -201,7 +206,11 @@ class ModelRunner:
         # The indices come from the runner's own block tables: validating them would only read
         # them back from the device, a host sync per step.
         metadata = self.backend.build_metadata(inputs.attn, check_indices=False)
-        return self.model(inputs.input_ids, inputs.positions, ForwardContext(self.backend, metadata, self.kv_caches))
+        ctx = ForwardContext(self.backend, metadata, self.kv_caches)
+        if self.multimodal is not None:
+            embeds, positions = self.multimodal.prepare(inputs.host, inputs.input_ids, inputs.positions, self.states)
+            return self.model(inputs.input_ids, positions, ctx, inputs_embeds=embeds)
+        return self.model(inputs.input_ids, inputs.positions, ctx)
 
     def upload(self, host: HostStep) -> StepInputs:
         """Move the step's host arrays to the device as the model and attention backend take them."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..multimodal.inputs import MultiModalInput
 from ..sample.metadata import is_plain_greedy, reads_output_ids, reads_prompt_ids
 from ..sample.seeding import position_seed
 from ..sampling_params import SamplingParams
@@ -42,6 +43,8 @@ class CachedRequestState:
     # A pooling engine's state between a prompt's chunks: the fp32 running sum of its hidden
     # states (MEAN) or its first token's (CLS); see `corectl.worker.pooler`.
     pooled_partial: torch.Tensor | None = None
+    # The prompt's images (`corectl.multimodal.step` merges their encoder rows into the step).
+    mm_inputs: list[MultiModalInput] = field(default_factory=list)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -309,6 +312,7 @@ class RequestStates:
             plain_greedy=is_plain_greedy(params),
             reads_prompt=reads_prompt_ids(params),
             reads_output=reads_output_ids(params),
+            mm_inputs=list(new.mm_inputs),
         )
 
     def __getitem__(self, req_id: str) -> CachedRequestState:

@@ -1,0 +1,106 @@
+"""A vision-language model's image preprocessing: its published image processor from transformers
+(the one its `preprocessor_config.json` names) and how one image's placeholder token grows into
+the run of tokens its encoder output fills.
+
+The chat template writes one placeholder token per image (Qwen2.5-VL's `<|image_pad|>`); `expand`
+widens each into the image's full token run, as the model's transformers processor does, and
+records where it landed (`MultiModalInput.offset`).
+"""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from transformers import AutoImageProcessor
+
+from ..errors import InvalidRequestError
+from .inputs import MultiModalInput, is_multimodal
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    pixels: np.ndarray
+    grid_thw: list[int]
+    num_tokens: int
+
+
+def decode_image(data: bytes, max_pixels: int):
+    """The RGB image in `data` (any format PIL reads); the size in its header is checked against
+    `max_pixels` before a pixel is decoded, so a small file cannot unpack into gigabytes."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data))
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise InvalidRequestError(f"the image cannot be read ({type(exc).__name__}: {exc})",
+                                  param="messages", code="invalid_image") from exc
+    check_pixels(image.size, max_pixels)
+    try:
+        return image.convert("RGB")
+    except (OSError, ValueError, SyntaxError) as exc:  # a truncated or corrupt body under a valid header
+        raise InvalidRequestError(f"the image is corrupt ({type(exc).__name__}: {exc})",
+                                  param="messages", code="invalid_image") from exc
+
+
+def check_pixels(size: tuple[int, int], max_pixels: int) -> None:
+    width, height = size
+    if width * height > max_pixels:
+        raise InvalidRequestError(f"the image is {width} x {height} = {width * height} pixels, over the limit of "
+                                  f"{max_pixels} pixels (--max-image-pixels)", param="messages",
+                                  code="image_too_large")
+
+
+class ImageProcessing:
+    """Preprocessing for one served model.
+
+        processing = ImageProcessing.for_model(model_dir, hf_config)   # None for a text-only model
+        processed = [processing.process(image) for image in images]
+        token_ids, items = processing.expand(token_ids, processed)
+    """
+
+    def __init__(self, image_processor: Any, hf_config):
+        self.image_processor = image_processor
+        self.image_token_id: int = hf_config.image_token_id
+        self.merge_size = getattr(hf_config.vision_config, "spatial_merge_size", 1)
+        # Fixed-size towers (Gemma 3's SigLIP) give every image the same number of tokens.
+        self.tokens_per_image = getattr(hf_config, "mm_tokens_per_image", None)
+
+    @classmethod
+    def for_model(cls, model_dir: Path | None, hf_config) -> ImageProcessing | None:
+        if not is_multimodal(hf_config) or model_dir is None:
+            return None
+        return cls(AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True), hf_config)
+
+    def process(self, image) -> ProcessedImage:
+        """Pixel values, patch grid and placeholder count of one RGB PIL image."""
+        out = self.image_processor(images=[image], return_tensors="np")
+        pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+        if "image_grid_thw" in out:
+            grid = [int(g) for g in np.asarray(out["image_grid_thw"])[0]]
+            return ProcessedImage(pixels, grid, int(np.prod(grid)) // self.merge_size ** 2)
+        return ProcessedImage(pixels, [], int(self.tokens_per_image))
+
+    def expand(self, token_ids: list[int], images: list[ProcessedImage]) -> tuple[list[int], list[MultiModalInput]]:
+        """`token_ids` with each image's placeholder widened to its token run, and the images'
+        records in prompt order."""
+        spots = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        if len(spots) != len(images):
+            raise InvalidRequestError(f"the prompt holds {len(spots)} image placeholders for {len(images)} images "
+                                      "(the chat template writes one per image part)", param="messages")
+        out: list[int] = []
+        items: list[MultiModalInput] = []
+        last = 0
+        for spot, image in zip(spots, images):
+            out += token_ids[last:spot]
+            items.append(MultiModalInput.build(image.pixels, image.grid_thw, len(out), image.num_tokens))
+            out += [self.image_token_id] * image.num_tokens
+            last = spot + 1
+        return out + token_ids[last:], items
+
+    def prompt(self, token_ids: list[int], images: list) -> dict:
+        """The engine's prompt for a rendered conversation and its RGB PIL images, in order."""
+        ids, items = self.expand(token_ids, [self.process(image) for image in images])
+        return {"prompt_token_ids": ids, "mm_inputs": items}

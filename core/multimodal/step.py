@@ -1,0 +1,108 @@
+"""A step's model inputs where prompts hold images: the token embeddings with each image's encoder
+rows merged in at its placeholders, and M-RoPE's three position rows.
+
+Each scheduled chunk takes the rows of the images it overlaps, so a chunked prefill that stops
+inside an image takes the rest of its rows in a later step (the encoder cache keeps them, pinned
+to the request, until then). The images a step needs and the cache lacks are encoded as one batch.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .encoder_cache import EncoderCache
+from .inputs import MultiModalInput, overlapping
+
+if TYPE_CHECKING:
+    from ..worker.request_states import HostStep, RequestStates
+
+# Encoder rows the worker keeps: ~117 MB at Qwen2.5-VL-7B's hidden size (3584) in bf16.
+ENCODER_CACHE_ROWS = 16384
+
+
+class MultiModalStep:
+    """Owned by the model runner of a model with `encode_images` (a vision-language model)."""
+
+    def __init__(self, model: Any, to_device: Callable[[list[np.ndarray]], list[torch.Tensor]],
+                 cache_rows: int = ENCODER_CACHE_ROWS):
+        self.model = model
+        self.to_device = to_device
+        self.cache = EncoderCache(cache_rows)
+        self.uses_mrope = hasattr(model, "mrope_positions")
+        # M-RoPE: each image request's prompt positions [3, P] and the offset of later positions.
+        self._mrope: dict[str, tuple[np.ndarray, int]] = {}
+
+    def forget(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            self._mrope.pop(req_id, None)
+            self.cache.forget(req_id)
+
+    def prepare(self, host: HostStep, input_ids: torch.Tensor, positions: torch.Tensor,
+                states: RequestStates) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(embeddings or None for a step without image rows, positions as the model takes them)."""
+        spans = self._spans(host, states)
+        if any(states[r].mm_inputs for r in host.req_ids) and self.uses_mrope:
+            positions = self.to_device([self._mrope_positions(host, states)])[0]
+        if not spans:
+            return None, positions
+        rows = self._encoder_rows([item for _, item, _, _, _ in spans])
+        embeds = self.model.embed_input_ids(input_ids)
+        for row, item, lo, hi, req_id in spans:
+            embeds[row:row + hi - lo] = rows[item.hash][lo:hi]
+            if hi < item.length:
+                self.cache.pin(item.hash, req_id)
+            else:
+                self.cache.unpin(item.hash, req_id)
+        for key, value in rows.items():
+            if key not in self.cache:
+                self.cache.put(key, value)
+        return embeds, positions
+
+    @staticmethod
+    def _spans(host: HostStep, states: RequestStates) -> list[tuple[int, MultiModalInput, int, int, str]]:
+        """(first step row, image, first and end row of the image's output) of each image part this
+        step's chunks cover."""
+        spans = []
+        for req_id, q_start, n in zip(host.req_ids, host.query_starts, host.query_lens):
+            state = states[req_id]
+            start = state.num_computed_tokens
+            for item in overlapping(state.mm_inputs, start, start + n):
+                lo, hi = max(item.offset, start), min(item.end, start + n)
+                spans.append((q_start + lo - start, item, lo - item.offset, hi - item.offset, req_id))
+        return spans
+
+    def _encoder_rows(self, items: list[MultiModalInput]) -> dict[str, torch.Tensor]:
+        """Each image's encoder output: from the cache, or encoded now with the others it lacks."""
+        rows: dict[str, torch.Tensor] = {}
+        missing: dict[str, MultiModalInput] = {}
+        for item in items:
+            if item.hash in rows or item.hash in missing:
+                continue
+            cached = self.cache.get(item.hash)
+            if cached is None:
+                missing[item.hash] = item
+            else:
+                rows[item.hash] = cached
+        if missing:
+            rows.update(zip(missing, self.model.encode_images(list(missing.values()))))
+        return rows
+
+    def _mrope_positions(self, host: HostStep, states: RequestStates) -> np.ndarray:
+        """[3, T]: text-only requests repeat their positions; an image request's prompt positions
+        come from its table, later ones sit at index + offset."""
+        out = np.repeat(host.positions[None], 3, axis=0)
+        for req_id, q_start, n in zip(host.req_ids, host.query_starts, host.query_lens):
+            state = states[req_id]
+            if not state.mm_inputs:
+                continue
+            if req_id not in self._mrope:
+                self._mrope[req_id] = self.model.mrope_positions(state.num_prompt_tokens, state.mm_inputs)
+            table, offset = self._mrope[req_id]
+            index = host.positions[q_start:q_start + n]
+            inside = index < table.shape[1]
+            out[:, q_start:q_start + n] = np.where(inside, table[:, np.minimum(index, table.shape[1] - 1)],
+                                                   index + offset)
+        return out

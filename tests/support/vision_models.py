@@ -1,0 +1,63 @@
+"""Small random-weight vision-language checkpoints of real transformers config classes, with the
+SmolLM2 tokenizer (plus the models' image tokens), a chat template that writes an image's
+placeholder, and the model's published image processor configured for small images."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# Qwen2-VL's template, trimmed to text and image parts (the real one also renders videos).
+QWEN_VL_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'text' %}{{ content['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def build_qwen2_5_vl(folder: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A 2-layer Qwen2.5-VL (hidden 64; a 2-block tower of width 32 with windows of 2 x 2 merged
+    tokens and one full-attention block) whose processor keeps images between 56 x 56 and 112 x 112."""
+    from transformers import (AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                              Qwen2VLImageProcessorPil)
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_VL_TOKENS})
+    tokenizer.chat_template = QWEN_VL_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    ids = dict(zip(QWEN_VL_TOKENS, tokenizer.convert_tokens_to_ids(QWEN_VL_TOKENS)))
+    config = Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           window_size=56, fullatt_block_indexes=[1]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        bos_token_id=1, eos_token_id=2)
+    config.text_config.initializer_range = 0.5
+    torch.manual_seed(seed)
+    Qwen2_5_VLForConditionalGeneration(config).to(torch.float32).save_pretrained(folder)
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112).save_pretrained(folder)
+    return folder
+
+
+def random_image(width: int, height: int, seed: int):
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def png_bytes(image) -> bytes:
+    import io
+
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
