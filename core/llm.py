@@ -13,6 +13,7 @@ from .engine.core import EngineCore
 from .engine.intake import NO_TOKENIZER, encode_prompt
 from .engine.output_processor import OutputProcessor
 from .errors import InvalidRequestError
+from .generation_config import check_generation_config, generation_defaults
 from .lora.request import LoRARequest
 from .multimodal.chat import image_sources, local_image
 from .multimodal.processing import ImageProcessing
@@ -35,10 +36,14 @@ class LLM:
         llm = LLM("path/to/hf_dir", enable_lora=True)  # then generate(..., lora_request=LoRARequest(...))
 
     `tokenizer` is None when the engine runs without one (see `EngineConfig.skip_tokenizer_init`).
+    `generation_config` ("auto", "vllm" or a folder, as vLLM's) is where `generate` and `chat` called
+    without sampling params take their defaults (`corectl.generation_config`).
     """
 
-    def __init__(self, model: str | None = None, **engine_args: Any):
+    def __init__(self, model: str | None = None, generation_config: str = "auto", **engine_args: Any):
+        check_generation_config(generation_config)
         self.engine = EngineCore(EngineConfig.from_kwargs(model=model, **engine_args))
+        self._sampling_defaults = generation_defaults(generation_config, str(self.engine.source.model_dir))
         self.config = self.engine.config
         folder = self.engine.source.tokenizer_dir
         self.tokenizer = None if folder is None else Tokenizer.from_dir(folder, chat_template=self.config.chat_template)
@@ -55,6 +60,10 @@ class LLM:
         """Bring back the weights and the KV cache (or only the `tags` named: "weights", "kv_cache")."""
         self.engine.wake_up(tags)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the model's generation-config defaults (vLLM's own without)."""
+        return SamplingParams(**self._sampling_defaults)
+
     def get_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise InvalidRequestError(f"{NO_TOKENIZER}, so there is no tokenizer to return")
@@ -67,11 +76,12 @@ class LLM:
         """Generate for one prompt or a batch; outputs come back in input order.
 
         A prompt is a string, a list of token ids, or vLLM's `{"prompt": text}` /
-        `{"prompt_token_ids": ids}`; `sampling_params` is one for all or one per prompt, and so is
+        `{"prompt_token_ids": ids}`; `sampling_params` is one for all or one per prompt (None: the
+        model's defaults, `get_default_sampling_params`), and so is
         `lora_request` (the LoRA adapter to run with, None for the base model; needs enable_lora).
         """
         batch = _as_prompt_list(prompts)
-        params = _broadcast(sampling_params or SamplingParams(), len(batch), "sampling_params")
+        params = _broadcast(sampling_params or self.get_default_sampling_params(), len(batch), "sampling_params")
         priorities = _broadcast(list(priority) if priority is not None else 0, len(batch), "priority")
         loras = _broadcast(_as_list(lora_request), len(batch), "lora_request")
         encoded = [encode_prompt(self.tokenizer, p) for p in batch]
@@ -100,7 +110,7 @@ class LLM:
                                           template_kwargs=chat_template_kwargs)
             for conv in conversations
         ]
-        params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        params = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompts), "sampling_params")
         encoded = [(p, tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
         images = [self._chat_images(conv, ids) for conv, (_, ids) in zip(conversations, encoded)]
         encoded = [(text, image["prompt_token_ids"]) if image else (text, ids)

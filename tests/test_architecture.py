@@ -47,7 +47,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     )),
     ("executor", ("corectl.executor",)),
     ("engine", ("corectl.engine",)),
-    ("api", ("corectl", "corectl.llm", "corectl.beam_search", "corectl.planning", "corectl.planning_weights")),
+    ("api", ("corectl", "corectl.llm", "corectl.beam_search", "corectl.generation_config", "corectl.planning",
+             "corectl.planning_weights")),
 ]
 
 # (importer, imported, why) imports that break the floors on purpose. Keep it short.

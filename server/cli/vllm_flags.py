@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from corectl.errors import ConfigError
+from corectl.generation_config import check_generation_config
 from corectl.sampling_params import MAX_LOGPROBS
 
 API_KEY_ENV = ("CORECTL_API_KEY", "VLLM_API_KEY")
-GENERATION_CONFIG_CHOICES = ("auto", "vllm")
 
 
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
@@ -53,9 +53,7 @@ def check_vllm_flags(args: argparse.Namespace) -> dict[str, Any]:
         path = getattr(args, name)
         if path is not None and not Path(path).is_file():
             raise ConfigError(name, f"{path!r} is not a file")
-    source = args.generation_config
-    if source not in GENERATION_CONFIG_CHOICES and not Path(source).is_dir():
-        raise ConfigError("generation_config", f"must be auto, vllm or a folder, got {source!r}")
+    source = check_generation_config(args.generation_config)
     if args.root_path and not args.root_path.startswith("/"):
         raise ConfigError("root_path", f"must start with '/', got {args.root_path!r}")
     return dict(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path,

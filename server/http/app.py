@@ -12,6 +12,7 @@ import corectl
 from corectl.engine.client import EngineClient
 from corectl.engine.dp import EngineProcessInit, start_engines
 from corectl.engine.transport import EngineTransport
+from corectl.generation_config import generation_defaults
 from litestar import Litestar, Request
 from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
@@ -30,7 +31,6 @@ from .logs import configure_logging
 from .lora_routes import LoRAAdapterController
 from .metrics import ServerMetrics
 from .ops import LoadController, ModelsController, OpsController, TokenizerController
-from .generation_defaults import generation_defaults
 from .request_id import request_id_middleware
 from .responses_api import ResponsesController
 from .scoring import ScoringController

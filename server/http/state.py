@@ -102,7 +102,7 @@ class ServerState:
         self.exit_code = 0
         self._in_flight = 0
         self.started_at = time.time()
-        # Sampling defaults for the fields a request leaves unset (generation_defaults), once the engine is up.
+        # Sampling defaults for the fields a request leaves unset (corectl.generation_config), once the engine is up.
         self.sampling_defaults: dict = {}
         self.tool_parser = None if settings.tool_call_parser is None else tool_parser_class(settings.tool_call_parser)
         self.reasoning_parser = (None if settings.reasoning_parser is None

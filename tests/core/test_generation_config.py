@@ -1,0 +1,44 @@
+"""The offline LLM's default SamplingParams come from the model's generation_config.json (vLLM's
+`generation_config`: "auto", "vllm" or a folder), on a small random Qwen3 checkpoint."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from corectl import LLM, SamplingParams
+from corectl.errors import ConfigError
+from support.models import build_random_checkpoint
+
+ENGINE = dict(dtype="float32", max_model_len=64, kv_cache_memory_gib=0.02)
+MODEL_DEFAULTS = {"temperature": 0.0, "top_k": 5, "top_p": 0.9, "repetition_penalty": 1.3, "max_new_tokens": 3}
+PROMPT = [1, 15, 27, 300, 41]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, default_model_dir):
+    folder = build_random_checkpoint("qwen3", tmp_path_factory.mktemp("genconfig"), default_model_dir)
+    (folder / "generation_config.json").write_text(json.dumps({**MODEL_DEFAULTS, "eos_token_id": 2}))
+    return folder
+
+
+def test_generate_without_params_takes_the_model_defaults(checkpoint):
+    llm = LLM(str(checkpoint), **ENGINE)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.top_p, defaults.repetition_penalty,
+            defaults.max_tokens) == (0.0, 5, 0.9, 1.3, 3)
+    implicit = llm.generate([PROMPT], use_tqdm=False)[0].outputs[0]
+    explicit = llm.generate([PROMPT], SamplingParams(temperature=0.0, top_k=5, top_p=0.9, repetition_penalty=1.3,
+                                                     max_tokens=3), use_tqdm=False)[0].outputs[0]
+    assert len(implicit.token_ids) == 3 and implicit.token_ids == explicit.token_ids
+    chat = llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)[0].outputs[0]
+    assert len(chat.token_ids) <= 3 and (len(chat.token_ids) == 3 or chat.finish_reason == "stop")
+
+
+def test_vllm_and_folder_sources(checkpoint, tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 5, "temperature": 0.5}))
+    other = LLM(str(checkpoint), generation_config=str(tmp_path), **ENGINE).get_default_sampling_params()
+    assert (other.max_tokens, other.temperature, other.top_k) == (5, 0.5, SamplingParams().top_k)
+    plain = LLM(str(checkpoint), generation_config="vllm", **ENGINE).get_default_sampling_params()
+    assert (plain.max_tokens, plain.temperature) == (SamplingParams().max_tokens, SamplingParams().temperature)
+    with pytest.raises(ConfigError, match="generation_config"):
+        LLM(str(checkpoint), generation_config="nowhere/at/all", **ENGINE)
