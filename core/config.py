@@ -7,6 +7,7 @@ import msgspec
 
 from .errors import ConfigError
 from .pooling import POOLING_TYPES, RUNNER_ALIASES, RUNNERS
+from .kv_transfer.config import KVTransferConfig, resolve_kv_transfer_config
 from .spec_decode.config import SpeculativeConfig, resolve_speculative_config
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -68,6 +69,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     speculative_config: speculative decoding, vLLM's `--speculative-config` (a dict or its JSON
         string, see `corectl.spec_decode.config`); None: off. Checked here and kept as a
         `SpeculativeConfig`.
+    kv_transfer_config: disaggregated prefill/decode through a KV connector, vLLM's
+        `--kv-transfer-config` (a dict or its JSON string: `kv_connector`, `kv_role`,
+        `kv_connector_extra_config`; see `corectl.kv_transfer`); None: off.
+    kv_offload_bytes: bytes of host memory (pinned where the platform pins) that keep prefix-cache
+        blocks the device evicts, brought back on a later hit instead of recomputed (vLLM's
+        `--kv-offloading-size`, in GiB there); None: no host tier.
     enable_sleep_mode: the engine may sleep (`EngineCore.sleep`, corectl.worker.sleep): free its KV
         cache and offload (level 1) or drop (level 2) its weights until woken up.
     quantization: the quantization method (`corectl.quantization`; vLLM's names: fp8, awq, gptq,
@@ -121,6 +128,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     lora_dtype: str = "auto"
     speculative_config: SpeculativeConfig | str | None = None
     enable_sleep_mode: bool = False
+    kv_transfer_config: KVTransferConfig | str | None = None
+    kv_offload_bytes: int | None = None
 
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)
@@ -158,6 +167,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ConfigError("platform", "must be 'auto' or a platform name (see `corectl plugins`)")
         self._check_lora()
         self.speculative_config = resolve_speculative_config(self.speculative_config, self.tensor_parallel_size)
+        self.kv_transfer_config = resolve_kv_transfer_config(self.kv_transfer_config)
+        if self.kv_offload_bytes is not None:
+            self._check_positive("kv_offload_bytes")
+            if self.kv_transfer_config is not None:
+                raise ConfigError("kv_offload_bytes", "the host tier is a KV connector of its own: give either "
+                                  "--kv-offload-bytes or --kv-transfer-config, not both")
 
     def _check_lora(self) -> None:
         self._check_positive("max_loras")

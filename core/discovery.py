@@ -120,9 +120,15 @@ def resolve_lora_resolver(name: str) -> type:
     return import_registered(get_plugin_manager().lora_resolvers(), name, "lora_resolver", "LoRA resolver")
 
 
+def resolve_kv_connector(name: str) -> type:
+    """The `corectl.kv_transfer.base.KVConnector` class registered under `name` (`corectl_kv_connectors`)."""
+    return import_registered(get_plugin_manager().kv_connectors(), name, "kv_transfer_config", "KV connector")
+
+
 @dataclass(frozen=True)
 class InventoryRow:
-    # "platform", "model", "attention", "structured", "quantization", "tool_parser", "reasoning", "lora_resolver"
+    # "platform", "model", "attention", "structured", "quantization", "tool_parser", "reasoning", "lora_resolver",
+    # "kv_connector"
     kind: str
     name: str
     plugin: str
@@ -149,7 +155,7 @@ def plugin_inventory() -> list[InventoryRow]:
     rows += [InventoryRow("quantization", s.name, s.plugin, pm.provider(s.plugin), "", s.description)
              for s in sorted(pm.quantization_methods().values(), key=lambda s: s.name)]
     for kind, specs in (("tool_parser", pm.tool_parsers()), ("reasoning", pm.reasoning_parsers()),
-                        ("lora_resolver", pm.lora_resolvers())):
+                        ("lora_resolver", pm.lora_resolvers()), ("kv_connector", pm.kv_connectors())):
         rows += [InventoryRow(kind, s.name, s.plugin, pm.provider(s.plugin), "", s.description)
                  for s in sorted(specs.values(), key=lambda s: s.name)]
     return rows

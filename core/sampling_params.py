@@ -6,6 +6,7 @@ from typing import Any
 import msgspec
 
 from .errors import InvalidRequestError
+from .kv_transfer.config import check_transfer_params
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -92,7 +93,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     `truncate_prompt_tokens` keeps only the prompt's last that many tokens; `cache_salt` keys the
     request's prefix-cache blocks, so only requests with the same salt share them;
     `spaces_between_special_tokens` separates special tokens from their neighbours in the text when
-    they are not skipped.
+    they are not skipped. `kv_transfer_params` makes the request one half of a disaggregated
+    prefill/decode pair (`corectl.kv_transfer.config`).
     """
 
     n: int = 1
@@ -121,6 +123,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     truncate_prompt_tokens: int | None = None
     cache_salt: str | None = None
     spaces_between_special_tokens: bool = True
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -168,6 +171,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                     )
         if self.stop and any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty", param="stop")
+        check_transfer_params(self.kv_transfer_params)
 
     @property
     def greedy(self) -> bool:

@@ -49,6 +49,40 @@ class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):
     bitmask: bytes
 
 
+class KVBlockTransfer(msgspec.Struct, array_like=True, gc=False):
+    """Blocks a KV connector moves for one request (`corectl.kv_transfer`): `block_ids` are this
+    instance's device blocks; the other end is named by `transfer_id` and `first_block` (the index
+    of the first of them in the saved run: a disaggregated transfer) or by `keys` (one per block:
+    a host tier's slots)."""
+
+    req_id: str
+    block_ids: list[int]
+    transfer_id: str = ""
+    first_block: int = 0
+    keys: list[int] = []
+
+
+class KVTransferMetadata(msgspec.Struct, array_like=True, gc=False):
+    """One step's KV-connector work, done by the worker before the step's forward pass: `saves`
+    copy blocks out (their K/V is read before anything this step writes), `loads` copy blocks in
+    (synchronous ones before this forward pass, asynchronous ones reported done in a later step),
+    `cancelled` names asynchronous loads whose request has gone (their blocks may be reused)."""
+
+    saves: list[KVBlockTransfer] = []
+    loads: list[KVBlockTransfer] = []
+    cancelled: list[str] = []
+
+
+class KVTransferReport(msgspec.Struct, array_like=True, gc=False):
+    """What a worker's KV connector finished since its last report: asynchronous loads done
+    (`loaded`, with the bytes they brought) or failed (`failed`: the request's block ids that hold
+    no valid K/V; it recomputes from the first)."""
+
+    loaded: list[str] = []
+    failed: dict[str, list[int]] = {}
+    bytes_loaded: int = 0
+
+
 class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     """One step's work. `num_computed_tokens` values are counts *before* this step's tokens.
 
@@ -59,6 +93,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     once they arrive (async scheduling: see `Executor.sample_pending`).
     `spec_token_ids` holds the draft tokens of speculating requests (speculative decoding): the
     last of their scheduled tokens, verified by the step (`corectl.spec_decode`).
+    `kv_transfer` is the step's KV-connector work; set whenever a connector has anything under
+    way, so the worker polls it even on a step that computes nothing.
     """
 
     new_requests: list[NewRequestData]
@@ -69,6 +105,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     grammar_bitmask: GrammarBitmask | None = None
     grammar_pending: bool = False
     spec_token_ids: dict[str, list[int]] = {}
+    kv_transfer: KVTransferMetadata | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -100,6 +137,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
     `num_sampled` (a verify step of speculative decoding) holds how many tokens each request
     emitted: `sampled_token_ids` and the `logprobs` rows are then every request's tokens, request
     after request. Empty: one token each.
+    `kv_transfer` reports the KV connector's finished transfers (None without a connector).
     """
 
     req_ids: list[str]
@@ -108,6 +146,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
     prompt_logprobs: dict[str, LogprobsLists] = {}
     pooled: dict[str, bytes] = {}
     num_sampled: list[int] = []
+    kv_transfer: KVTransferReport | None = None
 
     def token_rows(self) -> list[range]:
         """The rows of `sampled_token_ids` (and `logprobs`) of each request, in `req_ids` order."""

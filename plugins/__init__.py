@@ -12,6 +12,7 @@ from .manager import (
 )
 from .specs import (
     AttentionBackendSpec,
+    KVConnectorSpec,
     LoRAResolverSpec,
     ModelSpec,
     PlatformSpec,
@@ -24,6 +25,7 @@ from .specs import (
 
 __all__ = [
     "AttentionBackendSpec",
+    "KVConnectorSpec",
     "LoRAResolverSpec",
     "ModelSpec",
     "PlatformSpec",

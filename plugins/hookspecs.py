@@ -19,6 +19,7 @@ import pluggy
 
 from .specs import (
     AttentionBackendSpec,
+    KVConnectorSpec,
     LoRAResolverSpec,
     ModelSpec,
     PlatformSpec,
@@ -111,4 +112,16 @@ def corectl_lora_resolvers() -> Iterable[LoRAResolverSpec]:
     The class must subclass ``corectl.lora.resolvers.LoRAResolver``: built once as
     ``cls(options)``, its ``resolve(base_model_name, lora_name)`` returns a local folder holding the
     PEFT adapter a request names, or None. It runs in a worker thread of the API server's process.
+    """
+
+
+@hookspec
+def corectl_kv_connectors() -> Iterable[KVConnectorSpec]:
+    """Yield KV connectors (``--kv-transfer-config '{"kv_connector": NAME, ...}'``).
+
+    The class must subclass ``corectl.kv_transfer.base.KVConnector`` and name its two halves:
+    ``scheduler_cls`` (a ``KVConnectorScheduler``, in the engine process: how many prompt tokens of
+    a request it can load, which blocks to save, progress per request) and ``worker_cls`` (a
+    ``KVConnectorWorker``, one per rank: saves and loads blocks of the KV tensors, asynchronously,
+    and reports the loads done or failed). See docs/distributed.md, "Connector plugins".
     """

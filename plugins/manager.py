@@ -12,6 +12,7 @@ import pluggy
 from . import hookspecs
 from .specs import (
     AttentionBackendSpec,
+    KVConnectorSpec,
     LoRAResolverSpec,
     ModelSpec,
     PlatformSpec,
@@ -112,6 +113,9 @@ class PluginManager:
 
     def lora_resolvers(self) -> dict[str, LoRAResolverSpec]:
         return self._collect("corectl_lora_resolvers", "name")
+
+    def kv_connectors(self) -> dict[str, KVConnectorSpec]:
+        return self._collect("corectl_kv_connectors", "name")
 
 
 _MANAGER: PluginManager | None = None

@@ -87,6 +87,13 @@ class LoRAResolverSpec(NamedSpec):
     `name` with `corectl serve --lora-resolver NAME`."""
 
 
+@dataclass(frozen=True)
+class KVConnectorSpec(NamedSpec):
+    """A KV connector (disaggregated prefill/decode, KV offloading): `path` names a
+    `corectl.kv_transfer.base.KVConnector` subclass, chosen by `name` with
+    `corectl serve --kv-transfer-config '{"kv_connector": NAME, ...}'`."""
+
+
 def import_dotted(path: str) -> Any:
     """Import `package.module:attr` or `package.module.attr` and return the attribute."""
     module_name, sep, attr = path.partition(":")

@@ -34,9 +34,11 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         "corectl.discovery", "corectl.tokenizer", "corectl.detokenizer", "corectl.step_messages",
         "corectl.lora.request",         # a request's adapter, carried by Request and NewRequestData
         "corectl.spec_decode.config",   # an EngineConfig field
+        "corectl.kv_transfer.config",   # EngineConfig.kv_transfer_config, SamplingParams.kv_transfer_params
         "corectl.multimodal.inputs",    # a request's images, carried by Request and NewRequestData
     )),
-    ("parts", ("corectl.distributed", "corectl.kv", "corectl.sample", "corectl.structured", "corectl.loaders",
+    ("parts", ("corectl.distributed", "corectl.kv", "corectl.kv_transfer",
+               "corectl.sample", "corectl.structured", "corectl.loaders",
                "corectl.multimodal")),
     ("quantization", ("corectl.quantization",)),
     ("models", ("corectl.models",)),

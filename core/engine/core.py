@@ -25,6 +25,7 @@ from ..discovery import (
 )
 from ..errors import ConfigError, CorectlError, InvalidRequestError
 from ..executor import StepHandle, WorkerSpec, create_executor
+from ..kv_transfer.factory import scheduler_connector
 from ..loaders import ModelSource, resolve_model_source
 from ..lora.shapes import BaseModelShape
 from ..models.bert import position_offset
@@ -90,7 +91,8 @@ class EngineCore:
         self.structured = self._structured_outputs(info.vocab_size)
         self.async_scheduling = _async_scheduling(config, platform.capabilities().async_output)
         self.scheduler = Scheduler(config, self.max_model_len, num_blocks, self.structured,
-                                   sliding_window=info.sliding_window, defer_grammar=self.async_scheduling)
+                                   sliding_window=info.sliding_window,
+                                   connector=scheduler_connector(config, info.kv_bytes_per_block(config.block_size)), defer_grammar=self.async_scheduling)
         self.snapshots = SnapshotPublisher(self.scheduler)
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self.num_requests_received = 0
@@ -190,7 +192,8 @@ class EngineCore:
             return self._report([])
         self._refused += self.scheduler.reap_grammar_failures()
         sched = self.scheduler.schedule()
-        launches = not sched.is_empty or bool(sched.finished_req_ids)
+        # A step that only carries KV-connector work still reaches the workers: they report there.
+        launches = not sched.is_empty or bool(sched.finished_req_ids) or sched.kv_transfer is not None
         if not sched.is_empty:
             self.snapshots.record(sched)
         if not self.async_scheduling:

@@ -119,6 +119,15 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     # Tokens scheduled per step: steps by bucket of ITERATION_TOKENS_BUCKETS (plus +Inf), and their sum.
     iteration_tokens_counts: list[int] = []
     iteration_tokens_sum: int = 0
+    # Where prompt tokens' K/V came from (vLLM's prompt_tokens_by_source): computed here, or loaded by
+    # a KV connector (disaggregated prefill, host tier); loads that fell back to recomputing.
+    prompt_tokens_computed: int = 0
+    prompt_tokens_transferred: int = 0
+    kv_load_failures: int = 0
+    # KV connectors (corectl.kv_transfer): tokens the host tier gave back, bytes moved each way.
+    kv_offload_hit_tokens: int = 0
+    kv_transfer_bytes_loaded: int = 0
+    kv_transfer_bytes_saved: int = 0
 
 
 class EngineSnapshot(msgspec.Struct, array_like=True, gc=False):

@@ -13,7 +13,7 @@ at each change so a live view can summarize the pool without walking 100k block 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 NULL_BLOCK_ID = 0
 FREE, USED, CACHED = 0, 1, 2
@@ -34,7 +34,8 @@ class KVBlock:
 class BlockPool:
     """Owns every block; callers check `num_free` before `allocate`."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, on_evict: Callable[[int, int], None] | None = None):
+        """`on_evict(block_id, block_hash)` is told of each cached block `allocate` reuses."""
         if num_blocks < 2:
             raise ValueError(
                 f"the KV cache needs at least 2 blocks (one is the reserved null block), got {num_blocks}; "
@@ -48,6 +49,7 @@ class BlockPool:
         # removal from the middle, needed when a prefix hit revives a free cached block.
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         self._cached: dict[int, KVBlock] = {}
+        self._on_evict = on_evict
 
     @property
     def num_usable_blocks(self) -> int:
@@ -69,6 +71,8 @@ class BlockPool:
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
+                if self._on_evict is not None:
+                    self._on_evict(block.block_id, block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             self.states[block.block_id] = USED

@@ -27,6 +27,7 @@ it still holds are committed as usual.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..request import Request
@@ -52,10 +53,11 @@ _NO_HIT = PrefixHit()
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, on_evict: Callable[[int, int], None] | None = None):
         """`sliding_window`: the window every layer of the model attends within (None: some layer,
-        or every one, attends to the whole context, so no block is returned early)."""
-        self.pool = BlockPool(num_blocks)
+        or every one, attends to the whole context, so no block is returned early); `on_evict(block_id,
+        block_hash)` hears of each cached block the pool hands to a new owner (a host tier keeps it)."""
+        self.pool = BlockPool(num_blocks, on_evict)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
@@ -88,6 +90,9 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (the KV tensors behind them were freed); no request may hold blocks."""
         self.pool.forget_cached()
+
+    def holds_blocks(self, req: Request) -> bool:
+        return req.request_id in self._req_blocks
 
     def block_ids(self, req: Request) -> list[int]:
         return [b.block_id for b in self._req_blocks.get(req.request_id, ())]

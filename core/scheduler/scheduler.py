@@ -46,12 +46,14 @@ from ..engine.messages import ITERATION_TOKENS_BUCKETS, EngineCoreOutput, Schedu
 from ..errors import ConfigError, QueueFullError
 from ..kv import KVCacheManager, PrefixHit
 from ..kv.sizing import blocks_per_sequence
+from ..kv_transfer.base import KVConnectorScheduler
 from ..lora.admission import AdapterAdmission, adapter_names
 from ..request import Request, RequestStatus
 from ..spec_decode.scheduling import DraftPlanner
 from ..step_messages import (
     CachedRequestData,
     GrammarBitmask,
+    KVTransferReport,
     LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
@@ -93,12 +95,16 @@ class _StepPlan:
 class Scheduler:
     def __init__(self, config: EngineConfig, max_model_len: int, num_blocks: int,
                  structured: StructuredOutputManager | None = None, sliding_window: int | None = None,
-                 defer_grammar: bool = False):
+                 defer_grammar: bool = False, connector: KVConnectorScheduler | None = None):
         """`structured` serves requests that ask for structured output (None: refuse them);
         `sliding_window`: the window every layer of the model attends within, if one does
         (`ModelInfo.sliding_window`), so blocks before it go back to the pool as requests run;
-        `defer_grammar`: steps leave their masks pending (async scheduling, see the module doc)."""
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, sliding_window)
+        `defer_grammar`: steps leave their masks pending (async scheduling, see the module doc);
+        `connector`: the scheduler half of a KV connector (`corectl.kv_transfer`), which loads prompt
+        tokens from outside and hears of evicted prefix blocks and finished requests."""
+        self.connector = connector
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, sliding_window,
+                                 on_evict=None if connector is None else connector.block_evicted)
         capacity = self.kv.num_usable_blocks * config.block_size
         needed = blocks_per_sequence(max_model_len, config.block_size, sliding_window, config.max_num_batched_tokens)
         # A request that cannot fit the cache even alone would be preempted forever.
@@ -118,6 +124,12 @@ class Scheduler:
         # Ordered set of ids the worker must forget at the next step (finished, aborted, preempted).
         self._forget: dict[str, None] = {}
         self.in_flight = StepsInFlight()
+        # Requests waiting for an asynchronous KV load, each with the computed count it brings them to.
+        self._loading: dict[str, tuple[Request, int]] = {}
+        # Prompt tokens computed here, loaded by the connector, and loads that fell back to recompute.
+        self.prompt_tokens_computed = 0
+        self.prompt_tokens_transferred = 0
+        self.kv_load_failures = 0
         self._prompt_logprobs = PromptLogprobsBuffer()
         self.num_preemptions = 0
         self._iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
@@ -155,8 +167,9 @@ class Scheduler:
         running = {req for req in aborted if req.status == RequestStatus.RUNNING}
         if running:
             self.running = [req for req in self.running if req not in running]
-        if len(running) < len(aborted):
-            self.waiting.remove({req for req in aborted if req not in running})
+        loading = {req for req in aborted if self._loading.pop(req.request_id, None) is not None}
+        if len(running) + len(loading) < len(aborted):
+            self.waiting.remove({req for req in aborted if req not in running and req not in loading})
         for req in aborted:
             if req in running:
                 self._forget[req.request_id] = None
@@ -175,7 +188,8 @@ class Scheduler:
         return self._requests.get(req_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        """Requests to serve, or KV-connector work due or under way (saves to issue, loads to hear of)."""
+        return bool(self._requests) or (self.connector is not None and self.connector.has_work())
 
     @property
     def num_running(self) -> int:
@@ -195,6 +209,10 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             iteration_tokens_counts=list(self._iteration_tokens),
             iteration_tokens_sum=self._iteration_tokens_sum,
+            prompt_tokens_computed=self.prompt_tokens_computed,
+            prompt_tokens_transferred=self.prompt_tokens_transferred,
+            kv_load_failures=self.kv_load_failures,
+            **({} if self.connector is None else self.connector.counters()),
             **self._lora_stats(),
             **self._spec_decode_stats(),
         )
@@ -311,17 +329,67 @@ class Scheduler:
                     or (self.adapters is not None and not self.adapters.admits(req))):
                 skipped.append(self.waiting.pop())
                 continue
+            if self.kv.holds_blocks(req):
+                # Its blocks were allocated for a KV load that has since finished or failed.
+                num_tokens = min(req.num_tokens - req.num_computed_tokens, plan.budget)
+                if self.kv.allocate(req, num_tokens) is None:
+                    break
+                self.waiting.pop()
+                self._start(req, req.num_computed_tokens, num_tokens, plan)
+                continue
             hit = self.kv.lookup_prefix(req)
-            num_tokens = min(req.num_tokens - hit.num_tokens, plan.budget)
+            external, load_async = self._external_tokens(req, hit)
+            num_tokens = 0 if load_async else min(req.num_tokens - hit.num_tokens - external, plan.budget)
             if self.config.encoder_only and num_tokens < req.num_tokens:
                 break  # an encoder's prompt runs whole: it waits for a step with room for all of it
-            if self.kv.allocate(req, num_tokens, hit) is None:
+            if self.kv.allocate(req, external + num_tokens, hit) is None:
                 break
             self.waiting.pop()
-            self._start(req, hit, num_tokens, plan)
+            if external:
+                self.connector.update_state_after_alloc(req, self.kv.block_ids(req), hit.num_tokens, external)
+            if load_async:
+                self._await_load(req, hit.num_tokens, hit.num_tokens + external)
+                continue
+            self.prompt_tokens_transferred += external
+            self._start(req, hit.num_tokens + external, num_tokens, plan)
         self.waiting.prepend(skipped)
         if self.adapters is not None:
             self.adapters.end()
+
+    def _external_tokens(self, req: Request, hit: PrefixHit) -> tuple[int, bool]:
+        """Prompt tokens after the local hit that the KV connector loads, and whether asynchronously."""
+        if self.connector is None:
+            return 0, False
+        external, load_async = self.connector.get_num_new_matched_tokens(req, hit.num_tokens)
+        return external, load_async and external > 0
+
+    def _await_load(self, req: Request, num_computed: int, num_loaded: int) -> None:
+        """Park a request, holding its blocks, until the workers report its KV load."""
+        req.num_computed_tokens = num_computed
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        self._loading[req.request_id] = (req, num_loaded)
+
+    def _apply_transfers(self, report: KVTransferReport) -> None:
+        """Requests whose load finished start from the loaded tokens; those whose load failed recompute
+        from their first block without valid K/V (vLLM's KV load-failure recovery). Either way they
+        return to the front of the queue, keeping their blocks."""
+        for req_id in report.loaded:
+            req, num_loaded = self._loading.pop(req_id, (None, 0))
+            if req is not None:
+                self.prompt_tokens_transferred += num_loaded - req.num_computed_tokens
+                req.num_computed_tokens = num_loaded
+                self.kv.commit(req)
+                self.waiting.prepend([req])
+        for req_id, bad_blocks in report.failed.items():
+            req, _ = self._loading.pop(req_id, (None, 0))
+            if req is not None:
+                self.kv_load_failures += 1
+                block_ids = self.kv.block_ids(req)
+                first_bad = min(block_ids.index(b) for b in bad_blocks if b in block_ids)
+                req.num_computed_tokens = min(req.num_computed_tokens, first_bad * self.config.block_size)
+                self.waiting.prepend([req])
+        self.connector.update_report(report)
 
     def _grammar_compiling(self, req: Request) -> bool:
         return self.structured is not None and req in self.structured and not self.structured.ready(req)
@@ -343,11 +411,12 @@ class Scheduler:
             s is not req and s.status == RequestStatus.RUNNING and s.num_computed_tokens < shareable for s in group
         )
 
-    def _start(self, req: Request, hit: PrefixHit, num_tokens: int, plan: _StepPlan) -> None:
+    def _start(self, req: Request, num_computed: int, num_tokens: int, plan: _StepPlan) -> None:
+        """Run a waiting request from `num_computed` tokens (a prefix hit, loaded ones) for `num_tokens`."""
         req.status = RequestStatus.RUNNING
-        req.num_computed_tokens = hit.num_tokens
+        req.num_computed_tokens = num_computed
         if req.num_cached_tokens < 0:
-            req.num_cached_tokens = hit.num_tokens
+            req.num_cached_tokens = num_computed
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
         self.running.append(req)
@@ -381,6 +450,8 @@ class Scheduler:
             num_computed_tokens=[req.num_computed_tokens for req in running],
         )
         for req in running + plan.new:
+            self.prompt_tokens_computed += max(0, min(req.num_computed_tokens + plan.num_scheduled[req.request_id],
+                                                      req.num_prompt_tokens) - req.num_computed_tokens)
             # Drafts count as computed only once accepted (`update`).
             req.num_computed_tokens += plan.num_scheduled[req.request_id] - len(plan.drafts.get(req.request_id, ()))
             self.in_flight.schedule(req)
@@ -397,6 +468,7 @@ class Scheduler:
             grammar_bitmask=grammar_bitmask,
             grammar_pending=grammar_pending,
             spec_token_ids=plan.drafts,
+            kv_transfer=None if self.connector is None else self.connector.build_metadata(),
         )
 
     def _grammar_rows_of(self, scheduled: list[Request], plan: _StepPlan) -> list[Request]:
@@ -420,6 +492,8 @@ class Scheduler:
     def update(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Apply a step's sampled tokens; one output per request that produced a token."""
         stale = self.in_flight.settle(sched_out.num_scheduled_tokens, self._requests)
+        if runner_out.kv_transfer is not None:
+            self._apply_transfers(runner_out.kv_transfer)
         requests = self._requests
         for req_id, chunk in runner_out.prompt_logprobs.items():
             req = requests.get(req_id)
@@ -531,6 +605,10 @@ class Scheduler:
         # cached now: a follow-up turn's prompt starts with this request's tokens. Any step that
         # reuses them runs after the steps in flight that write them.
         self.kv.commit(req)
+        if self.connector is not None:
+            if req.status != RequestStatus.FINISHED_ABORTED:
+                self.connector.request_finished(req, self.kv.block_ids(req))
+            self.connector.request_released(req)
         self.kv.free(req)
         del self._requests[req.request_id]
         group = self._groups[req.group_id]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sample.logprobs import LogprobsTensors
-from ..step_messages import LogprobsLists, ModelRunnerOutput
+from ..step_messages import KVTransferReport, LogprobsLists, ModelRunnerOutput
 from .request_states import CachedRequestState, RequestStates
 
 
@@ -72,6 +72,8 @@ class InflightStep:
         self._prompt_logprobs = prompt_logprobs
         self._pooled = pooled
         self._output: ModelRunnerOutput | None = None
+        # What the worker's KV connector reported at this step's launch.
+        self.kv_transfer: KVTransferReport | None = None
 
     def set_sampled(self, sampled: SampledRows) -> None:
         """The rows of a step launched with its grammar masks pending, sampled once they came."""
@@ -86,6 +88,7 @@ class InflightStep:
         """Wait for the ids, record them in the worker's request states and return the output."""
         if self._output is None:
             self._output = self._read()
+            self._output.kv_transfer = self.kv_transfer
         return self._output
 
     def _read(self) -> ModelRunnerOutput:

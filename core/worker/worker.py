@@ -16,6 +16,8 @@ from ..attention import AttentionBackend
 from ..config import EngineConfig
 from ..distributed import get_tp, shard_range
 from ..errors import ConfigError
+from ..kv_transfer.base import KVCacheAccess, KVConnectorWorker
+from ..kv_transfer.factory import worker_connector
 from ..lora.manager import AdapterManager
 from ..lora.shapes import BaseModelShape
 from ..models.bert import read_separator
@@ -93,6 +95,8 @@ class Worker(abc.ABC):
         self._draft_info: ModelInfo | None = None
         self._num_kv_blocks = 0
         self._sleep = SleepState()
+        # The worker half of a KV connector (`corectl.kv_transfer`), built with the KV cache.
+        self.kv_connector: KVConnectorWorker | None = None
 
     @abc.abstractmethod
     def init_device(self) -> torch.device:
@@ -183,6 +187,12 @@ class Worker(abc.ABC):
         dtype = torch.float8_e4m3fn if info.kv_cache_dtype == _FP8_KV else self.torch_dtype
         caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(info.num_layers)]
         self.runner.set_kv_caches(caches)
+        if self.kv_connector is None:
+            self.kv_connector = worker_connector(self.config, KVCacheAccess(
+                # This rank's layers, read at each use: sleep mode replaces the tensors.
+                lambda: [cache for cache in self.runner.kv_caches if cache.numel()], self.config.block_size,
+                lambda tensors: self.runner.fetch_to_host(tensors), self.platform.capabilities().pinned_memory,
+                self.platform.distributed_backend))
         if self.runner.drafter is not None:
             # As many blocks as the target's and one per sequence slot: the draft never runs out first.
             draft, num_draft_blocks = self._draft_info, num_blocks + self.config.max_num_seqs
@@ -255,8 +265,14 @@ class Worker(abc.ABC):
             self.warmup()
 
     def launch(self, sched: SchedulerOutput) -> InflightStep:
-        """Queue a step; its output comes with `result()` (see corectl.worker.inflight)."""
-        return self.runner.launch(sched)
+        """Queue a step; its output comes with `result()` (see corectl.worker.inflight). The KV
+        connector's work goes first: loads land and saves read their blocks before the forward pass."""
+        report = None
+        if sched.kv_transfer is not None and self.kv_connector is not None:
+            report = self.kv_connector.step(sched.kv_transfer, idle=sched.is_empty)
+        step = self.runner.launch(sched)
+        step.kv_transfer = report
+        return step
 
     def sample_pending(self, bitmask: GrammarBitmask | None) -> None:
         """Sample the launched step that waits for its grammar masks (`grammar_pending`)."""

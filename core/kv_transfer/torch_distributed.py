@@ -1,0 +1,173 @@
+"""`TorchDistributedConnector`: blocks sent point-to-point between a prefill and a decode instance.
+
+The two instances form a two-rank torch.distributed group of their own (the producer is rank 0 and
+hosts the rendezvous, the consumer rank 1), with the platform's backend: gloo on CPUs, NCCL on
+GPUs (the blocks then travel device to device). The rendezvous is
+`kv_connector_extra_config.rendezvous` (`tcp://HOST:PORT`), else vLLM's `kv_ip`:`kv_port`.
+
+The consumer asks for blocks (a transfer id, the first block, how many) and the producer answers
+with a header and the blocks, or "not here" when nothing was saved under that id within
+`load_timeout_s` (default 30). A producer that dies mid-transfer makes the consumer's receive
+fail: that load reports failed (the decode instance recomputes), and the next load joins a new
+group, so a restarted producer is found again. A producer serves one consumer.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from ..config import EngineConfig
+from ..errors import ConfigError
+from ..step_messages import KVBlockTransfer
+from .base import KVCacheAccess
+from .config import MAX_TRANSFER_ID, KVTransferConfig
+from .disaggregated import DisaggregatedConnector
+from .staged import StagedTransferWorker
+
+logger = logging.getLogger("corectl.kv_transfer")
+_REQUEST, _HEADER, _PAYLOAD = 1, 2, 3
+_ID_WORDS = MAX_TRANSFER_ID // 8
+# A header: found (1/0), the element size, then the blocks' six dimensions.
+_HEADER_LEN = 8
+
+
+def rendezvous(config: KVTransferConfig) -> tuple[str, int]:
+    url = config.extra("rendezvous", None)
+    if url is None:
+        return config.kv_ip, config.kv_port
+    parsed = urlparse(url)
+    if parsed.scheme != "tcp" or not parsed.hostname or not parsed.port:
+        raise ConfigError("kv_transfer_config", f"rendezvous must look like tcp://HOST:PORT, got {url!r}")
+    return parsed.hostname, parsed.port
+
+
+def _encode_request(transfer: KVBlockTransfer) -> torch.Tensor:
+    raw = transfer.transfer_id.encode().ljust(MAX_TRANSFER_ID, b"\0")
+    words = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+    return torch.cat([torch.tensor([transfer.first_block, len(transfer.block_ids)]), words])
+
+
+def _decode_request(request: torch.Tensor) -> tuple[str, int, int]:
+    raw = request[2:].numpy().tobytes().rstrip(b"\0")
+    return raw.decode(), int(request[0]), int(request[1])
+
+
+class TorchDistributedWorker(StagedTransferWorker):
+    def __init__(self, config: KVTransferConfig, access: KVCacheAccess):
+        super().__init__(config, access)
+        self.host, self.port = rendezvous(config)
+        self.timeout = datetime.timedelta(seconds=float(config.extra("timeout_s", 60.0)))
+        self.load_timeout_s = float(config.extra("load_timeout_s", 30.0))
+        self.ttl_s = float(config.extra("ttl_s", 300.0))
+        cache = access.kv_caches()[0]
+        self.dtype = cache.dtype
+        # NCCL moves device memory; gloo host memory (the default device).
+        self.device = cache.device if access.distributed_backend == "nccl" else None
+        self._closed = False
+        self._group = None
+        self._store = None
+        # Producer: blocks by transfer id, with when they were saved.
+        self._saved: dict[str, tuple[torch.Tensor, float]] = {}
+        self._cond = threading.Condition()
+        if config.kv_role == "kv_producer":
+            threading.Thread(target=self._serve_forever, name="corectl-kv-serve", daemon=True).start()
+
+    def _join(self, rank: int):
+        """A fresh two-rank group (blocks until the peer joins or the timeout passes)."""
+        self._store = dist.TCPStore(self.host, self.port, 2, rank == 0, timeout=self.timeout, wait_for_workers=False)
+        if self.device is None:
+            return dist.ProcessGroupGloo(self._store, rank, 2, self.timeout)
+        return dist.ProcessGroupNCCL(self._store, rank, 2)
+
+    # -- producer ---------------------------------------------------------------------------
+
+    def publish(self, transfer_id: str, blocks: torch.Tensor) -> None:
+        blocks = blocks.contiguous() if self.device is None else blocks.to(self.device)
+        now = time.monotonic()
+        with self._cond:
+            for stale in [key for key, (_, saved) in self._saved.items() if now - saved > self.ttl_s]:
+                del self._saved[stale]
+            self._saved[transfer_id] = (blocks, now)
+            self._cond.notify_all()
+
+    def _take(self, transfer_id: str) -> torch.Tensor | None:
+        with self._cond:
+            self._cond.wait_for(lambda: transfer_id in self._saved, timeout=self.load_timeout_s)
+            entry = self._saved.pop(transfer_id, None)
+        return None if entry is None else entry[0]
+
+    def _serve_forever(self) -> None:
+        while not self._closed:
+            try:
+                group = self._join(0)
+                while not self._closed:
+                    self._serve_one(group)
+            except Exception as exc:  # the consumer went away: wait for the next one
+                if not self._closed:
+                    logger.warning("KV transfer group with the consumer ended (%s); waiting for it again", exc)
+                    time.sleep(1.0)
+            finally:
+                self._store = None
+
+    def _serve_one(self, group) -> None:
+        request = torch.zeros(2 + _ID_WORDS, dtype=torch.int64)
+        group.recv([request], 1, _REQUEST).wait()
+        transfer_id, first, count = _decode_request(request)
+        blocks = self._take(transfer_id)
+        if blocks is None or blocks.shape[2] < first + count:
+            group.send([self._tensor([0] * _HEADER_LEN, torch.int64)], 1, _HEADER).wait()
+            return
+        part = blocks[:, :, first:first + count].contiguous()
+        group.send([self._tensor([1, part.element_size(), *part.shape], torch.int64)], 1, _HEADER).wait()
+        group.send([part.view(-1).view(torch.uint8)], 1, _PAYLOAD).wait()
+
+    def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    # -- consumer ---------------------------------------------------------------------------
+
+    def fetch(self, transfer: KVBlockTransfer) -> torch.Tensor:
+        try:
+            if self._group is None:
+                self._group = self._join(1)
+            return self._ask(self._group, transfer)
+        except (RuntimeError, ValueError, dist.DistBackendError) as exc:
+            self._group = self._store = None  # the next load joins a new group
+            raise RuntimeError(f"the producer at {self.host}:{self.port} did not answer: {exc}") from exc
+
+    def _ask(self, group, transfer: KVBlockTransfer) -> torch.Tensor:
+        request = _encode_request(transfer)
+        group.send([request if self.device is None else request.to(self.device)], 0, _REQUEST).wait()
+        header = self._tensor([0] * _HEADER_LEN, torch.int64)
+        group.recv([header], 0, _HEADER).wait()
+        found, element_size, *shape = header.tolist()
+        if not found:
+            raise LookupError(f"the producer holds no blocks under {transfer.transfer_id!r}")
+        if element_size != torch.empty((), dtype=self.dtype).element_size():
+            raise ValueError(f"the producer's K/V has {element_size}-byte elements, this instance's another size")
+        payload = torch.empty(element_size * int(torch.tensor(shape).prod()), dtype=torch.uint8, device=self.device)
+        group.recv([payload], 0, _PAYLOAD).wait()
+        return payload.view(self.dtype).view(shape)
+
+    def close(self) -> None:
+        self._closed = True
+        super().close()
+
+
+class TorchDistributedConnector(DisaggregatedConnector):
+    name = "TorchDistributedConnector"
+    worker_cls = TorchDistributedWorker
+
+    @classmethod
+    def check_config(cls, config: KVTransferConfig, engine: EngineConfig) -> None:
+        super().check_config(config, engine)
+        if config.kv_role == "kv_both":
+            raise ConfigError("kv_transfer_config", "TorchDistributedConnector joins one producer (kv_producer) "
+                              "and one consumer (kv_consumer); kv_both needs SharedMemoryConnector")
+        rendezvous(config)
