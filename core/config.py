@@ -21,6 +21,19 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 LORA_RANKS = (8, 16, 32, 64, 128, 256)
 
 
+def parse_layer_partition(text: str, num_stages: int, field: str) -> tuple[int, ...]:
+    """Each stage's layer count from "5,4"; raises ConfigError naming `field` unless it lists
+    `num_stages` positive counts."""
+    try:
+        counts = tuple(int(part) for part in str(text).split(","))
+    except ValueError:
+        counts = ()
+    if len(counts) != num_stages or min(counts, default=0) < 1:
+        raise ConfigError(field, f"must list one positive layer count per pipeline stage ({num_stages}), "
+                          f"comma separated like \"5,4\"; got {text!r}")
+    return counts
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
     """Engine options. A bad value raises `ConfigError` naming the field and what is allowed.
 
@@ -40,10 +53,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         asynchronously (GPUs). Outputs are the same either way.
     tensor_parallel_size: ranks that split the model's heads, MLP rows and vocabulary (one device
         each); it must divide the attention heads.
+    pipeline_parallel_size: pipeline stages, each holding a contiguous run of the model's layers
+        (`tensor_parallel_size` ranks a stage, so `tensor_parallel_size x pipeline_parallel_size`
+        ranks in all); the first stage embeds, the last samples, activations go stage to stage.
+    pipeline_layer_partition: the layers of each stage, comma separated ("5,4": 5 then 4), summing
+        to the model's layer count; None: vLLM's `VLLM_PP_LAYER_PARTITION` if set, else an even
+        split (extra layers on the stages before the last, which also holds the LM head).
     distributed_executor_backend: how ranks are started: "mp" (one process per rank on this
         host) or "ray" (one Ray actor per rank in a placement group, on the cluster `RAY_ADDRESS`
         names, else a local one). None: in the engine's own process at tensor-parallel size 1,
-        "mp" above it.
+        "mp" above it (above one rank in all, stages included).
     data_parallel_size: engine cores serving the same model behind one server, each with its own
         tensor-parallel group (`corectl.engine.dp`); the server routes each request to one of them.
         The offline `LLM` runs a single engine core.
@@ -111,6 +130,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     async_scheduling: bool | None = None
     num_threads: int | None = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pipeline_layer_partition: str | None = None
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     chat_template: str | None = None
@@ -173,6 +194,21 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             if self.kv_transfer_config is not None:
                 raise ConfigError("kv_offload_bytes", "the host tier is a KV connector of its own: give either "
                                   "--kv-offload-bytes or --kv-transfer-config, not both")
+        self._check_pipeline()
+
+    @property
+    def world_size(self) -> int:
+        """Ranks (devices) one engine runs: a tensor-parallel group per pipeline stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_pipeline(self) -> None:
+        self._check_positive("pipeline_parallel_size")
+        if self.pipeline_layer_partition is not None:
+            parse_layer_partition(self.pipeline_layer_partition, self.pipeline_parallel_size,
+                                  "pipeline_layer_partition")
+        if self.pipeline_parallel_size > 1 and self.speculative_config is not None:
+            raise ConfigError("pipeline_parallel_size", "speculative decoding runs without pipeline stages; "
+                              "drop --speculative-config or use --tensor-parallel-size")
 
     def _check_lora(self) -> None:
         self._check_positive("max_loras")

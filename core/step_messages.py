@@ -34,9 +34,14 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
+    """Running requests a step continues. `new_token_ids` (pipeline parallelism only, else empty):
+    each request's tokens this step computes, since the stages before the last never see the ids
+    the last one samples (vLLM's field of the same name)."""
+
     req_ids: list[str] = []
     new_block_ids: list[list[int]] = []
     num_computed_tokens: list[int] = []
+    new_token_ids: list[list[int]] = []
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):

@@ -1,13 +1,18 @@
-"""Tensor-parallel state and collectives (torch.distributed), shared by the model layers and executors."""
+"""Parallel state (tensor-parallel groups, pipeline stages) and its collectives (torch.distributed),
+shared by the model layers, the worker and the executors."""
 from .parallel_state import (
+    PipelineParallel,
     TensorParallel,
     all_gather,
     all_reduce,
-    destroy_tensor_parallel,
+    destroy_parallel_state,
+    get_pp,
     get_tp,
-    init_tensor_parallel,
+    init_parallel_state,
+    receive_from_previous_stage,
+    send_to_next_stage,
     shard_range,
 )
 
-__all__ = ["TensorParallel", "all_gather", "all_reduce", "destroy_tensor_parallel", "get_tp",
-           "init_tensor_parallel", "shard_range"]
+__all__ = ["PipelineParallel", "TensorParallel", "all_gather", "all_reduce", "destroy_parallel_state", "get_pp",
+           "get_tp", "init_parallel_state", "receive_from_previous_stage", "send_to_next_stage", "shard_range"]

@@ -1,10 +1,16 @@
-"""The tensor-parallel group of this process and the collectives the model layers call.
+"""The parallel layout of this process: its tensor-parallel group, its pipeline stage, and the
+collectives and point-to-point transfers the model layers and the worker call.
+
+An engine runs `tp x pp` ranks: global rank `stage * tp + tp_rank`. The ranks of one stage form
+a tensor-parallel group (its all-reduces and all-gathers); rank r of stage s sends its
+activations to rank r of stage s + 1.
 
 The state has one writer: the executor's rank (`corectl.executor.rank.RankWorker`) calls
-`init_tensor_parallel` once, before it builds the model, and `destroy_tensor_parallel` when it
-stops. The model layers read it at construction (which slice of each weight a rank holds) and in
-`forward` (whether to reduce). Without a group (world size 1: the engine's own process) nothing is
-initialised and the collectives return their input untouched, so one device pays nothing.
+`init_parallel_state` once, before it builds the model, and `destroy_parallel_state` when it
+stops. The model layers read it at construction (which slice of each weight, which layers a rank
+holds) and in `forward` (whether to reduce). Without a group (one rank: the engine's own process)
+nothing is initialised and the collectives return their input untouched, so one device pays
+nothing.
 
 Core never names a collectives backend: the rank passes the one its platform names
 (`Platform.distributed_backend()`).
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,36 +29,73 @@ import torch.distributed as dist
 class TensorParallel:
     rank: int = 0
     world_size: int = 1
+    # The stage's process group; None: the default group (all ranks are one stage).
+    group: Any = None
+
+
+@dataclass(frozen=True)
+class PipelineParallel:
+    """This rank's stage among `world_size` stages, the global ranks it receives from and sends
+    to, and each stage's layer count when the user gave them (None: an even split)."""
+
+    rank: int = 0
+    world_size: int = 1
+    prev_rank: int | None = None
+    next_rank: int | None = None
+    partition: tuple[int, ...] | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world_size - 1
 
 
 _state = TensorParallel()
+_pp = PipelineParallel()
 
 
 def get_tp() -> TensorParallel:
     return _state
 
 
-def init_tensor_parallel(rank: int, world_size: int, backend: str, init_method: str,
-                         timeout_s: float = 600.0) -> None:
-    """Join the group of `world_size` ranks (the default torch.distributed group) as `rank`."""
-    global _state
+def get_pp() -> PipelineParallel:
+    return _pp
+
+
+def init_parallel_state(rank: int, tp_size: int, pp_size: int, backend: str, init_method: str,
+                        partition: tuple[int, ...] | None = None, timeout_s: float = 600.0) -> None:
+    """Join the `tp_size x pp_size` ranks as global `rank`; every rank creates every stage's group
+    (torch.distributed requires all ranks to take part in each `new_group`)."""
+    global _state, _pp
+    world_size = tp_size * pp_size
     if world_size > 1:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
-    _state = TensorParallel(rank, world_size)
+    stage, tp_rank = divmod(rank, tp_size)
+    group = None
+    if pp_size > 1:
+        groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)]
+        group = groups[stage]
+    _state = TensorParallel(tp_rank, tp_size, group)
+    _pp = PipelineParallel(stage, pp_size, prev_rank=rank - tp_size if stage > 0 else None,
+                           next_rank=rank + tp_size if stage < pp_size - 1 else None, partition=partition)
 
 
-def destroy_tensor_parallel() -> None:
-    global _state
+def destroy_parallel_state() -> None:
+    global _state, _pp
     if dist.is_initialized():
         dist.destroy_process_group()
     _state = TensorParallel()
+    _pp = PipelineParallel()
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over the ranks, in place; every rank gets the same bits."""
+    """Sum `x` over the stage's ranks, in place; every rank gets the same bits."""
     if _state.world_size > 1:
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=_state.group)
     return x
 
 
@@ -60,8 +104,22 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
     if _state.world_size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(_state.world_size)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=_state.group)
     return torch.cat(parts, dim=-1)
+
+
+def send_to_next_stage(tensors: list[torch.Tensor]) -> None:
+    """Send activations to this rank's peer in the next stage, in order (NCCL queues the sends
+    on the device; gloo returns once the peer has them)."""
+    for tensor in tensors:
+        dist.send(tensor.contiguous(), dst=_pp.next_rank)
+
+
+def receive_from_previous_stage(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Fill `buffers` with the activations the peer in the previous stage sent, in order."""
+    for buffer in buffers:
+        dist.recv(buffer, src=_pp.prev_rank)
+    return buffers
 
 
 def shard_range(num_units: int, rank: int, world_size: int) -> tuple[int, int]:

@@ -9,13 +9,16 @@ reports it first, as an abort (with an `error` in the second case).
 
 With async scheduling one step stays in flight across `step()` calls: each call schedules and
 launches the next step, then reads the previous one's ids and returns its outputs, so the host's
-scheduling and output handling run while the device computes.
+scheduling and output handling run while the device computes. With `P` pipeline stages, `P - 1`
+steps stay in flight (at least one), so while the engine waits for the oldest, `P` micro-batches
+of different requests fill the stages.
 """
 from __future__ import annotations
 
 import json
 import logging
 import time
+from collections import deque
 
 from ..config import EngineConfig
 from ..discovery import (
@@ -90,11 +93,14 @@ class EngineCore:
         self.executor.warmup()
         self.structured = self._structured_outputs(info.vocab_size)
         self.async_scheduling = _async_scheduling(config, platform.capabilities().async_output)
+        # Pipeline stages never run a request in two steps at once, so its masks are known when scheduled.
         self.scheduler = Scheduler(config, self.max_model_len, num_blocks, self.structured,
                                    sliding_window=info.sliding_window,
-                                   connector=scheduler_connector(config, info.kv_bytes_per_block(config.block_size)), defer_grammar=self.async_scheduling)
+                                   connector=scheduler_connector(config, info.kv_bytes_per_block(config.block_size)),
+                                   defer_grammar=self.async_scheduling and config.pipeline_parallel_size == 1)
         self.snapshots = SnapshotPublisher(self.scheduler)
-        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        self._depth = steps_in_flight(config, self.async_scheduling)
+        self._in_flight: deque[tuple[SchedulerOutput, StepHandle]] = deque()
         self.num_requests_received = 0
         self._refused: list[EngineCoreOutput] = []  # abort outputs the next step reports first
         # Sleep mode: controls wait for the running requests to finish, then run between steps.
@@ -184,7 +190,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """Whether `step()` has work: requests queued, running or in flight, or refusals to report."""
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._refused)
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight) or bool(self._refused)
 
     def step(self) -> EngineCoreOutputs:
         if self.sleep_level:
@@ -196,19 +202,19 @@ class EngineCore:
         launches = not sched.is_empty or bool(sched.finished_req_ids) or sched.kv_transfer is not None
         if not sched.is_empty:
             self.snapshots.record(sched)
-        if not self.async_scheduling:
+        if not self._depth:
             outputs = self._complete(sched, self.executor.launch(sched)) if launches else []
         elif not launches:
             outputs = self._complete_in_flight()
         else:
             pending = self.executor.launch(sched)
-            outputs = self._complete_in_flight()
+            outputs = self._complete_in_flight() if len(self._in_flight) >= self._depth else []
             if sched.grammar_pending:
                 # The step before is read, so every matcher is current: the masks are filled
                 # while the device runs this step's forward pass, then it samples.
                 self.executor.sample_pending(self.scheduler.pending_grammar_bitmask())
-            self._in_flight = (sched, pending)
-        if not launches and not outputs and self._in_flight is None and self.structured is not None:
+            self._in_flight.append((sched, pending))
+        if not launches and not outputs and not self._in_flight and self.structured is not None:
             # Only grammars still compiling hold work back: sleep on them rather than spin.
             self.structured.wait_for_compile(_IDLE_COMPILE_WAIT_S)
         return self._report(outputs)
@@ -262,10 +268,10 @@ class EngineCore:
             self.sleep_level = 0
 
     def _complete_in_flight(self) -> list[EngineCoreOutput]:
-        if self._in_flight is None:
+        """Read the oldest step in flight."""
+        if not self._in_flight:
             return []
-        sched, pending = self._in_flight
-        self._in_flight = None
+        sched, pending = self._in_flight.popleft()
         return self._complete(sched, pending)
 
     def _complete(self, sched: SchedulerOutput, pending: StepHandle) -> list[EngineCoreOutput]:
@@ -294,6 +300,15 @@ def _async_scheduling(config: EngineConfig, platform_default: bool) -> bool:
             logger.warning("speculative decoding runs with synchronous scheduling; async_scheduling is ignored")
         return False
     return platform_default if config.async_scheduling is None else config.async_scheduling
+
+
+def steps_in_flight(config: EngineConfig, async_scheduling: bool) -> int:
+    """Steps left in flight between `step()` calls: none under synchronous scheduling, one under
+    async, and one fewer than the pipeline stages (at least one) with stages, whatever the
+    scheduling: the step launched next makes a micro-batch per stage."""
+    if config.pipeline_parallel_size > 1:
+        return max(1, config.pipeline_parallel_size - 1)
+    return 1 if async_scheduling else 0
 
 
 def resolve_max_model_len(config: EngineConfig, hf) -> int:

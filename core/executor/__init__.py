@@ -1,24 +1,35 @@
 """Executors: how the engine core starts its tensor-parallel ranks and feeds them (see base.py)."""
 from __future__ import annotations
 
+import dataclasses
+
 from ..errors import ConfigError
 from ..models.parallel import check_tensor_parallel
+from ..models.pipeline import check_pipeline_parallel, resolve_layer_partition
+from ..models.registry import resolve_model_class
 from .base import Executor, StepHandle, WorkerSpec
 
 __all__ = ["Executor", "StepHandle", "WorkerSpec", "create_executor", "executor_backend"]
 
 
 def executor_backend(config) -> str:
-    """"in_process", "mp" or "ray": the configured backend, else the engine's own process at
-    tensor-parallel size 1 and "mp" above it."""
+    """"in_process", "mp" or "ray": the configured backend, else the engine's own process for one
+    rank and "mp" above it."""
     if config.distributed_executor_backend is not None:
         return config.distributed_executor_backend
-    return "mp" if config.tensor_parallel_size > 1 else "in_process"
+    return "mp" if config.world_size > 1 else "in_process"
 
 
 def create_executor(spec: WorkerSpec) -> Executor:
     """Start the ranks the config asks for (raises ConfigError when the model cannot be split so)."""
-    check_tensor_parallel(spec.source.hf_config, spec.config.tensor_parallel_size)
+    config, hf = spec.config, spec.source.hf_config
+    check_tensor_parallel(hf, config.tensor_parallel_size)
+    partition = resolve_layer_partition(config)
+    if config.pipeline_parallel_size > 1:
+        check_pipeline_parallel(hf, resolve_model_class(hf), config, partition)
+    if partition is not None:
+        # Ranks on other machines do not see this process's environment: the config carries it.
+        spec = dataclasses.replace(spec, config=config.replace(pipeline_layer_partition=",".join(map(str, partition))))
     backend = executor_backend(spec.config)
     if backend == "in_process":
         from .in_process import InProcessExecutor

@@ -1,14 +1,15 @@
-"""The `mp` executor: one spawned process per tensor-parallel rank on this host.
+"""The `mp` executor: one spawned process per rank (tensor-parallel rank of a pipeline stage) on this host.
 
 All ranks live in worker processes, rank 0 included, and the engine process only schedules: it
-never blocks inside a collective, so while it waits for rank 0's reply it also watches every
-rank's process and turns a death into `EngineDeadError` at once (a hung rank is caught by the
+never blocks inside a collective, so while it waits for the output rank's reply it also watches
+every rank's process and turns a death into `EngineDeadError` at once (a hung rank is caught by the
 engine's hang timeout, which kills the engine process; its ranks follow, see `_exit_with_parent`).
 
 Each rank has a duplex pipe. A step travels as one message: a kind byte and the `SchedulerOutput`
-encoded once with msgspec, the same bytes written to every rank; rank 0 answers with the previous
-step's `ModelRunnerOutput` (see `rank.py` for when); a step's pending grammar masks follow it as
-one more message, without a reply. Startup calls and errors are pickled, once.
+encoded once with msgspec, the same bytes written to every rank; the output rank (rank 0, or the
+first of the last pipeline stage) answers with the previous step's `ModelRunnerOutput` (see
+`rank.py` for when); a step's pending grammar masks follow it as one more message, without a
+reply. Startup calls and errors are pickled, once.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from multiprocessing.connection import Connection, wait
 from ..errors import CorectlError, EngineDeadError
 from ..process_exit import describe_exit
 from .base import WorkerSpec
-from .rank import RankWorker, free_port
+from .rank import RankWorker, free_port, output_rank, rank_name
 from .remote_ranks import RemoteRanksExecutor
 
 logger = logging.getLogger("corectl.executor")
@@ -41,7 +42,9 @@ class MultiprocExecutor(RemoteRanksExecutor):
     def __init__(self, spec: WorkerSpec):
         super().__init__()
         ctx = multiprocessing.get_context("spawn")
-        world_size = spec.config.tensor_parallel_size
+        world_size = spec.config.world_size
+        self._names = [rank_name(spec.config, rank) for rank in range(world_size)]
+        self._output_rank = output_rank(spec.config)
         init_method = f"tcp://127.0.0.1:{free_port()}"
         # Never written: a rank sees EOF on it once this process is gone, however it ended.
         death_reader, death_writer = ctx.Pipe(duplex=False)
@@ -63,7 +66,7 @@ class MultiprocExecutor(RemoteRanksExecutor):
         try:
             for rank in range(world_size):
                 self._receive(rank, expect=_RESULT)
-                logger.info("tensor-parallel rank %d ready (%d of %d)", rank, rank + 1, world_size)
+                logger.info("%s ready (%d of %d)", self._names[rank], rank + 1, world_size)
         except BaseException:
             self.shutdown()
             raise
@@ -76,7 +79,7 @@ class MultiprocExecutor(RemoteRanksExecutor):
         for rank in range(len(self._conns)):
             results.append(pickle.loads(self._receive(rank, expect=_RESULT)))
             if method in _STARTUP_CALLS:
-                logger.info("%s: tensor-parallel rank %d done (%d of %d)", method, rank, rank + 1, len(self._conns))
+                logger.info("%s: %s done (%d of %d)", method, self._names[rank], rank + 1, len(self._conns))
         return results
 
     def _send_step(self, payload: bytes) -> bool:
@@ -91,14 +94,14 @@ class MultiprocExecutor(RemoteRanksExecutor):
         return True
 
     def _wait(self, reply: bool) -> bytes:
-        return self._receive(0, expect=_OUTPUT)
+        return self._receive(self._output_rank, expect=_OUTPUT)
 
     def _broadcast(self, message: bytes) -> None:
         try:
             for conn in self._conns:
                 conn.send_bytes(message)
         except OSError as exc:
-            raise self._dead(f"a tensor-parallel rank is gone ({exc})") from None
+            raise self._dead(f"a rank is gone ({exc})") from None
 
     def _receive(self, rank: int, expect: bytes) -> bytes:
         """The next reply of `rank`, watching every rank's process meanwhile."""
@@ -117,7 +120,7 @@ class MultiprocExecutor(RemoteRanksExecutor):
         if data[:1] == _ERROR:
             raise self._rank_error(rank, pickle.loads(data[1:]), startup)
         if data[:1] != expect:
-            raise self._dead(f"tensor-parallel rank {rank} sent {data[:1]!r} where {expect!r} was due")
+            raise self._dead(f"{self._names[rank]} sent {data[:1]!r} where {expect!r} was due")
         return memoryview(data)[1:]
 
     def _rank_failure(self, rank: int, startup: bool) -> BaseException:
@@ -129,12 +132,12 @@ class MultiprocExecutor(RemoteRanksExecutor):
                 if data[:1] == _ERROR:
                     return self._rank_error(rank, pickle.loads(data[1:]), startup)
         proc.join(1.0)
-        return self._dead(f"tensor-parallel rank {rank} (pid {proc.pid}) is gone ({describe_exit(proc)})")
+        return self._dead(f"{self._names[rank]} (pid {proc.pid}) is gone ({describe_exit(proc)})")
 
     def _rank_error(self, rank: int, exc: BaseException, startup: bool) -> BaseException:
         if startup and isinstance(exc, CorectlError):
             return exc  # an error the user can act on (too small a KV cache, a bad option)
-        return self._dead(f"tensor-parallel rank {rank} failed: {type(exc).__name__}: {exc}")
+        return self._dead(f"{self._names[rank]} failed: {type(exc).__name__}: {exc}")
 
     def _dead(self, reason: str) -> EngineDeadError:
         if self._error is None:

@@ -1,12 +1,15 @@
-"""What one tensor-parallel rank runs, in a worker process (mp) or a Ray actor alike.
+"""What one rank runs, in a worker process (mp) or a Ray actor alike.
 
-A rank joins the group, builds its platform's `Worker` and then serves four kinds of request:
+An engine's ranks are `tensor_parallel_size` ranks per pipeline stage (`world_size` in all,
+`corectl.distributed.parallel_state` numbers them). Every rank gets every step; the first rank of
+the last stage returns the outputs (its stage samples). A rank joins the group, builds its
+platform's `Worker` and then serves four kinds of request:
 a startup call by name, a step (a `SchedulerOutput` as msgspec bytes), the grammar masks of a step
 launched with them pending (a `GrammarBitmask`, no reply), and a flush. Steps are
 pipelined as in the engine's own process: a step is launched before the previous one is read,
 so the reply to step N (rank 0's `ModelRunnerOutput` as bytes) comes with step N+1's request, or
 with a flush when the engine reads N before it has anything else to launch. Every rank reads its
-own results (they advance its request states); only rank 0 returns them.
+own results (they advance its request states); only the output rank returns them.
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ import socket
 import msgspec
 import torch
 
-from ..distributed import destroy_tensor_parallel, init_tensor_parallel
+from ..config import EngineConfig, parse_layer_partition
+from ..distributed import destroy_parallel_state, init_parallel_state
 from ..step_messages import GrammarBitmask, SchedulerOutput
 from .base import StepHandle, WorkerSpec
 
@@ -29,8 +33,12 @@ class RankWorker:
         # Unseeded sampling draws from the global generator: every rank must draw the same.
         torch.manual_seed(config.seed)
         spec.platform.device_for_rank(device_index)
-        init_tensor_parallel(rank, world_size, spec.platform.distributed_backend(), init_method)
-        self.rank = rank
+        partition = config.pipeline_layer_partition
+        init_parallel_state(rank, config.tensor_parallel_size, config.pipeline_parallel_size,
+                            spec.platform.distributed_backend(), init_method,
+                            None if partition is None else
+                            parse_layer_partition(partition, config.pipeline_parallel_size, "pipeline_layer_partition"))
+        self.is_output_rank = rank == output_rank(config)
         self.worker = spec.build()
         self._in_flight: StepHandle | None = None
         self._decoder = msgspec.msgpack.Decoder(SchedulerOutput)
@@ -58,10 +66,23 @@ class RankWorker:
 
     def _finish(self, pending: StepHandle) -> bytes | None:
         output = pending.result()
-        return self._encoder.encode(output) if self.rank == 0 else None
+        return self._encoder.encode(output) if self.is_output_rank else None
 
     def shutdown(self) -> None:
-        destroy_tensor_parallel()
+        destroy_parallel_state()
+
+
+def output_rank(config: EngineConfig) -> int:
+    """The rank whose replies carry the steps' outputs: the first of the last stage."""
+    return (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
+
+
+def rank_name(config: EngineConfig, rank: int) -> str:
+    """How logs and errors name a rank: its tensor-parallel rank, and its stage when there are several."""
+    stage, tp_rank = divmod(rank, config.tensor_parallel_size)
+    if config.pipeline_parallel_size == 1:
+        return f"tensor-parallel rank {rank}"
+    return f"rank {rank} (pipeline stage {stage}, tensor-parallel rank {tp_rank})"
 
 
 def free_port() -> int:

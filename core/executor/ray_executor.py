@@ -1,14 +1,16 @@
-"""The `ray` executor: one Ray actor per tensor-parallel rank, placed by a placement group.
+"""The `ray` executor: one Ray actor per rank (tensor-parallel rank of a pipeline stage), placed by
+a placement group.
 
 It joins the cluster `RAY_ADDRESS` names (`ray start --head` on one machine, `ray start
 --address=...` on the others), or starts a local one when none is set; a process that has
 already called `ray.init` keeps its own. The placement group reserves one bundle per rank (the
 platform's `ray_resources_per_rank`: a GPU each on CUDA, a CPU on the CPU platform) and packs them
-onto as few machines as it can. The group's rendezvous is rank 0's node address and a port free
+onto as few machines as it can; bundles are in rank order, so a pipeline stage's ranks fill a
+machine before the next stage's, and stages span machines when one cannot hold them all. The group's rendezvous is rank 0's node address and a port free
 there. Actors are owned by the engine process: when it exits, however it ends, Ray ends them too.
 
 Steps go to every actor as the same msgspec bytes (Ray puts them in its object store once per
-call); rank 0's return value carries the previous step's output, as with the mp executor.
+call); the output rank's return value carries the previous step's output, as with the mp executor.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..errors import ConfigError, CorectlError, EngineDeadError
 from .base import WorkerSpec
-from .rank import RankWorker, free_port
+from .rank import RankWorker, free_port, output_rank
 from .remote_ranks import RemoteRanksExecutor
 
 _PLACEMENT_TIMEOUT_S = 60.0
@@ -68,7 +70,8 @@ class RayExecutor(RemoteRanksExecutor):
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(address=os.environ.get("RAY_ADDRESS"))
-        world_size = spec.config.tensor_parallel_size
+        world_size = spec.config.world_size
+        self._output_rank = output_rank(spec.config)
         self._group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
         self._actors: list = []
         self._error: EngineDeadError | None = None
@@ -100,7 +103,7 @@ class RayExecutor(RemoteRanksExecutor):
 
     def _send_step(self, payload: bytes):
         replies = [a.step.remote(payload) for a in self._actors]
-        return replies[0]  # every rank runs the step; rank 0's reply carries the output
+        return replies[self._output_rank]  # every rank runs the step; one reply carries the output
 
     def _send_bitmask(self, payload: bytes) -> None:
         # An actor runs its calls in order, so the next step's reply comes after these; a rank
@@ -110,7 +113,7 @@ class RayExecutor(RemoteRanksExecutor):
 
     def _send_flush(self):
         replies = [a.flush.remote() for a in self._actors]
-        return replies[0]
+        return replies[self._output_rank]
 
     def _wait(self, reply) -> bytes:
         return self._get(reply, startup=False)

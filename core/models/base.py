@@ -17,9 +17,13 @@ class CausalLM(nn.Module):
     `load_weights` takes (Hugging Face parameter name, tensor) pairs and returns the names of
     the model parameters it filled. `supports_graph_capture` False keeps a model's decode steps
     out of CUDA graphs (its forward reads values back to the host, e.g. the torch MoE path).
+    `supports_pipeline_parallel` True: the model builds only its pipeline stage's layers
+    (`corectl.models.pipeline`), and `forward` takes and returns `IntermediateTensors` between
+    stages.
     """
 
     supports_graph_capture: bool = True
+    supports_pipeline_parallel: bool = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         raise NotImplementedError

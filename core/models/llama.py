@@ -13,10 +13,12 @@ import torch
 from torch import nn
 
 from ..attention import ForwardContext
+from ..distributed import get_pp
 from ..loaders.packing import load_packed_weights
 from .base import CausalLM
 from .kernels import UsesLayerKernels
 from .layers import Attention, RMSNorm, RotaryEmbedding
+from .pipeline import IntermediateTensors, build_stage_layers, held_by_other_stage, stage_layers
 from .parallel import (
     PackedLinear,
     ParallelLMHead,
@@ -101,28 +103,43 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    """The decoder stack, or this pipeline stage's run of it (`corectl.models.pipeline`): only
+    the first stage embeds tokens and only the last applies the final norm; a stage after the
+    first continues from the previous stage's `IntermediateTensors`, and one before the last
+    returns its own."""
+
     def __init__(self, config, max_positions: int, dtype: torch.dtype, qkv_bias: bool, qk_norm: bool,
                  make_mlp: Callable[[object, int], nn.Module], attention: type[DecoderAttention] = DecoderAttention):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        pp = get_pp()
+        # The last stage keeps a tied embedding for its LM head.
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+                             if pp.is_first or (tied and pp.is_last) else None)
         # One set of cos/sin tables for every layer: they are identical.
         rotary = RotaryEmbedding(config, head_dim(config), max_positions, dtype)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, rotary, qkv_bias, qk_norm, make_mlp(config, i), attention)
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = build_stage_layers(
+            config.num_hidden_layers,
+            lambda i: DecoderLayer(config, i, rotary, qkv_bias, qk_norm, make_mlp(config, i), attention))
+        self.stage_layers = stage_layers(config.num_hidden_layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else None
 
-    def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, ctx)
+    def forward(self, input_ids, positions, ctx: ForwardContext,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate.hidden, intermediate.residual
+        for index in self.stage_layers:
+            hidden, residual = self.layers[index](positions, hidden, residual, ctx)
+        if self.norm is None:
+            return IntermediateTensors(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
 
 class LlamaForCausalLM(CausalLM):
+    supports_pipeline_parallel = True
     qkv_bias = False
     qk_norm = False
     # Each layer's attention module (a subclass changes how q and k are rotated, e.g. Llama 4).
@@ -135,19 +152,22 @@ class LlamaForCausalLM(CausalLM):
         self.model = DecoderModel(config, max_positions, dtype, qkv_bias, self.qk_norm, self.make_mlp,
                                   self.attention_class)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        # A tied head is a Linear over the embedding's own Parameter, so a platform can swap the
-        # module (e.g. for a prepacked one) without knowing about tying.
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size,
-                                      device="meta" if self.tie_word_embeddings else None)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = None
+        if get_pp().is_last:
+            # A tied head is a Linear over the embedding's own Parameter, so a platform can swap the
+            # module (e.g. for a prepacked one) without knowing about tying.
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size,
+                                          device="meta" if self.tie_word_embeddings else None)
+            if self.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
 
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
         """Layer `layer_idx`'s MLP (mixture-of-experts models choose per layer)."""
         return GatedMLP(config)
 
-    def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
-        return self.model(input_ids, positions, ctx)
+    def forward(self, input_ids, positions, ctx: ForwardContext,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, ctx, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return gather_logits(self.lm_head(hidden), self.config.vocab_size).float()
@@ -156,8 +176,10 @@ class LlamaForCausalLM(CausalLM):
         return load_packed_weights(self, weights, self.skips_weight)
 
     def skips_weight(self, name: str) -> bool:
-        """Checkpoint tensors the model does not hold: rotary buffers, a tied head."""
-        return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight")
+        """Checkpoint tensors the model does not hold: rotary buffers, a tied head, other pipeline
+        stages' parts."""
+        return ("rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight")
+                or held_by_other_stage(self, name))
 
 
 class MistralForCausalLM(LlamaForCausalLM):

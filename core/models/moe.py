@@ -246,7 +246,7 @@ def load_moe_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor
     def dense_tensors():
         for name, tensor in weights:
             match = EXPERT_TENSOR.match(name)
-            if match is None:
+            if match is None or skip(name):
                 yield name, tensor
                 continue
             proj, expert, kind = match["proj"], int(match["expert"]), match["kind"]

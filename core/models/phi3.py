@@ -40,5 +40,7 @@ def split_fused(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tenso
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
+    # Its loader resolves checkpoint names to modules before skipping: every layer must exist.
+    supports_pipeline_parallel = False
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(split_fused(self, weights))

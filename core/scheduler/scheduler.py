@@ -74,12 +74,18 @@ class _StepPlan:
     """What one `schedule()` call has decided so far."""
 
     budget: int
+    # The most requests this step may hold (pipeline parallelism's micro-batches), None: no cap.
+    max_seqs: int | None = None
     num_scheduled: dict[str, int] = field(default_factory=dict)
     running: dict[str, tuple[Request, list[int]]] = field(default_factory=dict)
     new: list[Request] = field(default_factory=list)
     preempted: bool = False
     # Draft tokens of speculating requests, the last of their scheduled tokens.
     drafts: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def full(self) -> bool:
+        return self.budget <= 0 or (self.max_seqs is not None and len(self.num_scheduled) >= self.max_seqs)
 
     def take(self, req: Request, num_tokens: int) -> None:
         self.num_scheduled[req.request_id] = num_tokens
@@ -145,6 +151,8 @@ class Scheduler:
         spec = config.speculative_config
         # Speculative decoding (n-gram drafts; see corectl/spec_decode/scheduling.py).
         self.drafts = None if spec is None or self.pooling else DraftPlanner(spec, max_model_len)
+        # Pipeline parallelism: as many micro-batches in flight as stages, each of other requests.
+        self.pipeline_stages = config.pipeline_parallel_size
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -239,18 +247,26 @@ class Scheduler:
     # -- scheduling ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens, max_seqs=self._micro_batch_seqs())
         self._schedule_running(plan)
         # After a preemption the cache is short: admitting new work would only preempt again.
         if not plan.preempted:
             self._schedule_waiting(plan)
         return self._emit(plan)
 
+    def _micro_batch_seqs(self) -> int | None:
+        """Under pipeline parallelism a step takes its share of the requests, so the next steps
+        find others to fill the stages with (a request runs in one micro-batch at a time)."""
+        if self.pipeline_stages == 1:
+            return None
+        return max(1, -(-(len(self.running) + len(self.waiting)) // self.pipeline_stages))
+
     def _schedule_running(self, plan: _StepPlan) -> None:
         index = 0
-        while index < len(self.running) and plan.budget > 0:
+        while index < len(self.running) and not plan.full:
             req = self.running[index]
-            if self._ends_by_length(req) or self._awaits_pooled(req):
+            if (self._ends_by_length(req) or self._awaits_pooled(req)
+                    or (self.pipeline_stages > 1 and self.in_flight.holds(req))):
                 index += 1
                 continue
             num_tokens = min(req.num_tokens + self.in_flight.num_tokens(req) - req.num_computed_tokens, plan.budget)
@@ -321,7 +337,7 @@ class Scheduler:
         skipped: list[Request] = []
         if self.adapters is not None:
             self.adapters.begin(self.running)
-        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and not plan.full and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
             # A request preempted while a step held it waits for that step's results (its token in
             # flight); the engine applies them before the next schedule, direct callers may not.
@@ -448,6 +464,9 @@ class Scheduler:
             req_ids=list(plan.running),
             new_block_ids=[ids for _, ids in plan.running.values()],
             num_computed_tokens=[req.num_computed_tokens for req in running],
+            new_token_ids=[] if self.pipeline_stages == 1 else [
+                req.all_token_ids[req.num_computed_tokens:req.num_computed_tokens + plan.num_scheduled[req.request_id]]
+                for req in running],
         )
         for req in running + plan.new:
             self.prompt_tokens_computed += max(0, min(req.num_computed_tokens + plan.num_scheduled[req.request_id],

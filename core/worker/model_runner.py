@@ -25,6 +25,7 @@ from ..spec_decode.rejection import VerifyLayout
 from ..spec_decode.verify import expand_rows, verify
 from ..step_messages import GrammarBitmask, LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from .inflight import HostFetch, InflightStep, PooledRows, SampledRows, fetch_now
+from .pipeline_stage import PipelineStage
 from .pooler import Pooler
 from .request_states import CachedRequestState, HostStep, RequestStates
 
@@ -79,6 +80,8 @@ class ModelRunner:
         self._awaiting_masks: tuple[HostStep, torch.Tensor, InflightStep] | None = None
         # Set by the worker for draft-model speculation: fills the scheduler's draft placeholders.
         self.drafter: DraftModelProposer | None = None
+        # Set by the worker under pipeline parallelism: moves activations between stages.
+        self.stage: PipelineStage | None = None
         # A vision-language model's image rows and M-RoPE positions (corectl.multimodal.step).
         self.multimodal = MultiModalStep(model, self.to_device) if hasattr(model, "encode_images") else None
 
@@ -111,6 +114,8 @@ class ModelRunner:
         inputs = self.upload(self.states.build_step(sched, self.block_size, self._drafts(sched)))
         self._feed_unread_ids(inputs)
         hidden = self._run_with_adapters(inputs)
+        if hidden is None:
+            return InflightStep.done()  # a stage before the last: the next stage goes on from here
         if self.pooler is not None:
             return self._pool(inputs.host, hidden)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden, sched)
@@ -201,8 +206,9 @@ class ModelRunner:
         finally:
             self.lora.finish_step()
 
-    def run_model(self, inputs: StepInputs) -> torch.Tensor:
-        """The forward pass over the step's tokens; platforms override to replay captured graphs."""
+    def run_model(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The forward pass over the step's tokens (None on a pipeline stage before the last);
+        platforms override to replay captured graphs."""
         # The indices come from the runner's own block tables: validating them would only read
         # them back from the device, a host sync per step.
         metadata = self.backend.build_metadata(inputs.attn, check_indices=False)
@@ -210,6 +216,8 @@ class ModelRunner:
         if self.multimodal is not None:
             embeds, positions = self.multimodal.prepare(inputs.host, inputs.input_ids, inputs.positions, self.states)
             return self.model(inputs.input_ids, positions, ctx, inputs_embeds=embeds)
+        if self.stage is not None:
+            return self.stage.run(self.model, inputs.input_ids, inputs.positions, ctx)
         return self.model(inputs.input_ids, inputs.positions, ctx)
 
     def upload(self, host: HostStep) -> StepInputs:

@@ -191,6 +191,11 @@ class RequestStates:
                 self.block_table.write(state.table_row, len(state.block_ids), new_blocks)
                 state.block_ids.extend(new_blocks)
             state.num_computed_tokens = computed
+        for req_id, computed, tokens in zip(cached.req_ids, cached.num_computed_tokens, cached.new_token_ids):
+            # Pipeline stages: the step's tokens from the scheduler (the last stage has them already).
+            token_ids = self.states[req_id].token_ids
+            del token_ids[computed:]
+            token_ids.extend(tokens)
 
     def expect_sampled(self, states: list[CachedRequestState]) -> None:
         """A step being launched samples one token for each of these requests; its id stays on

@@ -14,7 +14,7 @@ import torch
 
 from ..attention import AttentionBackend
 from ..config import EngineConfig
-from ..distributed import get_tp, shard_range
+from ..distributed import get_pp, get_tp, shard_range
 from ..errors import ConfigError
 from ..kv_transfer.base import KVCacheAccess, KVConnectorWorker
 from ..kv_transfer.factory import worker_connector
@@ -23,6 +23,7 @@ from ..lora.shapes import BaseModelShape
 from ..models.bert import read_separator
 from ..models.kernels import LayerKernels, install_layer_kernels
 from ..models.layers import Attention
+from ..models.pipeline import stage_layers
 from ..models.registry import resolve_model_class
 from ..platform import Platform
 from ..pooling import pooling_architectures, pooling_weights
@@ -34,6 +35,7 @@ from ..loaders import resolve_model_source
 from ..spec_decode.draft_model import DraftModelProposer
 from .inflight import InflightStep
 from .model_runner import ModelRunner
+from .pipeline_stage import PipelineStage
 from .pooler import Pooler
 from .sleep import OffloadedTensors, SleepState, release_device_memory
 
@@ -57,6 +59,8 @@ class ModelInfo:
     sliding_window: int | None = None
     # The KV tensors' dtype name when it is not `dtype` (an FP8 cache), else None.
     kv_cache_dtype: str | None = None
+    # This rank's pipeline stage holds layers first_layer .. first_layer + num_layers - 1.
+    first_layer: int = 0
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         itemsize = 1 if self.kv_cache_dtype == _FP8_KV else torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
@@ -123,6 +127,8 @@ class Worker(abc.ABC):
         self.runner = self.runner_cls(model, backend, self.device, self.config.block_size,
                                       hf.vocab_size, self.eos_token_id, self.platform.capabilities())
         self.runner.lora = lora
+        if get_pp().world_size > 1:
+            self.runner.stage = PipelineStage(hf.hidden_size, self.torch_dtype, self.device)
         if pooling:
             self.runner.pooler = Pooler(self.config.pooling_type, getattr(model, "classify", None))
         spec = self.config.speculative_config
@@ -185,7 +191,9 @@ class Worker(abc.ABC):
         info = self.model_info
         shape = self.runner.backend.kv_cache_shape(num_blocks, self.config.block_size, info.num_kv_heads, info.head_dim)
         dtype = torch.float8_e4m3fn if info.kv_cache_dtype == _FP8_KV else self.torch_dtype
-        caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(info.num_layers)]
+        # Layers index the list: earlier pipeline stages' layers get an empty placeholder.
+        caches = [torch.empty(0, dtype=dtype, device=self.device)] * info.first_layer
+        caches += [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(info.num_layers)]
         self.runner.set_kv_caches(caches)
         if self.kv_connector is None:
             self.kv_connector = worker_connector(self.config, KVCacheAccess(
@@ -292,16 +300,19 @@ def build_model(model_cls: type[torch.nn.Module], hf, dtype: torch.dtype, device
 
 
 def _model_info(hf, model: torch.nn.Module, dtype: str, kv_cache_dtype: str = "auto") -> ModelInfo:
-    """The model as this rank holds it: its share of the heads under tensor parallelism."""
+    """The model as this rank holds it: its share of the heads under tensor parallelism, its
+    stage's layers under pipeline parallelism."""
     num_heads = hf.num_attention_heads
     tp = get_tp()
+    layers = stage_layers(hf.num_hidden_layers)
     # A model whose cache rows are not its config's KV heads (DeepSeek's expanded MLA) gives its own.
     kv_heads, head_dim = getattr(model, "kv_cache_layout", None) or (
         shard_range(getattr(hf, "num_key_value_heads", None) or num_heads, tp.rank, tp.world_size)[1],
         getattr(hf, "head_dim", None) or hf.hidden_size // num_heads)
     return ModelInfo(
         architecture=type(model).__name__,
-        num_layers=hf.num_hidden_layers,
+        num_layers=len(layers),
+        first_layer=layers.start,
         num_heads=num_heads // tp.world_size,
         num_kv_heads=kv_heads,
         head_dim=head_dim,

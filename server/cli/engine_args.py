@@ -71,6 +71,11 @@ ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] 
     "num_threads": ("--num-threads", _PLATFORM, "CPU threads for torch", {"type": int}),
     "tensor_parallel_size": (("--tensor-parallel-size", "-tp"), _PARALLEL,
                              "ranks (devices) that split the model; must divide its attention heads", {"type": int}),
+    "pipeline_parallel_size": (("--pipeline-parallel-size", "-pp"), _PARALLEL,
+                               "pipeline stages, each holding a run of the model's layers on its own "
+                               "tensor-parallel ranks; must not exceed the layer count", {"type": int}),
+    "pipeline_layer_partition": ("--pipeline-layer-partition", _PARALLEL,
+                                 "layers of each stage, e.g. 5,4 (unset: VLLM_PP_LAYER_PARTITION, else even)", {}),
     "data_parallel_size": (("--data-parallel-size", "-dp"), _PARALLEL,
                            "engine cores serving the model behind this server, each with its own "
                            "tensor-parallel ranks; requests go to the engine holding their prefix, else "
