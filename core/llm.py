@@ -104,6 +104,10 @@ class LLM:
                                       "add_generation_prompt=False with it", param="continue_final_message")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
+        sources_of = [image_sources(conv) for conv in conversations]
+        if any(sources_of) and self.engine.info.image_token_id is None:
+            raise InvalidRequestError(f"this model ({self.engine.info.architecture}) reads no images",
+                                      param="messages", code="images_not_supported")
         prompts = [
             tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tools=tools,
                                           chat_template=chat_template, continue_final_message=continue_final_message,
@@ -112,23 +116,19 @@ class LLM:
         ]
         params = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompts), "sampling_params")
         encoded = [(p, tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
-        images = [self._chat_images(conv, ids) for conv, (_, ids) in zip(conversations, encoded)]
+        images = [self._chat_images(sources, ids) for sources, (_, ids) in zip(sources_of, encoded)]
         encoded = [(text, image["prompt_token_ids"]) if image else (text, ids)
                    for (text, ids), image in zip(encoded, images)]
         return self._run(encoded, params, [0] * len(prompts), use_tqdm,
                          mm_inputs=[image["mm_inputs"] if image else None for image in images])
 
-    def _chat_images(self, conversation: list[dict], token_ids: list[int]) -> dict | None:
-        """The engine prompt of a rendered conversation that holds images; None without images."""
-        sources = image_sources(conversation)
+    def _chat_images(self, sources: list, token_ids: list[int]) -> dict | None:
+        """The engine prompt of a rendered conversation with these images; None without images."""
         if not sources:
             return None
         if self._image_processing is None:
             self._image_processing = ImageProcessing.for_model(self.engine.source.model_dir,
                                                                self.engine.source.hf_config)
-            if self._image_processing is None:
-                raise InvalidRequestError(f"this model ({self.engine.info.architecture}) reads no images",
-                                          param="messages", code="images_not_supported")
         return self._image_processing.prompt(token_ids, [local_image(source) for source in sources])
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,

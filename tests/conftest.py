@@ -26,6 +26,14 @@ def default_model_dir():
 
 
 @pytest.fixture(scope="session")
+def qwen2_5_vl_dir(tmp_path_factory, default_model_dir):
+    """A tiny random-weight Qwen2.5-VL checkpoint (tests/support/vision_models.py), built once."""
+    from support.vision_models import build_qwen2_5_vl
+
+    return build_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"), default_model_dir)
+
+
+@pytest.fixture(scope="session")
 def llm_fp32():
     """One fp32 engine on the embedded model, shared by the tests that only generate through it."""
     from corectl import LLM

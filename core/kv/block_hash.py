@@ -17,12 +17,14 @@ _DIGEST_SIZE = 16
 _ROOT = bytes(_DIGEST_SIZE)
 
 
-def hash_block(parent: int | None, token_ids: Sequence[int]) -> int:
-    """Hash of one full block given its parent block's hash (None for the first block)."""
+def hash_block(parent: int | None, token_ids: Sequence[int], extra: bytes = b"") -> int:
+    """Hash of one full block given its parent block's hash (None for the first block); `extra`:
+    the content hashes of the images whose placeholder tokens the block holds."""
     digest = hashlib.blake2b(digest_size=_DIGEST_SIZE)
     digest.update(_ROOT if parent is None else parent.to_bytes(_DIGEST_SIZE, "little"))
     # Fixed-width encoding, so token runs like (1, 23) and (12, 3) never share a byte string.
     digest.update(array("q", token_ids).tobytes())
+    digest.update(extra)
     return int.from_bytes(digest.digest(), "little")
 
 
@@ -48,12 +50,15 @@ def request_root(lora_int_id: int | None, cache_salt: str | None) -> int | None:
 
 
 def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, num_blocks: int,
-                        root: int | None = None) -> list[int]:
+                        root: int | None = None, images: Sequence[tuple[int, int, bytes]] = ()) -> list[int]:
     """Grow `hashes` in place to cover the first `num_blocks` full blocks of `token_ids`; `root` is
-    the first block's parent (`request_root`)."""
+    the first block's parent (`request_root`). `images` are (first, end, content hash) of each
+    image's placeholder run: a block holding placeholders hashes the image's content with them,
+    since every image's placeholders are the same token id."""
     parent = hashes[-1] if hashes else root
     for index in range(len(hashes), num_blocks):
         start = index * block_size
-        parent = hash_block(parent, token_ids[start:start + block_size])
+        extra = b"".join(digest for first, end, digest in images if first < start + block_size and start < end)
+        parent = hash_block(parent, token_ids[start:start + block_size], extra)
         hashes.append(parent)
     return hashes

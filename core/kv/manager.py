@@ -205,4 +205,5 @@ class KVCacheManager:
         lora = req.lora_request
         root = None if req.block_hashes else request_root(None if lora is None else lora.lora_int_id,
                                                            req.sampling_params.cache_salt)
-        return extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, num_blocks, root)
+        images = [(item.offset, item.end, item.hash_bytes) for item in req.mm_inputs]
+        return extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, num_blocks, root, images)

@@ -48,6 +48,7 @@ from ..kv import KVCacheManager, PrefixHit
 from ..kv.sizing import blocks_per_sequence
 from ..kv_transfer.base import KVConnectorScheduler
 from ..lora.admission import AdapterAdmission, adapter_names
+from ..multimodal.budget import fit_encoder_budget
 from ..request import Request, RequestStatus
 from ..spec_decode.scheduling import DraftPlanner
 from ..step_messages import (
@@ -82,6 +83,8 @@ class _StepPlan:
     preempted: bool = False
     # Draft tokens of speculating requests, the last of their scheduled tokens.
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    # Image placeholders whose encoding the step's chunks start (`corectl.multimodal.budget`).
+    encoder_tokens: int = 0
 
     @property
     def full(self) -> bool:
@@ -270,6 +273,10 @@ class Scheduler:
                 index += 1
                 continue
             num_tokens = min(req.num_tokens + self.in_flight.num_tokens(req) - req.num_computed_tokens, plan.budget)
+            num_tokens = self._fit_images(req, req.num_computed_tokens, num_tokens, plan)
+            if num_tokens == 0:
+                index += 1
+                continue
             drafts = self._drafts_for(req, num_tokens, plan.budget)
             new_ids = self.kv.allocate(req, num_tokens + len(drafts))
             if new_ids is None and drafts:
@@ -290,6 +297,15 @@ class Scheduler:
             if drafts:
                 plan.drafts[req.request_id] = drafts
             index += 1
+
+    def _fit_images(self, req: Request, num_computed: int, num_tokens: int, plan: _StepPlan) -> int:
+        """The part of a chunk whose images the step's encoder budget (the token budget) has room for."""
+        if not req.mm_inputs:
+            return num_tokens
+        num_tokens, spent = fit_encoder_budget(req.mm_inputs, num_computed, num_tokens,
+                                               self.config.max_num_batched_tokens, plan.encoder_tokens)
+        plan.encoder_tokens += spent
+        return num_tokens
 
     def _drafts_for(self, req: Request, num_tokens: int, budget: int) -> list[int]:
         """Draft tokens for a request whose step computes only its newest token (speculation
@@ -356,6 +372,10 @@ class Scheduler:
             hit = self.kv.lookup_prefix(req)
             external, load_async = self._external_tokens(req, hit)
             num_tokens = 0 if load_async else min(req.num_tokens - hit.num_tokens - external, plan.budget)
+            if not load_async:
+                num_tokens = self._fit_images(req, hit.num_tokens + external, num_tokens, plan)
+                if num_tokens == 0:
+                    break  # the step's encoder budget is spent: the image waits for the next step
             if self.config.encoder_only and num_tokens < req.num_tokens:
                 break  # an encoder's prompt runs whole: it waits for a step with room for all of it
             if self.kv.allocate(req, external + num_tokens, hit) is None:

@@ -1,0 +1,96 @@
+"""Qwen2.5-VL end to end on a tiny random-weight checkpoint: greedy parity with transformers for
+one and two images batched with a text-only request, with prefill chunks that split images; the
+encoder cache; prefix caching that never matches another image."""
+from __future__ import annotations
+
+import base64
+
+import pytest
+import torch
+from support.vision_models import png_bytes, random_image
+
+from corectl import LLM, SamplingParams
+
+MAX_TOKENS = 5
+
+
+@pytest.fixture(scope="module")
+def llm(qwen2_5_vl_dir):
+    # 8-token steps: every image's 12-16 placeholders are split across chunks.
+    return LLM(str(qwen2_5_vl_dir), dtype="float32", platform="cpu", kv_cache_memory_gib=0.02, max_model_len=256,
+               max_num_batched_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def hf(qwen2_5_vl_dir):
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen2_5_vl_dir, dtype=torch.float32).eval()
+    return model, Qwen2VLImageProcessorPil.from_pretrained(qwen2_5_vl_dir)
+
+
+def _hf_greedy(hf, prompt_ids: list[int], images) -> list[int]:
+    model, processor = hf
+    ids = torch.tensor([prompt_ids])
+    extra = {}
+    if images:
+        pixels = processor(images=images, return_tensors="pt")
+        extra = dict(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
+                     mm_token_type_ids=(ids == model.config.image_token_id).int())
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+                             **extra)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def _user(*parts) -> list[dict]:
+    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image_pil", "image_pil": p}
+               for p in parts]
+    return [{"role": "user", "content": content}]
+
+
+def _runner(llm):
+    return llm.engine.executor.worker.runner
+
+
+def test_greedy_parity_with_transformers_one_and_two_images_batched_with_text(llm, hf):
+    first, second = random_image(100, 70, 1), random_image(60, 90, 2)
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(first)).decode()
+    conversations = [
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                      {"type": "text", "text": "What is this?"}]}],
+        _user(first, "and", second, "Compare them."),
+        [{"role": "user", "content": "Just text."}],
+    ]
+    outs = llm.chat(conversations, SamplingParams(max_tokens=MAX_TOKENS, temperature=0), use_tqdm=False)
+    for out, images in zip(outs, [[first], [first, second], []]):
+        assert list(out.outputs[0].token_ids) == _hf_greedy(hf, list(out.prompt_token_ids), images)
+    # The images decide the answer: the same words with another image answer otherwise.
+    other = llm.chat(_user(random_image(100, 70, 7), "What is this?"),
+                     SamplingParams(max_tokens=MAX_TOKENS, temperature=0), use_tqdm=False)[0]
+    assert other.outputs[0].token_ids != outs[0].outputs[0].token_ids
+
+
+def test_a_repeated_image_is_encoded_once_and_hits_the_prefix_cache_another_image_does_not(llm):
+    image, other = random_image(96, 96, 3), random_image(96, 96, 4)
+    system = {"role": "system", "content": "You describe pictures carefully and in a few words, always."}
+    params = SamplingParams(max_tokens=2, temperature=0)
+    cache = _runner(llm).multimodal.cache
+    first = llm.chat([system, *_user(image, "Describe.")], params, use_tqdm=False)[0]
+    misses = cache.misses
+    again = llm.chat([system, *_user(image, "Describe.")], params, use_tqdm=False)[0]
+    assert cache.misses == misses  # no image encoded: the prefix cache or the encoder cache served it
+    swapped = llm.chat([system, *_user(other, "Describe.")], params, use_tqdm=False)[0]
+    image_token = llm.engine.info.image_token_id
+    offset = list(first.prompt_token_ids).index(image_token)
+    block = llm.config.block_size
+    assert again.num_cached_tokens > offset
+    assert 0 < swapped.num_cached_tokens <= offset // block * block
+    assert cache.misses == misses + 1
+
+
+def test_text_only_model_refuses_images(llm_fp32):
+    from corectl.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="reads no images"):
+        llm_fp32.chat(_user(random_image(8, 8, 0), "Hi"), SamplingParams(max_tokens=1), use_tqdm=False)
