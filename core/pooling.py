@@ -8,7 +8,9 @@ decided once, when the engine starts (`resolve_pooling`), from the flags or the 
   model (`modules.json` lists a Pooling module), names a bare backbone (`Qwen3Model`, `BertModel`)
   or a sequence classifier (`*ForSequenceClassification`).
 - A sequence classifier (a model class with `classify`) pools the token its head reads
-  (`classifier_pooling`) and its vectors are the head's logits (`PoolingInfo.task == "classify"`).
+  (`classifier_pooling`) and its vectors are the head's logits (`PoolingInfo.task == "classify"`);
+  a class with `prepare_classifier` first completes the config from the tokenizer beside the
+  checkpoint (a decoder reranker's `classifier_from_token`).
 - `pooling_type`: LAST (the last prompt token's hidden state: Qwen3-Embedding, decoder embedders),
   MEAN (the mean over every prompt token) or CLS (the first token's); the flag wins, then
   `1_Pooling/config.json`, else CLS for an encoder (BERT) and LAST for a decoder.
@@ -122,6 +124,8 @@ def resolve_pooling(config, model_dir: Path, hf_config, resolve_model_class: Cal
     model_cls = resolve_model_class(pooling_architectures(hf_config))
     encoder = getattr(model_cls, "is_encoder", False)
     if hasattr(model_cls, "classify"):
+        if hasattr(model_cls, "prepare_classifier"):
+            model_cls.prepare_classifier(hf_config, None if config.skip_tokenizer_init else model_dir)
         return _classifier(config, hf_config, model_cls, encoder)
     pooling_type = (config.pooling_type or (st.pooling_type if st is not None else None)
                     or ("CLS" if encoder else "LAST"))

@@ -114,7 +114,9 @@ class Worker(abc.ABC):
         hf = self.source.hf_config
         pooling = self.config.runner == "pooling"
         model = self._build_model(hf, pooling)
-        self.source.load_weights(model, self.quantization, pooling_weights if pooling else None)
+        # A classifier made from the LM head (a decoder reranker) reads the head on the way.
+        self.source.load_weights(model, self.quantization,
+                                 getattr(model, "pooling_weights", pooling_weights) if pooling else None)
         if self.quantization is not None:
             process_loaded_weights(model)
         model.eval()

@@ -63,7 +63,7 @@ def build_random_checkpoint(arch: str, folder: Path, tokenizer_dir: Path, seed: 
                      initializer_range=0.5, bos_token_id=1, eos_token_id=2), **overrides}
     configs = {
         "qwen2": lambda: Qwen2Config(**common, tie_word_embeddings=False),
-        "qwen3": lambda: Qwen3Config(**common, head_dim=16, tie_word_embeddings=True),
+        "qwen3": lambda: Qwen3Config(**{"head_dim": 16, "tie_word_embeddings": True, **common}),
         "llama": lambda: LlamaConfig(**common, tie_word_embeddings=False),
         # Mixtures of experts: 8 experts, top 2; Qwen3-MoE's dense layers (mlp_only_layers) keep
         # `intermediate_size`, its experts `moe_intermediate_size`.

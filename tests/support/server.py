@@ -92,11 +92,11 @@ def alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def encoder_client(folder: Path):
-    """A small fp32 server (64-token context) of the encoder checkpoint in `folder`, and a client that
-    sends the API key; the server must stop cleanly afterwards."""
+def encoder_client(folder: Path, *args: str):
+    """A small fp32 server (64-token context) of the encoder checkpoint in `folder` (with `args`), and a
+    client that sends the API key; the server must stop cleanly afterwards."""
     proc = ServerProcess(str(folder), "--api-key", API_KEY, "--dtype", "float32", "--kv-cache-memory", "0.02",
-                         "--max-model-len", "64").wait_ready()
+                         "--max-model-len", "64", *args).wait_ready()
     with httpx.Client(base_url=proc.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
         yield client
     assert proc.stop() == 0
