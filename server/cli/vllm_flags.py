@@ -7,6 +7,7 @@ command line override it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 from corectl.errors import ConfigError
 from corectl.generation_config import check_generation_config
 from corectl.sampling_params import MAX_LOGPROBS
+
+from ..http.media.settings import MediaSettings
 
 API_KEY_ENV = ("CORECTL_API_KEY", "VLLM_API_KEY")
 
@@ -38,6 +41,43 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
     group.add_argument("--metrics-prefix", default="vllm:", choices=("vllm:", "corectl:"),
                        help="prefix of the /metrics series (default vllm:, vLLM's names)")
+    _add_media_flags(parser.add_argument_group("images (vision-language models)"))
+
+
+def _add_media_flags(group) -> None:
+    media = MediaSettings()
+    group.add_argument("--limit-mm-per-prompt", type=json.loads, default={"image": media.max_images},
+                       metavar="JSON", help=f"most items per prompt by modality, vLLM's form (default "
+                                            f"'{{\"image\": {media.max_images}}}')")
+    group.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="DOMAIN",
+                       help="hosts (and their subdomains) image URLs may name; none: http(s) image URLs are "
+                            "refused (data: URLs always work)")
+    group.add_argument("--allow-any-media-domain", action="store_true",
+                       help="let image URLs name any host (public addresses only, unless the next flag)")
+    group.add_argument("--allow-private-media-addresses", action="store_true",
+                       help="let image URLs reach loopback, private and link-local addresses")
+    group.add_argument("--media-fetch-timeout", type=float, default=media.fetch_timeout, metavar="SECONDS",
+                       help="longest fetch of one image URL, redirects included")
+    group.add_argument("--max-image-bytes", type=int, default=media.max_bytes, metavar="N",
+                       help="largest image file fetched or sent as a data URL")
+    group.add_argument("--max-image-pixels", type=int, default=media.max_pixels, metavar="N",
+                       help="largest image (width x height), checked from its header before decoding")
+
+
+def _media_settings(args: argparse.Namespace) -> MediaSettings:
+    limits = args.limit_mm_per_prompt
+    if not isinstance(limits, dict) or set(limits) - {"image"} or not all(
+            isinstance(n, int) and n >= 0 for n in limits.values()):
+        raise ConfigError("limit_mm_per_prompt", f"must be a JSON object like '{{\"image\": 4}}' (images are the "
+                          f"only modality), got {limits!r}")
+    for name in ("media_fetch_timeout", "max_image_bytes", "max_image_pixels"):
+        if getattr(args, name) <= 0:
+            raise ConfigError(name, f"must be positive, got {getattr(args, name)}")
+    return MediaSettings(max_images=limits.get("image", MediaSettings.max_images),
+                         allowed_domains=tuple(d.lower().lstrip(".") for d in args.allowed_media_domains),
+                         allow_any_domain=args.allow_any_media_domain,
+                         allow_private=args.allow_private_media_addresses, max_bytes=args.max_image_bytes,
+                         max_pixels=args.max_image_pixels, fetch_timeout=args.media_fetch_timeout)
 
 
 def check_vllm_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -58,7 +98,7 @@ def check_vllm_flags(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError("root_path", f"must start with '/', got {args.root_path!r}")
     return dict(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path,
                 log_requests=not args.disable_log_requests, metrics_prefix=args.metrics_prefix,
-                max_logprobs=args.max_logprobs, generation_config=source)
+                max_logprobs=args.max_logprobs, generation_config=source, media=_media_settings(args))
 
 
 def api_keys_from_env() -> list[str]:
@@ -113,8 +153,6 @@ def _flags_from_yaml(path: str) -> list[str]:
         elif isinstance(value, list):
             flags += [flag, *map(str, value)]
         elif isinstance(value, dict):
-            import json
-
             flags += [flag, json.dumps(value)]
         else:
             flags += [flag, str(value)]

@@ -71,13 +71,17 @@ async def start_chat(data: ChatCompletionRequest, request: Request, server: Serv
     tokenizer = server.require_tokenizer(
         "messages", "chat messages cannot be rendered; use /v1/completions with token-id prompts")
     tools = template_tools(data.tools) if data.tools and tool_choice != "none" else None
+    images = server.media.check(message_dicts(data.messages), server.engine.info)
     prompt = chat_prompt(data, tokenizer, tools)
     reasoning = ChatReasoning(server.reasoning_parser, tokenizer, prompt, params)
     forced = tool_choice in ("required", "named")
     if data.use_beam_search:
+        if images:
+            raise APIError(400, "use_beam_search does not take images", "use_beam_search")
         group = _beam_group(data, server, prompt, params, request_id, lora, forced)
     else:
-        group = GenerationGroup(server, [prompt], reasoning.params, request_id, data.priority,
+        engine_prompt = await server.media.prompt(images, prompt, server.engine.info)
+        group = GenerationGroup(server, [engine_prompt], reasoning.params, request_id, data.priority,
                                 lora, "tools" if forced else data.constraint_field, data.keep_best)
         await group.start(request.receive)
     texts = {i: ChoiceText(ROLE, reasoning.parser(), _tool_parser(data, tool_choice, server, tokenizer))

@@ -54,8 +54,12 @@ class TokenizerController(Controller):
             tokens = tokenizer.encode(data.prompt, add_special_tokens=data.add_special_tokens)
         else:
             tools = template_tools(data.tools) if data.tools else None
-            tokens = tokenizer.encode_chat(message_dicts(data.messages), add_generation_prompt=data.add_generation_prompt,
-                                           tools=tools)
+            messages = message_dicts(data.messages)
+            images = server.media.check(messages, server.engine.info)
+            tokens = tokenizer.encode_chat(messages, add_generation_prompt=data.add_generation_prompt, tools=tools)
+            # Each image counts as the placeholder tokens the model gives it.
+            prompt = await server.media.prompt(images, tokens, server.engine.info)
+            tokens = prompt["prompt_token_ids"] if images else tokens
         strs = tokenizer.convert_ids_to_tokens(tokens) if data.return_token_strs else None
         return TokenizeResponse(len(tokens), server.engine.info.max_model_len, tokens, strs)
 

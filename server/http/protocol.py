@@ -218,9 +218,15 @@ class CompletionRequest(SamplingFields, kw_only=True):
         return self.build_sampling_params(max_tokens, self.logprobs, prompt_logprobs, self.structured_spec(), defaults)
 
 
+class ImageURL(msgspec.Struct, kw_only=True, omit_defaults=True):
+    url: Annotated[str, Meta(max_length=64 * 2 ** 20)]
+    detail: str | None = None
+
+
 class ContentPart(msgspec.Struct, kw_only=True, omit_defaults=True):
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None  # an http(s) or data: URL (corectl.server.http.media)
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):

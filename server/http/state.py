@@ -15,6 +15,8 @@ from corectl.tokenizer import Tokenizer
 
 from .errors import APIError
 from .lora import LoRARegistry, LoRASettings
+from .media.intake import MediaIntake
+from .media.settings import MediaSettings
 from .metrics import ServerMetrics
 from .parsers import reasoning_parser_class, tool_parser_class
 from .response_store import ResponseStore
@@ -70,6 +72,8 @@ class ServeSettings:
     metrics_prefix: str = "vllm:"
     max_logprobs: int = 20
     generation_config: str = "auto"
+    # What image parts may make the server fetch and decode (corectl.server.http.media).
+    media: MediaSettings = field(default_factory=MediaSettings)
 
     @property
     def url(self) -> str:
@@ -104,6 +108,7 @@ class ServerState:
         self.started_at = time.time()
         # Sampling defaults for the fields a request leaves unset (corectl.generation_config), once the engine is up.
         self.sampling_defaults: dict = {}
+        self.media = MediaIntake(settings.media)
         self.tool_parser = None if settings.tool_call_parser is None else tool_parser_class(settings.tool_call_parser)
         self.reasoning_parser = (None if settings.reasoning_parser is None
                                  else reasoning_parser_class(settings.reasoning_parser))
