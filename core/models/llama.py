@@ -108,6 +108,10 @@ class DecoderModel(nn.Module):
     first continues from the previous stage's `IntermediateTensors`, and one before the last
     returns its own."""
 
+    # Layers whose input (the residual stream: embeddings plus every earlier layer's output) the
+    # forward also returns, for an EAGLE-3 head (corectl.spec_decode.eagle_heads): set at load.
+    aux_hidden_layers: tuple[int, ...] = ()
+
     def __init__(self, config, max_positions: int, dtype: torch.dtype, qkv_bias: bool, qk_norm: bool,
                  make_mlp: Callable[[object, int], nn.Module], attention: type[DecoderAttention] = DecoderAttention):
         super().__init__()
@@ -126,16 +130,22 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids, positions, ctx: ForwardContext,
                 intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        """[T, hidden] after the final norm; with `aux_hidden_layers`, [T, (1 + n) * hidden]: those
+        rows, then each listed layer's input in layer order (one tensor, so that a captured CUDA
+        graph's output holds them too)."""
         if intermediate is None:
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = intermediate.hidden, intermediate.residual
+        aux = []
         for index in self.stage_layers:
+            if index in self.aux_hidden_layers:
+                aux.append(hidden if residual is None else hidden + residual)
             hidden, residual = self.layers[index](positions, hidden, residual, ctx)
         if self.norm is None:
             return IntermediateTensors(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return torch.cat([hidden, *aux], dim=-1) if aux else hidden
 
 
 class LlamaForCausalLM(CausalLM):

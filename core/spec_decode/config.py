@@ -2,6 +2,7 @@
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     {"method": "draft_model", "model": "path/to/small-llama", "num_speculative_tokens": 3}
+    {"method": "eagle3", "model": "path/to/eagle3-head", "num_speculative_tokens": 3}
 
 The engine option `EngineConfig.speculative_config` takes a dict, a JSON string or a
 `SpeculativeConfig`; `resolve_speculative_config` turns any of them into one checked
@@ -20,8 +21,6 @@ from ..errors import ConfigError
 
 FIELD = "speculative_config"
 METHODS = ("ngram", "draft_model", "eagle", "eagle3")
-# Methods whose proposer this engine does not have yet: refused at start-up, not silently ignored.
-UNSUPPORTED_METHODS = ("eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 16
 # The token id of a draft position that the scheduler reserves and the worker's draft model fills.
 PLACEHOLDER = -1
@@ -32,8 +31,9 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     """method: how draft tokens are proposed; num_speculative_tokens: k, the draft tokens a step
     verifies per request (1..16); prompt_lookup_min/max: the n-gram lengths matched against the
     request's own tokens (ngram); model: the draft model (draft_model: a local HF directory, a
-    `.gguf` file or a shape preset with the target's vocabulary); draft_tensor_parallel_size: the
-    draft's tensor-parallel size (1: draft models run beside a target at tensor-parallel size 1)."""
+    `.gguf` file or a shape preset with the target's vocabulary) or the EAGLE / EAGLE-3 head made
+    for the target (eagle, eagle3: a local HF directory or hub id); draft_tensor_parallel_size: the
+    draft's tensor-parallel size (1: drafts run beside a target at tensor-parallel size 1)."""
 
     method: str | None = None
     num_speculative_tokens: int | None = None
@@ -76,9 +76,6 @@ def _method(spec: SpeculativeConfig) -> str:
         method = "ngram" if spec.model in ("ngram", "[ngram]") else "draft_model"
     if method not in METHODS:
         raise _error(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
-    if method in UNSUPPORTED_METHODS:
-        raise _error(f"method {method!r} is not yet supported by corectl (it needs the target's hidden states); "
-                     "use \"ngram\" or \"draft_model\"")
     return method
 
 
@@ -123,10 +120,11 @@ def resolve_speculative_config(value: Any, tensor_parallel_size: int = 1) -> Spe
     if spec.prompt_lookup_min is not None or spec.prompt_lookup_max is not None:
         raise _error(f"prompt_lookup_min/max apply to method \"ngram\" only, not {method!r}")
     if not spec.model:
-        raise _error(f"method {method!r} needs \"model\": the draft model's path")
+        raise _error(f"method {method!r} needs \"model\": the " + ("draft model's path" if method == "draft_model"
+                                                                 else "head's path or hub id"))
     draft_tp = 1 if spec.draft_tensor_parallel_size is None else spec.draft_tensor_parallel_size
     if draft_tp != 1 or tensor_parallel_size != 1:
-        raise _error(f"a draft model runs at tensor_parallel_size 1 beside a target at 1 for now (got "
+        raise _error(f"the {method} draft runs at tensor_parallel_size 1 beside a target at 1 for now (got "
                      f"draft_tensor_parallel_size={draft_tp!r}, tensor_parallel_size={tensor_parallel_size})")
     return SpeculativeConfig(method=method, num_speculative_tokens=k, model=spec.model,
                              draft_tensor_parallel_size=draft_tp)

@@ -20,6 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from ..sampling_params import SamplingParams
 from ..step_messages import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -61,6 +63,10 @@ class DraftModelProposer:
             self._free += self._blocks.pop(req_id, [])
             if self._computed.pop(req_id, None) is not None:
                 self._forgotten.append(req_id)
+
+    def observe(self, host, hidden: torch.Tensor, states) -> torch.Tensor:
+        """A target step's hidden states, returned as they are: a draft model reads only tokens."""
+        return hidden
 
     def propose(self, requests: list[DraftRequest]) -> dict[str, list[int]]:
         """Each request's drafts; a request the cache has no room for gets copies of its last

@@ -21,6 +21,7 @@ from ..sample.grammar import apply_grammar_bitmask
 from ..sample.metadata import PLAIN_GREEDY, UnreadOutputTokens
 from ..sample.transfer import DeviceTarget, to_device
 from ..spec_decode.draft_model import DraftModelProposer, DraftRequest
+from ..spec_decode.eagle import EagleProposer
 from ..spec_decode.rejection import VerifyLayout
 from ..spec_decode.verify import expand_rows, verify
 from ..step_messages import GrammarBitmask, LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -78,8 +79,9 @@ class ModelRunner:
         self.lora: AdapterManager | None = None
         # A launched step's logits waiting for their grammar masks (`grammar_pending`).
         self._awaiting_masks: tuple[HostStep, torch.Tensor, InflightStep] | None = None
-        # Set by the worker for draft-model speculation: fills the scheduler's draft placeholders.
-        self.drafter: DraftModelProposer | None = None
+        # Set by the worker for draft-model and EAGLE speculation: fills the scheduler's draft
+        # placeholders, and sees each step's hidden states (EAGLE's head reads them).
+        self.drafter: DraftModelProposer | EagleProposer | None = None
         # Set by the worker under pipeline parallelism: moves activations between stages.
         self.stage: PipelineStage | None = None
         # A vision-language model's image rows and M-RoPE positions (corectl.multimodal.step).
@@ -116,6 +118,8 @@ class ModelRunner:
         hidden = self._run_with_adapters(inputs)
         if hidden is None:
             return InflightStep.done()  # a stage before the last: the next stage goes on from here
+        if self.drafter is not None:
+            hidden = self.drafter.observe(inputs.host, hidden, self.states)
         if self.pooler is not None:
             return self._pool(inputs.host, hidden)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden, sched)

@@ -33,6 +33,8 @@ from ..sampling_params import SamplingParams
 from ..step_messages import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
 from ..loaders import resolve_model_source
 from ..spec_decode.draft_model import DraftModelProposer
+from ..spec_decode.eagle import EagleProposer
+from ..spec_decode.eagle_heads import EAGLE_METHODS, prepare_head
 from .inflight import InflightStep
 from .model_runner import ModelRunner
 from .pipeline_stage import PipelineStage
@@ -136,30 +138,52 @@ class Worker(abc.ABC):
         spec = self.config.speculative_config
         if spec is not None and spec.method == "draft_model":
             self.runner.drafter = self._load_drafter(hf, spec.model)
+        elif spec is not None and spec.method in EAGLE_METHODS:
+            self.runner.drafter = self._load_eagle(model, hf, spec.method, spec.model)
         self.model_info = info
         return info
 
     def _load_drafter(self, hf, draft: str) -> DraftModelProposer:
-        """The draft model of speculative decoding (dense, in the target's dtype), with a runner
-        of its own; refused when its vocabulary is not the target's."""
-        source = resolve_model_source(self.config.replace(model=draft, tokenizer=None, hf_overrides=None,
-                                                          quantization=None, speculative_config=None))
+        """The draft model of speculative decoding, with a runner of its own; refused when its
+        vocabulary is not the target's."""
+        source = self._draft_source(draft)
         draft_hf = source.hf_config
         if draft_hf.vocab_size != hf.vocab_size:
             raise ConfigError("speculative_config", f"the draft model {draft!r} has a {draft_hf.vocab_size}-token "
                               f"vocabulary but the target {self.config.model or 'default'!r} has {hf.vocab_size}: "
                               "a draft must share the target's vocabulary")
-        model = build_model(resolve_model_class(draft_hf), draft_hf, self.torch_dtype, self.device, self.max_model_len)
+        model = self._build_draft(resolve_model_class(draft_hf), source)
+        return DraftModelProposer(self._draft_runner(model, draft_hf), self.config.block_size)
+
+    def _load_eagle(self, model: torch.nn.Module, hf, method: str, head: str) -> EagleProposer:
+        """An EAGLE / EAGLE-3 head over the target's hidden states, with a runner of its own;
+        refused when it was made for another target (corectl.spec_decode.eagle_heads)."""
+        source = self._draft_source(head)
+        head_cls = prepare_head(method, source, model, hf, head, self.config.model or "default")
+        runner = self._draft_runner(self._build_draft(head_cls, source), source.hf_config)
+        return EagleProposer(runner, model, hf.hidden_size, self.config.block_size)
+
+    def _draft_source(self, name: str):
+        return resolve_model_source(self.config.replace(model=name, tokenizer=None, hf_overrides=None,
+                                                        quantization=None, speculative_config=None))
+
+    def _build_draft(self, model_cls: type[torch.nn.Module], source) -> torch.nn.Module:
+        """A draft model or head, dense, in the target's dtype, with its weights."""
+        model = build_model(model_cls, source.hf_config, self.torch_dtype, self.device, self.max_model_len)
         source.load_weights(model)
         model.eval()
         install_layer_kernels(model, self.layer_kernels())
+        return model
+
+    def _draft_runner(self, model: torch.nn.Module, draft_hf) -> ModelRunner:
+        """A runner of the draft's own (its paged cache, input building, attention backend); the
+        draft's shape sizes that cache (`init_kv_cache`)."""
         info = _model_info(draft_hf, model, self.dtype)
         backend = self.attention_backend_cls(info.num_heads, info.num_kv_heads, info.head_dim, self.torch_dtype,
                                              self.device, self.config.block_size)
-        runner = self.runner_cls(model, backend, self.device, self.config.block_size, draft_hf.vocab_size, None,
-                                 self.platform.capabilities())
         self._draft_info = info
-        return DraftModelProposer(runner, self.config.block_size)
+        return self.runner_cls(model, backend, self.device, self.config.block_size, draft_hf.vocab_size, None,
+                               self.platform.capabilities())
 
     def _attach_lora(self, model: torch.nn.Module, hf) -> AdapterManager:
         """Wrap the model's projections for LoRA; the manager owns the adapters from then on."""

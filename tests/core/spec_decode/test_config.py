@@ -15,6 +15,8 @@ def test_ngram_defaults_and_json_string_form():
     assert (one_bound.method, one_bound.prompt_lookup_min, one_bound.prompt_lookup_max) == ("ngram", 3, 3)
     draft = EngineConfig(speculative_config={"model": "path/to/draft", "num_speculative_tokens": 4}).speculative_config
     assert (draft.method, draft.model, draft.draft_tensor_parallel_size) == ("draft_model", "path/to/draft", 1)
+    eagle = EngineConfig(speculative_config={"method": "eagle3", "model": "heads/e3", "num_speculative_tokens": 3})
+    assert (eagle.speculative_config.method, eagle.speculative_config.model) == ("eagle3", "heads/e3")
 
 
 @pytest.mark.parametrize(("value", "message"), [
@@ -25,8 +27,11 @@ def test_ngram_defaults_and_json_string_form():
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "medusa", "num_speculative_tokens": 2}, "unknown method 'medusa'"),
     ({"num_speculative_tokens": 2}, "say which proposer"),
-    ({"method": "eagle", "model": "heads", "num_speculative_tokens": 2}, "'eagle' is not yet supported"),
-    ({"method": "eagle3", "model": "heads", "num_speculative_tokens": 2}, "'eagle3' is not yet supported"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "needs \"model\": the head's path"),
+    ({"method": "eagle3", "model": "h", "num_speculative_tokens": 2, "prompt_lookup_min": 2},
+     "apply to method \"ngram\" only"),
+    ({"method": "eagle3", "model": "h", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+     "the eagle3 draft runs at tensor_parallel_size 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      r"prompt_lookup_min \(4\) is larger than prompt_lookup_max \(2\)"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "at least 1"),

@@ -11,6 +11,7 @@ from corectl.sample.transfer import DeviceTarget
 from corectl.sampling_params import SamplingParams
 from corectl.spec_decode.rejection import VerifyLayout, rejection_sample
 from corectl.spec_decode.verify import expand_rows, verify
+from support.spec_decode import chi_square_p_value
 
 CPU = DeviceTarget(torch.device("cpu"))
 # Target logits of positions 0, 1 and 2 (the bonus position); independent of the prefix here,
@@ -19,15 +20,6 @@ TARGET = torch.tensor([[1.2, 0.3, -0.4, 0.9, -1.5, 0.0],
                        [-0.2, 1.1, 0.4, -0.8, 0.6, 0.1],
                        [0.5, -0.5, 1.4, 0.2, -0.3, 0.7]])
 N = 12000
-
-
-def _p_value(tokens: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square test of `tokens` against `probs` (every token has mass here)."""
-    counts = torch.bincount(tokens, minlength=probs.numel()).double()
-    expected = probs.double() * tokens.numel()
-    chi2 = ((counts - expected) ** 2 / expected).sum()
-    df = probs.numel() - 1
-    return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), chi2 / 2).item()
 
 
 def _run(drafts: list[list[int]], draft_probs: torch.Tensor | None = None, seed: int = 0):
@@ -44,7 +36,7 @@ def _check_positions(tokens: torch.Tensor, emitted: torch.Tensor, k: int) -> Non
     for position in range(k + 1):
         reached = emitted > position
         assert reached.sum() > 1000, "too few samples reach this position for a meaningful test"
-        p = _p_value(tokens[reached, position], TARGET[position].softmax(dim=-1))
+        p = chi_square_p_value(tokens[reached, position], TARGET[position].softmax(dim=-1))
         assert p > 1e-4, f"position {position}: chi-square p-value {p:.2e}"
 
 
