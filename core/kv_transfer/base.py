@@ -13,7 +13,7 @@ worker may live in different processes:
   evicts (`block_evicted`: a host tier keeps them); and turns all that into one step's
   `KVTransferMetadata` (`build_metadata`), which travels to every worker in the `SchedulerOutput`.
 - **worker side** (`KVConnectorWorker`, one per rank, holding the KV tensors): at each step's
-  launch, before the forward pass, `step` applies the metadata (cancel, save, load) and reports in
+  launch, before the forward pass, `step` applies the metadata (cancel, save, then load) and reports in
   a `KVTransferReport` which asynchronous loads finished or failed (with the blocks that hold no
   valid K/V). Saves read the blocks at once (in stream order, before any
   later step overwrites them) and may ship the bytes out in the background.
@@ -134,8 +134,9 @@ class KVConnectorWorker(abc.ABC):
         """Apply one step's metadata before its forward pass and report what finished; `idle`: the
         step computes nothing, so a short wait for a finishing transfer costs no work."""
         self.cancel(metadata.cancelled)
-        self.load(metadata.loads)
+        # Saves first: a block evicted this step may be the target of a load this step.
         self.save(metadata.saves)
+        self.load(metadata.loads)
         return self.finished(idle)
 
     @abc.abstractmethod

@@ -13,6 +13,7 @@ group, so a restarted producer is found again. A producer serves one consumer.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import threading
@@ -35,6 +36,10 @@ _REQUEST, _HEADER, _PAYLOAD = 1, 2, 3
 _ID_WORDS = MAX_TRANSFER_ID // 8
 # A header: found (1/0), the element size, then the blocks' six dimensions.
 _HEADER_LEN = 8
+# Set at interpreter exit: a producer whose consumer went away then stops instead of waiting again
+# (a group still forming while the process exits aborts it).
+_exiting = threading.Event()
+atexit.register(_exiting.set)
 
 
 def rendezvous(config: KVTransferConfig) -> tuple[str, int]:
@@ -103,13 +108,13 @@ class TorchDistributedWorker(StagedTransferWorker):
         return None if entry is None else entry[0]
 
     def _serve_forever(self) -> None:
-        while not self._closed:
+        while not (self._closed or _exiting.is_set()):
             try:
                 group = self._join(0)
                 while not self._closed:
                     self._serve_one(group)
             except Exception as exc:  # the consumer went away: wait for the next one
-                if not self._closed:
+                if not (self._closed or _exiting.is_set()):
                     logger.warning("KV transfer group with the consumer ended (%s); waiting for it again", exc)
                     time.sleep(1.0)
             finally:

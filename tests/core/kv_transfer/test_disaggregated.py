@@ -1,0 +1,142 @@
+"""Disaggregated prefill/decode inside one process: a producer engine prefills (max_tokens=1) and
+saves each prompt's blocks, a consumer engine loads them and decodes. Both built-in connectors must
+give the greedy tokens of one engine doing both, the consumer must compute only each prompt's last
+token (its counters say so), a load that cannot happen (no producer, nothing saved) must fall back to
+recomputing with the same tokens, and every block must return to both pools."""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from corectl import LLM, SamplingParams
+from corectl.engine.messages import EngineCoreRequest
+from support.engines import TINY
+from support.server import free_port
+
+pytestmark = pytest.mark.usefixtures("isolated_env")
+
+MAX_TOKENS = 6
+_rng = random.Random(0)
+# Lengths that end mid-block and on a block boundary (block size 16).
+PROMPTS = [[_rng.randrange(512) for _ in range(n)] for n in (37, 48, 70)]
+
+
+def _greedy(max_tokens: int, params: dict | None = None) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, kv_transfer_params=params)
+
+
+def _tokens(llm: LLM, params: list[SamplingParams]) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _pair(connector: str, extra: dict) -> tuple[LLM, LLM]:
+    def config(role: str) -> dict:
+        return {"kv_connector": connector, "kv_role": role, "kv_connector_extra_config": extra}
+
+    return LLM(**TINY, kv_transfer_config=config("kv_producer")), LLM(**TINY, kv_transfer_config=config("kv_consumer"))
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    return _tokens(LLM(**TINY), [_greedy(MAX_TOKENS)] * len(PROMPTS))
+
+
+def _close(*engines: LLM) -> None:
+    """Stop the connectors' background work (the producer first: it then stops serving)."""
+    for llm in engines:
+        llm.engine.executor.worker.kv_connector.close()
+
+
+@pytest.fixture(scope="module")
+def shm_pair(tmp_path_factory):
+    pair = _pair("SharedMemoryConnector", {"path": str(tmp_path_factory.mktemp("kv")), "load_timeout_s": 0.3})
+    yield pair
+    _close(*pair)
+
+
+@pytest.fixture(scope="module")
+def torch_pair():
+    pair = _pair("TorchDistributedConnector", {"rendezvous": f"tcp://127.0.0.1:{free_port()}", "timeout_s": 20})
+    yield pair
+    _close(*pair)
+
+
+def _disaggregate(producer: LLM, consumer: LLM, tag: str) -> list[list[int]]:
+    ids = [f"{tag}-{i}" for i in range(len(PROMPTS))]
+    _tokens(producer, [_greedy(1, {"do_remote_decode": True, "transfer_id": i}) for i in ids])
+    return _tokens(consumer, [_greedy(MAX_TOKENS, {"do_remote_prefill": True, "transfer_id": i}) for i in ids])
+
+
+def _assert_all_blocks_free(*engines: LLM) -> None:
+    for llm in engines:
+        scheduler = llm.engine.scheduler
+        assert scheduler.kv.num_free_blocks == scheduler.kv.num_usable_blocks
+        assert not scheduler.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("pair", ["shm_pair", "torch_pair"])
+def test_consumer_decodes_the_transferred_prompt(pair, reference, request):
+    producer, consumer = request.getfixturevalue(pair)
+    before = consumer.engine.scheduler.make_stats()
+    assert _disaggregate(producer, consumer, pair) == reference
+    stats = consumer.engine.scheduler.make_stats()
+    # Only each prompt's last token is computed on the decode side; the rest arrived.
+    assert stats.prompt_tokens_computed - before.prompt_tokens_computed == len(PROMPTS)
+    assert stats.prompt_tokens_transferred - before.prompt_tokens_transferred == sum(len(p) - 1 for p in PROMPTS)
+    assert stats.kv_transfer_bytes_loaded > before.kv_transfer_bytes_loaded
+    assert stats.kv_load_failures == before.kv_load_failures
+    assert producer.engine.scheduler.make_stats().kv_transfer_bytes_saved > 0
+    _assert_all_blocks_free(producer, consumer)
+
+
+def test_nothing_to_load_recomputes_the_prompt(shm_pair, reference):
+    """The prefill instance died before saving: the decode instance's load times out and it
+    recomputes the prompt itself, with the same tokens."""
+    _, consumer = shm_pair
+    before = consumer.engine.scheduler.make_stats()
+    params = [_greedy(MAX_TOKENS, {"do_remote_prefill": True, "transfer_id": f"lost-{i}"}) for i in range(len(PROMPTS))]
+    assert _tokens(consumer, params) == reference
+    stats = consumer.engine.scheduler.make_stats()
+    assert stats.kv_load_failures - before.kv_load_failures == len(PROMPTS)
+    assert stats.prompt_tokens_transferred == before.prompt_tokens_transferred
+    _assert_all_blocks_free(consumer)
+
+
+def test_no_producer_recomputes_the_prompt(reference):
+    """A consumer whose producer is gone (nobody at the rendezvous) falls back too."""
+    extra = {"rendezvous": f"tcp://127.0.0.1:{free_port()}", "timeout_s": 0.5}
+    consumer = LLM(**TINY, kv_transfer_config={"kv_connector": "TorchDistributedConnector", "kv_role": "kv_consumer",
+                                               "kv_connector_extra_config": extra})
+    params = [_greedy(MAX_TOKENS, {"do_remote_prefill": True, "transfer_id": f"gone-{i}"}) for i in range(len(PROMPTS))]
+    assert _tokens(consumer, params) == reference
+    assert consumer.engine.scheduler.make_stats().kv_load_failures == len(PROMPTS)
+    _assert_all_blocks_free(consumer)
+    _close(consumer)
+
+
+def test_abort_while_loading_returns_the_blocks(shm_pair):
+    """A request aborted while its load waits gives its blocks back at once; the load's late
+    report is ignored."""
+    _, consumer = shm_pair
+    engine = consumer.engine
+    params = _greedy(MAX_TOKENS, {"do_remote_prefill": True, "transfer_id": "never-saved"})
+    engine.add_requests([EngineCoreRequest("waits", PROMPTS[2], params, time.monotonic())])
+    engine.step()
+    assert engine.scheduler.kv.num_free_blocks < engine.scheduler.kv.num_usable_blocks
+    engine.abort_requests(["waits"])
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_usable_blocks
+    deadline = time.monotonic() + 10
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        engine.step()
+    _assert_all_blocks_free(consumer)
+
+
+def test_bad_kv_transfer_params_are_refused():
+    from corectl.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="transfer_id"):
+        SamplingParams(kv_transfer_params={"do_remote_prefill": True, "transfer_id": "../etc"})
+    with pytest.raises(InvalidRequestError, match="both"):
+        SamplingParams(kv_transfer_params={"do_remote_prefill": True, "do_remote_decode": True, "transfer_id": "a"})
