@@ -2,6 +2,11 @@
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under xdist every worker (and the engine processes it spawns, which inherit the variable) gets its
+# share of the cores: torch's default of one thread per core in each worker oversubscribes them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _share)))
 
 import pytest  # noqa: E402
 
