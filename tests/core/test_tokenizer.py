@@ -99,7 +99,7 @@ def test_text_parts_render_like_a_string(tok):
 
 
 @pytest.mark.parametrize("content", [
-    [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+    [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}, {"type": "input_audio"}],
     [{"type": "text"}],
     ["bare string part"],
     42,
