@@ -13,6 +13,8 @@ from .beam_search import BeamGroup, check_beam_request
 from .chat_output import ChoiceText
 from .errors import ERROR_RESPONSES, APIError
 from .generation import GenerationGroup, UsageCounter
+from .harmony import harmony_prompt, uses_harmony
+from .harmony_output import HarmonyText
 from .logprobs import chat_logprobs, prompt_logprobs
 from .protocol import ChatCompletionRequest, message_dicts
 from .reasoning.gate import ChatReasoning
@@ -55,25 +57,30 @@ class ChatController(Controller):
 
 
 async def start_chat(data: ChatCompletionRequest, request: Request, server: ServerState,
-                     request_id: str) -> tuple[GenerationGroup | BeamGroup, dict[int, ChoiceText]]:
+                     request_id: str) -> tuple[GenerationGroup | BeamGroup, dict[int, ChoiceText | HarmonyText]]:
     """A chat request checked, rendered and started in the engine, with each choice's text reader
     (the Responses API runs its turns through here too)."""
     server.check_accepting()
     lora = await server.adapter_for(data.model)
     server.check_priority(data.priority)
     data.check_supported()
-    tool_choice = check_tool_choice(data.tools, data.tool_choice, server.settings.enable_auto_tool_choice)
+    # A harmony model writes its calls in its own channels: "auto" needs no tool parser.
+    harmony = uses_harmony(server.engine.info.architecture, data)
+    tool_choice = check_tool_choice(data.tools, data.tool_choice, server.settings.enable_auto_tool_choice or harmony)
     params = data.sampling_params(tool_choice, server.sampling_defaults)
     check_max_logprobs(params, server.settings.max_logprobs, "top_logprobs")
-    if tool_choice == "auto" and server.tool_parser.needs_special_tokens:
+    if tool_choice == "auto" and not harmony and server.tool_parser.needs_special_tokens:
         # The call markers are special tokens, which the parser reads as the model wrote them.
         params = params.clone(skip_special_tokens=False, spaces_between_special_tokens=False)
     tokenizer = server.require_tokenizer(
         "messages", "chat messages cannot be rendered; use /v1/completions with token-id prompts")
     tools = template_tools(data.tools) if data.tools and tool_choice != "none" else None
     images = server.media.check(message_dicts(data.messages), server.engine.info)
-    prompt = chat_prompt(data, tokenizer, tools)
-    reasoning = ChatReasoning(server.reasoning_parser, tokenizer, prompt, params)
+    if harmony:
+        prompt, params = harmony_prompt(data, tool_choice, params, tokenizer, tools)
+    else:
+        prompt = chat_prompt(data, tokenizer, tools)
+    reasoning = ChatReasoning(None if harmony else server.reasoning_parser, tokenizer, prompt, params)
     forced = tool_choice in ("required", "named")
     if data.use_beam_search:
         if images:
@@ -84,7 +91,8 @@ async def start_chat(data: ChatCompletionRequest, request: Request, server: Serv
         group = GenerationGroup(server, [engine_prompt], reasoning.params, request_id, data.priority,
                                 lora, "tools" if forced else data.constraint_field, data.keep_best)
         await group.start(request.receive)
-    texts = {i: ChoiceText(ROLE, reasoning.parser(), _tool_parser(data, tool_choice, server, tokenizer))
+    texts = {i: HarmonyText(ROLE) if harmony else
+             ChoiceText(ROLE, reasoning.parser(), _tool_parser(data, tool_choice, server, tokenizer))
              for i in range(group.n)}
     return group, texts
 
