@@ -96,7 +96,7 @@ class EagleProposer:
             if upto > track.end and self._reserve(req_id, upto):
                 ready[req_id] = (token_ids, upto)
         if ready:
-            self._extend(ready)
+            self._extend(ready, draft=False)
         for req_id in host.req_ids:
             # The rows left are views of the step's output, which a replayed CUDA graph overwrites.
             if req_id in self._tracks:
@@ -113,7 +113,7 @@ class EagleProposer:
                 and self._reserve(r.req_id, len(r.token_ids) + r.num_drafts - 2)]
         if not room:
             return drafts
-        tokens, hidden = self._extend({r.req_id: (r.token_ids, len(r.token_ids) - 1) for r in room})
+        tokens, hidden = self._extend({r.req_id: (r.token_ids, len(r.token_ids) - 1) for r in room}, draft=True)
         steps, current = [(room, tokens)], room
         for position in range(1, max(r.num_drafts for r in room)):
             ahead = [r for r in current if r.num_drafts > position]
@@ -159,11 +159,12 @@ class EagleProposer:
             track.blocks.append(self._free.pop())
         return True
 
-    def _extend(self, upto: dict[str, tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _extend(self, upto: dict[str, tuple[list[int], int]],
+                draft: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Run the head over each request's pending positions below its `upto` (given with the
         request's tokens; each position's next token must be among them), from the target's rows.
-        Returns, per request in order, the greedy draft from its last position and the head's
-        hidden state there."""
+        With `draft`, returns per request in order the greedy draft from its last position and
+        the head's hidden state there."""
         new, scheduled, rows = [], {}, []
         for req_id, (token_ids, end) in upto.items():
             track = self._tracks[req_id]
@@ -178,7 +179,7 @@ class EagleProposer:
         forgotten, self._forgotten = self._forgotten, []
         sched = SchedulerOutput(new, CachedRequestData(), scheduled, sum(scheduled.values()), forgotten)
         self.runner.states.apply(sched)
-        return self._run(sched, None, torch.cat(rows), from_target=True)
+        return self._run(sched, None, torch.cat(rows), from_target=True, draft=draft)
 
     def _step(self, ahead: list[DraftRequest], tokens: torch.Tensor, hidden: torch.Tensor,
               position: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,13 +190,13 @@ class EagleProposer:
                                                       num_computed_tokens=computed),
                                 {req_id: 1 for req_id in ids}, len(ids), [])
         self.runner.states.apply(sched)
-        return self._run(sched, tokens, hidden, from_target=False)
+        return self._run(sched, tokens, hidden, from_target=False, draft=True)
 
     def _run(self, sched: SchedulerOutput, input_ids: torch.Tensor | None, hidden: torch.Tensor,
-             from_target: bool) -> tuple[torch.Tensor, torch.Tensor]:
+             from_target: bool, draft: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The head's forward over a step (`input_ids`: the drafted tokens on the device, None when
-        the host holds them); the drafts and hidden states of each request's last row. The
-        requests' states expect one more unread token after it: the next step's input."""
+        the host holds them); with `draft`, the drafts and hidden states of each request's last
+        row, after which the requests' states expect one more unread token: the next step's input."""
         runner = self.runner
         host = runner.states.build_step(sched, self.block_size, {})
         inputs = runner.upload(host)
@@ -204,6 +205,8 @@ class EagleProposer:
         ctx = ForwardContext(runner.backend, metadata, runner.kv_caches)
         for_logits, next_hidden = self.head(self.head.embed(ids, self.target), hidden, inputs.positions, ctx,
                                             from_target)
+        if not draft:
+            return None
         if inputs.logits_indices is not None:
             for_logits = for_logits.index_select(0, inputs.logits_indices)
             next_hidden = next_hidden.index_select(0, inputs.logits_indices)

@@ -60,10 +60,11 @@ def _mlp(x, w, prefix):
     return (torch.nn.functional.silu(gate) * up) @ w[f"{prefix}down_proj.weight"].T
 
 
-def eagle_drafts(target, w, config, prompt: list[int], k: int) -> list[int]:
+def eagle_drafts(target, w, config, prompt: list[int], k: int, start: int = 0) -> list[int]:
     """EAGLE: x = fc(concat(embedding of token p + 1, the target's final hidden state at p));
     out = x + attn(x) (no input norm), then + mlp(post norm); logits from the target's LM head on
-    out, which is also the next step's hidden state."""
+    out, which is also the next step's hidden state. The head's sequence starts at prompt
+    position `start` (a prefix-cache hit: the target computed no rows before it)."""
     token, final, _ = _target_states(target, prompt, None)
     eps, lm_head = config["rms_norm_eps"], target.lm_head.weight
 
@@ -72,15 +73,15 @@ def eagle_drafts(target, w, config, prompt: list[int], k: int) -> list[int]:
         x = x + _attention(x, w, "layers.0.self_attn.", config)
         out = x + _mlp(_rms(x, w["layers.0.post_attention_layernorm.weight"], eps), w, "layers.0.mlp.")
         return out, out
-    return _chain(target.model.embed_tokens.weight, [*prompt[1:], token], final, k, rows,
+    return _chain(target.model.embed_tokens.weight, [*prompt[1:], token][start:], final[start:], k, rows,
                   lambda out: int((out @ lm_head.T).argmax()))
 
 
-def eagle3_drafts(target, w, config, prompt: list[int], k: int) -> list[int]:
+def eagle3_drafts(target, w, config, prompt: list[int], k: int, start: int = 0) -> list[int]:
     """EAGLE-3: h = fc(the target's three layers) (on later steps, the head's own output);
     attention over concat(input_layernorm(embedding), hidden_norm(h)) with h as the residual,
     then the MLP; logits from lm_head(norm(out)) over the draft vocabulary, draft token i being
-    target token i + d2t[i]; the next step takes out before the norm."""
+    target token i + d2t[i]; the next step takes out before the norm. `start`: as `eagle_drafts`."""
     token, _, aux = _target_states(target, prompt, config["eagle_aux_hidden_state_layer_ids"])
     eps, p = config["rms_norm_eps"], "midlayer."
 
@@ -94,7 +95,8 @@ def eagle3_drafts(target, w, config, prompt: list[int], k: int) -> list[int]:
     def draft(normed):
         best = int((normed @ w["lm_head.weight"].T).argmax())
         return best + int(w["d2t"][best])
-    return _chain(target.model.embed_tokens.weight, [*prompt[1:], token], aux @ w["fc.weight"].T, k, rows, draft)
+    return _chain(target.model.embed_tokens.weight, [*prompt[1:], token][start:], aux[start:] @ w["fc.weight"].T, k,
+                  rows, draft)
 
 
 def _chain(embed, tokens: list[int], hidden, k: int, rows, draft) -> list[int]:
