@@ -78,10 +78,10 @@ class CUDAPlatform(Platform):
         from corectl.errors import ConfigError
 
         # Ray places each rank on a GPU of the cluster; this host's count matters to "mp" only.
-        ranks = config.tensor_parallel_size
+        ranks = config.world_size
         if config.distributed_executor_backend != "ray" and ranks > torch.cuda.device_count():
-            raise ConfigError("tensor_parallel_size", f"{ranks} ranks need {ranks} GPUs; this host has "
-                              f"{torch.cuda.device_count()} (use the ray backend to span machines)")
+            raise ConfigError("tensor_parallel_size", f"{ranks} ranks (tensor x pipeline parallel) need {ranks} GPUs; "
+                              f"this host has {torch.cuda.device_count()} (use the ray backend to span machines)")
 
     def worker_cls(self):
         from .worker import CUDAWorker

@@ -13,7 +13,7 @@ call and share prompt blocks), sends an abort to the engine that holds the reque
 the engines' step reports into one stream: each report keeps its engine's outputs and carries the
 stats of all engines added up, so the client's queue bound and gauges see the whole server.
 
-Devices: engine i of an engine process gets `engine_devices(i, tp)`, the i-th run of `tp` devices
+Devices: engine i of an engine process gets `engine_devices(i, tp x pp)`, the i-th run of its ranks' devices
 among those visible to the server (`Platform.visible_devices`), through the environment its
 platform's `confine_process_env` names (`CUDA_VISIBLE_DEVICES` on CUDA and ROCm; nothing on the
 CPU, whose engines share the host), set in its process before any device is touched; its
@@ -56,21 +56,21 @@ def engine_config(config: EngineConfig, index: int) -> EngineConfig:
     none), and a data-parallel size of 1, since each engine core is a whole engine."""
     num_threads = config.num_threads
     if num_threads is None and config.data_parallel_size > 1:
-        ranks = config.data_parallel_size * config.tensor_parallel_size
+        ranks = config.data_parallel_size * config.world_size
         num_threads = max(1, len(os.sched_getaffinity(0)) // ranks)
     return config.replace(data_parallel_size=1, num_threads=num_threads)
 
 
-def engine_devices(index: int, tensor_parallel_size: int, visible: str | None) -> str:
+def engine_devices(index: int, ranks: int, visible: str | None) -> str:
     """The devices of engine `index`, comma separated: its run among `visible` (the server's own
     `Platform.visible_devices`; None: every device, numbered from 0)."""
-    first = index * tensor_parallel_size
+    first = index * ranks
     if visible is None:
-        return ",".join(str(d) for d in range(first, first + tensor_parallel_size))
+        return ",".join(str(d) for d in range(first, first + ranks))
     devices = [d.strip() for d in visible.split(",") if d.strip()]
-    mine = devices[first:first + tensor_parallel_size]
-    if len(mine) < tensor_parallel_size:
-        raise ConfigError("data_parallel_size", f"engine {index} needs devices {first}..{first + tensor_parallel_size - 1} "
+    mine = devices[first:first + ranks]
+    if len(mine) < ranks:
+        raise ConfigError("data_parallel_size", f"engine {index} needs devices {first}..{first + ranks - 1} "
                           f"of the visible devices {visible!r}, which lists {len(devices)}")
     return ",".join(mine)
 
@@ -91,7 +91,7 @@ class EngineProcessInit:
     def __post_init__(self) -> None:
         if self.config.data_parallel_size > 1 and not _ray_places_devices(self.config):
             platform = resolve_platform(self.config.platform)
-            devices = engine_devices(self.index, self.config.tensor_parallel_size, platform.visible_devices())
+            devices = engine_devices(self.index, self.config.world_size, platform.visible_devices())
             object.__setattr__(self, "env", platform.confine_process_env(devices.split(",")))
 
     def __call__(self) -> None:

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import tempfile
 import time
 
 import pytest
 from corectl import LLM, SamplingParams
 from corectl.errors import ConfigError
 from support.models import build_random_checkpoint
+from support.ray_cluster import local_ray_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -136,17 +135,8 @@ def test_tp2_async_constrained_outputs_match_tp1_sync(checkpoints):
 
 @pytest.fixture
 def ray_cluster():
-    ray = pytest.importorskip("ray")
-    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay short
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_AUTH_MODE", "disabled")
-        mp.delenv("RAY_ADDRESS", raising=False)
-        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir)
-        try:
-            yield ray
-        finally:
-            ray.shutdown()
-            shutil.rmtree(temp_dir, ignore_errors=True)
+    with local_ray_cluster() as ray:
+        yield ray
 
 
 def test_tp2_over_ray_actors_matches_tp1(ray_cluster, checkpoints, reference):

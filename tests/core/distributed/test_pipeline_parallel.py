@@ -1,0 +1,167 @@
+"""Pipeline parallelism gives the tokens of one device: PP = 2 (mp and Ray) and PP = 2 x TP = 2
+against PP = 1, token for token, on a 4-layer random-weight Llama (fp32, CPU, gloo); uneven
+partitions from the config and from vLLM's environment variable; the scheduler's micro-batches; a
+stage that dies ends the server; sizes a model cannot be split into are refused before any rank
+starts."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from corectl import LLM, SamplingParams
+from corectl.errors import ConfigError
+from corectl.server.cli.engine_args import add_engine_args, config_from_args
+from support.models import build_random_checkpoint
+from support.ray_cluster import local_ray_cluster
+from support.scheduling import make_req, make_scheduler, sample_all
+from support.server import SMALL_ENGINE, ServerProcess, descendants
+
+pytestmark = pytest.mark.slow
+
+NUM_LAYERS = 4
+NUM_BLOCKS = 10
+BLOCK_SIZE = 16
+ENGINE = {"dtype": "float32", "max_model_len": 128, "max_num_batched_tokens": 32, "block_size": BLOCK_SIZE}
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3,"]
+
+
+def kv_budget_gib(most_layers_per_stage: int, tensor_parallel_size: int = 1) -> float:
+    """The budget that gives the stage with the most layers NUM_BLOCKS blocks (hidden 64, 4 heads,
+    2 KV heads: head_dim 16; a rank holds its share of the KV heads), so every size schedules
+    from the same number of blocks."""
+    kv_heads = 2 // tensor_parallel_size
+    block_bytes = 2 * most_layers_per_stage * BLOCK_SIZE * kv_heads * 16 * 4
+    return (NUM_BLOCKS + 0.5) * block_bytes / 2**30
+
+
+def prompts() -> list[list[int]]:
+    shared = [(7 * j) % 40000 + 100 for j in range(40)]
+    return [shared + [(13 * i + 3 * j) % 40000 + 100 for j in range(5 + 9 * i)] for i in range(4)]
+
+
+def generate(folder: Path, most_layers_per_stage: int, tensor_parallel_size: int = 1, **options):
+    """Greedy and seeded n = 2 samples of a batch, twice (the second pass hits the prefix cache);
+    chunked prefill (32-token steps) and preemption (10 blocks) on the way."""
+    llm = LLM(str(folder), tensor_parallel_size=tensor_parallel_size,
+              kv_cache_memory_gib=kv_budget_gib(most_layers_per_stage, tensor_parallel_size), **ENGINE, **options)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=8, ignore_eos=True, n=2, seed=11)
+    try:
+        assert llm.engine.info.num_kv_blocks == NUM_BLOCKS
+        tokens = []
+        for _ in range(2):
+            outputs = llm.generate(prompts(), [greedy] * 3 + [seeded], use_tqdm=False)
+            tokens += [[list(c.token_ids) for c in out.outputs] for out in outputs]
+        return tokens, llm.engine.scheduler.make_stats()
+    finally:
+        llm.engine.executor.shutdown()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, default_model_dir):
+    return build_random_checkpoint("llama", tmp_path_factory.mktemp("pp") / "llama", default_model_dir,
+                                   num_hidden_layers=NUM_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return generate(checkpoint, NUM_LAYERS)[0]
+
+
+def test_pp2_by_tp2_with_an_uneven_partition_matches_one_device(checkpoint, reference):
+    """4 processes: stage 0 holds layers 0-2 on two tensor-parallel ranks, stage 1 layer 3 and the head."""
+    tokens, stats = generate(checkpoint, 3, tensor_parallel_size=2, pipeline_parallel_size=2,
+                             pipeline_layer_partition="3,1")
+    assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0, stats
+    assert tokens == reference
+
+
+def test_pp2_over_ray_actors_with_the_vllm_partition_variable_matches_one_device(checkpoint, reference, monkeypatch):
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,3")
+    with local_ray_cluster():
+        tokens, _ = generate(checkpoint, 3, pipeline_parallel_size=2, distributed_executor_backend="ray")
+    assert tokens == reference
+
+
+def test_the_scheduler_fills_one_micro_batch_per_stage():
+    """Each step takes its share of the requests and never a request another step in flight holds;
+    the stages before the last get the sampled tokens with the request's next step."""
+    sched = make_scheduler(pipeline_parallel_size=2)
+    for i in range(4):
+        sched.add_request(make_req(f"r{i}", range(10 * i + 1, 10 * i + 6), max_tokens=4))
+    first, second, third = sched.schedule(), sched.schedule(), sched.schedule()
+    assert len(first.new_requests) == len(second.new_requests) == 2
+    assert set(first.num_scheduled_tokens).isdisjoint(second.num_scheduled_tokens)
+    assert third.is_empty  # every request is in a step in flight
+    sched.update(first, sample_all(sched, first, {"r0": 500, "r1": 501}))
+    fourth = sched.schedule()
+    assert fourth.cached_requests.req_ids == ["r0", "r1"]
+    assert fourth.cached_requests.new_token_ids == [[500], [501]]
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    process = ServerProcess(str(checkpoint), "-pp", "2", "--served-model-name", "tiny", *SMALL_ENGINE)
+    try:
+        yield process.wait_ready()
+    finally:
+        process.stop()
+
+
+def test_serve_pp2_completes_like_one_device(server, checkpoint):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    served = [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0.0,
+                                        extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
+    llm = LLM(str(checkpoint), dtype="float32", max_model_len=512, kv_cache_memory_gib=0.05)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert served == [out.outputs[0].text for out in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def test_a_first_stage_killed_mid_stream_ends_the_server(server):
+    """Stage 1 would wait forever for stage 0's activations; the engine watches every rank's
+    process, so the death is reported at once and the server exits 1."""
+    ranks = sorted(pid for pid in descendants(server.engine_pid())
+                   if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    assert len(ranks) == 2, ranks
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    stream = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=400, temperature=0.0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    received = [next(iter(stream))]
+    os.kill(ranks[0], signal.SIGKILL)
+    killed_at = time.monotonic()
+    with pytest.raises(openai.APIError, match="pipeline stage 0"):
+        received.extend(stream)
+    assert time.monotonic() - killed_at < 10 and len(received) < 400
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 503
+    assert server.proc.wait(30) == 1
+
+
+def test_the_flags_reach_the_config():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, model_positional=True)
+    config = config_from_args(parser.parse_args(["m", "-pp", "2", "-tp", "2", "--pipeline-layer-partition", "3,1"]))
+    assert (config.pipeline_parallel_size, config.tensor_parallel_size, config.world_size) == (2, 2, 4)
+    assert config.pipeline_layer_partition == "3,1"
+
+
+@pytest.mark.parametrize(("options", "env", "message"), [
+    ({"pipeline_parallel_size": 5}, None, "pipeline_parallel_size: 5 stages need at least one layer each; the model has 4"),
+    ({"pipeline_parallel_size": 2, "pipeline_layer_partition": "2,1"}, None,
+     "pipeline_layer_partition: 2,1 sums to 3 layers; the model has 4"),
+    ({"pipeline_parallel_size": 2, "pipeline_layer_partition": "4"}, None,
+     "pipeline_layer_partition: must list one positive layer count per pipeline stage"),
+    ({"pipeline_parallel_size": 2}, "2,x", "VLLM_PP_LAYER_PARTITION: must list one positive layer count"),
+    ({"pipeline_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, None,
+     "pipeline_parallel_size: speculative decoding runs without pipeline stages"),
+], ids=["more-stages-than-layers", "partition-sum", "partition-count", "partition-env", "speculative"])
+def test_sizes_the_model_cannot_take_are_refused_before_any_rank_starts(checkpoint, monkeypatch, options, env, message):
+    if env is not None:
+        monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", env)
+    with pytest.raises(ConfigError, match=message):
+        LLM(str(checkpoint), **ENGINE, **options)
