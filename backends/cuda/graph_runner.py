@@ -12,6 +12,11 @@ Buckets are captured largest first into one memory pool, so the smaller graphs r
 one's activation memory (one graph runs at a time). Every graph reads the first rows of one set
 of static input buffers sized for the largest bucket, and keeps the output tensor its capture
 produced. Prefill, mixed and larger steps run eagerly.
+
+Pipeline stages capture their own graphs: a stage after the first reads the previous stage's
+activations from static buffers too (received into them before the replay), and one before the
+last sends the activations its graph produced. The transfers stay outside the graphs; every stage
+pads a step to the same bucket, so each receives the rows its peer sends.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from corectl.attention import AttentionBatch, ForwardContext
+from corectl.models.pipeline import IntermediateTensors
 from corectl.worker.inflight import HostFetch
 from corectl.worker.model_runner import ModelRunner, StepInputs, logits_index
 from corectl.worker.request_states import HostStep
@@ -103,7 +109,10 @@ def unpack(buffer: torch.Tensor, arrays: Sequence[np.ndarray], offsets: Sequence
 class _StaticDecodeInputs:
     """The input tensors every decode graph reads; a graph of batch size n uses the first n rows."""
 
-    def __init__(self, max_batch: int, max_blocks: int, device: torch.device):
+    def __init__(self, max_batch: int, max_blocks: int, device: torch.device,
+                 intermediate: IntermediateTensors | None = None):
+        # A pipeline stage after the first: the previous stage's activations, received each replay.
+        self.intermediate = intermediate
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
@@ -146,7 +155,8 @@ class _StaticDecodeInputs:
 class _DecodeGraph:
     size: int
     graph: torch.cuda.CUDAGraph
-    output: torch.Tensor
+    # The final hidden states, or a pipeline stage's activations for the next stage.
+    output: torch.Tensor | IntermediateTensors
     attn: AttentionBatch
 
 
@@ -180,7 +190,8 @@ class CUDAGraphModelRunner(ModelRunner):
             return
         started, free_before = time.monotonic(), torch.cuda.mem_get_info()[0]
         sizes = graph_batch_sizes(max_num_seqs)
-        self._static = _StaticDecodeInputs(sizes[-1], -(-max_model_len // self.block_size), self.device)
+        self._static = _StaticDecodeInputs(sizes[-1], -(-max_model_len // self.block_size), self.device,
+                                           self._static_intermediate(sizes[-1]))
         pool = torch.cuda.graph_pool_handle()
         logger.info("capturing %d decode CUDA graphs (batch sizes %d down to 1)", len(sizes), sizes[-1])
         graphs = {}
@@ -194,17 +205,27 @@ class CUDAGraphModelRunner(ModelRunner):
                     len(sizes), sizes[-1], time.monotonic() - started,
                     (free_before - torch.cuda.mem_get_info()[0]) / 2**30)
 
+    def _static_intermediate(self, max_batch: int) -> IntermediateTensors | None:
+        if self.stage is None or self.stage.is_first:
+            return None
+        stage = self.stage
+        return IntermediateTensors(*(torch.zeros(max_batch, stage.hidden_size, dtype=stage.dtype, device=self.device)
+                                     for _ in range(2)))
+
     def _capture(self, size: int, max_model_len: int, pool) -> _DecodeGraph:
         static = self._static
         attn = static.attention_batch(size, max_model_len, self.block_size)
         ctx = ForwardContext(self.backend, self.backend.build_metadata(attn, check_indices=False), self.kv_caches)
-        input_ids, positions = static.input_ids[:size], static.positions[:size]
+        args = (static.input_ids[:size], static.positions[:size], ctx)
+        if self.stage is not None:
+            inter = static.intermediate
+            args += (None if inter is None else IntermediateTensors(inter.hidden[:size], inter.residual[:size]),)
         # Once eagerly first: compiles the kernels and sets up cuBLAS outside the capture.
-        self.model(input_ids, positions, ctx)
+        self.model(*args)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            output = self.model(input_ids, positions, ctx)
+            output = self.model(*args)
         return _DecodeGraph(size, graph, output, attn)
 
     def upload(self, host: HostStep) -> StepInputs:
@@ -237,8 +258,14 @@ class CUDAGraphModelRunner(ModelRunner):
         done.record()
         return HostFetch(hosts, done.synchronize)
 
-    def run_model(self, inputs: StepInputs) -> torch.Tensor:
-        if isinstance(inputs, _GraphStepInputs):
-            inputs.graph.graph.replay()
-            return inputs.graph.output[: inputs.host.num_seqs]
-        return super().run_model(inputs)
+    def run_model(self, inputs: StepInputs) -> torch.Tensor | None:
+        if not isinstance(inputs, _GraphStepInputs):
+            return super().run_model(inputs)
+        graph, stage = inputs.graph, self.stage
+        if stage is not None:
+            stage.receive(graph.size, into=self._static.intermediate)
+        graph.graph.replay()
+        if stage is None or stage.is_last:
+            return graph.output[: inputs.host.num_seqs]
+        stage.send(graph.output)
+        return None
