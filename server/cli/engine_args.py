@@ -25,6 +25,23 @@ _PARALLEL = "parallelism"
 _POOLING = "pooling (embedding models)"
 _LORA = "LoRA adapters"
 _SPEC = "speculative decoding"
+_KV = "disaggregated prefill/decode and KV offloading"
+_BYTE_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "KI": 2**10, "MI": 2**20, "GI": 2**30}
+
+
+def byte_count(text: str) -> int:
+    """A size in bytes: a number, optionally followed by K, M, G (powers of 10) or Ki, Mi, Gi (of 2)."""
+    number = text.rstrip("KMGikmgBb")
+    unit = text[len(number):].upper().removesuffix("B")
+    if unit not in _BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 8GiB, 500M or 1048576)")
+    return int(float(number) * _BYTE_UNITS[unit])
+
+
+def _gib(text: str) -> int:
+    return int(float(text) * 2**30)
+
+
 # field -> (flag or flags, group, help, argparse extras)
 # vLLM's other names for the dtypes.
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -104,6 +121,12 @@ ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] 
     "speculative_config": ("--speculative-config", _SPEC, "vLLM's JSON form, e.g. '{\"method\": \"ngram\", "
                            "\"num_speculative_tokens\": 4}' or a draft model: '{\"method\": \"draft_model\", "
                            "\"model\": PATH, \"num_speculative_tokens\": 3}' (docs/speculative.md)", {}),
+    "kv_transfer_config": ("--kv-transfer-config", _KV, "a KV connector, vLLM's JSON form: '{\"kv_connector\": "
+                           "\"SharedMemoryConnector\", \"kv_role\": \"kv_producer\"}' on a prefill instance, kv_consumer "
+                           "on a decode one, behind `corectl proxy` (docs/distributed.md)", {}),
+    "kv_offload_bytes": ("--kv-offload-bytes", _KV, "host memory keeping the prefix-cache blocks the device evicts, "
+                         "brought back on a later hit (e.g. 16GiB; vLLM's --kv-offloading-size takes GiB)",
+                         {"type": byte_count}),
 }
 
 
@@ -123,6 +146,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         default = (defaults or {}).get(field, getattr(config_defaults, field))
         grp.add_argument(*((flags,) if isinstance(flags, str) else flags), dest=field, default=default,
                          help=f"{help_text} (default: {default})", **extra)
+    groups[_KV].add_argument("--kv-offloading-size", dest="kv_offload_bytes", type=_gib, default=argparse.SUPPRESS,
+                             metavar="GIB", help="vLLM's name for --kv-offload-bytes, in GiB")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -6,10 +6,10 @@ import sys
 
 from corectl.errors import CorectlError
 
-from . import bench, generate, plan, plugins, run_batch, serve
+from . import bench, generate, plan, plugins, proxy, run_batch, serve
 from .vllm_flags import expand_config_file
 
-SUBCOMMANDS = [generate, plugins, serve, run_batch, plan, bench]
+SUBCOMMANDS = [generate, plugins, serve, proxy, run_batch, plan, bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

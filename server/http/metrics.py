@@ -60,7 +60,13 @@ class _SchedulerCollector(Collector):
          "spec_decode_num_drafts"),
         ("spec_decode_num_draft_tokens", "Draft tokens verified.", "spec_decode_num_draft_tokens"),
         ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_decode_num_accepted_tokens"),
+        ("kv_offload_hit_tokens", "Prompt tokens whose K/V the host tier gave back (--kv-offload-bytes).",
+         "kv_offload_hit_tokens"),
+        ("kv_load_failures", "KV loads that failed, their prompts recomputed instead.", "kv_load_failures"),
     )
+    # vLLM's prompt_tokens_by_source: where each prompt token's K/V came from.
+    _PROMPT_SOURCES = (("local_compute", "prompt_tokens_computed"), ("local_cache_hit", "prefix_cache_hits"),
+                       ("external_kv_transfer", "prompt_tokens_transferred"))
 
     def __init__(self, model_name: str, engine_stats: Callable[[], list[SchedulerStats]], max_loras: int | None,
                  prefix: str, cache_config: dict[str, str] | None):
@@ -79,6 +85,11 @@ class _SchedulerCollector(Collector):
                     family.add_metric([self._model_name, str(index)], getattr(stats, field))
                 yield family
         yield self._accepted_per_position(engines)
+        yield self._labelled("prompt_tokens_by_source", "Prompt tokens by where their K/V came from.", "source",
+                             self._PROMPT_SOURCES, engines)
+        yield self._labelled("kv_transfer_bytes", "Bytes a KV connector moved (disaggregated prefill, host tier).",
+                             "direction", (("load", "kv_transfer_bytes_loaded"), ("save", "kv_transfer_bytes_saved")),
+                             engines)
         yield self._iteration_tokens(engines)
         if self._cache_config is not None:
             info = GaugeMetricFamily(self._prefix + "cache_config_info", "The KV cache's configuration.",
@@ -100,6 +111,14 @@ class _SchedulerCollector(Collector):
                 running += count
                 cumulative.append((bound, running))
             family.add_metric([self._model_name, str(index)], cumulative, float(stats.iteration_tokens_sum))
+        return family
+
+    def _labelled(self, name: str, doc: str, label: str, fields: tuple[tuple[str, str], ...],
+                  engines: list[tuple[int, SchedulerStats]]) -> CounterMetricFamily:
+        family = CounterMetricFamily(self._prefix + name, doc, labels=_ENGINE_LABELS + [label])
+        for index, stats in engines:
+            for value, field in fields:
+                family.add_metric([self._model_name, str(index), value], getattr(stats, field))
         return family
 
     def _accepted_per_position(self, engines: list[tuple[int, SchedulerStats]]) -> CounterMetricFamily:

@@ -91,6 +91,8 @@ class SamplingFields(RefusedFields, kw_only=True):
     truncate_prompt_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None
     cache_salt: Annotated[str, Meta(min_length=1, max_length=1024)] | None = None
     spaces_between_special_tokens: bool = True
+    # vLLM's disaggregated prefill/decode: this request's half of a KV transfer (`corectl proxy` sets it).
+    kv_transfer_params: dict[str, Any] | None = None
     # The request's id in logs and responses (an X-Request-Id header takes precedence).
     request_id: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
 
@@ -139,6 +141,7 @@ class SamplingFields(RefusedFields, kw_only=True):
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None,
             truncate_prompt_tokens=self.truncate_prompt_tokens, cache_salt=self.cache_salt,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            kv_transfer_params=self.kv_transfer_params,
         )
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                         presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,

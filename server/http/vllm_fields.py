@@ -17,7 +17,6 @@ from .errors import APIError
 # field -> why it is refused. A field counts as sent when it differs from its default.
 REFUSED_REASONS = {
     "logits_processors": "this server loads no custom logits processors",
-    "kv_transfer_params": "this server does no disaggregated KV transfer",
     "vllm_xargs": "this server has no extensions that read vllm_xargs",
     "mm_processor_kwargs": "this server serves text-only models",
     "prompt_embeds": "this server takes prompts as text or token ids, not embeddings",
@@ -41,7 +40,6 @@ class RefusedFields(ConstraintFields, kw_only=True):
     declares its own others); `check_refused` checks every field named in REFUSED_REASONS."""
 
     logits_processors: Any = None
-    kv_transfer_params: Any = None
     vllm_xargs: Any = None
     mm_processor_kwargs: Any = None
     guided_decoding_backend: Any = None

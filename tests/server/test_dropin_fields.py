@@ -61,6 +61,7 @@ SAMPLING = {
     "spaces_between_special_tokens": (False, "spaces_between_special_tokens"),
     "truncate_prompt_tokens": (4, "truncate_prompt_tokens"), "allowed_token_ids": ([1, 2], "allowed_token_ids"),
     "bad_words": (["bad"], "bad_words"), "prompt_logprobs": (2, "prompt_logprobs"), "cache_salt": ("s", "cache_salt"),
+    "kv_transfer_params": ({"do_remote_prefill": True, "transfer_id": "t1"}, "kv_transfer_params"),
     "response_format": ({"type": "json_object"}, "structured_outputs"),
     "guided_json": ({"type": "object"}, "structured_outputs"), "guided_regex": ("a+", "structured_outputs"),
     "guided_choice": (["a", "b"], "structured_outputs"), "guided_grammar": ('root ::= "a"', "structured_outputs"),
@@ -90,7 +91,7 @@ OUTPUT = {"model", "prompt", "messages", "input", "echo", "stream", "stream_opti
 REFUSED_VALUES = {
     "prompt_embeds": "AAAA", "guided_decoding_backend": "outlines",
     "guided_whitespace_pattern": " ", "logits_processors": ["m.P"], "return_tokens_as_token_ids": True,
-    "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "mm_processor_kwargs": {"a": 1},
+    "vllm_xargs": {"a": 1}, "mm_processor_kwargs": {"a": 1},
     "structural_tag": "{}", "include_reasoning": False,
 }
 EMBEDDING_REFUSED = {"messages": [{"role": "user", "content": "hi"}], "chat_template": "x",

@@ -1,0 +1,1 @@
+"""`corectl proxy`: one OpenAI endpoint in front of prefill and decode instances (disaggregated serving)."""

@@ -1,0 +1,126 @@
+"""The proxy's Litestar app: `/v1/completions` and `/v1/chat/completions` (streamed or not) go
+to a prefill instance, then a decode instance (`routing.py`); `/v1/models` and `/health` answer
+from the decode instances.
+
+A prefill half that fails for the server's sake (the instance is down, times out or answers 5xx)
+is logged and skipped: the decode instance then computes the prompt itself, and the client sees a
+slower answer, never an error. A prefill half refused for the request's sake (4xx) is the answer:
+the decode instance would refuse it the same way. The client's `Authorization` and `X-Request-Id`
+headers go to both halves.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from litestar import Litestar, Request, Response, get, post
+from litestar.response import Stream
+
+from ..http.errors import APIError, EXCEPTION_HANDLERS
+from .routing import RoundRobin, decode_body, disaggregates, new_transfer_id, prefill_body
+
+logger = logging.getLogger("corectl.proxy")
+_FORWARDED_HEADERS = ("authorization", "x-request-id")
+
+
+class Upstreams:
+    """The instances behind the proxy and the one HTTP client that reaches them."""
+
+    def __init__(self, prefill: list[str], decode: list[str], timeout: float):
+        self.prefill = RoundRobin(prefill)
+        self.decode = RoundRobin(decode)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
+
+
+def _headers(request: Request) -> dict[str, str]:
+    return {name: request.headers[name] for name in _FORWARDED_HEADERS if name in request.headers}
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+async def _prefill(upstreams: Upstreams, path: str, body: dict[str, Any], headers: dict[str, str]
+                   ) -> tuple[str | None, Response | None]:
+    """Run the prefill half: the transfer id to decode from (None: it failed, recompute), or the
+    4xx answer that ends the request."""
+    transfer_id = new_transfer_id()
+    url = upstreams.prefill.pick()
+    try:
+        answer = await upstreams.client.post(url + path, json=prefill_body(body, transfer_id), headers=headers)
+    except httpx.HTTPError as exc:
+        logger.warning("prefill instance %s failed (%s); the decode instance computes the prompt", url, exc)
+        return None, None
+    if 400 <= answer.status_code < 500:
+        return None, Response(answer.content, status_code=answer.status_code, media_type="application/json")
+    if answer.status_code >= 500:
+        logger.warning("prefill instance %s answered %d; the decode instance computes the prompt", url,
+                       answer.status_code)
+        return None, None
+    return transfer_id, None
+
+
+async def _relay(upstreams: Upstreams, path: str, request: Request) -> Response | Stream:
+    body = await _json_body(request)
+    headers = _headers(request)
+    transfer_id = None
+    if disaggregates(body):
+        transfer_id, refusal = await _prefill(upstreams, path, body, headers)
+        if refusal is not None:
+            return refusal
+    url = upstreams.decode.pick() + path
+    upstream = upstreams.client.build_request("POST", url, json=decode_body(body, transfer_id), headers=headers)
+    try:
+        answer = await upstreams.client.send(upstream, stream=True)
+    except httpx.HTTPError as exc:
+        raise APIError(502, f"the decode instance did not answer: {exc}", code="bad_gateway") from None
+    media_type = answer.headers.get("content-type", "application/json")
+    if not body.get("stream") or answer.status_code != 200:
+        content = await answer.aread()
+        await answer.aclose()
+        return Response(content, status_code=answer.status_code, media_type=media_type)
+    return Stream(_chunks(answer), status_code=200, media_type=media_type)
+
+
+async def _chunks(answer: httpx.Response) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in answer.aiter_raw():
+            yield chunk
+    finally:
+        await answer.aclose()
+
+
+def create_proxy_app(prefill: list[str], decode: list[str], timeout: float = 600.0) -> Litestar:
+    upstreams = Upstreams(prefill, decode, timeout)
+
+    @post("/v1/completions", status_code=200)
+    async def completions(request: Request) -> Response | Stream:
+        return await _relay(upstreams, "/v1/completions", request)
+
+    @post("/v1/chat/completions", status_code=200)
+    async def chat_completions(request: Request) -> Response | Stream:
+        return await _relay(upstreams, "/v1/chat/completions", request)
+
+    @get("/v1/models")
+    async def models(request: Request) -> Response:
+        answer = await upstreams.client.get(upstreams.decode.pick() + "/v1/models", headers=_headers(request))
+        return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+
+    @get("/health")
+    async def health() -> Response:
+        return Response(b"", status_code=200)
+
+    async def close_client() -> None:
+        await upstreams.client.aclose()
+
+    return Litestar([completions, chat_completions, models, health], exception_handlers=EXCEPTION_HANDLERS,
+                    on_shutdown=[close_client])

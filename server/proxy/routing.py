@@ -1,0 +1,59 @@
+"""How the proxy splits one OpenAI request into its prefill and decode halves (vLLM's toy proxy
+and its `kv_transfer_params`).
+
+The prefill instance gets the request with max_tokens=1, no streaming, and
+`kv_transfer_params: {"do_remote_decode": true, "transfer_id": ID}`: it computes the prompt and its
+connector saves the prompt's blocks under ID. The decode instance gets the client's request with
+`{"do_remote_prefill": true, "transfer_id": ID}`: its connector loads the blocks and it decodes
+from them, answering the client (streamed or not) exactly as one instance would. Requests that
+make several sequences from one prompt (n, best_of, beam search) skip the prefill instance: the
+decode instance serves them whole.
+"""
+from __future__ import annotations
+
+import itertools
+import uuid
+from typing import Any
+
+_MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+
+
+class RoundRobin:
+    """The instances of one kind, taken in turn."""
+
+    def __init__(self, urls: list[str]):
+        self.urls = [url.rstrip("/") for url in urls]
+        self._next = itertools.cycle(self.urls)
+
+    def pick(self) -> str:
+        return next(self._next)
+
+
+def disaggregates(body: dict[str, Any]) -> bool:
+    """Whether the request runs as prefill then decode: one sequence from one prompt."""
+    return (body.get("n") in (None, 1) and body.get("best_of") in (None, 1) and not body.get("use_beam_search")
+            and not isinstance(body.get("kv_transfer_params"), dict))
+
+
+def new_transfer_id() -> str:
+    return uuid.uuid4().hex
+
+
+def prefill_body(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
+    """The prefill half: the prompt only (one token, not streamed), its blocks saved under `transfer_id`."""
+    prefill = {key: value for key, value in body.items() if key not in ("stream", "stream_options")}
+    for field in _MAX_TOKEN_FIELDS:
+        prefill.pop(field, None)
+    # min_tokens above 1 would not fit max_tokens=1; the decode half honours it.
+    prefill.pop("min_tokens", None)
+    prefill["max_tokens"] = 1
+    prefill["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id}
+    return prefill
+
+
+def decode_body(body: dict[str, Any], transfer_id: str | None) -> dict[str, Any]:
+    """The decode half: the client's request, loading the prompt's blocks from `transfer_id`
+    (None: the prefill half failed, so the decode instance computes the prompt itself)."""
+    if transfer_id is None:
+        return body
+    return {**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id}}

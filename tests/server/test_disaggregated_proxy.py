@@ -1,0 +1,110 @@
+"""`corectl proxy` in front of a prefill and a decode `corectl serve` (SharedMemoryConnector), end to
+end with the `openai` client: completions and streamed chat answer as one instance does, the decode
+instance's metrics show the prompt tokens it received instead of computing, its KV blocks all come
+back, and with the prefill instance killed the answers stay the same (the decode instance computes
+the prompts itself)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from support.models import build_random_checkpoint
+from support.server import SMALL_ENGINE, ServerProcess, free_port
+
+PROMPT = "The capital of France is a city where"
+MESSAGES = [{"role": "user", "content": "Name three colors of the rainbow, please."}]
+
+
+def _kv_config(role: str, folder) -> str:
+    return json.dumps({"kv_connector": "SharedMemoryConnector", "kv_role": role,
+                       "kv_connector_extra_config": {"path": str(folder), "load_timeout_s": 5}})
+
+
+class ProxyProcess:
+    def __init__(self, prefill: str, decode: str):
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "corectl.server.cli", "proxy", "--prefill", prefill,
+                                      "--decode", decode, "--port", self.url.rsplit(":", 1)[1]],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.1)
+        raise TimeoutError("the proxy did not start")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, default_model_dir):
+    model = build_random_checkpoint("llama", tmp_path_factory.mktemp("pd-model"), default_model_dir)
+    shm = tmp_path_factory.mktemp("pd-kv")
+    # The engine in each server's own process: two fewer processes to start on a busy machine.
+    common = [str(model), *SMALL_ENGINE, "--served-model-name", "m", "--engine-in-process", "--kv-transfer-config"]
+    prefill = ServerProcess(*common, _kv_config("kv_producer", shm))
+    decode = ServerProcess(*common, _kv_config("kv_consumer", shm))
+    prefill.wait_ready(), decode.wait_ready()
+    proxy = ProxyProcess(prefill.url, decode.url)
+    yield prefill, decode, proxy
+    proxy.stop()
+    for server in (prefill, decode):
+        server.stop()
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def _completion(url: str) -> str:
+    return _client(url).completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+
+
+def _streamed_chat(url: str) -> str:
+    stream = _client(url).chat.completions.create(model="m", messages=MESSAGES, max_tokens=12, temperature=0,
+                                                  stream=True)
+    return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+
+
+def _metric(url: str, name: str, labels: str = "") -> float:
+    text = httpx.get(url + "/metrics").text
+    match = re.search(rf"^vllm:{name}\{{[^}}]*{labels}[^}}]*\}} (\S+)$", text, re.MULTILINE)
+    assert match, f"vllm:{name} {labels} not in /metrics"
+    return float(match.group(1))
+
+
+def test_proxy_answers_as_one_instance(cluster):
+    prefill, decode, proxy = cluster
+    # The prefill instance serves plain requests itself: its answers are the one-instance reference.
+    want_text = _completion(prefill.url)
+    want_chat = _client(prefill.url).chat.completions.create(model="m", messages=MESSAGES, max_tokens=12,
+                                                             temperature=0).choices[0].message.content
+    assert _completion(proxy.url) == want_text
+    assert _streamed_chat(proxy.url) == want_chat
+    # The decode instance received both prompts but for their last tokens, and holds no block now.
+    assert _metric(decode.url, "prompt_tokens_by_source_total", 'source="external_kv_transfer"') > 10
+    assert _metric(decode.url, "prompt_tokens_by_source_total", 'source="local_compute"') == 2
+    assert _metric(decode.url, "kv_load_failures_total") == 0
+    assert _metric(decode.url, "kv_cache_usage_perc") == 0
+    assert _metric(prefill.url, "kv_transfer_bytes_total", 'direction="save"') > 0
+
+
+def test_dead_prefill_instance_costs_time_not_answers(cluster):
+    prefill, decode, proxy = cluster
+    want_text = _completion(prefill.url)
+    os.kill(prefill.proc.pid, signal.SIGKILL)
+    prefill.proc.wait(30)
+    assert _completion(proxy.url) == want_text
+    assert _metric(decode.url, "kv_cache_usage_perc") == 0
