@@ -193,6 +193,13 @@ def check_head(method: str, head, target, head_name: str, target_name: str) -> N
         raise refuse("hidden size", expected, target.hidden_size)
     if method == "eagle3" and head.hidden_size != target.hidden_size and not head.eagle_own_embedding:
         raise refuse("hidden size", head.hidden_size, f"embeddings of {target.hidden_size}")
+    if head.num_hidden_layers != 1:
+        raise ConfigError(FIELD, f"the {method} head {head_name!r} has {head.num_hidden_layers} decoder layers; "
+                                 "corectl reads the published one-layer heads")
+    nested = getattr(head, "eagle_config", None) or {}
+    if getattr(head, "add_para_norm", False) or nested.get("use_aux_hidden_state", True) is False:
+        raise ConfigError(FIELD, f"the {method} head {head_name!r} is a variant corectl does not read (HASS's "
+                                 "add_para_norm, or an EAGLE-3 head without use_aux_hidden_state)")
     if method == "eagle3" and draft_vocab_size(head) > head.vocab_size:
         raise ConfigError(FIELD, f"the eagle3 head {head_name!r} has draft_vocab_size {draft_vocab_size(head)}, "
                                  f"more than its vocab_size {head.vocab_size}")
