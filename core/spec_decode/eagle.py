@@ -85,9 +85,9 @@ class EagleProposer:
         """Take a target step's rows (`out`: the forward's output, with the EAGLE-3 layers after the
         final hidden states) and run the head over the positions whose next token is now known;
         returns the final hidden states, which the runner samples from."""
-        hidden, rows = out[:, : self.hidden_size], out
-        if out.shape[1] > self.hidden_size:
-            rows = out[:, self.hidden_size:]
+        hidden = out[:, : self.hidden_size]
+        # EAGLE-3's three layers follow the final hidden states; EAGLE reads the final ones.
+        rows = out[:, self.hidden_size:] if out.shape[1] > self.hidden_size else out
         ready = {}
         for req_id, first_row, count in zip(host.req_ids, host.query_starts, host.query_lens):
             track = self._append(req_id, int(host.positions[first_row]), rows[first_row: first_row + count])
@@ -118,7 +118,8 @@ class EagleProposer:
         for position in range(1, max(r.num_drafts for r in room)):
             ahead = [r for r in current if r.num_drafts > position]
             if len(ahead) < len(current):
-                index = torch.tensor([i for i, r in enumerate(current) if r.num_drafts > position], device=tokens.device)
+                keep = [i for i, r in enumerate(current) if r.num_drafts > position]
+                index = torch.tensor(keep, device=tokens.device)
                 tokens, hidden = tokens.index_select(0, index), hidden.index_select(0, index)
             tokens, hidden = self._step(ahead, tokens, hidden, position)
             steps.append((ahead, tokens))

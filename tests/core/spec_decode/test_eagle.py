@@ -59,20 +59,30 @@ def _eagle_head(folder, target):
     save_file(state, folder / "model.safetensors")
 
 
+def _random(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return lambda *shape: torch.randn(*shape, generator=gen) * 0.3
+
+
+def _layer_tensors(prefix: str, rand, attn_input: int) -> dict[str, torch.Tensor]:
+    """A random Llama layer's checkpoint tensors whose q/k/v projections read `attn_input` features."""
+    kv = 2 * HIDDEN // 4
+    state = {f"{prefix}self_attn.{name}_proj.weight": rand(rows, attn_input)
+             for name, rows in (("q", HIDDEN), ("k", kv), ("v", kv))}
+    state |= {f"{prefix}self_attn.o_proj.weight": rand(HIDDEN, HIDDEN), f"{prefix}mlp.down_proj.weight": rand(HIDDEN, 128),
+              f"{prefix}mlp.gate_proj.weight": rand(128, HIDDEN), f"{prefix}mlp.up_proj.weight": rand(128, HIDDEN)}
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        state[f"{prefix}{norm}.weight"] = 1 + rand(HIDDEN)
+    return state
+
+
 def _random_eagle_head(folder):
     """EAGLE's layout with random weights, an fc bias, an input norm that EAGLE's layer skips, and
     the copy of the target's embedding some repos ship."""
     _head_config(folder, architectures=["LlamaForCausalLM"])
-    gen = torch.Generator().manual_seed(2)
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen) * 0.3
-    kv = 2 * HIDDEN // 4
+    rand = _random(2)
     state = {"fc.weight": rand(HIDDEN, 2 * HIDDEN), "fc.bias": rand(HIDDEN), "embed_tokens.weight": rand(VOCAB, HIDDEN),
-             "layers.0.self_attn.q_proj.weight": rand(HIDDEN, HIDDEN), "layers.0.self_attn.k_proj.weight": rand(kv, HIDDEN),
-             "layers.0.self_attn.v_proj.weight": rand(kv, HIDDEN), "layers.0.self_attn.o_proj.weight": rand(HIDDEN, HIDDEN),
-             "layers.0.mlp.gate_proj.weight": rand(128, HIDDEN), "layers.0.mlp.up_proj.weight": rand(128, HIDDEN),
-             "layers.0.mlp.down_proj.weight": rand(HIDDEN, 128), "layers.0.input_layernorm.weight": 1 + rand(HIDDEN),
-             "layers.0.post_attention_layernorm.weight": 1 + rand(HIDDEN)}
+             **_layer_tensors("layers.0.", rand, HIDDEN)}
     save_file(state, folder / "model.safetensors")
 
 
@@ -81,20 +91,11 @@ def _eagle3_head(folder, target_layers=(0, 1, 2)):
     norm and LM head over a smaller draft vocabulary, d2t and t2d; random weights."""
     _head_config(folder, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=DRAFT_VOCAB,
                  eagle_aux_hidden_state_layer_ids=list(target_layers))
-    gen = torch.Generator().manual_seed(1)
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen) * 0.3
-    kv = 2 * HIDDEN // 4
-    state = {"fc.weight": rand(HIDDEN, 3 * HIDDEN), "norm.weight": 1 + rand(HIDDEN), "lm_head.weight": rand(DRAFT_VOCAB, HIDDEN),
-             "midlayer.self_attn.q_proj.weight": rand(HIDDEN, 2 * HIDDEN),
-             "midlayer.self_attn.k_proj.weight": rand(kv, 2 * HIDDEN),
-             "midlayer.self_attn.v_proj.weight": rand(kv, 2 * HIDDEN),
-             "midlayer.self_attn.o_proj.weight": rand(HIDDEN, HIDDEN),
-             "midlayer.mlp.gate_proj.weight": rand(128, HIDDEN), "midlayer.mlp.up_proj.weight": rand(128, HIDDEN),
-             "midlayer.mlp.down_proj.weight": rand(HIDDEN, 128)}
-    for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
-        state[f"midlayer.{norm}.weight"] = 1 + rand(HIDDEN)
-    targets = torch.randperm(VOCAB, generator=gen)[:DRAFT_VOCAB].sort().values
+    rand = _random(1)
+    state = {"fc.weight": rand(HIDDEN, 3 * HIDDEN), "norm.weight": 1 + rand(HIDDEN),
+             "lm_head.weight": rand(DRAFT_VOCAB, HIDDEN), "midlayer.hidden_norm.weight": 1 + rand(HIDDEN),
+             **_layer_tensors("midlayer.", rand, 2 * HIDDEN)}
+    targets = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:DRAFT_VOCAB].sort().values
     state["d2t"] = targets - torch.arange(DRAFT_VOCAB)
     state["t2d"] = torch.zeros(VOCAB, dtype=torch.bool).index_fill(0, targets, True)
     save_file(state, folder / "model.safetensors")
@@ -114,8 +115,9 @@ def folders(tmp_path_factory):
 def _llm(folders, method=None, head=None, k=3, **kwargs):
     spec = None if method is None else {"method": method, "model": str(folders[head or method]),
                                         "num_speculative_tokens": k}
+    settings = {"kv_cache_memory_gib": 0.01, "max_model_len": 256, "num_threads": 1, **kwargs}
     return LLM(model=str(folders["target"]), dtype="float32", platform="cpu", skip_tokenizer_init=True,
-               speculative_config=spec, **{"kv_cache_memory_gib": 0.01, "max_model_len": 256, "num_threads": 1, **kwargs})
+               speculative_config=spec, **settings)
 
 
 @pytest.fixture(scope="module", autouse=True)
