@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from .beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from .config import EngineConfig
 from .engine.core import EngineCore
-from .engine.intake import NO_TOKENIZER, encode_prompt
+from .engine.intake import NO_TOKENIZER, encode_prompt, prompt_mm_inputs
 from .engine.output_processor import OutputProcessor
 from .errors import InvalidRequestError
 from .generation_config import check_generation_config, generation_defaults
@@ -79,13 +79,14 @@ class LLM:
         `{"prompt_token_ids": ids}`; `sampling_params` is one for all or one per prompt (None: the
         model's defaults, `get_default_sampling_params`), and so is
         `lora_request` (the LoRA adapter to run with, None for the base model; needs enable_lora).
+        `{"prompt_token_ids": ids, "mm_inputs": [...]}` carries processed images (`ImageProcessing.prompt`).
         """
         batch = _as_prompt_list(prompts)
         params = _broadcast(sampling_params or self.get_default_sampling_params(), len(batch), "sampling_params")
         priorities = _broadcast(list(priority) if priority is not None else 0, len(batch), "priority")
         loras = _broadcast(_as_list(lora_request), len(batch), "lora_request")
         encoded = [encode_prompt(self.tokenizer, p) for p in batch]
-        return self._run(encoded, params, priorities, use_tqdm, loras)
+        return self._run(encoded, params, priorities, use_tqdm, loras, [prompt_mm_inputs(p) for p in batch])
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

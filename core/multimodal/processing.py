@@ -34,7 +34,10 @@ def decode_image(data: bytes, max_pixels: int):
 
     try:
         image = Image.open(io.BytesIO(data))
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+    except Image.DecompressionBombError as exc:  # PIL's own bound, far above ours, hit on opening
+        raise InvalidRequestError(f"the image is too large to decode ({exc})", param="messages",
+                                  code="image_too_large") from exc
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise InvalidRequestError(f"the image cannot be read ({type(exc).__name__}: {exc})",
                                   param="messages", code="invalid_image") from exc
     check_pixels(image.size, max_pixels)

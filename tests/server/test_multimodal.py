@@ -43,7 +43,7 @@ def _image_message(*urls: str, text: str = "What is this?") -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def server(qwen2_5_vl_dir):
+def vlm_server(qwen2_5_vl_dir):
     proc = ServerProcess(str(qwen2_5_vl_dir), "--api-key", API_KEY, "--dtype", "float32", "--kv-cache-memory", "0.02",
                          "--max-model-len", "256", "--limit-mm-per-prompt", '{"image": 2}',
                          "--allow-any-media-domain", "--max-image-pixels", "1000000", "--served-model-name", "m").wait_ready()
@@ -52,24 +52,24 @@ def server(qwen2_5_vl_dir):
 
 
 @pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as client:
+def vlm_http(vlm_server):
+    with httpx.Client(base_url=vlm_server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as client:
         yield client
 
 
-def _chat(http, messages, max_tokens: int = 3) -> httpx.Response:
-    return http.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": max_tokens,
+def _chat(client: httpx.Client, messages, max_tokens: int = 3) -> httpx.Response:
+    return client.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": max_tokens,
                                                    "temperature": 0})
 
 
-def test_a_data_url_image_through_the_openai_client_and_tokenize_counts_its_tokens(server, http):
+def test_a_data_url_image_through_the_openai_client_and_tokenize_counts_its_tokens(vlm_server, vlm_http):
     messages = _image_message(_data_url(png_bytes(random_image(100, 70, 1))))
-    client = OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    client = OpenAI(base_url=vlm_server.url + "/v1", api_key=API_KEY)
     reply = client.chat.completions.create(model="m", messages=messages, max_tokens=3,
                                            temperature=0)
     assert reply.choices[0].message.content is not None
-    counted = http.post("/tokenize", json={"messages": messages}).json()["count"]
-    text_only = http.post("/tokenize", json={"messages": _image_message()}).json()["count"]
+    counted = vlm_http.post("/tokenize", json={"messages": messages}).json()["count"]
+    text_only = vlm_http.post("/tokenize", json={"messages": _image_message()}).json()["count"]
     assert reply.usage.prompt_tokens == counted > text_only + 1  # the image's placeholders, not one token
 
 
@@ -80,16 +80,16 @@ def test_a_data_url_image_through_the_openai_client_and_tokenize_counts_its_toke
     ("http://127.0.0.1:9/cat.png", "media_address_not_allowed"),
     ("file:///etc/passwd", "invalid_image_url"),
 ])
-def test_bad_images_are_400s_naming_the_limit(http, url, code):
-    expect_error(_chat(http, _image_message(url)), 400, "messages", code)
+def test_bad_images_are_400s_naming_the_limit(vlm_http, url, code):
+    expect_error(_chat(vlm_http, _image_message(url)), 400, "messages", code)
 
 
-def test_too_many_images_then_the_server_still_serves(http):
+def test_too_many_images_then_the_server_still_serves(vlm_http):
     url = _data_url(png_bytes(random_image(60, 60, 2)))
-    expect_error(_chat(http, _image_message(url, url, url)), 400, "messages", "too_many_images")
-    assert http.get("/health").status_code == 200
-    assert _chat(http, _image_message(url, url)).status_code == 200
-    assert _chat(http, [{"role": "user", "content": "Hi"}]).status_code == 200
+    expect_error(_chat(vlm_http, _image_message(url, url, url)), 400, "messages", "too_many_images")
+    assert vlm_http.get("/health").status_code == 200
+    assert _chat(vlm_http, _image_message(url, url)).status_code == 200
+    assert _chat(vlm_http, [{"role": "user", "content": "Hi"}]).status_code == 200
 
 
 def _fetch(url: str, **settings) -> bytes:
