@@ -69,7 +69,8 @@ def _layer_tensors(prefix: str, rand, attn_input: int) -> dict[str, torch.Tensor
     kv = 2 * HIDDEN // 4
     state = {f"{prefix}self_attn.{name}_proj.weight": rand(rows, attn_input)
              for name, rows in (("q", HIDDEN), ("k", kv), ("v", kv))}
-    state |= {f"{prefix}self_attn.o_proj.weight": rand(HIDDEN, HIDDEN), f"{prefix}mlp.down_proj.weight": rand(HIDDEN, 128),
+    state |= {f"{prefix}self_attn.o_proj.weight": rand(HIDDEN, HIDDEN),
+              f"{prefix}mlp.down_proj.weight": rand(HIDDEN, 128),
               f"{prefix}mlp.gate_proj.weight": rand(128, HIDDEN), f"{prefix}mlp.up_proj.weight": rand(128, HIDDEN)}
     for norm in ("input_layernorm", "post_attention_layernorm"):
         state[f"{prefix}{norm}.weight"] = 1 + rand(HIDDEN)
