@@ -119,8 +119,9 @@ ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] 
     "lora_dtype": ("--lora-dtype", _LORA, "the adapters' dtype on the device ('auto': the model's)",
                    {"choices": DTYPES}),
     "speculative_config": ("--speculative-config", _SPEC, "vLLM's JSON form, e.g. '{\"method\": \"ngram\", "
-                           "\"num_speculative_tokens\": 4}' or a draft model: '{\"method\": \"draft_model\", "
-                           "\"model\": PATH, \"num_speculative_tokens\": 3}' (docs/speculative.md)", {}),
+                           "\"num_speculative_tokens\": 4}', a draft model or an EAGLE head: '{\"method\": "
+                           "\"draft_model\" | \"eagle\" | \"eagle3\", \"model\": PATH, \"num_speculative_tokens\": 3}' "
+                           "(docs/speculative.md)", {}),
     "kv_transfer_config": ("--kv-transfer-config", _KV, "a KV connector, vLLM's JSON form: '{\"kv_connector\": "
                            "\"SharedMemoryConnector\", \"kv_role\": \"kv_producer\"}' on a prefill instance, kv_consumer "
                            "on a decode one, behind `corectl proxy` (docs/distributed.md)", {}),
