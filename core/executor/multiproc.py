@@ -36,6 +36,8 @@ _STARTUP_CALLS = frozenset({"load_model", "profile_num_kv_blocks", "init_kv_cach
 _STEP, _MASK, _FLUSH, _CALL, _STOP = b"S", b"M", b"F", b"C", b"Q"  # engine -> rank
 _OUTPUT, _RESULT, _ERROR = b"O", b"R", b"E"  # rank -> engine
 _STOP_GRACE_S = 5.0
+# How long a rank's error waits for a peer's process to be seen ending (the error's likely cause).
+_PEER_EXIT_WAIT_S = 0.5
 
 
 class MultiprocExecutor(RemoteRanksExecutor):
@@ -137,6 +139,12 @@ class MultiprocExecutor(RemoteRanksExecutor):
     def _rank_error(self, rank: int, exc: BaseException, startup: bool) -> BaseException:
         if startup and isinstance(exc, CorectlError):
             return exc  # an error the user can act on (too small a KV cache, a bad option)
+        # A peer's death fails the survivors' collectives and stage transfers, often before its
+        # process is seen to end: the dead rank is the one to name.
+        others = [p.sentinel for r, p in enumerate(self._procs) if r != rank]
+        ended = wait(others, timeout=_PEER_EXIT_WAIT_S)
+        if ended:
+            return self._rank_failure(next(r for r, p in enumerate(self._procs) if p.sentinel in ended), startup)
         return self._dead(f"{self._names[rank]} failed: {type(exc).__name__}: {exc}")
 
     def _dead(self, reason: str) -> EngineDeadError:
