@@ -185,6 +185,11 @@ def test_gpt_oss_chat_prompt_is_the_harmony_rendering(gpt_oss_server):
     assert len(expected) > 150 and expected.count(49152) == 4  # system, developer, user, assistant
     chunks = list(client.chat.completions.create(model=str(folder), messages=messages, max_tokens=4, stream=True))
     assert chunks[-1].choices[0].finish_reason == "length"
+    # The Responses API's turns take the same path.
+    response = client.responses.create(model=str(folder), input="Weather in SF?", instructions="Be brief.",
+                                       max_output_tokens=4)
+    assert response.status == "incomplete" and response.usage.input_tokens == len(
+        AutoTokenizer.from_pretrained(folder).encode(render_chat(messages, None, None, today())))
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model=str(folder), messages=messages, tools=tools, tool_choice="required")
     assert exc.value.body["param"] == "tool_choice"
