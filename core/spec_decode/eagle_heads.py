@@ -41,6 +41,12 @@ _EAGLE_SKIPS = ("rotary_emb.inv_freq", "layers.0.input_layernorm.", "embed_token
 _EAGLE3_SKIPS = ("rotary_emb.inv_freq", "t2d")
 
 
+def _qkv_bias(config) -> bool:
+    """q/k/v biases: the config's `attention_bias`, or the checkpoint's (`eagle_qkv_bias`, a head
+    for Qwen2, whose config does not say)."""
+    return bool(getattr(config, "attention_bias", False) or getattr(config, "eagle_qkv_bias", False))
+
+
 def _checkpoint_name(name: str) -> str:
     name = name.removeprefix("model.")
     return "layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name
@@ -55,8 +61,7 @@ class EagleHead(nn.Module):
         size = config.hidden_size
         self.fc = nn.Linear(2 * size, size, bias=bool(getattr(config, "eagle_fc_bias", False)))
         rotary = RotaryEmbedding(config, head_dim(config), max_positions, dtype)
-        layer = DecoderLayer(config, 0, rotary, bool(getattr(config, "attention_bias", False)), False,
-                             GatedMLP(config))
+        layer = DecoderLayer(config, 0, rotary, _qkv_bias(config), False, GatedMLP(config))
         layer.input_layernorm = nn.Identity()
         self.layers = nn.ModuleList([layer])
 
@@ -84,7 +89,7 @@ class Eagle3Layer(nn.Module):
 
     def __init__(self, config, rotary: RotaryEmbedding):
         super().__init__()
-        size, qkv_bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
+        size, qkv_bias = config.hidden_size, _qkv_bias(config)
         self.self_attn = DecoderAttention(config, 0, rotary, qkv_bias, False)
         attn = self.self_attn
         attn.qkv_proj = PackedLinear(2 * size, attn.qkv_proj.full_sizes, bias=qkv_bias, unit=attn.head_dim)
@@ -170,9 +175,10 @@ def prepare_head(method: str, source, target: nn.Module, target_config, head_nam
     for file in source.weight_files:
         with safe_open(file, framework="pt", device="cpu") as f:
             names.update(_checkpoint_name(name) for name in f.keys())
-    # What the config does not say: whether fc has a bias (EAGLE), whether the head has its own
-    # embedding (EAGLE-3).
+    # What the config does not say: whether fc and q/k/v have biases, whether the head has its
+    # own embedding (EAGLE-3).
     config.eagle_fc_bias = bool(getattr(config, "eagle_fc_bias", False)) or "fc.bias" in names
+    config.eagle_qkv_bias = "layers.0.self_attn.q_proj.bias" in names
     config.eagle_own_embedding = method == "eagle3" and "embed_tokens.weight" in names
     check_head(method, config, target_config, head_name, target_name)
     if method == "eagle3":

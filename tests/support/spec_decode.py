@@ -41,13 +41,14 @@ def _rope(x, theta):
 
 
 def _attention(x, w, prefix, config):
-    """Causal GQA self-attention of rows x (the q/k/v projections' input) with RoPE."""
+    """Causal GQA self-attention of rows x (the q/k/v projections' input, biases where the
+    checkpoint has them) with RoPE."""
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     d = config["hidden_size"] // heads
     theta = (config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta", 10000.0)
-    q = _rope((x @ w[f"{prefix}q_proj.weight"].T).view(len(x), heads, d), theta)
-    k = _rope((x @ w[f"{prefix}k_proj.weight"].T).view(len(x), kv_heads, d), theta)
-    v = (x @ w[f"{prefix}v_proj.weight"].T).view(len(x), kv_heads, d)
+    def project(name, count):
+        return (x @ w[f"{prefix}{name}_proj.weight"].T + w.get(f"{prefix}{name}_proj.bias", 0)).view(len(x), count, d)
+    q, k, v = _rope(project("q", heads), theta), _rope(project("k", kv_heads), theta), project("v", kv_heads)
     k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
     scores = torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5
     scores = scores.masked_fill(torch.ones(len(x), len(x), dtype=torch.bool).triu(1), float("-inf"))

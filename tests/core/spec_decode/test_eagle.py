@@ -78,12 +78,14 @@ def _layer_tensors(prefix: str, rand, attn_input: int) -> dict[str, torch.Tensor
 
 
 def _random_eagle_head(folder):
-    """EAGLE's layout with random weights, an fc bias, an input norm that EAGLE's layer skips, and
-    the copy of the target's embedding some repos ship."""
+    """EAGLE's layout with random weights, fc and q/k/v biases (a Qwen2 head's), an input norm that
+    EAGLE's layer skips, and the copy of the target's embedding some repos ship."""
     _head_config(folder, architectures=["LlamaForCausalLM"])
     rand = _random(2)
     state = {"fc.weight": rand(HIDDEN, 2 * HIDDEN), "fc.bias": rand(HIDDEN), "embed_tokens.weight": rand(VOCAB, HIDDEN),
              **_layer_tensors("layers.0.", rand, HIDDEN)}
+    for name, rows in (("q", HIDDEN), ("k", HIDDEN // 2), ("v", HIDDEN // 2)):
+        state[f"layers.0.self_attn.{name}_proj.bias"] = rand(rows)
     save_file(state, folder / "model.safetensors")
 
 
