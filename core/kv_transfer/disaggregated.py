@@ -6,7 +6,8 @@ its prompt, under the request's `transfer_id`. A decode instance (`kv_consumer`,
 loads them for a request that asks (`do_remote_prefill`, the same `transfer_id`): every prompt
 token after its local prefix-cache hit except the last one, which it computes for its logits.
 The load is asynchronous: the request waits, holding its blocks, until the worker reports it.
-A request loads at most once: after a failure, or when it is preempted later, it recomputes.
+A request loads at most once: after a failure, or when it is preempted later, it recomputes; of
+a request's `n` samples only the first loads.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ class DisaggregatedScheduler(KVConnectorScheduler):
 
     def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = transfer_params(req.sampling_params.kv_transfer_params)
-        if (params is None or not params.remote_prefill or not self.config.is_consumer
+        # One transfer feeds one request: of n samples, the first loads and the others compute.
+        if (params is None or not params.remote_prefill or not self.config.is_consumer or req.sample_index
                 or req.request_id in self._tried or req.num_output_tokens):
             return 0, False
         return max(0, req.num_prompt_tokens - 1 - num_computed_tokens), True

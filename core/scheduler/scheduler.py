@@ -54,13 +54,13 @@ from ..spec_decode.scheduling import DraftPlanner
 from ..step_messages import (
     CachedRequestData,
     GrammarBitmask,
-    KVTransferReport,
     LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
 from .inflight import StepsInFlight
+from .kv_loads import KVLoads
 from .prompt_logprobs import PromptLogprobsBuffer, logprobs_rows
 from .request_queue import create_request_queue
 
@@ -114,6 +114,7 @@ class Scheduler:
         self.connector = connector
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, sliding_window,
                                  on_evict=None if connector is None else connector.block_evicted)
+        self.kv_loads = None if connector is None else KVLoads(connector, self.kv, config.block_size)
         capacity = self.kv.num_usable_blocks * config.block_size
         needed = blocks_per_sequence(max_model_len, config.block_size, sliding_window, config.max_num_batched_tokens)
         # A request that cannot fit the cache even alone would be preempted forever.
@@ -133,12 +134,8 @@ class Scheduler:
         # Ordered set of ids the worker must forget at the next step (finished, aborted, preempted).
         self._forget: dict[str, None] = {}
         self.in_flight = StepsInFlight()
-        # Requests waiting for an asynchronous KV load, each with the computed count it brings them to.
-        self._loading: dict[str, tuple[Request, int]] = {}
-        # Prompt tokens computed here, loaded by the connector, and loads that fell back to recompute.
+        # Prompt tokens whose K/V this engine computed (a KV connector's come from `kv_loads`).
         self.prompt_tokens_computed = 0
-        self.prompt_tokens_transferred = 0
-        self.kv_load_failures = 0
         self._prompt_logprobs = PromptLogprobsBuffer()
         self.num_preemptions = 0
         self._iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
@@ -178,7 +175,7 @@ class Scheduler:
         running = {req for req in aborted if req.status == RequestStatus.RUNNING}
         if running:
             self.running = [req for req in self.running if req not in running]
-        loading = {req for req in aborted if self._loading.pop(req.request_id, None) is not None}
+        loading = {req for req in aborted if self.kv_loads is not None and self.kv_loads.discard(req)}
         if len(running) + len(loading) < len(aborted):
             self.waiting.remove({req for req in aborted if req not in running and req not in loading})
         for req in aborted:
@@ -221,9 +218,7 @@ class Scheduler:
             iteration_tokens_counts=list(self._iteration_tokens),
             iteration_tokens_sum=self._iteration_tokens_sum,
             prompt_tokens_computed=self.prompt_tokens_computed,
-            prompt_tokens_transferred=self.prompt_tokens_transferred,
-            kv_load_failures=self.kv_load_failures,
-            **({} if self.connector is None else self.connector.counters()),
+            **({} if self.kv_loads is None else self.kv_loads.counters()),
             **self._lora_stats(),
             **self._spec_decode_stats(),
         )
@@ -370,7 +365,7 @@ class Scheduler:
                 self._start(req, req.num_computed_tokens, num_tokens, plan)
                 continue
             hit = self.kv.lookup_prefix(req)
-            external, load_async = self._external_tokens(req, hit)
+            external, load_async = (0, False) if self.kv_loads is None else self.kv_loads.external_tokens(req, hit)
             num_tokens = 0 if load_async else min(req.num_tokens - hit.num_tokens - external, plan.budget)
             if not load_async:
                 num_tokens = self._fit_images(req, hit.num_tokens + external, num_tokens, plan)
@@ -382,50 +377,13 @@ class Scheduler:
                 break
             self.waiting.pop()
             if external:
-                self.connector.update_state_after_alloc(req, self.kv.block_ids(req), hit.num_tokens, external)
+                self.kv_loads.allocated(req, hit, external, load_async)
             if load_async:
-                self._await_load(req, hit.num_tokens, hit.num_tokens + external)
                 continue
-            self.prompt_tokens_transferred += external
             self._start(req, hit.num_tokens + external, num_tokens, plan)
         self.waiting.prepend(skipped)
         if self.adapters is not None:
             self.adapters.end()
-
-    def _external_tokens(self, req: Request, hit: PrefixHit) -> tuple[int, bool]:
-        """Prompt tokens after the local hit that the KV connector loads, and whether asynchronously."""
-        if self.connector is None:
-            return 0, False
-        external, load_async = self.connector.get_num_new_matched_tokens(req, hit.num_tokens)
-        return external, load_async and external > 0
-
-    def _await_load(self, req: Request, num_computed: int, num_loaded: int) -> None:
-        """Park a request, holding its blocks, until the workers report its KV load."""
-        req.num_computed_tokens = num_computed
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = time.monotonic()
-        self._loading[req.request_id] = (req, num_loaded)
-
-    def _apply_transfers(self, report: KVTransferReport) -> None:
-        """Requests whose load finished start from the loaded tokens; those whose load failed recompute
-        from their first block without valid K/V (vLLM's KV load-failure recovery). Either way they
-        return to the front of the queue, keeping their blocks."""
-        for req_id in report.loaded:
-            req, num_loaded = self._loading.pop(req_id, (None, 0))
-            if req is not None:
-                self.prompt_tokens_transferred += num_loaded - req.num_computed_tokens
-                req.num_computed_tokens = num_loaded
-                self.kv.commit(req)
-                self.waiting.prepend([req])
-        for req_id, bad_blocks in report.failed.items():
-            req, _ = self._loading.pop(req_id, (None, 0))
-            if req is not None:
-                self.kv_load_failures += 1
-                block_ids = self.kv.block_ids(req)
-                first_bad = min(block_ids.index(b) for b in bad_blocks if b in block_ids)
-                req.num_computed_tokens = min(req.num_computed_tokens, first_bad * self.config.block_size)
-                self.waiting.prepend([req])
-        self.connector.update_report(report)
 
     def _grammar_compiling(self, req: Request) -> bool:
         return self.structured is not None and req in self.structured and not self.structured.ready(req)
@@ -532,7 +490,8 @@ class Scheduler:
         """Apply a step's sampled tokens; one output per request that produced a token."""
         stale = self.in_flight.settle(sched_out.num_scheduled_tokens, self._requests)
         if runner_out.kv_transfer is not None:
-            self._apply_transfers(runner_out.kv_transfer)
+            # Settled loads go back to the front of the queue, keeping their blocks.
+            self.waiting.prepend(self.kv_loads.apply(runner_out.kv_transfer))
         requests = self._requests
         for req_id, chunk in runner_out.prompt_logprobs.items():
             req = requests.get(req_id)

@@ -1,7 +1,9 @@
 """`corectl proxy`: one OpenAI endpoint in front of prefill and decode instances.
 
-    corectl serve MODEL --port 8100 --kv-transfer-config '{"kv_connector": "SharedMemoryConnector", "kv_role": "kv_producer"}'
-    corectl serve MODEL --port 8200 --kv-transfer-config '{"kv_connector": "SharedMemoryConnector", "kv_role": "kv_consumer"}'
+    corectl serve MODEL --port 8100 \
+        --kv-transfer-config '{"kv_connector": "SharedMemoryConnector", "kv_role": "kv_producer"}'
+    corectl serve MODEL --port 8200 \
+        --kv-transfer-config '{"kv_connector": "SharedMemoryConnector", "kv_role": "kv_consumer"}'
     corectl proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 """
 from __future__ import annotations
