@@ -11,6 +11,16 @@ share: SDPA then sees `num_heads / num_kv_heads` query rows per KV head instead 
 query head, which torch's CPU flash kernel runs 3-5x faster in bf16 (16 sequences x 160 keys:
 1.5 ms one row per head, 0.4 ms grouped) and without expanding K/V for GQA.
 
+Rows do not depend on the batch (greedy output alone equals output among other requests and after
+a prefix-cache hit, tests/backends/cpu/test_batch_invariance.py): torch's CPU flash kernel rounds a
+row differently when its valid keys reach the vector tail of the key length, and when a block of
+queries holds a single row (a GEMV). So every step pads its key length to a multiple of KEY_ALIGN
+under an explicit mask (also for one fresh prompt, which an `is_causal` call would otherwise serve
+on its own K/V), and pads the query rows of a prefill to an even count, never one row left over.
+A decode row in a step that also prefills (chunked prefill beside decodes) still takes the padded
+path instead of the grouped one, and soft-capped or sink layers spell the math out with matmuls:
+neither is covered.
+
 Sliding-window layers narrow the step's mask to each query's window (built once per step and
 window); soft-capped layers (Gemma 2) and layers with attention sinks (gpt-oss: a per-head logit
 joins the softmax's denominator) spell the attention out, since SDPA can do neither. Chunked
@@ -24,18 +34,20 @@ import torch
 import torch.nn.functional as F
 from corectl.attention import AttentionBackend, AttentionBatch
 
+# Key lengths are padded to a multiple of this (a multiple of every vector width of the CPU kernels).
+KEY_ALIGN = 64
+
 
 @dataclass
 class SDPAMetadata:
     slot_mapping: torch.Tensor
     key_index: torch.Tensor | None        # [B * Lmax]: cache slot of every padded context position
-    mask: torch.Tensor | None             # [B, 1, Qmax, Lmax] bool, None when nothing is padded
+    mask: torch.Tensor                    # [B, 1, Qmax, Lmax] bool
     query_index: torch.Tensor | None      # [B, Qmax]: packed-token row of each padded query (None: decode)
     token_index: torch.Tensor | None      # [T]: padded row of each packed token (None: decode)
     num_seqs: int
     max_query_len: int
-    max_seq_len: int
-    fresh_single_prefill: bool            # one sequence, no cached prefix: attend to the new K/V directly
+    max_seq_len: int                      # Lmax: the longest context, padded to KEY_ALIGN
     # [B, Qmax] context position of each padded query (padding rows repeat their sequence's last
     # one) and [B] context lengths: what the masks of windowed layers are built from.
     query_pos: torch.Tensor
@@ -46,7 +58,7 @@ class SDPAMetadata:
     # (window, chunk) -> mask, built by the first layer with that window or chunk in the step
     window_masks: dict[tuple[int | None, int | None], torch.Tensor] = field(default_factory=dict)
 
-    def mask_for(self, sliding_window: int | None, attention_chunk: int | None = None) -> torch.Tensor | None:
+    def mask_for(self, sliding_window: int | None, attention_chunk: int | None = None) -> torch.Tensor:
         """The attention mask of a layer: `mask`, narrowed to each query's window or chunk when it
         has one."""
         if sliding_window is None and attention_chunk is None:
@@ -66,28 +78,25 @@ class SDPAMetadata:
 
 
 def _key_index(batch: AttentionBatch, cols: torch.Tensor) -> torch.Tensor:
-    block_cols = batch.block_tables[:, cols // batch.block_size].long()
+    # Padding columns past the table read its last block (finite K/V of some request, masked out).
+    block_cols = batch.block_tables[:, (cols // batch.block_size).clamp(max=batch.block_tables.shape[1] - 1)].long()
     return (block_cols * batch.block_size + cols % batch.block_size).view(-1)
 
 
-def _fresh_metadata(batch: AttentionBatch) -> SDPAMetadata:
-    n = batch.max_query_len
-    return SDPAMetadata(batch.slot_mapping, None, None, None, None, 1, n, n, True,
-                        query_pos=torch.arange(n)[None, :], seq_lens=torch.tensor([n]))
+def _key_len(max_seq_len: int) -> int:
+    return -(-max_seq_len // KEY_ALIGN) * KEY_ALIGN
 
 
 def _decode_metadata(batch: AttentionBatch, cols: torch.Tensor) -> SDPAMetadata:
     s_lens = torch.tensor(batch.seq_lens_host)
-    mask = None
-    if min(batch.seq_lens_host) != batch.max_seq_len:
-        mask = (cols[None, :] < s_lens[:, None]).view(len(s_lens), 1, 1, -1)
+    mask = (cols[None, :] < s_lens[:, None]).view(len(s_lens), 1, 1, -1)
     return SDPAMetadata(batch.slot_mapping, _key_index(batch, cols), mask, None, None,
-                        batch.num_seqs, 1, batch.max_seq_len, False, query_pos=(s_lens - 1)[:, None], seq_lens=s_lens)
+                        batch.num_seqs, 1, len(cols), query_pos=(s_lens - 1)[:, None], seq_lens=s_lens)
 
 
 def _padded_metadata(batch: AttentionBatch, cols: torch.Tensor) -> SDPAMetadata:
     q_lens, s_lens = batch.query_lens_host, batch.seq_lens_host
-    b, q_max = batch.num_seqs, batch.max_query_len
+    b, q_max = batch.num_seqs, batch.max_query_len + batch.max_query_len % 2
     q_lens_t = torch.tensor(q_lens)
     s_lens_t = torch.tensor(s_lens)
     rows = torch.arange(q_max)
@@ -98,39 +107,34 @@ def _padded_metadata(batch: AttentionBatch, cols: torch.Tensor) -> SDPAMetadata:
     # Padding rows take their sequence's last position, so they see keys (never a fully masked row).
     query_pos = torch.minimum((s_lens_t - q_lens_t)[:, None] + rows[None, :], (s_lens_t - 1)[:, None])
     mask = (cols[None, None, :] <= query_pos[:, :, None]) & (cols[None, None, :] < s_lens_t[:, None, None])
-    needs_mask = q_max > 1 or len(set(s_lens)) > 1
     return SDPAMetadata(
         slot_mapping=batch.slot_mapping,
         key_index=_key_index(batch, cols),
-        mask=mask.unsqueeze(1) if needs_mask else None,
+        mask=mask.unsqueeze(1),
         query_index=query_index,
         token_index=token_index,
         num_seqs=b,
         max_query_len=q_max,
-        max_seq_len=batch.max_seq_len,
-        fresh_single_prefill=False,
+        max_seq_len=len(cols),
         query_pos=query_pos,
         seq_lens=s_lens_t,
     )
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
-            soft_cap: float | None, causal: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+            soft_cap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA over [..., heads, rows, D] with as many or fewer (grouped) key heads; soft-capped scores
     and sinks (`sinks` shaped [heads, rows or 1, 1] to broadcast against the scores), which SDPA
     cannot take, go through the same math spelled out, scores and softmax in fp32."""
     if soft_cap is None and sinks is None:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, is_causal=causal,
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
                                               enable_gqa=keys.shape[-3] != q.shape[-3])
     group = q.shape[-3] // keys.shape[-3]
     keys, values = keys.repeat_interleave(group, dim=-3), values.repeat_interleave(group, dim=-3)
     scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
-    if causal:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+    scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is None:
         return torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)
     sink = sinks.float().expand(*scores.shape[:-1], 1)
@@ -145,9 +149,7 @@ class TorchSDPABackend(AttentionBackend):
 
     def build_metadata(self, batch: AttentionBatch, check_indices: bool = True) -> SDPAMetadata:
         # Indices are never read back here, so there is nothing to skip.
-        if batch.num_seqs == 1 and batch.query_lens_host[0] == batch.seq_lens_host[0]:
-            return _fresh_metadata(batch)
-        cols = torch.arange(batch.max_seq_len)
+        cols = torch.arange(_key_len(batch.max_seq_len))
         if batch.is_pure_decode:
             return _decode_metadata(batch, cols)
         return _padded_metadata(batch, cols)
@@ -165,11 +167,6 @@ class TorchSDPABackend(AttentionBackend):
         # Keys outside a window are read and given no weight (blocks freed by the KV manager still
         # hold finite K/V of some request), so windowed layers share the step's one gather.
         mask = meta.mask_for(sliding_window, attention_chunk)
-        if meta.fresh_single_prefill:
-            out = _attend(q.view(1, -1, h, d).transpose(1, 2), k.unsqueeze(0).transpose(1, 2),
-                          v.unsqueeze(0).transpose(1, 2), mask, scale, logits_soft_cap, causal=mask is None,
-                          sinks=per_head)
-            return out.transpose(1, 2).reshape(-1, h * d)
         b = meta.num_seqs
         rows = kv_cache.view(-1, hk, d)
         if meta.kv_index is None:

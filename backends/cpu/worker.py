@@ -1,4 +1,5 @@
-"""CPU worker: thread count, prepacked linear weights and a KV cache sized from a memory budget in GiB."""
+"""CPU worker: thread count, an exactly-int8 head served as int8 groups, prepacked linear weights and
+a KV cache sized from a memory budget in GiB."""
 from __future__ import annotations
 
 import torch
@@ -6,6 +7,7 @@ from corectl.errors import ConfigError
 from corectl.kv.sizing import DEFAULT_KV_CACHE_GIB, blocks_per_sequence, fixed_kv_blocks
 from corectl.worker.worker import ModelInfo, Worker
 
+from .int8_head import serve_int8_head
 from .prepack import prepack_linears
 
 
@@ -17,9 +19,10 @@ class CPUWorker(Worker):
 
     def load_model(self) -> ModelInfo:
         info = super().load_model()
-        prepack_linears(self.runner.model, self.torch_dtype)
-        if self.runner.drafter is not None:
-            prepack_linears(self.runner.drafter.runner.model, self.torch_dtype)
+        models = [self.runner.model] + ([self.runner.drafter.runner.model] if self.runner.drafter is not None else [])
+        for model in models:
+            serve_int8_head(model)
+            prepack_linears(model, self.torch_dtype)
         return info
 
     def profile_num_kv_blocks(self) -> int:

@@ -16,6 +16,7 @@ import httpx
 API_KEY = "token-abc123"
 # Small context and cache so the engine starts in seconds on 2 CPU cores.
 SMALL_ENGINE = ["--max-model-len", "512", "--kv-cache-memory", "0.05", "--dtype", "float32"]
+PARITY_PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3,"]
 
 
 def free_port() -> int:
@@ -81,6 +82,26 @@ def descendants(pid: int) -> list[int]:
         for child in (task / "children").read_text().split():
             found += [int(child), *descendants(int(child))]
     return found
+
+
+def rank_processes(server: ServerProcess) -> list[int]:
+    """The engine's rank processes (tensor-parallel ranks, pipeline stages), in start order."""
+    return sorted(pid for pid in descendants(server.engine_pid())
+                  if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
+
+
+def assert_serves_like_one_device(server: ServerProcess, checkpoint: Path) -> None:
+    """Greedy completions of a server of `checkpoint` (served as "tiny", SMALL_ENGINE) equal those of one
+    device in this process."""
+    import openai
+    from corectl import LLM, SamplingParams
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    served = [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0.0,
+                                        extra_body={"ignore_eos": True}).choices[0].text for p in PARITY_PROMPTS]
+    llm = LLM(str(checkpoint), dtype="float32", max_model_len=512, kv_cache_memory_gib=0.05)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert served == [out.outputs[0].text for out in llm.generate(PARITY_PROMPTS, params, use_tqdm=False)]
 
 
 def alive(pid: int) -> bool:

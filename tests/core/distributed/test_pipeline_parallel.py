@@ -20,7 +20,7 @@ from corectl.server.cli.engine_args import add_engine_args, config_from_args
 from support.models import build_random_checkpoint
 from support.ray_cluster import local_ray_cluster
 from support.scheduling import make_req, make_scheduler, sample_all
-from support.server import SMALL_ENGINE, ServerProcess, descendants
+from support.server import PARITY_PROMPTS, SMALL_ENGINE, ServerProcess, assert_serves_like_one_device, rank_processes
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,6 @@ NUM_LAYERS = 4
 NUM_BLOCKS = 10
 BLOCK_SIZE = 16
 ENGINE = {"dtype": "float32", "max_model_len": 128, "max_num_batched_tokens": 32, "block_size": BLOCK_SIZE}
-PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3,"]
 
 
 def kv_budget_gib(most_layers_per_stage: int, tensor_parallel_size: int = 1) -> float:
@@ -115,22 +114,16 @@ def server(checkpoint):
 
 
 def test_serve_pp2_completes_like_one_device(server, checkpoint):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
-    served = [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0.0,
-                                        extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
-    llm = LLM(str(checkpoint), dtype="float32", max_model_len=512, kv_cache_memory_gib=0.05)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    assert served == [out.outputs[0].text for out in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert_serves_like_one_device(server, checkpoint)
 
 
 def test_a_first_stage_killed_mid_stream_ends_the_server(server):
     """Stage 1 would wait forever for stage 0's activations; the engine watches every rank's
     process, so the death is reported at once and the server exits 1."""
-    ranks = sorted(pid for pid in descendants(server.engine_pid())
-                   if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    ranks = rank_processes(server)
     assert len(ranks) == 2, ranks
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    stream = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=400, temperature=0.0,
+    stream = client.completions.create(model="tiny", prompt=PARITY_PROMPTS[0], max_tokens=400, temperature=0.0,
                                        stream=True, extra_body={"ignore_eos": True})
     received = [next(iter(stream))]
     os.kill(ranks[0], signal.SIGKILL)

@@ -5,18 +5,22 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from corectl import LLM, SamplingParams
 from support.models import build_random_checkpoint
-from support.server import SMALL_ENGINE, ServerProcess, alive, descendants
+from support.server import (
+    PARITY_PROMPTS,
+    SMALL_ENGINE,
+    ServerProcess,
+    alive,
+    assert_serves_like_one_device,
+    descendants,
+    rank_processes,
+)
 
 pytestmark = pytest.mark.slow
-
-PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3,"]
 
 
 @pytest.fixture(scope="module")
@@ -34,21 +38,15 @@ def server(checkpoint):
 
 
 def test_serve_tp2_completes_like_one_device(server, checkpoint):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
-    served = [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0.0,
-                                        extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
-    llm = LLM(str(checkpoint), dtype="float32", max_model_len=512, kv_cache_memory_gib=0.05)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    assert served == [out.outputs[0].text for out in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert_serves_like_one_device(server, checkpoint)
 
 
 def test_a_rank_killed_mid_stream_ends_the_server_cleanly(server):
-    engine = server.engine_pid()
-    ranks = [pid for pid in descendants(engine) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    ranks = rank_processes(server)
     assert len(ranks) == 2, ranks
     started = descendants(server.proc.pid)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    stream = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=400, temperature=0.0,
+    stream = client.completions.create(model="tiny", prompt=PARITY_PROMPTS[0], max_tokens=400, temperature=0.0,
                                        stream=True, extra_body={"ignore_eos": True})
     received = [next(iter(stream))]
     os.kill(ranks[1], signal.SIGKILL)
