@@ -15,7 +15,8 @@
 # Carry: .whl (corectl's pure-Python deps missing from the device image), .peers (DESIGN.md's HF peer
 # harness, not project code; also the W9 tokenizer and the slimmed Ray), .bench for `base:`.
 # Environment: PEER=0 skips the HF peer (it runs for plain stages only), GPU_TESTS picks test files,
-# W5_CONCURRENCY, SERVE_ARGS (more `corectl serve` options), F1_MODEL/F1_VOCAB, KV_BOUND_UTIL, DENSE_SHAPES.
+# W5_CONCURRENCY, SERVE_ARGS (more `corectl serve` options), F1_MODEL/F1_VOCAB, KV_BOUND_UTIL, DENSE_SHAPES,
+# HOST_TIER_UTIL (the device's share in `hosttier`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -155,6 +156,48 @@ stage_w8() {  # llama3-70b shape at TP = 2 (two GPUs): batch-1 TPOT against the 
   peer ceilings
   bench latency --model llama3-70b --batch-size 1 --input-len 512 --output-len 128 -tp 2 --num-iters 3 --save-result "$RES/$TAG.json" | grep TPOT
   bench throughput --model llama3-70b --num-prompts 256 --input-len 512 --output-len 128 -tp 2 --save-result "$RES/${TAG}_w1.json" | grep Throughput
+}
+stage_w12() {  # disaggregated prefill/decode (two GPUs): W5's online load with 4,096-token prompts at c64, DP = 2
+  # against one prefill (GPU 0) and one decode instance (GPU 1) behind `corectl proxy`, blocks over NCCL;
+  # ITL p99, TTFT and output throughput of each.
+  local args=(--endpoint /v1/completions --prompt-token-ids --vocab-size 128000 --input-len 4096 --output-len 128
+              --ignore-eos --seed 0 --num-prompts 256 --max-concurrency 64)
+  local kv='{"kv_connector": "TorchDistributedConnector", "kv_role": "%s", "kv_connector_extra_config": {"rendezvous": "tcp://127.0.0.1:29620"}}'
+  local base=$TAG prefill decode proxy
+  ENGINE+=(--max-model-len 8192)
+  TAG=${base}_dp2 serve 8031 llama3-8b -dp 2
+  corectl bench serve --base-url http://127.0.0.1:8031 "${args[@]}" --save-result "$RES/${base}_dp2.json" \
+    | grep -E "Mean|P99|Median|throughput"
+  stop_server
+  CUDA_VISIBLE_DEVICES=0 TAG=${base}_prefill serve 8032 llama3-8b --kv-transfer-config "$(printf "$kv" kv_producer)"
+  prefill=$SERVER
+  CUDA_VISIBLE_DEVICES=1 TAG=${base}_decode serve 8033 llama3-8b --kv-transfer-config "$(printf "$kv" kv_consumer)"
+  decode=$SERVER
+  corectl proxy --prefill http://127.0.0.1:8032 --decode http://127.0.0.1:8033 --port 8034 > "$RES/${base}_proxy.log" 2>&1 &
+  proxy=$!
+  for _ in $(seq 60); do curl -sf http://127.0.0.1:8034/health >/dev/null && break; sleep 1; done
+  corectl bench serve --base-url http://127.0.0.1:8034 "${args[@]}" --save-result "$RES/${base}_pd.json" \
+    | grep -E "Mean|P99|Median|throughput"
+  curl -s http://127.0.0.1:8033/metrics | grep -E "^vllm:(prompt_tokens_by_source|kv_transfer_bytes|kv_load_failures)"
+  kill -TERM $proxy; wait $proxy
+  SERVER=$prefill stop_server; SERVER=$decode stop_server
+}
+stage_hosttier() {  # host-memory tier (one GPU): prompts sharing 8 prefixes of 16k tokens that do not fit the device
+  # cache together (HOST_TIER_UTIL bounds it); TTFT p50 with --kv-offload-bytes against without, one call. A
+  # first pass asks every prefix once, the measured second pass asks them again.
+  local args=(--endpoint /v1/completions --prompt-token-ids --vocab-size 128000 --dataset prefix_repetition
+              --prefix-len 16384 --num-prefixes 8 --input-len 256 --output-len 16 --ignore-eos --seed 0
+              --num-prompts 64 --max-concurrency 4)
+  local base=$TAG tier
+  ENGINE+=(--max-model-len 17408 --gpu-memory-utilization "${HOST_TIER_UTIL:-0.35}")
+  for tier in none 24GiB; do
+    if [ $tier = none ]; then TAG=${base}_$tier serve 8041 llama3-8b; else TAG=${base}_$tier serve 8041 llama3-8b --kv-offload-bytes $tier; fi
+    corectl bench serve --base-url http://127.0.0.1:8041 "${args[@]}" > /dev/null 2>&1
+    corectl bench serve --base-url http://127.0.0.1:8041 "${args[@]}" --save-result "$RES/${base}_$tier.json" \
+      | grep -E "TTFT|throughput"
+    curl -s http://127.0.0.1:8041/metrics | grep -E "^vllm:(kv_offload_hit_tokens|kv_transfer_bytes|prefix_cache_hits)"
+    stop_server
+  done
 }
 stage_w9() {
   # Structured outputs: W5's concurrency-64 load with every request under a JSON schema against the

@@ -49,7 +49,11 @@ def register(sub) -> None:
                         "has no tokenizer, and needs no tokenizer here")
     p.add_argument("--vocab-size", type=int, default=256,
                    help="with --prompt-token-ids: ids are drawn from [0, N) (default 256, within any vocabulary)")
-    p.add_argument("--dataset", choices=["random"], default="random")
+    p.add_argument("--dataset", choices=["random", "prefix_repetition"], default="random",
+                   help="prefix_repetition (vLLM's; with --prompt-token-ids): each prompt is one of --num-prefixes "
+                        "shared prefixes of --prefix-len tokens, in turn, then --input-len tokens of its own")
+    p.add_argument("--prefix-len", type=int, default=256, help="prefix_repetition: tokens of each shared prefix")
+    p.add_argument("--num-prefixes", type=int, default=8, help="prefix_repetition: shared prefixes")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.0,
@@ -82,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("range_ratio", f"must be in [0, 1), got {args.range_ratio}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ConfigError("max_concurrency", f"must be at least 1, got {args.max_concurrency}")
+    if args.dataset == "prefix_repetition" and not (args.prompt_token_ids and args.prefix_len > 0
+                                                    and args.num_prefixes > 0):
+        raise ConfigError("dataset", "prefix_repetition needs --prompt-token-ids and positive --prefix-len and "
+                                     "--num-prefixes")
     if args.prompt_token_ids and args.endpoint != "/v1/completions":
         raise ConfigError("endpoint", "--prompt-token-ids needs /v1/completions: chat messages are text")
     if args.vocab_size < 1:
@@ -122,11 +130,15 @@ def _length(rng: random.Random, base: int, ratio: float) -> int:
 def random_token_id_requests(args) -> list[tuple[list[int], int, int]]:
     """(prompt token ids, prompt tokens, output tokens) per request, ids uniform in [0, vocab_size) (seeded)."""
     rng = random.Random(args.seed)
+    prefixes = [[rng.randrange(args.vocab_size) for _ in range(args.prefix_len)]
+                for _ in range(args.num_prefixes)] if args.dataset == "prefix_repetition" else [[]]
     out = []
-    for _ in range(args.num_prompts):
+    for index in range(args.num_prompts):
         target = _length(rng, args.input_len, args.range_ratio)
         output_len = _length(rng, args.output_len, args.range_ratio)
-        out.append(([rng.randrange(args.vocab_size) for _ in range(target)], target, output_len))
+        prefix = prefixes[index % len(prefixes)]
+        out.append((prefix + [rng.randrange(args.vocab_size) for _ in range(target)], len(prefix) + target,
+                    output_len))
     return out
 
 
