@@ -62,10 +62,14 @@ class VisionAttention(nn.Module):
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(dtype)
         out = torch.empty_like(q)
-        # Each image (and each window of a windowed block) attends within itself only.
-        for lo, hi in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-            heads = [t[lo:hi].transpose(0, 1) for t in (q, k, v)]
-            out[lo:hi] = F.scaled_dot_product_attention(*heads).transpose(0, 1)
+        # Each image (and each window of a windowed block) attends within itself only; segments of
+        # one length (most windows of an image) run as one batched call.
+        starts, lengths = np.asarray(cu_seqlens[:-1]), np.diff(cu_seqlens)
+        for length in np.unique(lengths):
+            rows = torch.from_numpy((starts[lengths == length][:, None] + np.arange(length)).reshape(-1))
+            rows = rows.to(x.device)
+            heads = [t[rows].view(-1, int(length), self.num_heads, t.shape[-1]).transpose(1, 2) for t in (q, k, v)]
+            out[rows] = F.scaled_dot_product_attention(*heads).transpose(1, 2).reshape(-1, self.num_heads, q.shape[-1])
         return self.proj(out.reshape(x.shape[0], -1))
 
 

@@ -46,7 +46,8 @@ def _image_message(*urls: str, text: str = "What is this?") -> list[dict]:
 def vlm_server(qwen2_5_vl_dir):
     proc = ServerProcess(str(qwen2_5_vl_dir), "--api-key", API_KEY, "--dtype", "float32", "--kv-cache-memory", "0.02",
                          "--max-model-len", "256", "--limit-mm-per-prompt", '{"image": 2}',
-                         "--allow-any-media-domain", "--max-image-pixels", "1000000", "--served-model-name", "m").wait_ready()
+                         "--allow-any-media-domain", "--max-image-pixels", "1000000",
+                         "--served-model-name", "m").wait_ready()
     yield proc
     assert proc.stop() == 0
 
