@@ -2,7 +2,7 @@
 load generator, the per-step cost of grammar-constrained decoding, and of speculative verification."""
 from __future__ import annotations
 
-from ..bench import grammar, offline, serve, verify_step
+from ..bench import grammar, images, offline, serve, verify_step
 
 
 def register(sub) -> None:
@@ -13,3 +13,4 @@ def register(sub) -> None:
     serve.register(bench)
     grammar.register(bench)
     verify_step.register(bench)
+    images.register(bench)
