@@ -75,7 +75,13 @@ class ImageProcessing:
     def for_model(cls, model_dir: Path | None, hf_config) -> ImageProcessing | None:
         if not is_multimodal(hf_config) or model_dir is None:
             return None
-        return cls(AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True), hf_config)
+        try:
+            processor = AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise InvalidRequestError(f"the model folder {model_dir} holds no image processor config "
+                                      f"(preprocessor_config.json), so images cannot be read: {exc}",
+                                      param="messages", code="images_not_supported") from exc
+        return cls(processor, hf_config)
 
     def process(self, image) -> ProcessedImage:
         """Pixel values, patch grid and placeholder count of one RGB PIL image."""
