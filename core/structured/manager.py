@@ -1,5 +1,5 @@
 """Structured outputs in the engine process: grammars compiled off the loop, one matcher per request,
-one bitmask per step.
+one bitmask per step, its rows filled together (on several threads where the backend can).
 
 The scheduler owns the manager and is its only caller. A request that asks for structured output
 has its grammar compiled off the loop (`compiles.GrammarCompiles`: a small and a large lane, shared
@@ -134,8 +134,10 @@ class StructuredOutputManager:
         if not masked:
             return None
         bitmask = np.empty((len(masked), self.width), dtype=np.int32)
+        grammar_rows = [row for row, req in enumerate(masked) if not self._thinks(req)]
+        self._backend.fill_bitmasks([self._matchers[masked[row]] for row in grammar_rows], bitmask, grammar_rows)
         for row, req in enumerate(masked):
-            self._fill(req, bitmask, row)
+            self._finish_row(req, bitmask, row)
             if _under_min_tokens(req):
                 _hold_back_stops(bitmask[row], req)
         return GrammarBitmask([req.request_id for req in masked], self.width, bitmask.tobytes())
@@ -144,12 +146,13 @@ class StructuredOutputManager:
         gate = self._gates.get(req)
         return gate is not None and gate.thinking
 
-    def _fill(self, req: Request, bitmask: np.ndarray, row: int) -> None:
+    def _finish_row(self, req: Request, bitmask: np.ndarray, row: int) -> None:
+        """After the backend filled the grammar rows: a thinking request's row allows every token, a
+        gate that may open adds its start marker, and a row that allows nothing marks a dead end."""
         gate = self._gates.get(req)
         if gate is not None and gate.thinking:
             bitmask[row] = -1  # every token
             return
-        self._matchers[req].fill_bitmask(bitmask, row)
         if gate is not None and gate.phase == "opening":
             start = gate.gate.start
             bitmask[row].view(np.uint32)[start // 32] |= np.uint32(1 << (start % 32))

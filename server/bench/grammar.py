@@ -1,7 +1,8 @@
 """`corectl bench grammar`: what grammar-constrained decoding adds to one engine step, on this host.
 
 A batch of requests under one JSON schema walks through a valid JSON answer token by token, as the
-engine drives them: each step fills every row's next-token bitmask (the engine's `bitmask()`), then
+engine drives them: each step fills every row's next-token bitmask (the backend's `fill_bitmasks`,
+on each `--fill-threads` count), then
 applies it to a `[batch, vocab]` float32 logits tensor on the CPU (the worker's
 `apply_grammar_bitmask`), then advances each matcher by the row's token (`accept`). The three are
 timed apart per step and reported as per-step medians for each batch size; the engine's other work
@@ -34,6 +35,9 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=5, help="walks through the answer per batch size (default: 5)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch threads for applying the masks (default: torch's, one per core)")
+    p.add_argument("--fill-threads", default=None,
+                   help="comma-separated thread counts that fill a step's rows together, each measured "
+                        "(default: the engine's choice, half the cores up to 8)")
     p.add_argument("--save-result", default=None, help="write the result as JSON to this file")
     p.set_defaults(handler=run)
 
@@ -43,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
     from corectl.sampling_params import StructuredOutputsParams
-    from corectl.structured.xgrammar_backend import XGrammarBackend
+    from corectl.structured.xgrammar_backend import XGrammarBackend, default_fill_threads
     from corectl.tokenizer import Tokenizer
 
     if args.num_threads is not None:
@@ -51,16 +55,20 @@ def run(args: argparse.Namespace) -> int:
     folder = args.tokenizer or _default_tokenizer_dir()
     tokenizer = Tokenizer.from_dir(folder)
     answer = tokenizer.encode(json.dumps(ANSWER), add_special_tokens=False) + [tokenizer.eos_token_id]
-    backend = XGrammarBackend(folder, tokenizer.vocab_size, [tokenizer.eos_token_id])
-    grammar = backend.compile(StructuredOutputsParams(json=SCHEMA))
+    threads = [int(t) for t in args.fill_threads.split(",")] if args.fill_threads else [default_fill_threads()]
     result = {"benchmark": "grammar", "cpu": _cpu_name() or platform.processor(), "vocab_size": tokenizer.vocab_size,
               "torch_threads": torch.get_num_threads(), "answer_tokens": len(answer), "per_step_ms": {}}
-    for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        result["per_step_ms"][str(batch)] = _measure(backend, grammar, answer, batch, args.repeats, tokenizer.vocab_size)
+    for fill_threads in threads:
+        backend = XGrammarBackend(folder, tokenizer.vocab_size, [tokenizer.eos_token_id], fill_threads=fill_threads)
+        grammar = backend.compile(StructuredOutputsParams(json=SCHEMA))
+        for batch in [int(b) for b in args.batch_sizes.split(",")]:
+            times = _measure(backend, grammar, answer, batch, args.repeats, tokenizer.vocab_size)
+            result["per_step_ms"][f"{batch}/{fill_threads}"] = times
     print(f"CPU: {result['cpu']}, {result['torch_threads']} torch threads; vocab {result['vocab_size']}; "
           f"{len(answer)} steps per answer")
-    for batch, times in result["per_step_ms"].items():
-        print(f"batch {batch:>3}: fill {times['fill']:.3f} ms, apply {times['apply']:.3f} ms, "
+    for key, times in result["per_step_ms"].items():
+        batch, fill_threads = key.split("/")
+        print(f"batch {batch:>3}, {fill_threads} fill threads: fill {times['fill']:.3f} ms, apply {times['apply']:.3f} ms, "
               f"accept {times['accept']:.3f} ms, total {times['total']:.3f} ms per step")
     if args.save_result:
         with open(args.save_result, "w") as f:
@@ -81,8 +89,7 @@ def _measure(backend, grammar, answer: list[int], batch: int, repeats: int, voca
         for token in answer:
             t0 = time.perf_counter()
             bitmask = np.empty((batch, bitmask_width(vocab)), dtype=np.int32)
-            for row, matcher in enumerate(matchers):
-                matcher.fill_bitmask(bitmask, row)
+            backend.fill_bitmasks(matchers, bitmask, list(range(batch)))
             t1 = time.perf_counter()
             apply_grammar_bitmask(logits, torch.from_numpy(bitmask), None)
             t2 = time.perf_counter()

@@ -69,9 +69,10 @@ def test_serve_takes_the_online_token_budget_and_offline_keeps_its_own():
 
 def test_bench_grammar_times_each_part_of_a_constrained_step(tmp_path):
     out = tmp_path / "grammar.json"
-    done = _corectl("bench", "grammar", "--batch-sizes", "1,3", "--repeats", "1", "--save-result", str(out))
+    done = _corectl("bench", "grammar", "--batch-sizes", "1,9", "--fill-threads", "1,2", "--repeats", "1",
+                    "--save-result", str(out))
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
-    assert set(result["per_step_ms"]) == {"1", "3"} and result["answer_tokens"] > 10
+    assert set(result["per_step_ms"]) == {"1/1", "9/1", "1/2", "9/2"} and result["answer_tokens"] > 10
     for times in result["per_step_ms"].values():
         assert set(times) == {"fill", "apply", "accept", "total"} and all(t > 0 for t in times.values())

@@ -143,3 +143,27 @@ def test_backends_resolve_by_name_through_the_hook():
         reset_plugin_manager()
     with pytest.raises(ConfigError, match="unknown structured-output backend 'llguidance'; registered: xgrammar"):
         resolve_structured_output_backend("llguidance")
+
+
+def test_rows_filled_on_threads_equal_rows_filled_one_by_one(default_model_dir, tokenizer):
+    """xgrammar's batch matcher (several threads, without the GIL) writes the same rows, into the
+    rows asked for and no others, as one matcher at a time."""
+    threaded = XGrammarBackend(str(default_model_dir), VOCAB, [EOS], fill_threads=4)
+    grammar = threaded.compile(StructuredOutputsParams(json={"type": "object", "properties": {
+        "name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}))
+    answer = tokenizer.encode('{"name": "Ada", "age": 36}', add_special_tokens=False)
+    matchers = []
+    for i in range(12):  # each at another point of the answer
+        matcher = threaded.new_matcher(grammar)
+        assert all(matcher.accept_token(token) for token in answer[:i % len(answer)])
+        matchers.append(matcher)
+    rows = [row for row in range(16) if row % 4 != 1]  # 12 rows with gaps, as thinking rows leave them
+    assert len(rows) >= 8 and threaded.fill_threads == 4
+    together = np.full((16, (VOCAB + 31) // 32), 7, dtype=np.int32)
+    threaded.fill_bitmasks(matchers, together, rows)
+    one_by_one = together.copy()
+    for matcher, row in zip(matchers, rows):
+        matcher.fill_bitmask(one_by_one, row)
+    assert np.array_equal(together, one_by_one)
+    assert all((together[row] == 7).all() for row in range(16) if row not in rows)
+    assert len({together[row].tobytes() for row in rows}) > 2
