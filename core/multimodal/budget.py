@@ -1,28 +1,55 @@
-"""The encoder's share of a step (vLLM's encoder budget): how much image encoding one step may do.
+"""The encoder's share of a step (vLLM's encoder budget): how much image encoding one step may
+start, and how many encoder rows the worker must keep for chunks still to come.
 
 The worker encodes an image whole in the step whose chunk reaches its first placeholder, and keeps
-the rows until the request's later chunks have taken them all (`corectl.multimodal.step`). So a
-chunk that starts an image spends the image's whole length of the step's encoder budget; one that
-continues an image begun earlier spends nothing. An image that does not fit what the step has left
-ends the chunk just before its first placeholder (the text before it still runs), unless it is the
-step's first image: one larger than the whole budget runs alone rather than never.
+the rows, pinned in its encoder cache, until the request's later chunks have taken them all
+(`corectl.multimodal.step`). So a chunk that starts an image spends the image's length of the
+step's encoder budget, and one that stops inside it also pins that many rows of the cache until a
+later chunk moves past it. An image that does not fit what is left of either ends the chunk just
+before its first placeholder (the text before it still runs), unless nothing else is spent or
+pinned: an image larger than a whole budget runs rather than never.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..request import Request
 from .inputs import MultiModalInput
 
+# Encoder rows the worker's cache keeps: ~117 MB at Qwen2.5-VL-7B's hidden size (3584) in bf16.
+ENCODER_CACHE_ROWS = 16384
 
-def fit_encoder_budget(items: list[MultiModalInput], num_computed: int, num_tokens: int,
-                       budget: int, spent: int) -> tuple[int, int]:
-    """(tokens of the chunk num_computed .. num_computed + num_tokens that fit, encoder tokens
-    they spend) with `spent` of the step's `budget` already spent by other chunks."""
-    used = 0
-    for item in items:
-        if item.offset < num_computed:
-            continue  # begun by an earlier chunk: its rows are cached
-        if item.offset >= num_computed + num_tokens:
-            break
-        if spent + used > 0 and spent + used + item.length > budget:
-            return item.offset - num_computed, used
-        used += item.length
-    return num_tokens, used
+
+def pinned_rows(requests: Iterable[Request]) -> int:
+    """Encoder rows the worker keeps for these requests: images their prefill entered, not left."""
+    return sum(item.length for req in requests for item in req.mm_inputs
+               if item.offset < req.num_computed_tokens < item.end)
+
+
+@dataclass
+class EncoderBudget:
+    """One step's: `compute` encoder tokens it may start, `cache_rows` the worker's encoder cache
+    holds, `pinned` of them taken by the running requests' begun images (set by the scheduler the
+    first time a request with images asks)."""
+
+    compute: int
+    cache_rows: int
+    pinned: int | None = None
+    spent: int = 0
+
+    def fit(self, items: list[MultiModalInput], num_computed: int, num_tokens: int) -> int:
+        """How much of the chunk num_computed .. num_computed + num_tokens the budget has room for."""
+        end = num_computed + num_tokens
+        for item in items:
+            if item.offset < num_computed:
+                continue  # begun by an earlier chunk: its rows are pinned already
+            if item.offset >= end:
+                break
+            split = item.end > end
+            if (self.spent and self.spent + item.length > self.compute
+                    or split and self.pinned and self.pinned + item.length > self.cache_rows):
+                return item.offset - num_computed
+            self.spent += item.length
+            self.pinned += item.length if split else 0
+        return num_tokens

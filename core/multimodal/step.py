@@ -13,14 +13,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .budget import ENCODER_CACHE_ROWS
 from .encoder_cache import EncoderCache
 from .inputs import MultiModalInput, overlapping
 
 if TYPE_CHECKING:
     from ..worker.request_states import HostStep, RequestStates
-
-# Encoder rows the worker keeps: ~117 MB at Qwen2.5-VL-7B's hidden size (3584) in bf16.
-ENCODER_CACHE_ROWS = 16384
 
 
 class MultiModalStep:

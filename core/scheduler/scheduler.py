@@ -48,7 +48,7 @@ from ..kv import KVCacheManager, PrefixHit
 from ..kv.sizing import blocks_per_sequence
 from ..kv_transfer.base import KVConnectorScheduler
 from ..lora.admission import AdapterAdmission, adapter_names
-from ..multimodal.budget import fit_encoder_budget
+from ..multimodal.budget import ENCODER_CACHE_ROWS, EncoderBudget, pinned_rows
 from ..request import Request, RequestStatus
 from ..spec_decode.scheduling import DraftPlanner
 from ..step_messages import (
@@ -83,8 +83,8 @@ class _StepPlan:
     preempted: bool = False
     # Draft tokens of speculating requests, the last of their scheduled tokens.
     drafts: dict[str, list[int]] = field(default_factory=dict)
-    # Image placeholders whose encoding the step's chunks start (`corectl.multimodal.budget`).
-    encoder_tokens: int = 0
+    # The image encoding the step's chunks may start (`corectl.multimodal.budget`).
+    encoder: EncoderBudget = field(default_factory=lambda: EncoderBudget(0, 0))
 
     @property
     def full(self) -> bool:
@@ -245,7 +245,8 @@ class Scheduler:
     # -- scheduling ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(budget=self.config.max_num_batched_tokens, max_seqs=self._micro_batch_seqs())
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens, max_seqs=self._micro_batch_seqs(),
+                         encoder=EncoderBudget(self.config.max_num_batched_tokens, ENCODER_CACHE_ROWS))
         self._schedule_running(plan)
         # After a preemption the cache is short: admitting new work would only preempt again.
         if not plan.preempted:
@@ -294,13 +295,13 @@ class Scheduler:
             index += 1
 
     def _fit_images(self, req: Request, num_computed: int, num_tokens: int, plan: _StepPlan) -> int:
-        """The part of a chunk whose images the step's encoder budget (the token budget) has room for."""
+        """The part of a chunk whose images the step's encoder budget (the token budget) and the
+        worker's encoder cache have room for."""
         if not req.mm_inputs:
             return num_tokens
-        num_tokens, spent = fit_encoder_budget(req.mm_inputs, num_computed, num_tokens,
-                                               self.config.max_num_batched_tokens, plan.encoder_tokens)
-        plan.encoder_tokens += spent
-        return num_tokens
+        if plan.encoder.pinned is None:
+            plan.encoder.pinned = pinned_rows(self.running)
+        return plan.encoder.fit(req.mm_inputs, num_computed, num_tokens)
 
     def _drafts_for(self, req: Request, num_tokens: int, budget: int) -> list[int]:
         """Draft tokens for a request whose step computes only its newest token (speculation
@@ -370,7 +371,7 @@ class Scheduler:
             if not load_async:
                 num_tokens = self._fit_images(req, hit.num_tokens + external, num_tokens, plan)
                 if num_tokens == 0:
-                    break  # the step's encoder budget is spent: the image waits for the next step
+                    break  # no encoder room left this step: the image waits for the next
             if self.config.encoder_only and num_tokens < req.num_tokens:
                 break  # an encoder's prompt runs whole: it waits for a step with room for all of it
             if self.kv.allocate(req, external + num_tokens, hit) is None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 import numpy as np
 
 from corectl.kv.block_hash import extend_block_hashes
-from corectl.multimodal.budget import fit_encoder_budget
+from corectl.multimodal.budget import EncoderBudget, pinned_rows
 from corectl.multimodal.inputs import MultiModalInput
+from corectl.request import Request
+from corectl.sampling_params import SamplingParams
 
 
 def _image(offset: int, length: int, seed: int = 0) -> MultiModalInput:
@@ -13,15 +15,31 @@ def _image(offset: int, length: int, seed: int = 0) -> MultiModalInput:
     return MultiModalInput.build(pixels, [1, 2, 2], offset, length)
 
 
+def _fit(images, num_computed, num_tokens, compute=16, cache_rows=64, spent=0, pinned=0) -> tuple[int, int, int]:
+    budget = EncoderBudget(compute, cache_rows, pinned=pinned, spent=spent)
+    return budget.fit(images, num_computed, num_tokens), budget.spent, budget.pinned
+
+
 def test_a_chunk_stops_before_an_image_the_step_has_no_encoder_room_for():
     images = [_image(4, 10), _image(20, 10, 1)]
-    assert fit_encoder_budget(images, 0, 40, budget=16, spent=0) == (20, 10)   # the second waits
-    assert fit_encoder_budget(images, 0, 40, budget=16, spent=8) == (4, 0)     # the text before it runs
-    assert fit_encoder_budget(images, 8, 32, budget=16, spent=0) == (32, 10)   # the first is begun: free
-    assert fit_encoder_budget(images, 8, 32, budget=16, spent=10) == (12, 0)
-    assert fit_encoder_budget(images, 0, 40, budget=32, spent=0) == (40, 20)
-    # An image larger than the whole budget runs when it is the step's first.
-    assert fit_encoder_budget([_image(0, 50)], 0, 60, budget=16, spent=0) == (60, 50)
+    assert _fit(images, 0, 40) == (20, 10, 0)               # the second image waits for the next step
+    assert _fit(images, 0, 40, spent=8) == (4, 8, 0)        # the text before the first still runs
+    assert _fit(images, 8, 32) == (32, 10, 0)               # the first was begun earlier: free
+    assert _fit(images, 8, 32, spent=10) == (12, 10, 0)
+    assert _fit(images, 0, 40, compute=32) == (40, 20, 0)
+    assert _fit([_image(0, 50)], 0, 60) == (60, 50, 0)      # larger than the budget: runs as the first
+
+
+def test_a_chunk_that_stops_inside_an_image_pins_its_rows_within_the_cache():
+    images = [_image(4, 10)]
+    assert _fit(images, 0, 8) == (8, 10, 10)                # split: its rows stay pinned
+    assert _fit(images, 0, 8, cache_rows=64, pinned=60) == (4, 0, 60)
+    assert _fit(images, 0, 20, cache_rows=64, pinned=60) == (20, 10, 60)  # taken whole: nothing pinned
+    running = Request("r", list(range(30)), SamplingParams(), max_tokens=1, mm_inputs=images)
+    running.num_computed_tokens = 8
+    assert pinned_rows([running]) == 10
+    running.num_computed_tokens = 14
+    assert pinned_rows([running]) == 0
 
 
 def test_blocks_holding_another_images_placeholders_hash_differently():
