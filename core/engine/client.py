@@ -39,6 +39,7 @@ class _OutputCollector:
     def __init__(self):
         self._undelivered: RequestOutput | BaseException | None = None
         self._ready = anyio.Event()
+        self.finished = False  # the consumer has the request's last output
 
     def put(self, item: RequestOutput | BaseException) -> None:
         if isinstance(self._undelivered, RequestOutput) and isinstance(item, RequestOutput):
@@ -50,9 +51,12 @@ class _OutputCollector:
     async def get(self) -> RequestOutput:
         await self._ready.wait()
         item, self._undelivered = self._undelivered, None
-        self._ready = anyio.Event()
+        # The backend's own class: `anyio.Event()` looks the backend up each time, which costs
+        # several times the event itself, once per token of every stream.
+        self._ready = type(self._ready)()
         if isinstance(item, BaseException):
             raise item
+        self.finished = item.finished
         return item
 
 
@@ -141,9 +145,9 @@ class EngineClient:
             await self.check_lora(lora_request)  # off this loop the first time; intake then finds it checked
         core_requests = self._processor.add_request(request_id, text, token_ids, params, priority, lora_request,
                                                     prompt_mm_inputs(prompt))
-        async with contextlib.aclosing(self._follow(request_id, core_requests)) as outputs:
-            async for out in outputs:
-                yield out
+        async with self._follow(request_id, core_requests) as collector:
+            while not collector.finished:
+                yield await collector.get()
 
     async def encode(self, prompt: str | list[int], params: PoolingParams, request_id: str | None = None,
                      priority: int = 0) -> AsyncIterator[EmbeddingRequestOutput]:
@@ -152,9 +156,9 @@ class EngineClient:
         self._check_alive()
         text, token_ids = encode_prompt(self.tokenizer, prompt)
         core_request = self._processor.add_pooling_request(request_id, text, token_ids, params, priority)
-        async with contextlib.aclosing(self._follow(request_id, [core_request])) as outputs:
-            async for out in outputs:
-                yield out
+        async with self._follow(request_id, [core_request]) as collector:
+            while not collector.finished:
+                yield await collector.get()
 
     async def check_lora(self, lora: LoRARequest) -> None:
         """Check an adapter this engine may be asked for (read once per id, in a worker thread);
@@ -166,23 +170,22 @@ class EngineClient:
         if self._dead is not None:
             raise EngineDeadError(f"engine is dead: {self._dead!r}")
 
-    async def _follow(self, request_id: str, core_requests: list[EngineCoreRequest]) -> AsyncIterator:
-        """Send a registered request's core requests and yield its outputs until it finishes; a
-        consumer that stops early aborts it."""
+    @contextlib.asynccontextmanager
+    async def _follow(self, request_id: str, core_requests: list[EngineCoreRequest]) -> AsyncIterator[_OutputCollector]:
+        """Send a registered request's core requests; the block reads its outputs from the collector
+        (one generator fewer per token than yielding them from here), and leaving it before the
+        last one aborts the request."""
         collector = _OutputCollector()
         self._collectors[request_id] = collector
-        sent = finished = False
+        sent = False
         try:
             self._check_queue()
             await self._send(core_requests)
             sent = True
-            while not finished:
-                out = await collector.get()
-                finished = out.finished
-                yield out
+            yield collector
         finally:
             self._collectors.pop(request_id, None)
-            if not finished:
+            if not collector.finished:
                 await self._abort_quietly(request_id, in_engine=sent)
 
     async def abort(self, request_id: str, error: Exception) -> bool:

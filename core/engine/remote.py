@@ -18,10 +18,16 @@ Liveness: the socket closing means the process is gone; a process that sends not
 `hang_timeout` seconds while it owes a step (it holds unfinished requests, or has not yet seen the
 messages sent to it) is declared hung and killed. Either way `is_alive()` turns false and `outputs()`
 raises `EngineDeadError`, which the client passes to every waiting request.
+
+Several API processes (`corectl serve --api-server-count N`): `SharedEngine.launch` starts the engine
+process with N connections, one per API process (`connections.py` routes and counts per connection),
+and each API process reaches it with `RemoteEngine.attach`, which watches the process by its pid and,
+closing, leaves the engine to the launcher (it stops once every connection has closed).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -37,7 +43,7 @@ from collections.abc import AsyncIterator, Callable
 
 import anyio
 import msgspec
-from anyio.abc import SocketStream, TaskGroup
+from anyio.abc import SocketAttribute, SocketStream, TaskGroup, UNIXSocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from ..config import EngineConfig
@@ -49,6 +55,7 @@ from ..errors import (
     InvalidRequestError,
     ModelNotFoundError,
 )
+from .connections import ClientConnections
 from .core import EngineCore
 from .messages import (
     AbortRequests,
@@ -61,7 +68,6 @@ from .messages import (
     EngineInfo,
     EngineMessage,
     EngineReady,
-    EngineStep,
     ShutdownEngine,
 )
 from .transport import EngineTransport
@@ -100,8 +106,10 @@ def _describe_failure(exc: BaseException) -> EngineFailed:
 class RemoteEngine(EngineTransport):
     """An `EngineTransport` to an engine core running in a child process."""
 
-    def __init__(self, process: multiprocessing.process.BaseProcess, stream: SocketStream,
-                 reader: BufferedByteReceiveStream, info: EngineInfo, socket_dir: str, hang_timeout: float):
+    def __init__(self, process, stream: SocketStream, reader: BufferedByteReceiveStream, info: EngineInfo,
+                 socket_dir: str | None, hang_timeout: float):
+        """`process`: the engine's `multiprocessing` process, or an `_AttachedProcess` (then
+        `socket_dir` is None: the engine belongs to the launcher, and closing only disconnects)."""
         self.info = info
         self._process = process
         self._stream = stream
@@ -127,43 +135,22 @@ class RemoteEngine(EngineTransport):
         `process_init` (picklable, e.g. a module-level function) runs first in the child, e.g. to
         set up logging like the parent's. Startup errors are raised here with the child's message.
         """
-        if not hang_timeout > 0:
-            raise ConfigError("engine_hang_timeout", f"must be a positive number of seconds, got {hang_timeout!r}")
-        socket_dir = tempfile.mkdtemp(prefix="corectl-engine-")
-        path = os.path.join(socket_dir, "engine.sock")
-        process = multiprocessing.get_context("spawn").Process(
-            target=_engine_process_main, args=(config, path, process_init), name="corectl-engine")
-        try:
-            stream, reader, ready = await cls._launch(process, path)
-        except BaseException:
-            _stop_process(process, grace_s=0.0)
-            shutil.rmtree(socket_dir, ignore_errors=True)
-            raise
-        engine = cls(process, stream, reader, ready.info, socket_dir, hang_timeout)
+        _check_hang_timeout(hang_timeout)
+        process, socket_dir, links = await _launch(config, process_init, 1)
+        (stream, reader), info = links[0]
+        engine = cls(process, stream, reader, info, socket_dir, hang_timeout)
         task_group.start_soon(engine._watch)
         return engine
 
     @classmethod
-    async def _launch(cls, process, path: str) -> tuple[SocketStream, BufferedByteReceiveStream, EngineReady]:
-        listener = await anyio.create_unix_listener(path)
-        try:
-            await anyio.to_thread.run_sync(process.start)
-            stream = await _accept_while_alive(listener, process)
-        finally:
-            await listener.aclose()
-        reader = BufferedByteReceiveStream(stream)
-        try:
-            first = msgspec.msgpack.decode(await _read_frame(reader), type=EngineMessage)
-        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
-            await anyio.to_thread.run_sync(process.join, 5.0)
-            raise EngineDeadError(f"the engine process exited while starting ({describe_exit(process)}); "
-                                  "its log above says why") from None
-        if isinstance(first, EngineFailed):
-            await stream.aclose()
-            raise _rebuild_error(first)
-        if not isinstance(first, EngineReady):
-            raise EngineDeadError(f"the engine process sent {type(first).__name__} before it was ready")
-        return stream, reader, first
+    async def attach(cls, link: "EngineLink", task_group: TaskGroup, *, hang_timeout: float = 60.0) -> "RemoteEngine":
+        """Reach an engine process that `SharedEngine.launch` started, over the connection `link` hands over."""
+        _check_hang_timeout(hang_timeout)
+        stream = await UNIXSocketStream.from_socket(link.sock)
+        engine = cls(_AttachedProcess(link.pid), stream, BufferedByteReceiveStream(stream), link.info, None,
+                     hang_timeout)
+        task_group.start_soon(engine._watch)
+        return engine
 
     async def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         self._check_alive()
@@ -192,7 +179,7 @@ class RemoteEngine(EngineTransport):
                     return
                 # The socket closes a moment before the dead process is reaped; wait so the error says how it died.
                 await anyio.to_thread.run_sync(self._process.join, 2.0)
-                raise self._fail(f"the engine process is gone ({describe_exit(self._process)})") from exc
+                raise self._fail(f"the engine process is gone ({_how_it_ended(self._process)})") from exc
             message = self._decoder.decode(frame)
             if isinstance(message, EngineFailed):
                 raise self._fail(str(_rebuild_error(message)))
@@ -207,6 +194,9 @@ class RemoteEngine(EngineTransport):
             return
         self._closed = True
         with anyio.CancelScope(shield=True):
+            if self._socket_dir is None:  # attached: the engine serves other API processes until the launcher stops it
+                await self._stream.aclose()
+                return
             if self._error is None:
                 with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                     await self._send(self._encoder.encode(ShutdownEngine()))
@@ -248,7 +238,7 @@ class RemoteEngine(EngineTransport):
             owes_step = self._busy or self._sent > self._applied
             silent = time.monotonic() - self._last_heard
             if self._process.exitcode is not None:
-                self._fail(f"the engine process is gone ({describe_exit(self._process)})")
+                self._fail(f"the engine process is gone ({_how_it_ended(self._process)})")
             elif owes_step and silent > self._hang_timeout:
                 self._fail(f"the engine sent nothing for {silent:.1f} s while requests were pending "
                            f"(hang timeout {self._hang_timeout:g} s); killed it")
@@ -258,29 +248,146 @@ class RemoteEngine(EngineTransport):
             await self._stream.aclose()  # wakes the reader, which raises the error to the client
 
 
+def _check_hang_timeout(hang_timeout: float) -> None:
+    if not hang_timeout > 0:
+        raise ConfigError("engine_hang_timeout", f"must be a positive number of seconds, got {hang_timeout!r}")
+
+
+async def _launch(config: EngineConfig, process_init, num_clients: int):
+    """Spawn the engine process with `num_clients` connections and wait until its model is loaded:
+    (process, socket folder, one (stream, reader) and info per connection)."""
+    socket_dir = tempfile.mkdtemp(prefix="corectl-engine-")
+    path = os.path.join(socket_dir, "engine.sock")
+    process = multiprocessing.get_context("spawn").Process(
+        target=_engine_process_main, args=(config, path, process_init, num_clients), name="corectl-engine")
+    try:
+        listener = await anyio.create_unix_listener(path)
+        try:
+            await anyio.to_thread.run_sync(process.start)
+            streams = await _accept_while_alive(listener, process, num_clients)
+        finally:
+            await listener.aclose()
+        links = []
+        for stream in streams:
+            reader = BufferedByteReceiveStream(stream)
+            links.append(((stream, reader), await _ready(stream, reader, process)))
+    except BaseException:
+        _stop_process(process, grace_s=0.0)
+        shutil.rmtree(socket_dir, ignore_errors=True)
+        raise
+    return process, socket_dir, links
+
+
+async def _ready(stream: SocketStream, reader: BufferedByteReceiveStream, process) -> EngineInfo:
+    try:
+        first = msgspec.msgpack.decode(await _read_frame(reader), type=EngineMessage)
+    except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
+        await anyio.to_thread.run_sync(process.join, 5.0)
+        raise EngineDeadError(f"the engine process exited while starting ({describe_exit(process)}); "
+                              "its log above says why") from None
+    if isinstance(first, EngineFailed):
+        await stream.aclose()
+        raise _rebuild_error(first)
+    if not isinstance(first, EngineReady):
+        raise EngineDeadError(f"the engine process sent {type(first).__name__} before it was ready")
+    return first.info
+
+
+@dataclasses.dataclass
+class EngineLink:
+    """An API process's connection to a shared engine process (picklable: multiprocessing hands the
+    socket to the API process it spawns)."""
+
+    sock: socket.socket
+    info: EngineInfo
+    pid: int
+
+
+class SharedEngine:
+    """An engine process with one connection per API process (`corectl serve --api-server-count N`),
+    owned by the launcher, which hands `links[i]` to API process i and stops the engine at the end."""
+
+    def __init__(self, process, socket_dir: str, links: list[EngineLink]):
+        self.process = process
+        self.links = links
+        self._socket_dir = socket_dir
+
+    @classmethod
+    async def launch(cls, config: EngineConfig, num_clients: int,
+                     process_init: Callable[[], None] | None = None) -> "SharedEngine":
+        process, socket_dir, links = await _launch(config, process_init, num_clients)
+        handed = []
+        for (stream, _), info in links:
+            # A duplicate outlives this event loop's stream, which closes with it.
+            handed.append(EngineLink(stream.extra(SocketAttribute.raw_socket).dup(), info, process.pid))
+            await stream.aclose()
+        return cls(process, socket_dir, handed)
+
+    def stop(self, grace_s: float = _CLOSE_GRACE_S) -> None:
+        """Wait for the engine to stop (it does once every API process has disconnected), else kill it."""
+        for link in self.links:
+            link.sock.close()
+        _stop_process(self.process, grace_s)
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+
+class _AttachedProcess:
+    """The engine process as an API process that did not start it sees it: by its pid."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while it runs; else 1 (its launcher, its parent, reaps it and logs how it ended)."""
+        try:
+            running = open(f"/proc/{self.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (FileNotFoundError, ProcessLookupError):
+            running = False
+        return None if running else 1
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _how_it_ended(process) -> str:
+    if isinstance(process, _AttachedProcess):
+        return f"pid {process.pid}; the server's log says how it ended"
+    return describe_exit(process)
+
+
 async def _read_frame(reader: BufferedByteReceiveStream) -> bytes:
     (length,) = _HEADER.unpack(await reader.receive_exactly(_HEADER.size))
     return await reader.receive_exactly(length)
 
 
-async def _accept_while_alive(listener, process) -> SocketStream:
-    """Accept the child's connection, or fail as soon as the child exits without connecting."""
+async def _accept_while_alive(listener, process, count: int) -> list[SocketStream]:
+    """Accept the child's `count` connections, or fail as soon as the child exits without making them."""
     accepted: list[SocketStream] = []
     async with anyio.create_task_group() as tg:
         async def accept() -> None:
-            accepted.append(await listener.accept())
+            while len(accepted) < count:
+                accepted.append(await listener.accept())
             tg.cancel_scope.cancel()
 
         tg.start_soon(accept)
         while process.exitcode is None:
             await anyio.sleep(0.1)
-        if not accepted:
+        if len(accepted) < count:
             await anyio.sleep(0.1)  # the child may have connected just before exiting
         tg.cancel_scope.cancel()
-    if not accepted:
+    if len(accepted) < count:
+        for stream in accepted:
+            await stream.aclose()
         raise EngineDeadError(f"the engine process exited while starting ({describe_exit(process)}); "
                               "its log above says why")
-    return accepted[0]
+    return accepted
 
 
 
@@ -295,15 +402,21 @@ def _stop_process(process, grace_s: float) -> None:
 
 # -- the child side -------------------------------------------------------------------------------
 
-class _Channel:
-    """The child's end of the socket: a reader thread queues decoded messages (None at EOF)."""
+Inbox = queue.SimpleQueue  # of (connection index, ClientMessage, or None at its EOF)
 
-    def __init__(self, sock: socket.socket):
+
+class _Channel:
+    """One connection of the child: a reader thread queues its decoded messages in the shared inbox."""
+
+    def __init__(self, sock: socket.socket, index: int, inbox: Inbox):
         self._sock = sock
+        self._index = index
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ClientMessage)
-        self.inbox: queue.SimpleQueue[ClientMessage | None] = queue.SimpleQueue()
-        threading.Thread(target=self._read_loop, name="corectl-engine-inbox", daemon=True).start()
+        self.inbox = inbox
+
+    def start(self) -> None:
+        threading.Thread(target=self._read_loop, name=f"corectl-engine-inbox-{self._index}", daemon=True).start()
 
     def send(self, message: EngineMessage) -> None:
         payload = self._encoder.encode(message)
@@ -314,9 +427,9 @@ class _Channel:
             while True:
                 header = self._recv_exactly(_HEADER.size)
                 (length,) = _HEADER.unpack(header)
-                self.inbox.put(self._decoder.decode(self._recv_exactly(length)))
+                self.inbox.put((self._index, self._decoder.decode(self._recv_exactly(length))))
         except (ConnectionError, OSError, EOFError):
-            self.inbox.put(None)
+            self.inbox.put((self._index, None))
 
     def _recv_exactly(self, size: int) -> bytes:
         chunks, remaining = [], size
@@ -329,12 +442,17 @@ class _Channel:
         return b"".join(chunks)
 
 
-def _engine_process_main(config: EngineConfig, socket_path: str, process_init: Callable[[], None] | None) -> None:
+def _engine_process_main(config: EngineConfig, socket_path: str, process_init: Callable[[], None] | None,
+                         num_clients: int = 1) -> None:
     if process_init is not None:
         process_init()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(socket_path)
-    channel = _Channel(sock)
+    inbox: Inbox = queue.SimpleQueue()
+    channels = []
+    for index in range(num_clients):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(socket_path)
+        channels.append(_Channel(sock, index, inbox))
+    channel = channels[0]
     try:
         core = EngineCore(config)
     except Exception as exc:
@@ -346,34 +464,39 @@ def _engine_process_main(config: EngineConfig, socket_path: str, process_init: C
     # process group must let the server drain its requests first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    channel.send(EngineReady(core.info))
+    for each in channels:
+        each.send(EngineReady(core.info))
+        each.start()
     try:
-        _serve(core, channel)
+        _serve(core, inbox, ClientConnections([each.send for each in channels]))
     except (BrokenPipeError, ConnectionError):
         return  # the parent went away: nobody is left to serve
     except Exception as exc:
         logger.exception("the engine loop failed")
-        with contextlib.suppress(OSError):
-            channel.send(_describe_failure(exc))
+        for each in channels:
+            with contextlib.suppress(OSError):
+                each.send(_describe_failure(exc))
         raise SystemExit(1) from exc
 
 
-def _serve(core: EngineCore, channel: _Channel) -> None:
-    applied = 0
+def _serve(core: EngineCore, inbox: Inbox, connections: ClientConnections) -> None:
     while True:
         block = not core.has_unfinished_requests()
         while True:
             try:
-                message = channel.inbox.get(block, _IDLE_RANK_CHECK_S)
+                index, message = inbox.get(block, _IDLE_RANK_CHECK_S)
             except queue.Empty:
                 if block:
                     core.executor.check_alive()  # idle: no step would notice a rank that died
                     continue
                 break
             block = False
-            if message is None or isinstance(message, ShutdownEngine):
+            if isinstance(message, ShutdownEngine):
                 return
-            applied += 1
-            core.apply(message)
-        channel.send(EngineStep(core.step(), applied))
+            if message is None:
+                if connections.close(index, core):
+                    return
+                continue
+            connections.apply(index, message, core)
+        connections.send(core.step())
 

@@ -48,6 +48,9 @@ def register(sub) -> None:
     group.add_argument("--engine-hang-timeout", type=float, default=60.0, metavar="S",
                        help="declare the engine hung after this many silent seconds with requests pending "
                             "(default: 60; one engine step must finish within it)")
+    group.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
+                       help="N API processes (HTTP, tokenizing, detokenizing) sharing the port and the engine(s), "
+                            "for when one process's CPU limits the token rate (default: 1)")
     group.add_argument("--engine-in-process", action="store_true",
                        help="run the engine in the server's process (debugging)")
     group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
@@ -156,17 +159,46 @@ def run(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_format, envs.log_level())
     settings = settings_from_args(args)
-    return serve(settings)
+    count = _api_server_count(args, settings)
+    if count == 1:
+        return serve(settings)
+    from .api_servers import serve_many
+
+    return serve_many(settings, _bind_port(settings), count)
+
+
+def _api_server_count(args: argparse.Namespace, settings) -> int:
+    count = args.api_server_count
+    if count < 1:
+        raise ConfigError("api_server_count", f"must be at least 1, got {count}")
+    if count > 1 and args.engine_in_process:
+        raise ConfigError("api_server_count", "API processes share an engine process: drop --engine-in-process")
+    if count > 1 and settings.lora.updating_allowed:
+        raise ConfigError("api_server_count", "adapters loaded at run time would reach one API process only: "
+                          "serve them with --lora-modules or --lora-resolver instead")
+    return count
 
 
 def serve(settings) -> int:
     """Run the server until it is stopped; returns the process exit status."""
+    return serve_api(settings, _bind_port(settings))
+
+
+def _bind_port(settings) -> socket.socket:
+    sock = _bind(settings)  # before the engine starts, so a taken port fails in a second, not after loading
+    settings.port = sock.getsockname()[1]
+    return sock
+
+
+def serve_api(settings, sock: socket.socket, engine_links=None, index: int | None = None) -> int:
+    """Serve HTTP on the bound `sock` until stopped; returns the exit status. `engine_links`: the
+    connections to engines another process started (API process `index` of several), else the
+    server starts its own."""
     from ..http.app import create_app
     from ..http.state import ServerState
 
-    sock = _bind(settings)  # before the engine starts, so a taken port fails in a second, not after loading
-    settings.port = sock.getsockname()[1]
     state = ServerState(settings)
+    state.engine_links, state.api_server_index = engine_links, index
     config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, log_config=None,
                             access_log=False, lifespan="on", timeout_graceful_shutdown=settings.shutdown_timeout,
                             ssl_keyfile=settings.ssl_keyfile, ssl_certfile=settings.ssl_certfile,

@@ -160,11 +160,19 @@ async def _start_engine(server: ServerState, tg) -> EngineTransport:
         return await start_engines(settings.engine, tg, lambda config, index: InProcessEngine.start(config, tg))
     from corectl.engine.remote import RemoteEngine
 
+    if server.engine_links is not None:  # engines the launcher started (--api-server-count)
+        links = server.engine_links
+        return await start_engines(settings.engine, tg, lambda config, index: RemoteEngine.attach(
+            links[index], tg, hang_timeout=settings.engine_hang_timeout))
+    return await start_engines(settings.engine, tg, lambda config, index: RemoteEngine.start(
+        config, tg, hang_timeout=settings.engine_hang_timeout, process_init=engine_process_init(settings, index)))
+
+
+def engine_process_init(settings, index: int) -> EngineProcessInit:
+    """What runs first in engine `index`'s process: its devices, then logging like this process's."""
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     setup_logging = functools.partial(configure_logging, settings.log_format, level)
-    return await start_engines(settings.engine, tg, lambda config, index: RemoteEngine.start(
-        config, tg, hang_timeout=settings.engine_hang_timeout,
-        process_init=EngineProcessInit(index, settings.engine, setup_logging)))
+    return EngineProcessInit(index, settings.engine, setup_logging)
 
 
 async def _register_lora_modules(server: ServerState, client: EngineClient) -> None:

@@ -171,16 +171,26 @@ async def _chunks(group: GenerationGroup, head: dict, top_n: int | None, include
     # OpenAI's first chunk of each choice carries the role and no content (the echoed text with echo).
     yield sse.frame(ChatCompletionChunk(**head, choices=[
         ChatChunkChoice(index=i, delta=ChatDelta(role=ROLE, content=echo)) for i in range(group.n)]))
+    # A delta of text alone (most of a stream) is spliced into its choice's pre-encoded frame.
+    plain = {i: sse.TextFrames(lambda content, i=i: ChatCompletionChunk(**head, choices=[
+        ChatChunkChoice(index=i, delta=ChatDelta(content=content))])) for i in range(group.n)}
+    plain_only = top_n is None and not continuous_usage
     async for _, out in group.merged():
         usage.add(0, out)
         choices = []
         for s in out.outputs:
             text = texts[s.index]
             delta = text.feed(s.text, final=s.finish_reason is not None)
-            if delta != ChatDelta() or s.finish_reason is not None or (top_n is not None and s.logprobs):
-                choices.append(ChatChunkChoice(index=s.index, delta=delta, logprobs=_logprobs(s, top_n),
-                                               finish_reason=text.finish_reason(s.finish_reason),
-                                               stop_reason=s.stop_reason))
+            if s.finish_reason is None and (delta.reasoning_content is None and delta.tool_calls is None
+                                            and delta.role is None):
+                if delta.content is None and (top_n is None or not s.logprobs):
+                    continue
+                if plain_only:
+                    yield plain[s.index].frame(delta.content)
+                    continue
+            choices.append(ChatChunkChoice(index=s.index, delta=delta, logprobs=_logprobs(s, top_n),
+                                           finish_reason=text.finish_reason(s.finish_reason),
+                                           stop_reason=s.stop_reason))
         if choices:
             yield sse.frame(ChatCompletionChunk(**head, choices=choices,
                                                 usage=usage.usage() if continuous_usage else None))

@@ -120,6 +120,8 @@ def record_request(server: ServerState, request_id: str, status: str, reasons: l
     if server.metrics is not None and timing is not None:
         server.metrics.observe_finished(timing, reasons, now)
     fields = dict(request_id=request_id, status=status, finish_reasons=reasons)
+    if server.api_server_index is not None:
+        fields["api_server"] = server.api_server_index
     if timing is not None:
         fields.update(
             prompt_tokens=timing.num_prompt_tokens, generation_tokens=timing.num_generation_tokens,
@@ -208,25 +210,28 @@ class GenerationGroup:
         if errors:
             raise errors[0]
 
-    async def merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    def merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, delta) pairs as they arrive, across prompts (with `keep_best`, each prompt's
         deltas once it finished, holding only its best samples)."""
-        if self._keep_best is None:
-            async for item in self._arrivals():
-                yield item
-            return
+        if self._keep_best is not None:
+            return self._best_first()
+        if len(self.generations) == 1:  # one generator less between the engine and the stream, per token
+            return self._one()
+        return self._arrivals()
+
+    async def _one(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        async for out in self.generations[0].deltas():
+            yield 0, out
+
+    async def _best_first(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         held: dict[int, list[RequestOutput]] = {}
-        async for index, out in self._arrivals():
+        async for index, out in (self._one() if len(self.generations) == 1 else self._arrivals()):
             held.setdefault(index, []).append(out)
             if out.finished:
                 for kept in _best_samples(held.pop(index), self._keep_best):
                     yield index, kept
 
     async def _arrivals(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        if len(self.generations) == 1:
-            async for out in self.generations[0].deltas():
-                yield 0, out
-            return
         send, receive = anyio.create_memory_object_stream[tuple[int, RequestOutput] | Exception](math.inf)
 
         async def pump(index: int, generation: Generation) -> None:

@@ -9,12 +9,14 @@ request tracker as outputs arrive and cover the whole server.
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable
 
 from corectl.engine.messages import ITERATION_TOKENS_BUCKETS, SchedulerStats
 from corectl.outputs import RequestMetrics
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -151,7 +153,15 @@ class ServerMetrics:
         self.model_name = model_name
         self.prefix = prefix
         self.registry = CollectorRegistry()
-        self.registry.register(_SchedulerCollector(model_name, engine_stats, max_loras, prefix, cache_config))
+        engines = _SchedulerCollector(model_name, engine_stats, max_loras, prefix, cache_config)
+        self.registry.register(engines)
+        self._scraped = self.registry
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            # Several API processes (--api-server-count): each writes its request counts to the shared
+            # folder and a scrape adds up every process's; each sees every engine's stats itself.
+            self._scraped = CollectorRegistry()
+            MultiProcessCollector(self._scraped)
+            self._scraped.register(engines)
         reg, name = self.registry, model_name
         self.prompt_tokens = Counter(prefix + "prompt_tokens", "Prompt tokens of admitted requests.",
                                      _LABELS, registry=reg).labels(name)
@@ -225,4 +235,4 @@ class ServerMetrics:
             self.inference_time.observe(last - scheduled)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._scraped)

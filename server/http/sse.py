@@ -27,6 +27,21 @@ def frame(chunk: msgspec.Struct) -> bytes:
     return bytes(buffer)
 
 
+class TextFrames:
+    """The frames of one stream's chunks that carry nothing but new text, most of a stream: the
+    chunk is encoded once around a placeholder, and each frame splices the JSON-encoded text into
+    it, which costs a fraction of building and encoding the chunk's structs per token."""
+
+    _PLACEHOLDER = "\x00text\x00"
+
+    def __init__(self, make_chunk):
+        """`make_chunk(text)`: the chunk that carries `text`."""
+        self._prefix, self._suffix = frame(make_chunk(self._PLACEHOLDER)).split(_encoder.encode(self._PLACEHOLDER))
+
+    def frame(self, text: str) -> bytes:
+        return b"".join((self._prefix, _encoder.encode(text), self._suffix))
+
+
 def error_frame(exc: BaseException) -> bytes:
     """An error after the response started: OpenAI clients raise it from the stream."""
     err = to_api_error(exc)

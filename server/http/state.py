@@ -115,6 +115,10 @@ class ServerState:
         self.loras = (LoRARegistry(settings.lora, self.model_name, settings.engine.download_dir)
                       if settings.engine.enable_lora else None)
         self.responses = ResponseStore(settings.responses_store_max_entries, settings.responses_store_max_bytes)
+        # With --api-server-count: this API process's number, and its connections to the engines
+        # the launcher started (`corectl.engine.remote.EngineLink`, one per data-parallel engine).
+        self.api_server_index: int | None = None
+        self.engine_links: list | None = None
         # Set by whoever runs the HTTP server: asks it to stop (after the engine died).
         self.request_exit: Callable[[], None] = lambda: None
 
