@@ -6,11 +6,13 @@ platform's) with its slice of the model; the executor
   - runs the startup calls on every rank: `load_model`, `profile_num_kv_blocks` (the smallest
     count over the ranks, so every rank's cache holds the blocks the scheduler hands out),
     `init_kv_cache`, `warmup`,
-  - launches each step on every rank and returns a `StepHandle` whose `result()` is rank 0's
-    `ModelRunnerOutput` (every rank samples the same ids from the same gathered logits); a step
+  - launches each step on every rank and returns a `StepHandle` whose `result()` is the output
+    rank's `ModelRunnerOutput` (rank 0, or the first of the last pipeline stage; every rank of
+    the sampling stage samples the same ids from the same gathered logits); a step
     whose grammar masks are pending samples when `sample_pending` brings them,
   - reports liveness and stops the ranks.
-One step may stay in flight while the next is launched (async scheduling), as with one worker.
+Steps may stay in flight while the next is launched (async scheduling; a micro-batch per stage
+under pipeline parallelism), as with one worker.
 """
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def launch(self, sched: SchedulerOutput) -> StepHandle:
-        """Start a step on every rank; at most one earlier step may still be unread."""
+        """Start a step on every rank; earlier steps may still be unread (read them in launch order)."""
 
     @abc.abstractmethod
     def sample_pending(self, bitmask: GrammarBitmask | None) -> None:

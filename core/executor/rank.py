@@ -7,8 +7,8 @@ platform's `Worker` and then serves four kinds of request:
 a startup call by name, a step (a `SchedulerOutput` as msgspec bytes), the grammar masks of a step
 launched with them pending (a `GrammarBitmask`, no reply), and a flush. Steps are
 pipelined as in the engine's own process: a step is launched before the previous one is read,
-so the reply to step N (rank 0's `ModelRunnerOutput` as bytes) comes with step N+1's request, or
-with a flush when the engine reads N before it has anything else to launch. Every rank reads its
+so the reply to step N (the output rank's `ModelRunnerOutput` as bytes) comes with step N+1's
+request, or with a flush when the engine reads N before it has anything else to launch. Every rank reads its
 own results (they advance its request states); only the output rank returns them.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ class RankWorker:
         return getattr(self.worker, method)(*args)
 
     def step(self, payload: bytes | memoryview) -> bytes | None:
-        """Launch a step; returns the previous step's output (rank 0) if one was in flight."""
+        """Launch a step; returns the previous step's output (the output rank) if one was in flight."""
         pending = self.worker.launch(self._decoder.decode(payload))
         previous, self._in_flight = self._in_flight, pending
         return None if previous is None else self._finish(previous)
@@ -60,7 +60,7 @@ class RankWorker:
         self.worker.sample_pending(self._bitmask_decoder.decode(payload))
 
     def flush(self) -> bytes | None:
-        """Finish the step in flight; returns its output (rank 0)."""
+        """Finish the step in flight; returns its output (the output rank)."""
         previous, self._in_flight = self._in_flight, None
         return None if previous is None else self._finish(previous)
 

@@ -5,9 +5,9 @@ It joins the cluster `RAY_ADDRESS` names (`ray start --head` on one machine, `ra
 --address=...` on the others), or starts a local one when none is set; a process that has
 already called `ray.init` keeps its own. The placement group reserves one bundle per rank (the
 platform's `ray_resources_per_rank`: a GPU each on CUDA, a CPU on the CPU platform) and packs them
-onto as few machines as it can; bundles are in rank order, so a pipeline stage's ranks fill a
-machine before the next stage's, and stages span machines when one cannot hold them all. The group's rendezvous is rank 0's node address and a port free
-there. Actors are owned by the engine process: when it exits, however it ends, Ray ends them too.
+onto as few machines as it can (pipeline stages included: they span machines when one cannot
+hold every rank, Ray choosing which bundle goes where). The group's rendezvous is rank 0's node
+address and a port free there. Actors are owned by the engine process: when it exits, however it ends, Ray ends them too.
 
 Steps go to every actor as the same msgspec bytes (Ray puts them in its object store once per
 call); the output rank's return value carries the previous step's output, as with the mp executor.

@@ -15,7 +15,7 @@ from ..step_messages import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from ..worker.worker import ModelInfo
 from .base import Executor
 
-Reply = Any  # what a subclass needs to read rank 0's reply to one request
+Reply = Any  # what a subclass needs to read the output rank's reply to one request
 
 
 class RankStep:
@@ -56,7 +56,7 @@ class RemoteRanksExecutor(Executor):
 
     @abc.abstractmethod
     def _wait(self, reply: Reply) -> bytes:
-        """Rank 0's reply; raises EngineDeadError when a rank died or failed."""
+        """The output rank's reply; raises EngineDeadError when a rank died or failed."""
 
     def load_model(self) -> ModelInfo:
         return self._call_all("load_model")[0]

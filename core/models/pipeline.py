@@ -14,7 +14,6 @@ the worker sends and receives them (`corectl.worker.pipeline_stage`).
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,7 +26,7 @@ from ..errors import ConfigError
 
 # vLLM's variable; `pipeline_layer_partition` takes precedence.
 PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_ABSENT = object()
 
 
 @dataclass
@@ -78,10 +77,10 @@ def held_by_other_stage(model: nn.Module, name: str) -> bool:
     the norm and LM head before the last)."""
     module = model
     for part in name.split(".")[:-1]:
-        module = getattr(module, part, model)
+        module = getattr(module, part, _ABSENT)
         if module is None or isinstance(module, OtherStageLayer):
             return True
-        if module is model:  # a checkpoint name the module tree spells differently (packed q/k/v)
+        if module is _ABSENT:  # a checkpoint name the module tree spells differently (packed q/k/v)
             return False
     return False
 

@@ -20,6 +20,12 @@ arrive for a request finished or aborted meanwhile are dropped, even if a new re
 id; one that arrives for a request preempted meanwhile joins its tokens (it is recomputed with them
 on resume). A request whose tokens in flight will end it by length is not scheduled again.
 
+Pipeline parallelism (`pipeline_stages` > 1): a step never takes a request that an earlier step in
+flight holds, and takes at most its share of the requests (`ceil(min(running + waiting,
+max_num_seqs) / stages)`), so the steps in flight are micro-batches of different requests that
+fill the stages. Each continuing request's tokens travel with its step (`new_token_ids`): the
+stages before the last never see the ids the last one samples.
+
 Structured outputs (`self.structured`, see `corectl/structured/manager.py`): a constrained request
 waits in the queue until its grammar has compiled, each step carries the masks of the constrained
 rows it samples, and every token a constrained request accepts advances its grammar, which ends the
@@ -258,7 +264,8 @@ class Scheduler:
         find others to fill the stages with (a request runs in one micro-batch at a time)."""
         if self.pipeline_stages == 1:
             return None
-        return max(1, -(-(len(self.running) + len(self.waiting)) // self.pipeline_stages))
+        active = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+        return max(1, -(-active // self.pipeline_stages))
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         index = 0

@@ -1,8 +1,9 @@
 """EAGLE and EAGLE-3 heads over a tiny random Llama (transformers config, fp32), saved in the published
 checkpoint layouts: greedy output token-exact against the engine without speculation (alone, in a
-mixed batch, through preemption), the sampling distribution of a verify step's tokens against the
-target's exact one (chi-square, seeded n > 1 requests), the head's drafts against a plain torch
-reading of the published forward, and a head made for another target refused naming both sides.
+mixed batch, from the prefix cache, through preemption), the sampling distribution of a verify
+step's tokens against the target's exact one (chi-square over seeded and n > 1 requests), the head's
+drafts against a plain torch reading of the published forward, a head made for another target
+refused naming both sides, and `corectl serve --speculative-config` reporting the counters.
 
 The EAGLE head is built to agree with the target: the target's embedding rows have unit RMS (so
 its first input norm is nearly the identity, which EAGLE's layer skips) and its layers after the
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 
+import httpx
 import pytest
 import torch
 from corectl import LLM, SamplingParams
@@ -279,3 +281,26 @@ def test_a_head_for_another_target_is_refused_naming_both(isolated_env, folders,
     (head / "model.safetensors").write_bytes((folders[method] / "model.safetensors").read_bytes())
     with pytest.raises(ConfigError, match=message):
         _llm({**folders, method: head}, method)
+
+
+def test_serve_with_an_eagle3_head_reports_the_speculative_counters(folders):
+    import openai
+    from support.server import ServerProcess
+    spec = json.dumps({"method": "eagle3", "model": str(folders["eagle3"]), "num_speculative_tokens": 3})
+    server = ServerProcess(str(folders["target"]), "--skip-tokenizer-init", "--engine-in-process", "--dtype", "float32",
+                           "--num-threads", "1", "--max-model-len", "256", "--kv-cache-memory", "0.01",
+                           "--speculative-config", spec).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+        prompt, max_tokens = [5, 17, 99, 3, 42, 7], 12
+        out = client.completions.create(model=str(folders["target"]), prompt=prompt, max_tokens=max_tokens,
+                                        temperature=0.0)
+        assert out.usage.completion_tokens == max_tokens
+        lines = httpx.get(server.url + "/metrics").text.splitlines()
+        metrics = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in lines
+                   if line.startswith("vllm:spec_decode")}
+        assert metrics["vllm:spec_decode_num_drafts_total"] > 0
+        assert metrics["vllm:spec_decode_num_draft_tokens_total"] >= metrics["vllm:spec_decode_num_drafts_total"]
+        assert "vllm:spec_decode_num_accepted_tokens_total" in metrics
+    finally:
+        server.stop()
