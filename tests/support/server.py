@@ -75,6 +75,16 @@ class ServerProcess:
         return self.proc.returncode
 
 
+@contextlib.contextmanager
+def running_server(*args: str):
+    """A `ServerProcess` with `args`, ready, and stopped afterwards (a fixture's body)."""
+    process = ServerProcess(*args)
+    try:
+        yield process.wait_ready()
+    finally:
+        process.stop()
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid`, children before their own children."""
     found = []

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 from support.models import build_random_checkpoint
-from support.server import SMALL_ENGINE, ServerProcess, descendants
+from support.server import SMALL_ENGINE, descendants, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -18,11 +18,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def server(tmp_path, default_model_dir):
     checkpoint = build_random_checkpoint("qwen2", tmp_path / "qwen2", default_model_dir)
-    process = ServerProcess(str(checkpoint), "-tp", "2", "--served-model-name", "tiny", *SMALL_ENGINE)
-    try:
-        yield process.wait_ready()
-    finally:
-        process.stop()
+    with running_server(str(checkpoint), "-tp", "2", "--served-model-name", "tiny", *SMALL_ENGINE) as process:
+        yield process
 
 
 def test_a_rank_killed_while_idle_is_noticed_without_a_request(server):

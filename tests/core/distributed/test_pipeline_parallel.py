@@ -20,7 +20,7 @@ from corectl.server.cli.engine_args import add_engine_args, config_from_args
 from support.models import build_random_checkpoint
 from support.ray_cluster import local_ray_cluster
 from support.scheduling import make_req, make_scheduler, sample_all
-from support.server import PARITY_PROMPTS, SMALL_ENGINE, ServerProcess, assert_serves_like_one_device, rank_processes
+from support.server import PARITY_PROMPTS, SMALL_ENGINE, assert_serves_like_one_device, rank_processes, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -106,11 +106,8 @@ def test_the_scheduler_fills_one_micro_batch_per_stage():
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    process = ServerProcess(str(checkpoint), "-pp", "2", "--served-model-name", "tiny", *SMALL_ENGINE)
-    try:
-        yield process.wait_ready()
-    finally:
-        process.stop()
+    with running_server(str(checkpoint), "-pp", "2", "--served-model-name", "tiny", *SMALL_ENGINE) as process:
+        yield process
 
 
 def test_serve_pp2_completes_like_one_device(server, checkpoint):

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.server import SMALL_ENGINE, ServerProcess, alive, descendants
+from support.server import SMALL_ENGINE, ServerProcess, alive, descendants, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -21,11 +21,8 @@ DOCUMENT = " ".join(f"Clause {i}: the tenant keeps the garden tidy and pays on t
 
 @pytest.fixture(scope="module")
 def server():
-    process = ServerProcess("-dp", "2", "--served-model-name", "smol", *SMALL_ENGINE)
-    try:
-        yield process.wait_ready()
-    finally:
-        process.stop()
+    with running_server("-dp", "2", "--served-model-name", "smol", *SMALL_ENGINE) as process:
+        yield process
 
 
 def engine_pids(server: ServerProcess) -> list[int]:

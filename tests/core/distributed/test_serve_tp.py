@@ -13,11 +13,11 @@ from support.models import build_random_checkpoint
 from support.server import (
     PARITY_PROMPTS,
     SMALL_ENGINE,
-    ServerProcess,
     alive,
     assert_serves_like_one_device,
     descendants,
     rank_processes,
+    running_server,
 )
 
 pytestmark = pytest.mark.slow
@@ -30,11 +30,8 @@ def checkpoint(tmp_path_factory, default_model_dir):
 
 @pytest.fixture
 def server(checkpoint):
-    process = ServerProcess(str(checkpoint), "-tp", "2", "--served-model-name", "tiny", *SMALL_ENGINE)
-    try:
-        yield process.wait_ready()
-    finally:
-        process.stop()
+    with running_server(str(checkpoint), "-tp", "2", "--served-model-name", "tiny", *SMALL_ENGINE) as process:
+        yield process
 
 
 def test_serve_tp2_completes_like_one_device(server, checkpoint):
