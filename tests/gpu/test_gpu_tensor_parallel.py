@@ -1,8 +1,10 @@
-"""Tensor parallelism on real GPUs through NCCL: TP = 2 against TP = 1 in bf16, CUDA graphs on and off.
+"""Tensor and pipeline parallelism on real GPUs through NCCL: TP = 2 and PP = 2 against one GPU in
+bf16, CUDA graphs on and off.
 
-The ranks add their partial sums in another order than one GPU's GEMM, so bf16 logits move by a
-few units in the last place: TP = 2 must give TP = 1's greedy tokens, except where TP = 1 itself
-rates the two tokens within a near-tie (judged by TP = 1's own top logprobs).
+The ranks add their partial sums in another order than one GPU's GEMM (TP), and pipeline stages run
+their micro-batches at other batch sizes (PP), so bf16 logits move by a few units in the last place:
+both must give one GPU's greedy tokens, except where one GPU itself rates the two tokens within a
+near-tie (judged by its own top logprobs).
 """
 import pytest
 import torch
@@ -28,12 +30,13 @@ def _logprob_lookup(completion):
     return lookup
 
 
+@pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_tp2_gives_the_tokens_of_one_gpu(checkpoint, enforce_eager):
+def test_two_gpus_give_the_tokens_of_one(checkpoint, enforce_eager, split):
     prompts = random_prompts(PROMPT_LENGTHS, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=TOP_LOGPROBS, ignore_eos=True)
     one = generate(checkpoint, prompts, params, enforce_eager=enforce_eager)
-    two = generate(checkpoint, prompts, params, enforce_eager=enforce_eager, tensor_parallel_size=2)
+    two = generate(checkpoint, prompts, params, enforce_eager=enforce_eager, **split)
     worst, parted = 0.0, 0
     for reference, out in zip(one, two):
         expected, got = reference.outputs[0], out.outputs[0]
@@ -41,8 +44,8 @@ def test_tp2_gives_the_tokens_of_one_gpu(checkpoint, enforce_eager):
         matched, error = compare_greedy(expected.token_ids, got.token_ids, _logprob_lookup(expected),
                                         got_logprobs, TIE_TOLERANCE)
         worst, parted = max(worst, error), parted + (matched < NEW_TOKENS)
-    print(f"{checkpoint.name} {'eager' if enforce_eager else 'graphs'}: TP=2 vs TP=1 max chosen-token logprob "
-          f"difference {worst:.4f} nat; {parted} of {len(prompts)} prompts parted at a near-tie")
+    print(f"{checkpoint.name} {'eager' if enforce_eager else 'graphs'} {split}: against one GPU, max chosen-token "
+          f"logprob difference {worst:.4f} nat; {parted} of {len(prompts)} prompts parted at a near-tie")
     assert worst < LOGPROB_TOLERANCE
 
 
