@@ -28,7 +28,7 @@ from ..discovery import (
 )
 from ..errors import ConfigError, CorectlError, InvalidRequestError
 from ..executor import StepHandle, WorkerSpec, create_executor
-from ..kv_transfer.factory import scheduler_connector
+from ..kv_transfer.factory import check_kv_connector, scheduler_connector
 from ..loaders import ModelSource, resolve_model_source
 from ..lora.shapes import BaseModelShape
 from ..models.bert import position_offset
@@ -83,6 +83,7 @@ class EngineCore:
         quantization = resolve_quantization(config, self.source, platform)
         backend_cls = resolve_attention_backend(platform, config.attention_backend, hf)
         backend_cls.check_kv_cache_dtype(config.kv_cache_dtype)
+        check_kv_connector(config)
         self.executor = create_executor(WorkerSpec(
             config, platform, self.source, dtype=dtype, max_model_len=self.max_model_len,
             eos_token_id=self.eos_token_id, attention_backend_cls=backend_cls, quantization=quantization,

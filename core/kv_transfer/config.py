@@ -59,8 +59,17 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
 
 def resolve_kv_transfer_config(value: Any) -> KVTransferConfig | None:
     """The checked config, None when `value` is None."""
-    if value is None or isinstance(value, KVTransferConfig):
-        return value
+    if value is None:
+        return None
+    config = value if isinstance(value, KVTransferConfig) else _parse(value)
+    if config.kv_role not in KV_ROLES:
+        raise ConfigError(FIELD, f"kv_role must be one of {', '.join(KV_ROLES)}; got {config.kv_role!r}")
+    if not config.kv_connector:
+        raise ConfigError(FIELD, "kv_connector must name a connector (see `corectl plugins`)")
+    return config
+
+
+def _parse(value: Any) -> KVTransferConfig:
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -70,14 +79,9 @@ def resolve_kv_transfer_config(value: Any) -> KVTransferConfig | None:
         raise ConfigError(FIELD, "must be a JSON object such as {\"kv_connector\": \"SharedMemoryConnector\", "
                                  f"\"kv_role\": \"kv_producer\"}}, got {value!r}")
     try:
-        config = msgspec.convert(value, KVTransferConfig)
+        return msgspec.convert(value, KVTransferConfig)
     except msgspec.ValidationError as exc:
         raise ConfigError(FIELD, str(exc).replace("$.", "")) from None
-    if config.kv_role not in KV_ROLES:
-        raise ConfigError(FIELD, f"kv_role must be one of {', '.join(KV_ROLES)}; got {config.kv_role!r}")
-    if not config.kv_connector:
-        raise ConfigError(FIELD, "kv_connector must name a connector (see `corectl plugins`)")
-    return config
 
 
 class TransferParams(msgspec.Struct, frozen=True):

@@ -27,6 +27,12 @@ def _connector(engine: EngineConfig) -> tuple[KVTransferConfig, type[KVConnector
     return config, connector
 
 
+def check_kv_connector(engine: EngineConfig) -> None:
+    """Resolve and check the configured connector before anything loads (ConfigError when it is
+    unknown or cannot serve this engine)."""
+    _connector(engine)
+
+
 def scheduler_connector(engine: EngineConfig, kv_bytes_per_block: int) -> KVConnectorScheduler | None:
     """The scheduler half (None without a connector); raises ConfigError for one it cannot run."""
     found = _connector(engine)

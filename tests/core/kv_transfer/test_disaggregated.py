@@ -140,3 +140,15 @@ def test_bad_kv_transfer_params_are_refused():
         SamplingParams(kv_transfer_params={"do_remote_prefill": True, "transfer_id": "../etc"})
     with pytest.raises(InvalidRequestError, match="both"):
         SamplingParams(kv_transfer_params={"do_remote_prefill": True, "do_remote_decode": True, "transfer_id": "a"})
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"kv_connector": "NoSuchConnector", "kv_role": "kv_both"}, "SharedMemoryConnector"),
+    ({"kv_connector": "TorchDistributedConnector", "kv_role": "kv_both"}, "kv_both"),
+    ({"kv_connector": "SharedMemoryConnector", "kv_role": "kv_sideways"}, "kv_role"),
+])
+def test_bad_connector_configs_are_refused_before_loading(config, message):
+    from corectl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        LLM(**TINY, kv_transfer_config=config)
