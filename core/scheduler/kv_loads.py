@@ -45,6 +45,10 @@ class KVLoads:
             req.first_scheduled_time = time.monotonic()
         self._parked[req.request_id] = (req, hit.num_tokens + external)
 
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
+
     def discard(self, req: Request) -> bool:
         """Forget a parked request (aborted); whether it was parked."""
         return self._parked.pop(req.request_id, None) is not None
@@ -64,7 +68,7 @@ class KVLoads:
             if req is not None:
                 self.failures += 1
                 block_ids = self.kv.block_ids(req)
-                first_bad = min(block_ids.index(b) for b in bad_blocks if b in block_ids)
+                first_bad = min((block_ids.index(b) for b in bad_blocks if b in block_ids), default=len(block_ids))
                 req.num_computed_tokens = min(req.num_computed_tokens, first_bad * self.block_size)
                 settled.append(req)
         self.connector.update_report(report)

@@ -211,12 +211,13 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Queued requests, and those waiting for a KV load (vLLM counts both as waiting)."""
+        return len(self.waiting) + (0 if self.kv_loads is None else self.kv_loads.num_parked)
 
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=self.num_waiting,
             kv_cache_usage=self.kv.usage,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
