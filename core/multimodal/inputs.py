@@ -22,8 +22,8 @@ class MultiModalInput(msgspec.Struct, array_like=True, gc=False, frozen=True):
     """One image: its placeholder tokens are prompt positions `offset` .. `offset + length - 1`.
 
     `pixel_values` are the processor's float32 values (little-endian bytes) of shape
-    `pixel_shape`; `grid_thw` is the (temporal, height, width) patch grid of models whose tower
-    takes a variable resolution (Qwen2.5-VL), empty for fixed-size towers (Gemma 3's SigLIP).
+    `pixel_shape`; `grid_thw` is the (temporal, height, width) patch grid the tower sees
+    (Qwen2.5-VL's variable resolution).
     """
 
     hash: str
@@ -48,9 +48,10 @@ class MultiModalInput(msgspec.Struct, array_like=True, gc=False, frozen=True):
     def end(self) -> int:
         return self.offset + self.length
 
-    def at(self, offset: int) -> MultiModalInput:
-        """The same image with its placeholders starting at `offset`."""
-        return msgspec.structs.replace(self, offset=offset)
+    def __repr__(self) -> str:
+        # Without the pixels: logs (`--log-prompts`) and tracebacks name the image, not megabytes.
+        return (f"MultiModalInput(hash={self.hash!r}, offset={self.offset}, length={self.length}, "
+                f"pixel_shape={self.pixel_shape}, grid_thw={self.grid_thw})")
 
     @property
     def hash_bytes(self) -> bytes:

@@ -68,8 +68,6 @@ class ImageProcessing:
         self.image_processor = image_processor
         self.image_token_id: int = hf_config.image_token_id
         self.merge_size = getattr(hf_config.vision_config, "spatial_merge_size", 1)
-        # Fixed-size towers (Gemma 3's SigLIP) give every image the same number of tokens.
-        self.tokens_per_image = getattr(hf_config, "mm_tokens_per_image", None)
 
     @classmethod
     def for_model(cls, model_dir: Path | None, hf_config) -> ImageProcessing | None:
@@ -87,10 +85,8 @@ class ImageProcessing:
         """Pixel values, patch grid and placeholder count of one RGB PIL image."""
         out = self.image_processor(images=[image], return_tensors="np")
         pixels = np.asarray(out["pixel_values"], dtype=np.float32)
-        if "image_grid_thw" in out:
-            grid = [int(g) for g in np.asarray(out["image_grid_thw"])[0]]
-            return ProcessedImage(pixels, grid, int(np.prod(grid)) // self.merge_size ** 2)
-        return ProcessedImage(pixels, [], int(self.tokens_per_image))
+        grid = [int(g) for g in np.asarray(out["image_grid_thw"])[0]]
+        return ProcessedImage(pixels, grid, int(np.prod(grid)) // self.merge_size ** 2)
 
     def expand(self, token_ids: list[int], images: list[ProcessedImage]) -> tuple[list[int], list[MultiModalInput]]:
         """`token_ids` with each image's placeholder widened to its token run, and the images'
