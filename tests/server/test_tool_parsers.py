@@ -8,8 +8,10 @@ import json
 import pytest
 from corectl.errors import ConfigError
 from corectl.server.http.parsers import reasoning_parser_class, tool_parser_class
-from corectl.server.http.reasoning.builtin import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
-from corectl.server.http.tool_parsers.builtin import HermesToolParser, Llama3JsonToolParser, MistralToolParser
+from corectl.server.http.reasoning.builtin import (DeepSeekR1ReasoningParser, HarmonyReasoningParser,
+                                                 Qwen3ReasoningParser)
+from corectl.server.http.tool_parsers.builtin import (HarmonyToolParser, HermesToolParser, Llama3JsonToolParser,
+                                                     MistralToolParser)
 from corectl.server.http.tool_parsers.forced import NamedCallParser, RequiredCallsParser
 from corectl.tokenizer import Tokenizer
 
@@ -167,7 +169,11 @@ def test_parsers_are_found_through_the_plugin_hooks():
     assert tool_parser_class("mistral") is MistralToolParser
     assert reasoning_parser_class("qwen3") is Qwen3ReasoningParser
     assert reasoning_parser_class("deepseek_r1") is DeepSeekR1ReasoningParser
-    with pytest.raises(ConfigError, match="unknown tool parser 'nope'; registered: hermes, llama3_json, mistral"):
+    # vLLM's names for gpt-oss's harmony channels (launch commands pass them).
+    assert tool_parser_class("openai") is HarmonyToolParser
+    assert reasoning_parser_class("openai_gptoss") is HarmonyReasoningParser
+    with pytest.raises(ConfigError, match="unknown tool parser 'nope'; registered: hermes, llama3_json, mistral, "
+                                          "openai"):
         tool_parser_class("nope")
     with pytest.raises(ConfigError, match="unknown reasoning parser"):
         reasoning_parser_class("nope")

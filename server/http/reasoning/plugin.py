@@ -11,3 +11,5 @@ def corectl_reasoning_parsers():
                               description="<think>...</think> when the output opens with <think> (Qwen3, QwQ)")
     yield ReasoningParserSpec("deepseek_r1", f"{base}:DeepSeekR1ReasoningParser",
                               description="reasoning up to </think>, opened by the template (DeepSeek-R1)")
+    yield ReasoningParserSpec("openai_gptoss", f"{base}:HarmonyReasoningParser",
+                              description="harmony's analysis channel (gpt-oss)")

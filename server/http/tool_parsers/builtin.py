@@ -1,7 +1,11 @@
 """The built-in tool parsers, for the formats the common open models write (vLLM's names)."""
 from __future__ import annotations
 
-from .base import MarkedToolParser, held_back
+from typing import Any
+
+from ..harmony_output import HarmonyText
+from ..responses import ToolCall, ToolCallDelta
+from .base import MarkedToolParser, ToolParser, held_back
 
 
 class HermesToolParser(MarkedToolParser):
@@ -40,3 +44,23 @@ class Llama3JsonToolParser(MarkedToolParser):
         if not self.began and not text.strip():
             return len(text)
         return held_back(text, (self.start_marker,))
+
+
+class HarmonyToolParser(ToolParser):
+    """vLLM's `openai` parser: the calls of the harmony format (messages to `functions.<name>`), with
+    the text of the `final` and plain `commentary` channels as content. A gpt-oss model's chat reads
+    its channels this way (`HarmonyText`) whatever the flags; this lets launch commands that name
+    the parser start, and reads harmony text that another model's template asks for."""
+
+    needs_special_tokens = True
+
+    def __init__(self, tokenizer: Any = None):
+        super().__init__(tokenizer)
+        self._text = HarmonyText("assistant")
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
+        delta = self._text.feed(text, final)
+        return delta.content or "", list(delta.tool_calls or [])
+
+    def result(self) -> list[ToolCall] | None:
+        return self._text.message()[1] or None

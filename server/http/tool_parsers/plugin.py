@@ -12,3 +12,5 @@ def corectl_tool_parsers():
     yield ToolParserSpec("llama3_json", f"{base}:Llama3JsonToolParser",
                          description="JSON calls as the whole output, or after <|python_tag|> (Llama 3.x)")
     yield ToolParserSpec("mistral", f"{base}:MistralToolParser", description="[TOOL_CALLS][{json}, ...] (Mistral)")
+    yield ToolParserSpec("openai", f"{base}:HarmonyToolParser",
+                         description="harmony's messages to functions.<name> (gpt-oss)")
