@@ -7,6 +7,7 @@ import json
 import pytest
 from corectl import LLM, SamplingParams
 from corectl.errors import ConfigError
+from corectl.generation_config import generation_defaults
 from support.models import build_random_checkpoint
 
 ENGINE = dict(dtype="float32", max_model_len=64, kv_cache_memory_gib=0.02)
@@ -36,9 +37,8 @@ def test_generate_without_params_takes_the_model_defaults(checkpoint):
 
 def test_vllm_and_folder_sources(checkpoint, tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 5, "temperature": 0.5}))
-    other = LLM(str(checkpoint), generation_config=str(tmp_path), **ENGINE).get_default_sampling_params()
-    assert (other.max_tokens, other.temperature, other.top_k) == (5, 0.5, SamplingParams().top_k)
-    plain = LLM(str(checkpoint), generation_config="vllm", **ENGINE).get_default_sampling_params()
-    assert (plain.max_tokens, plain.temperature) == (SamplingParams().max_tokens, SamplingParams().temperature)
+    assert generation_defaults(str(tmp_path), str(checkpoint)) == {"max_tokens": 5, "temperature": 0.5}
+    assert generation_defaults("vllm", str(checkpoint)) == {}
+    assert generation_defaults("auto", str(tmp_path / "no-such-model")) == {}
     with pytest.raises(ConfigError, match="generation_config"):
-        LLM(str(checkpoint), generation_config="nowhere/at/all", **ENGINE)
+        LLM(str(checkpoint), generation_config="nowhere/at/all", **ENGINE)  # refused before the engine loads
