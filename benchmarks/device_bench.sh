@@ -61,6 +61,7 @@ variant() {  # the switches of one stage: engine options into ENGINE, environmen
       tp2) ENGINE+=(-tp 2) ;;
       pp2) ENGINE+=(-pp 2) ;;                                               # two pipeline stages
       dp2) ENGINE+=(-dp 2) ;;
+      asc[0-9]*) SERVE_ARGS="${SERVE_ARGS:-} --api-server-count ${switch#asc}" ;;  # API processes (F1)
       ray) ray_site || { echo "ray not importable"; return 1; }
            ENGINE+=(-tp 2 --distributed-executor-backend ray); export RAY_AUTH_MODE=disabled ;;
       nopdl) export CORECTL_PDL=0 ;;                                        # programmatic dependent launch off
@@ -102,6 +103,11 @@ serve() {  # starts `corectl serve MODEL` with the variant on PORT (first argume
 }
 stop_server() { kill -TERM "$SERVER"; wait "$SERVER"; }
 cpu_seconds() { awk '{print ($14 + $15) / 100}' "/proc/$1/stat"; }
+api_cpu_seconds() {  # the server process and its API processes (--api-server-count), not the engines
+  local pids=("$1") p
+  for p in $(pgrep -P "$1"); do grep -q '^corectl-api' "/proc/$p/comm" && pids+=("$p"); done
+  for p in "${pids[@]}"; do cpu_seconds "$p"; done | awk '{s += $1} END {print s}'
+}
 # Ray travels as a slimmed tarball (the wheel is over the device tool's size limit): .peers/ray-slim.tar.xz.
 ray_site() { [ -f .peers/ray-slim.tar.xz ] && tar xJf .peers/ray-slim.tar.xz -C /tmp/site 2>/dev/null; python3 -c "import ray" 2>/dev/null; }
 
@@ -245,7 +251,8 @@ stage_w11() {  # speculative decoding: a verify step with k = 4 against a plain 
 stage_f1() {
   # API-process CPU per streamed output token: the server (F1_MODEL, default qwen3-0.6b) under 1024 in /
   # 128 out at concurrency 256 from 4 client processes, warmed first; the API process's CPU seconds over
-  # the measured pass's output tokens (engines run in processes of their own). f1:dp2 for two engines.
+  # the measured pass's output tokens (engines run in processes of their own). f1:dp2 for two engines,
+  # f1:asc2 for two API processes (their CPU added up).
   local model=${F1_MODEL:-qwen3-0.6b}
   serve 8021 "$model"
   local args=(--base-url http://127.0.0.1:8021 --endpoint /v1/completions --prompt-token-ids
@@ -253,16 +260,17 @@ stage_f1() {
               --max-concurrency 256 --num-clients 4)
   corectl bench serve "${args[@]}" --num-prompts 256 > /dev/null 2>&1
   local c0 c1 t0 t1
-  c0=$(cpu_seconds "$SERVER"); t0=$(date +%s.%N)
+  c0=$(api_cpu_seconds "$SERVER"); t0=$(date +%s.%N)
   corectl bench serve "${args[@]}" --num-prompts 768 --save-result "$RES/$TAG.json" > "$RES/$TAG.txt" 2>&1
-  c1=$(cpu_seconds "$SERVER"); t1=$(date +%s.%N)
+  c1=$(api_cpu_seconds "$SERVER"); t1=$(date +%s.%N)
   stop_server
   grep -iE "output token throughput|failed" "$RES/$TAG.txt"
   python3 - "$RES/$TAG.json" "$c0" "$c1" "$t0" "$t1" <<'PY'
 import json, sys
 tokens = json.load(open(sys.argv[1]))["total_output_tokens"]
 cpu, wall = float(sys.argv[3]) - float(sys.argv[2]), float(sys.argv[5]) - float(sys.argv[4])
-print(f"API process: {cpu / tokens * 1e6:.1f} us CPU per output token, {cpu / wall:.2f} cores over {wall:.1f} s")
+print(f"API process(es): {cpu / tokens * 1e6:.1f} us CPU per output token, {cpu / wall:.2f} cores over {wall:.1f} s, "
+      f"{tokens / wall:.0f} output tok/s")
 PY
 }
 stage_swa() {

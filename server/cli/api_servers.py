@@ -1,8 +1,8 @@
 """`corectl serve --api-server-count N`: the engine process(es) once, then N API processes sharing them.
 
-This process (the launcher) binds the listening socket, starts every data-parallel engine with one
-connection per API process (`corectl.engine.remote.SharedEngine`), and spawns N API processes; API
-process i gets the socket, which all of them accept on (the kernel spreads the connections), and
+This process (the launcher) binds N listening sockets to the port (SO_REUSEPORT: the kernel spreads
+new connections over them), starts every data-parallel engine with one connection per API process
+(`corectl.engine.remote.SharedEngine`), and spawns N API processes; API process i gets socket i and
 connection i of every engine. Each is a whole server (`serve.serve_api`) whose engine transport is
 attached to those connections. The launcher serves nothing itself; it supervises:
 
@@ -17,6 +17,8 @@ PROMETHEUS_MULTIPROC_DIR set here, before they start), so any of them reports th
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -34,10 +36,12 @@ logger = logging.getLogger("corectl.server")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _POLL_S = 0.5
+_PR_SET_NAME = 15
 
 
-def serve_many(settings, sock: socket.socket, count: int) -> int:
-    """Run the engines and `count` API processes on `sock` until stopped; returns the exit status."""
+def serve_many(settings, socks: list[socket.socket]) -> int:
+    """Run the engines and an API process per listening socket until stopped; returns the exit status."""
+    count = len(socks)
     metrics_dir = tempfile.mkdtemp(prefix="corectl-metrics-")
     os.environ[MULTIPROC_ENV] = metrics_dir
     engines: list[SharedEngine] = []
@@ -45,11 +49,12 @@ def serve_many(settings, sock: socket.socket, count: int) -> int:
         engines = anyio.run(_launch_engines, settings, count)
         context = multiprocessing.get_context("spawn")
         servers = [context.Process(target=_api_process_main, name=f"corectl-api-{i}",
-                                   args=(settings, sock, [engine.links[i] for engine in engines], i))
+                                   args=(settings, socks[i], [engine.links[i] for engine in engines], i))
                    for i in range(count)]
         for server in servers:
             server.start()
-        sock.close()  # the API processes hold it now
+        for sock in socks:
+            sock.close()  # the API processes hold them now
         return _supervise(servers, engines)
     finally:
         for engine in engines:
@@ -119,5 +124,12 @@ def _api_process_main(settings, sock: socket.socket, links: list[EngineLink], in
     from ..http.logs import configure_logging
     from .serve import serve_api
 
+    _name_process(f"corectl-api-{index}")
     configure_logging(settings.log_format, envs.log_level())
     raise SystemExit(serve_api(settings, sock, links, index))
+
+
+def _name_process(name: str) -> None:
+    """The name `ps`, `top` and /proc/<pid>/comm show (Linux; elsewhere the name stays python)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)

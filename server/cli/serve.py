@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         return serve(settings)
     from .api_servers import serve_many
 
-    return serve_many(settings, _bind_port(settings), count)
+    return serve_many(settings, _bind_ports(settings, count))
 
 
 def _api_server_count(args: argparse.Namespace, settings) -> int:
@@ -185,9 +185,17 @@ def serve(settings) -> int:
 
 
 def _bind_port(settings) -> socket.socket:
-    sock = _bind(settings)  # before the engine starts, so a taken port fails in a second, not after loading
-    settings.port = sock.getsockname()[1]
-    return sock
+    return _bind_ports(settings, 1)[0]
+
+
+def _bind_ports(settings, count: int) -> list[socket.socket]:
+    """`count` listening sockets on the port (before the engine starts, so a taken port fails in a
+    second, not after loading). Several share it through SO_REUSEPORT, one per API process: the
+    kernel spreads new connections over them evenly, where processes accepting on one socket
+    would leave them to whichever wakes first."""
+    first = _bind(settings, reuse_port=count > 1)
+    settings.port = first.getsockname()[1]
+    return [first] + [_bind(settings, reuse_port=True) for _ in range(count - 1)]
 
 
 def serve_api(settings, sock: socket.socket, engine_links=None, index: int | None = None) -> int:
@@ -225,10 +233,12 @@ def serve_api(settings, sock: socket.socket, engine_links=None, index: int | Non
     return state.exit_code
 
 
-def _bind(settings) -> socket.socket:
+def _bind(settings, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((settings.host, settings.port))
         sock.listen()  # with SO_REUSEADDR a taken port passes bind() and fails only here

@@ -50,13 +50,18 @@ def _logged(proc: ServerProcess, event: str) -> list[dict]:
 
 def test_two_api_processes_answer_as_one_and_count_every_request(two_api_servers, server):
     assert _answers(two_api_servers.url) == _answers(server.url)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for _ in range(16):  # a connection each: the kernel spreads them over both processes' sockets
+        body = {"model": "x", "prompt": "Hi", "max_tokens": 1}
+        body["model"] = httpx.get(two_api_servers.url + "/v1/models", headers=headers).json()["data"][0]["id"]
+        assert httpx.post(two_api_servers.url + "/v1/completions", json=body, headers=headers,
+                          timeout=120).status_code == 200
     finished = _logged(two_api_servers, "request finished")
     assert {r["api_server"] for r in finished} == {0, 1}  # both processes served requests
-    headers = {"Authorization": f"Bearer {API_KEY}"}
     for _ in range(4):  # whichever process answers the scrape reports the whole server
         text = httpx.get(two_api_servers.url + "/metrics", headers=headers, timeout=30).text
         counts = re.findall(r'^vllm:request_success_total\{[^}]*\} ([0-9.]+)$', text, re.MULTILINE)
-        assert sum(float(c) for c in counts) == len(PROMPTS) == len(finished)
+        assert sum(float(c) for c in counts) == len(PROMPTS) + 16 == len(finished)
         generated = re.search(r'^vllm:generation_tokens_total\{[^}]*\} ([0-9.]+)$', text, re.MULTILINE)
         assert float(generated.group(1)) == sum(r["generation_tokens"] for r in finished)
         assert 'vllm:num_requests_running{engine="0"' in text
