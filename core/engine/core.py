@@ -294,12 +294,8 @@ def _runner_config(config: EngineConfig, pooling: PoolingInfo | None) -> EngineC
 
 
 def _async_scheduling(config: EngineConfig, platform_default: bool) -> bool:
-    """Whether steps overlap the host's work; speculative decoding runs the synchronous loop
-    (its drafts come from the tokens the step before produced)."""
-    if config.speculative_config is not None:
-        if config.async_scheduling:
-            logger.warning("speculative decoding runs with synchronous scheduling; async_scheduling is ignored")
-        return False
+    """Whether steps overlap the host's work (with speculation too: a speculating request sits
+    out the step after its own, see `Scheduler._awaits_verdict`)."""
     return platform_default if config.async_scheduling is None else config.async_scheduling
 
 

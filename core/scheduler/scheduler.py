@@ -272,7 +272,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and not plan.full:
             req = self.running[index]
-            if (self._ends_by_length(req) or self._awaits_pooled(req)
+            if (self._ends_by_length(req) or self._awaits_pooled(req) or self._awaits_verdict(req)
                     or (self.pipeline_stages > 1 and self.in_flight.holds(req))):
                 index += 1
                 continue
@@ -315,9 +315,20 @@ class Scheduler:
         """Draft tokens for a request whose step computes only its newest token (speculation
         on; never under a grammar, whose matcher advances one token a step)."""
         if (self.drafts is None or num_tokens != 1 or req.num_computed_tokens + 1 != req.num_tokens
-                or (self.structured is not None and req in self.structured)):
+                or not self._may_draft(req)):
             return []
         return self.drafts.drafts(req.all_token_ids, req.num_output_tokens, req.max_tokens, budget)
+
+    def _may_draft(self, req: Request) -> bool:
+        """Whether speculation serves the request (not one under a grammar, whose matcher
+        advances one token a step)."""
+        return self.structured is None or req not in self.structured
+
+    def _awaits_verdict(self, req: Request) -> bool:
+        """Whether a speculating request still has tokens in flight (async scheduling): its next
+        drafts and even its next position depend on what they turn out to be, so it sits this step
+        out while the others overlap (docs/speculative.md, "Async scheduling")."""
+        return self.drafts is not None and self.in_flight.num_tokens(req) > 0 and self._may_draft(req)
 
     def _ends_by_length(self, req: Request) -> bool:
         """Whether the request's tokens in flight already bring it to max_tokens or max_model_len."""
@@ -522,9 +533,11 @@ class Scheduler:
             self.in_flight.arrive(req)
             drafts = sched_out.spec_token_ids.get(req_id)
             if drafts:
-                # Every emitted token but the last is an accepted draft, whose K/V the step wrote.
+                # Every emitted token but the last is an accepted draft, whose K/V the step wrote;
+                # a request preempted while the step ran (async scheduling) recomputes them instead.
                 self.drafts.counters.record(len(drafts), len(rows) - 1)
-                req.num_computed_tokens += len(rows) - 1
+                if req.status == RequestStatus.RUNNING:
+                    req.num_computed_tokens += len(rows) - 1
             output = self._append_tokens(req, runner_out.sampled_token_ids, logprobs, rows)
             outputs.append(output)
             if output.finish_reason is not None:

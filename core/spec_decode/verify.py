@@ -23,12 +23,14 @@ from .rejection import Verified, VerifyLayout, rejection_sample
 
 @dataclass(frozen=True, slots=True)
 class VerifyRows:
-    """The per-row inputs of `SamplingMetadata.build` for a verify step's flat rows."""
+    """The per-row inputs of `SamplingMetadata.build` for a verify step's flat rows, and each
+    request's first row."""
 
     params: list[SamplingParams]
     prompt_token_ids: list[Sequence[int]]
     output_token_ids: list[Sequence[int]]
     generators: list[torch.Generator | None]
+    first_rows: list[int]
 
 
 def expand_rows(params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
@@ -37,8 +39,9 @@ def expand_rows(params: Sequence[SamplingParams], prompts: Sequence[Sequence[int
     """One row per verified position: request i's k_i + 1 rows share its parameters and prompt;
     row j's output history ends with the request's first j drafts, and it draws from `generators[i][j]`,
     seeded for its own output position (None: an unseeded request)."""
-    rows = VerifyRows([], [], [], [])
+    rows = VerifyRows([], [], [], [], [])
     for p, prompt, output, generator, draft in zip(params, prompts, outputs, generators, drafts):
+        rows.first_rows.append(len(rows.params))
         for j in range(len(draft) + 1):
             rows.params.append(p)
             rows.prompt_token_ids.append(prompt)

@@ -150,7 +150,8 @@ class ModelRunner:
 
     def _drafts(self, sched: SchedulerOutput) -> dict[str, list[int]]:
         """The step's draft tokens: the scheduler's (n-gram), or the draft model's in place of its
-        placeholders. Verify steps run synchronously, so every request's tokens are known here."""
+        placeholders. A drafting request has no token in flight (under async scheduling it sits out
+        the step after its own), so its tokens are known here."""
         if self.drafter is None or not sched.spec_token_ids:
             return sched.spec_token_ids
         states = self.states
@@ -263,13 +264,14 @@ class ModelRunner:
 
     def _verify(self, host: HostStep, logits: torch.Tensor) -> SampledRows:
         """A verify step (speculative decoding): each request's accepted drafts and one more token.
-        Steps with drafts run synchronously, so no id of theirs feeds a later step on the device."""
+        Under async scheduling only the requests without drafts feed the next step from the device
+        (a drafting one waits for its verdict), and their one token is column 0."""
         states = [self.states[r] for r in host.sample_req_ids]
         layout = VerifyLayout.build(host.sample_drafts, self.target)
         verified, logprobs = verify(logits, self._sampling_metadata(states, host.sample_drafts), layout,
                                     self.sampler.draw)
         self.states.expect_sampled(states)
-        self._last_sampled = None
+        self._last_sampled = (verified.token_ids[:, 0], {r: i for i, r in enumerate(host.sample_req_ids)})
         tensors, num_logprobs = [verified.token_ids, verified.num_emitted], None
         if logprobs is not None:
             tensors += [logprobs.token_ids, logprobs.logprobs, logprobs.ranks]
@@ -292,7 +294,6 @@ class ModelRunner:
         params = [s.sampling_params for s in states]
         prompts = [s.token_ids[: s.num_prompt_tokens] if s.reads_prompt else () for s in states]
         outputs = [s.output_token_ids if s.reads_output else () for s in states]
-        unread = None
         if drafts is None:
             generators = [s.seeded_generator() for s in states]
             unread = self._unread_output_tokens(states)
@@ -300,16 +301,20 @@ class ModelRunner:
             per_position = [s.seeded_generators(len(d) + 1) for s, d in zip(states, drafts)]
             rows = expand_rows(params, prompts, outputs, per_position, drafts)
             params, prompts, outputs, generators = rows.params, rows.prompt_token_ids, rows.output_token_ids, rows.generators
+            unread = self._unread_output_tokens(states, rows.first_rows)
         return SamplingMetadata.build(params=params, prompt_token_ids=prompts, output_token_ids=outputs,
                                       generators=generators, eos_token_id=self.eos_token_id,
                                       vocab_size=self.vocab_size, target=self.target, unread=unread)
 
-    def _unread_output_tokens(self, states: list[CachedRequestState]) -> UnreadOutputTokens | None:
-        """The history rows' tokens that the previous step sampled and the host has not read."""
-        rows = [row for row, s in enumerate(states) if s.num_unread_tokens and s.reads_output]
-        if not rows:
+    def _unread_output_tokens(self, states: list[CachedRequestState],
+                              first_rows: list[int] | None = None) -> UnreadOutputTokens | None:
+        """The history rows' tokens that the previous step sampled and the host has not read;
+        `first_rows`: each state's row (a verify step's; only requests without drafts have one)."""
+        unread = [i for i, s in enumerate(states) if s.num_unread_tokens and s.reads_output]
+        if not unread:
             return None
-        return UnreadOutputTokens(rows, self._previous_ids([states[row].req_id for row in rows]))
+        rows = unread if first_rows is None else [first_rows[i] for i in unread]
+        return UnreadOutputTokens(rows, self._previous_ids([states[i].req_id for i in unread]))
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor,
                          sched: SchedulerOutput) -> dict[str, LogprobsLists]:

@@ -1,9 +1,10 @@
 """EAGLE and EAGLE-3 heads over a tiny random Llama (transformers config, fp32), saved in the published
 checkpoint layouts: greedy output token-exact against the engine without speculation (alone, in a
-mixed batch, from the prefix cache, through preemption), the sampling distribution of a verify
-step's tokens against the target's exact one (chi-square over seeded and n > 1 requests), the head's
-drafts against a plain torch reading of the published forward, a head made for another target
-refused naming both sides, and `corectl serve --speculative-config` reporting the counters.
+mixed batch, from the prefix cache, through preemption under synchronous and async scheduling),
+the sampling distribution of a verify step's tokens against the target's exact one (chi-square
+over seeded and n > 1 requests), the head's drafts against a plain torch reading of the published
+forward, a head made for another target refused naming both sides, and `corectl serve
+--speculative-config` reporting the counters.
 
 The EAGLE head is built to agree with the target: the target's embedding rows have unit RMS (so
 its first input norm is nearly the identity, which EAGLE's layer skips) and its layers after the
@@ -171,11 +172,13 @@ def test_greedy_is_token_exact_alone_batched_and_from_the_prefix_cache(engines, 
         assert min(stats.spec_decode_num_accepted_tokens_per_pos) > 0
 
 
-def test_preempted_requests_resume_token_exact(engines, folders):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preempted_requests_resume_token_exact(engines, folders, async_scheduling):
     prompts, params = _requests(1, 8)
     expected = _tokens(engines[None], prompts, params)
     # 9 blocks of 16 tokens (fp32, 3 layers) for 8 requests of up to 70 tokens: requests are preempted.
-    small = _llm(folders, "eagle", kv_cache_memory_gib=0.00015, max_model_len=128)
+    small = _llm(folders, "eagle", kv_cache_memory_gib=0.00015, max_model_len=128,
+                 async_scheduling=async_scheduling)
     assert _tokens(small, prompts, params) == expected
     stats = small.engine.scheduler.make_stats()
     assert stats.num_preemptions > 0 and stats.spec_decode_num_accepted_tokens > 0 and stats.kv_cache_usage == 0.0

@@ -1,6 +1,7 @@
 """Both proposers on a tiny random Llama (`llama-tiny`, dummy weights): greedy output token-exact
 against the engine without speculation at batch 1, in a mixed batch, and through preemption in a
-small KV cache; a draft model with another vocabulary is refused naming both sides."""
+small KV cache, under synchronous and async scheduling (a stop token and max_tokens inside a
+draft); a draft model with another vocabulary is refused naming both sides."""
 from __future__ import annotations
 
 import random
@@ -48,6 +49,24 @@ def test_greedy_is_token_exact_alone_batched_and_preempted(reference, method):
     assert _tokens(small, prompts, params) == expected
     stats = small.engine.scheduler.make_stats()
     assert stats.num_preemptions > 0 and stats.kv_cache_usage == 0.0
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_async_scheduling_is_token_exact_with_stops_and_preemption(reference, method):
+    prompts, params = _requests(2, 8)
+    expected = _tokens(reference, prompts, params)
+    # A stop token a few tokens in: with the draft model (every draft accepted) it ends a draft.
+    stop = expected[0][5]
+    params[0] = params[0].clone(stop_token_ids=[stop])
+    expected[0] = expected[0][: expected[0].index(stop) + 1]
+    llm = LLM(**TINY, kv_cache_memory_gib=0.0001, max_model_len=128, async_scheduling=True,
+              speculative_config=METHODS[method])
+    assert llm.engine.async_scheduling
+    assert _tokens(llm, prompts[:1], params[:1]) == expected[:1]
+    # max_tokens 8..49 against k = 3: most requests end inside a draft; 12 blocks preempt some.
+    assert _tokens(llm, prompts, params) == expected
+    stats = llm.engine.scheduler.make_stats()
+    assert stats.num_preemptions > 0 and stats.spec_decode_num_accepted_tokens > 0 and stats.kv_cache_usage == 0.0
 
 
 def test_a_draft_with_another_vocabulary_is_refused_naming_both(isolated_env):
