@@ -43,13 +43,18 @@ def index_shards(index: Path) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
-def count_tensors(files: Sequence[Path]) -> int:
-    """Number of tensors in `files` (reads only the headers)."""
-    total = 0
+def tensor_names(files: Sequence[Path]) -> list[str]:
+    """The names of the tensors in `files`, file by file (reads only the headers)."""
+    names = []
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
-            total += len(f.keys())
-    return total
+            names.extend(f.keys())
+    return names
+
+
+def count_tensors(files: Sequence[Path]) -> int:
+    """Number of tensors in `files` (reads only the headers)."""
+    return len(tensor_names(files))
 
 
 def iter_safetensors(files: Sequence[Path]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -24,10 +24,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from safetensors import safe_open
-
 from ..attention import ForwardContext
 from ..errors import ConfigError
+from ..loaders.checkpoint_files import tensor_names
 from ..loaders.packing import load_packed_weights
 from ..models.layers import RMSNorm, RotaryEmbedding
 from ..models.llama import DecoderAttention, DecoderLayer, DecoderModel, GatedMLP, head_dim
@@ -171,10 +170,7 @@ def prepare_head(method: str, source, target: nn.Module, target_config, head_nam
         raise ConfigError(FIELD, f"{method} heads run beside Llama-family targets (Llama, Mistral, Qwen2/3), whose "
                                  f"hidden states the engine exports; the target {target_name!r} is "
                                  f"{type(target).__name__}")
-    names = set()
-    for file in source.weight_files:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            names.update(_checkpoint_name(name) for name in f.keys())
+    names = {_checkpoint_name(name) for name in tensor_names(source.weight_files)}
     # What the config does not say: whether fc and q/k/v have biases, whether the head has its
     # own embedding (EAGLE-3).
     config.eagle_fc_bias = bool(getattr(config, "eagle_fc_bias", False)) or "fc.bias" in names
