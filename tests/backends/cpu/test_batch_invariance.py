@@ -23,7 +23,9 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm_default():
-    llm = LLM(max_model_len=256, kv_cache_memory_gib=0.05, max_num_seqs=16)
+    # One thread: no kernel's per-row result depends on the thread count, and one thread stays fast
+    # on a loaded machine (two wait on each other at every parallel region).
+    llm = LLM(max_model_len=256, kv_cache_memory_gib=0.05, max_num_seqs=16, num_threads=1)
     assert llm.engine.info.quantization == "gguf (Q4_1 int4 layers via cpu_int4pack)"
     return llm
 
