@@ -6,7 +6,10 @@ recomputing with the same tokens, and every block must return to both pools."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from corectl import LLM, SamplingParams
@@ -152,3 +155,49 @@ def test_bad_connector_configs_are_refused_before_loading(config, message):
 
     with pytest.raises(ConfigError, match=message):
         LLM(**TINY, kv_transfer_config=config)
+
+
+_PRODUCER = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from corectl import LLM
+from support.engines import TINY
+LLM(**TINY, kv_transfer_config={"kv_connector": "TorchDistributedConnector", "kv_role": "kv_producer",
+                                "kv_connector_extra_config": {"rendezvous": sys.argv[2], "load_timeout_s": 120}})
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+def test_producer_killed_mid_load_recomputes(reference):
+    """The prefill instance dies while the decode instance waits for its blocks: the receive fails,
+    the decode instance recomputes the prompt, and its tokens are the same."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    producer = subprocess.Popen([sys.executable, "-c", _PRODUCER, str(Path(__file__).parents[2]), url],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert producer.stdout.readline().strip() == "ready"
+        consumer = LLM(**TINY, kv_transfer_config={"kv_connector": "TorchDistributedConnector",
+                                                   "kv_role": "kv_consumer",
+                                                   "kv_connector_extra_config": {"rendezvous": url}})
+        engine = consumer.engine
+        # The producer holds nothing under this id: it waits for it while the consumer waits for the answer.
+        params = _greedy(MAX_TOKENS, {"do_remote_prefill": True, "transfer_id": "in-flight"})
+        engine.add_requests([EngineCoreRequest("mid-load", PROMPTS[0], params, time.monotonic())])
+        engine.step()
+        connector = engine.executor.worker.kv_connector
+        deadline = time.monotonic() + 60
+        while connector._group is None and time.monotonic() < deadline:
+            engine.step()
+        time.sleep(0.5)  # the request for the blocks is on its way
+        producer.kill()
+        tokens = []
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            tokens += [t for out in engine.step().outputs for t in out.new_token_ids]
+    finally:
+        producer.kill()
+        producer.wait()
+    assert tokens == reference[0]
+    assert engine.scheduler.make_stats().kv_load_failures == 1
+    _assert_all_blocks_free(consumer)
+    _close(consumer)
