@@ -34,6 +34,11 @@ class AttentionBatch:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # Per sequence, context positions [start, end) whose tokens attend to each other both ways
+    # (an image's tokens in Gemma 3); None: every query attends causally. Each span lies wholly
+    # within this step's query tokens (the scheduler never splits one across steps), so a query in
+    # a span sees every key up to the span's end: `query_key_ends`.
+    bidirectional_spans: list[list[tuple[int, int]]] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -42,6 +47,21 @@ class AttentionBatch:
     @property
     def is_pure_decode(self) -> bool:
         return self.max_query_len == 1
+
+
+def query_key_ends(batch: AttentionBatch) -> list[int] | None:
+    """One bound per packed query token, the first context position it does not see: its own
+    position + 1, or the end of the bidirectional span holding it. None when the batch has no spans."""
+    if not batch.bidirectional_spans:
+        return None
+    ends: list[int] = []
+    for spans, q_len, s_len in zip(batch.bidirectional_spans, batch.query_lens_host, batch.seq_lens_host):
+        row = list(range(s_len - q_len + 1, s_len + 1))
+        for start, end in spans:
+            for pos in range(max(start, s_len - q_len), min(end, s_len)):
+                row[pos - s_len + q_len] = end
+        ends += row
+    return ends
 
 
 class AttentionBackend(abc.ABC):
@@ -109,7 +129,10 @@ class AttentionBackend(abc.ABC):
         """q: [T, num_heads * head_dim]; k, v: [T, num_kv_heads * head_dim].
 
         Writes k/v into the cache at `slot_mapping`, then attends causally over each sequence's
-        cached prefix plus its new tokens. Returns [T, num_heads * head_dim].
+        cached prefix plus its new tokens, except that a query inside one of the batch's
+        `bidirectional_spans` also sees the later keys of its span (key j is visible to query i if
+        j <= i or both lie in the same span; the layer's window still applies). Returns
+        [T, num_heads * head_dim].
 
         Per layer (the model's `Attention` module passes them on every call):
         - `sliding_window` W: the token at position p attends to keys p - W < j <= p only (W keys,

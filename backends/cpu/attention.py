@@ -24,7 +24,9 @@ neither is covered.
 Sliding-window layers narrow the step's mask to each query's window (built once per step and
 window); soft-capped layers (Gemma 2) and layers with attention sinks (gpt-oss: a per-head logit
 joins the softmax's denominator) spell the attention out, since SDPA can do neither. Chunked
-local layers (Llama 4) narrow the mask to each query's chunk, like windows.
+local layers (Llama 4) narrow the mask to each query's chunk, like windows. A batch with
+bidirectional spans (an image's tokens in Gemma 3) widens each query's causal edge to its span's
+end (`query_key_ends`) in every mask.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from corectl.attention import AttentionBackend, AttentionBatch
+from corectl.attention import AttentionBackend, AttentionBatch, query_key_ends
 
 # Key lengths are padded to a multiple of this (a multiple of every vector width of the CPU kernels).
 KEY_ALIGN = 64
@@ -52,6 +54,9 @@ class SDPAMetadata:
     # one) and [B] context lengths: what the masks of windowed layers are built from.
     query_pos: torch.Tensor
     seq_lens: torch.Tensor
+    # [B, Qmax] first context position each padded query does not see (its position + 1, or its
+    # bidirectional span's end); None: query_pos + 1 everywhere.
+    key_end: torch.Tensor | None = None
     # [2 * B * Lmax]: key_index into a layer's cache seen as [2 * slots] rows, keys then values;
     # made by the first layer of the step (the metadata does not know the cache's size).
     kv_index: torch.Tensor | None = None
@@ -68,13 +73,20 @@ class SDPAMetadata:
         if mask is None:
             cols = torch.arange(self.max_seq_len)[None, None, :]
             pos = self.query_pos[:, :, None]
-            mask = (cols <= pos) & (cols < self.seq_lens[:, None, None])
+            mask = _visible(cols, self.query_pos, self.key_end) & (cols < self.seq_lens[:, None, None])
             if sliding_window is not None:
                 mask &= cols > pos - sliding_window
             if attention_chunk is not None:
                 mask &= cols >= pos // attention_chunk * attention_chunk
             mask = self.window_masks[key] = mask.unsqueeze(1)
         return mask
+
+
+def _visible(cols: torch.Tensor, query_pos: torch.Tensor, key_end: torch.Tensor | None) -> torch.Tensor:
+    """[B, Qmax, L]: the causal edge of each query, widened to its bidirectional span's end."""
+    if key_end is None:
+        return cols <= query_pos[:, :, None]
+    return cols < key_end[:, :, None]
 
 
 def _key_index(batch: AttentionBatch, cols: torch.Tensor) -> torch.Tensor:
@@ -106,7 +118,10 @@ def _padded_metadata(batch: AttentionBatch, cols: torch.Tensor) -> SDPAMetadata:
     token_index = (torch.arange(b)[:, None] * q_max + rows[None, :])[valid_q]
     # Padding rows take their sequence's last position, so they see keys (never a fully masked row).
     query_pos = torch.minimum((s_lens_t - q_lens_t)[:, None] + rows[None, :], (s_lens_t - 1)[:, None])
-    mask = (cols[None, None, :] <= query_pos[:, :, None]) & (cols[None, None, :] < s_lens_t[:, None, None])
+    ends = query_key_ends(batch)
+    # Padding rows keep their causal edge: a span of another sequence could leave them no key.
+    key_end = None if ends is None else torch.where(valid_q, torch.tensor(ends)[query_index], query_pos + 1)
+    mask = _visible(cols[None, None, :], query_pos, key_end) & (cols[None, None, :] < s_lens_t[:, None, None])
     return SDPAMetadata(
         slot_mapping=batch.slot_mapping,
         key_index=_key_index(batch, cols),
@@ -118,6 +133,7 @@ def _padded_metadata(batch: AttentionBatch, cols: torch.Tensor) -> SDPAMetadata:
         max_seq_len=len(cols),
         query_pos=query_pos,
         seq_lens=s_lens_t,
+        key_end=key_end,
     )
 
 

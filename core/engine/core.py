@@ -97,6 +97,7 @@ class EngineCore:
         # Pipeline stages never run a request in two steps at once, so its masks are known when scheduled.
         self.scheduler = Scheduler(config, self.max_model_len, num_blocks, self.structured,
                                    sliding_window=info.sliding_window,
+                                   bidirectional_image_tokens=info.bidirectional_image_tokens,
                                    connector=scheduler_connector(config, info.kv_bytes_per_block(config.block_size)),
                                    defer_grammar=self.async_scheduling and config.pipeline_parallel_size == 1)
         self.snapshots = SnapshotPublisher(self.scheduler)

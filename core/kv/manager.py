@@ -53,11 +53,16 @@ _NO_HIT = PrefixHit()
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None, on_evict: Callable[[int, int], None] | None = None):
+                 sliding_window: int | None = None, on_evict: Callable[[int, int], None] | None = None,
+                 whole_images: bool = False):
         """`sliding_window`: the window every layer of the model attends within (None: some layer,
         or every one, attends to the whole context, so no block is returned early); `on_evict(block_id,
-        block_hash)` hears of each cached block the pool hands to a new owner (a host tier keeps it)."""
+        block_hash)` hears of each cached block the pool hands to a new owner (a host tier keeps it);
+        `whole_images`: image tokens attend to each other both ways (Gemma 3), so a prefix hit ends
+        at the last block boundary before an image it would end inside, and the image is
+        prefilled whole in one chunk."""
         self.pool = BlockPool(num_blocks, on_evict)
+        self.whole_images = whole_images
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
@@ -104,7 +109,7 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
             return _NO_HIT
-        max_blocks = (req.num_tokens - 1) // self.block_size
+        max_blocks = self._image_bound((req.num_tokens - 1) // self.block_size, req)
         hit: list[int] = []
         for block_hash in self._block_hashes(req, max_blocks)[:max_blocks]:
             block = self.pool.cached_block(block_hash)
@@ -112,6 +117,15 @@ class KVCacheManager:
                 break
             hit.append(block.block_id)
         return PrefixHit(tuple(hit), len(hit) * self.block_size, req.num_tokens)
+
+    def _image_bound(self, max_blocks: int, req: Request) -> int:
+        """The most hit blocks that end outside every image, when images must be prefilled whole."""
+        if not self.whole_images:
+            return max_blocks
+        for item in req.mm_inputs:
+            if item.offset < max_blocks * self.block_size < item.end:
+                return item.offset // self.block_size
+        return max_blocks
 
     def allocate(self, req: Request, num_new_tokens: int, prefix_hit: PrefixHit | None = None) -> list[int] | None:
         """Give the request room for `num_new_tokens` more tokens; returns the new block ids.

@@ -130,9 +130,13 @@ class GemmaDecoderModel(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        hidden = hidden * self.embed_scale.to(hidden.dtype)
+        return hidden * self.embed_scale.to(hidden.dtype)
+
+    def forward(self, input_ids, positions, ctx: ForwardContext, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`inputs_embeds`: scaled token embeddings with image rows merged in (Gemma 3's vision model)."""
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         for layer in self.layers:
             hidden = layer(positions, hidden, ctx)
         return self.norm(hidden)

@@ -14,6 +14,7 @@ def corectl_model_architectures():
     yield ModelSpec("MixtralForCausalLM", "corectl.models.mixtral:MixtralForCausalLM")
     yield ModelSpec("Gemma2ForCausalLM", "corectl.models.gemma:Gemma2ForCausalLM")
     yield ModelSpec("Gemma3ForCausalLM", "corectl.models.gemma:Gemma3ForCausalLM")
+    yield ModelSpec("Gemma3ForConditionalGeneration", "corectl.models.gemma3_mm:Gemma3ForConditionalGeneration")
     yield ModelSpec("Qwen2_5_VLForConditionalGeneration",
                     "corectl.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration")
     yield ModelSpec("Phi3ForCausalLM", "corectl.models.phi3:Phi3ForCausalLM")

@@ -8,6 +8,10 @@ step's encoder budget, and one that stops inside it also pins that many rows of 
 later chunk moves past it. An image that does not fit what is left of either ends the chunk just
 before its first placeholder (the text before it still runs), unless nothing else is spent or
 pinned: an image larger than a whole budget runs rather than never.
+
+`whole_images` (a model whose image tokens attend to each other both ways, Gemma 3): a chunk never
+ends inside an image, it stops before it; the scheduler refuses a token budget smaller than one
+image, so an image always fits a step of its own.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ class EncoderBudget:
     cache_rows: int
     pinned: int | None = None
     spent: int = 0
+    whole_images: bool = False
 
     def fit(self, items: list[MultiModalInput], num_computed: int, num_tokens: int) -> int:
         """How much of the chunk num_computed .. num_computed + num_tokens the budget has room for."""
@@ -47,7 +52,7 @@ class EncoderBudget:
             if item.offset >= end:
                 break
             split = item.end > end
-            if (self.spent and self.spent + item.length > self.compute
+            if (split and self.whole_images or self.spent and self.spent + item.length > self.compute
                     or split and self.pinned and self.pinned + item.length > self.cache_rows):
                 return item.offset - num_computed
             self.spent += item.length

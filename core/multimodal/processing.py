@@ -67,6 +67,13 @@ class ImageProcessing:
     def __init__(self, image_processor: Any, hf_config):
         self.image_processor = image_processor
         self.image_token_id: int = hf_config.image_token_id
+        # The token the chat template writes for each image.
+        self.placeholder_id: int = self.image_token_id
+        # Tokens around each image's run (Gemma 3: "\n\n<start_of_image>" and "<end_of_image>\n\n").
+        self.wrap: tuple[list[int], list[int]] = ([], [])
+        # Newline-run tokens by length, for tokenizers with one token per run (Gemma's): a wrap's
+        # newlines merge with the prompt's next to them, as the processor's re-tokenized text does.
+        self.newlines: dict[int, int] = {}
         self.merge_size = getattr(hf_config.vision_config, "spatial_merge_size", 1)
 
     @classmethod
@@ -79,6 +86,10 @@ class ImageProcessing:
             raise InvalidRequestError(f"the model folder {model_dir} holds no image processor config "
                                       f"(preprocessor_config.json), so images cannot be read: {exc}",
                                       param="messages", code="images_not_supported") from exc
+        if getattr(hf_config, "model_type", None) == "gemma3":
+            from .gemma3_processing import Gemma3ImageProcessing
+
+            return Gemma3ImageProcessing(processor, hf_config, model_dir)
         return cls(processor, hf_config)
 
     def process(self, image) -> ProcessedImage:
@@ -91,19 +102,32 @@ class ImageProcessing:
     def expand(self, token_ids: list[int], images: list[ProcessedImage]) -> tuple[list[int], list[MultiModalInput]]:
         """`token_ids` with each image's placeholder widened to its token run, and the images'
         records in prompt order."""
-        spots = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        spots = [i for i, t in enumerate(token_ids) if t == self.placeholder_id]
         if len(spots) != len(images):
             raise InvalidRequestError(f"the prompt holds {len(spots)} image placeholders for {len(images)} images "
                                       "(the chat template writes one per image part)", param="messages")
         out: list[int] = []
         items: list[MultiModalInput] = []
         last = 0
+        before, after = self.wrap
         for spot, image in zip(spots, images):
-            out += token_ids[last:spot]
+            self._join(out, token_ids[last:spot])
+            self._join(out, before)
             items.append(MultiModalInput.build(image.pixels, image.grid_thw, len(out), image.num_tokens))
-            out += [self.image_token_id] * image.num_tokens
+            out += [self.image_token_id] * image.num_tokens + after
             last = spot + 1
-        return out + token_ids[last:], items
+        self._join(out, token_ids[last:])
+        return out, items
+
+    def _join(self, out: list[int], tokens: list[int]) -> None:
+        """Append `tokens`, one newline run where `out` ends and `tokens` begins with newlines."""
+        runs = {token: n for n, token in self.newlines.items()}
+        if out and tokens and out[-1] in runs and tokens[0] in runs:
+            merged = self.newlines.get(runs[out[-1]] + runs[tokens[0]])
+            if merged is not None:
+                out[-1:] = [merged]
+                tokens = tokens[1:]
+        out += tokens
 
     def prompt(self, token_ids: list[int], images: list) -> dict:
         """The engine's prompt for a rendered conversation and its RGB PIL images, in order."""

@@ -30,6 +30,8 @@ class MultiModalStep:
         self.to_device = to_device
         self.cache = EncoderCache(cache_rows)
         self.uses_mrope = hasattr(model, "mrope_positions")
+        # Gemma 3: an image's tokens attend to each other both ways (the scheduler keeps each whole).
+        self.bidirectional = getattr(model, "bidirectional_image_tokens", None) is not None
         # M-RoPE: each image request's prompt positions [3, P] and the offset of later positions.
         self._mrope: dict[str, tuple[np.ndarray, int]] = {}
 
@@ -58,6 +60,17 @@ class MultiModalStep:
             if key not in self.cache:
                 self.cache.put(key, value)
         return embeds, positions
+
+    def bidirectional_spans(self, host: HostStep, states: RequestStates) -> list[list[tuple[int, int]]] | None:
+        """Per step sequence, the image spans its chunk holds (`AttentionBatch.bidirectional_spans`);
+        None for a model whose images attend causally or a step without image tokens."""
+        if not self.bidirectional:
+            return None
+        spans = []
+        for req_id, n in zip(host.req_ids, host.query_lens):
+            start = states[req_id].num_computed_tokens
+            spans.append([(item.offset, item.end) for item in overlapping(states[req_id].mm_inputs, start, start + n)])
+        return spans if any(spans) else None
 
     @staticmethod
     def _spans(host: HostStep, states: RequestStates) -> list[tuple[int, MultiModalInput, int, int, str]]:

@@ -110,16 +110,26 @@ class _StepPlan:
 class Scheduler:
     def __init__(self, config: EngineConfig, max_model_len: int, num_blocks: int,
                  structured: StructuredOutputManager | None = None, sliding_window: int | None = None,
-                 defer_grammar: bool = False, connector: KVConnectorScheduler | None = None):
+                 defer_grammar: bool = False, connector: KVConnectorScheduler | None = None,
+                 bidirectional_image_tokens: int | None = None):
         """`structured` serves requests that ask for structured output (None: refuse them);
         `sliding_window`: the window every layer of the model attends within, if one does
         (`ModelInfo.sliding_window`), so blocks before it go back to the pool as requests run;
         `defer_grammar`: steps leave their masks pending (async scheduling, see the module doc);
         `connector`: the scheduler half of a KV connector (`corectl.kv_transfer`), which loads prompt
-        tokens from outside and hears of evicted prefix blocks and finished requests."""
+        tokens from outside and hears of evicted prefix blocks and finished requests;
+        `bidirectional_image_tokens`: the longest image whose tokens attend to each other both ways
+        (`ModelInfo`, Gemma 3): no chunk and no prefix hit ends inside such an image."""
         self.connector = connector
+        whole_images = bidirectional_image_tokens is not None
+        if whole_images and config.max_num_batched_tokens < bidirectional_image_tokens:
+            raise ConfigError("max_num_batched_tokens", f"{config.max_num_batched_tokens} tokens per step cannot hold "
+                              f"one image of {bidirectional_image_tokens} tokens, which this model prefills in one "
+                              "step (its image tokens attend to each other both ways); raise max_num_batched_tokens")
+        self.whole_images = whole_images
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, sliding_window,
-                                 on_evict=None if connector is None else connector.block_evicted)
+                                 on_evict=None if connector is None else connector.block_evicted,
+                                 whole_images=whole_images)
         self.kv_loads = None if connector is None else KVLoads(connector, self.kv, config.block_size)
         capacity = self.kv.num_usable_blocks * config.block_size
         needed = blocks_per_sequence(max_model_len, config.block_size, sliding_window, config.max_num_batched_tokens)
@@ -253,7 +263,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(budget=self.config.max_num_batched_tokens, max_seqs=self._micro_batch_seqs(),
-                         encoder=EncoderBudget(self.config.max_num_batched_tokens, ENCODER_CACHE_ROWS))
+                         encoder=EncoderBudget(self.config.max_num_batched_tokens, ENCODER_CACHE_ROWS,
+                                               whole_images=self.whole_images))
         self._schedule_running(plan)
         # After a preemption the cache is short: admitting new work would only preempt again.
         if not plan.preempted:

@@ -216,6 +216,8 @@ class ModelRunner:
         platforms override to replay captured graphs."""
         # The indices come from the runner's own block tables: validating them would only read
         # them back from the device, a host sync per step.
+        if self.multimodal is not None:
+            inputs.attn.bidirectional_spans = self.multimodal.bidirectional_spans(inputs.host, self.states)
         metadata = self.backend.build_metadata(inputs.attn, check_indices=False)
         ctx = ForwardContext(self.backend, metadata, self.kv_caches)
         if self.multimodal is not None:

@@ -63,6 +63,9 @@ class ModelInfo:
     kv_cache_dtype: str | None = None
     # This rank's pipeline stage holds layers first_layer .. first_layer + num_layers - 1.
     first_layer: int = 0
+    # The most tokens of one image whose tokens attend to each other both ways (Gemma 3), which the
+    # scheduler never splits across steps; None: images attend causally, chunks may split them.
+    bidirectional_image_tokens: int | None = None
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         itemsize = 1 if self.kv_cache_dtype == _FP8_KV else torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
@@ -346,6 +349,7 @@ def _model_info(hf, model: torch.nn.Module, dtype: str, kv_cache_dtype: str = "a
         dtype=dtype,
         num_params=sum(p.numel() for p in model.parameters()),
         sliding_window=uniform_sliding_window(model),
+        bidirectional_image_tokens=getattr(model, "bidirectional_image_tokens", None),
         kv_cache_dtype=None if kv_cache_dtype == "auto" else _FP8_KV,
     )
 
