@@ -89,6 +89,7 @@ class DisaggregatedConnector(KVConnector):
     @classmethod
     def check_config(cls, config: KVTransferConfig, engine: EngineConfig) -> None:
         # A rank's load completes when rank 0 reports it; the other ranks' would go unheard.
-        if engine.tensor_parallel_size > 1:
+        if engine.world_size > 1:
             raise ConfigError("kv_transfer_config", f"{cls.name} moves the blocks of one rank: run the prefill "
-                              "and decode instances at tensor_parallel_size 1 (or use a plugin connector)")
+                              "and decode instances on one rank each, without tensor or pipeline parallelism "
+                              "(or use a plugin connector)")

@@ -161,6 +161,9 @@ class OffloadingConnector(KVConnector):
 
     @classmethod
     def check_config(cls, config: KVTransferConfig, engine: EngineConfig) -> None:
+        if engine.pipeline_parallel_size > 1:
+            # Slots are counted from the first stage's block size; a later stage's may be larger.
+            raise ConfigError("kv_offload_bytes", "the host tier runs without pipeline stages for now")
         if not engine.enable_prefix_caching:
             raise ConfigError("kv_offload_bytes", "the host tier holds evicted prefix-cache blocks: it needs "
                               "prefix caching (drop --no-enable-prefix-caching)")
