@@ -12,11 +12,14 @@ engine stops once every connection has closed.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from .core import EngineCore
 from .messages import AbortRequests, AddRequests, EngineCoreOutputs, EngineMessage, EngineStep
+
+if TYPE_CHECKING:
+    from .core import EngineCore
 
 Send = Callable[[EngineMessage], None]
 

@@ -105,8 +105,8 @@ def _supervise(servers: list, engines: list[SharedEngine]) -> int:
             for sentinel in ended:
                 process = watched.pop(sentinel)
                 process.join(5.0)  # its end was seen before it was reaped: the exit code comes with the reaping
-                if stopping and (process not in servers or process.exitcode == 0):
-                    continue  # asked to stop: an engine stops once its API processes have gone
+                if stopping:
+                    continue  # the stop was asked for: every process is expected to end
                 logger.error("%s ended (exit code %s): stopping the server", process.name, process.exitcode)
                 status = status or (process.exitcode if (process.exitcode or 0) > 0 else 1)
             if (stop_asked or status) and not stopping:
