@@ -10,35 +10,13 @@ from corectl.backends.cpu.attention import TorchSDPABackend
 from corectl.errors import ConfigError
 from corectl.models.layers import Attention
 from support.arch_parity import assert_engine_matches, save_random_model
+from support.new_arch_configs import VOCAB, gpt_oss_config, randomise_sinks
 
-VOCAB = 49152
-
-
-def gpt_oss_config(**overrides):
-    from transformers import GptOssConfig
-
-    return GptOssConfig(**{**dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-        max_position_embeddings=512, initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        swiglu_limit=1.5, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
-                                           "beta_slow": 1.0, "truncate": False,
-                                           "original_max_position_embeddings": 128}), **overrides})
-
-
-def _randomise_sinks(model) -> None:
-    """transformers initialises sinks (and biases) to zero-ish values; large ones make them matter."""
-    generator = torch.Generator().manual_seed(9)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.sinks.copy_(3 * torch.randn(layer.self_attn.sinks.shape, generator=generator))
-            for bias in (layer.mlp.router.bias, layer.mlp.experts.gate_up_proj_bias, layer.mlp.experts.down_proj_bias):
-                bias.copy_(torch.randn(bias.shape, generator=generator))
 
 
 def _checkpoint(folder, tokenizer_dir):
     hf_model = save_random_model(gpt_oss_config(), folder, tokenizer_dir, seed=6)
-    _randomise_sinks(hf_model)
+    randomise_sinks(hf_model)
     hf_model.save_pretrained(folder)
     return hf_model
 

@@ -6,27 +6,14 @@ from __future__ import annotations
 
 import torch
 from support.arch_parity import assert_engine_matches, save_random_model
-
-VOCAB = 49152
-CHUNK = 8
-
-
-def llama4_config(**overrides):
-    from transformers import Llama4TextConfig
-
-    return Llama4TextConfig(**{**dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, intermediate_size_mlp=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
-        interleave_moe_layer_step=2, attention_chunk_size=CHUNK, no_rope_layers=[1, 1, 1, 0], floor_scale=4,
-        attn_scale=0.5, max_position_embeddings=512, initializer_range=0.5, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, tie_word_embeddings=False), **overrides})
+from support.new_arch_configs import LLAMA4_CHUNK, VOCAB, llama4_config
 
 
 def test_llama4_greedy_matches_transformers(tmp_path, default_model_dir):
     hf_model = save_random_model(llama4_config(), tmp_path / "l4", default_model_dir, seed=8)
     llm = assert_engine_matches(tmp_path / "l4", hf_model, VOCAB)
     layers = llm.engine.executor.worker.runner.model.model.layers
-    assert [layer.self_attn.attn.attention_chunk for layer in layers] == [CHUNK, CHUNK, CHUNK, None]
+    assert [layer.self_attn.attn.attention_chunk for layer in layers] == [LLAMA4_CHUNK] * 3 + [None]
     assert [type(layer.mlp).__name__ for layer in layers] == ["GatedMLP", "Llama4MoE", "GatedMLP", "Llama4MoE"]
 
 

@@ -7,11 +7,7 @@ import pytest
 from corectl import LLM, SamplingParams
 from support.arch_parity import NEW_TOKENS, parity_prompts, save_random_model
 from support.models import hf_greedy
-from test_gpt_oss_parity import _randomise_sinks, gpt_oss_config
-from test_llama4_parity import llama4_config
-from test_phi3_parity import _config as phi3_config
-
-VOCAB = 49152
+from support.new_arch_configs import VOCAB, gpt_oss_config, llama4_config, phi3_config, randomise_sinks
 CONFIGS = {"phi3": lambda: phi3_config(True), "gpt-oss": gpt_oss_config, "llama4": llama4_config}
 
 
@@ -20,7 +16,7 @@ CONFIGS = {"phi3": lambda: phi3_config(True), "gpt-oss": gpt_oss_config, "llama4
 def test_tensor_parallel_2_matches_transformers(arch, tmp_path, default_model_dir):
     hf_model = save_random_model(CONFIGS[arch](), tmp_path / arch, default_model_dir, seed=4)
     if arch == "gpt-oss":
-        _randomise_sinks(hf_model)
+        randomise_sinks(hf_model)
         hf_model.save_pretrained(tmp_path / arch)
     llm = LLM(str(tmp_path / arch), dtype="float32", tensor_parallel_size=2, kv_cache_memory_gib=0.01,
               block_size=8, max_model_len=64)

@@ -6,30 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from support.arch_parity import assert_engine_matches, save_random_model
-
-VOCAB = 49152
-ORIGINAL = 24
-
-
-def _config(longrope: bool):
-    from transformers import Phi3Config
-
-    rotary_dim = 12  # head_dim 16 x 0.75
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
-    if longrope:
-        generator = torch.Generator().manual_seed(1)
-        factors = [(1.0 + 4 * torch.rand(rotary_dim // 2, generator=generator)).tolist() for _ in range(2)]
-        rope = dict(rope, rope_type="longrope", short_factor=factors[0], long_factor=factors[1],
-                    original_max_position_embeddings=ORIGINAL)
-    return Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      original_max_position_embeddings=ORIGINAL, initializer_range=0.5, bos_token_id=1,
-                      eos_token_id=2, pad_token_id=0, rope_parameters=rope, tie_word_embeddings=False)
+from support.new_arch_configs import PHI3_ORIGINAL, VOCAB, phi3_config
 
 
 @pytest.mark.parametrize("longrope", [True, False], ids=["longrope-partial", "default-partial"])
 def test_phi3_greedy_matches_transformers(longrope, tmp_path, default_model_dir):
-    hf_model = save_random_model(_config(longrope), tmp_path / "phi3", default_model_dir, seed=4)
+    hf_model = save_random_model(phi3_config(longrope), tmp_path / "phi3", default_model_dir, seed=4)
     llm = assert_engine_matches(tmp_path / "phi3", hf_model, VOCAB, variant=not longrope)
     rotary = llm.engine.executor.worker.runner.model.model.layers[0].self_attn.rotary
     assert rotary.rotary_dim == 12
@@ -40,11 +22,11 @@ def test_long_factors_change_the_model(tmp_path, default_model_dir):
     the parity above covers the switch."""
     from transformers import AutoModelForCausalLM
 
-    base = save_random_model(_config(True), tmp_path / "phi3", default_model_dir, seed=4)
-    config = _config(True)
+    base = save_random_model(phi3_config(True), tmp_path / "phi3", default_model_dir, seed=4)
+    config = phi3_config(True)
     config.rope_parameters["long_factor"] = config.rope_parameters["short_factor"]
     other = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     other.load_state_dict(base.state_dict())
-    prompt = torch.arange(3, 3 + ORIGINAL + 8)[None]
+    prompt = torch.arange(3, 3 + PHI3_ORIGINAL + 8)[None]
     with torch.no_grad():
         assert (other(prompt).logits[0, -1] - base(prompt).logits[0, -1]).abs().max() > 0.1
