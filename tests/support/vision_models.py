@@ -75,7 +75,7 @@ GEMMA3_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>", "<s
 
 def build_gemma3(folder: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     """A 2-layer Gemma 3 (hidden 64, a sliding layer of window 8 and a global one) with a 2-layer
-    SigLIP tower on 32 x 32 images of 8 x 8 patches, pooled to 4 tokens per image."""
+    SigLIP tower on 32 x 32 images of 8 x 8 patches, one token per patch: 16 per image."""
     from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -87,13 +87,16 @@ def build_gemma3(folder: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
         text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, vocab_size=len(tokenizer),
                          max_position_embeddings=512, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
-                         bos_token_id=1, eos_token_id=2),
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False),
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                            image_size=32, patch_size=8),
-        mm_tokens_per_image=4, image_token_index=ids["<image_soft_token>"], boi_token_index=ids["<start_of_image>"],
-        eoi_token_index=ids["<end_of_image>"], bos_token_id=1, eos_token_id=2)
-    config.text_config.initializer_range = 0.5
+        mm_tokens_per_image=16, image_token_index=ids["<image_soft_token>"], boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"], bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    config.initializer_range = config.text_config.initializer_range = 0.5
     torch.manual_seed(seed)
-    Gemma3ForConditionalGeneration(config).to(torch.float32).save_pretrained(folder)
+    model = Gemma3ForConditionalGeneration(config).to(torch.float32)
+    # transformers starts the projection at zeros, which would leave images without any effect.
+    torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.5)
+    model.save_pretrained(folder)
     Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(folder)
     return folder

@@ -1,6 +1,6 @@
 """Gemma 3 vision-language end to end on a tiny random-weight checkpoint: greedy parity with
 transformers (bidirectional attention over each image's tokens) for one and two images batched
-with a text-only request, with 8-token steps that would otherwise split images; no chunk and no
+with a text-only request, with 20-token steps that would otherwise split images; no chunk and no
 prefix hit ends inside an image."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from support.vision_models import build_gemma3, png_bytes, random_image
 from corectl import LLM, SamplingParams
 
 MAX_TOKENS = 5
-STEP_TOKENS = 8
+STEP_TOKENS = 20
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,59 @@ def test_greedy_parity_with_transformers_one_and_two_images_batched_with_text(ll
     model = hf[0]
     ids = list(outs[1].prompt_token_ids)
     image, boi, eoi = model.config.image_token_id, model.config.boi_token_id, model.config.eoi_token_id
-    # Each image is the processor's run: <start_of_image>, 4 image tokens, <end_of_image>.
-    assert ids.count(image) == 8 and ids.count(boi) == ids.count(eoi) == 2
-    assert ids[ids.index(boi) + 1:ids.index(boi) + 6] == [image] * 4 + [eoi]
+    # Each image is the processor's run: <start_of_image>, 16 image tokens, <end_of_image>.
+    assert ids.count(image) == 32 and ids.count(boi) == ids.count(eoi) == 2
+    assert ids[ids.index(boi) + 1:ids.index(boi) + 18] == [image] * 16 + [eoi]
 
+
+
+def test_prompt_logprobs_match_transformers_inside_and_after_the_image(llm, hf):
+    """Greedy tokens barely feel the image tokens' bidirectional attention on this tiny model; the
+    prompt's logprobs do (causal attention over the image moves them by up to ~9 nats here)."""
+    model, processor = hf
+    image = random_image(80, 80, 3)
+    out = llm.chat(_user("Look:", image, "Now."), SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0),
+                   use_tqdm=False)[0]
+    ids = torch.tensor([list(out.prompt_token_ids)])
+    with torch.no_grad():
+        logits = model(ids, pixel_values=processor(images=[image], return_tensors="pt")["pixel_values"],
+                       token_type_ids=(ids == model.config.image_token_id).long()).logits[0]
+    expected = torch.log_softmax(logits[:-1].double(), dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+    got = torch.tensor([entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], ids[0, 1:].tolist())],
+                       dtype=torch.float64)
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-4)
+
+
+def test_an_image_at_a_chunk_boundary_is_not_split_and_a_prefix_hit_stops_before_it(llm):
+    """With 20-token steps the image's 16 tokens would straddle step boundaries; the scheduler gives
+    each image a step of its own from its first token, and a repeated prompt's prefix hit ends at
+    the last block boundary before the image."""
+    image = random_image(64, 64, 5)
+    system = {"role": "system", "content": "You describe pictures carefully and in a few words, always, please."}
+    scheduler = llm.engine.scheduler
+    chunks: list[tuple[int, int]] = []
+    schedule = scheduler.schedule
+
+    def recording():
+        out = schedule()
+        for req in scheduler.running:
+            n = out.num_scheduled_tokens.get(req.request_id, 0)
+            if n and req.mm_inputs:
+                chunks.append((req.num_computed_tokens - n, req.num_computed_tokens))
+        return out
+
+    scheduler.schedule = recording
+    try:
+        params = SamplingParams(max_tokens=1, temperature=0)
+        first = llm.chat([system, *_user(image, "Describe.")], params, use_tqdm=False)[0]
+        again = llm.chat([system, *_user(image, "Describe.")], params, use_tqdm=False)[0]
+    finally:
+        del scheduler.schedule
+    boi = llm.engine.source.hf_config.boi_token_id
+    offset = list(first.prompt_token_ids).index(boi) + 1
+    image_span = (offset, offset + 16)
+    assert chunks and not any(image_span[0] < end < image_span[1] for _, end in chunks)
+    assert any(start <= image_span[0] and image_span[1] <= end for start, end in chunks)
+    block = llm.config.block_size
+    assert 0 < again.num_cached_tokens <= offset // block * block
+    assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
