@@ -133,7 +133,8 @@ class SamplingFields(RefusedFields, kw_only=True):
             logprobs = 0  # the chosen tokens' logprobs, which rank the samples (not returned)
         values: dict[str, Any] = dict(
             structured_outputs=structured_outputs,
-            n=self.best_of or self.n, max_tokens=defaults.get("max_tokens") if max_tokens is None else max_tokens, seed=self.seed, min_tokens=self.min_tokens,
+            n=self.best_of or self.n, max_tokens=defaults.get("max_tokens") if max_tokens is None else max_tokens,
+            seed=self.seed, min_tokens=self.min_tokens,
             stop=[self.stop] if isinstance(self.stop, str) else self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
