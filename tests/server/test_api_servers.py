@@ -20,8 +20,11 @@ MAX_TOKENS = 6
 @pytest.fixture(scope="module")
 def two_api_servers():
     proc = ServerProcess(*SMALL_ENGINE, "--api-key", API_KEY, "--max-num-seqs", "32", "--api-server-count", "2")
-    yield proc.wait_ready(600)
-    proc.stop()
+    try:
+        proc.wait_ready(600)  # three processes to start: allow for a busy machine
+        yield proc
+    finally:
+        proc.stop()
 
 
 def _answers(url: str) -> list[str]:
