@@ -25,6 +25,25 @@ typedef uint8_t vb __attribute__((vector_size(16)));
 typedef int8_t vsb __attribute__((vector_size(16)));
 typedef _Float16 vh __attribute__((vector_size(32)));
 
+// Byte codes widened to floats: gcc scalarises __builtin_convertvector from 16 bytes to 16 ints
+// (measured 2.7x slower than oneDNN's fp32 GEMV for an int8 head), so AVX-512 gets the instructions.
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline __attribute__((always_inline)) vf widen_u8(vb b) {
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)b));
+}
+static inline __attribute__((always_inline)) vf widen_s8(vsb b) {
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32((__m128i)b));
+}
+#else
+static inline __attribute__((always_inline)) vf widen_u8(vb b) {
+    return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
+}
+static inline __attribute__((always_inline)) vf widen_s8(vsb b) {
+    return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
+}
+#endif
+
 static inline __attribute__((always_inline)) vf load_half(const _Float16 *p) {
     vh h;
     memcpy(&h, p, sizeof h);
@@ -48,8 +67,8 @@ static inline __attribute__((always_inline)) void tile(
             for (int j = 0; j < group / 2; j++) {
                 vb b;
                 memcpy(&b, wg + (long)j * L, sizeof b);
-                vf lo = __builtin_convertvector(__builtin_convertvector(b & 15, vi), vf) * s + z;
-                vf hi = __builtin_convertvector(__builtin_convertvector(b >> 4, vi), vf) * s + z;
+                vf lo = widen_u8(b & 15) * s + z;
+                vf hi = widen_u8(b >> 4) * s + z;
                 for (int r = 0; r < R; r++) {
                     acc[r] += xg[r * ldx + 2 * j] * lo;
                     acc[r] += xg[r * ldx + 2 * j + 1] * hi;
@@ -59,7 +78,7 @@ static inline __attribute__((always_inline)) void tile(
             for (int j = 0; j < group; j++) {
                 vsb b;
                 memcpy(&b, wg + (long)j * L, sizeof b);
-                vf q = __builtin_convertvector(__builtin_convertvector(b, vi), vf) * s + z;
+                vf q = widen_s8(b) * s + z;
                 for (int r = 0; r < R; r++) acc[r] += xg[r * ldx + j] * q;
             }
         }
