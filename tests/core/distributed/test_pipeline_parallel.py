@@ -44,11 +44,42 @@ def prompts() -> list[list[int]]:
     return [shared + [(13 * i + 3 * j) % 40000 + 100 for j in range(5 + 9 * i)] for i in range(4)]
 
 
+class MicroBatches:
+    """Watches the executor's launches: the requests of the steps launched and not yet read, and
+    the most such steps (with requests) at once."""
+
+    def __init__(self, executor):
+        self.unread: list[set[str]] = []
+        self.most_in_flight = 0
+        self.overlaps = 0  # launches that shared a request with a step in flight
+        launch = executor.launch
+
+        def watched(sched):
+            requests = set(sched.num_scheduled_tokens)
+            self.overlaps += any(requests & earlier for earlier in self.unread)
+            self.unread.append(requests)
+            self.most_in_flight = max(self.most_in_flight, sum(1 for unread in self.unread if unread))
+            handle = launch(sched)
+            read = handle.result
+
+            def result():
+                if requests in self.unread:
+                    self.unread.remove(requests)
+                return read()
+
+            handle.result = result
+            return handle
+
+        executor.launch = watched
+
+
 def generate(folder: Path, most_layers_per_stage: int, tensor_parallel_size: int = 1, **options):
     """Greedy and seeded n = 2 samples of a batch, twice (the second pass hits the prefix cache);
-    chunked prefill (32-token steps) and preemption (10 blocks) on the way."""
+    chunked prefill (32-token steps) and preemption (10 blocks) on the way. Returns the tokens, the
+    scheduler's stats and what the launches looked like."""
     llm = LLM(str(folder), tensor_parallel_size=tensor_parallel_size,
               kv_cache_memory_gib=kv_budget_gib(most_layers_per_stage, tensor_parallel_size), **ENGINE, **options)
+    batches = MicroBatches(llm.engine.executor)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     seeded = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=8, ignore_eos=True, n=2, seed=11)
     try:
@@ -57,7 +88,7 @@ def generate(folder: Path, most_layers_per_stage: int, tensor_parallel_size: int
         for _ in range(2):
             outputs = llm.generate(prompts(), [greedy] * 3 + [seeded], use_tqdm=False)
             tokens += [[list(c.token_ids) for c in out.outputs] for out in outputs]
-        return tokens, llm.engine.scheduler.make_stats()
+        return tokens, llm.engine.scheduler.make_stats(), batches
     finally:
         llm.engine.executor.shutdown()
 
@@ -74,17 +105,19 @@ def reference(checkpoint):
 
 
 def test_pp2_by_tp2_with_an_uneven_partition_matches_one_device(checkpoint, reference):
-    """4 processes: stage 0 holds layers 0-2 on two tensor-parallel ranks, stage 1 layer 3 and the head."""
-    tokens, stats = generate(checkpoint, 3, tensor_parallel_size=2, pipeline_parallel_size=2,
-                             pipeline_layer_partition="3,1")
+    """4 processes: stage 0 holds layers 0-2 on two tensor-parallel ranks, stage 1 layer 3 and the head.
+    Two micro-batches of different requests are in flight at once."""
+    tokens, stats, batches = generate(checkpoint, 3, tensor_parallel_size=2, pipeline_parallel_size=2,
+                                      pipeline_layer_partition="3,1")
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0, stats
+    assert batches.most_in_flight == 2 and batches.overlaps == 0
     assert tokens == reference
 
 
 def test_pp2_over_ray_actors_with_the_vllm_partition_variable_matches_one_device(checkpoint, reference, monkeypatch):
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,3")
     with local_ray_cluster():
-        tokens, _ = generate(checkpoint, 3, pipeline_parallel_size=2, distributed_executor_backend="ray")
+        tokens, _, _ = generate(checkpoint, 3, pipeline_parallel_size=2, distributed_executor_backend="ray")
     assert tokens == reference
 
 
