@@ -37,14 +37,17 @@ def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor,
 
 def causal_attention_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, *,
                          sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                         sinks: torch.Tensor | None = None, attention_chunk: int | None = None) -> torch.Tensor:
+                         sinks: torch.Tensor | None = None, attention_chunk: int | None = None,
+                         bidirectional_spans: list[tuple[int, int]] = ()) -> torch.Tensor:
     """q [Lq, Hq, D] are the last Lq positions of a context keys/values [L, Hk, D]; returns fp32 [Lq, Hq, D].
 
     The query at position p sees keys j with p - sliding_window < j <= p (all j <= p without a
     window); `logits_soft_cap` c turns each score s into c * tanh(s / c) before the mask (Gemma 2);
     `sinks` [Hq] add exp(sinks[h]) to head h's softmax denominator (gpt-oss), as transformers does:
     a column of sink logits joins the scores and is dropped after the softmax; `attention_chunk` C
-    keeps the query at p to keys C * (p // C) <= j <= p (Llama 4's chunked local layers).
+    keeps the query at p to keys C * (p // C) <= j <= p (Llama 4's chunked local layers);
+    `bidirectional_spans` [start, end): queries and keys of one span see each other both ways (an
+    image's tokens in Gemma 3), within the window as transformers composes them.
     """
     query_len, num_heads, _ = q.shape
     context = keys.shape[0]
@@ -57,6 +60,8 @@ def causal_attention_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     q_pos = torch.arange(context - query_len, context, device=q.device)[:, None]
     k_pos = torch.arange(context, device=q.device)[None, :]
     visible = k_pos <= q_pos
+    for start, end in bidirectional_spans:
+        visible |= (q_pos >= start) & (q_pos < end) & (k_pos >= start) & (k_pos < end)
     if sliding_window is not None:
         visible &= k_pos > q_pos - sliding_window
     if attention_chunk is not None:

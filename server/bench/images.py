@@ -64,7 +64,7 @@ def _image_prompts(processing, args: argparse.Namespace) -> list[dict]:
     prompts = []
     for i in range(args.num_prompts):
         text = [ids.randrange(1000, 20000) for _ in range(args.text_len)]
-        prompts.append(processing.prompt([*text, processing.image_token_id], [images[i % distinct]]))
+        prompts.append(processing.prompt([*text, processing.placeholder_id], [images[i % distinct]]))
     return prompts
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from corectl.attention import AttentionBackend, AttentionBatch
+from corectl.attention import AttentionBackend, AttentionBatch, query_key_ends
 
 from ..checks import check_packed_heads, require
 from .decode_attention import choose_decode_splits, paged_decode_attention
@@ -36,6 +36,9 @@ class TritonAttentionMetadata:
     max_seq_len: int
     is_pure_decode: bool
     num_splits: int                   # decode only; fixed per captured graph
+    # [T] int32: each token's first unseen context position, where the batch has bidirectional
+    # spans (prefill only: a decode token's span, if any, is itself).
+    query_key_end: torch.Tensor | None = None
     # Validate index tensors on the first layer's forward of the step, then trust them.
     check_indices: bool = True
 
@@ -67,6 +70,7 @@ class TritonAttentionBackend(AttentionBackend):
             max_seq_len=batch.max_seq_len,
             is_pure_decode=pure_decode,
             num_splits=splits,
+            query_key_end=None if pure_decode else _key_ends(batch, self.device),
             check_indices=check_indices,
         )
 
@@ -89,7 +93,12 @@ class TritonAttentionBackend(AttentionBackend):
                 q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
                 max_query_len=meta.max_query_len, check_indices=check,
                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                attention_chunk=attention_chunk,
+                attention_chunk=attention_chunk, query_key_end=meta.query_key_end,
             )
         meta.check_indices = False
         return out
+
+
+def _key_ends(batch: AttentionBatch, device: torch.device) -> torch.Tensor | None:
+    ends = query_key_ends(batch)
+    return None if ends is None else torch.tensor(ends, dtype=torch.int32, device=device)

@@ -13,6 +13,10 @@ Sliding windows (`sliding_window`): a tile starts at the key tile holding its fi
 visible key, masks the keys up to where every row's window has begun, then runs unmasked; no key
 before the first row's window is read. Soft-capping (`logits_soft_cap`) and sinks (`sinks`) are
 compile-time variants.
+
+Bidirectional spans (`query_key_end`, an image's tokens in Gemma 3): each row's last visible key
+is max(its position, its key end - 1), and a tile walks keys up to its rows' largest key end; the
+window's lower edge still comes from each row's own position.
 """
 from __future__ import annotations
 
@@ -56,11 +60,12 @@ def _find_sequence(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 # for integers divisible by 16) would compile variants at first use while serving.
 @triton.jit(do_not_specialize=["num_seqs", "stride_table", "window"])
 def _prefill_kernel(
-    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr, out_ptr, sinks_ptr, qk_scale, v_scale, window,
-    num_seqs, stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table,
+    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr, out_ptr, sinks_ptr, key_end_ptr, qk_scale,
+    v_scale, window, num_seqs, stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
     SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, CHUNKED: tl.constexpr,
+    BIDIRECTIONAL: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -83,6 +88,11 @@ def _prefill_kernel(
     q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head_offs, mask=row_mask, other=0.0)
     q = q.to(DOT_DTYPE)
     q_pos = prefix + token
+    q_last = q_pos
+    if BIDIRECTIONAL:
+        # A row inside a span also sees its span's later keys, all of them this step's tokens.
+        key_end = tl.load(key_end_ptr + q_start + token, mask=m_mask, other=0)
+        q_last = tl.maximum(q_pos, key_end - 1)
 
     k_base = cache_ptr + kv_head * HEAD_DIM
     v_base = k_base + stride_kind
@@ -107,7 +117,7 @@ def _prefill_kernel(
             key_lo = tl.maximum(first_pos - window + 1, 0)
             last_first = tl.maximum(hi - window, 0)
         head_end = tl.minimum(tl.cdiv(last_first, BLOCK_N) * BLOCK_N, hi)
-        acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, q_first, k_base, v_base, table_row,
+        acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_last, q_first, k_base, v_base, table_row,
                                      key_lo // BLOCK_N * BLOCK_N, head_end, key_lo, qk_scale, stride_blk,
                                      stride_tok, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, True, SOFT_CAP)
     else:
@@ -115,10 +125,13 @@ def _prefill_kernel(
         key_lo = 0
         head_end = 0
     bulk_end = tl.maximum(bulk_end, head_end)
-    acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, q_first, k_base, v_base, table_row, head_end, bulk_end,
+    acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_last, q_first, k_base, v_base, table_row, head_end, bulk_end,
                                  key_lo, qk_scale, stride_blk, stride_tok, offs_d, d_mask,
                                  BLOCK_SIZE, BLOCK_N, DOT_DTYPE, False, SOFT_CAP)
-    acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, q_first, k_base, v_base, table_row, bulk_end, hi,
+    if BIDIRECTIONAL:
+        # After the window's edges, which the rows' own positions set: the tail runs to the span ends.
+        hi = tl.maximum(hi, tl.max(key_end, 0))
+    acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_last, q_first, k_base, v_base, table_row, bulk_end, hi,
                                  key_lo, qk_scale, stride_blk, stride_tok, offs_d, d_mask,
                                  BLOCK_SIZE, BLOCK_N, DOT_DTYPE, True, SOFT_CAP)
     if HAS_SINKS:
@@ -140,7 +153,8 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
                             check_indices: bool = True, sliding_window: int | None = None,
                             logits_soft_cap: float | None = None, k_scale: float = 1.0,
                             v_scale: float = 1.0, sinks: torch.Tensor | None = None,
-                            attention_chunk: int | None = None) -> torch.Tensor:
+                            attention_chunk: int | None = None,
+                            query_key_end: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of T packed new tokens over their sequences' paged context.
 
     q: [T, num_heads * head_dim]; query_start_loc: int32 [B + 1]; seq_lens: int32 [B] (cached
@@ -149,7 +163,9 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     validate them (a GPU synchronisation). Returns `out` [T, num_heads * head_dim].
     `sliding_window`, `logits_soft_cap` and the FP8 cache's `k_scale`, `v_scale` as in
     `paged_decode_attention`: no key before the window of a tile's first token is read.
-    `sinks` [num_heads] and `attention_chunk` as in `paged_decode_attention`.
+    `sinks` [num_heads] and `attention_chunk` as in `paged_decode_attention`. `query_key_end`
+    int32 [T] (`corectl.attention.query_key_ends`): the first context position each token does
+    not see, past its own inside a bidirectional span, never past its sequence's end.
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     check_index("block_tables", block_tables, 2, (torch.int32,))
@@ -173,13 +189,17 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     out = attention_output(out, q)
     check_same_device(q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens,
                       query_start_loc=query_start_loc, out=out)
+    if query_key_end is not None:
+        check_index("query_key_end", query_key_end, 1, (torch.int32,))
+        require(query_key_end.shape[0] == num_tokens and query_key_end.device == q.device,
+                f"query_key_end needs one entry per token ({num_tokens}) on {q.device}")
     if check_indices:
         _check_prefill_indices(block_tables, seq_lens, query_start_loc, num_blocks, num_tokens,
                                table_width * block_size, max_query_len)
     if num_tokens == 0:
         return out
     _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, max_query_len,
-                    local, logits_soft_cap, k_scale, v_scale, sinks)
+                    local, logits_soft_cap, k_scale, v_scale, sinks, query_key_end)
     return out
 
 
@@ -200,7 +220,7 @@ def _check_prefill_indices(block_tables, seq_lens, query_start_loc, num_blocks, 
 
 
 def _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, max_query_len,
-                    local, soft_cap, k_scale, v_scale, sinks) -> None:
+                    local, soft_cap, k_scale, v_scale, sinks, query_key_end) -> None:
     num_seqs = block_tables.shape[0]
     span, sliding, chunked = local
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
@@ -210,7 +230,7 @@ def _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, s
     num_tiles = q.shape[0] // block_q + num_seqs
     _prefill_kernel[(num_tiles, num_kv_heads)](
         q, kv_cache, block_tables, seq_lens, query_start_loc, out, q if sinks is None else sinks,
-        score_scale(scale * k_scale, soft_cap), v_scale,
+        seq_lens if query_key_end is None else query_key_end, score_scale(scale * k_scale, soft_cap), v_scale,
         span,
         num_seqs,
         q.stride(0), out.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
@@ -218,5 +238,5 @@ def _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, s
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=head_block(head_dim),
         BLOCK_N=PREFILL_BLOCK_N, BLOCK_SIZE=kv_cache.shape[2], DOT_DTYPE=dot_dtype(q.dtype, q.device),
         SLIDING=sliding, SOFT_CAP=float(soft_cap or 0.0), HAS_SINKS=sinks is not None, CHUNKED=chunked,
-        num_warps=4, num_stages=2,
+        BIDIRECTIONAL=query_key_end is not None, num_warps=4, num_stages=2,
     )
