@@ -47,11 +47,13 @@ class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
 class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):
     """Which tokens each constrained request of a step may sample next: row i of `bitmask` is
     request `req_ids[i]`'s, int32 words in xgrammar's layout (bit `t % 32` of word `t // 32` set
-    when token `t` is allowed), `width` words a row, as little-endian bytes."""
+    when token `t` is allowed), `width` words a row, as little-endian bytes. In a verify step
+    `num_rows[i]` consecutive rows are request i's, one per verified position (empty: one each)."""
 
     req_ids: list[str]
     width: int
     bitmask: bytes
+    num_rows: list[int] = []
 
 
 class KVBlockTransfer(msgspec.Struct, array_like=True, gc=False):

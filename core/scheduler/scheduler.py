@@ -160,6 +160,8 @@ class Scheduler:
         self.defer_grammar = defer_grammar
         # The constrained requests the last step samples for, when its masks are pending.
         self._grammar_rows: list[Request] = []
+        # Their drafts (speculative decoding): each gets a mask row per verified position.
+        self._grammar_drafts: dict[str, list[int]] = {}
         # A pooling engine's requests are prefill only: each ends with its pooled vector.
         self.pooling = config.runner == "pooling"
         # LoRA: no step mixes more than max_loras adapters (corectl/lora/admission.py).
@@ -324,16 +326,21 @@ class Scheduler:
 
     def _drafts_for(self, req: Request, num_tokens: int, budget: int) -> list[int]:
         """Draft tokens for a request whose step computes only its newest token (speculation
-        on; never under a grammar, whose matcher advances one token a step)."""
+        on); under a grammar, cut before the first one it refuses."""
         if (self.drafts is None or num_tokens != 1 or req.num_computed_tokens + 1 != req.num_tokens
                 or not self._may_draft(req)):
             return []
-        return self.drafts.drafts(req.all_token_ids, req.num_output_tokens, req.max_tokens, budget)
+        drafts = self.drafts.drafts(req.all_token_ids, req.num_output_tokens, req.max_tokens, budget)
+        if drafts and self.structured is not None and req in self.structured:
+            return self.structured.valid_drafts(req, drafts)
+        return drafts
 
     def _may_draft(self, req: Request) -> bool:
-        """Whether speculation serves the request (not one under a grammar, whose matcher
-        advances one token a step)."""
-        return self.structured is None or req not in self.structured
+        """Whether speculation serves the request: under a grammar only with drafts the scheduler
+        proposes (n-gram), which the matcher checks, and a matcher that rolls back."""
+        if self.structured is None or req not in self.structured:
+            return True
+        return self.drafts.proposer is not None and self.structured.can_draft(req)
 
     def _awaits_verdict(self, req: Request) -> bool:
         """Whether a speculating request still has tokens in flight (async scheduling): its next
@@ -468,7 +475,9 @@ class Scheduler:
         grammar_rows = self._grammar_rows_of(running + plan.new, plan)
         grammar_pending = self.defer_grammar and bool(grammar_rows)
         self._grammar_rows = grammar_rows if grammar_pending else []
-        grammar_bitmask = self.structured.bitmask(grammar_rows) if grammar_rows and not grammar_pending else None
+        self._grammar_drafts = plan.drafts if grammar_pending else {}
+        grammar_bitmask = (self.structured.bitmask(grammar_rows, plan.drafts)
+                           if grammar_rows and not grammar_pending else None)
         cached = CachedRequestData(
             req_ids=list(plan.running),
             new_block_ids=[ids for _, ids in plan.running.values()],
@@ -504,16 +513,18 @@ class Scheduler:
         flight is one the step computes)."""
         if self.structured is None or not self.structured.constrained:
             return []
+        def known(req: Request) -> int:  # the step's tokens before its drafts
+            return plan.num_scheduled[req.request_id] - len(plan.drafts.get(req.request_id, ()))
         return [req for req in scheduled if req in self.structured
-                and req.num_computed_tokens + plan.num_scheduled[req.request_id]
-                == req.num_tokens + self.in_flight.num_tokens(req)]
+                and req.num_computed_tokens + known(req) == req.num_tokens + self.in_flight.num_tokens(req)]
 
     def pending_grammar_bitmask(self) -> GrammarBitmask | None:
         """The masks of the last scheduled step's constrained rows, once the step before it has been
         read (`update`): each matcher has then accepted every token before the one this step samples.
         None when no row needs one (requests that finished meanwhile, or think unbounded)."""
         rows, self._grammar_rows = self._grammar_rows, []
-        return self.structured.bitmask(rows)
+        drafts, self._grammar_drafts = self._grammar_drafts, {}
+        return self.structured.bitmask(rows, drafts)
 
     # -- results -------------------------------------------------------------------------------
 
@@ -590,11 +601,7 @@ class Scheduler:
                        rows: range) -> EngineCoreOutput:
         """Append the request's tokens of this step (`token_ids[rows]`: one, or a verify step's
         accepted drafts and the token after them) up to the first that ends it."""
-        error = None if self.structured is None else self.structured.dead_end(req)
-        if error is not None:
-            # Its grammar allowed no token: the one sampled from its unmasked row is not output.
-            req.status = RequestStatus.FINISHED_ABORTED
-            rows = range(rows.start, rows.start)
+        error, rows = self._dead_end(req, rows)
         end = rows.start
         while end < rows.stop and not req.status.finished:
             token = token_ids[end]
@@ -604,6 +611,10 @@ class Scheduler:
                 req.status = RequestStatus.FINISHED_LENGTH
             elif not self._grammar_ends(req, token):
                 req.check_stop()
+        if error is not None and not req.status.finished:
+            req.status = RequestStatus.FINISHED_ABORTED
+        elif error is not None:
+            error = None  # it ended before the row that allowed nothing
         return EngineCoreOutput(
             req_id=req.request_id,
             new_token_ids=token_ids[rows.start:end],
@@ -615,6 +626,18 @@ class Scheduler:
             first_scheduled_time=req.first_scheduled_time,
             error=error,
         )
+
+    def _dead_end(self, req: Request, rows: range) -> tuple[str | None, range]:
+        """Whether the request's grammar allowed no token at one of the rows it sampled from this
+        step: the reason it ends, and the tokens before that row (the one sampled from the
+        unmasked row is not output). A dead row past the verdict's last (a rejected draft's) is none."""
+        error = None if self.structured is None else self.structured.dead_end(req)
+        if error is None:
+            return None, rows
+        position = self.structured.dead_end_row(req)
+        if position >= len(rows):
+            return None, rows
+        return error, range(rows.start, rows.start + position)
 
     def _grammar_ends(self, req: Request, token: int) -> bool:
         """Advance a constrained request's grammar: it ends the request when it terminates (a stop,

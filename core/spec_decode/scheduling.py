@@ -7,8 +7,9 @@ reserved as placeholders that the worker fills (`draft_model.py`). Either way th
 positions through the ordinary paged prefill/extend path. A request's `num_computed_tokens`
 advances by its one known token at scheduling and by the accepted drafts when the step's result
 arrives, so a rejected draft's K/V slot is simply overwritten by the next step. Drafts are capped
-so that every emitted token fits `max_tokens` and `max_model_len`. Requests under a grammar get
-no drafts: their matcher advances one token a step (see docs/speculative.md).
+so that every emitted token fits `max_tokens` and `max_model_len`. Under a grammar only n-gram
+drafts are carried, cut where the grammar refuses them (`StructuredOutputManager.valid_drafts`;
+see docs/speculative.md).
 """
 from __future__ import annotations
 

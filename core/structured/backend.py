@@ -26,6 +26,14 @@ def bitmask_width(vocab_size: int) -> int:
 class GrammarMatcher(abc.ABC):
     """One request's position in its grammar (the engine's manager is its only user)."""
 
+    # Whether `rollback` works. Speculative decoding walks a constrained request's matcher along
+    # its drafts and back; a matcher without rollback serves its request one token a step.
+    supports_rollback: bool = False
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens."""
+        raise NotImplementedError(f"{type(self).__name__} cannot roll back")
+
     @abc.abstractmethod
     def accept_token(self, token_id: int) -> bool:
         """Advance by one token; False, without moving, when the grammar does not allow it."""

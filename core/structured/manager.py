@@ -9,9 +9,14 @@ that fails, or that is still running `compile_timeout_s` after the request arriv
 request with an error that says which limit applied.
 
 Each request's matcher advances with every token the request accepts. Preemption recomputes K/V but
-keeps the tokens, so the matcher stays where it is; nothing is ever rolled back. Under async
-scheduling a step's masks are filled after the step before it has been read, while the device runs
-the step's forward pass (see `Scheduler`).
+keeps the tokens, so the matcher stays where it is. Under async scheduling a step's masks are filled
+after the step before it has been read, while the device runs the step's forward pass (see
+`Scheduler`).
+
+Speculative decoding: a constrained request whose matcher can roll back carries the drafts its
+grammar accepts (`valid_drafts` cuts the rest before verification) and gets one mask row per
+verified position, row j filled after the matcher has walked d_0..d_{j-1}; the matcher is rolled
+back after each walk, so it only ever moves with the tokens the request accepts.
 
 A grammar the backend could not prove empty may still reach a point where it allows no token
 (a rule that never ends behind a prefix). Its row then allows every token, so the sampler never
@@ -25,6 +30,7 @@ marker. The grammar is compiled and cached without the gate, which does not chan
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Iterable
@@ -57,7 +63,8 @@ class StructuredOutputManager:
         self._compiling: dict[Request, tuple[Compile, float]] = {}
         self._matchers: dict[Request, GrammarMatcher] = {}
         self._gates: dict[Request, GatePhase] = {}
-        self._dead_ends: dict[Request, str] = {}
+        # Request -> (its first mask row, among the last step's, that allowed nothing; the reason).
+        self._dead_ends: dict[Request, tuple[int, str]] = {}
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -118,14 +125,43 @@ class StructuredOutputManager:
             wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def dead_end(self, req: Request) -> str | None:
-        """Why the request's grammar allowed no token at its last mask (None: it allowed some)."""
-        return self._dead_ends.get(req)
+        """Why the request's grammar allowed no token at one of its last mask rows (None: every
+        row allowed some)."""
+        dead = self._dead_ends.get(req)
+        return None if dead is None else dead[1]
+
+    def dead_end_row(self, req: Request) -> int:
+        """Which of the request's last mask rows allowed no token (0 without drafts)."""
+        return self._dead_ends[req][0]
+
+    def can_draft(self, req: Request) -> bool:
+        """Whether the request may carry drafts: its matcher rolls back, and it does not reason
+        first (its gate moves over tokens outside the grammar)."""
+        matcher = self._matchers.get(req)
+        return matcher is not None and matcher.supports_rollback and req not in self._gates
+
+    def valid_drafts(self, req: Request, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` the request's grammar accepts from where it stands, short
+        of a token that ends the grammar (no mask follows it: the verify step samples it itself);
+        the matcher ends where it started."""
+        matcher, walked, ended = self._matchers[req], 0, False
+        for token in drafts:
+            if not matcher.accept_token(token):
+                break
+            walked += 1
+            if matcher.is_terminated():
+                ended = True
+                break
+        if walked:
+            matcher.rollback(walked)
+        return drafts[:walked - ended]
 
     # -- per step ------------------------------------------------------------------------------
 
-    def bitmask(self, reqs: list[Request]) -> GrammarBitmask | None:
+    def bitmask(self, reqs: list[Request], drafts: dict[str, list[int]] | None = None) -> GrammarBitmask | None:
         """The next-token masks of requests that sample this step, whose matchers have accepted
-        every token before the one sampled (the engine guarantees it: see `Scheduler`). A thinking
+        every token before the one sampled (the engine guarantees it: see `Scheduler`); a request
+        with `drafts` (valid ones: `valid_drafts`) gets a row per verified position. A thinking
         request gets a row only while min_tokens holds its stop tokens back (the worker leaves
         min_tokens to the masks of requests with a grammar); None when no row is needed."""
         # A request removed since it was scheduled (it finished while the step before was in
@@ -133,22 +169,39 @@ class StructuredOutputManager:
         masked = [req for req in reqs if req in self._matchers and (not self._thinks(req) or _under_min_tokens(req))]
         if not masked:
             return None
-        bitmask = np.empty((len(masked), self.width), dtype=np.int32)
-        grammar_rows = [row for row, req in enumerate(masked) if not self._thinks(req)]
-        self._backend.fill_bitmasks([self._matchers[masked[row]] for row in grammar_rows], bitmask, grammar_rows)
-        for row, req in enumerate(masked):
-            self._finish_row(req, bitmask, row)
-            if _under_min_tokens(req):
-                _hold_back_stops(bitmask[row], req)
-        return GrammarBitmask([req.request_id for req in masked], self.width, bitmask.tobytes())
+        walks = [[] if drafts is None else drafts.get(req.request_id, []) for req in masked]
+        firsts = list(itertools.accumulate((1 + len(walk) for walk in walks), initial=0))
+        bitmask = np.empty((firsts[-1], self.width), dtype=np.int32)
+        single = [i for i, (req, walk) in enumerate(zip(masked, walks)) if not walk and not self._thinks(req)]
+        self._backend.fill_bitmasks([self._matchers[masked[i]] for i in single], bitmask, [firsts[i] for i in single])
+        for req, walk, first in zip(masked, walks, firsts):
+            self._dead_ends.pop(req, None)
+            if walk:
+                self._fill_along(self._matchers[req], walk, bitmask, first)
+            for position in range(1 + len(walk)):
+                self._finish_row(req, bitmask, first + position, position)
+                if _under_min_tokens(req, position):
+                    _hold_back_stops(bitmask[first + position], req)
+        return GrammarBitmask([req.request_id for req in masked], self.width, bitmask.tobytes(),
+                              [1 + len(walk) for walk in walks] if any(walks) else [])
+
+    @staticmethod
+    def _fill_along(matcher: GrammarMatcher, drafts: list[int], bitmask: np.ndarray, first: int) -> None:
+        """Rows `first`..`first + len(drafts)`: the tokens allowed after each prefix of the drafts."""
+        for position, token in enumerate(drafts):
+            matcher.fill_bitmask(bitmask, first + position)
+            matcher.accept_token(token)
+        matcher.fill_bitmask(bitmask, first + len(drafts))
+        matcher.rollback(len(drafts))
 
     def _thinks(self, req: Request) -> bool:
         gate = self._gates.get(req)
         return gate is not None and gate.thinking
 
-    def _finish_row(self, req: Request, bitmask: np.ndarray, row: int) -> None:
+    def _finish_row(self, req: Request, bitmask: np.ndarray, row: int, position: int) -> None:
         """After the backend filled the grammar rows: a thinking request's row allows every token, a
-        gate that may open adds its start marker, and a row that allows nothing marks a dead end."""
+        gate that may open adds its start marker, and a row that allows nothing marks a dead end
+        at its `position` among the request's rows (the first such one)."""
         gate = self._gates.get(req)
         if gate is not None and gate.thinking:
             bitmask[row] = -1  # every token
@@ -158,9 +211,10 @@ class StructuredOutputManager:
             bitmask[row].view(np.uint32)[start // 32] |= np.uint32(1 << (start % 32))
         if not bitmask[row].any():
             kind = req.sampling_params.structured_outputs.kind
-            self._dead_ends[req] = (f"structured_outputs.{kind} admits no string that continues this output (after "
-                                    f"{req.num_output_tokens} tokens it allows no token at all: a part of it can "
-                                    "never end or match); the request ends here")
+            self._dead_ends.setdefault(req, (position, (
+                f"structured_outputs.{kind} admits no string that continues this output (after "
+                f"{req.num_output_tokens + position} tokens it allows no token at all: a part of it can "
+                "never end or match); the request ends here")))
             bitmask[row] = -1  # the sampler sees a row it can sample; the scheduler drops the token
 
     def accept(self, req: Request, token_id: int) -> bool:
@@ -181,8 +235,9 @@ class StructuredOutputManager:
         return self._backend.compile(spec)
 
 
-def _under_min_tokens(req: Request) -> bool:
-    return req.num_output_tokens < req.sampling_params.min_tokens
+def _under_min_tokens(req: Request, position: int = 0) -> bool:
+    """Whether min_tokens holds stop tokens back at the request's next output position + `position`."""
+    return req.num_output_tokens + position < req.sampling_params.min_tokens
 
 
 def _hold_back_stops(row: np.ndarray, req: Request) -> None:

@@ -59,8 +59,13 @@ def _refusal(spec: StructuredOutputsParams, exc: Exception) -> InvalidRequestErr
 
 
 class XGrammarMatcher(GrammarMatcher):
+    supports_rollback = True
+
     def __init__(self, matcher: Any):
         self._matcher = matcher
+
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
 
     def accept_token(self, token_id: int) -> bool:
         return self._matcher.accept_token(token_id)

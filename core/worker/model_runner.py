@@ -171,7 +171,9 @@ class ModelRunner:
         """Forbid what each constrained row's grammar does not allow next, before the sampler reads
         the logits (logprobs included, as vLLM does); the other rows are not touched."""
         row_of = host.logits_rows()
-        rows = [row_of[req_id] for req_id in grammar.req_ids]
+        counts = grammar.num_rows or [1] * len(grammar.req_ids)
+        # A verify step's request has a mask row per verified position, over its consecutive logits rows.
+        rows = [row_of[req_id] + j for req_id, count in zip(grammar.req_ids, counts) for j in range(count)]
         # A copy: torch will not share the read-only buffer of the message's bytes.
         arrays = [np.frombuffer(grammar.bitmask, dtype=np.int32).reshape(len(rows), grammar.width).copy()]
         if rows != list(range(logits.shape[0])):

@@ -1,10 +1,12 @@
 """Speculation through the whole engine on SmolLM2 (real weights): n-gram greedy output token-exact
 against the engine without it (alone, in a mixed batch, from the prefix cache, through
 preemption), stops and max_tokens inside a draft, penalties / min_tokens / logprobs, seeded
-sampling with n > 1, structured output that stays valid; and a draft model (the target itself)."""
+sampling with n > 1, constrained requests (JSON schema, regex) that speculate, token-exact and
+valid; and a draft model (the target itself)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from corectl import LLM, SamplingParams
@@ -86,17 +88,32 @@ def test_seeded_sampling_with_n_is_reproducible(spec_llm):
     assert len(set(map(tuple, first))) > 1
 
 
-def test_structured_output_stays_valid_beside_speculating_requests(spec_llm):
+def test_constrained_requests_speculate_and_stay_token_exact(llm_fp32, spec_llm):
     tok = spec_llm.get_tokenizer()
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"]}
-    constrained = SamplingParams(temperature=0.0, max_tokens=40,
-                                 structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True))
-    person = tok.encode_chat([{"role": "user", "content": "Describe a person as JSON with a name and an age."}])
-    outputs = spec_llm.generate([person, tok.encode_chat(COPY)],
-                                [constrained, SamplingParams(temperature=0.0, max_tokens=24)], use_tqdm=False)
+    json_params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(
+        json=schema, disable_any_whitespace=True))
+    phone_params = SamplingParams(temperature=0.0, max_tokens=20,
+                                  structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{3}-[0-9]{4}"))
+    # Prompts that hold the answer, so n-gram drafts are proposed, and partly refused by the grammars.
+    person = tok.encode_chat([{"role": "user", "content": 'Repeat this JSON exactly: {"name":"Ada Lovelace",'
+                                                          '"age":36} and {"name":"Alan Turing","age":41}'}])
+    phone = tok.encode_chat([{"role": "user", "content": "Write the number 555-867-5309 back, digits only: "
+                                                         "555-867-5309"}])
+    prompts, params = [person, phone, tok.encode_chat(COPY)], [json_params, phone_params,
+                                                                SamplingParams(temperature=0.0, max_tokens=24)]
+    reference = _tokens(llm_fp32, prompts, params)
+    accepted_before = _accepted(spec_llm)
+    alone = _tokens(spec_llm, prompts[:2], params[:2])
+    assert alone == reference[:2]
+    assert _accepted(spec_llm) > accepted_before, "the constrained requests must have accepted drafts"
+    outputs = spec_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
     value = json.loads(outputs[0].outputs[0].text)
     assert isinstance(value["name"], str) and isinstance(value["age"], int)
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{3}-[0-9]{4}", outputs[1].outputs[0].text)
+    assert spec_llm.engine.scheduler.make_stats().kv_cache_usage == 0.0
 
 
 def test_preemption_resumes_with_identical_output(llm_fp32):
