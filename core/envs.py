@@ -42,3 +42,9 @@ def fp8_fast_accum() -> bool:
     """CORECTL_FP8_FAST_ACCUM=0 makes the FP8 W8A8 GEMMs (`torch._scaled_mm`) promote their partial
     sums to fp32 periodically instead of accumulating in the tensor cores' own precision."""
     return os.environ.get("CORECTL_FP8_FAST_ACCUM", "1").lower() not in ("0", "false", "no")
+
+
+def graph_verify_enabled() -> bool:
+    """CORECTL_GRAPH_VERIFY=1 makes CUDA workers replay speculative decoding's verify steps in the
+    decode graphs (one row per verified token); off until it has been validated on a GPU."""
+    return os.environ.get("CORECTL_GRAPH_VERIFY", "0").lower() in ("1", "true", "yes")

@@ -8,6 +8,12 @@ step never waits for the previous step's transfers.
 Graphs: a pure-decode step (one token per request) replays the graph captured for the smallest
 batch-size bucket that holds it, padded with rows that store nothing (slot -1) and attend to
 nothing (seq_len 0); backends/triton/attention/backend.py lists what must stay fixed across replays.
+With CORECTL_GRAPH_VERIFY=1 a verify step (speculative decoding: every request's newest token
+and its drafts, all sampled) replays them too, as a decode step of one row per token: row j of a
+request is a sequence of its own that ends at its position, over the request's block table, so it
+attends causally to the rows before it in the request (their K/V is stored before any row attends)
+and no further. The buckets then reach `max_num_seqs` x (k + 1) rows. It is off by default: no
+GPU has run it yet (the CPU tests check the rows and the attention through the Triton kernels).
 Buckets are captured largest first into one memory pool, so the smaller graphs reuse the largest
 one's activation memory (one graph runs at a time). Every graph reads the first rows of one set
 of static input buffers sized for the largest bucket, and keeps the output tensor its capture
@@ -59,23 +65,38 @@ def graph_bucket(sizes: Sequence[int], num_seqs: int) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def choose_graph_size(sizes: Sequence[int], max_blocks: int, host: HostStep) -> int | None:
-    """The captured batch size that replays this step, or None to run it eagerly."""
-    if not sizes or host.max_query_len != 1 or host.block_tables.shape[1] > max_blocks:
+def choose_graph_size(sizes: Sequence[int], max_blocks: int, host: HostStep, verify: bool = False) -> int | None:
+    """The captured batch size that replays this step, or None to run it eagerly; with `verify`,
+    a verify step replays as one decode row per token (`decode_rows`)."""
+    if not sizes or host.block_tables.shape[1] > max_blocks:
         return None
-    return graph_bucket(sizes, host.num_seqs)
+    if host.max_query_len == 1:
+        return graph_bucket(sizes, host.num_seqs)
+    if verify and host.verifies and host.samples_every_row:
+        return graph_bucket(sizes, host.num_tokens)
+    return None
+
+
+def decode_rows(host: HostStep) -> tuple[np.ndarray, np.ndarray]:
+    """The step's seq_lens and block tables with one decode row per token: token t of a request
+    is a sequence ending at its own position (causal within the request), over the request's
+    block table. A pure-decode step's own arrays."""
+    if host.max_query_len == 1:
+        return host.seq_lens, host.block_tables
+    return (host.positions + 1).astype(np.int32), np.repeat(host.block_tables, host.query_lens, axis=0)
 
 
 def pad_decode_step(host: HostStep, size: int) -> list[np.ndarray]:
-    """A pure-decode step's input_ids, positions, slot_mapping, seq_lens and block_tables padded to
-    `size` rows. Padding rows read token 0 at position 0, store nothing (slot -1) and attend to
-    nothing (seq_len 0, a row of null blocks)."""
+    """A decode-shaped step's input_ids, positions, slot_mapping, seq_lens and block_tables (one row
+    per token: `decode_rows`) padded to `size` rows. Padding rows read token 0 at position 0, store
+    nothing (slot -1) and attend to nothing (seq_len 0, a row of null blocks)."""
+    seq_lens, block_tables = decode_rows(host)
     return [
         _padded(host.input_ids, size, 0),
         _padded(host.positions, size, 0),
         _padded(host.slot_mapping, size, -1),
-        _padded(host.seq_lens, size, 0),
-        _padded(host.block_tables, size, 0),
+        _padded(seq_lens, size, 0),
+        _padded(block_tables, size, 0),
     ]
 
 
@@ -171,6 +192,8 @@ class CUDAGraphModelRunner(ModelRunner):
         self.graphs: dict[int, _DecodeGraph] = {}
         self._graph_sizes: list[int] = []
         self._static: _StaticDecodeInputs | None = None
+        # Verify steps replay the decode graphs too (`capture_graphs`' `rows_per_seq` > 1).
+        self._graph_verify = False
 
     def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         super().set_kv_caches(kv_caches)
@@ -178,8 +201,9 @@ class CUDAGraphModelRunner(ModelRunner):
         self.graphs, self._graph_sizes = {}, []
 
     @torch.inference_mode()
-    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Capture decode graphs for every bucket up to `max_num_seqs` (the KV caches must be set)."""
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, rows_per_seq: int = 1) -> None:
+        """Capture decode graphs for every bucket up to `max_num_seqs` x `rows_per_seq` (the KV
+        caches must be set); `rows_per_seq` > 1 (k + 1) lets verify steps replay them."""
         if not self.backend.supports_graph_capture:
             logger.warning("attention backend %r cannot be captured in CUDA graphs; decoding eagerly",
                            self.backend.name)
@@ -189,7 +213,7 @@ class CUDAGraphModelRunner(ModelRunner):
                            "decoding eagerly", type(self.model).__name__)
             return
         started, free_before = time.monotonic(), torch.cuda.mem_get_info()[0]
-        sizes = graph_batch_sizes(max_num_seqs)
+        sizes = graph_batch_sizes(max_num_seqs * rows_per_seq)
         self._static = _StaticDecodeInputs(sizes[-1], -(-max_model_len // self.block_size), self.device,
                                            self._static_intermediate(sizes[-1]))
         pool = torch.cuda.graph_pool_handle()
@@ -200,7 +224,7 @@ class CUDAGraphModelRunner(ModelRunner):
             if len(graphs) % 8 == 0:
                 logger.info("captured %d of %d CUDA graphs", len(graphs), len(sizes))
         torch.cuda.synchronize()
-        self.graphs, self._graph_sizes = graphs, sizes
+        self.graphs, self._graph_sizes, self._graph_verify = graphs, sizes, rows_per_seq > 1
         logger.info("captured %d decode CUDA graphs (batch sizes 1 to %d) in %.1f s using %.2f GiB",
                     len(sizes), sizes[-1], time.monotonic() - started,
                     (free_before - torch.cuda.mem_get_info()[0]) / 2**30)
@@ -230,7 +254,7 @@ class CUDAGraphModelRunner(ModelRunner):
 
     def upload(self, host: HostStep) -> StepInputs:
         size = None if self._static is None else choose_graph_size(
-            self._graph_sizes, self._static.max_blocks, host)
+            self._graph_sizes, self._static.max_blocks, host, self._graph_verify)
         if size is None:
             return super().upload(host)
         static, graph = self._static, self.graphs[size]
@@ -266,6 +290,6 @@ class CUDAGraphModelRunner(ModelRunner):
             stage.receive(graph.size, into=self._static.intermediate)
         graph.graph.replay()
         if stage is None or stage.is_last:
-            return graph.output[: inputs.host.num_seqs]
+            return graph.output[: inputs.host.num_tokens]
         stage.send(graph.output)
         return None

@@ -1,4 +1,5 @@
-"""Decode CUDA graphs give eager execution's tokens across buckets; async scheduling gives the
+"""Decode CUDA graphs give eager execution's tokens across buckets (verify steps of speculative
+decoding too, with CORECTL_GRAPH_VERIFY=1); async scheduling gives the
 synchronous loop's tokens, and launching a step never waits for the device."""
 import pytest
 import torch
@@ -97,3 +98,18 @@ def test_programmatic_dependent_launch_changes_no_bit(checkpoint, monkeypatch):
         runs[flag] = [(o.outputs[0].token_ids, [next(iter(p.values())).logprob for p in o.outputs[0].logprobs])
                       for o in outputs]
     assert runs["0"] == runs["1"]
+
+
+def test_verify_steps_replayed_in_graphs_give_eager_verification_tokens(checkpoint, replayed_sizes, monkeypatch):
+    """CORECTL_GRAPH_VERIFY=1: a verify step (k + 1 rows a request) replays a decode graph of one
+    row per token; fp32, so token-exact against verify steps run eagerly."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    # Repeated prompts, so n-gram drafts are proposed from the start.
+    prompts = [prompt * 3 for prompt in random_prompts([5, 12, 20, 7], seed=2)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    eager = generate(checkpoint, prompts, params, dtype="float32", max_num_seqs=4, speculative_config=spec)
+    assert max(replayed_sizes, default=0) <= 4
+    monkeypatch.setenv("CORECTL_GRAPH_VERIFY", "1")
+    graphs = generate(checkpoint, prompts, params, dtype="float32", max_num_seqs=4, speculative_config=spec)
+    assert max(replayed_sizes) > 4, "verify steps of 4 requests x up to 5 rows must have replayed graphs"
+    assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -197,29 +198,34 @@ def test_static_inputs_take_each_step_whole_whatever_the_previous_step_left():
     assert batch.block_tables.shape == (4, 6) and batch.max_seq_len == 24 and batch.is_pure_decode
 
 
-def test_padded_decode_through_the_triton_backend_matches_the_unpadded_step():
-    """The graph's view of a step (padded rows, stale block-table columns, split count chosen for the
-    model's max length) attends and stores exactly as the eager step does."""
+def _eager_and_graph_attention(host, size, num_splits=None):
+    """The Triton backend's output and KV cache for a step run eagerly and as the graph sees it
+    (padded to `size` decode rows, stale block-table columns, the split count chosen for the
+    model's max length, or `num_splits`)."""
     from corectl.backends.triton.attention.backend import TritonAttentionBackend
 
     heads, kv_heads, head_dim, max_model_len = 4, 2, 16, 48
     backend = TritonAttentionBackend(heads, kv_heads, head_dim, torch.float32, torch.device("cpu"), BS)
-    states, sched = _decode_states(3)
-    host = states.build_step(sched, BS)
     kv_cache = torch.randn(backend.kv_cache_shape(40, BS, kv_heads, head_dim))
-    q = torch.randn(4, heads * head_dim)
-    k, v = torch.randn(4, kv_heads * head_dim), torch.randn(4, kv_heads * head_dim)
-
+    q = torch.randn(size, heads * head_dim)
+    k, v = torch.randn(size, kv_heads * head_dim), torch.randn(size, kv_heads * head_dim)
+    n = host.num_tokens
     eager_cache = kv_cache.clone()
-    eager = backend.forward(q[:3], k[:3], v[:3], eager_cache, backend.build_metadata(_eager_batch(host)), 0.25)
-
+    eager = backend.forward(q[:n], k[:n], v[:n], eager_cache, backend.build_metadata(_eager_batch(host)), 0.25)
     static = _StaticDecodeInputs(max_batch=8, max_blocks=max_model_len // BS, device=torch.device("cpu"))
     static.block_tables.fill_(39)   # stale ids from earlier, wider steps
-    static.load(4, [torch.from_numpy(a) for a in pad_decode_step(host, 4)])
-    meta = backend.build_metadata(static.attention_batch(4, max_model_len, BS), check_indices=False)
-    meta.num_splits = 3
+    static.load(size, [torch.from_numpy(a) for a in pad_decode_step(host, size)])
+    meta = backend.build_metadata(static.attention_batch(size, max_model_len, BS), check_indices=False)
+    if num_splits is not None:
+        meta.num_splits = num_splits
     graph_cache = kv_cache.clone()
-    padded = backend.forward(q, k, v, graph_cache, meta, 0.25)
+    return eager, eager_cache, backend.forward(q, k, v, graph_cache, meta, 0.25), graph_cache
+
+
+def test_padded_decode_through_the_triton_backend_matches_the_unpadded_step():
+    """The graph's view of a step attends and stores exactly as the eager step does."""
+    states, sched = _decode_states(3)
+    eager, eager_cache, padded, graph_cache = _eager_and_graph_attention(states.build_step(sched, BS), 4, 3)
     torch.testing.assert_close(padded[:3], eager, rtol=2e-5, atol=2e-5)
     assert torch.equal(padded[3], torch.zeros_like(padded[3]))
     assert torch.equal(graph_cache, eager_cache)
@@ -254,3 +260,50 @@ def test_graph_step_uploads_into_the_static_inputs_and_samples_only_finished_row
     assert inputs.logits_indices.tolist() == [0, 2]
     assert static.input_ids[:4].tolist() == [8, 4, 5, 0] and static.seq_lens[:4].tolist() == [9, 5, 6, 0]
     assert static.slot_mapping[:4].tolist() == [3 * BS, 5 * BS, 7 * BS + 1, -1]
+
+
+# -- verify steps (speculative decoding) as decode rows -------------------------------------------
+
+def _verify_step(num_drafts=(2, 3)):
+    """Requests decoding their newest token (context 9, 10, ...) with `num_drafts` drafts each."""
+    states = RequestStates(torch.device("cpu"))
+    new = [new_request_data(f"v{i}", range(i, i + 9 + i), list(range(10 * i + 1, 10 * i + 5)), computed=8 + i)
+           for i in range(len(num_drafts))]
+    drafts = {n.req_id: [50 + j for j in range(d)] for n, d in zip(new, num_drafts)}
+    sched = scheduler_output(new=new, scheduled={n.req_id: 1 + d for n, d in zip(new, num_drafts)})
+    sched = msgspec.structs.replace(sched, spec_token_ids=drafts)
+    states.apply(sched)
+    return states.build_step(sched, BS)
+
+
+def test_a_verify_step_replays_as_one_decode_row_per_token_when_asked():
+    host = _verify_step()
+    assert host.verifies and host.samples_every_row and host.num_tokens == 7
+    assert choose_graph_size([1, 2, 4, 8], 4, host) is None                 # verify graphs off
+    assert choose_graph_size([1, 2, 4, 8], 4, host, verify=True) == 8
+    assert choose_graph_size([1, 2, 4], 4, host, verify=True) is None       # more rows than the largest bucket
+    input_ids, positions, slots, seq_lens, tables = pad_decode_step(host, 8)
+    assert input_ids.tolist() == host.input_ids.tolist() + [0]
+    assert positions.tolist() == [8, 9, 10, 9, 10, 11, 12, 0]
+    # Row j of a request ends at its own position: causal within the request.
+    assert seq_lens.tolist() == [9, 10, 11, 10, 11, 12, 13, 0]
+    assert tables.tolist() == [host.block_tables[0].tolist()] * 3 + [host.block_tables[1].tolist()] * 4 + [[0] * 4]
+    assert slots.tolist() == host.slot_mapping.tolist() + [-1]
+
+
+def test_a_mixed_step_with_drafts_replays_no_graph():
+    states = RequestStates(torch.device("cpu"))
+    sched = scheduler_output(new=[new_request_data("cold", range(100, 106), [3, 9]),
+                                  new_request_data("dec", range(300, 310), [2, 8, 11], computed=9, prompt=7)],
+                             scheduled={"cold": 6, "dec": 3})
+    sched = msgspec.structs.replace(sched, spec_token_ids={"dec": [5, 6]})
+    states.apply(sched)
+    assert choose_graph_size([1, 2, 4, 8, 16], 8, states.build_step(sched, BS), verify=True) is None
+
+
+def test_verify_rows_through_the_triton_backend_match_the_eager_verify_step():
+    """The graph's view of a verify step (a decode row per token) attends and stores exactly as
+    the eager extend step does: each request's rows causally."""
+    eager, eager_cache, rows, graph_cache = _eager_and_graph_attention(_verify_step(), 8)
+    torch.testing.assert_close(rows[:7], eager, rtol=2e-5, atol=2e-5)
+    assert torch.equal(graph_cache, eager_cache)
