@@ -125,3 +125,28 @@ def test_an_image_at_a_chunk_boundary_is_not_split_and_a_prefix_hit_stops_before
     block = llm.config.block_size
     assert 0 < again.num_cached_tokens <= offset // block * block
     assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+
+
+def test_the_prompt_is_gemma3_processors(gemma3_dir):
+    """The image runs, and the newline runs merged around them, are the ids transformers'
+    Gemma3Processor writes for the same rendered text. (The test tokenizer is SmolLM2's byte-level
+    BPE, which splits a newline run before a word, where Gemma's tokenizer keeps it whole: the text
+    after each image here starts with a space or a special token, where both agree.)"""
+    from transformers import AutoTokenizer, Gemma3ImageProcessorPil, Gemma3Processor
+
+    from corectl.loaders.hf_config import load_hf_config
+    from corectl.multimodal.processing import ImageProcessing
+
+    processing = ImageProcessing.for_model(gemma3_dir, load_hf_config(gemma3_dir, None)[0])
+    tokenizer = AutoTokenizer.from_pretrained(gemma3_dir, extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    reference = Gemma3Processor(image_processor=Gemma3ImageProcessorPil.from_pretrained(gemma3_dir),
+                                tokenizer=tokenizer, image_seq_length=16)
+    for parts in (["Look:", None, None, " Compare."], ["A\n", None]):
+        images = [random_image(50, 40, i) for i, part in enumerate(parts) if part is None]
+        content = [{"type": "image"} if part is None else {"type": "text", "text": part} for part in parts]
+        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+        ours = processing.prompt(tokenizer.encode(text, add_special_tokens=False), images)["prompt_token_ids"]
+        expected = reference(text=text, images=[images], add_special_tokens=False)["input_ids"][0]
+        assert ours == list(expected)
