@@ -46,3 +46,18 @@ def test_masks_along_the_drafts_match_accepting_them_one_by_one(default_model_di
     assert (rows[-1].view(np.uint32)[EOS // 32] >> (EOS % 32)) & 1 and rows[-1].view(np.uint32).sum() == 1 << EOS
     np.testing.assert_array_equal(_rows(manager.bitmask([drafting]))[0], rows[0])
     assert manager.dead_end(drafting) is None
+
+
+def test_a_dead_end_after_a_draft_is_marked_at_its_row(default_model_dir, tokenizer):
+    manager = StructuredOutputManager(XGrammarBackend, str(default_model_dir), VOCAB, [EOS], 60.0)
+    # "a" is allowed, but nothing can follow it.
+    req = constrained("dead", StructuredOutputsParams(grammar='root ::= "b" | "a" x\nx ::= x'))
+    manager.add(req)
+    wait_ready(manager, req)
+    (a,) = tokenizer.encode("a", add_special_tokens=False)
+    assert manager.valid_drafts(req, [a]) == [a]
+    rows = _rows(manager.bitmask([req], {"dead": [a]}))
+    assert not (rows[0] == -1).all() and (rows[1] == -1).all()
+    assert manager.dead_end_row(req) == 1 and "admits no string" in manager.dead_end(req)
+    # The next step's masks start afresh: without the draft the first row allows "a" and "b".
+    assert manager.bitmask([req]) is not None and manager.dead_end(req) is None
