@@ -45,7 +45,8 @@ class OtherStageLayer(nn.Identity):
 
 
 def layer_partition(num_layers: int, num_stages: int, partition: tuple[int, ...] | None = None) -> list[range]:
-    """Each stage's layers. `partition`: the user's counts (checked to sum to `num_layers`)."""
+    """Each stage's layers. `partition`: the user's counts (`check_pipeline_parallel` has checked
+    that they sum to `num_layers`)."""
     if partition is None:
         counts = [num_layers // num_stages] * num_stages
         # The last stage also runs the norm and the LM head: the extra layers go before it.

@@ -16,6 +16,7 @@ import openai
 import pytest
 from corectl import LLM, SamplingParams
 from corectl.errors import ConfigError
+from corectl.models.pipeline import layer_partition
 from corectl.server.cli.engine_args import add_engine_args, config_from_args
 from support.models import build_random_checkpoint
 from support.ray_cluster import local_ray_cluster
@@ -163,6 +164,18 @@ def test_a_first_stage_killed_mid_stream_ends_the_server(server):
     assert time.monotonic() - killed_at < 10 and len(received) < 400
     assert httpx.get(server.url + "/health", timeout=5).status_code == 503
     assert server.proc.wait(30) == 1
+
+
+@pytest.mark.parametrize(("num_layers", "stages", "partition", "counts"), [
+    (4, 2, None, [2, 2]),
+    (30, 4, None, [7, 8, 8, 7]),  # vLLM's split: the extra layers before the last stage
+    (32, 3, None, [11, 11, 10]),
+    (4, 2, (3, 1), [3, 1]),
+])
+def test_stages_split_the_layers_as_vllm_does(num_layers, stages, partition, counts):
+    ranges = layer_partition(num_layers, stages, partition)
+    assert [len(r) for r in ranges] == counts
+    assert [i for r in ranges for i in r] == list(range(num_layers))
 
 
 def test_the_flags_reach_the_config():
