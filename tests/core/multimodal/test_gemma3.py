@@ -1,6 +1,6 @@
 """Gemma 3 vision-language end to end on a tiny random-weight checkpoint: greedy parity with
 transformers (bidirectional attention over each image's tokens) for one and two images batched
-with a text-only request, with 20-token steps that would otherwise split images; no chunk and no
+with a text-only request, with 18-token steps that would otherwise split images; no chunk and no
 prefix hit ends inside an image."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from support.vision_models import build_gemma3, png_bytes, random_image
 from corectl import LLM, SamplingParams
 
 MAX_TOKENS = 5
-STEP_TOKENS = 20
+STEP_TOKENS = 18
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_prompt_logprobs_match_transformers_inside_and_after_the_image(llm, hf):
 
 
 def test_an_image_at_a_chunk_boundary_is_not_split_and_a_prefix_hit_stops_before_it(llm):
-    """With 20-token steps the image's 16 tokens would straddle step boundaries; the scheduler gives
+    """With 18-token steps the image's 16 tokens would straddle step boundaries; the scheduler gives
     each image a step of its own from its first token, and a repeated prompt's prefix hit ends at
     the last block boundary before the image."""
     image = random_image(64, 64, 5)
@@ -120,10 +120,12 @@ def test_an_image_at_a_chunk_boundary_is_not_split_and_a_prefix_hit_stops_before
     boi = llm.engine.source.hf_config.boi_token_id
     offset = list(first.prompt_token_ids).index(boi) + 1
     image_span = (offset, offset + 16)
+    assert offset // STEP_TOKENS != (offset + 15) // STEP_TOKENS  # steps from 0 on would split the image
     assert chunks and not any(image_span[0] < end < image_span[1] for _, end in chunks)
     assert any(start <= image_span[0] and image_span[1] <= end for start, end in chunks)
     block = llm.config.block_size
-    assert 0 < again.num_cached_tokens <= offset // block * block
+    assert offset < (len(first.prompt_token_ids) - 1) // block * block < offset + 16  # a full hit would end inside
+    assert again.num_cached_tokens == offset // block * block > 0
     assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
 
 
