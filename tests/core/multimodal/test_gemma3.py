@@ -152,3 +152,13 @@ def test_the_prompt_is_gemma3_processors(gemma3_dir):
         ours = processing.prompt(tokenizer.encode(text, add_special_tokens=False), images)["prompt_token_ids"]
         expected = reference(text=text, images=[images], add_special_tokens=False)["input_ids"][0]
         assert ours == list(expected)
+
+
+def test_a_step_budget_smaller_than_one_bidirectional_image_is_refused():
+    from corectl.config import EngineConfig
+    from corectl.errors import ConfigError
+    from corectl.scheduler import Scheduler
+
+    with pytest.raises(ConfigError, match="cannot hold one image of 256 tokens"):
+        Scheduler(EngineConfig(max_num_batched_tokens=200), 256, 64, bidirectional_image_tokens=256)
+    assert Scheduler(EngineConfig(max_num_batched_tokens=256), 256, 64, bidirectional_image_tokens=256).whole_images
