@@ -109,23 +109,25 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
             return _NO_HIT
-        max_blocks = self._image_bound((req.num_tokens - 1) // self.block_size, req)
+        max_blocks = (req.num_tokens - 1) // self.block_size
         hit: list[int] = []
         for block_hash in self._block_hashes(req, max_blocks)[:max_blocks]:
             block = self.pool.cached_block(block_hash)
             if block is None:
                 break
             hit.append(block.block_id)
+        hit = hit[:self._image_bound(len(hit), req)]
         return PrefixHit(tuple(hit), len(hit) * self.block_size, req.num_tokens)
 
-    def _image_bound(self, max_blocks: int, req: Request) -> int:
-        """The most hit blocks that end outside every image, when images must be prefilled whole."""
+    def _image_bound(self, num_blocks: int, req: Request) -> int:
+        """How many of a hit's `num_blocks` blocks to keep so that it ends outside every image,
+        when images must be prefilled whole (a hit may stop short anywhere: an evicted block)."""
         if not self.whole_images:
-            return max_blocks
+            return num_blocks
         for item in req.mm_inputs:
-            if item.offset < max_blocks * self.block_size < item.end:
+            if item.offset < num_blocks * self.block_size < item.end:
                 return item.offset // self.block_size
-        return max_blocks
+        return num_blocks
 
     def allocate(self, req: Request, num_new_tokens: int, prefix_hit: PrefixHit | None = None) -> list[int] | None:
         """Give the request room for `num_new_tokens` more tokens; returns the new block ids.
