@@ -114,6 +114,11 @@ def test_constrained_requests_speculate_and_stay_token_exact(llm_fp32, spec_llm)
     assert isinstance(value["name"], str) and isinstance(value["age"], int)
     assert re.fullmatch(r"[0-9]{3}-[0-9]{3}-[0-9]{4}", outputs[1].outputs[0].text)
     assert spec_llm.engine.scheduler.make_stats().kv_cache_usage == 0.0
+    # Async scheduling: the masks of a step are filled after the step before is read, with drafts.
+    overlapped = LLM(dtype="float32", max_model_len=512, kv_cache_memory_gib=0.05, async_scheduling=True,
+                     speculative_config=NGRAM)
+    assert overlapped.engine.async_scheduling and _tokens(overlapped, prompts, params) == reference
+    assert _accepted(overlapped) > 0
 
 
 def test_preemption_resumes_with_identical_output(llm_fp32):
