@@ -21,12 +21,12 @@ def _key_ends(batch) -> torch.Tensor:
     return torch.tensor(query_key_ends(attn), dtype=torch.int32)
 
 
-def _reference(batch, **masking) -> torch.Tensor:
+def _reference(batch, spans, **masking) -> torch.Tensor:
     head_dim = batch.kv_cache.shape[-1]
     outs, start = [], 0
-    for keys, values, query_len, spans in zip(batch.keys, batch.values, batch.query_lens, SPANS):
+    for keys, values, query_len, seq_spans in zip(batch.keys, batch.values, batch.query_lens, spans):
         q = batch.q[start:start + query_len].view(query_len, -1, head_dim)
-        outs.append(causal_attention_ref(q, keys, values, SCALE, bidirectional_spans=spans, **masking)
+        outs.append(causal_attention_ref(q, keys, values, SCALE, bidirectional_spans=seq_spans, **masking)
                     .reshape(query_len, -1))
         start += query_len
     return torch.cat(outs)
@@ -39,20 +39,10 @@ def test_prefill_sees_the_later_keys_of_its_span(sliding_window, assert_close):
     out = paged_prefill_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                                   SCALE, max_query_len=70, sliding_window=sliding_window,
                                   query_key_end=_key_ends(batch))
-    expected = _reference(batch, sliding_window=sliding_window)
-    assert_close(out, expected)
+    assert_close(out, _reference(batch, SPANS, sliding_window=sliding_window))
     # The spans change the answer: causal attention alone is not what the kernel computed.
-    assert not torch.allclose(out.float(), _reference_causal(batch, sliding_window), atol=1e-3)
-
-
-def _reference_causal(batch, sliding_window) -> torch.Tensor:
-    head_dim = batch.kv_cache.shape[-1]
-    outs, start = [], 0
-    for keys, values, query_len in zip(batch.keys, batch.values, batch.query_lens):
-        q = batch.q[start:start + query_len].view(query_len, -1, head_dim)
-        outs.append(causal_attention_ref(q, keys, values, SCALE, sliding_window=sliding_window).reshape(query_len, -1))
-        start += query_len
-    return torch.cat(outs)
+    causal = _reference(batch, [[]] * len(SPANS), sliding_window=sliding_window)
+    assert not torch.allclose(out.float(), causal, atol=1e-3)
 
 
 def test_reference_spans_are_transformers_blockwise_mask():
