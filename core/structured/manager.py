@@ -1,5 +1,5 @@
 """Structured outputs in the engine process: grammars compiled off the loop, one matcher per request,
-one bitmask per step, its rows filled together (on several threads where the backend can).
+one bitmask per step, its rows filled in one call to the backend.
 
 The scheduler owns the manager and is its only caller. A request that asks for structured output
 has its grammar compiled off the loop (`compiles.GrammarCompiles`: a small and a large lane, shared

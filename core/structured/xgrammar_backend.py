@@ -7,7 +7,6 @@ It is imported only when a request asks for structured output.
 from __future__ import annotations
 
 import json
-import os
 import re
 from typing import Any
 
@@ -79,7 +78,7 @@ class XGrammarMatcher(GrammarMatcher):
 
 class XGrammarBackend(StructuredOutputBackend):
     """`fill_threads`: threads that fill a step's bitmask rows together (xgrammar's batch matcher,
-    which runs without the GIL); default `default_fill_threads()`."""
+    which runs without the GIL); default `default_fill_threads()`, one."""
 
     def __init__(self, tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int], fill_threads: int | None = None):
         import xgrammar as xgr
@@ -153,6 +152,7 @@ class XGrammarBackend(StructuredOutputBackend):
 
 
 def default_fill_threads() -> int:
-    """Half the cores this process may use, at most 8: the other half runs the engine loop, the
-    worker and torch's host threads. On a 2-core host that is one thread: rows fill one by one."""
-    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+    """One: rows fill one after another. Measured on an H100 host (16 cores, xgrammar 0.2.8,
+    `corectl bench grammar --fill-threads 1,4,8`), the batch matcher's hand-off costs 2-3 ms a call
+    whatever the rows, while 64 rows fill in 0.4 ms on one thread (docs/performance.md, W9)."""
+    return 1

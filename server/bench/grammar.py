@@ -37,7 +37,7 @@ def register(sub) -> None:
                    help="torch threads for applying the masks (default: torch's, one per core)")
     p.add_argument("--fill-threads", default=None,
                    help="comma-separated thread counts that fill a step's rows together, each measured "
-                        "(default: the engine's choice, half the cores up to 8)")
+                        "(default: the engine's, one)")
     p.add_argument("--save-result", default=None, help="write the result as JSON to this file")
     p.set_defaults(handler=run)
 
