@@ -143,7 +143,8 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor,
     if scale_zero.dtype == torch.float16:
         out = _grouped_gemm(4, rows, packed, scale_zero, group).to(x.dtype)
     else:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(TORCH_ACT_DTYPE), packed, group, scale_zero).to(x.dtype)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(TORCH_ACT_DTYPE), packed, group, scale_zero)
+        out = out.to(x.dtype)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], out.shape[-1])
