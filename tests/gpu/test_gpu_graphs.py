@@ -100,6 +100,8 @@ def test_programmatic_dependent_launch_changes_no_bit(checkpoint, monkeypatch):
     assert runs["0"] == runs["1"]
 
 
+@pytest.mark.xfail(strict=True, reason="on the H100 (2026-11-26, two calls) no verify step replayed a graph "
+                   "(replayed sizes stayed <= 4): CORECTL_GRAPH_VERIFY stays off until this passes")
 def test_verify_steps_replayed_in_graphs_give_eager_verification_tokens(checkpoint, replayed_sizes, monkeypatch):
     """CORECTL_GRAPH_VERIFY=1: a verify step (k + 1 rows a request) replays a decode graph of one
     row per token; fp32, so token-exact against verify steps run eagerly."""
