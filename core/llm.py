@@ -17,6 +17,7 @@ from .generation_config import check_generation_config, generation_defaults
 from .lora.request import LoRARequest
 from .multimodal.chat import image_sources, local_image
 from .multimodal.processing import ImageProcessing
+from .multimodal.processors import image_processing_for
 from .outputs import EmbeddingRequestOutput, RequestOutput
 from .pooling import PoolingParams
 from .sampling_params import SamplingParams
@@ -128,7 +129,7 @@ class LLM:
         if not sources:
             return None
         if self._image_processing is None:
-            self._image_processing = ImageProcessing.for_model(self.engine.source.model_dir,
+            self._image_processing = image_processing_for(self.engine.source.model_dir,
                                                                self.engine.source.hf_config)
         return self._image_processing.prompt(token_ids, [local_image(source) for source in sources])
 

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-from transformers import AutoImageProcessor
 
 from ..errors import InvalidRequestError
-from .inputs import MultiModalInput, is_multimodal
+from .inputs import MultiModalInput
 
 
 @dataclass(frozen=True)
@@ -59,7 +57,7 @@ def check_pixels(size: tuple[int, int], max_pixels: int) -> None:
 class ImageProcessing:
     """Preprocessing for one served model.
 
-        processing = ImageProcessing.for_model(model_dir, hf_config)   # None for a text-only model
+        processing = image_processing_for(model_dir, hf_config)   # processors.py; None: text-only
         processed = [processing.process(image) for image in images]
         token_ids, items = processing.expand(token_ids, processed)
     """
@@ -75,22 +73,6 @@ class ImageProcessing:
         # newlines merge with the prompt's next to them, as the processor's re-tokenized text does.
         self.newlines: dict[int, int] = {}
         self.merge_size = getattr(hf_config.vision_config, "spatial_merge_size", 1)
-
-    @classmethod
-    def for_model(cls, model_dir: Path | None, hf_config) -> ImageProcessing | None:
-        if not is_multimodal(hf_config) or model_dir is None:
-            return None
-        try:
-            processor = AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise InvalidRequestError(f"the model folder {model_dir} holds no image processor config "
-                                      f"(preprocessor_config.json), so images cannot be read: {exc}",
-                                      param="messages", code="images_not_supported") from exc
-        if getattr(hf_config, "model_type", None) == "gemma3":
-            from .gemma3_processing import Gemma3ImageProcessing
-
-            return Gemma3ImageProcessing(processor, hf_config, model_dir)
-        return cls(processor, hf_config)
 
     def process(self, image) -> ProcessedImage:
         """Pixel values, patch grid and placeholder count of one RGB PIL image."""

@@ -33,11 +33,11 @@ def register(sub) -> None:
 
 def run_images(args: argparse.Namespace) -> int:
     from corectl import SamplingParams
-    from corectl.multimodal.processing import ImageProcessing
+    from corectl.multimodal.processors import image_processing_for
 
     llm = llm_from_config(config_from_args(args))
     source = llm.engine.source
-    processing = ImageProcessing.for_model(source.model_dir, source.hf_config)
+    processing = image_processing_for(source.model_dir, source.hf_config)
     if processing is None:
         print(f"{llm.engine.info.architecture} reads no images")
         return 2

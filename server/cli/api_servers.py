@@ -3,7 +3,7 @@
 This process (the launcher) binds N listening sockets to the port (SO_REUSEPORT: the kernel spreads
 new connections over them), starts every data-parallel engine with one connection per API process
 (`corectl.engine.remote.SharedEngine`), and spawns N API processes; API process i gets socket i and
-connection i of every engine. Each is a whole server (`serve.serve_api`) whose engine transport is
+connection i of every engine. Each is a whole server (`api_process.serve_api`) whose engine transport is
 attached to those connections. The launcher serves nothing itself; it supervises:
 
 - SIGTERM or Ctrl-C: passed on to the API processes, which drain as one server does; once they are
@@ -122,7 +122,7 @@ def _supervise(servers: list, engines: list[SharedEngine]) -> int:
 
 def _api_process_main(settings, sock: socket.socket, links: list[EngineLink], index: int) -> None:
     from ..http.logs import configure_logging
-    from .serve import serve_api
+    from .api_process import serve_api
 
     _name_process(f"corectl-api-{index}")
     configure_logging(settings.log_format, envs.log_level())

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import socket
 
-import uvicorn
 from corectl import envs
 from corectl.errors import ConfigError
 
 from ..http.logs import LOG_FORMATS
+from .api_process import serve_api
 from .engine_args import add_engine_args, config_from_args
 from .vllm_flags import add_vllm_flags, api_keys_from_env, check_vllm_flags
 
@@ -198,41 +197,6 @@ def _bind_ports(settings, count: int) -> list[socket.socket]:
     return [first] + [_bind(settings, reuse_port=True) for _ in range(count - 1)]
 
 
-def serve_api(settings, sock: socket.socket, engine_links=None, index: int | None = None) -> int:
-    """Serve HTTP on the bound `sock` until stopped; returns the exit status. `engine_links`: the
-    connections to engines another process started (API process `index` of several), else the
-    server starts its own."""
-    from ..http.app import create_app
-    from ..http.state import ServerState
-
-    state = ServerState(settings)
-    state.engine_links, state.api_server_index = engine_links, index
-    config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, log_config=None,
-                            access_log=False, lifespan="on", timeout_graceful_shutdown=settings.shutdown_timeout,
-                            ssl_keyfile=settings.ssl_keyfile, ssl_certfile=settings.ssl_certfile,
-                            root_path=settings.root_path)
-    server = _Server(config, state)
-    state.request_exit = server.request_exit
-    quiet = _QuietStartupTraceback(state)
-    logging.getLogger("uvicorn.error").addFilter(quiet)
-    # uvicorn re-raises the signal that stopped it once it is done; these handlers make that a no-op
-    # so a drained shutdown exits 0.
-    previous = {sig: signal.signal(sig, _ignore_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        server.run(sockets=[sock])
-    except SystemExit:
-        if state.startup_error is None:
-            raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        logging.getLogger("uvicorn.error").removeFilter(quiet)
-    if state.startup_error is not None:
-        raise state.startup_error
-    logger.info("server stopped (exit status %d)", state.exit_code)
-    return state.exit_code
-
-
 def _bind(settings, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -246,41 +210,3 @@ def _bind(settings, reuse_port: bool = False) -> socket.socket:
         sock.close()
         raise ConfigError("port", f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}") from None
     return sock
-
-
-def _ignore_signal(signum, frame) -> None:
-    return None
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server, told about SIGTERM (to refuse new requests) and about engine failures."""
-
-    def __init__(self, config: uvicorn.Config, state):
-        super().__init__(config)
-        self.state = state
-
-    def handle_exit(self, sig, frame) -> None:
-        if not self.state.draining:
-            logger.info("shutting down: refusing new requests, waiting up to %g s for running ones",
-                        self.state.settings.shutdown_timeout)
-        self.state.draining = True
-        super().handle_exit(sig, frame)
-
-    def request_exit(self) -> None:
-        self.should_exit = True
-
-
-class _QuietStartupTraceback(logging.Filter):
-    """A startup error the user can act on (bad option, missing model) is reported once, in words;
-    uvicorn would also log its traceback."""
-
-    def __init__(self, state):
-        super().__init__()
-        self._state = state
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        from corectl.errors import CorectlError
-
-        expected = isinstance(self._state.startup_error, CorectlError)
-        return not (expected and "Traceback" in str(record.msg).split("\n", 1)[0])
-

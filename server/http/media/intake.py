@@ -12,6 +12,7 @@ from corectl.engine.messages import EngineInfo
 from corectl.loaders.hf_config import load_hf_config
 from corectl.multimodal.chat import data_url_bytes, image_sources
 from corectl.multimodal.processing import ImageProcessing, decode_image
+from corectl.multimodal.processors import image_processing_for
 
 from ..errors import APIError
 from .fetch import fetch_image
@@ -64,5 +65,5 @@ class MediaIntake:
         if self._processing is None:
             folder = Path(info.model_dir)
             hf_config, _ = await anyio.to_thread.run_sync(load_hf_config, folder, None)
-            self._processing = await anyio.to_thread.run_sync(ImageProcessing.for_model, folder, hf_config)
+            self._processing = await anyio.to_thread.run_sync(image_processing_for, folder, hf_config)
         return self._processing

@@ -137,9 +137,9 @@ def test_the_prompt_is_gemma3_processors(gemma3_dir):
     from transformers import AutoTokenizer, Gemma3ImageProcessorPil, Gemma3Processor
 
     from corectl.loaders.hf_config import load_hf_config
-    from corectl.multimodal.processing import ImageProcessing
+    from corectl.multimodal.processors import image_processing_for
 
-    processing = ImageProcessing.for_model(gemma3_dir, load_hf_config(gemma3_dir, None)[0])
+    processing = image_processing_for(gemma3_dir, load_hf_config(gemma3_dir, None)[0])
     tokenizer = AutoTokenizer.from_pretrained(gemma3_dir, extra_special_tokens={
         "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
     reference = Gemma3Processor(image_processor=Gemma3ImageProcessorPil.from_pretrained(gemma3_dir),
