@@ -173,7 +173,8 @@ def test_dashboard_in_a_real_browser(dash_server, artifacts):
     executable = chromium_path()
     load = Load(dash_server.url, count=3, max_tokens=64)
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=executable)
+        # Containers often give /dev/shm 64 MB, where a renderer taking a screenshot crashes.
+        browser = pw.chromium.launch(executable_path=executable, args=["--disable-dev-shm-usage"])
         page = browser.new_page(viewport={"width": 1280, "height": 1100})
         problems: list[str] = []
         # The first poll's 401 is expected (it is how the page learns it needs the key).
