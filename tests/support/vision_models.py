@@ -100,3 +100,12 @@ def build_gemma3(folder: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     model.save_pretrained(folder)
     Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(folder)
     return folder
+
+
+def hf_greedy_with_images(model, ids: torch.Tensor, image_inputs: dict, max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of one prompt (`ids`, [1, T]) with its processor's image
+    inputs (none for a text-only prompt)."""
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, **image_inputs)
+    return out[0, ids.shape[1]:].tolist()

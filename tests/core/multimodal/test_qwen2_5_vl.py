@@ -7,7 +7,7 @@ import base64
 
 import pytest
 import torch
-from support.vision_models import png_bytes, random_image
+from support.vision_models import hf_greedy_with_images, png_bytes, random_image
 
 from corectl import LLM, SamplingParams
 
@@ -37,10 +37,7 @@ def _hf_greedy(hf, prompt_ids: list[int], images) -> list[int]:
         pixels = processor(images=images, return_tensors="pt")
         extra = dict(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
                      mm_token_type_ids=(ids == model.config.image_token_id).int())
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
-                             **extra)
-    return out[0, ids.shape[1]:].tolist()
+    return hf_greedy_with_images(model, ids, extra, MAX_TOKENS)
 
 
 def _user(*parts) -> list[dict]:
