@@ -114,6 +114,25 @@ def assert_serves_like_one_device(server: ServerProcess, checkpoint: Path) -> No
     assert served == [out.outputs[0].text for out in llm.generate(PARITY_PROMPTS, params, use_tqdm=False)]
 
 
+def assert_rank_death_ends_the_stream(server: ServerProcess, rank: int, error: str) -> None:
+    """Kill rank process `rank` of a server of "tiny" while it streams a long completion: the stream
+    fails within seconds with an error matching `error`, /health answers 503, and the server exits 1."""
+    import openai
+    import pytest
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    stream = client.completions.create(model="tiny", prompt=PARITY_PROMPTS[0], max_tokens=400, temperature=0.0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    received = [next(iter(stream))]
+    os.kill(rank_processes(server)[rank], signal.SIGKILL)
+    killed_at = time.monotonic()
+    with pytest.raises(openai.APIError, match=error):
+        received.extend(stream)
+    assert time.monotonic() - killed_at < 10 and len(received) < 400
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 503
+    assert server.proc.wait(30) == 1
+
+
 def alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie does not)."""
     try:

@@ -6,13 +6,8 @@ starts."""
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import time
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
 from corectl import LLM, SamplingParams
 from corectl.errors import ConfigError
@@ -21,7 +16,13 @@ from corectl.server.cli.engine_args import add_engine_args, config_from_args
 from support.models import build_random_checkpoint
 from support.ray_cluster import local_ray_cluster
 from support.scheduling import make_req, make_scheduler, sample_all
-from support.server import PARITY_PROMPTS, SMALL_ENGINE, assert_serves_like_one_device, rank_processes, running_server
+from support.server import (
+    SMALL_ENGINE,
+    assert_rank_death_ends_the_stream,
+    assert_serves_like_one_device,
+    rank_processes,
+    running_server,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -151,19 +152,8 @@ def test_serve_pp2_completes_like_one_device(server, checkpoint):
 def test_a_first_stage_killed_mid_stream_ends_the_server(server):
     """Stage 1 would wait forever for stage 0's activations; the engine watches every rank's
     process, so the death is reported at once and the server exits 1."""
-    ranks = rank_processes(server)
-    assert len(ranks) == 2, ranks
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    stream = client.completions.create(model="tiny", prompt=PARITY_PROMPTS[0], max_tokens=400, temperature=0.0,
-                                       stream=True, extra_body={"ignore_eos": True})
-    received = [next(iter(stream))]
-    os.kill(ranks[0], signal.SIGKILL)
-    killed_at = time.monotonic()
-    with pytest.raises(openai.APIError, match="pipeline stage 0"):
-        received.extend(stream)
-    assert time.monotonic() - killed_at < 10 and len(received) < 400
-    assert httpx.get(server.url + "/health", timeout=5).status_code == 503
-    assert server.proc.wait(30) == 1
+    assert len(rank_processes(server)) == 2
+    assert_rank_death_ends_the_stream(server, 0, "pipeline stage 0")
 
 
 @pytest.mark.parametrize(("num_layers", "stages", "partition", "counts"), [
