@@ -34,8 +34,9 @@ def test_rms_norm_with_residual(dtype, assert_close):
 
 def _assert_rounds_like(out: torch.Tensor, ref: torch.Tensor) -> None:
     """fp16 converts with correct rounding even in the interpreter, so the kernel must reproduce
-    the reference's rounding steps: all but a few borderline elements (fp32 summation order) equal."""
-    torch.testing.assert_close(out, ref, rtol=2.0 ** -10, atol=1e-5)
+    the reference's rounding steps: all but a few borderline elements (fp32 summation order) equal.
+    A borderline element may land one fp16 step away in each of two roundings, so up to 2 ulp."""
+    torch.testing.assert_close(out, ref, rtol=2.0 ** -9, atol=1e-5)
     assert (out != ref).float().mean() <= 0.01, f"{(out != ref).sum().item()} of {out.numel()} elements differ"
 
 
