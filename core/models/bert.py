@@ -18,10 +18,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers.activations import ACT2FN
 
 from ..attention import ForwardContext
 from ..tokenizer import Tokenizer
+from .layers import activation
 
 # Checkpoint prefixes in front of the encoder's own names (a pooling engine adds `model.`).
 _PREFIXES = ("model.", "bert.", "roberta.")
@@ -99,7 +99,7 @@ class _Intermediate(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.dense(x))

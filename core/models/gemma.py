@@ -22,12 +22,11 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from ..attention import ForwardContext
 from ..loaders.packing import load_packed_weights
 from .base import CausalLM
-from .layers import Attention, RotaryEmbedding
+from .layers import Attention, RotaryEmbedding, activation
 from .parallel import PackedLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, gather_logits
 from .sliding_window import layer_sliding_windows
 
@@ -83,7 +82,7 @@ class GemmaMLP(nn.Module):
         size = config.intermediate_size
         self.gate_up_proj = PackedLinear(config.hidden_size, {"gate": size, "up": size}, bias=False)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False)
-        self.act = ACT2FN[config.hidden_activation]
+        self.act = activation(config.hidden_activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -16,12 +16,12 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers.activations import ACT2FN
 
 from ..attention import ForwardContext
 from ..loaders.packing import default_weight_loader, load_packed_weights
 from ..multimodal.inputs import MultiModalInput
 from .gemma import Gemma3ForCausalLM, GemmaRMSNorm
+from .layers import activation
 
 # Checkpoint prefixes, newest first: transformers >= 4.52 nests the parts under `model.`; the tower's
 # own `vision_model.` level comes and goes with the SigLIP class's version.
@@ -55,7 +55,7 @@ class SiglipEncoderLayer(nn.Module):
         self.mlp = nn.Module()
         self.mlp.fc1 = nn.Linear(dim, config.intermediate_size)
         self.mlp.fc2 = nn.Linear(config.intermediate_size, dim)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))

@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..attention import ForwardContext
 from ..errors import ConfigError
 from .kernels import UsesLayerKernels
 
-__all__ = ["Attention", "RMSNorm", "RotaryEmbedding"]
+__all__ = ["Attention", "RMSNorm", "RotaryEmbedding", "activation"]
+
+
+def activation(name: str) -> nn.Module:
+    """Hugging Face's activation module named `name` (its `ACT2FN`). Imported on first use:
+    `transformers.activations` pulls in its modeling stack, seconds of start-up for every process."""
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
 
 
 class RMSNorm(UsesLayerKernels, nn.Module):
@@ -74,6 +81,8 @@ class RotaryEmbedding(UsesLayerKernels, nn.Module):
             inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             scaling = 1.0
         else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type=layer_type)

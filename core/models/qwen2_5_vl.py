@@ -16,12 +16,11 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers.activations import ACT2FN
 
 from ..attention import ForwardContext
 from ..loaders.packing import default_weight_loader, load_packed_weights
 from ..multimodal.inputs import MultiModalInput
-from .layers import RMSNorm, RotaryEmbedding, _rotate_half
+from .layers import RMSNorm, RotaryEmbedding, _rotate_half, activation
 from .llama import LlamaForCausalLM, head_dim
 
 # Checkpoint prefixes: transformers >= 4.52 nests both parts under `model.`, older files do not.
@@ -79,7 +78,7 @@ class VisionMLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=True)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=True)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=True)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import AutoImageProcessor
-
 from ..errors import InvalidRequestError
 from .gemma3_processing import Gemma3ImageProcessing
 from .inputs import is_multimodal
@@ -16,6 +14,9 @@ from .processing import ImageProcessing
 def image_processing_for(model_dir: Path | None, hf_config) -> ImageProcessing | None:
     if not is_multimodal(hf_config) or model_dir is None:
         return None
+    # transformers' image stack costs seconds to import; text-only servers never pay it.
+    from transformers import AutoImageProcessor
+
     try:
         processor = AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
     except (OSError, ValueError) as exc:
