@@ -78,7 +78,8 @@ def _top_p_threshold(ranked: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """`ranked` holds each row's candidates in descending order, top-k already masked to -inf."""
     probs = ranked.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1).sub_(probs)
-    num_kept = (mass_before < top_p).sum(dim=-1, keepdim=True)
+    # The top candidate always stays (mass 0 before it), unless NaN logits made every mass NaN.
+    num_kept = (mass_before < top_p).sum(dim=-1, keepdim=True).clamp_(min=1)
     threshold = ranked.gather(1, num_kept - 1)
     # A p of 1 keeps everything; the fp32 cumsum can overshoot 1 and would drop a tail of ~0 mass.
     return threshold.masked_fill_(top_p >= 1.0, _NEG_INF)
@@ -150,7 +151,9 @@ def _inverse_cdf_draw(logits: torch.Tensor, generators: dict[int, torch.Generato
     for row, generator in generators.items():
         draws[row].uniform_(generator=generator)
     targets = draws.neg_().add_(1.0).mul_(cdf[:, -1:])
-    return torch.searchsorted(cdf, targets).squeeze(1)
+    # NaN logits (a diverged activation) make the cdf NaN, where searchsorted answers one past the
+    # vocabulary: an id no embedding holds. The clamp keeps it a token, as argmax does for greedy rows.
+    return torch.searchsorted(cdf, targets).clamp_(max=logits.shape[-1] - 1).squeeze(1)
 
 
 def temper_and_truncate(logits: torch.Tensor, params: RandomParams) -> None:

@@ -68,6 +68,17 @@ def test_top_k_one_is_greedy_even_at_high_temperature(device):
         assert torch.equal(tokens, logits.argmax(dim=-1))
 
 
+def test_nan_logits_still_give_a_token_of_the_vocabulary(device):
+    """A diverged row (NaN logits) must not hand the next step an id no embedding holds."""
+    logits = randn(4, 50, seed=2)
+    logits[1, 7] = float("nan")
+    logits[3] = float("nan")
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9, top_k=20)):
+        for _ in range(10):
+            tokens, _ = sample(logits.to(device), [params] * 4)
+            assert ((tokens >= 0) & (tokens < 50)).all(), tokens
+
+
 def _seeded_run(seed: int, position: int, others: list[SamplingParams], steps: torch.Tensor, device) -> list[int]:
     """Tokens a seeded row draws over the steps' logits when sat at `position` among `others`."""
     params = list(others)
