@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support.models import build_random_checkpoint
 from support.server import SMALL_ENGINE, ServerProcess, alive, descendants, running_server
 
 pytestmark = pytest.mark.slow
@@ -20,8 +21,10 @@ DOCUMENT = " ".join(f"Clause {i}: the tenant keeps the garden tidy and pays on t
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running_server("-dp", "2", "--served-model-name", "smol", *SMALL_ENGINE) as process:
+def server(tmp_path_factory, default_model_dir):
+    # Routing and the engines' lifetimes do not depend on the weights: a small random model starts fastest.
+    checkpoint = build_random_checkpoint("qwen2", tmp_path_factory.mktemp("serve-dp") / "qwen2", default_model_dir)
+    with running_server(str(checkpoint), "-dp", "2", "--served-model-name", "smol", *SMALL_ENGINE) as process:
         yield process
 
 

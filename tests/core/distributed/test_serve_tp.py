@@ -24,8 +24,10 @@ def checkpoint(tmp_path_factory, default_model_dir):
     return build_random_checkpoint("qwen2", tmp_path_factory.mktemp("serve-tp") / "qwen2", default_model_dir)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def server(checkpoint):
+    """One server for the module: the parity test only reads from it, the rank-death test ends it
+    (it runs last, in file order)."""
     with running_server(str(checkpoint), "-tp", "2", "--served-model-name", "tiny", *SMALL_ENGINE) as process:
         yield process
 
