@@ -3,8 +3,6 @@ their parent, run-time load and unload (path checks, API key), a resolver, 404s,
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 
 import httpx
 import openai
@@ -12,6 +10,7 @@ import pytest
 from support.adapters import save_adapter
 from support.models import build_random_checkpoint, hf_greedy
 from support.server import API_KEY, ServerProcess
+from support.server_a_cli import cli_runs
 from transformers import AutoTokenizer
 
 PROMPT = [5, 77, 300, 1234, 999, 42, 17]
@@ -145,34 +144,42 @@ def test_metrics_show_adapters(client, http):
     assert 'vllm:lora_requests_total{lora_name="r8",model_name="base"}' in text
 
 
-def _serve_exit(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "corectl.server.cli", "serve", "--port", "0", *args],
-                          capture_output=True, text=True, timeout=600)
+BAD_FLAGS = {
+    "duplicate": (["--lora-modules", "a=/x", "a=/y"], "the name 'a' is given twice"),
+    "malformed": (["--lora-modules", "nameonly"], "is not NAME=PATH or a JSON object"),
+    "resolver-root": (["--lora-resolver", "filesystem"], "needs an existing folder of adapters"),
+    "resolver-name": (["--lora-resolver", "nope"], "unknown LoRA resolver 'nope'"),
+}
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--lora-modules", "a=/x", "a=/y"], "the name 'a' is given twice"),
-    (["--lora-modules", "nameonly"], "is not NAME=PATH or a JSON object"),
-    (["--lora-resolver", "filesystem"], "needs an existing folder of adapters"),
-    (["--lora-resolver", "nope"], "unknown LoRA resolver 'nope'"),
-], ids=["duplicate", "malformed", "resolver-root", "resolver-name"])
-def test_bad_lora_flags_exit_2_in_one_line(lora_setup, flags, message):
-    done = _serve_exit(str(lora_setup[1]), "--enable-lora", *flags)
+@pytest.fixture(scope="module")
+def cli(lora_setup):
+    """The module's `corectl` command lines, run in one interpreter (one import of torch and corectl):
+    each bad LoRA flag, an adapter of too high a rank given at start-up, and `corectl plugins`."""
+    root, base, _ = lora_setup
+    runs = {name: ["serve", "--port", "0", str(base), "--enable-lora", *flags]
+            for name, (flags, _) in BAD_FLAGS.items()}
+    runs["startup-rank"] = ["serve", "--port", "0", str(base), "--dtype", "float32", "--max-model-len", "128",
+                            "--kv-cache-memory", "0.02", "--enable-lora", "--max-lora-rank", "8",
+                            "--lora-modules", f"r16={root / 'served' / 'r16'}"]
+    runs["plugins"] = ["plugins"]
+    return dict(zip(runs, cli_runs(*runs.values())))
+
+
+@pytest.mark.parametrize("name", list(BAD_FLAGS))
+def test_bad_lora_flags_exit_2_in_one_line(cli, name):
+    done, message = cli[name], BAD_FLAGS[name][1]
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
 
 
-def test_a_bad_startup_adapter_names_the_problem(lora_setup):
+def test_a_bad_startup_adapter_names_the_problem(cli):
     """An adapter of too high a rank given at start-up: the server does not start, and says why."""
-    root, base, _ = lora_setup
-    done = _serve_exit(str(base), "--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory", "0.02",
-                       "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"r16={root / 'served' / 'r16'}")
+    done = cli["startup-rank"]
     assert done.returncode == 2 and "rank 16, above max_lora_rank 8" in done.stderr
 
 
-def test_plugins_lists_the_lora_resolvers():
-    done = subprocess.run([sys.executable, "-m", "corectl.server.cli", "plugins"], capture_output=True, text=True,
-                          timeout=120)
-    rows = {tuple(line.split()[:2]) for line in done.stdout.splitlines()[1:]}
+def test_plugins_lists_the_lora_resolvers(cli):
+    rows = {tuple(line.split()[:2]) for line in cli["plugins"].stdout.splitlines()[1:]}
     assert {("lora_resolver", "filesystem"), ("lora_resolver", "hub")} <= rows
 
 
