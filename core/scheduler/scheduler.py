@@ -26,34 +26,22 @@ max_num_seqs) / stages)`), so the steps in flight are micro-batches of different
 fill the stages. Each continuing request's tokens travel with its step (`new_token_ids`): the
 stages before the last never see the ids the last one samples.
 
-Structured outputs (`self.structured`, see `corectl/structured/manager.py`): a constrained request
-waits in the queue until its grammar has compiled, each step carries the masks of the constrained
-rows it samples, and every token a constrained request accepts advances its grammar, which ends the
-request when it terminates. A mask needs the request's previous token. Under synchronous scheduling
-the step carries its masks. Under async scheduling (`defer_grammar`) the previous token may still be
-in flight, so the step only says its masks are pending (`grammar_pending`): the engine launches the
-forward pass, reads the step before, and then hands the worker `pending_grammar_bitmask()`, filled
-while the device runs the forward pass (vLLM's split of forward and sampling).
-A request that reasons before its grammar (a `ReasoningGate`) is one of those requests while it
-thinks: any token in flight may be the end marker that makes the next one constrained, and the
-manager decides at fill time whether it gets a row.
+Structured outputs: `grammar_steps.py` (`GrammarSteps`) says which rows of a step carry grammar
+masks and when they are filled.
 """
 from __future__ import annotations
 
-import bisect
-import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..config import EngineConfig
-from ..engine.messages import ITERATION_TOKENS_BUCKETS, EngineCoreOutput, SchedulerStats
+from ..engine.messages import EngineCoreOutput, SchedulerStats
 from ..errors import ConfigError, QueueFullError
 from ..kv import KVCacheManager, PrefixHit
 from ..kv.sizing import blocks_per_sequence
 from ..kv_transfer.base import KVConnectorScheduler
-from ..lora.admission import AdapterAdmission, adapter_names
+from ..lora.admission import AdapterAdmission
 from ..multimodal.budget import ENCODER_CACHE_ROWS, EncoderBudget, pinned_rows
 from ..request import Request, RequestStatus
 from ..spec_decode.scheduling import DraftPlanner
@@ -65,46 +53,16 @@ from ..step_messages import (
     NewRequestData,
     SchedulerOutput,
 )
+from .grammar_steps import GrammarSteps
 from .inflight import StepsInFlight
+from .stats import IterationCounts, lora_stats, spec_decode_stats
 from .kv_loads import KVLoads
 from .prompt_logprobs import PromptLogprobsBuffer, logprobs_rows
 from .request_queue import create_request_queue
+from .step_plan import StepPlan
 
 if TYPE_CHECKING:
     from ..structured.manager import StructuredOutputManager
-
-logger = logging.getLogger("corectl.scheduler")
-
-
-@dataclass
-class _StepPlan:
-    """What one `schedule()` call has decided so far."""
-
-    budget: int
-    # The most requests this step may hold (pipeline parallelism's micro-batches), None: no cap.
-    max_seqs: int | None = None
-    num_scheduled: dict[str, int] = field(default_factory=dict)
-    running: dict[str, tuple[Request, list[int]]] = field(default_factory=dict)
-    new: list[Request] = field(default_factory=list)
-    preempted: bool = False
-    # Draft tokens of speculating requests, the last of their scheduled tokens.
-    drafts: dict[str, list[int]] = field(default_factory=dict)
-    # The image encoding the step's chunks may start (`corectl.multimodal.budget`).
-    encoder: EncoderBudget = field(default_factory=lambda: EncoderBudget(0, 0))
-
-    @property
-    def full(self) -> bool:
-        return self.budget <= 0 or (self.max_seqs is not None and len(self.num_scheduled) >= self.max_seqs)
-
-    def take(self, req: Request, num_tokens: int) -> None:
-        self.num_scheduled[req.request_id] = num_tokens
-        self.budget -= num_tokens
-
-    def drop(self, req: Request) -> None:
-        """Undo scheduling a running request that is preempted later in the same step."""
-        self.budget += self.num_scheduled.pop(req.request_id, 0)
-        self.running.pop(req.request_id, None)
-        self.drafts.pop(req.request_id, None)
 
 
 class Scheduler:
@@ -154,14 +112,9 @@ class Scheduler:
         self.prompt_tokens_computed = 0
         self._prompt_logprobs = PromptLogprobsBuffer()
         self.num_preemptions = 0
-        self._iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
-        self._iteration_tokens_sum = 0
+        self._iterations = IterationCounts()
         self.structured = structured
-        self.defer_grammar = defer_grammar
-        # The constrained requests the last step samples for, when its masks are pending.
-        self._grammar_rows: list[Request] = []
-        # Their drafts (speculative decoding): each gets a mask row per verified position.
-        self._grammar_drafts: dict[str, list[int]] = {}
+        self.grammar = GrammarSteps(structured, defer_grammar, self.in_flight)
         # A pooling engine's requests are prefill only: each ends with its pooled vector.
         self.pooling = config.runner == "pooling"
         # LoRA: no step mixes more than max_loras adapters (corectl/lora/admission.py).
@@ -234,37 +187,18 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.num_preemptions,
-            iteration_tokens_counts=list(self._iteration_tokens),
-            iteration_tokens_sum=self._iteration_tokens_sum,
+            iteration_tokens_counts=list(self._iterations.counts),
+            iteration_tokens_sum=self._iterations.total,
             prompt_tokens_computed=self.prompt_tokens_computed,
             **({} if self.kv_loads is None else self.kv_loads.counters()),
-            **self._lora_stats(),
-            **self._spec_decode_stats(),
+            **lora_stats(self.adapters, self._requests),
+            **spec_decode_stats(self.drafts),
         )
-
-    def _count_iteration(self, num_tokens: int) -> None:
-        if num_tokens:
-            self._iteration_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
-            self._iteration_tokens_sum += num_tokens
-
-    def _spec_decode_stats(self) -> dict:
-        if self.drafts is None:
-            return {}
-        counters = self.drafts.counters
-        return dict(spec_decode_num_drafts=counters.num_drafts, spec_decode_num_draft_tokens=counters.num_draft_tokens,
-                    spec_decode_num_accepted_tokens=counters.num_accepted_tokens,
-                    spec_decode_num_accepted_tokens_per_pos=list(counters.accepted_per_position))
-
-    def _lora_stats(self) -> dict:
-        if self.adapters is None:
-            return {}
-        running, waiting = adapter_names(self._requests)
-        return dict(running_lora_adapters=running, waiting_lora_adapters=waiting)
 
     # -- scheduling ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(budget=self.config.max_num_batched_tokens, max_seqs=self._micro_batch_seqs(),
+        plan = StepPlan(budget=self.config.max_num_batched_tokens, max_seqs=self._micro_batch_seqs(),
                          encoder=EncoderBudget(self.config.max_num_batched_tokens, ENCODER_CACHE_ROWS,
                                                whole_images=self.whole_images))
         self._schedule_running(plan)
@@ -281,7 +215,7 @@ class Scheduler:
         active = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
         return max(1, -(-active // self.pipeline_stages))
 
-    def _schedule_running(self, plan: _StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> None:
         index = 0
         while index < len(self.running) and not plan.full:
             req = self.running[index]
@@ -315,7 +249,7 @@ class Scheduler:
                 plan.drafts[req.request_id] = drafts
             index += 1
 
-    def _fit_images(self, req: Request, num_computed: int, num_tokens: int, plan: _StepPlan) -> int:
+    def _fit_images(self, req: Request, num_computed: int, num_tokens: int, plan: StepPlan) -> int:
         """The part of a chunk whose images the step's encoder budget (the token budget) and the
         worker's encoder cache have room for."""
         if not req.mm_inputs:
@@ -330,17 +264,11 @@ class Scheduler:
         if (self.drafts is None or num_tokens != 1 or req.num_computed_tokens + 1 != req.num_tokens
                 or not self._may_draft(req)):
             return []
-        drafts = self.drafts.drafts(req.all_token_ids, req.num_output_tokens, req.max_tokens, budget)
-        if drafts and self.structured is not None and req in self.structured:
-            return self.structured.valid_drafts(req, drafts)
-        return drafts
+        return self.grammar.valid_drafts(req, self.drafts.drafts(req.all_token_ids, req.num_output_tokens,
+                                                                 req.max_tokens, budget))
 
     def _may_draft(self, req: Request) -> bool:
-        """Whether speculation serves the request: under a grammar only with drafts the scheduler
-        proposes (n-gram), which the matcher checks, and a matcher that rolls back."""
-        if self.structured is None or req not in self.structured:
-            return True
-        return self.drafts.proposer is not None and self.structured.can_draft(req)
+        return self.grammar.may_draft(req, self.drafts.proposer is not None)
 
     def _awaits_verdict(self, req: Request) -> bool:
         """Whether a speculating request still has tokens in flight (async scheduling): its next
@@ -367,7 +295,7 @@ class Scheduler:
             return max(range(len(running)), key=lambda i: (running[i].priority, running[i].arrival_time, i))
         return len(self.running) - 1
 
-    def _preempt(self, req: Request, plan: _StepPlan) -> None:
+    def _preempt(self, req: Request, plan: StepPlan) -> None:
         plan.drop(req)
         self.kv.free(req)
         if not self.in_flight.num_tokens(req):
@@ -382,7 +310,7 @@ class Scheduler:
         self.waiting.prepend([req])
         plan.preempted = True
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: StepPlan) -> None:
         skipped: list[Request] = []
         if self.adapters is not None:
             self.adapters.begin(self.running)
@@ -390,7 +318,7 @@ class Scheduler:
             req = self.waiting.peek()
             # A request preempted while a step held it waits for that step's results (its token in
             # flight); the engine applies them before the next schedule, direct callers may not.
-            if (self.in_flight.holds(req) or self._sibling_prefilling(req) or self._grammar_compiling(req)
+            if (self.in_flight.holds(req) or self._sibling_prefilling(req) or self.grammar.compiling(req)
                     or (self.adapters is not None and not self.adapters.admits(req))):
                 skipped.append(self.waiting.pop())
                 continue
@@ -423,9 +351,6 @@ class Scheduler:
         if self.adapters is not None:
             self.adapters.end()
 
-    def _grammar_compiling(self, req: Request) -> bool:
-        return self.structured is not None and req in self.structured and not self.structured.ready(req)
-
     def _sibling_prefilling(self, req: Request) -> bool:
         """Whether another sample of the same request is still filling prompt blocks it could share.
 
@@ -443,7 +368,7 @@ class Scheduler:
             s is not req and s.status == RequestStatus.RUNNING and s.num_computed_tokens < shareable for s in group
         )
 
-    def _start(self, req: Request, num_computed: int, num_tokens: int, plan: _StepPlan) -> None:
+    def _start(self, req: Request, num_computed: int, num_tokens: int, plan: StepPlan) -> None:
         """Run a waiting request from `num_computed` tokens (a prefix hit, loaded ones) for `num_tokens`."""
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = num_computed
@@ -455,7 +380,7 @@ class Scheduler:
         plan.take(req, num_tokens)
         plan.new.append(req)
 
-    def _emit(self, plan: _StepPlan) -> SchedulerOutput:
+    def _emit(self, plan: StepPlan) -> SchedulerOutput:
         """Build the step's message (counts before this step), then advance and commit."""
         new_requests = [
             NewRequestData(
@@ -472,12 +397,7 @@ class Scheduler:
             for req in plan.new
         ]
         running = [req for req, _ in plan.running.values()]
-        grammar_rows = self._grammar_rows_of(running + plan.new, plan)
-        grammar_pending = self.defer_grammar and bool(grammar_rows)
-        self._grammar_rows = grammar_rows if grammar_pending else []
-        self._grammar_drafts = plan.drafts if grammar_pending else {}
-        grammar_bitmask = (self.structured.bitmask(grammar_rows, plan.drafts)
-                           if grammar_rows and not grammar_pending else None)
+        grammar_bitmask, grammar_pending = self.grammar.for_step(running + plan.new, plan)
         cached = CachedRequestData(
             req_ids=list(plan.running),
             new_block_ids=[ids for _, ids in plan.running.values()],
@@ -490,12 +410,12 @@ class Scheduler:
             self.prompt_tokens_computed += max(0, min(req.num_computed_tokens + plan.num_scheduled[req.request_id],
                                                       req.num_prompt_tokens) - req.num_computed_tokens)
             # Drafts count as computed only once accepted (`update`).
-            req.num_computed_tokens += plan.num_scheduled[req.request_id] - len(plan.drafts.get(req.request_id, ()))
+            req.num_computed_tokens += plan.known_tokens(req)
             self.in_flight.schedule(req)
             self.kv.commit(req)
         finished = list(self._forget)
         self._forget.clear()
-        self._count_iteration(sum(plan.num_scheduled.values()))
+        self._iterations.count(sum(plan.num_scheduled.values()))
         return SchedulerOutput(
             new_requests=new_requests,
             cached_requests=cached,
@@ -508,23 +428,9 @@ class Scheduler:
             kv_transfer=None if self.connector is None else self.connector.build_metadata(),
         )
 
-    def _grammar_rows_of(self, scheduled: list[Request], plan: _StepPlan) -> list[Request]:
-        """The constrained requests this step samples for (counts before the step; a token in
-        flight is one the step computes)."""
-        if self.structured is None or not self.structured.constrained:
-            return []
-        def known(req: Request) -> int:  # the step's tokens before its drafts
-            return plan.num_scheduled[req.request_id] - len(plan.drafts.get(req.request_id, ()))
-        return [req for req in scheduled if req in self.structured
-                and req.num_computed_tokens + known(req) == req.num_tokens + self.in_flight.num_tokens(req)]
-
     def pending_grammar_bitmask(self) -> GrammarBitmask | None:
-        """The masks of the last scheduled step's constrained rows, once the step before it has been
-        read (`update`): each matcher has then accepted every token before the one this step samples.
-        None when no row needs one (requests that finished meanwhile, or think unbounded)."""
-        rows, self._grammar_rows = self._grammar_rows, []
-        drafts, self._grammar_drafts = self._grammar_drafts, {}
-        return self.structured.bitmask(rows, drafts)
+        """The masks of the last step, when it left them pending (`GrammarSteps.pending_bitmask`)."""
+        return self.grammar.pending_bitmask()
 
     # -- results -------------------------------------------------------------------------------
 
@@ -601,20 +507,7 @@ class Scheduler:
                        rows: range) -> EngineCoreOutput:
         """Append the request's tokens of this step (`token_ids[rows]`: one, or a verify step's
         accepted drafts and the token after them) up to the first that ends it."""
-        error, rows = self._dead_end(req, rows)
-        end = rows.start
-        while end < rows.stop and not req.status.finished:
-            token = token_ids[end]
-            end += 1
-            req.append_output_token(token)
-            if len(req.all_token_ids) >= self.max_model_len:
-                req.status = RequestStatus.FINISHED_LENGTH
-            elif not self._grammar_ends(req, token):
-                req.check_stop()
-        if error is not None and not req.status.finished:
-            req.status = RequestStatus.FINISHED_ABORTED
-        elif error is not None:
-            error = None  # it ended before the row that allowed nothing
+        end, error = self.grammar.append(req, token_ids, rows, self.max_model_len)
         return EngineCoreOutput(
             req_id=req.request_id,
             new_token_ids=token_ids[rows.start:end],
@@ -626,30 +519,6 @@ class Scheduler:
             first_scheduled_time=req.first_scheduled_time,
             error=error,
         )
-
-    def _dead_end(self, req: Request, rows: range) -> tuple[str | None, range]:
-        """Whether the request's grammar allowed no token at one of the rows it sampled from this
-        step: the reason it ends, and the tokens before that row (the one sampled from the
-        unmasked row is not output). A dead row past the verdict's last (a rejected draft's) is none."""
-        error = None if self.structured is None else self.structured.dead_end(req)
-        if error is None:
-            return None, rows
-        position = self.structured.dead_end_row(req)
-        if position >= len(rows):
-            return None, rows
-        return error, range(rows.start, rows.start + position)
-
-    def _grammar_ends(self, req: Request, token: int) -> bool:
-        """Advance a constrained request's grammar: it ends the request when it terminates (a stop,
-        whatever min_tokens says: the output must stay valid), or aborts it on a token it refuses."""
-        if self.structured is None or req not in self.structured:
-            return False
-        if not self.structured.accept(req, token):
-            logger.warning("request %s sampled token %d, which its grammar refuses; aborting it", req.request_id, token)
-            req.status = RequestStatus.FINISHED_ABORTED
-        elif self.structured.is_terminated(req):
-            req.status = RequestStatus.FINISHED_STOPPED
-        return req.status.finished
 
     def _release(self, req: Request) -> None:
         """Forget a finished request: its blocks, its group membership, its unreported prompt

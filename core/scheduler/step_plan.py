@@ -1,0 +1,41 @@
+"""What one `Scheduler.schedule()` call has decided so far: the tokens each request takes from the
+step's budget, its new blocks, its drafts and the image encoding its chunk may start."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..multimodal.budget import EncoderBudget
+from ..request import Request
+
+
+@dataclass
+class StepPlan:
+    budget: int
+    # The most requests this step may hold (pipeline parallelism's micro-batches), None: no cap.
+    max_seqs: int | None = None
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    running: dict[str, tuple[Request, list[int]]] = field(default_factory=dict)
+    new: list[Request] = field(default_factory=list)
+    preempted: bool = False
+    # Draft tokens of speculating requests, the last of their scheduled tokens.
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    # The image encoding the step's chunks may start (`corectl.multimodal.budget`).
+    encoder: EncoderBudget = field(default_factory=lambda: EncoderBudget(0, 0))
+
+    @property
+    def full(self) -> bool:
+        return self.budget <= 0 or (self.max_seqs is not None and len(self.num_scheduled) >= self.max_seqs)
+
+    def take(self, req: Request, num_tokens: int) -> None:
+        self.num_scheduled[req.request_id] = num_tokens
+        self.budget -= num_tokens
+
+    def drop(self, req: Request) -> None:
+        """Undo scheduling a running request that is preempted later in the same step."""
+        self.budget += self.num_scheduled.pop(req.request_id, 0)
+        self.running.pop(req.request_id, None)
+        self.drafts.pop(req.request_id, None)
+
+    def known_tokens(self, req: Request) -> int:
+        """The request's tokens this step computes before its drafts."""
+        return self.num_scheduled[req.request_id] - len(self.drafts.get(req.request_id, ()))
