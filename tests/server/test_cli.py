@@ -3,32 +3,40 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from support.server_a_cli import cli_runs
 
 
-def _corectl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "corectl.server.cli", *args], capture_output=True, text=True,
-                          timeout=600)
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """The module's command lines, run in one interpreter (one import of torch and corectl, not four)."""
+    grammar_result = tmp_path_factory.mktemp("bench-grammar") / "grammar.json"
+    runs = {
+        "chat": ["generate", "--chat", "What is the capital of France?", "--temperature", "0", "--max-tokens", "16",
+                 "--max-model-len", "512", "--kv-cache-memory", "0.05"],
+        "bad-input": ["generate", "--temperature", "-1", "Hello"],
+        "plugins": ["plugins"],
+        "bench-grammar": ["bench", "grammar", "--batch-sizes", "1,9", "--fill-threads", "1,2", "--repeats", "1",
+                          "--save-result", str(grammar_result)],
+    }
+    return {**dict(zip(runs, cli_runs(*runs.values()))), "grammar_result": grammar_result}
 
 
-def test_generate_chat_answers_from_the_default_model():
-    done = _corectl("generate", "--chat", "What is the capital of France?", "--temperature", "0",
-                    "--max-tokens", "16", "--max-model-len", "512")
+def test_generate_chat_answers_from_the_default_model(cli):
+    done = cli["chat"]
     assert done.returncode == 0, done.stderr
     assert "Paris" in done.stdout
 
 
-def test_generate_reports_bad_input_in_one_line():
-    done = _corectl("generate", "--temperature", "-1", "Hello")
+def test_generate_reports_bad_input_in_one_line(cli):
+    done = cli["bad-input"]
     assert done.returncode != 0
     assert "temperature" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_plugins_lists_builtins_with_package_and_availability():
-    done = _corectl("plugins")
+def test_plugins_lists_builtins_with_package_and_availability(cli):
+    done = cli["plugins"]
     assert done.returncode == 0, done.stderr
     rows = {tuple(line.split()[:2]): line.split() for line in done.stdout.splitlines()[1:]}
     assert rows[("platform", "cpu")][3:] == ["corectl", "0", "yes"]
@@ -67,12 +75,10 @@ def test_serve_takes_the_online_token_budget_and_offline_keeps_its_own():
     assert generate.max_num_batched_tokens == EngineConfig().max_num_batched_tokens == 2048
 
 
-def test_bench_grammar_times_each_part_of_a_constrained_step(tmp_path):
-    out = tmp_path / "grammar.json"
-    done = _corectl("bench", "grammar", "--batch-sizes", "1,9", "--fill-threads", "1,2", "--repeats", "1",
-                    "--save-result", str(out))
+def test_bench_grammar_times_each_part_of_a_constrained_step(cli):
+    done = cli["bench-grammar"]
     assert done.returncode == 0, done.stderr
-    result = json.loads(out.read_text())
+    result = json.loads(cli["grammar_result"].read_text())
     assert set(result["per_step_ms"]) == {"1/1", "9/1", "1/2", "9/2"} and result["answer_tokens"] > 10
     for times in result["per_step_ms"].values():
         assert set(times) == {"fill", "apply", "accept", "total"} and all(t > 0 for t in times.values())

@@ -6,13 +6,12 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 from support.server import SMALL_ENGINE, ServerProcess, free_port
+from support.server_a_cli import cli_runs
 
 
 def _health_until_down(url: str) -> list[int | str]:
@@ -98,24 +97,30 @@ def test_hung_engine_is_detected_and_killed():
         server.stop()
 
 
-def _serve_expecting_failure(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "corectl.server.cli", "serve", "--log-format", "json", *args],
-                          capture_output=True, text=True, timeout=180)
+@pytest.fixture(scope="module")
+def failed_starts():
+    """Two servers that must not start (a context above the model's, a taken port), run in one
+    interpreter (one import of torch and corectl for both); the port's number with its run."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        port_taken, too_long = cli_runs(
+            ["serve", "--log-format", "json", "--port", str(port)],
+            ["serve", "--log-format", "json", "--port", str(free_port()), "--max-model-len", "99999",
+             "--kv-cache-memory", "0.05"])
+    return too_long, (port, port_taken)
 
 
-def test_startup_error_is_one_clear_line():
-    out = _serve_expecting_failure("--port", str(free_port()), "--max-model-len", "99999", "--kv-cache-memory", "0.05")
+def test_startup_error_is_one_clear_line(failed_starts):
+    out = failed_starts[0]
     assert out.returncode == 2
     assert "corectl: error: max_model_len: 99999 exceeds the model's limit" in out.stderr
     assert "Traceback" not in out.stderr + out.stdout
 
 
-def test_taken_port_fails_before_the_engine_starts():
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        out = _serve_expecting_failure("--port", str(port))
+def test_taken_port_fails_before_the_engine_starts(failed_starts):
+    port, out = failed_starts[1]
     assert out.returncode == 2
     assert f"corectl: error: port: cannot listen on 127.0.0.1:{port}" in out.stderr
     assert "engine" not in out.stdout + out.stderr.replace("corectl: error", "")
