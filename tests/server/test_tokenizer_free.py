@@ -3,12 +3,11 @@ route or field that needs text answers a 400 naming the field, and `corectl benc
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import httpx
 import pytest
 from support.server import SMALL_ENGINE, ServerProcess
+from support.server_a_cli import cli_runs
 
 PROMPT = [5, 17, 42, 99, 3, 250]
 
@@ -102,29 +101,42 @@ def test_the_server_keeps_serving_after_the_refusals(tiny_http):
     assert _complete(tiny_http).status_code == 200
 
 
-def _bench(tiny, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "corectl.server.cli", "bench", "serve", "--base-url", tiny.url,
-                           "--input-len", "20", "--output-len", "4", "--num-prompts", "4", "--ignore-eos", *args],
-                          capture_output=True, text=True, timeout=120)
+BENCH = ["bench", "serve", "--input-len", "20", "--output-len", "4", "--num-prompts", "4", "--ignore-eos"]
+GENERATE = ["--model", "llama-tiny", "--load-format", "dummy", "--kv-cache-memory", "0.01", "--max-tokens", "3"]
 
 
-def test_bench_serve_sends_token_id_prompts(tiny, tmp_path):
-    result = tmp_path / "bench.json"
-    out = _bench(tiny, "--prompt-token-ids", "--max-concurrency", "2", "--save-result", str(result))
+@pytest.fixture(scope="module")
+def cli(tiny, tmp_path_factory):
+    """The module's command lines, run in one interpreter (one import of torch and corectl, not six)."""
+    bench_result = tmp_path_factory.mktemp("bench") / "bench.json"
+    bench = [*BENCH, "--base-url", tiny.url]
+    runs = {
+        "bench-ids": [*bench, "--prompt-token-ids", "--max-concurrency", "2", "--save-result", str(bench_result)],
+        "bench-chat": [*bench, "--prompt-token-ids", "--endpoint", "/v1/chat/completions"],
+        "bench-text": bench,
+        "generate-ids": ["generate", "5,17,42", "--token-ids", *GENERATE],
+        "generate-text": ["generate", "Hello", *GENERATE],
+        "generate-chat": ["generate", "Hello", "--chat", *GENERATE],
+    }
+    return {**dict(zip(runs, cli_runs(*runs.values()))), "bench_result": bench_result}
+
+
+def test_bench_serve_sends_token_id_prompts(cli):
+    out = cli["bench-ids"]
     assert out.returncode == 0, out.stdout + out.stderr
-    saved = json.loads(result.read_text())
+    saved = json.loads(cli["bench_result"].read_text())
     assert saved["completed"] == 4 and saved["failed"] == 0
     assert saved["input_lens"] == [20] * 4 and saved["output_lens"] == [4] * 4
     assert saved["ttft_ms"]["mean"] > 0 and all(len(itl) >= 1 for itl in saved["itls"])
 
 
-def test_bench_serve_token_ids_refuse_the_chat_endpoint(tiny):
-    out = _bench(tiny, "--prompt-token-ids", "--endpoint", "/v1/chat/completions")
+def test_bench_serve_token_ids_refuse_the_chat_endpoint(cli):
+    out = cli["bench-chat"]
     assert out.returncode == 2 and "--prompt-token-ids needs /v1/completions" in out.stderr
 
 
-def test_bench_serve_text_prompts_report_why_they_fail(tiny):
-    out = _bench(tiny)
+def test_bench_serve_text_prompts_report_why_they_fail(cli):
+    out = cli["bench-text"]
     assert out.returncode == 1 and "prompts must be lists of token ids" in out.stdout
 
 
@@ -136,18 +148,11 @@ def test_return_token_ids_alongside_text(http):
     assert choice["prompt_token_ids"] == [1, 2, 3] and len(choice["token_ids"]) == 4 and choice["text"]
 
 
-def _generate(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "corectl.server.cli", "generate", *args, "--model", "llama-tiny",
-                           "--load-format", "dummy", "--kv-cache-memory", "0.01", "--max-tokens", "3"],
-                          capture_output=True, text=True, timeout=120)
-
-
-def test_generate_prints_token_ids_and_refuses_text_in_one_line():
-    out = _generate("5,17,42", "--token-ids")
+def test_generate_prints_token_ids_and_refuses_text_in_one_line(cli):
+    out = cli["generate-ids"]
     assert out.returncode == 0, out.stderr
     ids = [int(t) for t in out.stdout.split()]
     assert 1 <= len(ids) <= 3 and all(0 <= t < 512 for t in ids)  # an end-of-sequence token may come early
-    for args in (["Hello"], ["Hello", "--chat"]):
-        out = _generate(*args)
+    for out in (cli["generate-text"], cli["generate-chat"]):
         assert out.returncode == 2 and "Traceback" not in out.stderr
         assert out.stderr.startswith("corectl: error: prompt:") and "pass --token-ids" in out.stderr
