@@ -19,6 +19,7 @@ from support.server import API_KEY, ServerProcess
 from support.vision_models import png_bytes, random_image
 
 from corectl.server.http.errors import APIError
+from corectl.server.http.media.address_guard import guarded_client
 from corectl.server.http.media.fetch import fetch_image
 from corectl.server.http.media.settings import MediaSettings
 
@@ -95,7 +96,7 @@ def test_too_many_images_then_the_server_still_serves(vlm_http):
 
 def _fetch(url: str, **settings) -> bytes:
     async def run():
-        async with httpx.AsyncClient(trust_env=False) as client:
+        async with guarded_client(MediaSettings(**settings)) as client:
             return await fetch_image(client, url, MediaSettings(**settings))
     return anyio.run(run)
 

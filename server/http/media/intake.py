@@ -15,6 +15,7 @@ from corectl.multimodal.processing import ImageProcessing, decode_image
 from corectl.multimodal.processors import image_processing_for
 
 from ..errors import APIError
+from .address_guard import guarded_client
 from .fetch import fetch_image
 from .settings import MediaSettings
 
@@ -47,7 +48,7 @@ class MediaIntake:
         if not sources:
             return token_ids
         processing = await self._processing_for(info)
-        async with httpx.AsyncClient(timeout=self.settings.fetch_timeout, trust_env=False) as client:
+        async with guarded_client(self.settings) as client:
             images = [await self._image(client, source) for source in sources]
         return await anyio.to_thread.run_sync(processing.prompt, token_ids, images, limiter=self._limiter)
 
