@@ -229,8 +229,7 @@ def _assert_gguf_matches_its_dequantized_model(tmp_path, types: dict[str, str], 
     from support.gguf_files import write_gguf
 
     dense = build_checkpoint("llama", tmp_path / "dense")
-    path = write_gguf(dense, tmp_path / "llama.gguf", {kind: Q[name] for kind, name in types.items()},
-                      synthetic_vocab=True)
+    path = write_gguf(dense, tmp_path / "llama.gguf", {kind: Q[name] for kind, name in types.items()})
 
     def served_quantized(llm):
         assert llm.engine.info.quantization == described

@@ -7,7 +7,7 @@ Modules
 - `engines`: `TINY`, the kwargs of an engine on the random-weight `llama-tiny` preset (CPU, tiny cache).
 - `models`: the embedded SmolLM2 (`smollm2_folder`, `smollm2_gguf`, `CHAT_PROMPTS`), small random-weight
   checkpoints of real architectures (`build_random_checkpoint`), transformers' greedy reference
-  (`hf_greedy`), `save_think_tokenizer`, `held_bytes`.
+  (`hf_greedy`; `hf_greedy_choices` checks given tokens in one forward), `save_think_tokenizer`, `held_bytes`.
 - `scheduling`: the scheduler without a model (`make_scheduler`, `make_req`, `step`, `run`,
   `PagedOracle`, `random_requests`, hand-built `SchedulerOutput`s).
 - `server`: `ServerProcess` (`corectl serve` in a subprocess on a free port), `SMALL_ENGINE` flags,

@@ -1,7 +1,7 @@
 """GGUF files written here with the `gguf` package: a random HF Llama's projections in chosen block
-types (Q4_K through a quantizer of our own: the package only dequantizes it), with the SmolLM2
-tokenizer's metadata, or a synthetic vocabulary where the embedded model is not installed (the GPU
-machine). Used by tests/core/quantization and tests/gpu."""
+types (Q4_K through a quantizer of our own: the package only dequantizes it), with a synthetic
+vocabulary of the config's size: the tests prompt with token ids, and reading SmolLM2's 49,152
+tokens back from a GGUF costs seconds at every open. Used by tests/core/quantization and tests/gpu."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,6 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 from safetensors.torch import load_file
-from support.models import smollm2_gguf
 
 HF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -84,25 +83,12 @@ def _synthetic_tokenizer(writer: gguf.GGUFWriter, vocab_size: int) -> None:
     writer.add_eos_token_id(2)
 
 
-def _copy_tokenizer(writer: gguf.GGUFWriter) -> None:
-    reader = gguf.GGUFReader(smollm2_gguf())
-    strings = lambda key: [bytes(reader.fields[key].parts[i]).decode() for i in reader.fields[key].data]  # noqa: E731
-    scalar = lambda key: reader.fields[key].parts[reader.fields[key].data[0]][0].item()  # noqa: E731
-    writer.add_tokenizer_model(bytes(reader.fields["tokenizer.ggml.model"].parts[-1]).decode())
-    writer.add_token_list(strings("tokenizer.ggml.tokens"))
-    writer.add_token_types([int(reader.fields["tokenizer.ggml.token_type"].parts[i][0])
-                            for i in reader.fields["tokenizer.ggml.token_type"].data])
-    writer.add_token_merges(strings("tokenizer.ggml.merges"))
-    writer.add_bos_token_id(scalar("tokenizer.ggml.bos_token_id"))
-    writer.add_eos_token_id(scalar("tokenizer.ggml.eos_token_id"))
-
-
 def _permute_rotary_rows(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's q/k row order (each head's rotary halves interleaved), which the loader undoes."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
-def _add_header(writer: gguf.GGUFWriter, config: dict, synthetic_vocab: bool) -> None:
+def _add_header(writer: gguf.GGUFWriter, config: dict) -> None:
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
@@ -111,20 +97,17 @@ def _add_header(writer: gguf.GGUFWriter, config: dict, synthetic_vocab: bool) ->
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(10000.0)
-    if synthetic_vocab:
-        _synthetic_tokenizer(writer, config["vocab_size"])
-    else:
-        _copy_tokenizer(writer)
+    _synthetic_tokenizer(writer, config["vocab_size"])
 
 
 def write_gguf(dense: Path, path: Path, types: dict[str, Q],
-               exceptions: dict[tuple[str, str], Q] | None = None, synthetic_vocab: bool = False) -> Path:
+               exceptions: dict[tuple[str, str], Q] | None = None) -> Path:
     """The HF Llama in `dense` as a GGUF file: projection kind (attn_q, ffn_down, ...) -> block type,
-    `exceptions` (layer index, kind) -> another type; norms and embeddings in fp32. The vocabulary
-    is SmolLM2's, or with `synthetic_vocab` tokens t0..t{n-1} for the config's vocab_size."""
+    `exceptions` (layer index, kind) -> another type; norms and embeddings in fp32; the vocabulary
+    tokens t0..t{n-1} for the config's vocab_size."""
     config = json.loads((dense / "config.json").read_text())
     writer = gguf.GGUFWriter(str(path), "llama")
-    _add_header(writer, config, synthetic_vocab)
+    _add_header(writer, config)
     for name, tensor in load_file(dense / "model.safetensors").items():
         values = tensor.float().numpy()
         if name in TOP_LEVEL:

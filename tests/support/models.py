@@ -46,6 +46,17 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
     return tokens, logprobs
 
 
+def hf_greedy_choices(model, prompt_ids: list[int], tokens: list[int]) -> tuple[list[int], list[float]]:
+    """transformers' greedy choice and its logprob at each position of `tokens` generated after
+    `prompt_ids`, from one forward over both: `tokens` are transformers' own greedy tokens exactly
+    when they equal its choices, each made after the same prefix (a step of `hf_greedy` per token
+    costs a forward each)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + tokens[:-1]])).logits[0, len(prompt_ids) - 1:]
+    best = torch.log_softmax(logits.float(), -1).max(-1)
+    return best.indices.tolist(), best.values.tolist()
+
+
 def build_random_checkpoint(arch: str, folder: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
     """Save a small random-weight model of a real architecture (Qwen2/Qwen3/Llama/Qwen3-MoE/Mixtral) with the
     SmolLM2 tokenizer next to it, as an HF safetensors directory; `overrides` change the config."""

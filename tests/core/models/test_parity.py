@@ -1,30 +1,33 @@
-"""Greedy parity against transformers: same tokens, chosen-token logprobs within 1e-3 (fp32)."""
+"""Greedy parity against transformers: same tokens, chosen-token logprobs within 1e-3 (fp32).
+
+transformers' reference for SmolLM2 is read from the folder the loader converted the GGUF into:
+tests/core/loaders/test_loaders.py holds that folder's weights and config equal to those
+transformers reads from the GGUF itself, which costs tens of seconds of dequantizing in Python."""
 from __future__ import annotations
 
 import pytest
 import torch
 from corectl import LLM, SamplingParams
-from support.models import CHAT_PROMPTS, build_random_checkpoint, hf_greedy, smollm2_folder
+from support.models import CHAT_PROMPTS, build_random_checkpoint, hf_greedy_choices
 
 NEW_TOKENS = 32
 LOGPROB_TOL = 1e-3
 
 
 def _assert_parity(ours, prompt_ids, hf_model):
-    expected, expected_lp = hf_greedy(hf_model, prompt_ids, NEW_TOKENS)
-    got = ours.outputs[0].token_ids
+    got = list(ours.outputs[0].token_ids)
+    assert len(got) == NEW_TOKENS
+    expected, expected_lp = hf_greedy_choices(hf_model, prompt_ids, got)
     assert got == expected, f"prompt {prompt_ids[:8]}...: ours {got} vs transformers {expected}"
     got_lp = [next(iter(pos.values())).logprob for pos in ours.outputs[0].logprobs]
     assert max(abs(a - b) for a, b in zip(got_lp, expected_lp)) < LOGPROB_TOL
 
 
 @pytest.fixture(scope="module")
-def hf_smollm2():
+def hf_smollm2(default_model_dir):
     from transformers import AutoModelForCausalLM
 
-    folder = smollm2_folder()
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-                                                dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
 
 
 def test_smollm2_gguf_chat_greedy_matches_transformers(llm_fp32, hf_smollm2):
