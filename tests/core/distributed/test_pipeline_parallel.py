@@ -1,11 +1,12 @@
-"""Pipeline parallelism gives the tokens of one device: PP = 2 (mp and Ray) and PP = 2 x TP = 2
-against PP = 1, token for token, on a 4-layer random-weight Llama (fp32, CPU, gloo); uneven
-partitions from the config and from vLLM's environment variable; the scheduler's micro-batches; a
-stage that dies ends the server; sizes a model cannot be split into are refused before any rank
-starts."""
+"""Pipeline parallelism gives the tokens of one device: PP = 2 (mp and Ray), PP = 2 x TP = 2 and
+TP = 2 over Ray actors (the Ray tests share one local cluster) against PP = 1, token for token, on a
+4-layer random-weight Llama (fp32, CPU, gloo); uneven partitions from the config and from vLLM's
+environment variable; the scheduler's micro-batches; a stage that dies ends the server; sizes a
+model cannot be split into are refused before any rank starts."""
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import pytest
@@ -116,10 +117,29 @@ def test_pp2_by_tp2_with_an_uneven_partition_matches_one_device(checkpoint, refe
     assert tokens == reference
 
 
-def test_pp2_over_ray_actors_with_the_vllm_partition_variable_matches_one_device(checkpoint, reference, monkeypatch):
-    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,3")
-    with local_ray_cluster():
-        tokens, _, _ = generate(checkpoint, 3, pipeline_parallel_size=2, distributed_executor_backend="ray")
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local cluster for the module's Ray executors (its start costs more than an engine's)."""
+    with local_ray_cluster() as ray:
+        yield ray
+
+
+def test_tp2_over_ray_actors_matches_one_device(ray_cluster, checkpoint, reference):
+    tokens, stats, _ = generate(checkpoint, NUM_LAYERS, tensor_parallel_size=2, distributed_executor_backend="ray",
+                                async_scheduling=True)
+    assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0, stats
+    assert tokens == reference
+    # Shutting the executor down ends its actors and placement group: the cluster's CPUs are free again.
+    deadline = time.monotonic() + 30
+    while ray_cluster.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray_cluster.available_resources().get("CPU", 0) == 2
+
+
+def test_pp2_over_ray_actors_with_the_vllm_partition_variable_matches_one_device(ray_cluster, checkpoint, reference,
+                                                                                  monkeypatch):
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,3")  # read by the driver, which hands the ranks their layers
+    tokens, _, _ = generate(checkpoint, 3, pipeline_parallel_size=2, distributed_executor_backend="ray")
     assert tokens == reference
 
 
