@@ -4,10 +4,10 @@ on the same output skips the custom_ids already written."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
+import pytest
 from support.server import SMALL_ENGINE
+from support.server_a_cli import CliRun, cli_runs
 
 CHAT = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 3, "temperature": 0}
 LINES = [
@@ -23,12 +23,27 @@ LINES = [
 ]
 
 
-def run_batch(tmp_path, lines: list[str]) -> subprocess.CompletedProcess:
+def run_batch_args(tmp_path, lines: list[str]) -> list[str]:
     source = tmp_path / "in.jsonl"
     source.write_text("\n".join(lines) + "\n")
-    return subprocess.run([sys.executable, "-m", "corectl.server.cli", "run-batch", "-i", str(source), "-o",
-                           str(tmp_path / "out.jsonl"), "--no-progress", *SMALL_ENGINE],
-                          capture_output=True, text=True, timeout=600)
+    return ["run-batch", "-i", str(source), "-o", str(tmp_path / "out.jsonl"), "--no-progress", *SMALL_ENGINE]
+
+
+def run_batch(tmp_path, lines: list[str]) -> CliRun:
+    [done] = cli_runs(run_batch_args(tmp_path, lines))
+    return done
+
+
+@pytest.fixture(scope="module")
+def first_batch(tmp_path_factory):
+    """The first batch, and a run-batch whose input is missing, in one interpreter (one import of torch
+    and corectl for both)."""
+    folder = tmp_path_factory.mktemp("run-batch")
+    lines = [json.dumps(line) for line in LINES] + ["not json"]
+    missing = tmp_path_factory.mktemp("missing")
+    done, missing_run = cli_runs(run_batch_args(folder, lines), ["run-batch", "-i", str(missing / "none"),
+                                                                 "-o", str(missing / "out.jsonl")])
+    return folder, lines, done, missing_run
 
 
 def results(tmp_path) -> dict[str, dict]:
@@ -36,9 +51,8 @@ def results(tmp_path) -> dict[str, dict]:
     return {line["custom_id"]: line for line in out}
 
 
-def test_run_batch_end_to_end_and_resume(tmp_path):
-    lines = [json.dumps(line) for line in LINES] + ["not json"]
-    proc = run_batch(tmp_path, lines)
+def test_run_batch_end_to_end_and_resume(first_batch):
+    tmp_path, lines, proc, _ = first_batch
     assert proc.returncode == 0, proc.stderr
     out = results(tmp_path)
     assert set(out) == {line["custom_id"] for line in LINES} | {None}
@@ -68,7 +82,6 @@ def test_run_batch_end_to_end_and_resume(tmp_path):
         first_chat["response"]["body"]["choices"][0]["message"]["content"]
 
 
-def test_missing_input_is_one_line_and_exit_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "corectl.server.cli", "run-batch", "-i", str(tmp_path / "none"),
-                           "-o", str(tmp_path / "out.jsonl")], capture_output=True, text=True, timeout=120)
+def test_missing_input_is_one_line_and_exit_2(first_batch):
+    proc = first_batch[3]
     assert proc.returncode == 2 and "cannot read" in proc.stderr and proc.stderr.count("\n") == 1
