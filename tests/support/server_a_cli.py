@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _RUNNER = r"""
-import json, logging, os, sys
+import json, logging, os, sys, traceback
 from corectl.server.cli.main import main
 
 argvs, folder = json.loads(sys.argv[1]), sys.argv[2]
@@ -27,7 +27,10 @@ for index, argv in enumerate(argvs):
     try:
         code = main(argv)
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+    except Exception:  # what the interpreter would do: the traceback on stderr, exit status 1
+        traceback.print_exc()
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     for fd, copy in zip((1, 2), saved):
