@@ -37,9 +37,10 @@ def model_id(openai_client) -> str:
 
 @pytest.fixture(scope="session")
 def keyless_server():
-    """A server without an API key (what a web page could reach, and what the README's examples call)
-    and a small bound on waiting requests."""
-    proc = ServerProcess(*SMALL_ENGINE, "--max-queued-requests", "8").wait_ready()
+    """A server without an API key (what a web page could reach, and what the README's examples call),
+    a small bound on waiting requests, and sleep mode allowed (test_sleep_routes puts it to sleep and
+    wakes it again; nothing else reads the flag, so one server start serves both)."""
+    proc = ServerProcess(*SMALL_ENGINE, "--max-queued-requests", "8", "--enable-sleep-mode").wait_ready()
     yield proc
     assert proc.stop() == 0
 

@@ -11,13 +11,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
 from support.models import build_random_checkpoint
-from support.server import SMALL_ENGINE, ServerProcess, free_port
+from support.server import SMALL_ENGINE, ServerProcess, await_health, free_port
 
 PROMPT = "The capital of France is a city where"
 MESSAGES = [{"role": "user", "content": "Name three colors of the rainbow, please."}]
@@ -34,14 +33,9 @@ class ProxyProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "corectl.server.cli", "proxy", "--prefill", prefill,
                                       "--decode", decode, "--port", self.url.rsplit(":", 1)[1]],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.1)
-        raise TimeoutError("the proxy did not start")
+        problem = await_health(self.url, self.proc, 60)
+        if problem:
+            raise RuntimeError(f"the proxy {problem}")
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)

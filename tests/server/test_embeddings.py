@@ -136,11 +136,13 @@ def test_metrics_and_log_lines_cover_embeddings(pooling_server, pooling_http):
 
 def test_long_inputs_in_chunks():
     """With --embed-chunking an input past the context is split, each chunk pooled raw, and the chunk
-    vectors averaged by token count before normalising (MEAN pooling: the mean of chunk-local hidden states)."""
+    vectors averaged by token count before normalising (MEAN pooling: the mean of chunk-local hidden states).
+    The server splits the input into ordinary pooling requests, so the engine runs in its process (the
+    shared pooling server checks those requests across the process boundary)."""
     import httpx
 
     proc = ServerProcess("--max-model-len", "64", "--kv-cache-memory", "0.05", "--dtype", "float32", "--runner",
-                         "pooling", "--pooling-type", "MEAN", "--embed-chunking").wait_ready()
+                         "pooling", "--pooling-type", "MEAN", "--embed-chunking", "--engine-in-process").wait_ready()
     try:
         with httpx.Client(base_url=proc.url, timeout=120) as client:
             ids = list(range(100, 250))  # 150 tokens: chunks of 64, 64 and 22

@@ -164,9 +164,10 @@ def gpt_oss_server(tmp_path_factory, default_model_dir):
     tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})  # ids 49152..49158
     tokenizer.save_pretrained(folder)
     # vLLM's gpt-oss launch flags: the parsers they name read the harmony channels the chat reads anyway.
+    # The rendering is the server's; its requests are plain ones, so the engine runs in the server's process.
     proc = ServerProcess(str(folder), "--api-key", API_KEY, "--dtype", "float32", "--kv-cache-memory", "0.02",
                          "--max-model-len", "1024", "--enable-auto-tool-choice", "--tool-call-parser", "openai",
-                         "--reasoning-parser", "openai_gptoss").wait_ready(600)
+                         "--reasoning-parser", "openai_gptoss", "--engine-in-process").wait_ready(600)
     yield folder, proc
     assert proc.stop() == 0
 

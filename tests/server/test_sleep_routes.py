@@ -1,21 +1,22 @@
-"""Sleep mode over HTTP on the embedded SmolLM2 (engine in its own process): POST /sleep, GET
-/is_sleeping, a 503 for generation while asleep, POST /wake_up (whole or by tags), and the same
-greedy completion afterwards; without --enable-sleep-mode the routes answer 400."""
+"""Sleep mode over HTTP on the embedded SmolLM2 (the shared keyless server, engine in its own process):
+POST /sleep, GET /is_sleeping, a 503 for generation while asleep, POST /wake_up (whole or by tags), and
+the same greedy completion afterwards; without --enable-sleep-mode the routes answer 400."""
 from __future__ import annotations
 
 import httpx
 import pytest
-from support.server import SMALL_ENGINE, ServerProcess
 
 BODY = {"prompt": "The capital of France is Paris. The capital of Italy is", "max_tokens": 4, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def sleepy():
-    proc = ServerProcess(*SMALL_ENGINE, "--enable-sleep-mode").wait_ready()
-    with httpx.Client(base_url=proc.url, timeout=300) as client:
+def sleepy(keyless_server):
+    """The shared keyless server (started with --enable-sleep-mode); awake again afterwards, whatever
+    a test left, for the other tests of this worker."""
+    with httpx.Client(base_url=keyless_server.url, timeout=300) as client:
         yield client
-    assert proc.stop() == 0
+        assert client.post("/wake_up").status_code == 200
+        assert client.get("/is_sleeping").json() == {"is_sleeping": False}
 
 
 def complete(client: httpx.Client) -> str:

@@ -25,6 +25,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def await_health(url: str, proc: subprocess.Popen, timeout: float) -> str | None:
+    """Poll `url`/health until it answers 200 (None), `proc` exits or `timeout` s pass (what happened)."""
+    deadline = time.monotonic() + timeout
+    # One client for every poll: `httpx.get` builds an SSL context each call (tens of ms of CPU),
+    # which at ten polls a second took a third of a core from the server being waited for.
+    with httpx.Client(timeout=1.0) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                return f"exited with {proc.returncode}"
+            try:
+                if client.get(url + "/health").status_code == 200:
+                    return None
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+    return f"not ready after {timeout} s"
+
+
 class ServerProcess:
     """`corectl serve` in a subprocess; its log goes to a file the tests can read."""
 
@@ -38,17 +56,10 @@ class ServerProcess:
              *args], stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = 180.0) -> "ServerProcess":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()}")
+        problem = await_health(self.url, self.proc, timeout)
+        if problem:
+            raise RuntimeError(f"server {problem}:\n{self.log()}")
+        return self
 
     def log(self) -> str:
         return Path(self._log.name).read_text()
@@ -144,9 +155,11 @@ def alive(pid: int) -> bool:
 @contextlib.contextmanager
 def encoder_client(folder: Path, *args: str):
     """A small fp32 server (64-token context) of the encoder checkpoint in `folder` (with `args`), and a
-    client that sends the API key; the server must stop cleanly afterwards."""
+    client that sends the API key; the server must stop cleanly afterwards. Its engine runs in the
+    server's process, which saves a second interpreter's start: pooled vectors cross the engine process
+    boundary as the same message for every pooling task, and the shared `pooling_server` checks that."""
     proc = ServerProcess(str(folder), "--api-key", API_KEY, "--dtype", "float32", "--kv-cache-memory", "0.02",
-                         "--max-model-len", "64", *args).wait_ready()
+                         "--max-model-len", "64", "--engine-in-process", *args).wait_ready()
     with httpx.Client(base_url=proc.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
         yield client
     assert proc.stop() == 0
