@@ -11,7 +11,8 @@ Modules
 - `scheduling`: the scheduler without a model (`make_scheduler`, `make_req`, `step`, `run`,
   `PagedOracle`, `random_requests`, hand-built `SchedulerOutput`s).
 - `server`: `ServerProcess` (`corectl serve` in a subprocess on a free port), `SMALL_ENGINE` flags,
-  `API_KEY`, `descendants`/`alive` for process checks; `openai_errors`: `expect_error`, `openai_error`.
+  `API_KEY`, `await_health` (poll /health with one client), `descendants`/`alive` for process checks;
+  `openai_errors`: `expect_error`, `openai_error`.
 - `server_a_cli`: `cli_runs(*argvs)`, several `corectl` command lines in one interpreter (one import).
 - `server_a_fixtures`: a pytest plugin (`pytest_plugins = ["support.server_a_fixtures"]`) of session servers
   that several modules share: `tools_server` (tool and reasoning parsers), `two_seq_server` (two sequences).
@@ -23,6 +24,6 @@ tests run on one worker, so a module-scoped fixture starts once; a session-scope
 - tests/conftest.py: `default_model_dir` (the embedded model converted once), `llm_fp32` (one shared
   fp32 engine on it, for tests that only generate), `isolated_env`, `cpu_with_fp8_reference`.
 - tests/server/conftest.py: `server`, `http`, `openai_client`, `model_id` (one shared server with an API
-  key), `keyless_server` (no key), `pooling_server`, `pooling_http`. Prefer these; a test that needs
+  key), `keyless_server` (no key, sleep mode allowed), `pooling_server`, `pooling_http`. Prefer these; a test that needs
   its own flags starts its own `ServerProcess` in a module-scoped fixture.
 """
