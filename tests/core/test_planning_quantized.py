@@ -20,11 +20,6 @@ H100 = {"device_memory": 80 << 30, "device_capability": (9, 0)}
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _env(isolated_env):
-    yield
-
-
 def _linear_shapes(hf) -> list[tuple[int, int]]:
     """(out, in) of every quantizable layer of a Llama: packed qkv, o, packed gate_up, down."""
     head_dim = hf.hidden_size // hf.num_attention_heads
@@ -39,6 +34,36 @@ def _unquantized_bytes(hf, itemsize: int) -> int:
     return (heads * hf.vocab_size * hf.hidden_size + (2 * hf.num_hidden_layers + 1) * hf.hidden_size) * itemsize
 
 
+# The embedded GGUF's tests come first: they read the folder the session converted it into once (a
+# conversion of their own costs seconds); the shape presets' tests after them write their configs
+# to a cache of the module's own (`isolated_env`, which stays set from its first test to the end).
+def test_the_embedded_gguf_on_the_cpu_plans_the_bytes_the_engine_holds(monkeypatch):
+    monkeypatch.setattr(cpu_worker, "prepack_linears", lambda model, dtype: 0)
+    options = {"max_model_len": 512, "kv_cache_memory_gib": 0.05}
+    plan = plan_deployment(EngineConfig(**options), device="cpu")
+    llm = LLM(**options)
+    assert plan.quantization == llm.engine.info.quantization and plan.quantization.startswith("gguf")
+    assert plan.weight_bytes + plan.buffer_bytes == held_bytes(llm)
+    # The Q4_1 layers load a byte per code with fp32 scales and mins, and are served packed.
+    assert plan.loading_weight_bytes_per_rank > 1.3 * plan.weight_bytes  # fp32 embedding served as loaded
+    dense = plan_deployment(EngineConfig(**options, quantization="none"), device="cpu")
+    assert dense.quantization is None and plan.weight_bytes < 0.5 * dense.weight_bytes
+
+
+def test_the_embedded_gguf_on_a_gpu_plans_its_q4_1_layers_for_w4a16(default_model_dir):
+    from transformers import AutoConfig
+
+    plan = plan_deployment(EngineConfig(max_model_len=512), **H100)
+    # The shapes from the converted folder's config: reading the GGUF header again costs seconds.
+    hf = AutoConfig.from_pretrained(default_model_dir)
+    # Codes eight to an int32 word, an fp16 scale and offset per group of 32 inputs and output,
+    # and each input's group (g_idx, int32); the tied embedding and the norms in bf16.
+    expected = sum(k * n // 2 + (k // 32) * n * 2 * 2 + 4 * k for n, k in _linear_shapes(hf))
+    assert plan.quantization == "gguf (Q4_1 int4 layers via w4a16)" and plan.dtype == "bfloat16"
+    assert plan.weight_bytes == expected + _unquantized_bytes(hf, 2)
+
+
+@pytest.mark.usefixtures("isolated_env")
 def test_fp8_on_the_fly_plans_fp8_matrices_with_row_scales():
     dense = plan_deployment(EngineConfig(model="llama3-8b"), **H100)
     fp8 = plan_deployment(EngineConfig(model="llama3-8b", quantization="fp8"), **H100)
@@ -56,6 +81,7 @@ def test_fp8_on_the_fly_plans_fp8_matrices_with_row_scales():
     assert two.weight_bytes_per_rank == pytest.approx(fp8.weight_bytes / 2, rel=0.001)
 
 
+@pytest.mark.usefixtures("isolated_env")
 def test_fp8_on_the_fly_plans_the_experts_as_fp8_with_row_scales():
     """Qwen3-30B-A3B: its experts (most of its weights) are planned as served, e4m3 matrices and an
     fp32 scale per output row of each expert, as are its attention projections."""
@@ -74,6 +100,7 @@ def test_fp8_on_the_fly_plans_the_experts_as_fp8_with_row_scales():
     assert two.weight_bytes_per_rank < 0.51 * fp8.weight_bytes
 
 
+@pytest.mark.usefixtures("isolated_env")
 def test_awq_from_hf_overrides_plans_4bit_codes_and_group_scales():
     config = EngineConfig(model="llama3-8b", hf_overrides={"quantization_config": AWQ})
     hf = read_checkpoint(config).hf_config
@@ -91,30 +118,7 @@ def test_awq_from_hf_overrides_plans_4bit_codes_and_group_scales():
     assert cpu.weight_bytes == packed + _unquantized_bytes(hf, torch.empty((), dtype=getattr(torch, cpu.dtype)).element_size())
 
 
-def test_the_embedded_gguf_on_the_cpu_plans_the_bytes_the_engine_holds(monkeypatch):
-    monkeypatch.setattr(cpu_worker, "prepack_linears", lambda model, dtype: 0)
-    options = {"max_model_len": 512, "kv_cache_memory_gib": 0.05}
-    plan = plan_deployment(EngineConfig(**options), device="cpu")
-    llm = LLM(**options)
-    assert plan.quantization == llm.engine.info.quantization and plan.quantization.startswith("gguf")
-    assert plan.weight_bytes + plan.buffer_bytes == held_bytes(llm)
-    # The Q4_1 layers load a byte per code with fp32 scales and mins, and are served packed.
-    assert plan.loading_weight_bytes_per_rank > 1.3 * plan.weight_bytes  # fp32 embedding served as loaded
-    dense = plan_deployment(EngineConfig(**options, quantization="none"), device="cpu")
-    assert dense.quantization is None and plan.weight_bytes < 0.5 * dense.weight_bytes
-
-
-def test_the_embedded_gguf_on_a_gpu_plans_its_q4_1_layers_for_w4a16():
-    config = EngineConfig(max_model_len=512)
-    plan = plan_deployment(config, **H100)
-    hf = read_checkpoint(config).hf_config
-    # Codes eight to an int32 word, an fp16 scale and offset per group of 32 inputs and output,
-    # and each input's group (g_idx, int32); the tied embedding and the norms in bf16.
-    expected = sum(k * n // 2 + (k // 32) * n * 2 * 2 + 4 * k for n, k in _linear_shapes(hf))
-    assert plan.quantization == "gguf (Q4_1 int4 layers via w4a16)" and plan.dtype == "bfloat16"
-    assert plan.weight_bytes == expected + _unquantized_bytes(hf, 2)
-
-
+@pytest.mark.usefixtures("isolated_env")
 def test_fp8_is_a_remedy_where_the_gpu_has_fp8_kernels(capsys):
     def plan(*args: str) -> tuple[int, dict]:
         code = main(["plan", "llama3-8b", "--device-memory", "16GiB", "--json", *args])
@@ -131,6 +135,7 @@ def test_fp8_is_a_remedy_where_the_gpu_has_fp8_kernels(capsys):
         plan_deployment(EngineConfig(model="llama3-8b", quantization="fp8"), device_memory=80 << 30)
 
 
+@pytest.mark.usefixtures("isolated_env")
 def test_the_table_names_the_method_and_the_loading_peak(capsys):
     assert main(["plan", "llama3-8b", "-q", "fp8", "--device-capability", "9.0", "--device-memory", "80GiB"]) == 0
     weights = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("weights"))
