@@ -119,7 +119,7 @@ def test_pp2_by_tp2_with_an_uneven_partition_matches_one_device(checkpoint, refe
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """One local cluster for the module's Ray executors (its start costs more than an engine's)."""
+    """One local cluster, started once for the module's two Ray executors."""
     with local_ray_cluster() as ray:
         yield ray
 
