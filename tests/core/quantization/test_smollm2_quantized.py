@@ -40,9 +40,9 @@ def test_4bit_greedy_tokens_match_the_dequantized_path(llm_4bit, llm_fp32):
           f"within {NEW_TOKENS} tokens, all at near-ties: {divergences}")
 
 
-def test_quantization_none_and_explicit_dtype_keep_the_dense_path():
+def test_quantization_none_and_explicit_dtype_keep_the_dense_path(llm_fp32):
     assert LLM(quantization="none", **ENGINE).engine.info.quantization is None
-    assert LLM(dtype="float32", **ENGINE).engine.info.quantization is None
+    assert llm_fp32.engine.info.quantization is None  # the shared engine: dtype="float32", no quantization named
 
 
 def test_fp8_on_the_fly_still_answers(monkeypatch):
