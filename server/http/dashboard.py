@@ -18,6 +18,7 @@ from importlib import resources
 
 import msgspec
 from corectl.engine.live import ActivitySummary
+from corectl.engine.messages import SchedulerStats
 from litestar import Controller, Request, Response, get, post
 
 from .auth import require_api_key
@@ -66,9 +67,22 @@ class RequestRow(msgspec.Struct):
     ttft_s: float | None
 
 
+class AdapterRow(msgspec.Struct):
+    """A served LoRA adapter; `state`: "running" or "waiting" while engine requests use it, else
+    "idle"; `requests`: the requests this API process admitted for it since it started."""
+
+    name: str
+    id: int
+    path: str
+    base_model: str
+    state: str
+    requests: int
+
+
 class DashboardStats(msgspec.Struct):
     """Engine gauges and lifetime counters (as in `/metrics`), the last steps and the block map
-    (null before the engine's first snapshot), rolling windows, and the oldest live requests."""
+    (null before the engine's first snapshot), rolling windows, the oldest live requests, and the
+    served LoRA adapters (null when the server runs without --enable-lora)."""
 
     model: str
     uptime_s: float
@@ -84,6 +98,7 @@ class DashboardStats(msgspec.Struct):
     activity: ActivitySummary
     num_requests: int
     requests: list[RequestRow]
+    adapters: list[AdapterRow] | None = None
 
 
 class AbortResponse(msgspec.Struct):
@@ -152,4 +167,14 @@ def dashboard_stats(server: ServerState, now: float) -> DashboardStats:
         prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
         num_preemptions=stats.num_preemptions, steps=steps, kv_blocks=blocks,
         activity=client.activity.summary(now), num_requests=client.num_live_requests, requests=rows,
+        adapters=None if server.loras is None else _adapter_rows(server, stats),
     )
+
+
+def _adapter_rows(server: ServerState, stats: SchedulerStats) -> list[AdapterRow]:
+    running, waiting = set(stats.running_lora_adapters), set(stats.waiting_lora_adapters)
+    counts = {} if server.metrics is None else server.metrics.lora_request_counts()
+    return [AdapterRow(lora.lora_name, lora.lora_int_id, lora.lora_path, lora.base_model_name or server.model_name,
+                       "running" if lora.lora_name in running else "waiting" if lora.lora_name in waiting else "idle",
+                       counts.get(lora.lora_name, 0))
+            for lora in server.loras.adapters()]

@@ -202,6 +202,11 @@ class ServerMetrics:
     def count_lora_request(self, lora_name: str) -> None:
         self._lora_requests.labels(self.model_name, lora_name).inc()
 
+    def lora_request_counts(self) -> dict[str, int]:
+        """This process's count of admitted requests per adapter name (the dashboard's)."""
+        return {sample.labels["lora_name"]: int(sample.value) for family in self._lora_requests.collect()
+                for sample in family.samples if sample.name.endswith("_total")}
+
     def _histogram(self, metric: str, doc: str, buckets: list[float]):
         return Histogram(self.prefix + metric, doc, _LABELS, buckets=buckets,
                          registry=self.registry).labels(self.model_name)

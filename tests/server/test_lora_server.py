@@ -1,8 +1,9 @@
 """LoRA over HTTP with the real server and the `openai` client: adapters by model name, listing with
-their parent, run-time load and unload (path checks, API key), a resolver, 404s, and metrics."""
+their parent, run-time load and unload (path checks, API key), a resolver, 404s, metrics and the dashboard."""
 from __future__ import annotations
 
 import shutil
+import time
 
 import httpx
 import openai
@@ -142,6 +143,21 @@ def test_metrics_show_adapters(client, http):
     text = http.get("/metrics").text
     assert 'vllm:lora_requests_info{' in text and 'max_lora="2"' in text
     assert 'vllm:lora_requests_total{lora_name="r8",model_name="base"}' in text
+
+
+def test_the_dashboard_lists_adapters_with_their_state_and_requests(client, http):
+    def adapters():
+        return {row["name"]: row for row in http.get("/dashboard/stats").json()["adapters"]}
+
+    before = adapters()
+    assert set(before) == {model.id for model in client.models.list().data} - {"base"}
+    complete(client, "r8")
+    deadline = time.monotonic() + 30
+    while (after := adapters())["r8"]["state"] != "idle" and time.monotonic() < deadline:
+        time.sleep(0.1)  # the engine's stats reach the API process after its step
+    assert after["r8"]["requests"] == before["r8"]["requests"] + 1
+    assert after["r8"]["state"] == "idle" and after["r8"]["base_model"] == "base"
+    assert after["r8"]["path"] == before["r8"]["path"] and after["r8"]["id"] == before["r8"]["id"]
 
 
 BAD_FLAGS = {

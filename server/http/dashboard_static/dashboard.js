@@ -94,6 +94,22 @@ function render(stats) {
   renderActivity(a);
   renderBlocks(stats.kv_blocks);
   renderRequests(stats.requests, stats.num_requests);
+  renderAdapters(stats.adapters);
+}
+
+function renderAdapters(adapters) {
+  // null: the server runs without --enable-lora, and the panel stays hidden.
+  $("adapters-panel").hidden = adapters === null;
+  if (adapters === null) return;
+  const busy = adapters.filter((a) => a.state !== "idle").length;
+  $("adapters-caption").textContent = `${adapters.length} served, ${busy} in use`;
+  $("adapters").tBodies[0].replaceChildren(...adapters.map((a) => {
+    const tr = document.createElement("tr");
+    tr.dataset.name = a.name;
+    tr.append(cell(a.name), cell(String(a.id)), cell(a.base_model), cell(a.path, "path"),
+              cell(a.state, `state-${a.state}`), cell(fmtInt(a.requests)));
+    return tr;
+  }));
 }
 
 function renderSteps(steps) {
