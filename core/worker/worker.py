@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -82,21 +83,27 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
+_INIT_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def _no_random_init():
     """torch.nn's layers draw random initial weights as they are built; here every parameter is
     then filled from the checkpoint or by `fill_dummy_weights` (loading refuses a model that leaves
     one unfilled), so the draws are skipped: they cost about a second of CPU per engine even for a
-    135M-parameter model."""
-    names = [name for name in dir(torch.nn.init) if name.endswith("_") and not name.startswith("_")]
-    originals = {name: getattr(torch.nn.init, name) for name in names}
-    for name in names:
-        setattr(torch.nn.init, name, _keep)
-    try:
-        yield
-    finally:
-        for name, function in originals.items():
-            setattr(torch.nn.init, name, function)
+    135M-parameter model. The functions are module attributes shared by every thread, so builds
+    take turns (engines of one process may start in threads): interleaved, one could restore
+    another's stand-ins and leave initialisation off for good."""
+    with _INIT_LOCK:
+        names = [name for name in dir(torch.nn.init) if name.endswith("_") and not name.startswith("_")]
+        originals = {name: getattr(torch.nn.init, name) for name in names}
+        for name in names:
+            setattr(torch.nn.init, name, _keep)
+        try:
+            yield
+        finally:
+            for name, function in originals.items():
+                setattr(torch.nn.init, name, function)
 
 
 def _keep(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
