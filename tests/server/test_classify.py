@@ -21,18 +21,20 @@ def classifier(tmp_path_factory):
         yield folder, client
 
 
-def hf_logits(folder, texts) -> np.ndarray:
+@pytest.fixture(scope="module")
+def logits(classifier) -> np.ndarray:
+    """transformers' logits of TEXTS, computed once for both routes."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    folder = classifier[0]
     tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModelForSequenceClassification.from_pretrained(folder)
     with torch.no_grad():
-        return np.stack([model(**tokenizer(text, return_tensors="pt")).logits[0].numpy() for text in texts])
+        return np.stack([model(**tokenizer(text, return_tensors="pt")).logits[0].numpy() for text in TEXTS])
 
 
 @pytest.mark.parametrize("path", ["/classify", "/v1/classify"])
-def test_classify_labels_and_probabilities(classifier, path):
-    folder, client = classifier
-    logits = hf_logits(folder, TEXTS)
+def test_classify_labels_and_probabilities(classifier, logits, path):
+    _, client = classifier
     r = client.post(path, json={"input": TEXTS})
     assert r.status_code == 200, r.text
     body = r.json()

@@ -93,9 +93,14 @@ def pair_logits(folder, pairs) -> np.ndarray:
         return np.array([model(**tokenizer(a, b, return_tensors="pt")).logits[0, 0].item() for a, b in pairs])
 
 
-def test_cross_encoder_scores_each_pair_through_the_model(cross_encoder):
+@pytest.fixture(scope="module")
+def logits(cross_encoder) -> np.ndarray:
+    """transformers' logit of each (PAIR_QUERY, document) pair, computed once for the score and rerank tests."""
+    return pair_logits(cross_encoder[0], [(PAIR_QUERY, doc) for doc in PAIR_DOCS])
+
+
+def test_cross_encoder_scores_each_pair_through_the_model(cross_encoder, logits):
     folder, client = cross_encoder
-    logits = pair_logits(folder, [(PAIR_QUERY, doc) for doc in PAIR_DOCS])
     r = client.post("/v1/score", json={"text_1": PAIR_QUERY, "text_2": PAIR_DOCS})
     assert r.status_code == 200, r.text
     np.testing.assert_allclose([item["score"] for item in r.json()["data"]], 1 / (1 + np.exp(-logits)),
@@ -108,9 +113,8 @@ def test_cross_encoder_scores_each_pair_through_the_model(cross_encoder):
                                1 / (1 + np.exp(-pair_logits(folder, [(PAIR_DOCS[0], PAIR_QUERY)])[0])), rtol=1e-5)
 
 
-def test_cross_encoder_reranks_with_the_official_client_shape(cross_encoder):
-    folder, client = cross_encoder
-    logits = pair_logits(folder, [(PAIR_QUERY, doc) for doc in PAIR_DOCS])
+def test_cross_encoder_reranks_with_the_official_client_shape(cross_encoder, logits):
+    _, client = cross_encoder
     r = client.post("/v1/rerank", json={"query": PAIR_QUERY, "documents": PAIR_DOCS, "top_n": 2})
     assert r.status_code == 200, r.text
     results = r.json()["results"]
