@@ -7,6 +7,7 @@ checkpoint in seconds instead of parsing and dequantizing the GGUF again.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -116,10 +117,23 @@ class GGUFHeader:
         return sizes
 
 
+def gguf_reader(path: Path) -> gguf.GGUFReader:
+    """The parsed GGUF at `path` (tensor data mapped, not read), once per process while the file is
+    unchanged: parsing SmolLM2's 49k-token vocabulary alone costs seconds, and planning, the
+    tensor-type table and the weight stream each need the parse."""
+    stat = Path(path).stat()
+    return _parsed(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
+    return gguf.GGUFReader(path)
+
+
 def read_gguf_header(path: Path) -> GGUFHeader:
     """Parse the GGUF at `path` without reading its weights; raise if the loader cannot convert it."""
     try:
-        reader = gguf.GGUFReader(path)
+        reader = gguf_reader(path)
     except Exception as exc:  # the gguf package fails on a short or corrupt file with whatever numpy raises
         raise ModelNotFoundError(f"{path} is not a readable GGUF file (truncated or corrupt?): "
                                  f"{type(exc).__name__}: {exc}") from exc

@@ -10,18 +10,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import gguf
 import numpy as np
 import torch
 
 from .gguf_blocks import Int4Groups, Int8Groups, decode_int4_groups, decode_int8_groups
-from .gguf_cache import dequantized_tensor, hf_tensor_name, read_gguf_header, unpermute_rotary_rows
+from .gguf_cache import dequantized_tensor, gguf_reader, hf_tensor_name, read_gguf_header, unpermute_rotary_rows
 
 
 def gguf_tensor_types(path: Path) -> dict[str, str]:
     """Hugging Face tensor name -> GGUF storage type (Q4_1, F32, ...) of every tensor in the file."""
-    reader = gguf.GGUFReader(path)
-    return {hf_tensor_name(t.name): t.tensor_type.name for t in reader.tensors}
+    return {hf_tensor_name(t.name): t.tensor_type.name for t in gguf_reader(path).tensors}
 
 
 def iter_gguf_weights(path: Path, hf_config, kept: frozenset[str], int8_groups: dict[str, int] | None = None
