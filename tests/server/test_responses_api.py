@@ -11,6 +11,8 @@ import openai
 import pytest
 from support.server import API_KEY, SMALL_ENGINE, ServerProcess
 
+pytest_plugins = ["support.server_a_fixtures"]  # tools_server
+
 GREEDY = dict(temperature=0, max_output_tokens=4)
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
           "required": ["city"], "additionalProperties": False}
@@ -159,19 +161,14 @@ def test_bad_input_is_a_400_and_the_server_stays_up(responses_server, client):
     assert client.responses.create(input="Hi", **GREEDY).output_text
 
 
-def test_store_disabled_refuses_previous_response_id():
-    proc = ServerProcess(*SMALL_ENGINE, "--responses-store-max-entries", "0", "--reasoning-parser",
-                         "deepseek_r1").wait_ready()
-    try:
-        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        # deepseek_r1 reads the output as reasoning until </think>, which SmolLM2 never writes.
-        response = client.responses.create(input="Hi", **GREEDY)
-        [item] = response.output
-        assert item.type == "reasoning" and item.content[0].text
-        events = list(client.responses.create(input="Hi", stream=True, **GREEDY))
-        reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
-        assert reasoning == item.content[0].text == events[-1].response.output[0].content[0].text
-        with pytest.raises(openai.BadRequestError, match="keeps no responses"):
-            client.responses.create(input="Hi", previous_response_id=response.id)
-    finally:
-        assert proc.stop() == 0
+def test_store_disabled_refuses_previous_response_id(tools_server):
+    client = openai.OpenAI(base_url=tools_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    # deepseek_r1 reads the output as reasoning until </think>, which SmolLM2 never writes.
+    response = client.responses.create(input="Hi", **GREEDY)
+    [item] = response.output
+    assert item.type == "reasoning" and item.content[0].text
+    events = list(client.responses.create(input="Hi", stream=True, **GREEDY))
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert reasoning == item.content[0].text == events[-1].response.output[0].content[0].text
+    with pytest.raises(openai.BadRequestError, match="keeps no responses"):
+        client.responses.create(input="Hi", previous_response_id=response.id)

@@ -9,15 +9,13 @@ import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 from support.openai_errors import expect_error
-from support.server import SMALL_ENGINE, ServerProcess
 
-TEMPLATE = Path(__file__).parents[2] / "examples" / "chat_templates" / "smollm2_tools.jinja"
+pytest_plugins = ["support.server_a_fixtures"]  # tools_server
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
 SCHEMAS = [
@@ -54,28 +52,17 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris?"}
 
 
 @pytest.fixture(scope="module")
-def tool_server():
-    # The tools prompt is long: more context and cache than the other servers, so requests run together.
-    proc = ServerProcess(*SMALL_ENGINE, "--max-model-len", "1024", "--kv-cache-memory", "0.15",
-                         "--chat-template", str(TEMPLATE),
-                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                         "--reasoning-parser", "deepseek_r1").wait_ready()
-    yield proc
-    assert proc.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def client(tool_server):
+def client(tools_server):
     from openai import OpenAI
 
-    return OpenAI(base_url=tool_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return OpenAI(base_url=tools_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
-def raw(tool_server):
+def raw(tools_server):
     import httpx
 
-    with httpx.Client(base_url=tool_server.url, timeout=300) as http:
+    with httpx.Client(base_url=tools_server.url, timeout=300) as http:
         yield http
 
 
@@ -271,10 +258,10 @@ def test_reasoning_parser_whole_and_streamed(client):
     assert getattr(constrained.choices[0].message, "reasoning_content", None) is None
 
 
-def test_bench_serve_sends_a_json_schema_workload(tool_server, tmp_path):
+def test_bench_serve_sends_a_json_schema_workload(tools_server, tmp_path):
     result = tmp_path / "bench.json"
     out = subprocess.run(
-        [sys.executable, "-m", "corectl.server.cli", "bench", "serve", "--base-url", tool_server.url,
+        [sys.executable, "-m", "corectl.server.cli", "bench", "serve", "--base-url", tools_server.url,
          "--input-len", "16", "--output-len", "12", "--num-prompts", "3", "--structured-output", "json",
          "--save-result", str(result)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -15,7 +15,7 @@ Modules
   `openai_errors`: `expect_error`, `openai_error`.
 - `server_a_cli`: `cli_runs(*argvs)`, several `corectl` command lines in one interpreter (one import).
 - `server_a_fixtures`: a pytest plugin (`pytest_plugins = ["support.server_a_fixtures"]`) of session servers
-  that several modules share: `tools_server` (tool and reasoning parsers), `two_seq_server` (two sequences).
+  that several modules share: `tools_server` (tool and reasoning parsers, no Responses store).
 - `quantized_layers`, `quant_checkpoints`, `gguf_files`: quantized layers, checkpoints (AWQ, GPTQ, FP8)
   and GGUF files written as their tools write them. `gpu`: checkpoints and engine checks of tests/gpu.
 
