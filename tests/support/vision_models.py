@@ -23,17 +23,12 @@ QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|vide
 def build_qwen2_5_vl(folder: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     """A 2-layer Qwen2.5-VL (hidden 64; a 2-block tower of width 32 with windows of 2 x 2 merged
     tokens and one full-attention block) whose processor keeps images between 56 x 56 and 112 x 112."""
-    from transformers import (AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
-                              Qwen2VLImageProcessorPil)
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_VL_TOKENS})
-    tokenizer.chat_template = QWEN_VL_TEMPLATE
-    tokenizer.save_pretrained(folder)
-    ids = dict(zip(QWEN_VL_TOKENS, tokenizer.convert_tokens_to_ids(QWEN_VL_TOKENS)))
+    vocab_size, ids = _save_tokenizer(folder, tokenizer_dir, QWEN_VL_TOKENS, QWEN_VL_TEMPLATE)
     config = Qwen2_5_VLConfig(
         text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
+                         num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=512,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=False),
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
@@ -46,6 +41,18 @@ def build_qwen2_5_vl(folder: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     Qwen2_5_VLForConditionalGeneration(config).to(torch.float32).save_pretrained(folder)
     Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112).save_pretrained(folder)
     return folder
+
+
+def _save_tokenizer(folder: Path, tokenizer_dir: Path, tokens: list[str], template: str) -> tuple[int, dict[str, int]]:
+    """The text model's tokenizer with a VLM's special `tokens` and chat `template`, saved in
+    `folder`; its vocabulary size and the new tokens' ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": tokens})
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(folder)
+    return len(tokenizer), dict(zip(tokens, tokenizer.convert_tokens_to_ids(tokens)))
 
 
 def random_image(width: int, height: int, seed: int):
@@ -76,16 +83,12 @@ GEMMA3_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>", "<s
 def build_gemma3(folder: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     """A 2-layer Gemma 3 (hidden 64, a sliding layer of window 8 and a global one) with a 2-layer
     SigLIP tower on 32 x 32 images of 8 x 8 patches, one token per patch: 16 per image."""
-    from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    tokenizer.add_special_tokens({"additional_special_tokens": GEMMA3_TOKENS})
-    tokenizer.chat_template = GEMMA3_TEMPLATE
-    tokenizer.save_pretrained(folder)
-    ids = dict(zip(GEMMA3_TOKENS, tokenizer.convert_tokens_to_ids(GEMMA3_TOKENS)))
+    vocab_size, ids = _save_tokenizer(folder, tokenizer_dir, GEMMA3_TOKENS, GEMMA3_TEMPLATE)
     config = Gemma3Config(
         text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, vocab_size=len(tokenizer),
+                         num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, vocab_size=vocab_size,
                          max_position_embeddings=512, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=False),
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
