@@ -21,7 +21,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 OUT="${OUT:-/tmp/out}"
-RES=/tmp/corectl-results   # everything lands here, then goes back as one tarball ($OUT takes 8 files)
+# Everything lands here, then goes back as one tarball ($OUT takes 8 files); LANE names a lane's own
+# (benchmarks/device_lanes.sh runs several at once on disjoint GPUs).
+RES=/tmp/corectl-results${LANE:+-$LANE}
+TARBALL=$OUT/results${LANE:+-$LANE}.tgz
 PEER_SCRIPT="$REPO/.peers/hf_baseline.py"
 # 4-bit AWQ weights (group 128) of any preset: random packed weights from this quantization_config override.
 AWQ='{"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemm"}}'
@@ -34,9 +37,12 @@ NPROF=0
 
 setup() {
   mkdir -p "$OUT" "$RES"
-  export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+  export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=/tmp/site
+  [ "${CORECTL_BENCH_READY:-0}" = 1 ] && return  # device_lanes.sh installed it once for every lane
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
+  if compgen -G ".whl/uv/*.whl" >/dev/null; then  # uvloop and httptools, for the `uv` switch alone
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-uv .whl/uv/*.whl || exit 1
+  fi
   python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$RES/install.log" 2>&1 \
     || { cat "$RES/install.log"; exit 1; }
   if compgen -G ".bench/base/corectl-*.whl" >/dev/null; then
@@ -67,6 +73,9 @@ variant() {  # the switches of one stage: engine options into ENGINE, environmen
       nopdl) export CORECTL_PDL=0 ;;                                        # programmatic dependent launch off
       accurate) export CORECTL_FP8_FAST_ACCUM=0 ;;                          # FP8 GEMMs without fast accumulation
       profile) PROFILE=1 ;;                                                 # torch.profiler + cProfile summary
+      gv) export CORECTL_GRAPH_VERIFY=1 ;;                                  # verify steps replay decode graphs
+      uv) [ -d /tmp/site-uv ] || { echo "uv needs .whl/uv/ (uvloop, httptools)"; return 1; }
+          export PYTHONPATH=/tmp/site-uv:$PYTHONPATH ;;                     # uvicorn picks uvloop and httptools
       *) echo "unknown switch '$switch' (stage variant '$1')"; return 1 ;;
     esac
   done
@@ -180,15 +189,16 @@ stage_w12() {  # disaggregated prefill/decode (two GPUs): W5's online load with 
   local args=(--endpoint /v1/completions --prompt-token-ids --vocab-size 128000 --input-len 4096 --output-len 128
               --ignore-eos --seed 0 --num-prompts 256 --max-concurrency 64)
   local kv='{"kv_connector": "TorchDistributedConnector", "kv_role": "%s", "kv_connector_extra_config": {"rendezvous": "tcp://127.0.0.1:29620"}}'
-  local base=$TAG prefill decode proxy
+  local base=$TAG prefill decode proxy gpus
+  IFS=, read -ra gpus <<< "${CUDA_VISIBLE_DEVICES:-0,1}"  # the instances' GPUs: the first two of this run's
   ENGINE+=(--max-model-len 8192)
   TAG=${base}_dp2 serve 8031 llama3-8b -dp 2
   corectl bench serve --base-url http://127.0.0.1:8031 "${args[@]}" --save-result "$RES/${base}_dp2.json" \
     | grep -E "Mean|P99|Median|throughput"
   stop_server
-  CUDA_VISIBLE_DEVICES=0 TAG=${base}_prefill serve 8032 llama3-8b --kv-transfer-config "$(printf "$kv" kv_producer)"
+  CUDA_VISIBLE_DEVICES=${gpus[0]} TAG=${base}_prefill serve 8032 llama3-8b --kv-transfer-config "$(printf "$kv" kv_producer)"
   prefill=$SERVER
-  CUDA_VISIBLE_DEVICES=1 TAG=${base}_decode serve 8033 llama3-8b --kv-transfer-config "$(printf "$kv" kv_consumer)"
+  CUDA_VISIBLE_DEVICES=${gpus[1]} TAG=${base}_decode serve 8033 llama3-8b --kv-transfer-config "$(printf "$kv" kv_consumer)"
   decode=$SERVER
   corectl proxy --prefill http://127.0.0.1:8032 --decode http://127.0.0.1:8033 --port 8034 > "$RES/${base}_proxy.log" 2>&1 &
   proxy=$!
@@ -247,6 +257,19 @@ stage_w10() {  # multi-LoRA: W1 with 8 rank-16 adapters round-robin, and batch-1
 stage_w11() {  # speculative decoding: a verify step with k = 4 against a plain decode step, batch 1 and 64
   corectl bench verify-step --model llama3-8b --platform cuda --load-format dummy --num-speculative-tokens 4 \
     --batch-sizes 1,64 --context-len 512 --num-steps 30 "${ENGINE[@]}"
+}
+stage_images() {
+  # Issue 29: a Qwen2.5-VL-7B-shaped folder (benchmarks/vlm_shape.py), dummy weights, 64 prompts with
+  # one 1024 x 1024 image and 128 output tokens against text-only prompts of the same length, then
+  # the same with 4 distinct images (the encoder cache and the prefix cache serve the repeats).
+  python3 benchmarks/vlm_shape.py /tmp/qwen2.5-vl-7b-shape > /dev/null || return 1
+  local distinct
+  for distinct in 0 4; do
+    echo "== distinct images: ${distinct/#0/one per prompt}"
+    corectl bench images --model /tmp/qwen2.5-vl-7b-shape --platform cuda --load-format dummy --seed 0 \
+      --num-prompts 64 --image-size 1024 --output-len 128 --distinct-images $distinct --max-model-len 4096 \
+      --max-num-seqs 256 --max-num-batched-tokens 8192 "${ENGINE[@]}" | grep -E "^pass"
+  done
 }
 stage_f1() {
   # API-process CPU per streamed output token: the server (F1_MODEL, default qwen3-0.6b) under 1024 in /
@@ -326,7 +349,7 @@ main() {
     start=$(date +%s)
     ( run_stage "$spec" ) 2>&1 | tee "$RES/${spec//[:+]/_}.log" | grep -vE "^\s*$|it/s\]|Warning|warn\(" | tail -60
     echo "=== $spec took $(( $(date +%s) - start )) s"
-    tar czf "$OUT/results.tgz" -C "$RES" .
+    tar czf "$TARBALL" -C "$RES" .
   done
 }
 
