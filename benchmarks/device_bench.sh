@@ -73,7 +73,7 @@ variant() {  # the switches of one stage: engine options into ENGINE, environmen
       nopdl) export CORECTL_PDL=0 ;;                                        # programmatic dependent launch off
       accurate) export CORECTL_FP8_FAST_ACCUM=0 ;;                          # FP8 GEMMs without fast accumulation
       profile) PROFILE=1 ;;                                                 # torch.profiler + cProfile summary
-      gv) export CORECTL_GRAPH_VERIFY=1 ;;                                  # verify steps replay decode graphs
+      eagerverify) export CORECTL_GRAPH_VERIFY=0 ;;                         # verify steps outside the decode graphs
       uv) [ -d /tmp/site-uv ] || { echo "uv needs .whl/uv/ (uvloop, httptools)"; return 1; }
           export PYTHONPATH=/tmp/site-uv:$PYTHONPATH ;;                     # uvicorn picks uvloop and httptools
       *) echo "unknown switch '$switch' (stage variant '$1')"; return 1 ;;
@@ -219,9 +219,9 @@ stage_hosttier() {  # host-memory tier (one GPU): prompts sharing 8 prefixes of 
   ENGINE+=(--max-model-len 17408 --gpu-memory-utilization "${HOST_TIER_UTIL:-0.35}")
   for tier in none 24GiB; do
     if [ $tier = none ]; then TAG=${base}_$tier serve 8041 llama3-8b; else TAG=${base}_$tier serve 8041 llama3-8b --kv-offload-bytes $tier; fi
-    corectl bench serve --base-url http://127.0.0.1:8041 "${args[@]}" > /dev/null 2>&1
-    corectl bench serve --base-url http://127.0.0.1:8041 "${args[@]}" --save-result "$RES/${base}_$tier.json" \
-      | grep -E "TTFT|throughput"
+    timeout 240 corectl bench serve --base-url http://127.0.0.1:8041 "${args[@]}" > "$RES/${base}_${tier}_first.txt" 2>&1
+    timeout 240 corectl bench serve --base-url http://127.0.0.1:8041 "${args[@]}" --save-result "$RES/${base}_$tier.json" \
+      | grep -E "TTFT|throughput|failed"
     curl -s http://127.0.0.1:8041/metrics | grep -E "^vllm:(kv_offload_hit_tokens|kv_transfer_bytes|prefix_cache_hits)"
     stop_server
   done

@@ -45,6 +45,6 @@ def fp8_fast_accum() -> bool:
 
 
 def graph_verify_enabled() -> bool:
-    """CORECTL_GRAPH_VERIFY=1 makes CUDA workers replay speculative decoding's verify steps in the
-    decode graphs (one row per verified token); off until it has been validated on a GPU."""
-    return os.environ.get("CORECTL_GRAPH_VERIFY", "0").lower() in ("1", "true", "yes")
+    """CUDA workers replay speculative decoding's verify steps in the decode graphs (one row per
+    verified token); CORECTL_GRAPH_VERIFY=0 runs them eagerly (for measurement)."""
+    return os.environ.get("CORECTL_GRAPH_VERIFY", "1").lower() not in ("0", "false", "no")

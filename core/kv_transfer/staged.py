@@ -1,8 +1,11 @@
-"""The worker side of the built-in disaggregated connectors: blocks staged through host memory.
+"""The worker side of the built-in disaggregated connectors: blocks staged through host memory, or
+kept on the device where the transport moves device memory itself.
 
 A save gathers the request's blocks at the step's launch (in stream order, so later steps may
 reuse them at once), starts the platform's asynchronous copy to the host, and hands the rest to
-a background thread: wait for the copy, then `publish` the bytes under the transfer id. A load
+a background thread: wait for the copy, then `publish` the bytes under the transfer id. A worker
+whose `publishes_device_blocks` is set (NCCL) publishes the gathered copy itself once the device
+has made it: a host round trip would only add two copies of every block. A load
 runs `fetch` on another background thread (it may wait for the producer, or for the network);
 the bytes that arrived are written into the request's blocks at a later step's launch, on the
 engine's own thread, before that step's forward pass, and reported loaded. A fetch that raises
@@ -48,6 +51,9 @@ class _Lane:
 
 
 class StagedTransferWorker(KVConnectorWorker):
+    # `publish` takes the gathered blocks on the device rather than a host copy.
+    publishes_device_blocks = False
+
     def __init__(self, config: KVTransferConfig, access: KVCacheAccess):
         super().__init__(config, access)
         self._loads_lane = _Lane("corectl-kv-load")
@@ -58,8 +64,8 @@ class StagedTransferWorker(KVConnectorWorker):
 
     @abc.abstractmethod
     def publish(self, transfer_id: str, blocks: torch.Tensor) -> None:
-        """Make `blocks` (`[layers, 2, n, block_size, heads, dim]`, on the host) fetchable under
-        `transfer_id` (background thread)."""
+        """Make `blocks` (`[layers, 2, n, block_size, heads, dim]`, on the host, or on the device
+        with `publishes_device_blocks`) fetchable under `transfer_id` (background thread)."""
 
     @abc.abstractmethod
     def fetch(self, transfer: KVBlockTransfer) -> torch.Tensor:
@@ -78,8 +84,11 @@ class StagedTransferWorker(KVConnectorWorker):
 
     def save(self, saves: list[KVBlockTransfer]) -> None:
         for transfer in saves:
-            fetch = self.access.fetch_to_host([self.access.gather(transfer.block_ids)])
-            self._saves_lane.put(lambda transfer=transfer, fetch=fetch: self._publish_one(transfer, fetch))
+            blocks = self.access.gather(transfer.block_ids)
+            # An empty fetch marks where the gather ends in the device's order.
+            fetch = self.access.fetch_to_host([] if self.publishes_device_blocks else [blocks])
+            self._saves_lane.put(lambda transfer=transfer, fetch=fetch, blocks=blocks:
+                                 self._publish_one(transfer, fetch, blocks))
 
     def _fetch_one(self, transfer: KVBlockTransfer) -> None:
         try:
@@ -94,9 +103,9 @@ class StagedTransferWorker(KVConnectorWorker):
             blocks = None
         self._arrived.put((transfer, blocks))
 
-    def _publish_one(self, transfer: KVBlockTransfer, fetch) -> None:
+    def _publish_one(self, transfer: KVBlockTransfer, fetch, device_blocks: torch.Tensor) -> None:
         fetch.wait()
-        blocks = fetch.tensors[0]
+        blocks = device_blocks if self.publishes_device_blocks else fetch.tensors[0]
         try:
             self.publish(transfer.transfer_id, blocks)
         except Exception as exc:  # the decode instance then fails its load and recomputes

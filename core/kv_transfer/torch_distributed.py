@@ -2,7 +2,7 @@
 
 The two instances form a two-rank torch.distributed group of their own (the producer is rank 0 and
 hosts the rendezvous, the consumer rank 1), with the platform's backend: gloo on CPUs, NCCL on
-GPUs (the blocks then travel device to device). The rendezvous is
+GPUs (the blocks then travel device to device, sent from the gathered copy without a host stage). The rendezvous is
 `kv_connector_extra_config.rendezvous` (`tcp://HOST:PORT`), else vLLM's `kv_ip`:`kv_port`.
 
 The consumer asks for blocks (a transfer id, the first block, how many) and the producer answers
@@ -72,8 +72,9 @@ class TorchDistributedWorker(StagedTransferWorker):
         self.ttl_s = float(config.extra("ttl_s", 300.0))
         cache = access.kv_caches()[0]
         self.dtype = cache.dtype
-        # NCCL moves device memory; gloo host memory (the default device).
+        # NCCL moves device memory (the gathered blocks are sent from where they are); gloo host memory.
         self.device = cache.device if access.distributed_backend == "nccl" else None
+        self.publishes_device_blocks = self.device is not None
         self._closed = False
         self._group = None
         self._store = None

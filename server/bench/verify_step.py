@@ -6,7 +6,8 @@ given context: plain decode steps (one new token each) and verify steps (one tok
 drafts each, so nearly every draft is rejected and the next step's shape stays the same),
 alternating, timing each; the ratio of the medians is W11's figure. The engine runs with an n-gram
 speculative config of k tokens unless `--speculative-config` names another, so what it builds for
-speculation (CUDA graph buckets of k + 1 rows a request under CORECTL_GRAPH_VERIFY=1) is in place.
+speculation (CUDA graph buckets of k + 1 rows a request) is in place; CORECTL_GRAPH_VERIFY=0 times
+eager verify steps.
 """
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def register(sub) -> None:
 
 def run_verify_step(args: argparse.Namespace) -> int:
     if args.speculative_config is None:
-        # The engine is built for k drafts a request (with CORECTL_GRAPH_VERIFY=1 its decode graphs
-        # then reach the verify steps' rows); n-gram, as the synthetic steps bring their own drafts.
+        # The engine is built for k drafts a request (its decode graphs then reach the verify steps'
+        # rows); n-gram, as the synthetic steps bring their own drafts.
         args.speculative_config = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
     llm = llm_from_config(config_from_args(args))
     runner = llm.engine.executor.worker.runner

@@ -1,5 +1,5 @@
 """Decode CUDA graphs give eager execution's tokens across buckets (verify steps of speculative
-decoding too, with CORECTL_GRAPH_VERIFY=1); async scheduling gives the
+decoding too, unless CORECTL_GRAPH_VERIFY=0); async scheduling gives the
 synchronous loop's tokens, and launching a step never waits for the device."""
 import pytest
 import torch
@@ -101,17 +101,18 @@ def test_programmatic_dependent_launch_changes_no_bit(checkpoint, monkeypatch):
 
 
 def test_verify_steps_replayed_in_graphs_give_eager_verification_tokens(checkpoint, replayed_sizes, monkeypatch):
-    """CORECTL_GRAPH_VERIFY=1: a verify step (k + 1 rows a request) replays a decode graph of one
-    row per token; fp32, so token-exact against verify steps run eagerly."""
+    """A verify step (k + 1 rows a request) replays a decode graph of one row per token; fp32, so
+    token-exact against verify steps run eagerly (CORECTL_GRAPH_VERIFY=0)."""
     # The checkpoint drafts for itself: every step proposes k tokens, so every verify step has k + 1
     # rows a request. (N-gram lookup over a random model's output proposed almost nothing, and the
     # steps stayed plain decodes.)
     spec = {"method": "draft_model", "model": str(checkpoint), "num_speculative_tokens": 4}
     prompts = random_prompts([5, 12, 20, 7], seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    monkeypatch.setenv("CORECTL_GRAPH_VERIFY", "0")
     eager = generate(checkpoint, prompts, params, dtype="float32", max_num_seqs=4, speculative_config=spec)
     assert max(replayed_sizes, default=0) <= 4
-    monkeypatch.setenv("CORECTL_GRAPH_VERIFY", "1")
+    monkeypatch.delenv("CORECTL_GRAPH_VERIFY")
     graphs = generate(checkpoint, prompts, params, dtype="float32", max_num_seqs=4, speculative_config=spec)
     assert max(replayed_sizes) > 4, "verify steps of 4 requests x 5 rows must have replayed graphs"
     assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]
