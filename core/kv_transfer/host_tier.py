@@ -6,7 +6,9 @@ copy is gathered at the next step's launch, before anything overwrites the block
 the slot on a background thread, off the step's path. A waiting request whose prefix continues
 past its device hit into blocks the host tier holds gets them back (`get_num_new_matched_tokens`,
 synchronous): the worker copies the slots into the request's new blocks before the step's forward
-pass, so the request starts as if the device cache had hit. Slots are keyed by the prefix cache's
+pass, so the request starts as if the device cache had hit. Slots are slot-major and pinned, so a
+load is one asynchronous host-to-device copy per run of consecutive slots and the scatter runs
+on the device (an H100 measured the earlier CPU-side gather, unpinned, at 1.7x the recompute time). Slots are keyed by the prefix cache's
 own chained block hashes and evicted least recently used first; the scheduler side owns that
 index, the worker side only the bytes, so any tensor-parallel rank holds its own slice of each slot.
 
@@ -121,6 +123,8 @@ class HostTierWorker(KVConnectorWorker):
         self._lane = _Lane("corectl-kv-offload")
         # The copy still landing in each slot: a load from the slot waits for it.
         self._landing: dict[int, threading.Event] = {}
+        # The last load read from each slot (asynchronously): a copy landing in the slot waits for it.
+        self._reading: dict[int, object] = {}
 
     def cancel(self, req_ids: list[str]) -> None:
         """Loads are synchronous: nothing is ever under way for a request."""
@@ -131,12 +135,30 @@ class HostTierWorker(KVConnectorWorker):
                 landing = self._landing.get(slot)
                 if landing is not None:
                     landing.wait()
-            index = torch.tensor(transfer.keys, dtype=torch.int64)
-            self.access.scatter(transfer.block_ids, self._slots.index_select(0, index).movedim(0, 2))
+            self.access.scatter(transfer.block_ids, self._to_device(transfer.keys).movedim(0, 2))
+            # An empty fetch marks where the copies out of the slots end in the device's order.
+            read = self.access.fetch_to_host([])
+            for slot in transfer.keys:
+                self._reading[slot] = read
+
+    def _to_device(self, slots: list[int]) -> torch.Tensor:
+        """The slots' blocks on the device, `[n, layers, 2, block_size, heads, dim]`: one copy per run
+        of consecutive slots, each straight from the (pinned) buffer, queued on the device's order."""
+        staged = torch.empty((len(slots), *self._slots.shape[1:]), dtype=self._slots.dtype,
+                             device=self.access.kv_caches()[0].device)
+        start = 0
+        for end in range(1, len(slots) + 1):
+            if end == len(slots) or slots[end] != slots[end - 1] + 1:
+                first = slots[start]
+                staged[start:end].copy_(self._slots[first:first + end - start], non_blocking=True)
+                start = end
+        return staged
 
     def save(self, saves: list[KVBlockTransfer]) -> None:
         for transfer in saves:
-            fetch = self.access.fetch_to_host([self.access.gather(transfer.block_ids)])
+            # Slot-major on the device, so each slot lands as one contiguous copy on the host.
+            blocks = self.access.gather(transfer.block_ids).movedim(2, 0).contiguous()
+            fetch = self.access.fetch_to_host([blocks])
             landed = threading.Event()
             for slot in transfer.keys:
                 self._landing[slot] = landed
@@ -144,7 +166,11 @@ class HostTierWorker(KVConnectorWorker):
 
     def _land(self, fetch, slots: list[int], landed: threading.Event) -> None:
         fetch.wait()
-        self._slots.index_copy_(0, torch.tensor(slots, dtype=torch.int64), fetch.tensors[0].movedim(2, 0))
+        for slot in slots:
+            read = self._reading.pop(slot, None)
+            if read is not None:
+                read.wait()
+        self._slots.index_copy_(0, torch.tensor(slots, dtype=torch.int64), fetch.tensors[0])
         landed.set()
 
     def finished(self, idle: bool) -> KVTransferReport:
