@@ -107,8 +107,12 @@ serve() {  # starts `corectl serve MODEL` with the variant on PORT (first argume
   python3 -m corectl.server.cli serve "$model" --load-format dummy --platform cuda --port "$port" "${ENGINE[@]}" \
     ${SERVE_ARGS:-} "$@" > "$RES/${TAG}_server.log" 2>&1 &
   SERVER=$!
-  for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && return; sleep 1; done
-  echo "server did not come up"; tail -20 "$RES/${TAG}_server.log"
+  for _ in $(seq 300); do
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null && return
+    kill -0 "$SERVER" 2>/dev/null || break  # it exited: its log says why
+    sleep 1
+  done
+  echo "server did not come up"; tail -5 "$RES/${TAG}_server.log"; return 1
 }
 stop_server() { kill -TERM "$SERVER"; wait "$SERVER"; }
 cpu_seconds() { awk '{print ($14 + $15) / 100}' "/proc/$1/stat"; }
@@ -216,9 +220,12 @@ stage_hosttier() {  # host-memory tier (one GPU): prompts sharing 8 prefixes of 
               --prefix-len 16384 --num-prefixes 8 --input-len 256 --output-len 16 --ignore-eos --seed 0
               --num-prompts 64 --max-concurrency 4)
   local base=$TAG tier
-  ENGINE+=(--max-model-len 17408 --gpu-memory-utilization "${HOST_TIER_UTIL:-0.35}")
+  # Llama 3.1 8B's context (the llama3-8b preset keeps Llama 3's 8,192 positions; the shapes are equal).
+  ENGINE+=(--max-model-len 17408 --gpu-memory-utilization "${HOST_TIER_UTIL:-0.35}"
+           --hf-overrides '{"max_position_embeddings": 131072}')
   for tier in none 24GiB; do
-    if [ $tier = none ]; then TAG=${base}_$tier serve 8041 llama3-8b; else TAG=${base}_$tier serve 8041 llama3-8b --kv-offload-bytes $tier; fi
+    if [ $tier = none ]; then TAG=${base}_$tier serve 8041 llama3-8b || return 1
+    else TAG=${base}_$tier serve 8041 llama3-8b --kv-offload-bytes $tier || return 1; fi
     timeout 240 corectl bench serve --base-url http://127.0.0.1:8041 "${args[@]}" > "$RES/${base}_${tier}_first.txt" 2>&1
     timeout 240 corectl bench serve --base-url http://127.0.0.1:8041 "${args[@]}" --save-result "$RES/${base}_$tier.json" \
       | grep -E "TTFT|throughput|failed"

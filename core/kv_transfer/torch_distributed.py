@@ -70,6 +70,9 @@ class TorchDistributedWorker(StagedTransferWorker):
         self.timeout = datetime.timedelta(seconds=float(config.extra("timeout_s", 60.0)))
         self.load_timeout_s = float(config.extra("load_timeout_s", 30.0))
         self.ttl_s = float(config.extra("ttl_s", 300.0))
+        # What the producer holds for consumers that have not asked yet (on the GPU with NCCL, outside
+        # the KV pool): past it the oldest saves go, and their requests recompute on the decode side.
+        self.max_saved_bytes = int(config.extra("max_saved_bytes", 8 << 30))
         cache = access.kv_caches()[0]
         self.dtype = cache.dtype
         # NCCL moves device memory (the gathered blocks are sent from where they are); gloo host memory.
@@ -100,7 +103,18 @@ class TorchDistributedWorker(StagedTransferWorker):
             for stale in [key for key, (_, saved) in self._saved.items() if now - saved > self.ttl_s]:
                 del self._saved[stale]
             self._saved[transfer_id] = (blocks, now)
+            self._drop_oldest_past_cap()
             self._cond.notify_all()
+
+    def _drop_oldest_past_cap(self) -> None:
+        """Saves are kept in the order they came (dict order), so the first are the oldest."""
+        held = sum(t.numel() * t.element_size() for t, _ in self._saved.values())
+        while held > self.max_saved_bytes and len(self._saved) > 1:
+            transfer_id, (dropped, _) = next(iter(self._saved.items()))
+            del self._saved[transfer_id]
+            held -= dropped.numel() * dropped.element_size()
+            logger.warning("KV transfer %s dropped unfetched: saves held past max_saved_bytes=%d (the decode "
+                           "instance recomputes that prompt)", transfer_id, self.max_saved_bytes)
 
     def _take(self, transfer_id: str) -> torch.Tensor | None:
         with self._cond:

@@ -94,6 +94,23 @@ def test_consumer_decodes_the_transferred_prompt(pair, reference, request):
     _assert_all_blocks_free(producer, consumer)
 
 
+def test_saves_past_the_producers_cap_are_dropped_and_recomputed(torch_pair, reference, monkeypatch):
+    """A producer holds at most `max_saved_bytes` of saves nobody fetched yet: past it the oldest
+    go (only the newest save is kept under a 1-byte cap), and the decode instance recomputes those
+    prompts with the same tokens."""
+    producer, consumer = torch_pair
+    worker = producer.engine.executor.worker.kv_connector
+    monkeypatch.setattr(worker, "max_saved_bytes", 1)
+    monkeypatch.setattr(worker, "load_timeout_s", 0.3)
+    before = consumer.engine.scheduler.make_stats()
+    assert _disaggregate(producer, consumer, "capped") == reference
+    stats = consumer.engine.scheduler.make_stats()
+    assert stats.kv_load_failures - before.kv_load_failures == len(PROMPTS) - 1
+    # The newest prompt arrived (past what an earlier test left in the consumer's prefix cache).
+    assert stats.prompt_tokens_transferred > before.prompt_tokens_transferred
+    _assert_all_blocks_free(producer, consumer)
+
+
 def test_nothing_to_load_recomputes_the_prompt(shm_pair, reference):
     """The prefill instance died before saving: the decode instance's load times out and it
     recomputes the prompt itself, with the same tokens."""
