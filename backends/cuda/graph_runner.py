@@ -8,12 +8,11 @@ step never waits for the previous step's transfers.
 Graphs: a pure-decode step (one token per request) replays the graph captured for the smallest
 batch-size bucket that holds it, padded with rows that store nothing (slot -1) and attend to
 nothing (seq_len 0); backends/triton/attention/backend.py lists what must stay fixed across replays.
-With CORECTL_GRAPH_VERIFY=1 a verify step (speculative decoding: every request's newest token
-and its drafts, all sampled) replays them too, as a decode step of one row per token: row j of a
-request is a sequence of its own that ends at its position, over the request's block table, so it
-attends causally to the rows before it in the request (their K/V is stored before any row attends)
-and no further. The buckets then reach `max_num_seqs` x (k + 1) rows. It is off by default: no
-GPU has run it yet (the CPU tests check the rows and the attention through the Triton kernels).
+A verify step (speculative decoding: every request's newest token and its drafts, all sampled)
+replays them too, as a decode step of one row per token: row j of a request is a sequence of its
+own that ends at its position, over the request's block table, so it attends causally to the rows
+before it in the request (their K/V is stored before any row attends) and no further. The buckets
+then reach `max_num_seqs` x (k + 1) rows (CORECTL_GRAPH_VERIFY=0 keeps verify steps eager).
 Buckets are captured largest first into one memory pool, so the smaller graphs reuse the largest
 one's activation memory (one graph runs at a time). Every graph reads the first rows of one set
 of static input buffers sized for the largest bucket, and keeps the output tensor its capture
@@ -209,8 +208,8 @@ class CUDAGraphModelRunner(ModelRunner):
                            self.backend.name)
             return
         if not getattr(self.model, "supports_graph_capture", True):
-            logger.warning("%s reads values back to the host while it runs (its experts' torch path); "
-                           "decoding eagerly", type(self.model).__name__)
+            logger.warning("%s runs outside CUDA graphs (%s); decoding eagerly", type(self.model).__name__,
+                           getattr(self.model, "graph_capture_blocker", "") or "its forward reads values back to the host")
             return
         started, free_before = time.monotonic(), torch.cuda.mem_get_info()[0]
         sizes = graph_batch_sizes(max_num_seqs * rows_per_seq)

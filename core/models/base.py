@@ -16,13 +16,15 @@ class CausalLM(nn.Module):
     [T, hidden]; `compute_logits` maps selected hidden rows to fp32 logits [N, vocab].
     `load_weights` takes (Hugging Face parameter name, tensor) pairs and returns the names of
     the model parameters it filled. `supports_graph_capture` False keeps a model's decode steps
-    out of CUDA graphs (its forward reads values back to the host, e.g. the torch MoE path).
+    out of CUDA graphs (its forward reads values back to the host, e.g. the torch MoE path), and
+    `graph_capture_blocker` says why, for the log line.
     `supports_pipeline_parallel` True: the model builds only its pipeline stage's layers
     (`corectl.models.pipeline`), and `forward` takes and returns `IntermediateTensors` between
     stages.
     """
 
     supports_graph_capture: bool = True
+    graph_capture_blocker: str = ""
     supports_pipeline_parallel: bool = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -128,8 +128,8 @@ class BertModel(nn.Module):
 
     #: The engine runs this model's prompts whole and without a KV cache (`EngineConfig.encoder_only`).
     is_encoder = True
-    #: A step's sequence spans are read back to the host (`_sequence_spans`): no CUDA graph may hold it.
     supports_graph_capture = False
+    graph_capture_blocker = "a step's sequence spans are read back to the host (`_sequence_spans`)"
 
     def __init__(self, config, max_positions: int, dtype: torch.dtype):
         super().__init__()

@@ -200,8 +200,8 @@ class DeepseekModel(nn.Module):
 
 
 class DeepseekV2ForCausalLM(CausalLM):
-    # The experts run the torch path, which reads expert counts back to the host.
     supports_graph_capture = False
+    graph_capture_blocker = "its experts' torch path reads expert counts back to the host"
     correction = False
 
     def __init__(self, config, max_positions: int, dtype: torch.dtype):

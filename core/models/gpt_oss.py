@@ -107,8 +107,8 @@ class GptOssMoE(nn.Module):
 class GptOssForCausalLM(LlamaForCausalLM):
     # Its loader resolves checkpoint names to modules before skipping: every layer must exist.
     supports_pipeline_parallel = False
-    # The experts run the torch path, which reads expert counts back to the host.
     supports_graph_capture = False
+    graph_capture_blocker = "its experts' torch path reads expert counts back to the host"
     def __init__(self, config, max_positions: int, dtype: torch.dtype):
         super().__init__(config, max_positions, dtype)
         for layer in self.model.layers:

@@ -127,8 +127,8 @@ class Llama4MoE(nn.Module):
 class Llama4ForCausalLM(LlamaForCausalLM):
     # Its loader resolves checkpoint names to modules before skipping: every layer must exist.
     supports_pipeline_parallel = False
-    # The experts run the torch path, which reads expert counts back to the host.
     supports_graph_capture = False
+    graph_capture_blocker = "its experts' torch path reads expert counts back to the host"
     attention_class = Llama4Attention
 
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
