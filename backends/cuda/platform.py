@@ -53,8 +53,9 @@ class CUDAPlatform(Platform):
         return self.planned_capabilities(_device_capability())
 
     def planned_capabilities(self, compute_capability: tuple[int, int]) -> PlatformCaps:
-        # FP8 tensor cores (torch._scaled_mm) from Ada/Hopper (8.9) on; the Triton 4- and 8-bit GEMMs anywhere.
-        kernels = (("fp8_scaled_mm",) if compute_capability >= (8, 9) else ()) + ("w4a16", "w8a16")
+        # FP8 tensor cores (torch._scaled_mm) from Ada/Hopper (8.9) on; the Triton 4- and 8-bit GEMMs
+        # (block-scaled FP8 weights widened in the GEMM among them) anywhere.
+        kernels = (("fp8_scaled_mm",) if compute_capability >= (8, 9) else ()) + ("w4a16", "w8a16", "fp8_block_w8a16")
         return dataclasses.replace(gpu_caps(compute_capability), quantization_kernels=kernels)
 
     def device_name(self) -> str:

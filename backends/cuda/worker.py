@@ -73,13 +73,14 @@ class CUDAWorker(Worker):
         return num_blocks
 
     def quantization_kernels(self) -> dict:
+        from ..triton.gemm.fp8_block import fp8_block_w8a16
         from ..triton.gemm.fp8_gemv import fp8_w8a16_gemv
         from ..triton.gemm.fp8_quant import quantize_rows_fp8
         from ..triton.gemm.w4a16 import w4a16_gemm_trusted
         from ..triton.gemm.w8a16 import w8a16_gemm
 
         return {"w4a16": w4a16_gemm_trusted, "w8a16": w8a16_gemm, "fp8_quantize_rows": quantize_rows_fp8,
-                "fp8_w8a16_gemv": fp8_w8a16_gemv}
+                "fp8_w8a16_gemv": fp8_w8a16_gemv, "fp8_block_w8a16": fp8_block_w8a16}
 
     def layer_kernels(self) -> LayerKernels:
         return triton_layer_kernels()

@@ -137,7 +137,8 @@ class DeepseekExperts(FusedMoE):
                     down_scale: torch.Tensor | None = None) -> torch.Tensor:
         correction = None if self.e_score_correction_bias is None else self.e_score_correction_bias.float()
         weights, ids = select_deepseek_experts(router_logits, self.config, correction)
-        return fused_moe_torch(hidden, self.gate_up_proj, self.down_proj, weights, ids, gate_up_scale, down_scale)
+        return fused_moe_torch(hidden, self.gate_up_proj, self.down_proj, weights, ids, gate_up_scale, down_scale,
+                               weight_block=self.weight_block)
 
 
 class RouterFp32(nn.Module):

@@ -36,14 +36,15 @@ from torch.nn import functional as F
 from ..distributed import all_reduce, get_tp, shard_range
 from ..loaders.packing import load_packed_weights
 from ..quantization.base import MoEMethod, QuantizableLayer, QuantizationConfig
+from ..quantization.fp8_block import dequantize_blocks
 from ..quantization.scope import deferred_weight_device
 from .kernels import UsesLayerKernels
 
 # A per-expert checkpoint tensor: "<prefix>.experts.<e>.<gate_proj|up_proj|down_proj>.<kind>"
 EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
-                           r"\.(?P<kind>weight|weight_scale|input_scale)$")
+                           r"\.(?P<kind>weight|weight_scale|weight_scale_inv|input_scale)$")
 # The stacked parameter a kind of per-expert tensor loads into: its stack's name plus this suffix.
-KIND_SUFFIX = {"weight": "", "weight_scale": "_scale", "input_scale": "_input_scale"}
+KIND_SUFFIX = {"weight": "", "weight_scale": "_scale", "weight_scale_inv": "_scale", "input_scale": "_input_scale"}
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,14 +68,17 @@ def fused_moe_torch(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
                     down_scale: torch.Tensor | None = None, *, gate_up_bias: torch.Tensor | None = None,
                     down_bias: torch.Tensor | None = None,
-                    activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul) -> torch.Tensor:
+                    activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+                    weight_block: tuple[int, int] | None = None) -> torch.Tensor:
     """sum_j w[t, j] * down[e_j] @ (silu(gate[e_j] @ x_t) * up[e_j] @ x_t) for every token t.
 
     hidden [T, H]; gate_up [E, 2I, H]; down [E, H, I]; topk_weights [T, k]; topk_ids [T, k].
     Each expert multiplies all its routed rows at once (rows sorted by expert); the k results of a
     token are weighted and summed in fp32, in slot order. Reads the per-expert counts back to the
     host: the CPU path, and eager execution elsewhere. With scales ([E, 2I] and [E, H] fp32) the
-    weights are FP8 and each expert's product is scaled per output row (`_expert_linear`). Biases
+    weights are FP8 and each expert's product is scaled per output row (`_expert_linear`); with a
+    `weight_block` (bn, bk) the scales are per block ([E, 2I/bn, H/bk] and [E, H/bn, I/bk], block
+    FP8) and each expert's matrices are dequantized as they are read. Biases
     ([E, 2I], [E, H]) are added to each projection, and `activation` maps gate_up rows to the down
     projection's input (gpt-oss: biased experts and a clamped SwiGLU)."""
     num_tokens, top_k = topk_ids.shape
@@ -86,10 +90,10 @@ def fused_moe_torch(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
     start = 0
     for expert, count in enumerate(counts):
         if count:
-            projected = _expert_linear(rows[start:start + count], gate_up, gate_up_scale, expert)
+            projected = _expert_linear(rows[start:start + count], gate_up, gate_up_scale, expert, weight_block)
             if gate_up_bias is not None:
                 projected = projected + gate_up_bias[expert]
-            out = _expert_linear(activation(projected), down, down_scale, expert)
+            out = _expert_linear(activation(projected), down, down_scale, expert, weight_block)
             sorted_out[start:start + count] = out if down_bias is None else out + down_bias[expert]
         start += count
     per_slot = torch.empty_like(sorted_out)
@@ -98,12 +102,15 @@ def fused_moe_torch(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
     return weighted.sum(dim=1).to(hidden.dtype)
 
 
-def _expert_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, expert: int) -> torch.Tensor:
+def _expert_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, expert: int,
+                   block: tuple[int, int] | None = None) -> torch.Tensor:
     """x @ weight[expert].T; with a row scale (FP8 weights), the e4m3 values widened exactly, the
     product summed in fp32 and scaled per output row before one rounding to x's dtype, as the
-    fused kernel computes it."""
+    fused kernel computes it; with block scales (`block`), the expert's matrix dequantized in fp32."""
     if scale is None:
         return F.linear(x, weight[expert])
+    if block is not None:
+        return F.linear(x.float(), dequantize_blocks(weight[expert], scale[expert], block)).to(x.dtype)
     return (F.linear(x.float(), weight[expert].float()) * scale[expert]).to(x.dtype)
 
 
@@ -112,6 +119,8 @@ class FusedMoE(UsesLayerKernels, QuantizableLayer, nn.Module):
     routes each token to its top-k experts (`select_experts`) and sums their weighted outputs."""
 
     quant_method: MoEMethod | None = None
+    # (bn, bk) when the method's scales are per block (block FP8): only the torch path takes them.
+    weight_block: tuple[int, int] | None = None
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int, renormalize: bool):
         super().__init__()
@@ -171,11 +180,12 @@ class FusedMoE(UsesLayerKernels, QuantizableLayer, nn.Module):
         installed kernel, else the torch path."""
         kernel = self.kernels.fused_moe if self.kernels is not None else None
         scales = {} if gate_up_scale is None else {"gate_up_scale": gate_up_scale, "down_scale": down_scale}
-        if kernel is not None:
+        if kernel is not None and self.weight_block is None:
             return kernel(hidden, self.gate_up_proj, self.down_proj, router_logits, self.top_k, self.renormalize,
                           **scales)
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-        return fused_moe_torch(hidden, self.gate_up_proj, self.down_proj, weights, ids, **scales)
+        return fused_moe_torch(hidden, self.gate_up_proj, self.down_proj, weights, ids, **scales,
+                               weight_block=self.weight_block)
 
     def load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, proj: str, expert: int) -> None:
         """One expert's gate_proj or up_proj [I, H]: this rank's rows into its half of the expert."""

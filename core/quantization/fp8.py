@@ -6,7 +6,8 @@ row after loading; an `fp8` checkpoint (quant_method "fp8", per-tensor scales) a
 compressed-tensors FP8 checkpoint (per-tensor or per-channel scales) bring e4m3 weights and
 `weight_scale`s. Per-tensor scales of a packed layer's shards (q, k, v) become per-channel scales
 (exact: each row keeps its shard's scale). Static `input_scale`s are read and not used: dynamic
-per-token scales are at least as accurate and cost one row max. Block-wise scales are refused.
+per-token scales are at least as accurate and cost one row max. An `fp8` checkpoint with
+`weight_block_size` (block scales, DeepSeek V3's 128 x 128) is served by `fp8_block`'s methods.
 
 Decode-sized steps (at most GEMV_MAX_M rows) take a W8A16 kernel where the worker provides one
 (GEMV_KERNEL): activations stay in the model's dtype, the e4m3 weights are widened in the kernel
@@ -25,6 +26,7 @@ of the experts are not even loaded.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +36,7 @@ from torch.nn import functional as F
 from .. import envs
 from ..errors import ConfigError
 from .base import LinearMethod, MoEMethod, QuantAxes, QuantizationConfig, tensor_bytes
+from .fp8_block import Fp8BlockLinearMethod, Fp8BlockMoEMethod, block_kernel_for, parse_block_size
 from .scope import optional_kernel
 
 FP8 = torch.float8_e4m3fn
@@ -104,22 +107,34 @@ class Fp8Config(QuantizationConfig):
     per_channel: bool = False
     static_input_scales: bool = False
     ignored: tuple[str, ...] = ()
+    # (bn, bk): a scale per block of each weight (`fp8_block`), None for row or tensor scales.
+    weight_block: tuple[int, int] | None = None
 
     @classmethod
     def from_checkpoint(cls, quant_config: dict[str, Any] | None, source) -> "Fp8Config":
         if quant_config is None:
             return cls()
-        if quant_config.get("weight_block_size"):
-            raise ConfigError("quantization", "block-wise FP8 scales (weight_block_size) are not supported; "
-                              "per-tensor and per-channel scales are")
+        block = quant_config.get("weight_block_size")
         return cls(serialized=True, static_input_scales=quant_config.get("activation_scheme") == "static",
-                   ignored=tuple(quant_config.get("ignored_layers") or quant_config.get("modules_to_not_convert") or ()))
+                   ignored=tuple(quant_config.get("ignored_layers") or quant_config.get("modules_to_not_convert") or ()),
+                   weight_block=None if block is None else parse_block_size(block))
+
+    def bind(self, provided: tuple[str, ...], platform: str) -> "Fp8Config":
+        if self.weight_block is None:
+            return super().bind(provided, platform)
+        # Block scales run W8A16: the platform's block GEMM, else torch code, which every platform runs.
+        return dataclasses.replace(self, kernel=block_kernel_for(self.weight_block, provided))
 
     def linear_method(self, prefix: str, layer) -> LinearMethod | None:
-        return None if self._ignores(layer.checkpoint_weight_names(prefix)) else Fp8LinearMethod(self)
+        if self._ignores(layer.checkpoint_weight_names(prefix)):
+            return None
+        return Fp8LinearMethod(self) if self.weight_block is None else Fp8BlockLinearMethod(self.weight_block,
+                                                                                            self.kernel)
 
     def moe_method(self, prefix: str, layer) -> MoEMethod | None:
-        return None if self._ignores(layer.checkpoint_weight_names(prefix)) else Fp8MoEMethod(self)
+        if self._ignores(layer.checkpoint_weight_names(prefix)):
+            return None
+        return Fp8MoEMethod(self) if self.weight_block is None else Fp8BlockMoEMethod(self.weight_block)
 
     def _ignores(self, names: list[str]) -> bool:
         return any(ignored and ignored in name for name in names for ignored in self.ignored)
