@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from corectl.plugins import PlatformSpec, get_plugin_manager, import_dotted
 
-from .attention import AttentionBackend
 from .errors import ConfigError
 from .platform import Platform, PlatformCaps
+
+if TYPE_CHECKING:  # attention.py imports torch, which the API process does not need
+    from .attention import AttentionBackend
 
 
 def platform_class(spec: PlatformSpec) -> type[Platform]:

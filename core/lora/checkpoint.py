@@ -20,10 +20,9 @@ import torch
 
 from ..config import LORA_RANKS
 from ..errors import InvalidRequestError
-from .request import LoRARequest
+from .request import CONFIG_FILE, LoRARequest
 from .shapes import BaseModelShape
 
-CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
 # The projections an adapter may target, by their checkpoint names.

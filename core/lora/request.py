@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import msgspec
 
+# The adapter folder's config; here, without torch, so that resolvers look for it in the API process.
+CONFIG_FILE = "adapter_config.json"
+
 
 class LoRARequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """A PEFT adapter for one request: `LoRARequest("sql", 1, "/adapters/sql")`.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
-from .checkpoint import CONFIG_FILE
+from .request import CONFIG_FILE
 
 # A hub repo id: "org/name", the characters the hub allows.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

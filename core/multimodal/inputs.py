@@ -9,10 +9,13 @@ image never shares K/V.
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # the API process builds these records without torch; only the worker reads pixels
+    import torch
 
 # Chat content parts that hold an image: OpenAI's, and vLLM's offline forms.
 IMAGE_PART_TYPES = ("image_url", "image_pil", "image")
@@ -42,6 +45,8 @@ class MultiModalInput(msgspec.Struct, array_like=True, gc=False, frozen=True):
 
     def pixels(self) -> torch.Tensor:
         """The pixel values as a float32 tensor on the host."""
+        import torch
+
         return torch.frombuffer(bytearray(self.pixel_values), dtype=torch.float32).view(self.pixel_shape)
 
     @property

@@ -84,7 +84,7 @@ class ServeSettings:
 
 def default_served_name(config: EngineConfig) -> str:
     """The model id clients send: the model as given, a file's stem, or the default model's stem."""
-    from corectl.loaders.resolve import default_model
+    from corectl.loaders.default_model import default_model
 
     spec = config.model or default_model()
     path = Path(spec).expanduser()

@@ -9,10 +9,8 @@ from typing import Any
 import anyio
 import httpx
 from corectl.engine.messages import EngineInfo
-from corectl.loaders.hf_config import load_hf_config
 from corectl.multimodal.chat import data_url_bytes, image_sources
 from corectl.multimodal.processing import ImageProcessing, decode_image
-from corectl.multimodal.processors import image_processing_for
 
 from ..errors import APIError
 from .address_guard import guarded_client
@@ -64,6 +62,11 @@ class MediaIntake:
 
     async def _processing_for(self, info: EngineInfo) -> ImageProcessing:
         if self._processing is None:
+            # Imported with the first image: they pull transformers' config classes (and torch),
+            # which a text-only API process never needs.
+            from corectl.loaders.hf_config import load_hf_config
+            from corectl.multimodal.processors import image_processing_for
+
             folder = Path(info.model_dir)
             hf_config, _ = await anyio.to_thread.run_sync(load_hf_config, folder, None)
             self._processing = await anyio.to_thread.run_sync(image_processing_for, folder, hf_config)

