@@ -21,10 +21,11 @@ from .errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from .multimodal.inputs import IMAGE_PART_TYPES
 
 # Model types for which AutoTokenizer loads a folder whose tokenizer_config.json names
-# TokenizersBackend as that class itself (tests/core/test_tokenizer_load.py checks it): those folders
-# load without AutoTokenizer, which imports transformers' config classes and torch (seconds of CPU
-# in an API process that needs neither). They include every GGUF architecture (loaders/gguf_cache.py).
-DIRECT_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
+# TokenizersBackend as that class itself (tests/core/test_tokenizer_direct_load.py checks it; qwen2 is
+# not one: AutoTokenizer overrides its hub class with Qwen2Tokenizer). Those folders, the embedded
+# SmolLM2's among them, load without AutoTokenizer, which imports transformers' config classes and
+# torch: seconds of CPU in an API process that needs neither.
+DIRECT_MODEL_TYPES = frozenset({"llama", "qwen3"})
 
 
 class Tokenizer:
