@@ -53,16 +53,18 @@ class MLAttention(nn.Module):
         self.v_dim, self.rank = config.v_head_dim, config.kv_lora_rank
         self.qk_dim = self.nope + self.rope
         bias = getattr(config, "attention_bias", False)
+        # At one rank (the model refuses more) a RowParallelLinear is a plain linear layer that a
+        # quantization method can serve: V3's FP8 checkpoints quantize these projections too.
         if config.q_lora_rank is None:
             # `q_full_proj` holds the checkpoint's `q_proj` (the packed loader would take that name).
-            self.q_full_proj = nn.Linear(hidden, h * self.qk_dim, bias=False)
+            self.q_full_proj = RowParallelLinear(hidden, h * self.qk_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=bias)
+            self.q_a_proj = RowParallelLinear(hidden, config.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, h * self.qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope, bias=bias)
+            self.q_b_proj = RowParallelLinear(config.q_lora_rank, h * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = RowParallelLinear(hidden, self.rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(self.rank, h * (self.nope + self.v_dim), bias=False)
+        self.kv_b_proj = RowParallelLinear(self.rank, h * (self.nope + self.v_dim), bias=False)
         self.o_proj = RowParallelLinear(h * self.v_dim, hidden, bias=bias)
         self.rotary, self.interleave = rotary, interleave
         scale = yarn_apply_mscale(getattr(config, "rope_parameters", None) or {}, self.qk_dim ** -0.5)

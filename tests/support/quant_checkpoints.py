@@ -143,3 +143,33 @@ def greedy_divergences(ours: LLM, reference: LLM, prompts) -> list[tuple[int, in
         divergences.append((i, pos, top[0] - top[1]))
     assert all(gap < NEAR_TIE for _, _, gap in divergences), f"divergences that are not near-ties: {divergences}"
     return divergences
+
+
+def block_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek V3's block FP8: (e4m3 [N, K], fp32 `weight_scale_inv` [ceil(N/bn), ceil(K/bk)],
+    the dequantized fp32 [N, K]), each block's max mapped to 448 (the last blocks may be partial)."""
+    (n, k), (bn, bk) = w.shape, block
+    padded = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk)
+    padded[:n, :k] = w
+    blocks = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
+    scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    dequantized = (q.float() * scale[:, None, :, None]).view_as(padded)[:n, :k]
+    return q.view_as(padded)[:n, :k].contiguous(), scale, dequantized
+
+
+def write_block_fp8_checkpoints(dense: Path, out: Path, block: tuple[int, int], projections: tuple[str, ...],
+                                ignore: tuple[str, ...] = ()):
+    """(block-FP8 checkpoint as DeepSeek V3 ships it: `weight` e4m3 and `weight_scale_inv` of every
+    linear named in `projections`, dequantized dense folder); layers whose names contain an
+    `ignore` entry stay dense (the config's `modules_to_not_convert`)."""
+    tensors, quantized, reference = load_file(dense / "model.safetensors"), {}, {}
+    for name, w in tensors.items():
+        if name.split(".")[-2] not in projections or any(part in name for part in ignore):
+            quantized[name] = reference[name] = w
+            continue
+        q, scale, reference[name] = block_quantize(w, block)
+        quantized[name], quantized[name.removesuffix("weight") + "weight_scale_inv"] = q, scale
+    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": list(block), "modules_to_not_convert": list(ignore)}
+    return _save(dense, out / "block-fp8", quantized, config), _save(dense, out / "block-fp8-reference", reference, None)

@@ -6,17 +6,7 @@ import pytest
 import torch
 from corectl.backends.triton.gemm.fp8_block import fp8_block_w8a16
 from corectl.quantization.fp8_block import fp8_block_linear_reference
-
-
-def block_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 [N, K], fp32 scales [ceil(N/bn), ceil(K/bk)]): each block's max maps to 448."""
-    (n, k), (bn, bk) = w.shape, block
-    padded = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk)
-    padded[:n, :k] = w
-    blocks = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
-    scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
-    q = (blocks / scale[:, None, :, None]).view_as(padded)[:n, :k].to(torch.float8_e4m3fn)
-    return q, scale
+from support.quant_checkpoints import block_quantize
 
 
 # M = 1 and M > 1 (one and two row tiles), with 64 x 64 blocks and bk below the largest K step.
@@ -28,13 +18,13 @@ def block_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tenso
 def test_block_gemm_matches_dequantized_reference(block, m, dtype, bias, assert_close):
     # Row blocks of different magnitudes, so a scale applied to the wrong block shows.
     w = torch.randn(200, 320) * 320 ** -0.5 * torch.linspace(0.1, 4.0, 200)[:, None]
-    weight, scale = block_quantize(w, block)
+    weight, scale, _ = block_quantize(w, block)
     x = torch.randn(m, 320).to(dtype)
     b = torch.randn(200).to(dtype) if bias else None
     assert_close(fp8_block_w8a16(x, weight, scale, b, block), fp8_block_linear_reference(x, weight, scale, b, block))
 
 
 def test_scale_of_the_wrong_shape_is_refused():
-    weight, scale = block_quantize(torch.randn(200, 320), (128, 128))
+    weight, scale, _ = block_quantize(torch.randn(200, 320), (128, 128))
     with pytest.raises(ValueError, match=r"scale must be \[2, 3\]"):
         fp8_block_w8a16(torch.randn(1, 320), weight, scale[:, :2], None, (128, 128))

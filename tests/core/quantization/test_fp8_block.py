@@ -1,0 +1,101 @@
+"""Block-scaled FP8 checkpoints (DeepSeek V3's `weight_block_size` [128, 128]) end to end on a
+random 2-layer DeepseekV3 (hidden 256: two blocks along K; a dense first layer, then routed and
+shared experts). The test quantizes every linear, the experts included, as DeepSeek ships them
+(e4m3 `weight`, fp32 `weight_scale_inv` per block, partial blocks where a size is not a multiple
+of 128) and serves it on CPU (the torch path); it must give the greedy tokens and logprobs of the
+same engine on the dequantized weights saved dense, and transformers' on those."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from corectl import LLM, SamplingParams
+from corectl.errors import ConfigError
+from corectl.quantization.fp8 import Fp8Config
+from safetensors.torch import load_file, save_file
+from support.arch_parity import parity_prompts, save_random_model
+from support.models import hf_greedy_choices
+from support.quant_checkpoints import write_block_fp8_checkpoints
+
+VOCAB = 49152
+BLOCK = (128, 128)
+PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+               "down_proj")
+ENGINE = dict(dtype="float32", kv_cache_memory_gib=0.01, block_size=8, max_model_len=64)
+NEW_TOKENS = 8
+
+
+def deepseek_v3_config():
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                            n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32,
+                            q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_group=4,
+                            topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=512,
+                            initializer_range=0.5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                            tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, default_model_dir):
+    """(block-FP8 folder, dequantized dense folder); kv_b_proj stays dense (modules_to_not_convert)."""
+    root = tmp_path_factory.mktemp("block_fp8")
+    save_random_model(deepseek_v3_config(), root / "dense", default_model_dir, seed=5)
+    return write_block_fp8_checkpoints(root / "dense", root, BLOCK, PROJECTIONS, ignore=("kv_b_proj",))
+
+
+def _greedy(llm: LLM, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return ([list(o.outputs[0].token_ids) for o in outs],
+            [[next(iter(p.values())).logprob for p in o.outputs[0].logprobs] for o in outs])
+
+
+def test_block_fp8_deepseek_serves_the_tokens_of_its_dequantized_weights(checkpoints):
+    quantized, reference = checkpoints
+    prompts, _ = parity_prompts(VOCAB)
+    llm = LLM(str(quantized), **ENGINE)
+    assert llm.engine.info.quantization == "fp8 (fp8_block_torch)"
+    layers = llm.engine.executor.worker.runner.model.model.layers
+    attn, experts = layers[1].self_attn, layers[1].mlp.experts
+    # Kept as loaded: one byte a weight and a scale per block (48 rows: one partial block).
+    assert attn.q_a_proj.weight.dtype == torch.float8_e4m3fn and attn.q_a_proj.weight_scale_inv.shape == (1, 2)
+    assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.gate_up_proj_scale.shape == (8, 2, 2)
+    # modules_to_not_convert stays dense (the CPU swaps a dense linear for its prepacked GEMM).
+    assert getattr(attn.kv_b_proj, "quant_method", None) is None
+    tokens, logprobs = _greedy(llm, prompts)
+    del llm
+    dense_tokens, dense_logprobs = _greedy(LLM(str(reference), **ENGINE), prompts)
+    assert tokens == dense_tokens
+    assert max(abs(a - b) for got, exp in zip(logprobs, dense_logprobs) for a, b in zip(got, exp)) < 1e-3
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    for prompt, generated, generated_lp in zip(prompts, tokens, logprobs):
+        choices, choice_lp = hf_greedy_choices(hf_model, prompt, generated)
+        assert choices == generated
+        assert max(abs(a - b) for a, b in zip(choice_lp, generated_lp)) < 1e-3
+
+
+@pytest.mark.parametrize("block", [[128], [128, 0], "128", [128.0, 128], [True, 128], [128, 128, 1]])
+def test_malformed_block_size_is_a_config_error(block):
+    with pytest.raises(ConfigError, match="weight_block_size must be two positive integers"):
+        Fp8Config.from_checkpoint({"quant_method": "fp8", "weight_block_size": block}, None)
+
+
+def test_scale_of_the_wrong_shape_is_a_config_error(checkpoints, tmp_path):
+    quantized, _ = checkpoints
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for item in quantized.iterdir():
+        if item.suffix != ".safetensors":
+            (broken / item.name).write_bytes(item.read_bytes())
+    tensors = load_file(quantized / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight_scale_inv"
+    tensors[name] = tensors[name][:, :1].contiguous()
+    save_file(tensors, str(broken / "model.safetensors"))
+    assert json.loads((broken / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
+    with pytest.raises(ConfigError, match=r"weight_scale_inv has shape \(2, 1\).*needs \(2, 2\)"):
+        LLM(str(broken), **ENGINE)
