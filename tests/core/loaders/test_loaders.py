@@ -85,6 +85,12 @@ def llama_cpp_permute(values, heads: int):
     return values.reshape(heads, 2, half, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
 
 
+def llama_cpp_unpermute(values, heads: int):
+    """The inverse of llama_cpp_permute: Hugging Face's row order for Q/K."""
+    half = values.shape[0] // heads // 2
+    return values.reshape(heads, half, 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
+
+
 def write_tiny_gguf(path: Path, model, arch_name: str, extra_tensors=()) -> None:
     """A GGUF laid out as llama.cpp's converter writes it: its tensor names, permuted llama Q/K, one Q8_0 tensor."""
     cfg = model.config
@@ -149,7 +155,7 @@ def isolated_env(tmp_path_factory):
         yield
 
 
-# ---- the embedded SmolLM2 GGUF against transformers' own GGUF loader ----
+# ---- the embedded SmolLM2 GGUF against the gguf package's dequantization and transformers' GGUF reading ----
 
 @pytest.fixture(scope="module")
 def smollm_source():
@@ -157,13 +163,46 @@ def smollm_source():
 
 
 @pytest.fixture(scope="module")
-def smollm_reference():
-    return AutoModelForCausalLM.from_pretrained(str(SMOLLM_DIR), gguf_file=SMOLLM_FILE, dtype=torch.float32)
+def smollm_reader(smollm_source):
+    """The gguf package's parse of SmolLM2, made once per process (the conversion above made it): parsing
+    the 49k-token vocabulary costs seconds, and transformers would parse the file again for each reference."""
+    return gguf_cache.gguf_reader(SMOLLM_DIR / SMOLLM_FILE)
+
+
+@pytest.fixture(scope="module")
+def smollm_reference(smollm_reader):
+    """transformers' own reading of the GGUF's config and tokenizer, handed the parse already made."""
+    parse, path = gguf.GGUFReader, str(SMOLLM_DIR / SMOLLM_FILE)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", lambda file, *a, **kw: smollm_reader if str(file) == path else parse(file, *a, **kw))
+        config = AutoConfig.from_pretrained(str(SMOLLM_DIR), gguf_file=SMOLLM_FILE)
+        tokenizer = AutoTokenizer.from_pretrained(str(SMOLLM_DIR), gguf_file=SMOLLM_FILE)
+    return config, tokenizer
+
+
+def gguf_dequantized_state(reader, config) -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor of a llama-architecture GGUF under its Hugging Face name, as the gguf package
+    dequantizes it, with llama.cpp's Q/K row order undone: the reference transformers' GGUF loader builds,
+    without building the model around it."""
+    with torch.device("meta"):
+        names = checkpoint_state(AutoModelForCausalLM.from_config(config)).keys()
+    gguf_names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    state = {}
+    for name in names:
+        stem, suffix = name.rsplit(".", 1)
+        tensor = tensors[f"{gguf_names.get_name(stem)}.{suffix}"]
+        values = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
+        if stem.endswith(("q_proj", "k_proj")):
+            heads = config.num_attention_heads if stem.endswith("q_proj") else config.num_key_value_heads
+            values = llama_cpp_unpermute(values, heads)
+        state[name] = values
+    return state
 
 
 @pytest.mark.slow
-def test_gguf_weights_equal_transformers(smollm_source, smollm_reference):
-    expected = checkpoint_state(smollm_reference)
+def test_gguf_weights_equal_the_gguf_packages_dequantization(smollm_source, smollm_reader, smollm_reference):
+    expected = gguf_dequantized_state(smollm_reader, smollm_reference[0])
     got = loaded(smollm_source, expected)
     assert got.keys() == expected.keys()
     for name, tensor in expected.items():
@@ -172,7 +211,7 @@ def test_gguf_weights_equal_transformers(smollm_source, smollm_reference):
 
 @pytest.mark.slow
 def test_gguf_config_matches_transformers(smollm_source, smollm_reference):
-    ours, ref = smollm_source.hf_config, smollm_reference.config
+    ours, ref = smollm_source.hf_config, smollm_reference[0]
     fields = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
               "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"]
@@ -184,9 +223,9 @@ def test_gguf_config_matches_transformers(smollm_source, smollm_reference):
 
 
 @pytest.mark.slow
-def test_gguf_tokenizer_matches_transformers(smollm_source):
+def test_gguf_tokenizer_matches_transformers(smollm_source, smollm_reference):
     folder = smollm_source.tokenizer_dir
-    ref = AutoTokenizer.from_pretrained(str(SMOLLM_DIR), gguf_file=SMOLLM_FILE)
+    ref = smollm_reference[1]
     ours = AutoTokenizer.from_pretrained(str(folder))
     rust = Tokenizer.from_file(str(folder / "tokenizer.json"))
     sample = "<|im_start|>user\nWhat is the capital of France? Ünïcödé  123\t!<|im_end|>\n"
