@@ -11,12 +11,17 @@ import json
 import pytest
 import torch
 from corectl import LLM, SamplingParams
+from corectl.backends.triton.gemm.fp8_block import fp8_block_w8a16
 from corectl.errors import ConfigError
+from corectl.models.parallel import PackedLinear, RowParallelLinear
 from corectl.quantization.fp8 import Fp8Config
+from corectl.quantization.fp8_block import BLOCK_KERNEL, TORCH_PATH
 from safetensors.torch import load_file, save_file
 from support.arch_parity import parity_prompts, save_random_model
+from support.close import assert_close
 from support.models import hf_greedy_choices
-from support.quant_checkpoints import write_block_fp8_checkpoints
+from support.quant_checkpoints import block_quantize, write_block_fp8_checkpoints
+from support.quantized_layers import assert_row_parallel_sums, build_quantized_layer, finish_loading
 
 VOCAB = 49152
 BLOCK = (128, 128)
@@ -99,3 +104,63 @@ def test_scale_of_the_wrong_shape_is_a_config_error(checkpoints, tmp_path):
     assert json.loads((broken / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
     with pytest.raises(ConfigError, match=r"weight_scale_inv has shape \(2, 1\).*needs \(2, 2\)"):
         LLM(str(broken), **ENGINE)
+
+
+# Layers rank by rank (nothing collective runs), on the torch path and on the Triton GEMM under the
+# interpreter (the worker's kernel reached through the quantization scope).
+LAYER_BLOCK = (16, 32)
+KERNELS = {TORCH_PATH: {}, BLOCK_KERNEL: {BLOCK_KERNEL: fp8_block_w8a16}}
+
+
+def _layer(kernel: str, make, prefix: str, rank: int, world_size: int):
+    config = Fp8Config(serialized=True, weight_block=LAYER_BLOCK, kernel=kernel)
+    return build_quantized_layer(config, KERNELS[kernel], make, prefix, torch.float32, rank, world_size)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_packed_qkv_ranks_keep_their_shards_blocks(kernel):
+    """q, k, v of 64, 32 and 32 rows (heads of 16) at TP 2: each rank's rows are whole 16-row blocks."""
+    shards, prefix = {"q": 64, "k": 32, "v": 32}, "model.layers.0.self_attn.qkv_proj"
+    full = {name: block_quantize(torch.randn(rows, 128) * 0.1, LAYER_BLOCK) for name, rows in shards.items()}
+    x = torch.randn(3, 128)
+    for rank in range(2):
+        layer = _layer(kernel, lambda: PackedLinear(128, shards, bias=False, unit=16), prefix, rank, 2)
+        for shard, (q, scale, _) in full.items():
+            layer.weight.weight_loader(layer.weight, q, shard)
+            layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, scale, shard)
+        finish_loading(layer, prefix)
+        expected = torch.cat([x @ full[s][2][first:first + size].t() for s, (_, size, first) in layer.shards.items()],
+                             1)
+        assert_close(layer.quant_method.apply(layer, x), expected, 1e-4, norm="max")
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_row_parallel_partial_sums_rebuild_the_output(kernel):
+    """72 output rows (a partial last block), 128 inputs split over 2 ranks on block boundaries."""
+    q, scale, dense = block_quantize(torch.randn(72, 128) * 0.1, LAYER_BLOCK)
+    prefix = "model.layers.0.mlp.down_proj"
+
+    def loaded(rank: int):
+        layer = _layer(kernel, lambda: RowParallelLinear(128, 72, bias=False), prefix, rank, 2)
+        layer.weight.weight_loader(layer.weight, q)
+        layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, scale)
+        finish_loading(layer, prefix)
+        return layer
+
+    assert_row_parallel_sums(loaded, torch.randn(3, 128), dense, 2, 1e-4, norm="max")
+
+
+def test_slices_off_the_scale_blocks_are_refused():
+    """At TP 4 each rank holds 8 rows of k: half a 16-row block."""
+    with pytest.raises(ConfigError, match="do not fall on the checkpoint's scale blocks of 16"):
+        _layer(TORCH_PATH, lambda: PackedLinear(128, {"q": 64, "k": 32, "v": 32}, bias=False, unit=8),
+               "model.layers.0.self_attn.qkv_proj", 1, 4)
+
+
+@pytest.mark.parametrize("block,provided,bound", [((128, 128), ("w4a16", BLOCK_KERNEL), BLOCK_KERNEL),
+                                                  ((128, 128), ("cpu_int4pack",), TORCH_PATH),
+                                                  ((128, 8), (BLOCK_KERNEL,), TORCH_PATH)])
+def test_binds_the_platform_gemm_where_it_takes_the_block(block, provided, bound):
+    """No FP8 hardware needed: without the GEMM (or for blocks of fewer than 16 columns) torch serves."""
+    config = Fp8Config.from_checkpoint({"quant_method": "fp8", "weight_block_size": list(block)}, None)
+    assert config.bind(provided, "cuda").kernel == bound
