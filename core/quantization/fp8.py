@@ -128,8 +128,9 @@ class Fp8Config(QuantizationConfig):
     def linear_method(self, prefix: str, layer) -> LinearMethod | None:
         if self._ignores(layer.checkpoint_weight_names(prefix)):
             return None
-        return Fp8LinearMethod(self) if self.weight_block is None else Fp8BlockLinearMethod(self.weight_block,
-                                                                                            self.kernel)
+        if self.weight_block is None:
+            return Fp8LinearMethod(self)
+        return Fp8BlockLinearMethod(self.weight_block, self.kernel, self.static_input_scales)
 
     def moe_method(self, prefix: str, layer) -> MoEMethod | None:
         if self._ignores(layer.checkpoint_weight_names(prefix)):

@@ -25,7 +25,7 @@ import torch
 from torch.nn import functional as F
 
 from ..errors import ConfigError
-from .base import LinearMethod, MoEMethod, QuantAxes
+from .base import LinearMethod, MoEMethod, QuantAxes, tensor_bytes
 from .scope import kernel
 
 FP8 = torch.float8_e4m3fn
@@ -81,20 +81,29 @@ def _check_aligned(what: str, start: int, size: int, full: int, block: int) -> N
 class Fp8BlockLinearMethod(LinearMethod):
     """One linear layer's e4m3 weight and block scales (module doc)."""
 
-    def __init__(self, block: tuple[int, int], kernel_name: str):
-        self.block = block
+    def __init__(self, block: tuple[int, int], kernel_name: str, static_input_scales: bool = False):
+        self.block, self.static_input_scales = block, static_input_scales
         self.gemm = kernel(BLOCK_KERNEL) if kernel_name == BLOCK_KERNEL else fp8_block_linear_reference
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         bn, bk = self.block
         n, k = layer.out_features, layer.in_features
-        for shard_id, (offset, size, _first) in (layer.shards or {}).items():
+        for shard_id, (offset, size, first) in (layer.shards or {}).items():
             _check_aligned(f"shard {shard_id!r}", offset, size, n, bn)
+            _check_aligned(f"shard {shard_id!r} of the checkpoint", first, size, layer.full_sizes[shard_id], bn)
         _check_aligned("this rank's inputs", layer.first_input or 0, k, getattr(layer, "full_in_features", k), bk)
         layer.register_quant_param("weight", torch.empty(n, k, dtype=FP8), QuantAxes())
         scale = layer.register_quant_param("weight_scale_inv", torch.ones(_blocks(n, bn), _blocks(k, bk)),
                                            QuantAxes())
         scale.weight_loader = functools.partial(self._load_scale, layer)
+        if self.static_input_scales:
+            # Read past (W8A16 never quantizes activations), as the per-channel method does.
+            layer.register_quant_param("input_scale", torch.ones(len(layer.full_sizes or (None,))),
+                                       QuantAxes(None, 1, None, per_shard=True))
+
+    def process_weights_after_loading(self, layer) -> None:
+        if hasattr(layer, "input_scale"):
+            del layer.input_scale
 
     def _load_scale(self, layer, param, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         """This rank's blocks of a checkpoint's `weight_scale_inv` (one shard's, of a packed layer)."""
@@ -107,11 +116,13 @@ class Fp8BlockLinearMethod(LinearMethod):
             raise ConfigError("quantization", f"weight_scale_inv{f' of shard {shard_id!r}' if shard_id else ''} has "
                               f"shape {tuple(loaded.shape)}; a [{full_n}, {full_k}] weight in {bn} x {bk} blocks "
                               f"needs {expected}")
-        _check_aligned(f"shard {shard_id!r}", first, size, full_n, bn)
         src = loaded.narrow(0, first // bn, _blocks(size, bn))
         src = src.narrow(1, (layer.first_input or 0) // bk, _blocks(layer.in_features, bk))
         param.data.narrow(0, offset // bn, src.shape[0]).copy_(src)
         param.loaded_shards.add(shard_id)
+
+    def served_bytes(self, layer) -> int:
+        return tensor_bytes(layer.weight, layer.weight_scale_inv, layer.bias)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
