@@ -93,6 +93,9 @@ class MoEMethod(abc.ABC):
     """
 
     unused_tensors: ClassVar[tuple[str, ...]] = ()
+    # Why the layers this method serves cannot run inside CUDA graphs (it reads values back to the
+    # host); "" where they can. `bind_linear_methods` keeps such a model's decode steps eager.
+    graph_capture_blocker: ClassVar[str] = ""
 
     @abc.abstractmethod
     def create_weights(self, layer: torch.nn.Module, dtype: torch.dtype) -> None: ...

@@ -134,6 +134,7 @@ class Fp8BlockMoEMethod(MoEMethod):
     """A mixture-of-experts layer's e4m3 experts with block scales, run by the torch MoE path."""
 
     unused_tensors = ("input_scale",)
+    graph_capture_blocker = "its block-FP8 experts run the torch MoE path, which reads expert counts back to the host"
 
     def __init__(self, block: tuple[int, int]):
         self.block = block

@@ -55,13 +55,18 @@ def optional_kernel(name: str) -> Callable[..., torch.Tensor] | None:
 def bind_linear_methods(model: nn.Module, config: QuantizationConfig, dtype: torch.dtype,
                         device: torch.device) -> int:
     """Give every quantizable layer of `model` its method (or its dense weight); returns how many
-    layers are quantized. Runs inside the same `quantization_scope` the model was built in."""
+    layers are quantized. Runs inside the same `quantization_scope` the model was built in. A
+    method with a `graph_capture_blocker` keeps a model that could be captured in CUDA graphs out
+    of them, saying why (`CausalLM.supports_graph_capture`)."""
     quantized = 0
     for prefix, layer in model.named_modules():
         if isinstance(layer, QuantizableLayer):
             method = layer.quant_method_for(config, prefix)
             layer.set_quant_method(method, dtype, device)
             quantized += method is not None
+            blocker = getattr(method, "graph_capture_blocker", "")
+            if blocker and getattr(model, "supports_graph_capture", False):
+                model.supports_graph_capture, model.graph_capture_blocker = False, blocker
     return quantized
 
 

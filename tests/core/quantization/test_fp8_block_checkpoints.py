@@ -164,3 +164,20 @@ def test_binds_the_platform_gemm_where_it_takes_the_block(block, provided, bound
     """No FP8 hardware needed: without the GEMM (or for blocks of fewer than 16 columns) torch serves."""
     config = Fp8Config.from_checkpoint({"quant_method": "fp8", "weight_block_size": list(block)}, None)
     assert config.bind(provided, "cuda").kernel == bound
+
+
+def test_block_fp8_experts_keep_a_capturable_model_out_of_cuda_graphs():
+    """Qwen3-MoE runs in CUDA graphs, but its block-FP8 experts take the torch MoE path (built on
+    the meta device, as `corectl plan` builds it)."""
+    from corectl.models.registry import resolve_model_class
+    from corectl.worker.worker import build_model
+    from transformers import Qwen3MoeConfig
+
+    hf = Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        num_experts=4, num_experts_per_tok=2, architectures=["Qwen3MoeForCausalLM"])
+    model_cls = resolve_model_class(hf)
+    assert model_cls.supports_graph_capture
+    config = Fp8Config.from_checkpoint({"quant_method": "fp8", "weight_block_size": [32, 32]}, None).bind((), "cuda")
+    model = build_model(model_cls, hf, torch.bfloat16, "meta", 64, config)
+    assert not model.supports_graph_capture and "torch MoE path" in model.graph_capture_blocker
