@@ -10,7 +10,8 @@ def corectl_quantization_methods():
                                  "GGUF blocks kept quantized (Q4_0, Q4_1, Q4_K as int4 groups of 32; w4a16 on GPUs, "
                                  "cpu_int4pack on CPUs)")
     yield QuantizationMethodSpec("fp8", "corectl.quantization.fp8:Fp8Config",
-                                 "FP8 W8A8: per-channel weight scales, dynamic per-token activation scales")
+                                 "FP8 W8A8: per-channel weight scales, dynamic per-token activation scales; "
+                                 "block-scaled checkpoints (weight_block_size, DeepSeek V3) W8A16")
     yield QuantizationMethodSpec("compressed-tensors", "corectl.quantization.fp8:CompressedTensorsFp8Config",
                                  "compressed-tensors checkpoints with FP8 weights and activations")
     yield QuantizationMethodSpec("awq", "corectl.quantization.int4:AWQConfig", "AWQ 4-bit weight-only")
