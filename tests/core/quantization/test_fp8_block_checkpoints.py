@@ -12,8 +12,11 @@ import pytest
 import torch
 from corectl import LLM, SamplingParams
 from corectl.backends.triton.gemm.fp8_block import fp8_block_w8a16
+from corectl.distributed import TensorParallel, parallel_state
 from corectl.errors import ConfigError
+from corectl.models.moe import FusedMoE, fused_moe_torch, load_moe_weights, select_experts
 from corectl.models.parallel import PackedLinear, RowParallelLinear
+from corectl.quantization import bind_linear_methods, process_loaded_weights, quantization_scope
 from corectl.quantization.fp8 import Fp8Config
 from corectl.quantization.fp8_block import BLOCK_KERNEL, TORCH_PATH
 from safetensors.torch import load_file, save_file
@@ -181,3 +184,42 @@ def test_block_fp8_experts_keep_a_capturable_model_out_of_cuda_graphs():
     config = Fp8Config.from_checkpoint({"quant_method": "fp8", "weight_block_size": [32, 32]}, None).bind((), "cuda")
     model = build_model(model_cls, hf, torch.bfloat16, "meta", 64, config)
     assert not model.supports_graph_capture and "torch MoE path" in model.graph_capture_blocker
+
+
+def _block_experts(config, rank: int, world_size: int) -> torch.nn.Module:
+    """Rank `rank`'s `mlp.experts` (4 experts, hidden 16, intermediate 16) under `config`."""
+    with pytest.MonkeyPatch.context() as mp, quantization_scope(config):
+        mp.setattr(parallel_state, "_state", TensorParallel(rank, world_size))
+        model = torch.nn.Module()
+        model.mlp = torch.nn.Module()
+        model.mlp.experts = FusedMoE(4, 16, 16, top_k=2, renormalize=False)
+        bind_linear_methods(model, config, torch.float32, torch.device("cpu"))
+    return model
+
+
+def test_block_experts_ranks_sum_to_the_dequantized_layer():
+    """8 x 8 blocks at TP 2: each rank keeps whole blocks of every expert's rows; the fused_moe_torch
+    partial outputs add up to the dequantized layer's; static input scales are read past."""
+    config = Fp8Config.from_checkpoint({"quant_method": "fp8", "weight_block_size": [8, 8]}, None).bind((), "cpu")
+    shapes = {"gate_proj": (16, 16), "up_proj": (16, 16), "down_proj": (16, 16)}
+    checkpoint, dense = {}, {}
+    for e in range(4):
+        for proj, shape in shapes.items():
+            stem = f"mlp.experts.{e}.{proj}"
+            q, scale, dense[stem] = block_quantize(torch.randn(shape), (8, 8))
+            checkpoint.update({f"{stem}.weight": q, f"{stem}.weight_scale_inv": scale,
+                               f"{stem}.input_scale": torch.tensor(0.1)})
+    hidden, logits = torch.randn(5, 16), torch.randn(5, 4)
+    total = torch.zeros(5, 16)
+    for rank in range(2):
+        model = _block_experts(config, rank, 2)
+        load_moe_weights(model, checkpoint.items(), lambda name: False)
+        process_loaded_weights(model)
+        experts = model.mlp.experts
+        assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.down_proj_scale.shape == (4, 2, 1)
+        total += experts.quant_method.apply(experts, hidden, logits)
+    gate_up = torch.stack([torch.cat([dense[f"mlp.experts.{e}.{p}"] for p in ("gate_proj", "up_proj")])
+                           for e in range(4)])
+    down = torch.stack([dense[f"mlp.experts.{e}.down_proj"] for e in range(4)])
+    expected = fused_moe_torch(hidden, gate_up, down, *select_experts(logits, 2, renormalize=False))
+    assert_close(total, expected, 1e-5, norm="max")
