@@ -39,6 +39,8 @@ def test_direct_load_is_what_autotokenizer_loads(default_model_dir, tmp_path, mo
                                                                      len(reference))
     assert tok.hf.special_tokens_map == reference.special_tokens_map
     assert tok.hf.get_added_vocab() == reference.get_added_vocab()
+    assert tok.backend_tokenizer.to_str() == reference.backend_tokenizer.to_str()
+    assert repr(tok.hf.init_kwargs) == repr(reference.init_kwargs)
 
 
 def test_other_folders_go_through_autotokenizer(default_model_dir, tmp_path):
