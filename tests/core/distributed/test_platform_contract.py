@@ -92,9 +92,10 @@ def test_tensor_parallel_ranks_on_a_third_party_platform_match_one_rank(register
     prompts = [[(7 * i + 3 * j) % 40000 + 100 for j in range(9 + 5 * i)] for i in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     tokens = []
+    # One rank runs in this process, two in rank processes ("mp", the default above one rank).
     for size in (1, 2):
-        llm = LLM(str(folder), platform=NAME, tensor_parallel_size=size, distributed_executor_backend="mp",
-                  dtype="float32", max_model_len=128, kv_cache_memory_gib=0.01)
+        llm = LLM(str(folder), platform=NAME, tensor_parallel_size=size, dtype="float32", max_model_len=128,
+                  kv_cache_memory_gib=0.01)
         try:
             assert llm.engine.info.platform == NAME
             tokens.append([list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)])
