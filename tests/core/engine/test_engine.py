@@ -64,38 +64,38 @@ def test_seeded_sampling_is_reproducible_and_n_shares_prompt(llm_fp32):
 
 def test_top_k_one_equals_greedy(llm_fp32):
     prompt = llm_fp32.get_tokenizer().encode("The best way to learn a language is")
-    greedy = llm_fp32.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    topk = llm_fp32.generate([prompt], SamplingParams(temperature=1.5, top_k=1, seed=7, max_tokens=24,
-                                                      ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
-    assert topk == greedy
+    # One batch: the top-k = 1 row must pick the greedy row's tokens at every step.
+    topk = SamplingParams(temperature=1.5, top_k=1, seed=7, max_tokens=24, ignore_eos=True)
+    greedy, sampled = llm_fp32.generate([prompt, prompt], [GREEDY, topk], use_tqdm=False)
+    assert sampled.outputs[0].token_ids == greedy.outputs[0].token_ids
 
 
 def test_stop_strings_min_tokens_and_stop_token_ids(llm_fp32):
     tok = llm_fp32.get_tokenizer()
     prompt = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-    full = llm_fp32.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0].outputs[0]
+    # The variants run as one batch (outputs are batch-invariant: test_batch_invariance_alone_batched_and_prefix_hit);
+    # the stop token is the greedy answer's second token, which is the same in any batch.
+    greedy = dict(temperature=0.0, max_tokens=16)
+    full = llm_fp32.generate([prompt], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
+    second_token = full.token_ids[1]
+    variants = [SamplingParams(**greedy, stop=["Paris"]),
+                SamplingParams(**greedy, stop=["Paris"], include_stop_str_in_output=True),
+                SamplingParams(**greedy, stop_token_ids=[second_token]),
+                SamplingParams(**greedy, skip_special_tokens=False),
+                SamplingParams(temperature=0.0, max_tokens=40, min_tokens=len(full.token_ids) + 3)]
+    cut, kept, by_id, special, longer = (o.outputs[0] for o in llm_fp32.generate([prompt] * len(variants), variants,
+                                                                                 use_tqdm=False))
     assert "Paris" in full.text
-    cut = llm_fp32.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, stop=["Paris"]),
-                            use_tqdm=False)[0].outputs[0]
     assert cut.text == full.text[: full.text.index("Paris")]
     assert (cut.finish_reason, cut.stop_reason) == ("stop", "Paris")
-    kept = llm_fp32.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, stop=["Paris"],
-                                                      include_stop_str_in_output=True), use_tqdm=False)
-    assert kept[0].outputs[0].text.endswith("Paris")
+    assert kept.text.endswith("Paris")
     eos = llm_fp32.engine.eos_token_id
     assert full.finish_reason == "stop" and full.token_ids[-1] == eos
-    longer = llm_fp32.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, min_tokens=len(full.token_ids) + 3),
-                               use_tqdm=False)[0].outputs[0]
     assert len(longer.token_ids) >= len(full.token_ids) + 3
     assert eos not in longer.token_ids[: len(full.token_ids) + 2]
-    second_token = full.token_ids[1]
-    by_id = llm_fp32.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[second_token]),
-                              use_tqdm=False)[0].outputs[0]
     assert by_id.token_ids == full.token_ids[:2] and by_id.stop_reason == second_token
     # A stop token's text is not output, special or not, unless include_stop_str_in_output.
     assert by_id.text == tok.decode(full.token_ids[:1])
-    special = llm_fp32.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, skip_special_tokens=False),
-                                use_tqdm=False)[0].outputs[0]
     assert special.token_ids == full.token_ids and special.text == full.text
 
 
