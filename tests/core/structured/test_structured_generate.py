@@ -68,10 +68,17 @@ def check_constrained(outputs):
     assert isinstance(json.loads(obj), dict)
 
 
-@pytest.mark.slow
-def test_every_kind_of_constraint_holds(llm_fp32):
+@pytest.fixture(scope="module")
+def constrained_outputs(llm_fp32):
+    """The constrained batch on the shared engine, synchronous: checked once, and the reference the
+    async engine must reproduce."""
     prompts, params = constrained_batch(llm_fp32)
-    check_constrained(llm_fp32.generate(prompts, params, use_tqdm=False))
+    return llm_fp32.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.slow
+def test_every_kind_of_constraint_holds(constrained_outputs):
+    check_constrained(constrained_outputs)
 
 
 @pytest.mark.slow
@@ -85,9 +92,9 @@ def test_free_requests_get_the_same_tokens_beside_constrained_ones(llm_fp32):
 
 
 @pytest.mark.slow
-def test_async_scheduling_and_preemption_keep_the_constrained_outputs(llm_fp32):
+def test_async_scheduling_and_preemption_keep_the_constrained_outputs(llm_fp32, constrained_outputs):
     prompts, params = constrained_batch(llm_fp32)
-    expected = [o.outputs[0].token_ids for o in llm_fp32.generate(prompts, params, use_tqdm=False)]
+    expected = [o.outputs[0].token_ids for o in constrained_outputs]
     llm = LLM(dtype="float32", async_scheduling=True, max_model_len=256, kv_cache_memory_gib=0.012,
               max_num_batched_tokens=64)
     outputs = llm.generate(prompts, params, use_tqdm=False)
