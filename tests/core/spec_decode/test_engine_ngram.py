@@ -53,15 +53,14 @@ def test_greedy_is_token_exact_alone_batched_and_from_the_prefix_cache(llm_fp32,
 def test_max_tokens_and_stop_tokens_inside_a_draft(llm_fp32, spec_llm):
     copy = spec_llm.get_tokenizer().encode_chat(COPY)
     full = _tokens(llm_fp32, [copy], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
-    for max_tokens in (1, 2, 7, 13):
-        out = spec_llm.generate([copy], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                                use_tqdm=False)[0]
-        assert out.outputs[0].token_ids == full[:max_tokens] and out.outputs[0].finish_reason == "length"
-    stop = full[9]
-    out = spec_llm.generate([copy], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
-                                                   stop_token_ids=[stop]),
-                            use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == full[: full.index(stop) + 1] and out.finish_reason == "stop"
+    # One batch (each request drafts on its own; batched greedy output is token-exact, see above).
+    lengths, stop = (1, 2, 7, 13), full[9]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    params.append(SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop]))
+    *cut, stopped = (o.outputs[0] for o in spec_llm.generate([copy] * len(params), params, use_tqdm=False))
+    for max_tokens, out in zip(lengths, cut):
+        assert out.token_ids == full[:max_tokens] and out.finish_reason == "length"
+    assert stopped.token_ids == full[: full.index(stop) + 1] and stopped.finish_reason == "stop"
 
 
 def test_penalties_min_tokens_and_logprobs_match_plain_decoding(llm_fp32, spec_llm):
@@ -123,11 +122,13 @@ def test_constrained_requests_speculate_and_stay_token_exact(llm_fp32, spec_llm)
 
 def test_preemption_resumes_with_identical_output(llm_fp32):
     tok = llm_fp32.get_tokenizer()
+    # 8 requests of 48 tokens (3 blocks each) in a cache of 18 blocks: some must be preempted and resumed.
     prompts = [tok.encode(f"Count from 1 to 30, number {i}: 1, 2, 3, 4, 5,") for i in range(8)]
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     reference = _tokens(llm_fp32, prompts, params)
-    small = LLM(dtype="float32", max_model_len=256, kv_cache_memory_gib=0.02, enable_prefix_caching=False,
+    small = LLM(dtype="float32", max_model_len=64, kv_cache_memory_gib=0.0125, enable_prefix_caching=False,
                 speculative_config=NGRAM)
+    assert small.engine.info.num_kv_blocks < 8 * 3
     assert _tokens(small, prompts, params) == reference
     stats = small.engine.scheduler.make_stats()
     assert stats.num_preemptions > 0 and stats.spec_decode_num_accepted_tokens > 0
