@@ -8,8 +8,9 @@ Public names load on first use so that `import corectl` stays cheap (no torch un
 """
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .lazy_exports import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -32,13 +33,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'corectl' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr("corectl", _EXPORTS, globals())
 
 
 if TYPE_CHECKING:

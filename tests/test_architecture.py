@@ -29,7 +29,7 @@ CORE_EXCLUDES = ("corectl.backends", "corectl.plugins", "corectl.server")
 # floors below it need.
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("contracts", (
-        "corectl.errors", "corectl.envs", "corectl.process_exit", "corectl.sampling_params", "corectl.pooling",
+        "corectl.errors", "corectl.envs", "corectl.lazy_exports", "corectl.process_exit", "corectl.sampling_params", "corectl.pooling",
         "corectl.config", "corectl.request", "corectl.outputs", "corectl.attention", "corectl.platform",
         "corectl.discovery", "corectl.tokenizer", "corectl.detokenizer", "corectl.step_messages",
         "corectl.lora.request",         # a request's adapter, carried by Request and NewRequestData

@@ -8,21 +8,16 @@ must not pull torch and transformers' config classes in with them.
 """
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from ..lazy_exports import lazy_getattr
 
 _EXPORTS = {"ModelSource": "corectl.loaders.source", "resolve_model_source": "corectl.loaders.resolve"}
 
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'corectl.loaders' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr("corectl.loaders", _EXPORTS, globals())
 
 
 if TYPE_CHECKING:
