@@ -208,8 +208,8 @@ class CUDAGraphModelRunner(ModelRunner):
                            self.backend.name)
             return
         if not getattr(self.model, "supports_graph_capture", True):
-            logger.warning("%s runs outside CUDA graphs (%s); decoding eagerly", type(self.model).__name__,
-                           getattr(self.model, "graph_capture_blocker", "") or "its forward reads values back to the host")
+            reason = getattr(self.model, "graph_capture_blocker", "") or "its forward reads values back to the host"
+            logger.warning("%s runs outside CUDA graphs (%s); decoding eagerly", type(self.model).__name__, reason)
             return
         started, free_before = time.monotonic(), torch.cuda.mem_get_info()[0]
         sizes = graph_batch_sizes(max_num_seqs * rows_per_seq)

@@ -8,9 +8,10 @@ past its device hit into blocks the host tier holds gets them back (`get_num_new
 synchronous): the worker copies the slots into the request's new blocks before the step's forward
 pass, so the request starts as if the device cache had hit. Slots are slot-major and pinned, so a
 load is one asynchronous host-to-device copy per run of consecutive slots and the scatter runs
-on the device (an H100 measured the earlier CPU-side gather, unpinned, at 1.7x the recompute time). Slots are keyed by the prefix cache's
-own chained block hashes and evicted least recently used first; the scheduler side owns that
-index, the worker side only the bytes, so any tensor-parallel rank holds its own slice of each slot.
+on the device (an H100 measured the earlier CPU-side gather, unpinned, at 1.7x the recompute
+time). Slots are keyed by the prefix cache's own chained block hashes and evicted least recently
+used first; the scheduler side owns that index, the worker side only the bytes, so any
+tensor-parallel rank holds its own slice of each slot.
 
 Sizing: `kv_connector_extra_config.offload_bytes` (what `--kv-offload-bytes` sets), or vLLM's
 `num_cpu_blocks`. The tier needs prefix caching (it is keyed by the cache's hashes).

@@ -2,8 +2,9 @@
 
 The two instances form a two-rank torch.distributed group of their own (the producer is rank 0 and
 hosts the rendezvous, the consumer rank 1), with the platform's backend: gloo on CPUs, NCCL on
-GPUs (the blocks then travel device to device, sent from the gathered copy without a host stage). The rendezvous is
-`kv_connector_extra_config.rendezvous` (`tcp://HOST:PORT`), else vLLM's `kv_ip`:`kv_port`.
+GPUs (the blocks then travel device to device, sent from the gathered copy without a host
+stage). The rendezvous is `kv_connector_extra_config.rendezvous` (`tcp://HOST:PORT`), else
+vLLM's `kv_ip`:`kv_port`.
 
 The consumer asks for blocks (a transfer id, the first block, how many) and the producer answers
 with a header and the blocks, or "not here" when nothing was saved under that id within

@@ -36,7 +36,7 @@ from .base import CausalLM
 from .layers import Attention, RMSNorm, RotaryEmbedding, _rotate_half
 from .llama import GatedMLP
 from .llama4 import rotate_pairs
-from .moe import FusedMoE, fused_moe_torch, load_moe_weights
+from .moe import TORCH_EXPERTS_BLOCKER, FusedMoE, fused_moe_torch, load_moe_weights
 from .parallel import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, gather_logits
 
 
@@ -204,7 +204,7 @@ class DeepseekModel(nn.Module):
 
 class DeepseekV2ForCausalLM(CausalLM):
     supports_graph_capture = False
-    graph_capture_blocker = "its experts' torch path reads expert counts back to the host"
+    graph_capture_blocker = TORCH_EXPERTS_BLOCKER
     correction = False
 
     def __init__(self, config, max_positions: int, dtype: torch.dtype):

@@ -27,7 +27,7 @@ from torch import nn
 from ..distributed import get_tp
 from ..loaders.packing import load_packed_weights
 from .llama import LlamaForCausalLM
-from .moe import FusedMoE, fused_moe_torch, select_experts
+from .moe import TORCH_EXPERTS_BLOCKER, FusedMoE, fused_moe_torch, select_experts
 
 _STACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<name>gate_up_proj|down_proj)(?P<suffix>_bias|_blocks|_scales)?$")
 
@@ -108,7 +108,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
     # Its loader resolves checkpoint names to modules before skipping: every layer must exist.
     supports_pipeline_parallel = False
     supports_graph_capture = False
-    graph_capture_blocker = "its experts' torch path reads expert counts back to the host"
+    graph_capture_blocker = TORCH_EXPERTS_BLOCKER
     def __init__(self, config, max_positions: int, dtype: torch.dtype):
         super().__init__(config, max_positions, dtype)
         for layer in self.model.layers:

@@ -30,7 +30,7 @@ from ..attention import ForwardContext
 from ..loaders.packing import load_packed_weights
 from .layers import Attention, RotaryEmbedding
 from .llama import DecoderAttention, GatedMLP, LlamaForCausalLM
-from .moe import FusedMoE, fused_moe_torch
+from .moe import TORCH_EXPERTS_BLOCKER, FusedMoE, fused_moe_torch
 
 _STACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<name>gate_up_proj|down_proj)$")
 
@@ -128,7 +128,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
     # Its loader resolves checkpoint names to modules before skipping: every layer must exist.
     supports_pipeline_parallel = False
     supports_graph_capture = False
-    graph_capture_blocker = "its experts' torch path reads expert counts back to the host"
+    graph_capture_blocker = TORCH_EXPERTS_BLOCKER
     attention_class = Llama4Attention
 
     def make_mlp(self, config, layer_idx: int) -> nn.Module:

@@ -47,6 +47,10 @@ EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj
 KIND_SUFFIX = {"weight": "", "weight_scale": "_scale", "weight_scale_inv": "_scale", "input_scale": "_input_scale"}
 
 
+# Why a model whose experts run `fused_moe_torch` decodes outside CUDA graphs (`graph_capture_blocker`).
+TORCH_EXPERTS_BLOCKER = "its experts' torch path reads expert counts back to the host"
+
+
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the experts (fp32), the top-k of it, renormalised to sum to 1 when the model
     says so (Mixtral always; Qwen3-MoE with `norm_topk_prob`). Returns (weights [T, k] fp32,
