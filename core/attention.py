@@ -1,7 +1,9 @@
 """The attention-backend contract: how models reach the paged KV cache.
 
 KV cache layout (one tensor per layer, shared by every backend so kernels interoperate):
-    [2, num_blocks, block_size, num_kv_heads, head_dim]   (index 0 = keys, 1 = values)
+    [parts, num_blocks, block_size, num_kv_heads, head_dim]
+with parts = 2 (index 0 = keys, 1 = values), or parts = 1 for a model whose `KVCacheLayout` says its
+one row per token serves as both (multi-head latent attention, `AttentionBackend.forward_latent`).
 Slot `s` is block `s // block_size`, offset `s % block_size`.
 """
 from __future__ import annotations
@@ -13,6 +15,18 @@ from typing import Any
 import torch
 
 from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """What a layer's paged cache holds per token, for a model whose cache rows are not its config's
+    KV heads (the model's `kv_cache_layout` attribute): `parts` tensors of num_kv_heads x head_dim.
+    DeepSeek's multi-head latent attention caches one part of one "head": the normalized latent and
+    the shared rotated key, kv_lora_rank + qk_rope_head_dim numbers per token for all heads."""
+
+    num_kv_heads: int
+    head_dim: int
+    parts: int = 2
 
 
 @dataclass
@@ -39,6 +53,10 @@ class AttentionBatch:
     # within this step's query tokens (the scheduler never splits one across steps), so a query in
     # a span sees every key up to the span's end: `query_key_ends`.
     bidirectional_spans: list[list[tuple[int, int]]] | None = None
+    # Pure-decode batches only: the rows come in groups of this many over one block table (a CUDA
+    # graph's verify step: k + 1 decode rows a request, each ending at its own position, padding
+    # rows of seq_len 0 after a request's tokens), so a backend may read each group's K/V once.
+    rows_per_seq: int = 1
 
     @property
     def num_seqs(self) -> int:
@@ -109,8 +127,9 @@ class AttentionBackend(abc.ABC):
         self.block_size = block_size
 
     @staticmethod
-    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       parts: int = 2) -> tuple[int, ...]:
+        return (parts, num_blocks, block_size, num_kv_heads, head_dim)
 
     @abc.abstractmethod
     def build_metadata(self, batch: AttentionBatch, check_indices: bool = True) -> Any:
@@ -150,6 +169,20 @@ class AttentionBackend(abc.ABC):
           token at position p attends to keys C * (p // C) <= j <= p only, those of its own chunk
           (Llama 4's local layers).
         """
+
+    def forward_latent(self, q: torch.Tensor, rows: torch.Tensor, kv_cache: torch.Tensor, meta: Any, scale: float,
+                       *, value_dim: int) -> torch.Tensor:
+        """Multi-head latent attention in its absorbed form (DeepSeek's MLA) over a one-part cache
+        [1, num_blocks, block_size, 1, D] (`KVCacheLayout(1, D, parts=1)`), D = head_dim.
+
+        q: [T, num_heads, D], each head's query already multiplied into the latent space; rows:
+        [T, D], the new tokens' cache rows, written at `slot_mapping` first. Every head attends
+        causally (as `forward`, no window, cap or spans) with score q . row * scale, and its output
+        is the softmax-weighted sum of the rows' first `value_dim` features: [T, num_heads, value_dim].
+        Backends without it refuse the model by name.
+        """
+        raise ConfigError("model", f"this model uses multi-head latent attention, which the {self.name!r} "
+                          "attention backend does not implement; use torch_sdpa on CPUs, triton on GPUs")
 
 
 @dataclass

@@ -27,6 +27,10 @@ joins the softmax's denominator) spell the attention out, since SDPA can do neit
 local layers (Llama 4) narrow the mask to each query's chunk, like windows. A batch with
 bidirectional spans (an image's tokens in Gemma 3) widens each query's causal edge to its span's
 end (`query_key_ends`) in every mask.
+
+Latent attention (`forward_latent`, DeepSeek's MLA) gathers one row per context position from the
+one-part cache, shared by every head as key (and its first `value_dim` numbers as value), through
+the same indices and masks; a decode step groups all heads on that one row, like GQA.
 """
 from __future__ import annotations
 
@@ -199,3 +203,15 @@ class TorchSDPABackend(AttentionBackend):
         out = _attend(queries, keys, values, mask, scale, logits_soft_cap, sinks=per_head)
         out = out.transpose(1, 2).reshape(b * meta.max_query_len, h * d)
         return out[meta.token_index]
+
+    def forward_latent(self, q, rows, kv_cache, meta: SDPAMetadata, scale: float, *, value_dim: int) -> torch.Tensor:
+        # One gathered row per context position serves every head as key, its first value_dim numbers as value.
+        h, d, b = self.num_heads, self.head_dim, meta.num_seqs
+        cache = kv_cache.view(-1, d)
+        cache.index_copy_(0, meta.slot_mapping, rows)
+        keys = cache.index_select(0, meta.key_index).view(b, 1, meta.max_seq_len, d)
+        values = keys[..., :value_dim]
+        if meta.query_index is None:
+            return _attend(q.view(b, 1, h, d), keys, values, meta.mask, scale, None).view(b, h, value_dim)
+        out = _attend(q[meta.query_index].transpose(1, 2), keys, values, meta.mask, scale, None)
+        return out.transpose(1, 2).reshape(b * meta.max_query_len, h, value_dim)[meta.token_index]

@@ -103,7 +103,8 @@ class KVCacheAccess:
     distributed_backend: str
 
     def gather(self, block_ids: list[int]) -> torch.Tensor:
-        """The blocks' K/V over every layer: `[layers, 2, len(block_ids), block_size, heads, dim]`."""
+        """The blocks' K/V over every layer: `[layers, parts, len(block_ids), block_size, heads, dim]`
+        (parts: 2, keys and values, or 1, a latent cache's one row: `corectl.attention`)."""
         caches = self.kv_caches()
         index = torch.tensor(block_ids, dtype=torch.int64, device=caches[0].device)
         return torch.stack([cache.index_select(1, index) for cache in caches])
@@ -120,7 +121,7 @@ class KVCacheAccess:
     def block_shape(self) -> tuple[int, ...]:
         """One gathered block's shape over every layer (`gather` of one block, without its count)."""
         cache = self.kv_caches()[0]
-        return (len(self.kv_caches()), 2, *cache.shape[2:])
+        return (len(self.kv_caches()), cache.shape[0], *cache.shape[2:])
 
 
 class KVConnectorWorker(abc.ABC):

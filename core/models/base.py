@@ -35,3 +35,7 @@ class CausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         raise NotImplementedError
+
+    def after_loading(self) -> None:
+        """Called once every weight is loaded and quantized layers are processed, to derive what the
+        forward needs from them (DeepSeek's absorbed MLA up-projections); nothing by default."""

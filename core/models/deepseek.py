@@ -1,22 +1,16 @@
 """DeepSeek V2 and V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`; V2-Lite, V3/R1 shapes).
 
 Following transformers' implementations operation for operation:
-  - multi-head latent attention (MLA): q from `q_proj` (V2-Lite) or `q_a_proj` -> RMSNorm ->
-    `q_b_proj`; keys and values from a latent `kv_a_proj_with_mqa` [kv_lora_rank + rope dims] ->
-    RMSNorm -> `kv_b_proj` per head, plus one rotated key part shared by all heads. Only the
-    `qk_rope_head_dim` features rotate (pairwise for V2 and V3's `rope_interleave`, halves
-    otherwise); YaRN's mscale enters the softmax scale (`yarn_apply_mscale`);
+  - multi-head latent attention (MLA, `corectl.models.mla`): a latent paged cache of
+    kv_lora_rank + qk_rope_head_dim numbers per token and layer, attended with the key and value
+    up-projections absorbed into the query and the output;
   - mixture-of-experts layers from `first_k_dense_replace` on, each with shared experts
     (`n_shared_experts` x `moe_intermediate_size`) and a router in fp32: V2 softmaxes and picks
     the top-k (within the `topk_group` best groups for `group_limited_greedy`); V3 sigmoids,
     ranks by score plus `e_score_correction_bias`, keeps the `topk_group` groups with the best
     two-expert sums, and renormalises (`norm_topk_prob`); both scale by `routed_scaling_factor`.
 
-First version of MLA: the latent is expanded into per-head keys and values at every step and those
-are cached in the normal paged layout (num_heads x qk_head_dim per token, values zero-padded from
-v_head_dim), which costs far more cache than the latent (kv_lora_rank + rope dims per token) would.
-The latent-cache layout, absorbed decode and their kernels are not built; tensor parallelism is
-refused (the MLA projections are not sharded yet).
+Tensor parallelism is refused (the MLA projections are not sharded yet).
 """
 from __future__ import annotations
 
@@ -27,73 +21,19 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
 
 from ..attention import ForwardContext
 from ..distributed import get_tp
 from ..errors import ConfigError
 from .base import CausalLM
-from .layers import Attention, RMSNorm, RotaryEmbedding, _rotate_half
+from .layers import RMSNorm, RotaryEmbedding
 from .llama import GatedMLP
-from .llama4 import rotate_pairs
+from .mla import MLAttention, latent_cache_layout
 from .moe import TORCH_EXPERTS_BLOCKER, FusedMoE, fused_moe_torch, load_moe_weights
-from .parallel import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, gather_logits
+from .parallel import ParallelLMHead, VocabParallelEmbedding, gather_logits
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-class MLAttention(nn.Module):
-    """Multi-head latent attention, the latent expanded per head (module doc)."""
-
-    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, interleave: bool):
-        super().__init__()
-        h, hidden = config.num_attention_heads, config.hidden_size
-        self.num_heads, self.nope, self.rope = h, config.qk_nope_head_dim, config.qk_rope_head_dim
-        self.v_dim, self.rank = config.v_head_dim, config.kv_lora_rank
-        self.qk_dim = self.nope + self.rope
-        bias = getattr(config, "attention_bias", False)
-        # At one rank (the model refuses more) a RowParallelLinear is a plain linear layer that a
-        # quantization method can serve: V3's FP8 checkpoints quantize these projections too.
-        if config.q_lora_rank is None:
-            # `q_full_proj` holds the checkpoint's `q_proj` (the packed loader would take that name).
-            self.q_full_proj = RowParallelLinear(hidden, h * self.qk_dim, bias=False)
-        else:
-            self.q_a_proj = RowParallelLinear(hidden, config.q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-            self.q_b_proj = RowParallelLinear(config.q_lora_rank, h * self.qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = RowParallelLinear(hidden, self.rank + self.rope, bias=bias)
-        self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps)
-        self.kv_b_proj = RowParallelLinear(self.rank, h * (self.nope + self.v_dim), bias=False)
-        self.o_proj = RowParallelLinear(h * self.v_dim, hidden, bias=bias)
-        self.rotary, self.interleave = rotary, interleave
-        scale = yarn_apply_mscale(getattr(config, "rope_parameters", None) or {}, self.qk_dim ** -0.5)
-        self.attn = Attention(layer_idx, h, h, self.qk_dim, scale=scale)
-
-    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.rotary.cos[positions].unsqueeze(1), self.rotary.sin[positions].unsqueeze(1)
-        if self.interleave:
-            half = self.rope // 2
-            return rotate_pairs(x, cos[..., :half], sin[..., :half])
-        return x * cos + _rotate_half(x) * sin
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        t, h = hidden.shape[0], self.num_heads
-        if hasattr(self, "q_full_proj"):
-            q = self.q_full_proj(hidden)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
-        q_nope, q_rot = q.view(t, h, self.qk_dim).split([self.nope, self.rope], dim=-1)
-        latent, k_rot = self.kv_a_proj_with_mqa(hidden).split([self.rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(t, h, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        q = torch.cat((q_nope, self._rotate(q_rot, positions)), dim=-1)
-        k_rot = self._rotate(k_rot.view(t, 1, self.rope), positions).expand(t, h, self.rope)
-        k = torch.cat((k_nope, k_rot), dim=-1)
-        # The paged cache holds keys and values of one head size: values are zero-padded to it.
-        v = F.pad(v, (0, self.qk_dim - self.v_dim))
-        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1), ctx)
-        return self.o_proj(out.view(t, h, self.qk_dim)[..., :self.v_dim].reshape(t, -1))
 
 
 def select_deepseek_experts(logits: torch.Tensor, config, correction: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,12 +160,14 @@ class DeepseekV2ForCausalLM(CausalLM):
                                       device="meta" if self.tie_word_embeddings else None)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        qk_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
-        # The expanded latent's cache rows: every head, keys and zero-padded values of qk_dim.
-        self.kv_cache_layout = (config.num_attention_heads, qk_dim)
+        self.kv_cache_layout = latent_cache_layout(config)
 
     def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
+
+    def after_loading(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.absorb_weights()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return gather_logits(self.lm_head(hidden), self.config.vocab_size).float()

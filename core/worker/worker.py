@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import AttentionBackend
+from ..attention import AttentionBackend, KVCacheLayout
 from ..config import EngineConfig
 from ..distributed import get_pp, get_tp, shard_range
 from ..errors import ConfigError
@@ -21,6 +21,7 @@ from ..kv_transfer.base import KVCacheAccess, KVConnectorWorker
 from ..kv_transfer.factory import worker_connector
 from ..lora.manager import AdapterManager
 from ..lora.shapes import BaseModelShape
+from ..models.base import CausalLM
 from ..models.bert import read_separator
 from ..models.kernels import LayerKernels, install_layer_kernels
 from ..models.layers import Attention
@@ -67,10 +68,12 @@ class ModelInfo:
     # The most tokens of one image whose tokens attend to each other both ways (Gemma 3), which the
     # scheduler never splits across steps; None: images attend causally, chunks may split them.
     bidirectional_image_tokens: int | None = None
+    # Tensors per token and layer in the cache: 2 (keys, values), or 1 (MLA's latent, `KVCacheLayout`).
+    kv_parts: int = 2
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         itemsize = 1 if self.kv_cache_dtype == _FP8_KV else torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+        return self.kv_parts * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
 @contextlib.contextmanager
@@ -152,6 +155,7 @@ class Worker(abc.ABC):
                                  getattr(model, "pooling_weights", pooling_weights) if pooling else None)
         if self.quantization is not None:
             process_loaded_weights(model)
+        _after_loading(model)
         model.eval()
         lora = self._attach_lora(model, hf) if self.config.enable_lora else None
         install_layer_kernels(model, self.layer_kernels())
@@ -202,6 +206,7 @@ class Worker(abc.ABC):
         """A draft model or head, dense, in the target's dtype, with its weights."""
         model = build_model(model_cls, source.hf_config, self.torch_dtype, self.device, self.max_model_len)
         source.load_weights(model)
+        _after_loading(model)
         model.eval()
         install_layer_kernels(model, self.layer_kernels())
         return model
@@ -246,7 +251,8 @@ class Worker(abc.ABC):
     def init_kv_cache(self, num_blocks: int) -> None:
         self._num_kv_blocks = num_blocks
         info = self.model_info
-        shape = self.runner.backend.kv_cache_shape(num_blocks, self.config.block_size, info.num_kv_heads, info.head_dim)
+        shape = self.runner.backend.kv_cache_shape(num_blocks, self.config.block_size, info.num_kv_heads, info.head_dim,
+                                                   info.kv_parts)
         dtype = torch.float8_e4m3fn if info.kv_cache_dtype == _FP8_KV else self.torch_dtype
         # Layers index the list: earlier pipeline stages' layers get an empty placeholder.
         caches = [torch.empty(0, dtype=dtype, device=self.device)] * info.first_layer
@@ -262,7 +268,7 @@ class Worker(abc.ABC):
             # As many blocks as the target's and one per sequence slot: the draft never runs out first.
             draft, num_draft_blocks = self._draft_info, num_blocks + self.config.max_num_seqs
             shape = self.runner.drafter.runner.backend.kv_cache_shape(num_draft_blocks, self.config.block_size,
-                                                                      draft.num_kv_heads, draft.head_dim)
+                                                                      draft.num_kv_heads, draft.head_dim, draft.kv_parts)
             self.runner.drafter.set_kv_caches(
                 [torch.zeros(shape, dtype=self.torch_dtype, device=self.device) for _ in range(draft.num_layers)],
                 num_draft_blocks)
@@ -356,14 +362,19 @@ def build_model(model_cls: type[torch.nn.Module], hf, dtype: torch.dtype, device
     return model
 
 
+def _after_loading(model: torch.nn.Module) -> None:
+    if isinstance(model, CausalLM):
+        model.after_loading()
+
+
 def _model_info(hf, model: torch.nn.Module, dtype: str, kv_cache_dtype: str = "auto") -> ModelInfo:
     """The model as this rank holds it: its share of the heads under tensor parallelism, its
     stage's layers under pipeline parallelism."""
     num_heads = hf.num_attention_heads
     tp = get_tp()
     layers = stage_layers(hf.num_hidden_layers)
-    # A model whose cache rows are not its config's KV heads (DeepSeek's expanded MLA) gives its own.
-    kv_heads, head_dim = getattr(model, "kv_cache_layout", None) or (
+    # A model whose cache rows are not its config's KV heads (DeepSeek's latent MLA) gives its own.
+    layout = getattr(model, "kv_cache_layout", None) or KVCacheLayout(
         shard_range(getattr(hf, "num_key_value_heads", None) or num_heads, tp.rank, tp.world_size)[1],
         getattr(hf, "head_dim", None) or hf.hidden_size // num_heads)
     return ModelInfo(
@@ -371,8 +382,9 @@ def _model_info(hf, model: torch.nn.Module, dtype: str, kv_cache_dtype: str = "a
         num_layers=len(layers),
         first_layer=layers.start,
         num_heads=num_heads // tp.world_size,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        kv_parts=layout.parts,
         vocab_size=hf.vocab_size,
         dtype=dtype,
         num_params=sum(p.numel() for p in model.parameters()),

@@ -2,6 +2,8 @@
 
 Each layer's forward stores the new K/V into the pages, then attends with the decode kernel
 (pure-decode batches) or the prefill/extend kernel (anything else, including mixed batches).
+Latent attention (`forward_latent`, DeepSeek's MLA) stores each token's one row and runs
+`latent_attention`, split over the context when the step is pure decode.
 
 CUDA graphs (decode): a captured forward replays the same launches, so what the launches read
 from the host must not change between replays: the batch size (pad it to the graph's bucket), the
@@ -18,10 +20,12 @@ from dataclasses import dataclass
 
 import torch
 from corectl.attention import AttentionBackend, AttentionBatch, query_key_ends
+from corectl.errors import ConfigError
 
-from ..checks import check_packed_heads, require
+from ..checks import FP8_KV_DTYPE, check_packed_heads, require
 from .decode_attention import choose_decode_splits, paged_decode_attention
 from .kv_cache_store import store_kvcache
+from .latent_attention import paged_latent_attention
 from .prefill_attention import paged_prefill_attention
 
 
@@ -36,6 +40,7 @@ class TritonAttentionMetadata:
     max_seq_len: int
     is_pure_decode: bool
     num_splits: int                   # decode only; fixed per captured graph
+    rows_per_seq: int                 # decode only: rows sharing a block table (AttentionBatch)
     # [T] int32: each token's first unseen context position, where the batch has bidirectional
     # spans (prefill only: a decode token's span, if any, is itself).
     query_key_end: torch.Tensor | None = None
@@ -59,7 +64,8 @@ class TritonAttentionBackend(AttentionBackend):
         pure_decode = batch.is_pure_decode and num_tokens == batch.num_seqs
         splits = 1
         if pure_decode:
-            splits = choose_decode_splits(batch.num_seqs, self.num_kv_heads, batch.max_seq_len, self.device)
+            splits = choose_decode_splits(batch.num_seqs // batch.rows_per_seq, self.num_kv_heads,
+                                          batch.max_seq_len, self.device)
         return TritonAttentionMetadata(
             slot_mapping=batch.slot_mapping,
             block_tables=batch.block_tables,
@@ -70,6 +76,7 @@ class TritonAttentionBackend(AttentionBackend):
             max_seq_len=batch.max_seq_len,
             is_pure_decode=pure_decode,
             num_splits=splits,
+            rows_per_seq=batch.rows_per_seq if pure_decode else 1,
             query_key_end=None if pure_decode else _key_ends(batch, self.device),
             check_indices=check_indices,
         )
@@ -86,7 +93,7 @@ class TritonAttentionBackend(AttentionBackend):
                 q, kv_cache, meta.block_tables, meta.seq_lens, scale,
                 max_seq_len=meta.max_seq_len, num_splits=meta.num_splits, check_indices=check,
                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                attention_chunk=attention_chunk,
+                attention_chunk=attention_chunk, rows_per_seq=meta.rows_per_seq,
             )
         else:
             out = paged_prefill_attention(
@@ -95,6 +102,20 @@ class TritonAttentionBackend(AttentionBackend):
                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
                 attention_chunk=attention_chunk, query_key_end=meta.query_key_end,
             )
+        meta.check_indices = False
+        return out
+
+    def forward_latent(self, q: torch.Tensor, rows: torch.Tensor, kv_cache: torch.Tensor,
+                       meta: TritonAttentionMetadata, scale: float, *, value_dim: int) -> torch.Tensor:
+        if kv_cache.dtype == FP8_KV_DTYPE:
+            raise ConfigError("kv_cache_dtype", "multi-head latent attention keeps its latent cache in the model's "
+                              "dtype; use --kv-cache-dtype auto")
+        check = meta.check_indices
+        # The one-part cache seen as keys and values at the same address (stride 0): each row is stored once.
+        store_kvcache(rows, rows, kv_cache.expand(2, -1, -1, -1, -1), meta.slot_mapping, check_indices=check)
+        out = paged_latent_attention(
+            q, kv_cache, meta.block_tables, meta.seq_lens, None if meta.is_pure_decode else meta.query_start_loc,
+            scale, rank=value_dim, max_seq_len=meta.max_seq_len, num_splits=meta.num_splits, check_indices=check)
         meta.check_indices = False
         return out
 

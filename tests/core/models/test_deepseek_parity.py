@@ -1,11 +1,11 @@
-"""DeepSeek V2 and V3 against transformers: multi-head latent attention (expanded per head), a dense
+"""DeepSeek V2 and V3 against transformers: multi-head latent attention (latent cache), a dense
 first layer, shared experts and V2's / V3's routing (grouped top-k, correction bias, routed scaling);
 greedy fp32 through prefix hits and preemption."""
 from __future__ import annotations
 
 import pytest
 import torch
-from support.arch_parity import assert_engine_matches, save_random_model
+from support.arch_parity import BLOCK, assert_engine_matches, save_random_model
 
 VOCAB = 49152
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
@@ -44,5 +44,8 @@ def test_deepseek_greedy_matches_transformers(version, tmp_path, default_model_d
         _randomise_correction(hf_model)
         hf_model.save_pretrained(tmp_path / version)
     llm = assert_engine_matches(tmp_path / version, hf_model, VOCAB, variant=version in ("v2-grouped", "v3-halves"))
-    info = llm.engine.executor.worker.model_info
-    assert (info.num_kv_heads, info.head_dim) == (4, 24)  # the expanded latent: every head, nope + rope dims
+    worker = llm.engine.executor.worker
+    # The latent cache: one row of kv_lora_rank + qk_rope_head_dim per token and layer, no values.
+    cache = worker.runner.kv_caches[0]
+    assert (cache.shape[0], *cache.shape[2:]) == (1, BLOCK, 1, 32 + 8)
+    assert worker.model_info.kv_bytes_per_block(BLOCK) == 3 * BLOCK * (32 + 8) * 4

@@ -1,0 +1,225 @@
+"""Paged multi-head latent attention (DeepSeek's MLA, absorbed form) over a one-part latent cache.
+
+The cache holds one row of RANK + ROPE numbers per token (`corectl.attention.KVCacheLayout` with
+one part): the normalized latent c_kv and the rotated key part shared by every head. A query head
+arrives already multiplied into the latent space, [q_latent | q_rope], so its score against a key
+is q_latent . c_kv + q_rope . k_rope and its output is the softmax-weighted sum of the c_kv parts:
+the row is read once and serves as key and value for every head (the model applies W_UV after).
+
+Grid (query token, head block, split): a program holds BLOCK_H heads of one token and walks one
+contiguous partition of the keys that token sees, in tiles of BLOCK_N, looking each key's page up
+in the block table. A decode step (one token per sequence) splits long contexts like
+`decode_attention` and combines the partial outputs with its combine kernel; a prefill or mixed
+step runs every token unsplit, seeing keys up to its own position (its sequence found by binary
+search over `query_start_loc`), so a chunked prefill or a prefix-cache hit is the same code. Each
+prefill token reads its context on its own: exact, but a long prompt's tokens re-read their shared
+prefix (from L2 mostly), where vLLM expands the latent into per-head K/V and runs a dense kernel.
+
+Numerics as `paged_softmax` (fp32 scores, softmax and accumulator; DOT_DTYPE operands; log2 domain).
+Sequence lengths and block tables come from tensors, so a decode launch with fixed batch, table
+width and split count replays in a CUDA graph; padding rows (length 0) produce zeros.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..checks import check_float, check_index, check_range, check_same_device, require
+from .decode_attention import MAX_SPLITS, _combine_splits_kernel, choose_decode_splits
+from .paged_softmax import LOG2E, dot_dtype, head_block
+
+
+class LatentConfig(NamedTuple):
+    """One launch: heads per program, keys per tile, warps, tiles in flight."""
+    block_h: int = 16
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@triton.jit
+def _attend_latent(acc, m_i, l_i, q_c, q_r, row_base, table_row, lo, hi, qk_scale, stride_blk, stride_tok,
+                   offs_r, offs_p, r_mask, p_mask, RANK: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, MASKED: tl.constexpr):
+    """Fold keys [lo, hi) into (acc, m_i, l_i); unmasked, hi - lo is a whole number of tiles."""
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        if MASKED:
+            n_mask = offs_n < hi
+            page = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        else:
+            n_mask = offs_n >= 0
+            page = tl.load(table_row + offs_n // BLOCK_SIZE).to(tl.int64)
+        rows = row_base + (page * stride_blk + (offs_n % BLOCK_SIZE) * stride_tok)[:, None]
+        c = tl.load(rows + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(DOT_DTYPE)
+        pe = tl.load(rows + RANK + offs_p[None, :], mask=n_mask[:, None] & p_mask[None, :], other=0.0).to(DOT_DTYPE)
+        s = tl.dot(q_c, tl.trans(c), input_precision="ieee")
+        s = (s + tl.dot(q_r, tl.trans(pe), input_precision="ieee")) * qk_scale
+        if MASKED:
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), c, input_precision="ieee")
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _token_sequence(query_start_ptr, num_seqs, token):
+    """Largest i with query_start[i] <= token: the sequence of a packed token."""
+    left = 0
+    right = num_seqs
+    while left < right:
+        mid = (left + right) // 2
+        if tl.load(query_start_ptr + mid) <= token:
+            left = mid + 1
+        else:
+            right = mid
+    return left - 1
+
+
+# The batch size and the block-table width change every eager step: no specialization on them.
+@triton.jit(do_not_specialize=["num_seqs", "stride_table"])
+def _latent_kernel(
+    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr, out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
+    num_seqs, num_heads, stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_tok, stride_table,
+    RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DECODE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    split = tl.program_id(2)
+    if DECODE:
+        seq = token
+        pos = tl.load(seq_lens_ptr + seq) - 1
+    else:
+        seq = _token_sequence(query_start_ptr, num_seqs, token)
+        pos = tl.load(seq_lens_ptr + seq) - tl.load(query_start_ptr + seq + 1) + token
+    # The token sees keys [0, pos]; splits share them out in whole tiles, only the last one ragged.
+    seen = pos + 1
+    split_len = tl.cdiv(tl.cdiv(seen, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seen)
+    bulk_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_p = tl.arange(0, BLOCK_P)
+    h_mask = heads < num_heads
+    r_mask = offs_r < RANK
+    p_mask = offs_p < ROPE
+    q_rows = q_ptr + token * stride_qt + heads[:, None] * stride_qh
+    q_c = tl.load(q_rows + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0).to(DOT_DTYPE)
+    q_r = tl.load(q_rows + RANK + offs_p[None, :], mask=h_mask[:, None] & p_mask[None, :], other=0.0).to(DOT_DTYPE)
+
+    table_row = table_ptr + seq * stride_table
+    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - 1.0e30
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc, m_i, l_i = _attend_latent(acc, m_i, l_i, q_c, q_r, cache_ptr, table_row, lo, bulk_end, qk_scale,
+                                   stride_blk, stride_tok, offs_r, offs_p, r_mask, p_mask,
+                                   RANK, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, False)
+    acc, m_i, l_i = _attend_latent(acc, m_i, l_i, q_c, q_r, cache_ptr, table_row, bulk_end, hi, qk_scale,
+                                   stride_blk, stride_tok, offs_r, offs_p, r_mask, p_mask,
+                                   RANK, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, True)
+    safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / safe_l[:, None]
+    row_mask = h_mask[:, None] & r_mask[None, :]
+    if NUM_SPLITS == 1:
+        dst = out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_r[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    else:
+        part_rows = (token * num_heads + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part_rows[:, None] * RANK + offs_r[None, :], out, mask=row_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
+        tl.store(part_lse_ptr + part_rows, lse, mask=h_mask)
+
+
+def check_latent_cache(kv_cache: torch.Tensor) -> tuple[int, int, int]:
+    """The one-part layout of corectl.attention; returns (num_blocks, block_size, row width)."""
+    check_float("kv_cache", kv_cache, 5)
+    require(kv_cache.shape[0] == 1 and kv_cache.shape[3] == 1,
+            f"a latent kv_cache must be [1, num_blocks, block_size, 1, rank + rope], got {tuple(kv_cache.shape)}")
+    return kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[4]
+
+
+def paged_latent_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, query_start_loc: torch.Tensor | None, scale: float, *,
+                           rank: int, max_seq_len: int, num_splits: int | None = None,
+                           out: torch.Tensor | None = None, check_indices: bool = True,
+                           config: LatentConfig | None = None) -> torch.Tensor:
+    """Absorbed MLA of T packed query tokens over their sequences' paged latent rows (module doc).
+
+    q: [T, num_heads, rank + rope] (any token stride, heads packed); kv_cache: [1, num_blocks,
+    block_size, 1, rank + rope], the new tokens' rows already stored; block_tables int32 [B, width];
+    seq_lens int32 [B], context length after this step. `query_start_loc` int32 [B + 1] for a
+    prefill or mixed step; None for a decode step (token i is sequence i's last position), the only
+    kind that splits (`num_splits`, else chosen from `max_seq_len`). Returns `out` [T, num_heads, rank].
+    `check_indices` reads the index tensors back to validate them (a GPU synchronisation).
+    """
+    num_blocks, block_size, width = check_latent_cache(kv_cache)
+    require(0 < rank < width, f"rank must lie in (0, {width}), got {rank}")
+    check_float("q", q, 3)
+    require(q.shape[2] == width and q.stride(1) == width,
+            f"q must be [num_tokens, num_heads, {width}] with heads packed, got {tuple(q.shape)} strides {q.stride()}")
+    require(q.dtype == kv_cache.dtype, f"q ({q.dtype}) must match the cache's dtype ({kv_cache.dtype})")
+    check_index("block_tables", block_tables, 2, (torch.int32,))
+    check_index("seq_lens", seq_lens, 1, (torch.int32,))
+    num_tokens, num_heads = q.shape[0], q.shape[1]
+    num_seqs, table_width = block_tables.shape
+    require(seq_lens.shape[0] == num_seqs, f"seq_lens has {seq_lens.shape[0]} entries, block_tables {num_seqs} rows")
+    decode = query_start_loc is None
+    if decode:
+        require(num_tokens == num_seqs, f"a decode step has one token per sequence: {num_tokens} for {num_seqs}")
+    else:
+        check_index("query_start_loc", query_start_loc, 1, (torch.int32,))
+        require(query_start_loc.shape[0] == num_seqs + 1, f"query_start_loc needs {num_seqs + 1} entries")
+    splits = 1 if not decode else num_splits or choose_decode_splits(num_seqs, 1, max_seq_len, q.device)
+    require(1 <= splits <= MAX_SPLITS and (decode or splits == 1),
+            f"num_splits must lie in [1, {MAX_SPLITS}] (1 unless decoding), got {splits}")
+    shape = (num_tokens, num_heads, rank)
+    if out is None:
+        out = torch.empty(shape, dtype=q.dtype, device=q.device)
+    require(tuple(out.shape) == shape and out.dtype == q.dtype and out.stride()[1:] == (rank, 1),
+            f"out must be {q.dtype} {list(shape)} with packed heads, got {out.dtype} {tuple(out.shape)}")
+    check_same_device(q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens, out=out)
+    if check_indices:
+        check_range("block_tables", block_tables, 0, num_blocks)
+        check_range("seq_lens", seq_lens, 0, table_width * block_size + 1)
+        if not decode:
+            check_range("query_start_loc", query_start_loc, 0, num_tokens + 1)
+    if num_tokens:
+        _launch(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, rank, splits,
+                config or LatentConfig())
+    return out
+
+
+def _launch(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, rank, splits, cfg: LatentConfig):
+    num_tokens, num_heads, width = q.shape
+    rope = width - rank
+    block_h = max(16, min(cfg.block_h, triton.next_power_of_2(num_heads)))
+    if splits == 1:
+        part_out = part_lse = out
+    else:
+        part_out = torch.empty((num_tokens, num_heads, splits, rank), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
+    _latent_kernel[(num_tokens, triton.cdiv(num_heads, block_h), splits)](
+        q, kv_cache, block_tables, seq_lens, seq_lens if query_start_loc is None else query_start_loc, out,
+        part_out, part_lse, scale * LOG2E, block_tables.shape[0], num_heads, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
+        RANK=rank, ROPE=rope, BLOCK_R=head_block(rank), BLOCK_P=head_block(rope), BLOCK_H=block_h,
+        BLOCK_N=cfg.block_n, BLOCK_SIZE=kv_cache.shape[2], NUM_SPLITS=splits,
+        DOT_DTYPE=dot_dtype(q.dtype, q.device), DECODE=query_start_loc is None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            part_out, part_lse, out, out, out.stride(0), num_heads,
+            HEAD_DIM=rank, BLOCK_D=head_block(rank), NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+            HAS_SINKS=False, PDL=False, num_warps=4,
+        )
