@@ -7,6 +7,8 @@ base projection's output, `scaling = lora_alpha / r` (`lora_alpha / sqrt(r)` wit
 the engine. Everything the engine cannot apply exactly (DoRA, LoRA on embeddings or the LM head,
 LoRA biases, extra trained modules, per-module rank patterns) is refused with the module named:
 serving such an adapter without it would silently give other outputs than the adapter's.
+Mixture-of-experts experts (Qwen3-MoE, Mixtral) take adapters in either of their checkpoint
+layouts (`expert_checkpoint`).
 """
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from pathlib import Path
 import torch
 
 from ..config import LORA_RANKS
-from ..errors import InvalidRequestError
+from .errors import LoRAAdapterError
+from .expert_checkpoint import (EXPERT_MODULES, check_target_parameters, expert_weights, is_expert_module,
+                                refuse_router)
 from .request import CONFIG_FILE, LoRARequest
 from .shapes import BaseModelShape
 
@@ -32,17 +36,12 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A|lor
 _MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)$")
 
 
-class LoRAAdapterError(InvalidRequestError):
-    """An adapter cannot be served; the message names the adapter and the problem."""
-
-    def __init__(self, message: str, param: str | None = "lora_request", code: str = "invalid_request_error"):
-        super().__init__(message, param=param, code=code)
-
-
 @dataclass(frozen=True)
 class LoRAAdapter:
     """A loaded adapter on the host: `weights` maps a module path (`model.layers.0.self_attn.q_proj`)
-    to its (A [r, in], B [out, r]) in the checkpoint's dtype; `scaling` multiplies every B product."""
+    to its (A [r, in], B [out, r]) in the checkpoint's dtype, and an expert stack
+    (`model.layers.0.mlp.experts.gate_up_proj`) to its per-expert form (`expert_checkpoint`);
+    `scaling` multiplies every B product."""
 
     name: str
     int_id: int
@@ -76,9 +75,12 @@ def load_adapter(lora: LoRARequest, base: BaseModelShape, cache_dir: str | None 
     """Read and check `lora`'s PEFT checkpoint; raises LoRAAdapterError naming what is wrong."""
     folder = adapter_folder(lora, cache_dir)
     config = _read_config(lora, folder)
-    tensors = _read_tensors(lora, folder)
-    weights = _pair_tensors(lora, tensors)
-    rank = _check_shapes(lora, weights, base, config)
+    pairs = _pair_tensors(lora, _read_tensors(lora, folder))
+    experts, expert_rank = expert_weights(lora, {m: p for m, p in pairs.items() if is_expert_module(m)}, base)
+    weights = {m: p for m, p in pairs.items() if not is_expert_module(m)}
+    _check_module_names(lora, weights)
+    rank = _check_rank(lora, max(_check_shapes(lora, weights, base), expert_rank), base, config)
+    weights.update(experts)
     scale_rank = config["r"]
     scaling = config.get("lora_alpha", scale_rank) / (math.sqrt(scale_rank) if config.get("use_rslora") else scale_rank)
     return LoRAAdapter(lora.lora_name, lora.lora_int_id, rank, float(scaling), weights)
@@ -109,6 +111,7 @@ def _read_config(lora: LoRARequest, folder: Path) -> dict:
     targets = config.get("target_modules") or []
     if isinstance(targets, list):
         _check_module_names(lora, targets)
+    check_target_parameters(lora, config.get("target_parameters"))
     rank = config.get("r")
     if not isinstance(rank, int) or rank < 1:
         raise LoRAAdapterError(f"adapter {lora.lora_name!r}: {CONFIG_FILE} has no positive integer rank r "
@@ -118,9 +121,11 @@ def _read_config(lora: LoRARequest, folder: Path) -> dict:
 
 def _check_module_names(lora: LoRARequest, names) -> None:
     for name in names:
-        if name.rsplit(".", 1)[-1] not in SUPPORTED_MODULES:
+        refuse_router(lora, name)
+        if name.rsplit(".", 1)[-1] not in SUPPORTED_MODULES + EXPERT_MODULES:
             raise LoRAAdapterError(f"adapter {lora.lora_name!r} targets module {name!r}, which corectl cannot adapt; "
-                                   f"supported target modules: {', '.join(SUPPORTED_MODULES)}")
+                                   f"supported target modules: {', '.join(SUPPORTED_MODULES)} (and Mixtral's "
+                                   f"experts' {', '.join(EXPERT_MODULES)})")
 
 
 def _read_tensors(lora: LoRARequest, folder: Path) -> dict[str, torch.Tensor]:
@@ -151,9 +156,7 @@ def _pair_tensors(lora: LoRARequest, tensors: dict[str, torch.Tensor]) -> dict[s
             raise LoRAAdapterError(f"adapter {lora.lora_name!r} holds {what} for module {module!r}, which corectl "
                                    "does not serve (only lora_A/lora_B weights of "
                                    f"{', '.join(SUPPORTED_MODULES)})")
-        module = match["module"]
-        _check_module_names(lora, [module])
-        halves.setdefault(module, {})[match["kind"]] = tensor
+        halves.setdefault(match["module"], {})[match["kind"]] = tensor
     if not halves:
         raise LoRAAdapterError(f"adapter {lora.lora_name!r} holds no lora_A/lora_B weights")
     pairs = {}
@@ -165,9 +168,9 @@ def _pair_tensors(lora: LoRARequest, tensors: dict[str, torch.Tensor]) -> dict[s
     return pairs
 
 
-def _check_shapes(lora: LoRARequest, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], base: BaseModelShape,
-                  config: dict) -> int:
-    """The adapter's largest rank, after checking every pair against the base projection it adapts."""
+def _check_shapes(lora: LoRARequest, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], base: BaseModelShape
+                  ) -> int:
+    """The largest rank of `weights`, after checking every pair against the base projection it adapts."""
     rank = 0
     for module, (a, b) in weights.items():
         path = _MODULE.match(module)
@@ -185,6 +188,10 @@ def _check_shapes(lora: LoRARequest, weights: dict[str, tuple[torch.Tensor, torc
         if not a.is_floating_point():
             raise LoRAAdapterError(f"adapter {lora.lora_name!r}: module {module!r} has {a.dtype} weights")
         rank = max(rank, r)
+    return rank
+
+
+def _check_rank(lora: LoRARequest, rank: int, base: BaseModelShape, config: dict) -> int:
     if rank > base.max_lora_rank or config["r"] > base.max_lora_rank:
         raise LoRAAdapterError(f"adapter {lora.lora_name!r} has rank {max(rank, config['r'])}, above max_lora_rank "
                                f"{base.max_lora_rank}; start the engine with a larger --max-lora-rank "

@@ -19,6 +19,7 @@ import torch
 from ..step_messages import SchedulerOutput
 from ..worker.request_states import HostStep
 from .checkpoint import BaseModelShape, LoRAAdapter, LoRAAdapterError, load_adapter
+from .experts import ExpertLoRA, attach_expert_lora
 from .layers import LoRABatch, LoRALinear, attach_lora
 from .punica import LoRASegments, SlotGroup
 from .request import LoRARequest
@@ -34,8 +35,11 @@ class AdapterManager:
         self.max_cpu_loras = max_cpu_loras
         self.download_dir = download_dir
         self.batch = LoRABatch(max_loras, max_tokens, device)
-        self.modules = attach_lora(model, self.batch, max_loras, base.max_lora_rank, dtype, device)
-        self.layers: list[LoRALinear] = list(dict.fromkeys(wrapper for wrapper, _ in self.modules.values()))
+        self.modules: dict[str, tuple[LoRALinear | ExpertLoRA, str]] = attach_lora(
+            model, self.batch, max_loras, base.max_lora_rank, dtype, device)
+        if base.experts is not None:
+            self.modules.update(attach_expert_lora(model, self.batch, max_loras, base.max_lora_rank, dtype, device))
+        self.layers = list(dict.fromkeys(wrapper for wrapper, _ in self.modules.values()))
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
         self._requests: dict[str, LoRARequest] = {}
@@ -87,7 +91,7 @@ class AdapterManager:
 
     def _torch_path(self) -> bool:
         """Whether the layers add LoRA in torch (no platform kernels), which reads host-side groups."""
-        kernels = self.layers[0].kernels if self.layers else None
+        kernels = next((layer.kernels for layer in self.layers if isinstance(layer, LoRALinear)), None)
         return kernels is None or kernels.lora_shrink is None
 
     def finish_step(self) -> None:
@@ -116,11 +120,12 @@ class AdapterManager:
 
     def _load_into_slot(self, lora: LoRARequest, slot: int) -> None:
         adapter = self._host_adapter(lora)
-        by_layer: dict[LoRALinear, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        by_layer: dict[LoRALinear | ExpertLoRA, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         for module, pair in adapter.weights.items():
             if module not in self.modules:
                 raise LoRAAdapterError(f"adapter {lora.lora_name!r} targets module {module!r}, which this model "
-                                       "does not adapt (a mixture-of-experts layer?)")
+                                       "does not have (a dense MLP of a mixture-of-experts layer, or experts of a "
+                                       "dense one?)")
             wrapper, projection = self.modules[module]
             by_layer.setdefault(wrapper, {})[projection] = pair
         for wrapper in self.layers:

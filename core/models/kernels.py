@@ -50,6 +50,10 @@ class LayerKernels:
     # (decode; graph capture); gated: x is [T, 2K] (gate | up) and silu(gate) * up takes its place. None: the torch path
     lora_shrink: Callable[..., torch.Tensor] | None = None
     lora_expand: Callable[..., None] | None = None
+    # `fused_moe` with each token's adapter added in its experts: the same arguments plus
+    # lora=<corectl.lora.experts.ExpertLoRA> (its stacks, and its batch's token_slots and scales;
+    # that module says what it computes). None runs the experts' torch path while adapters are on
+    fused_moe_lora: Callable[..., torch.Tensor] | None = None
 
 
 class UsesLayerKernels:

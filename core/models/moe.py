@@ -73,7 +73,7 @@ def fused_moe_torch(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
                     down_scale: torch.Tensor | None = None, *, gate_up_bias: torch.Tensor | None = None,
                     down_bias: torch.Tensor | None = None,
                     activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
-                    weight_block: tuple[int, int] | None = None) -> torch.Tensor:
+                    weight_block: tuple[int, int] | None = None, lora=None) -> torch.Tensor:
     """sum_j w[t, j] * down[e_j] @ (silu(gate[e_j] @ x_t) * up[e_j] @ x_t) for every token t.
 
     hidden [T, H]; gate_up [E, 2I, H]; down [E, H, I]; topk_weights [T, k]; topk_ids [T, k].
@@ -84,21 +84,29 @@ def fused_moe_torch(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
     `weight_block` (bn, bk) the scales are per block ([E, 2I/bn, H/bk] and [E, H/bn, I/bk], block
     FP8) and each expert's matrices are dequantized as they are read. Biases
     ([E, 2I], [E, H]) are added to each projection, and `activation` maps gate_up rows to the down
-    projection's input (gpt-oss: biased experts and a clamped SwiGLU)."""
+    projection's input (gpt-oss: biased experts and a clamped SwiGLU). `lora` (a
+    `corectl.lora.experts.ExpertLoRA`) adds each token's adapter to both projections of its experts."""
     num_tokens, top_k = topk_ids.shape
     flat = topk_ids.flatten()
     order = flat.argsort(stable=True)
     counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
-    rows = hidden[order // top_k]
+    tokens = order // top_k
+    rows = hidden[tokens]
     sorted_out = torch.empty(rows.shape[0], down.shape[1], dtype=hidden.dtype, device=hidden.device)
     start = 0
     for expert, count in enumerate(counts):
         if count:
-            projected = _expert_linear(rows[start:start + count], gate_up, gate_up_scale, expert, weight_block)
+            part = slice(start, start + count)
+            projected = _expert_linear(rows[part], gate_up, gate_up_scale, expert, weight_block)
+            if lora is not None:
+                lora.add("gate_up_proj", rows[part], projected, expert, tokens[part])
             if gate_up_bias is not None:
                 projected = projected + gate_up_bias[expert]
-            out = _expert_linear(activation(projected), down, down_scale, expert, weight_block)
-            sorted_out[start:start + count] = out if down_bias is None else out + down_bias[expert]
+            activated = activation(projected)
+            out = _expert_linear(activated, down, down_scale, expert, weight_block)
+            if lora is not None:
+                lora.add("down_proj", activated, out, expert, tokens[part])
+            sorted_out[part] = out if down_bias is None else out + down_bias[expert]
         start += count
     per_slot = torch.empty_like(sorted_out)
     per_slot[order] = sorted_out
@@ -137,6 +145,8 @@ class FusedMoE(UsesLayerKernels, QuantizableLayer, nn.Module):
         # dense ones made here first would be a transient copy of most of the model.
         self._create_dense(torch.get_default_dtype(), deferred_weight_device())
         self.reduce_output = all_reduce if tp.world_size > 1 else None
+        # The experts' adapters (corectl.lora.experts.ExpertLoRA), set when LoRA serving is on.
+        self.lora = None
 
     def _create_dense(self, dtype: torch.dtype, device: torch.device | str | None) -> None:
         e, h, rows = self.num_experts, self.hidden_size, self.rows
@@ -182,14 +192,17 @@ class FusedMoE(UsesLayerKernels, QuantizableLayer, nn.Module):
                     down_scale: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's partial output from the stacked weights (and their row scales, FP8): by the
         installed kernel, else the torch path."""
-        kernel = self.kernels.fused_moe if self.kernels is not None else None
+        lora = self.lora if self.lora is not None and self.lora.active else None
+        kernels = self.kernels
+        kernel = None if kernels is None else kernels.fused_moe if lora is None else kernels.fused_moe_lora
         scales = {} if gate_up_scale is None else {"gate_up_scale": gate_up_scale, "down_scale": down_scale}
         if kernel is not None and self.weight_block is None:
+            adapters = {} if lora is None else {"lora": lora}
             return kernel(hidden, self.gate_up_proj, self.down_proj, router_logits, self.top_k, self.renormalize,
-                          **scales)
+                          **adapters, **scales)
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
         return fused_moe_torch(hidden, self.gate_up_proj, self.down_proj, weights, ids, **scales,
-                               weight_block=self.weight_block)
+                               weight_block=self.weight_block, lora=lora)
 
     def load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, proj: str, expert: int) -> None:
         """One expert's gate_proj or up_proj [I, H]: this rank's rows into its half of the expert."""
