@@ -3,6 +3,9 @@ and a prefill step with cached prefixes beside a decode row. Contexts sit in shu
 every slot outside them is NaN; rows are rank + rope wide, the values their first `rank` numbers."""
 import pytest
 import torch
+from corectl.attention import AttentionBatch
+from corectl.backends.cpu.attention import TorchSDPABackend
+from corectl.backends.triton.attention.backend import TritonAttentionBackend
 from corectl.backends.triton.attention.latent_attention import paged_latent_attention
 from corectl.backends.triton.bench.paged_batch import random_paged_batch
 from corectl.backends.triton.reference import causal_attention_ref
@@ -50,3 +53,42 @@ def test_refuses_a_two_part_cache():
     with pytest.raises(ValueError, match="latent kv_cache must be"):
         paged_latent_attention(batch.q.view(1, 2, -1), batch.kv_cache, batch.block_tables, batch.seq_lens, None,
                                SCALE, rank=RANK, max_seq_len=5)
+
+
+def test_both_backends_store_rows_and_attend_through_prefill_mixed_and_decode_steps(assert_close):
+    """TritonAttentionBackend and TorchSDPABackend, each on its own one-part cache, through the steps a
+    chunked prefill beside a short prompt takes: rows stored at the step's slots, then attended."""
+    width, block = RANK + ROPE, 4
+    totals, steps = [14, 7], [[9, 6], [4, 1], [1, 0]]
+    rows = [torch.randn(n, width) for n in totals]
+    order = torch.randperm(8).tolist()
+    tables = torch.tensor([order[:4], order[4:]], dtype=torch.int32)
+    backends = [cls(HEADS, 1, width, torch.float32, torch.device("cpu"), block)
+                for cls in (TritonAttentionBackend, TorchSDPABackend)]
+    # Unwritten slots are NaN for the kernel, which must not read them; the CPU path reads padding
+    # columns and masks them, finite as an engine's zeroed cache is.
+    caches = [torch.full(TritonAttentionBackend.kv_cache_shape(8, block, 1, width, parts=1), fill)
+              for fill in (float("nan"), 0.0)]
+    done = [0, 0]
+    for counts in steps:
+        live = [i for i, n in enumerate(counts) if n]
+        ends = [done[i] + counts[i] for i in live]
+        slots = torch.cat([tables[i, torch.arange(done[i], e) // block].long() * block + torch.arange(done[i], e) % block
+                           for i, e in zip(live, ends)])
+        batch = AttentionBatch(
+            query_start_loc=torch.tensor([0, *torch.tensor([counts[i] for i in live]).cumsum(0).tolist()],
+                                         dtype=torch.int32),
+            seq_lens=torch.tensor(ends, dtype=torch.int32), block_tables=tables[live], slot_mapping=slots,
+            query_lens_host=[counts[i] for i in live], seq_lens_host=ends, max_query_len=max(counts),
+            max_seq_len=max(ends), block_size=block)
+        new = torch.cat([rows[i][done[i]:e] for i, e in zip(live, ends)])
+        q = torch.randn(new.shape[0], HEADS, width)
+        expected, row = [], 0
+        for i, e in zip(live, ends):
+            n = e - done[i]
+            context = rows[i][:e, None]
+            expected.append(causal_attention_ref(q[row:row + n], context, context[..., :RANK], SCALE))
+            row, done[i] = row + n, e
+        for backend, cache in zip(backends, caches):
+            meta = backend.build_metadata(batch)
+            assert_close(backend.forward_latent(q, new, cache, meta, SCALE, value_dim=RANK), torch.cat(expected))

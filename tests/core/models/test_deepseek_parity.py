@@ -1,11 +1,15 @@
 """DeepSeek V2 and V3 against transformers: multi-head latent attention (latent cache), a dense
 first layer, shared experts and V2's / V3's routing (grouped top-k, correction bias, routed scaling);
-greedy fp32 through prefix hits and preemption."""
+greedy fp32 through prefix hits, preemption and chunked prefill; `corectl plan` sizes latent blocks."""
 from __future__ import annotations
 
 import pytest
 import torch
-from support.arch_parity import BLOCK, assert_engine_matches, save_random_model
+from corectl import LLM, SamplingParams
+from corectl.config import EngineConfig
+from corectl.planning import plan_deployment
+from support.arch_parity import BLOCK, MAX_MODEL_LEN, assert_engine_matches, parity_prompts, save_random_model
+from support.models import hf_greedy_choices
 
 VOCAB = 49152
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
@@ -49,3 +53,33 @@ def test_deepseek_greedy_matches_transformers(version, tmp_path, default_model_d
     cache = worker.runner.kv_caches[0]
     assert (cache.shape[0], *cache.shape[2:]) == (1, BLOCK, 1, 32 + 8)
     assert worker.model_info.kv_bytes_per_block(BLOCK) == 3 * BLOCK * (32 + 8) * 4
+
+
+def test_chunked_prefill_over_the_latent_cache_matches_transformers(tmp_path, default_model_dir):
+    """A step budget of 8 tokens splits every prompt into chunks, each attending to the latent rows
+    the chunks before it cached."""
+    hf_model = save_random_model(deepseek_config("v2-lite"), tmp_path, default_model_dir, seed=7)
+    prompts, _ = parity_prompts(VOCAB)
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory_gib=0.01, block_size=BLOCK, max_model_len=MAX_MODEL_LEN,
+              max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for out, prompt in zip(llm.generate(prompts, params, use_tqdm=False), prompts):
+        tokens = list(out.outputs[0].token_ids)
+        assert hf_greedy_choices(hf_model, prompt, tokens)[0] == tokens
+
+
+def test_plan_sizes_latent_blocks_of_a_v2_lite_shape(tmp_path):
+    """`corectl plan` of DeepSeek-V2-Lite's shape: a token costs layers x (kv_lora_rank + rope) bf16
+    numbers, 27 x 576 x 2 bytes, not 2 x heads x (nope + rope) per layer."""
+    from transformers import DeepseekV2Config
+
+    config = DeepseekV2Config(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+                              num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+                              n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1,
+                              kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                              v_head_dim=128, max_position_embeddings=4096, dtype="bfloat16",
+                              architectures=["DeepseekV2ForCausalLM"])
+    config.save_pretrained(tmp_path)
+    plan = plan_deployment(EngineConfig(model=str(tmp_path)), device_memory=80 << 30, device_capability=(9, 0))
+    assert plan.kv_bytes_per_token == 27 * (512 + 64) * 2
+    assert plan.problem is None and plan.kv_tokens == plan.num_kv_blocks * plan.block_size > 1_000_000
