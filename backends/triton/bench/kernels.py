@@ -8,7 +8,8 @@ Bandwidth counts the bytes that must move (K/V of every context read once, q rea
 and is compared with a measured device-to-device copy (bytes read + written) and with torch SDPA
 over the same K/V stored contiguously. Also timed: the same decode over an FP8 (e4m3) cache, and
 a layer with a 4096-token sliding window at 16k context (Mistral-7B), which should cost what the
-4096-token context does.
+4096-token context does. MLA decode (absorbed DeepSeek MLA over the latent cache, `bench/mla.py`)
+is checked and timed the same way at DeepSeek-V2-Lite's shape, against a copy of the latent bytes.
 """
 from __future__ import annotations
 
@@ -188,14 +189,19 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["TRITON_INTERPRET"] = "1"
     elif not torch.cuda.is_available():
         parser.error("no GPU visible: run on a CUDA/ROCm device, or pass --small for the CPU interpreter")
+    from . import mla
+
     torch.manual_seed(0)
     if args.small:
-        checks = [("small: " + name, err) for name, err in check_correctness(SMALL, "cpu")]
+        checks = [("small: " + name, err) for name, err in check_correctness(SMALL, "cpu")
+                  + mla.check_latent(mla.SMALL, "cpu", DTYPE)]
     else:
         checks = [(f"{label}: {name}", err) for label, shapes in (("W6", W6), ("SmolLM2", SMOLLM2))
                   for name, err in check_correctness(shapes, "cuda")]
+        checks += [(f"V2-Lite: {name}", err) for name, err in mla.check_latent(mla.V2_LITE, "cuda", DTYPE)]
     failed = [name for name, err in checks if not err < 1e-2]
     timings = [] if args.small else bench_w6(W6)
+    latent_timings = [] if args.small else mla.bench_latent(mla.V2_LITE, DTYPE)
     print("\ncorrectness vs torch (bf16; relative L2 error, store_kvcache: 0 = identical)")
     for name, err in checks:
         print(f"  {name:<44} {err:9.2e}  {'ok' if err < 1e-2 else 'FAIL'}")
@@ -206,8 +212,19 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {'kernel':<44} {'median ms':>10} {'TB/s':>7} {'% copy':>7}")
         for name, ms, bw in timings:
             print(f"  {name:<44} {ms:10.4f} {bw:7.3f} {100 * bw / copy_bw:6.1f}%")
+    if latent_timings:
+        _print_latent(latent_timings, mla.V2_LITE)
     if failed:
         raise SystemExit(f"correctness check failed: {', '.join(failed)}")
+
+
+def _print_latent(timings: list[tuple[str, float, float]], s) -> None:
+    copy_bw = timings[0][2]
+    print(f"\nMLA decode (latent cache): batch {s.num_seqs} x context {s.context}, {s.num_heads} heads, "
+          f"latent {s.rank} + rope {s.rope}, bf16; copy of the latent bytes {copy_bw:.3f} TB/s")
+    print(f"  {'kernel':<60} {'median ms':>10} {'TB/s':>7} {'% copy':>7}")
+    for name, ms, bw in timings:
+        print(f"  {name:<60} {ms:10.4f} {bw:7.3f} {100 * bw / copy_bw:6.1f}%")
 
 
 if __name__ == "__main__":
