@@ -73,6 +73,7 @@ def kernel_library() -> ctypes.CDLL | None:
         os.replace(partial, target)
     lib = ctypes.CDLL(str(target))
     lib.grouped_gemm.restype = None
+    lib.grouped_layout.restype = ctypes.c_int
     lib.grouped_gemm.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int,
                                  ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_void_p, ctypes.c_int]
@@ -81,22 +82,31 @@ def kernel_library() -> ctypes.CDLL | None:
 
 def _tiled(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's layout of codes [N, K] (uint8 for 4 bits, int8 for 8) and scales and mins [N, K/g]."""
+    """The kernel's layout (int4_cpu_kernel.c's header) of codes [N, K] (uint8 for 4 bits, int8 for 8)
+    and scales and mins [N, K/g]."""
     n, k = codes.shape
     tiles = n // TILE
-    if bits == 4:
+    if kernel_library().grouped_layout() == 1:  # vpdpwssd's pairs: 32 bytes per 4 (4-bit) or 2 inputs
+        if bits == 4:
+            quads = codes.to(torch.uint8).view(tiles, TILE, k // 4, 2, 2)  # [.., c, half, t]: input 4c + 2 half + t
+            packed = (quads[..., 0, :] | (quads[..., 1, :] << 4)).permute(0, 2, 1, 3)
+        else:
+            packed = codes.to(torch.int8).view(tiles, TILE, k // 2, 2).permute(0, 2, 1, 3).view(torch.uint8)
+    elif bits == 4:
         pairs = codes.to(torch.uint8).view(tiles, TILE, k // 2, 2)
-        packed = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2).contiguous().view(n, k // 2)
+        packed = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2)
     else:
-        packed = codes.to(torch.int8).view(tiles, TILE, k).transpose(1, 2).contiguous().view(torch.uint8).view(n, k)
+        packed = codes.to(torch.int8).view(tiles, TILE, k).transpose(1, 2).view(torch.uint8)
     pair = torch.stack([scales.float(), mins.float()]).view(2, tiles, TILE, -1)
-    return packed, pair.permute(1, 3, 0, 2).to(torch.float16).contiguous()
+    return packed.contiguous().view(n, k * bits // 8), pair.permute(1, 3, 0, 2).to(torch.float16).contiguous()
 
 
 def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros_at_8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed weight, scale_zero) from codes [N, K] in [0, 16), per-group scales [N, K/g] and
     the weight value at code 8 per group [N, K/g]."""
-    if kernel_library() is not None and codes.shape[0] % TILE == 0:
+    group = codes.shape[1] // scales.shape[1]
+    # Groups of 16 inputs: the int16 loop quantizes activations 16 at a time.
+    if kernel_library() is not None and codes.shape[0] % TILE == 0 and group % 16 == 0:
         # The kernel dequantizes q * scale + min: the min is exact in fp32 from the zero at 8.
         return _tiled(codes, scales, zeros_at_8.float() - 8 * scales.float(), bits=4)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)

@@ -7,17 +7,169 @@
 // oneDNN's fp32 GEMM picks another kernel for one row than for several, so a request's tokens
 // changed with what else was in the batch. Here every output element is one fixed sequence of
 // operations whatever M, the row block or the thread count: a row's result never depends on the
-// other rows (batch-invariant greedy output), and a block of up to MB rows shares each unpacked
-// weight tile, so larger batches cost little more than one row's weight traffic.
+// other rows (batch-invariant greedy output), and a block of rows shares each unpacked weight
+// tile, so larger batches cost little more than one row's weight traffic.
 //
-// Layout: outputs in tiles of L = 16. Per tile, 4-bit codes as L bytes per pair of inputs (low
-// nibble: input 2j, high nibble: input 2j+1), int8 codes as L bytes per input; the group's scale
-// and min as 2 x L fp16 per (tile, group), scales first.
+// Two inner loops, chosen by what -march=native offers:
+// - AVX512-VNNI (integer dot products, `grouped_layout() == 1`): each row's group of inputs becomes
+//   int16 codes i with one fp32 step a = max|x| / 32767 (RNE; closer to x than bf16's 8 bits), and
+//   y = sum_g a_g (s_g D_g + z_g S_g) with D_g = sum_k i_k q_k (vpdpwssd, exact int32) and S_g = sum_k i_k.
+//   The codes are never converted to floats (an and and a shift per 64 4-bit weights), the integer
+//   dot products are exact in any order, and the fp32 epilogue per group is the same for every row.
+// - otherwise (AVX2 and others, `grouped_layout() == 0`): each group is dequantized once per row
+//   block, w = q * s + z in fp32, and multiply-added in input order on fp32 activations.
+//
+// Layout: outputs in tiles of L = 16; the group's scale and min as 2 x L fp16 per (tile, group),
+// scales first. Codes per tile, int16 loop: 32 bytes per 4 inputs 4c..4c+3 (4 bits: byte 2n+t holds
+// input 4c+t of output n in its low nibble, 4c+2+t in its high one) or per 2 inputs (int8: byte 2n+t
+// is input 2p+t of output n), so that bytes widened to 16-bit words are vpdpwssd's pairs. fp32 loop:
+// 4-bit codes as L bytes per pair of inputs (low nibble: input 2j, high nibble: input 2j+1), int8
+// codes as L bytes per input.
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define L 16
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+#define MB 8    // rows a block of the AVX-512 loop shares each unpacked weight chunk with
+#define QMAX 32767.0f
+
+int grouped_layout(void) { return 1; }
+
+// One GEMM call's activations: per row, int16 codes, and per group its fp32 step and the sum of its codes (exact).
+typedef struct {
+    int16_t *i;
+    float *step, *sums;
+} acts;
+
+static void quantize_row(long K, int group, const float *x, const acts *a, long m) {
+    for (long g0 = 0; g0 < K; g0 += group) {
+        __m512 amax = _mm512_setzero_ps();
+        for (int k = 0; k < group; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + g0 + k)));
+        const float top = _mm512_reduce_max_ps(amax);
+        const __m512 inv = _mm512_set1_ps(top > 0 ? QMAX / top : 0.0f);
+        __m512i sum = _mm512_setzero_si512();
+        for (int k = 0; k < group; k += 16) {
+            const long at = m * K + g0 + k;
+            __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + g0 + k), inv));
+            sum = _mm512_add_epi32(sum, i);
+            _mm256_storeu_si256((__m256i *)(a->i + at), _mm512_cvtsepi32_epi16(i));
+        }
+        const long at = m * (K / group) + g0 / group;
+        a->step[at] = top / QMAX;
+        a->sums[at] = (float)_mm512_reduce_add_epi32(sum);
+    }
+}
+
+// A group's share of L outputs of one row, added to acc: step (s D + z S).
+static inline __attribute__((always_inline)) __m512 group_out(__m512 s, __m512 z, __m512i d, float sum,
+                                                              float step, __m512 acc) {
+    __m512 v = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(d), _mm512_mul_ps(z, _mm512_set1_ps(sum)));
+    return _mm512_fmadd_ps(_mm512_set1_ps(step), v, acc);
+}
+
+static inline __attribute__((always_inline)) __m512i pair_of(const int16_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+
+// R rows (from row m0) by T tiles of L outputs (constants in each instantiation, so the accumulators
+// stay in registers; the per-row, per-output operations are the same for every R and T).
+static inline __attribute__((always_inline)) void block(
+        int R, int T, int bits, int groups, int group, const acts *a, long m0, long K, const uint8_t *w,
+        long tile_bytes, const _Float16 *sz, long tile_sz, float *y, long ldy) {
+    __m512 acc[MB];
+    for (int i = 0; i < R * T; i++) acc[i] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi16(15);
+    const int16_t *x = a->i + m0 * K;
+    for (int g = 0; g < groups; g++) {
+        __m512i d[MB];
+        for (int i = 0; i < R * T; i++) d[i] = _mm512_setzero_si512();
+        const int16_t *xg = x + (long)g * group;
+        if (bits == 4) {
+            const uint8_t *wg = w + (long)g * group * 8;
+            for (int c = 0; c < group / 4; c++) {
+                for (int t = 0; t < T; t++) {
+                    __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wg + t * tile_bytes + c * 32)));
+                    __m512i lo = _mm512_and_si512(b, low), hi = _mm512_srli_epi16(b, 4);
+                    for (int r = 0; r < R; r++) {
+                        d[r * T + t] = _mm512_dpwssd_epi32(d[r * T + t], lo, pair_of(xg + r * K + 4 * c));
+                        d[r * T + t] = _mm512_dpwssd_epi32(d[r * T + t], hi, pair_of(xg + r * K + 4 * c + 2));
+                    }
+                }
+            }
+        } else {
+            const uint8_t *wg = w + (long)g * group * L;
+            for (int p = 0; p < group / 2; p++) {
+                for (int t = 0; t < T; t++) {
+                    __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wg + t * tile_bytes + p * 32)));
+                    for (int r = 0; r < R; r++)
+                        d[r * T + t] = _mm512_dpwssd_epi32(d[r * T + t], b, pair_of(xg + r * K + 2 * p));
+                }
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            const _Float16 *st = sz + t * tile_sz + (long)g * 2 * L;
+            __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)st));
+            __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + L)));
+            for (int r = 0; r < R; r++) {
+                const long at = (m0 + r) * groups + g;
+                acc[r * T + t] = group_out(s, z, d[r * T + t], a->sums[at], a->step[at], acc[r * T + t]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) _mm512_storeu_ps(y + r * ldy + t * L, acc[r * T + t]);
+}
+
+// Tiles a block of R rows takes at once: enough independent accumulators to hide vpdpwssd's latency.
+static int tiles_for(int rows) { return rows <= 2 ? 4 : rows <= 4 ? 2 : 1; }
+
+#define BLOCK(R, T) case R * 8 + T: block(R, T, bits, groups, group, a, m0, K, w, tile_bytes, sz, tile_sz, y, ldy); break;
+
+static void block_rows(int rows, int tiles, int bits, int groups, int group, const acts *a, long m0, long K,
+                       const uint8_t *w, long tile_bytes, const _Float16 *sz, long tile_sz, float *y, long ldy) {
+    switch (rows * 8 + tiles) {
+        BLOCK(1, 1) BLOCK(1, 2) BLOCK(1, 3) BLOCK(1, 4) BLOCK(2, 1) BLOCK(2, 2) BLOCK(2, 3) BLOCK(2, 4)
+        BLOCK(3, 1) BLOCK(3, 2) BLOCK(4, 1) BLOCK(4, 2)
+        BLOCK(5, 1) BLOCK(6, 1) BLOCK(7, 1) BLOCK(8, 1)
+    }
+}
+
+// x [M, K] fp32 (rows `ldx` apart), y [M, N] fp32; N a multiple of L, K of group, group of 16.
+void grouped_gemm(int bits, long M, long N, long K, int group, const float *x, long ldx, const uint8_t *w,
+                  const _Float16 *sz, float *y, int threads) {
+    const int groups = (int)(K / group);
+    const long tiles = N / L, tile_bytes = K * L * bits / 8, tile_sz = (long)groups * 2 * L;
+    acts a = {malloc(sizeof *a.i * M * K), malloc(sizeof *a.step * M * groups), malloc(sizeof *a.sums * M * groups)};
+    const long blocks = (M + MB - 1) / MB;
+    const long per_task = tiles_for(M < MB ? (int)M : MB), spans = (tiles + per_task - 1) / per_task;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (long m = 0; m < M; m++) quantize_row(K, group, x + m * ldx, &a, m);
+#pragma omp for schedule(static)
+        for (long i = 0; i < spans * blocks; i++) {
+            const long t0 = (i % spans) * per_task, m0 = (i / spans) * MB;
+            const int rows = M - m0 < MB ? (int)(M - m0) : MB;
+            const int span = tiles - t0 < per_task ? (int)(tiles - t0) : (int)per_task;
+            block_rows(rows, span, bits, groups, group, &a, m0, K, w + t0 * tile_bytes, tile_bytes,
+                       sz + t0 * tile_sz, tile_sz, y + m0 * N + t0 * L, N);
+        }
+    }
+    free(a.i);
+    free(a.step);
+    free(a.sums);
+}
+
+#else
 #define MB 16
+
+int grouped_layout(void) { return 0; }
 
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
@@ -110,3 +262,4 @@ void grouped_gemm(int bits, long M, long N, long K, int group, const float *x, l
                   sz + t * tile_sz, y + m0 * N + t * L, N);
     }
 }
+#endif
