@@ -206,25 +206,23 @@ def main(argv: list[str] | None = None) -> None:
     for name, err in checks:
         print(f"  {name:<44} {err:9.2e}  {'ok' if err < 1e-2 else 'FAIL'}")
     if timings:
-        copy_bw = timings[0][2]
-        print(f"\nW6 paged decode: batch {W6.num_seqs} x context {W6.context}, "
-              f"{W6.num_heads} q / {W6.num_kv_heads} kv heads, d {W6.head_dim}, bf16")
-        print(f"  {'kernel':<44} {'median ms':>10} {'TB/s':>7} {'% copy':>7}")
-        for name, ms, bw in timings:
-            print(f"  {name:<44} {ms:10.4f} {bw:7.3f} {100 * bw / copy_bw:6.1f}%")
+        _print_timings(f"W6 paged decode: batch {W6.num_seqs} x context {W6.context}, "
+                       f"{W6.num_heads} q / {W6.num_kv_heads} kv heads, d {W6.head_dim}, bf16", timings)
     if latent_timings:
-        _print_latent(latent_timings, mla.V2_LITE)
+        s = mla.V2_LITE
+        _print_timings(f"MLA decode (latent cache): batch {s.num_seqs} x context {s.context}, {s.num_heads} heads, "
+                       f"latent {s.rank} + rope {s.rope}, bf16", latent_timings, width=60)
     if failed:
         raise SystemExit(f"correctness check failed: {', '.join(failed)}")
 
 
-def _print_latent(timings: list[tuple[str, float, float]], s) -> None:
+def _print_timings(title: str, timings: list[tuple[str, float, float]], width: int = 44) -> None:
+    """A table of (name, median ms, TB/s) rows whose first row is the copy they are compared with."""
     copy_bw = timings[0][2]
-    print(f"\nMLA decode (latent cache): batch {s.num_seqs} x context {s.context}, {s.num_heads} heads, "
-          f"latent {s.rank} + rope {s.rope}, bf16; copy of the latent bytes {copy_bw:.3f} TB/s")
-    print(f"  {'kernel':<60} {'median ms':>10} {'TB/s':>7} {'% copy':>7}")
+    print(f"\n{title}")
+    print(f"  {'kernel':<{width}} {'median ms':>10} {'TB/s':>7} {'% copy':>7}")
     for name, ms, bw in timings:
-        print(f"  {name:<60} {ms:10.4f} {bw:7.3f} {100 * bw / copy_bw:6.1f}%")
+        print(f"  {name:<{width}} {ms:10.4f} {bw:7.3f} {100 * bw / copy_bw:6.1f}%")
 
 
 if __name__ == "__main__":
