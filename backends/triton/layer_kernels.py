@@ -12,6 +12,7 @@ from .elementwise.rms_norm import rms_norm
 from .elementwise.rotary import qk_norm_rotary, rotary_embedding
 from .gemm.fp8_gemv import MAX_M, dense_decode_config, dense_gemv
 from .lora import lora_expand, lora_shrink
+from .lora.moe_lora import fused_moe_lora
 from .moe.fused_moe import fused_moe, topk_softmax
 
 
@@ -31,6 +32,13 @@ def _routed_fused_moe(hidden, gate_up, down, router_logits, top_k, renormalize, 
     topk_weights, topk_ids = topk_softmax(router_logits, top_k, renormalize)
     return fused_moe(hidden, gate_up, down, topk_weights, topk_ids, gate_up_scale=gate_up_scale,
                      down_scale=down_scale, check_indices=False)
+
+
+def _routed_fused_moe_lora(hidden, gate_up, down, router_logits, top_k, renormalize, lora, gate_up_scale=None,
+                           down_scale=None):
+    topk_weights, topk_ids = topk_softmax(router_logits, top_k, renormalize)
+    return fused_moe_lora(hidden, gate_up, down, topk_weights, topk_ids, lora, gate_up_scale=gate_up_scale,
+                          down_scale=down_scale)
 
 
 def _router_logits(hidden, weight):
@@ -57,4 +65,4 @@ def triton_layer_kernels() -> LayerKernels:
     return LayerKernels(rms_norm=rms_norm, silu_and_mul=silu_and_mul, rotary_embedding=_rotary_trusted,
                         qk_norm_rotary=_qk_norm_rotary_trusted, fused_moe=_routed_fused_moe,
                         router_logits=_router_logits, dense_linear=_dense_linear, lora_shrink=lora_shrink,
-                        lora_expand=lora_expand)
+                        lora_expand=lora_expand, fused_moe_lora=_routed_fused_moe_lora)

@@ -9,7 +9,7 @@ B A * scale to each expert's weights: the same sums, in another order).
 `ExpertLoRA` holds one layer's slots, stacked as the kernels read them: gate_up's A
 [S, E, 2, R, H] (gate's, then up's) and B [S, E, 2 * I_rank, R]; down's A [S, E, 1, R, I_rank]
 and B [S, E, H, R]. It is set as `FusedMoE.lora`; the layer's torch path calls `add` per expert
-(`fused_moe_torch`), a platform's `fused_moe_lora` kernel reads the stacks directly. Tensor
+(`fused_moe_torch`, its pairs in `pair_order`), a platform's `fused_moe_lora` kernel reads the stacks directly. Tensor
 parallel: each rank keeps gate_up's B rows and down's A columns of its own intermediate slice
 (as the base splits its experts); a rank's partial down delta is linear in its partial x @ A.T,
 so the all-reduce that sums the base's partial outputs sums the deltas too.
@@ -67,12 +67,22 @@ class ExpertLoRA(nn.Module):
                 rows = b.narrow(1, j * self.intermediate + self.first_row, self.rows)
                 b_slots[slot, :, j * self.rows:(j + 1) * self.rows, :rank].copy_(rows)
 
+    def pair_order(self, expert_ids: torch.Tensor, top_k: int) -> torch.Tensor:
+        """The torch path's order of the pairs (expert_ids [T * k]): by expert, and within an
+        expert by adapter slot, so that each (expert, slot) group is one run of rows."""
+        slots = self.batch.token_slots[:expert_ids.shape[0] // top_k].long().repeat_interleave(top_k)
+        return (expert_ids * (self.gate_up_a.shape[0] + 1) + slots + 1).argsort(stable=True)
+
     def add(self, proj: str, x: torch.Tensor, out: torch.Tensor, expert: int, tokens: torch.Tensor) -> None:
         """The torch path: add the adapters' delta of `proj` to `out` [n, N] in place, for one
-        expert's rows `x` [n, K] of tokens `tokens` [n] (one GEMM pair per adapter among them)."""
-        slots = self.batch.token_slots[tokens]
-        groups = [SlotGroup(slot, (slots == slot).nonzero().squeeze(1)) for slot in slots.unique().tolist()
-                  if slot >= 0]
+        expert's rows `x` [n, K] of tokens `tokens` [n], in `pair_order` (one GEMM pair per
+        adapter among them, on its run of rows)."""
+        slots, counts = self.batch.token_slots[tokens].unique_consecutive(return_counts=True)
+        groups, start = [], 0
+        for slot, count in zip(slots.tolist(), counts.tolist()):
+            if slot >= 0:
+                groups.append(SlotGroup(slot, slice(start, start + count)))
+            start += count
         if groups:
             a, b = self.stacks(proj)
             grouped_lora(x, out, a[:, expert], b[:, expert], self.slices[proj], groups, self.batch.ranks,

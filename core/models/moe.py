@@ -85,10 +85,11 @@ def fused_moe_torch(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
     FP8) and each expert's matrices are dequantized as they are read. Biases
     ([E, 2I], [E, H]) are added to each projection, and `activation` maps gate_up rows to the down
     projection's input (gpt-oss: biased experts and a clamped SwiGLU). `lora` (a
-    `corectl.lora.experts.ExpertLoRA`) adds each token's adapter to both projections of its experts."""
+    `corectl.lora.experts.ExpertLoRA`) adds each token's adapter to both projections of its experts
+    (and orders an expert's rows by adapter)."""
     num_tokens, top_k = topk_ids.shape
     flat = topk_ids.flatten()
-    order = flat.argsort(stable=True)
+    order = flat.argsort(stable=True) if lora is None else lora.pair_order(flat, top_k)
     counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
     tokens = order // top_k
     rows = hidden[tokens]

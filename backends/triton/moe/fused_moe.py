@@ -30,6 +30,8 @@ TF32); the interpreter computes in fp32 (see paged_softmax.dot_dtype).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -220,32 +222,46 @@ def fused_moe(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, t
     return run(hidden, gate_up, down, topk_weights, topk_ids, gate_up_scale, down_scale)
 
 
+@dataclass(frozen=True)
+class SortedRouting:
+    """A step's (token, slot) pairs sorted by expert (`align_to_experts`) in row blocks of `block_m`."""
+
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+    num_padded: torch.Tensor
+    block_m: int
+    num_pairs: int
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> SortedRouting:
+    num_pairs = topk_ids.numel()
+    block_m = _block_m(num_pairs, num_experts, topk_ids.device)
+    return SortedRouting(*align_to_experts(topk_ids, num_experts, block_m), block_m, num_pairs)
+
+
+def expert_gemm(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, routing: SortedRouting,
+                a_rows_per_pair: int, topk_weights: torch.Tensor, *, gated: bool, weighted: bool) -> torch.Tensor:
+    """Every sorted pair's row of `a` (row pair // a_rows_per_pair) times its expert's `weight`
+    [E, N, K] -> [pairs, N] in a's dtype; gated: silu(gate) * up of N = 2I rows, [pairs, I];
+    weighted: scaled by the pair's routing weight. `scale`: e4m3 weights' row scales [E, N]."""
+    n = weight.shape[1] // 2 if gated else weight.shape[1]
+    k = weight.shape[2]
+    block_n, block_k = _block_nk(routing.block_m, n, k, a.device)
+    out = torch.empty(routing.num_pairs, n, dtype=a.dtype, device=a.device)
+    scale_ptr, stride_se = scale_args(weight, scale)
+    _moe_gemm_kernel[(routing.sorted_pairs.numel() // routing.block_m, triton.cdiv(n, block_n))](
+        a, weight, scale_ptr, out, topk_weights, routing.sorted_pairs, routing.block_expert, routing.num_padded,
+        routing.num_pairs, n, k, a_rows_per_pair,
+        a.stride(0), weight.stride(0), weight.stride(1), weight.stride(2), stride_se, out.stride(0),
+        BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, WEIGHTED=weighted,
+        SCALED=scale is not None, DOT_DTYPE=dot_dtype(a.dtype, a.device), num_warps=4, num_stages=3,
+    )
+    return out
+
+
 def _sorted(hidden, gate_up, down, topk_weights, topk_ids, gate_up_scale, down_scale) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
-    num_experts, two_inter, hidden_size = gate_up.shape
-    inter, num_pairs = two_inter // 2, num_tokens * top_k
-    dot = dot_dtype(hidden.dtype, hidden.device)
-    block_m = _block_m(num_pairs, num_experts, hidden.device)
-    block_n, block_k = _block_nk(block_m, inter, hidden_size, hidden.device)
-    sorted_pairs, block_expert, num_padded = align_to_experts(topk_ids, num_experts, block_m)
-    activated = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    scaled = gate_up_scale is not None
-    scale, stride_se = scale_args(gate_up, gate_up_scale)
-    _moe_gemm_kernel[(sorted_pairs.numel() // block_m, triton.cdiv(inter, block_n))](
-        hidden, gate_up, scale, activated, topk_weights, sorted_pairs, block_expert, num_padded,
-        num_pairs, inter, hidden_size, top_k,
-        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), stride_se, activated.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=True, WEIGHTED=False, SCALED=scaled,
-        DOT_DTYPE=dot, num_warps=4, num_stages=3,
-    )
-    block_n, block_k = _block_nk(block_m, hidden_size, inter, hidden.device)
-    weighted = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    scale, stride_se = scale_args(down, down_scale)
-    _moe_gemm_kernel[(sorted_pairs.numel() // block_m, triton.cdiv(hidden_size, block_n))](
-        activated, down, scale, weighted, topk_weights, sorted_pairs, block_expert, num_padded,
-        num_pairs, hidden_size, inter, 1,
-        activated.stride(0), down.stride(0), down.stride(1), down.stride(2), stride_se, weighted.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=False, WEIGHTED=True, SCALED=scaled,
-        DOT_DTYPE=dot, num_warps=4, num_stages=3,
-    )
-    return weighted.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+    routing = sort_by_expert(topk_ids, gate_up.shape[0])
+    activated = expert_gemm(hidden, gate_up, gate_up_scale, routing, top_k, topk_weights, gated=True, weighted=False)
+    weighted = expert_gemm(activated, down, down_scale, routing, 1, topk_weights, gated=False, weighted=True)
+    return weighted.view(num_tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
