@@ -3,9 +3,9 @@
 A GGUF's Q8_0 embedding (the embedded SmolLM2's, tied to its head) dequantizes to q * d with int8
 q and an fp16 d per 32 inputs; recovered exactly (d = max |w| / 127), the head reads 1.06 bytes a
 weight instead of 4 per decode step (SmolLM2-135M: 30 MB instead of 113 MB, the largest single read of
-a batch-1 step) with the same fp32 products, through the grouped kernel of
-`corectl.quantization.int4_cpu`, whose rows do not depend on the batch (oneDNN's fp32 GEMM runs one
-row through another kernel than several). Any other head (not exactly such groups) stays as it is.
+a batch-1 step) through the grouped kernel of `corectl.quantization.int4_cpu` (fp32 products, or with
+AVX512-VNNI exact ones of int16 activations), whose rows do not depend on the batch (oneDNN's fp32 GEMM
+runs one row through another kernel than several). Any other head (not exactly such groups) stays as it is.
 """
 from __future__ import annotations
 

@@ -4,10 +4,11 @@ and exact int8 groups (a GGUF Q8_0 head, `pack_int8`).
 The GEMM is `int4_cpu_kernel.c`, built once per machine with the host's C compiler (`cc -O3
 -march=native -fopenmp`, about a second) into the cache folder and called through ctypes on torch's
 OpenMP threads. It takes fp32 activations and fp16 scales and mins, shares each unpacked weight tile
-among up to 16 rows, and computes every output element by the same operations whatever the number
-of rows: a request's greedy tokens do not depend on what else is in its batch. Measured against
-torch's `_weight_int4pack_mm_for_cpu` (docs/performance.md, CPU section): as fast at one row, ~1.8x
-faster at 16 rows and in prefill, where torch's kernel unpacks the weight again for every 4 rows.
+among a block of rows, and computes every output element by the same operations whatever the number
+of rows: a request's greedy tokens do not depend on what else is in its batch. With AVX512-VNNI it
+multiplies int16 activations (a step per group of inputs) by the integer codes exactly, elsewhere
+fp32 activations by weights dequantized in fp32 (the kernel's header; `grouped_layout()` says which,
+and `_tiled` packs for it). Measured in docs/performance.md (CPU section, issue 30).
 
 Where no C compiler is found (a slim container), int4 layers run torch's kernel instead: bf16
 activations and a bf16 (scale, zero at code 8) pair per group; `int4_linear` tells the two layouts
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 TILE = 16  # outputs per tile of the kernel's layout (L in int4_cpu_kernel.c)
 TORCH_ACT_DTYPE = torch.bfloat16  # torch's int4 GEMM is vectorised for bf16 activations only
 _SOURCE = Path(__file__).with_name("int4_cpu_kernel.c")
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 
 
 def _cpu_identity() -> str:
@@ -49,22 +50,24 @@ def _cpu_identity() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_library() -> ctypes.CDLL | None:
-    """The built kernel, or None where it cannot be built (then torch's int4 GEMM serves)."""
+def kernel_library(arch: str = "native") -> ctypes.CDLL | None:
+    """The kernel built for `-march=arch` (the host's CPU; tests build an older one for the loop
+    other CPUs run), or None where it cannot be built (then torch's int4 GEMM serves)."""
+    flags = (*_FLAGS, f"-march={arch}")
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         logger.warning("no C compiler (cc): 4-bit CPU layers run torch's int4 GEMM, which is slower "
                        "at batch > 1 and not batch-invariant")
         return None
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((compiler, *_FLAGS, _cpu_identity())).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join((compiler, *flags, _cpu_identity())).encode()).hexdigest()[:16]
     target = envs.cache_dir() / "cpu_kernels" / f"int4_cpu_kernel-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # Built beside the target and renamed into place, so processes building at once never load a half file.
         fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        built = subprocess.run([compiler, *_FLAGS, "-o", partial, str(_SOURCE)], capture_output=True, text=True)
+        built = subprocess.run([compiler, *flags, "-o", partial, str(_SOURCE)], capture_output=True, text=True)
         if built.returncode != 0:
             os.unlink(partial)
             logger.warning("the 4-bit CPU kernel did not build (%s): torch's int4 GEMM serves instead\n%s",
