@@ -43,8 +43,10 @@ class LatentConfig(NamedTuple):
 @triton.jit
 def _attend_latent(acc, m_i, l_i, q_c, q_r, row_base, table_row, lo, hi, qk_scale, stride_blk, stride_tok,
                    offs_r, offs_p, r_mask, p_mask, RANK: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, MASKED: tl.constexpr):
-    """Fold keys [lo, hi) into (acc, m_i, l_i); unmasked, hi - lo is a whole number of tiles."""
+                   BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, MASKED: tl.constexpr, EVEN: tl.constexpr):
+    """Fold keys [lo, hi) into (acc, m_i, l_i); unmasked, hi - lo is a whole number of tiles. EVEN:
+    rank and rope are their blocks' widths, so unmasked tiles load without masks (the bulk of a
+    long context at real shapes, 512 + 64)."""
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         if MASKED:
@@ -54,8 +56,14 @@ def _attend_latent(acc, m_i, l_i, q_c, q_r, row_base, table_row, lo, hi, qk_scal
             n_mask = offs_n >= 0
             page = tl.load(table_row + offs_n // BLOCK_SIZE).to(tl.int64)
         rows = row_base + (page * stride_blk + (offs_n % BLOCK_SIZE) * stride_tok)[:, None]
-        c = tl.load(rows + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(DOT_DTYPE)
-        pe = tl.load(rows + RANK + offs_p[None, :], mask=n_mask[:, None] & p_mask[None, :], other=0.0).to(DOT_DTYPE)
+        if MASKED or not EVEN:
+            c = tl.load(rows + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+            pe = tl.load(rows + RANK + offs_p[None, :], mask=n_mask[:, None] & p_mask[None, :], other=0.0)
+        else:
+            c = tl.load(rows + offs_r[None, :])
+            pe = tl.load(rows + RANK + offs_p[None, :])
+        c = c.to(DOT_DTYPE)
+        pe = pe.to(DOT_DTYPE)
         s = tl.dot(q_c, tl.trans(c), input_precision="ieee")
         s = (s + tl.dot(q_r, tl.trans(pe), input_precision="ieee")) * qk_scale
         if MASKED:
@@ -90,7 +98,7 @@ def _latent_kernel(
     num_seqs, num_heads, stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_tok, stride_table,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DECODE: tl.constexpr,
+    DECODE: tl.constexpr, EVEN: tl.constexpr,
 ):
     token = tl.program_id(0)
     split = tl.program_id(2)
@@ -123,10 +131,10 @@ def _latent_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc, m_i, l_i = _attend_latent(acc, m_i, l_i, q_c, q_r, cache_ptr, table_row, lo, bulk_end, qk_scale,
                                    stride_blk, stride_tok, offs_r, offs_p, r_mask, p_mask,
-                                   RANK, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, False)
+                                   RANK, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, False, EVEN)
     acc, m_i, l_i = _attend_latent(acc, m_i, l_i, q_c, q_r, cache_ptr, table_row, bulk_end, hi, qk_scale,
                                    stride_blk, stride_tok, offs_r, offs_p, r_mask, p_mask,
-                                   RANK, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, True)
+                                   RANK, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, True, EVEN)
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / safe_l[:, None]
     row_mask = h_mask[:, None] & r_mask[None, :]
@@ -215,6 +223,7 @@ def _launch(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, ra
         RANK=rank, ROPE=rope, BLOCK_R=head_block(rank), BLOCK_P=head_block(rope), BLOCK_H=block_h,
         BLOCK_N=cfg.block_n, BLOCK_SIZE=kv_cache.shape[2], NUM_SPLITS=splits,
         DOT_DTYPE=dot_dtype(q.dtype, q.device), DECODE=query_start_loc is None,
+        EVEN=head_block(rank) == rank and head_block(rope) == rope,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
