@@ -1,0 +1,72 @@
+"""DeepSeek's multi-head latent attention on the GPU: the latent kernel at DeepSeek-V2-Lite's shape
+against the torch reference, and greedy bf16 generation of a random DeepSeek-V2 checkpoint with real
+MLA widths (latent 512, rope 64, nope 128, 16 heads) against transformers on the same GPU."""
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA or ROCm GPU", allow_module_level=True)
+
+from corectl import SamplingParams  # noqa: E402
+from corectl.backends.triton.bench import mla  # noqa: E402
+from support.gpu import INIT_STD, compare_greedy, generate, random_prompts, write_tokenizer  # noqa: E402
+
+VOCAB = 16384
+NEW_TOKENS = 16
+# bf16 ties and logprob noise as in test_gpu_parity.py.
+TIE_TOLERANCE = 0.5
+LOGPROB_TOLERANCE = 0.3
+
+
+def test_latent_kernel_matches_the_reference_at_v2_lite_shape():
+    torch.manual_seed(0)
+    results = mla.check_latent(mla.V2_LITE, "cuda", torch.bfloat16)
+    assert all(error < 1e-2 for _, error in results), results
+
+
+@pytest.fixture(scope="module")
+def deepseek_checkpoint(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, DeepseekV2Config
+
+    config = DeepseekV2Config(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                              num_hidden_layers=3, num_attention_heads=16, num_key_value_heads=16,
+                              n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                              kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                              v_head_dim=128, max_position_embeddings=2048, initializer_range=INIT_STD,
+                              bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    folder = tmp_path_factory.mktemp("deepseek-v2")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    write_tokenizer(folder, VOCAB)
+    return folder
+
+
+def test_deepseek_greedy_matches_transformers_in_bf16(deepseek_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    prompts = random_prompts((5, 17, 64, 130, 257))
+    hf_model = AutoModelForCausalLM.from_pretrained(deepseek_checkpoint, dtype=torch.bfloat16).cuda().eval()
+    references = []
+    with torch.no_grad():
+        for prompt in prompts:
+            logits = hf_model(torch.tensor([prompt], device="cuda")).logits[0, -1:]
+            tokens, rows = [], []
+            sequence = list(prompt)
+            for _ in range(NEW_TOKENS):
+                row = torch.log_softmax(logits[-1].float(), dim=-1).cpu()
+                tokens.append(int(row.argmax()))
+                rows.append(row)
+                sequence.append(tokens[-1])
+                logits = hf_model(torch.tensor([sequence], device="cuda")).logits[0, -1:]
+            references.append((tokens, torch.stack(rows)))
+    del hf_model
+    torch.cuda.empty_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True)
+    worst = 0.0
+    for (expected, rows), out in zip(references, generate(deepseek_checkpoint, prompts, params)):
+        completion = out.outputs[0]
+        got = [next(iter(position.values())).logprob for position in completion.logprobs]
+        _, error = compare_greedy(expected, completion.token_ids, lambda pos, tok: rows[pos, tok].item(), got,
+                                  TIE_TOLERANCE)
+        worst = max(worst, error)
+    assert worst < LOGPROB_TOLERANCE
