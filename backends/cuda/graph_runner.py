@@ -9,12 +9,15 @@ Graphs: a pure-decode step (one token per request) replays the graph captured fo
 batch-size bucket that holds it, padded with rows that store nothing (slot -1) and attend to
 nothing (seq_len 0); backends/triton/attention/backend.py lists what must stay fixed across replays.
 A verify step (speculative decoding: every request's newest token and its drafts, all sampled)
-replays them too, as a decode step of one row per token: row j of a request is a sequence of its
-own that ends at its position, over the request's block table, so it attends causally to the rows
-before it in the request (their K/V is stored before any row attends) and no further. The buckets
-then reach `max_num_seqs` x (k + 1) rows (CORECTL_GRAPH_VERIFY=0 keeps verify steps eager).
-Buckets are captured largest first into one memory pool, so the smaller graphs reuse the largest
-one's activation memory (one graph runs at a time). Every graph reads the first rows of one set
+replays graphs of its own, captured with k + 1 rows a request: request i's tokens fill rows
+i(k + 1) onwards, a request with fewer drafts leaves padding rows after its tokens, and row j is a
+decode row that ends at its own position, over the request's block table, so it attends causally
+to the rows before it in the request (their K/V is stored before any row attends) and no further.
+The attention kernel reads each request's K/V once for its k + 1 rows (`rows_per_seq`); the step's
+outputs are gathered back to token order. Verify buckets count requests, up to `max_num_seqs` or
+MAX_GRAPH_BATCH rows (CORECTL_GRAPH_VERIFY=0 keeps verify steps eager). Graphs are keyed by
+(rows a request, requests) and captured largest first into one memory pool, so the smaller graphs
+reuse the largest one's activation memory (one graph runs at a time). Every graph reads the first rows of one set
 of static input buffers sized for the largest bucket, and keeps the output tensor its capture
 produced. Prefill, mixed and larger steps run eagerly.
 
@@ -28,7 +31,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,39 +67,58 @@ def graph_bucket(sizes: Sequence[int], num_seqs: int) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def choose_graph_size(sizes: Sequence[int], max_blocks: int, host: HostStep, verify: bool = False) -> int | None:
-    """The captured batch size that replays this step, or None to run it eagerly; with `verify`,
-    a verify step replays as one decode row per token (`decode_rows`)."""
-    if not sizes or host.block_tables.shape[1] > max_blocks:
+GraphKey = tuple[int, int]  # (rows a request: 1, or k + 1 for verify steps; requests)
+
+
+def choose_graph(sizes: Mapping[int, Sequence[int]], max_blocks: int, host: HostStep) -> GraphKey | None:
+    """The captured graph that replays this step, or None to run it eagerly. `sizes` maps rows a
+    request (1: decode graphs; k + 1: verify graphs) to the captured request counts, ascending."""
+    if host.block_tables.shape[1] > max_blocks:
         return None
     if host.max_query_len == 1:
-        return graph_bucket(sizes, host.num_seqs)
-    if verify and host.verifies and host.samples_every_row:
-        return graph_bucket(sizes, host.num_tokens)
-    return None
-
-
-def decode_rows(host: HostStep) -> tuple[np.ndarray, np.ndarray]:
-    """The step's seq_lens and block tables with one decode row per token: token t of a request
-    is a sequence ending at its own position (causal within the request), over the request's
-    block table. A pure-decode step's own arrays."""
-    if host.max_query_len == 1:
-        return host.seq_lens, host.block_tables
-    return (host.positions + 1).astype(np.int32), np.repeat(host.block_tables, host.query_lens, axis=0)
+        rows = 1
+    else:
+        rows = max((r for r in sizes if r > 1), default=0)
+        if not (host.verifies and host.samples_every_row) or host.max_query_len > rows:
+            return None
+    bucket = graph_bucket(sizes.get(rows, ()), host.num_seqs)
+    return None if bucket is None else (rows, bucket)
 
 
 def pad_decode_step(host: HostStep, size: int) -> list[np.ndarray]:
-    """A decode-shaped step's input_ids, positions, slot_mapping, seq_lens and block_tables (one row
-    per token: `decode_rows`) padded to `size` rows. Padding rows read token 0 at position 0, store
-    nothing (slot -1) and attend to nothing (seq_len 0, a row of null blocks)."""
-    seq_lens, block_tables = decode_rows(host)
+    """A pure-decode step's input_ids, positions, slot_mapping, seq_lens and block_tables padded to
+    `size` rows. Padding rows read token 0 at position 0, store nothing (slot -1) and attend to
+    nothing (seq_len 0, a row of null blocks)."""
     return [
         _padded(host.input_ids, size, 0),
         _padded(host.positions, size, 0),
         _padded(host.slot_mapping, size, -1),
-        _padded(seq_lens, size, 0),
-        _padded(block_tables, size, 0),
+        _padded(host.seq_lens, size, 0),
+        _padded(host.block_tables, size, 0),
     ]
+
+
+def pad_verify_step(host: HostStep, rows: int, groups: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """A verify step laid out `rows` to a request for `groups` requests (`pad_decode_step`'s five
+    arrays), and the row each token went to. Token j of request i goes to row i * rows + j, a
+    decode row ending at its own position over the request's block table; the rows after a
+    request's tokens, and whole padding groups, are padding rows as in `pad_decode_step`."""
+    lens = np.asarray(host.query_lens)
+    token_rows = np.repeat(np.arange(lens.size) * rows, lens) + (np.arange(host.num_tokens) - np.repeat(np.cumsum(lens) - lens, lens))
+    size = rows * groups
+
+    def scatter(values: np.ndarray, fill: int) -> np.ndarray:
+        out = np.full(size, fill, dtype=values.dtype)
+        out[token_rows] = values
+        return out
+
+    return [
+        scatter(host.input_ids, 0),
+        scatter(host.positions, 0),
+        scatter(host.slot_mapping, -1),
+        scatter((host.positions + 1).astype(np.int32), 0),
+        _padded(np.repeat(host.block_tables, rows, axis=0), size, 0),
+    ], token_rows.astype(np.int64)
 
 
 def _padded(a: np.ndarray, size: int, fill: int) -> np.ndarray:
@@ -145,9 +167,10 @@ class _StaticDecodeInputs:
     def max_blocks(self) -> int:
         return self.block_tables.shape[1]
 
-    def attention_batch(self, size: int, max_model_len: int, block_size: int) -> AttentionBatch:
-        """The batch a graph of `size` rows is captured with: bounded by the model's max length, so
-        the kernels' launch choices (split count) hold for any context that can occur."""
+    def attention_batch(self, size: int, max_model_len: int, block_size: int, rows_per_seq: int = 1) -> AttentionBatch:
+        """The batch a graph of `size` rows (`rows_per_seq` a request) is captured with: bounded by
+        the model's max length, so the kernels' launch choices (split count) hold for any context
+        that can occur."""
         return AttentionBatch(
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
@@ -158,6 +181,7 @@ class _StaticDecodeInputs:
             max_query_len=1,
             max_seq_len=max_model_len,
             block_size=block_size,
+            rows_per_seq=rows_per_seq,
         )
 
     def load(self, size: int, padded: list[torch.Tensor]) -> None:
@@ -173,7 +197,7 @@ class _StaticDecodeInputs:
 
 @dataclass
 class _DecodeGraph:
-    size: int
+    size: int                 # rows
     graph: torch.cuda.CUDAGraph
     # The final hidden states, or a pipeline stage's activations for the next stage.
     output: torch.Tensor | IntermediateTensors
@@ -183,26 +207,27 @@ class _DecodeGraph:
 @dataclass
 class _GraphStepInputs(StepInputs):
     graph: _DecodeGraph
+    # A verify graph's row of each token (its outputs come back in token order); None: rows are tokens.
+    token_rows: torch.Tensor | None = None
 
 
 class CUDAGraphModelRunner(ModelRunner):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.graphs: dict[int, _DecodeGraph] = {}
-        self._graph_sizes: list[int] = []
+        self.graphs: dict[GraphKey, _DecodeGraph] = {}
+        # Rows a request -> captured request counts (`choose_graph`).
+        self._graph_sizes: dict[int, list[int]] = {}
         self._static: _StaticDecodeInputs | None = None
-        # Verify steps replay the decode graphs too (`capture_graphs`' `rows_per_seq` > 1).
-        self._graph_verify = False
 
     def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         super().set_kv_caches(kv_caches)
         # Captured launches hold the previous caches' addresses.
-        self.graphs, self._graph_sizes = {}, []
+        self.graphs, self._graph_sizes = {}, {}
 
     @torch.inference_mode()
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, rows_per_seq: int = 1) -> None:
-        """Capture decode graphs for every bucket up to `max_num_seqs` x `rows_per_seq` (the KV
-        caches must be set); `rows_per_seq` > 1 (k + 1) lets verify steps replay them."""
+        """Capture decode graphs for every bucket up to `max_num_seqs` (the KV caches must be set),
+        and with `rows_per_seq` > 1 (k + 1) verify graphs of that many rows a request."""
         if not self.backend.supports_graph_capture:
             logger.warning("attention backend %r cannot be captured in CUDA graphs; decoding eagerly",
                            self.backend.name)
@@ -212,21 +237,26 @@ class CUDAGraphModelRunner(ModelRunner):
             logger.warning("%s runs outside CUDA graphs (%s); decoding eagerly", type(self.model).__name__, reason)
             return
         started, free_before = time.monotonic(), torch.cuda.mem_get_info()[0]
-        sizes = graph_batch_sizes(max_num_seqs * rows_per_seq)
-        self._static = _StaticDecodeInputs(sizes[-1], -(-max_model_len // self.block_size), self.device,
-                                           self._static_intermediate(sizes[-1]))
+        sizes = {1: graph_batch_sizes(max_num_seqs)}
+        if rows_per_seq > 1:
+            sizes[rows_per_seq] = graph_batch_sizes(max_num_seqs, max(1, MAX_GRAPH_BATCH // rows_per_seq))
+        keys = sorted(((rows, n) for rows, counts in sizes.items() for n in counts), key=lambda k: -k[0] * k[1])
+        max_rows = keys[0][0] * keys[0][1]
+        self._static = _StaticDecodeInputs(max_rows, -(-max_model_len // self.block_size), self.device,
+                                           self._static_intermediate(max_rows))
         pool = torch.cuda.graph_pool_handle()
-        logger.info("capturing %d decode CUDA graphs (batch sizes %d down to 1)", len(sizes), sizes[-1])
+        logger.info("capturing %d CUDA graphs (%s requests a graph at 1 row a request%s)", len(keys),
+                    f"{sizes[1][-1]} down to 1",
+                    f", {sizes[rows_per_seq][-1]} down to 1 at {rows_per_seq}" if rows_per_seq > 1 else "")
         graphs = {}
-        for size in reversed(sizes):
-            graphs[size] = self._capture(size, max_model_len, pool)
+        for key in keys:
+            graphs[key] = self._capture(key, max_model_len, pool)
             if len(graphs) % 8 == 0:
-                logger.info("captured %d of %d CUDA graphs", len(graphs), len(sizes))
+                logger.info("captured %d of %d CUDA graphs", len(graphs), len(keys))
         torch.cuda.synchronize()
-        self.graphs, self._graph_sizes, self._graph_verify = graphs, sizes, rows_per_seq > 1
-        logger.info("captured %d decode CUDA graphs (batch sizes 1 to %d) in %.1f s using %.2f GiB",
-                    len(sizes), sizes[-1], time.monotonic() - started,
-                    (free_before - torch.cuda.mem_get_info()[0]) / 2**30)
+        self.graphs, self._graph_sizes = graphs, sizes
+        logger.info("captured %d CUDA graphs (up to %d rows) in %.1f s using %.2f GiB", len(keys), max_rows,
+                    time.monotonic() - started, (free_before - torch.cuda.mem_get_info()[0]) / 2**30)
 
     def _static_intermediate(self, max_batch: int) -> IntermediateTensors | None:
         if self.stage is None or self.stage.is_first:
@@ -235,9 +265,9 @@ class CUDAGraphModelRunner(ModelRunner):
         return IntermediateTensors(*(torch.zeros(max_batch, stage.hidden_size, dtype=stage.dtype, device=self.device)
                                      for _ in range(2)))
 
-    def _capture(self, size: int, max_model_len: int, pool) -> _DecodeGraph:
-        static = self._static
-        attn = static.attention_batch(size, max_model_len, self.block_size)
+    def _capture(self, key: GraphKey, max_model_len: int, pool) -> _DecodeGraph:
+        static, size = self._static, key[0] * key[1]
+        attn = static.attention_batch(size, max_model_len, self.block_size, rows_per_seq=key[0])
         ctx = ForwardContext(self.backend, self.backend.build_metadata(attn, check_indices=False), self.kv_caches)
         args = (static.input_ids[:size], static.positions[:size], ctx)
         if self.stage is not None:
@@ -252,18 +282,22 @@ class CUDAGraphModelRunner(ModelRunner):
         return _DecodeGraph(size, graph, output, attn)
 
     def upload(self, host: HostStep) -> StepInputs:
-        size = None if self._static is None else choose_graph_size(
-            self._graph_sizes, self._static.max_blocks, host, self._graph_verify)
-        if size is None:
+        key = None if self._static is None else choose_graph(self._graph_sizes, self._static.max_blocks, host)
+        if key is None:
             return super().upload(host)
-        static, graph = self._static, self.graphs[size]
-        # A one-token prefill chunk makes a decode-shaped row that samples nothing.
-        index = logits_index(host)
-        padded = pad_decode_step(host, size)
-        tensors = self.to_device(padded if index is None else [*padded, index])
+        static, graph = self._static, self.graphs[key]
+        size = graph.size
+        if key[0] == 1:
+            # A one-token prefill chunk makes a decode-shaped row that samples nothing.
+            padded, index, token_rows = pad_decode_step(host, size), logits_index(host), None
+        else:
+            (padded, token_rows), index = pad_verify_step(host, *key), None
+        extra = [a for a in (index, token_rows) if a is not None]
+        tensors = self.to_device([*padded, *extra])
         static.load(size, tensors[:5])
         return _GraphStepInputs(host, static.input_ids[:size], static.positions[:size], graph.attn,
-                                None if index is None else tensors[5], graph)
+                                tensors[5] if index is not None else None, graph,
+                                tensors[5] if token_rows is not None else None)
 
     def to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         offsets, total = packed_layout(arrays)
@@ -289,6 +323,8 @@ class CUDAGraphModelRunner(ModelRunner):
             stage.receive(graph.size, into=self._static.intermediate)
         graph.graph.replay()
         if stage is None or stage.is_last:
+            if inputs.token_rows is not None:
+                return graph.output.index_select(0, inputs.token_rows)
             return graph.output[: inputs.host.num_tokens]
         stage.send(graph.output)
         return None

@@ -1,7 +1,10 @@
 """Paged decode attention: one query token per sequence, split-KV for long contexts.
 
 Grid (sequence, KV head, split): each program holds all query heads of one KV head, so K/V are
-read once per KV head, and walks one contiguous partition of the context. With one split it
+read once per KV head, and walks one contiguous partition of the context. A verify step of
+speculative decoding (k + 1 rows a request, in a CUDA graph) runs as groups of rows sharing a block
+table (`rows_per_seq`): one program holds every row's heads, so a request's K/V is read once per
+step instead of once per row, and each row masks the keys past its own position. With one split it
 writes the output directly; with several, each writes a partial output and its log-sum-exp and a
 second kernel combines them.
 
@@ -88,67 +91,76 @@ def decode_config(cache_dtype: torch.dtype, splits: int, num_seqs: int) -> Decod
 def _decode_kernel(
     q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, qk_scale, v_scale,
     window, stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table, num_heads,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, CHUNKED: tl.constexpr,
-    PDL: tl.constexpr,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    CHUNKED: tl.constexpr, PDL: tl.constexpr,
 ):
     grid_dependency(PDL)
-    seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    # The new token sees keys [first, seq_len): the window's, its chunk's (CHUNKED: `window` is the
-    # chunk length), or the whole context.
-    if CHUNKED:
-        first = tl.maximum(seq_len - 1, 0) // window * window
-    elif SLIDING:
-        first = tl.maximum(seq_len - window, 0)
-    else:
-        first = 0
-    start = first // BLOCK_N * BLOCK_N
-    # Splits share the keys from the window's first tile on, in whole tiles, so only the first
-    # tile (the window's edge) and the last (ragged) need masks.
-    split_len = tl.cdiv(tl.cdiv(seq_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = start + split * split_len
-    hi = tl.minimum(lo + split_len, seq_len)
-    head_end = tl.where(lo < first, tl.minimum(lo + BLOCK_N, hi), lo)
-
+    # Tile row m is query head (m % GROUP) of decode row (m // GROUP) of this program's ROWS rows,
+    # which share one block table (`rows_per_seq`).
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    m_mask = offs_m < GROUP
+    m_mask = offs_m < GROUP * ROWS
     d_mask = offs_d < HEAD_DIM
-    head_offs = (kv_head * GROUP + offs_m)[:, None] * HEAD_DIM + offs_d[None, :]
+    rows = tl.program_id(0) * ROWS + offs_m // GROUP
+    heads = kv_head * GROUP + offs_m % GROUP
+    row_len = tl.load(seq_lens_ptr + rows, mask=m_mask, other=0)
+    real = row_len > 0
+    max_len = tl.max(row_len, 0)
+    # Keys below the shortest real row's length are visible to every real row (unmasked bulk).
+    min_len = tl.min(tl.where(real, row_len, max_len), 0)
+    # A row sees keys [row_first, row_len): its window's, its chunk's (CHUNKED: `window` is the chunk
+    # length), or the whole context.
+    if CHUNKED:
+        row_first = tl.maximum(row_len - 1, 0) // window * window
+    elif SLIDING:
+        row_first = tl.maximum(row_len - window, 0)
+    else:
+        row_first = tl.zeros([BLOCK_M], dtype=tl.int32)
+    first = tl.min(tl.where(real, row_first, max_len), 0)
+    first_max = tl.max(tl.where(real, row_first, 0), 0)
+    start = first // BLOCK_N * BLOCK_N
+    # Splits share the keys from the window's first tile on, in whole tiles, so only the tiles at
+    # the windows' edges and the last (ragged) need masks.
+    split_len = tl.cdiv(tl.cdiv(max_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = start + split * split_len
+    hi = tl.minimum(lo + split_len, max_len)
+    head_end = tl.where(lo < first_max, tl.minimum(tl.cdiv(first_max, BLOCK_N) * BLOCK_N, hi), lo)
+
+    row_offs = rows[:, None] * stride_qt + heads[:, None] * HEAD_DIM + offs_d[None, :]
     row_mask = m_mask[:, None] & d_mask[None, :]
-    q = tl.load(q_ptr + seq * stride_qt + head_offs, mask=row_mask, other=0.0).to(DOT_DTYPE)
-    q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1
-    q_first = tl.zeros([BLOCK_M], dtype=tl.int32) + first
+    q = tl.load(q_ptr + row_offs, mask=row_mask, other=0.0).to(DOT_DTYPE)
+    q_pos = row_len - 1
 
     k_base = cache_ptr + kv_head * HEAD_DIM
     v_base = k_base + stride_kind
-    table_row = table_ptr + seq * stride_table
+    table_row = table_ptr + tl.program_id(0) * ROWS * stride_table
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    bulk_end = head_end + tl.maximum(hi - head_end, 0) // BLOCK_N * BLOCK_N
+    bulk_end = head_end + tl.maximum(tl.minimum(hi, min_len) - head_end, 0) // BLOCK_N * BLOCK_N
     if SLIDING:
-        acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, q_first, k_base, v_base, table_row, lo, head_end,
+        acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, row_first, k_base, v_base, table_row, lo, head_end,
                                      first, qk_scale, stride_blk, stride_tok, offs_d, d_mask,
                                      BLOCK_SIZE, BLOCK_N, DOT_DTYPE, True, SOFT_CAP)
-    acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, q_first, k_base, v_base, table_row, head_end, bulk_end,
+    acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, row_first, k_base, v_base, table_row, head_end, bulk_end,
                                  first, qk_scale, stride_blk, stride_tok, offs_d, d_mask,
                                  BLOCK_SIZE, BLOCK_N, DOT_DTYPE, False, SOFT_CAP)
-    acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, q_first, k_base, v_base, table_row, bulk_end, hi,
+    acc, m_i, l_i = attend_paged(acc, m_i, l_i, q, q_pos, row_first, k_base, v_base, table_row, bulk_end, hi,
                                  first, qk_scale, stride_blk, stride_tok, offs_d, d_mask,
                                  BLOCK_SIZE, BLOCK_N, DOT_DTYPE, True, SOFT_CAP)
     if HAS_SINKS and NUM_SPLITS == 1:
-        acc, m_i, l_i = fold_sinks(acc, m_i, l_i, sinks_ptr, kv_head * GROUP + offs_m, m_mask)
+        acc, m_i, l_i = fold_sinks(acc, m_i, l_i, sinks_ptr, heads, m_mask)
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc * (v_scale / safe_l)[:, None]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + seq * stride_ot + head_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+        out_offs = rows[:, None] * stride_ot + heads[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:
-        part_rows = (seq * num_heads + kv_head * GROUP + offs_m) * NUM_SPLITS + split
+        part_rows = (rows * num_heads + heads) * NUM_SPLITS + split
         tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(part_lse_ptr + part_rows, lse, mask=m_mask)
@@ -212,7 +224,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            check_indices: bool = True, sliding_window: int | None = None,
                            logits_soft_cap: float | None = None, k_scale: float = 1.0,
                            v_scale: float = 1.0, config: DecodeConfig | None = None,
-                           sinks: torch.Tensor | None = None, attention_chunk: int | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, attention_chunk: int | None = None,
+                           rows_per_seq: int = 1) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context (the token's own K/V included).
 
     q: [B, num_heads * head_dim]; block_tables: int32 [B, max_blocks]; seq_lens: int32 [B], the
@@ -228,6 +241,10 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     `sinks` [num_heads]: head h's softmax denominator gains exp(sinks[h]) (gpt-oss); None: no sinks.
     `attention_chunk` C: the token at p sees keys C * (p // C) <= j <= p only (Llama 4's local
     layers; not with a window), read like a window's.
+    `rows_per_seq` R > 1: rows come in groups of R consecutive rows over one block table (the first
+    row's; a verify step's tokens of one request, each row's seq_len ending at its own position, a
+    padding row's 0), and each group's K/V is read once for all its rows. B must be a multiple of R;
+    splits count groups.
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     check_index("block_tables", block_tables, 2, (torch.int32,))
@@ -243,11 +260,13 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     check_cache_dtype("q", q, kv_cache)
     check_kv_scales(k_scale, v_scale)
     require(max_seq_len >= 0, f"max_seq_len must be >= 0, got {max_seq_len}")
+    require(rows_per_seq >= 1 and num_seqs % rows_per_seq == 0,
+            f"rows_per_seq must be >= 1 and divide the {num_seqs} rows, got {rows_per_seq}")
     check_window_and_cap(sliding_window, logits_soft_cap)
     sinks = check_sinks(sinks, num_heads, q)
     local = local_attention(sliding_window, attention_chunk)
     splits = num_splits if num_splits is not None else choose_decode_splits(
-        num_seqs, num_kv_heads, max_seq_len, q.device)
+        num_seqs // rows_per_seq, num_kv_heads, max_seq_len, q.device)
     require(1 <= splits <= MAX_SPLITS, f"num_splits must lie in [1, {MAX_SPLITS}], got {splits}")
     out = attention_output(out, q)
     check_same_device(q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens, out=out)
@@ -256,13 +275,13 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         check_range("seq_lens", seq_lens, 0, table_width * block_size + 1)
     if num_seqs == 0:
         return out
-    _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, num_heads // num_kv_heads, splits,
-                   local, logits_soft_cap, k_scale, v_scale,
-                   config or decode_config(kv_cache.dtype, splits, num_seqs), sinks)
+    _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, num_heads // num_kv_heads, rows_per_seq,
+                   splits, local, logits_soft_cap, k_scale, v_scale,
+                   config or decode_config(kv_cache.dtype, splits, num_seqs // rows_per_seq), sinks)
     return out
 
 
-def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, splits, local, soft_cap,
+def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, rows, splits, local, soft_cap,
                    k_scale, v_scale, cfg: DecodeConfig, sinks: torch.Tensor | None) -> None:
     span, sliding, chunked = local
     num_seqs = q.shape[0]
@@ -276,13 +295,14 @@ def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, split
     else:
         part_out = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
-    _decode_kernel[(num_seqs, num_kv_heads, splits)](
+    _decode_kernel[(num_seqs // rows, num_kv_heads, splits)](
         q, kv_cache, block_tables, seq_lens, out, part_out, part_lse, q if sinks is None else sinks,
         score_scale(scale * k_scale, soft_cap), v_scale,
         span,
         q.stride(0), out.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_tables.stride(0), num_heads,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+        GROUP=group, ROWS=rows, HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group * rows)),
+        BLOCK_D=block_d,
         BLOCK_N=cfg.block_n, BLOCK_SIZE=kv_cache.shape[2], NUM_SPLITS=splits,
         DOT_DTYPE=dot_dtype(q.dtype, q.device), SLIDING=sliding, SOFT_CAP=float(soft_cap or 0.0),
         HAS_SINKS=sinks is not None, CHUNKED=chunked, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,

@@ -14,12 +14,13 @@ from corectl.backends.cuda.graph_runner import (
     CUDAGraphModelRunner,
     _DecodeGraph,
     _StaticDecodeInputs,
-    choose_graph_size,
+    choose_graph,
     graph_batch_sizes,
     graph_bucket,
     pack,
     packed_layout,
     pad_decode_step,
+    pad_verify_step,
     unpack,
 )
 from corectl.backends.rocm import platform as rocm_platform
@@ -144,7 +145,7 @@ def test_a_mixed_step_replays_no_graph():
                              scheduled={"cold": 6, "dec": 1})
     states.apply(sched)
     host = states.build_step(sched, BS)
-    assert not host.samples_every_row and choose_graph_size([1, 2, 4], 8, host) is None
+    assert not host.samples_every_row and choose_graph({1: [1, 2, 4]}, 8, host) is None
 
 
 def _decode_states(num_seqs, context=9):
@@ -160,9 +161,9 @@ def test_decode_step_is_graphable_and_pads_with_inert_rows():
     states, sched = _decode_states(3)
     host = states.build_step(sched, BS)
     assert host.samples_every_row and host.block_tables.shape == (3, 3)
-    assert choose_graph_size([1, 2, 4, 8], 3, host) == 4
-    assert choose_graph_size([1, 2], 3, host) is None
-    assert choose_graph_size([1, 2, 4, 8], 2, host) is None      # wider than the captured block tables
+    assert choose_graph({1: [1, 2, 4, 8]}, 3, host) == (1, 4)
+    assert choose_graph({1: [1, 2], 5: [1, 2, 4]}, 3, host) is None
+    assert choose_graph({1: [1, 2, 4, 8]}, 2, host) is None      # wider than the captured block tables
     input_ids, positions, slots, seq_lens, tables = pad_decode_step(host, 4)
     assert input_ids.tolist() == host.input_ids.tolist() + [0]
     assert positions.tolist() == host.positions.tolist() + [0]
@@ -198,10 +199,10 @@ def test_static_inputs_take_each_step_whole_whatever_the_previous_step_left():
     assert batch.block_tables.shape == (4, 6) and batch.max_seq_len == 24 and batch.is_pure_decode
 
 
-def _eager_and_graph_attention(host, size, num_splits=None):
+def _eager_and_graph_attention(host, size, num_splits=None, rows_per_seq=1):
     """The Triton backend's output and KV cache for a step run eagerly and as the graph sees it
-    (padded to `size` decode rows, stale block-table columns, the split count chosen for the
-    model's max length, or `num_splits`)."""
+    (padded to `size` decode rows, `rows_per_seq` a request, stale block-table columns, the split
+    count chosen for the model's max length, or `num_splits`)."""
     from corectl.backends.triton.attention.backend import TritonAttentionBackend
 
     heads, kv_heads, head_dim, max_model_len = 4, 2, 16, 48
@@ -212,14 +213,24 @@ def _eager_and_graph_attention(host, size, num_splits=None):
     n = host.num_tokens
     eager_cache = kv_cache.clone()
     eager = backend.forward(q[:n], k[:n], v[:n], eager_cache, backend.build_metadata(_eager_batch(host)), 0.25)
-    static = _StaticDecodeInputs(max_batch=8, max_blocks=max_model_len // BS, device=torch.device("cpu"))
+    static = _StaticDecodeInputs(max_batch=16, max_blocks=max_model_len // BS, device=torch.device("cpu"))
     static.block_tables.fill_(39)   # stale ids from earlier, wider steps
-    static.load(size, [torch.from_numpy(a) for a in pad_decode_step(host, size)])
-    meta = backend.build_metadata(static.attention_batch(size, max_model_len, BS), check_indices=False)
+    token_rows = torch.arange(size)
+    if rows_per_seq == 1:
+        padded = pad_decode_step(host, size)
+    else:
+        padded, rows = pad_verify_step(host, rows_per_seq, size // rows_per_seq)
+        token_rows = torch.from_numpy(rows)
+        q, k, v = (torch.zeros_like(t).index_copy_(0, token_rows, t[:n]) for t in (q, k, v))
+    static.load(size, [torch.from_numpy(a) for a in padded])
+    meta = backend.build_metadata(static.attention_batch(size, max_model_len, BS, rows_per_seq), check_indices=False)
     if num_splits is not None:
         meta.num_splits = num_splits
     graph_cache = kv_cache.clone()
-    return eager, eager_cache, backend.forward(q, k, v, graph_cache, meta, 0.25), graph_cache
+    out = backend.forward(q, k, v, graph_cache, meta, 0.25)
+    # Rows in token order, then the padding rows.
+    order = torch.cat([token_rows, torch.tensor([r for r in range(size) if r not in set(token_rows.tolist())], dtype=torch.long)])
+    return eager, eager_cache, out[order], graph_cache
 
 
 def test_padded_decode_through_the_triton_backend_matches_the_unpadded_step():
@@ -248,9 +259,9 @@ def test_graph_step_uploads_into_the_static_inputs_and_samples_only_finished_row
     runner = CUDAGraphModelRunner(None, None, cpu, BS, 1000, None, PlatformCaps())
     monkeypatch.setattr(runner, "to_device", lambda arrays: ModelRunner.to_device(runner, arrays))
     static = _StaticDecodeInputs(max_batch=8, max_blocks=6, device=cpu)
-    runner._static, runner._graph_sizes = static, [1, 2, 4, 8]
-    runner.graphs = {size: _DecodeGraph(size, None, torch.zeros(size, 1), static.attention_batch(size, 24, BS))
-                     for size in runner._graph_sizes}
+    runner._static, runner._graph_sizes = static, {1: [1, 2, 4, 8]}
+    runner.graphs = {(1, size): _DecodeGraph(size, None, torch.zeros(size, 1), static.attention_batch(size, 24, BS))
+                     for size in runner._graph_sizes[1]}
     sched = scheduler_output(new=[new_request_data("a", range(9), [1, 2, 3], computed=8), new_request_data("chunk", range(20), [4, 5], computed=4),
                        new_request_data("b", range(6), [6, 7], computed=5)],
                   scheduled={"a": 1, "chunk": 1, "b": 1})
@@ -276,19 +287,21 @@ def _verify_step(num_drafts=(2, 3)):
     return states.build_step(sched, BS)
 
 
-def test_a_verify_step_replays_as_one_decode_row_per_token_when_asked():
+def test_a_verify_step_replays_k_plus_one_rows_a_request_when_asked():
     host = _verify_step()
     assert host.verifies and host.samples_every_row and host.num_tokens == 7
-    assert choose_graph_size([1, 2, 4, 8], 4, host) is None                 # verify graphs off
-    assert choose_graph_size([1, 2, 4, 8], 4, host, verify=True) == 8
-    assert choose_graph_size([1, 2, 4], 4, host, verify=True) is None       # more rows than the largest bucket
-    input_ids, positions, slots, seq_lens, tables = pad_decode_step(host, 8)
-    assert input_ids.tolist() == host.input_ids.tolist() + [0]
-    assert positions.tolist() == [8, 9, 10, 9, 10, 11, 12, 0]
-    # Row j of a request ends at its own position: causal within the request.
-    assert seq_lens.tolist() == [9, 10, 11, 10, 11, 12, 13, 0]
-    assert tables.tolist() == [host.block_tables[0].tolist()] * 3 + [host.block_tables[1].tolist()] * 4 + [[0] * 4]
-    assert slots.tolist() == host.slot_mapping.tolist() + [-1]
+    assert choose_graph({1: [1, 2, 4, 8]}, 4, host) is None                 # verify graphs off
+    assert choose_graph({1: [1, 2, 4, 8], 4: [1, 2, 4]}, 4, host) == (4, 2)
+    assert choose_graph({1: [1, 2, 4, 8], 4: [1]}, 4, host) is None         # more requests than the largest bucket
+    assert choose_graph({1: [1, 2, 4, 8], 3: [1, 2, 4]}, 4, host) is None   # 4 rows of a request do not fit 3
+    (input_ids, positions, slots, seq_lens, tables), token_rows = pad_verify_step(host, 4, 4)
+    assert token_rows.tolist() == [0, 1, 2, 4, 5, 6, 7]
+    assert input_ids[token_rows].tolist() == host.input_ids.tolist() and input_ids[[3, 8]].tolist() == [0, 0]
+    assert positions.tolist() == [8, 9, 10, 0, 9, 10, 11, 12] + [0] * 8
+    # Row j of a request ends at its own position: causal within the request; padding attends to nothing.
+    assert seq_lens.tolist() == [9, 10, 11, 0, 10, 11, 12, 13] + [0] * 8
+    assert tables.tolist() == [host.block_tables[0].tolist()] * 4 + [host.block_tables[1].tolist()] * 4 + [[0] * 4] * 8
+    assert slots[token_rows].tolist() == host.slot_mapping.tolist() and slots[[3, 8, 15]].tolist() == [-1] * 3
 
 
 def test_a_mixed_step_with_drafts_replays_no_graph():
@@ -298,12 +311,35 @@ def test_a_mixed_step_with_drafts_replays_no_graph():
                              scheduled={"cold": 6, "dec": 3})
     sched = msgspec.structs.replace(sched, spec_token_ids={"dec": [5, 6]})
     states.apply(sched)
-    assert choose_graph_size([1, 2, 4, 8, 16], 8, states.build_step(sched, BS), verify=True) is None
+    assert choose_graph({1: [1, 2, 4, 8, 16], 3: [1, 2, 4]}, 8, states.build_step(sched, BS)) is None
 
 
 def test_verify_rows_through_the_triton_backend_match_the_eager_verify_step():
-    """The graph's view of a verify step (a decode row per token) attends and stores exactly as
-    the eager extend step does: each request's rows causally."""
-    eager, eager_cache, rows, graph_cache = _eager_and_graph_attention(_verify_step(), 8)
-    torch.testing.assert_close(rows[:7], eager, rtol=2e-5, atol=2e-5)
-    assert torch.equal(graph_cache, eager_cache)
+    """The graph's view of a verify step (4 rows a request, padding after a request's tokens and
+    a padding group) attends and stores exactly as the eager extend step does: each request's
+    rows causally, one group's K/V read once for its rows, whole or split."""
+    for splits in (1, 3):
+        eager, eager_cache, rows, graph_cache = _eager_and_graph_attention(_verify_step(), 12, splits, 4)
+        torch.testing.assert_close(rows[:7], eager, rtol=2e-5, atol=2e-5)
+        assert torch.equal(rows[-4:], torch.zeros_like(rows[-4:]))
+        assert torch.equal(graph_cache, eager_cache)
+
+
+def test_a_verify_graph_step_comes_back_in_token_order(monkeypatch):
+    """A verify step uploads into the k + 1-rows-a-request layout, and the replayed graph's rows
+    come back as the step's tokens, in order, without the padding rows."""
+    cpu = torch.device("cpu")
+    runner = CUDAGraphModelRunner(None, None, cpu, BS, 1000, None, PlatformCaps())
+    monkeypatch.setattr(runner, "to_device", lambda arrays: ModelRunner.to_device(runner, arrays))
+    static = _StaticDecodeInputs(max_batch=16, max_blocks=6, device=cpu)
+    runner._static, runner._graph_sizes = static, {1: [1, 2], 4: [1, 2]}
+    replayed = []
+    runner.graphs = {(rows, n): _DecodeGraph(rows * n, SimpleNamespace(replay=lambda key=(rows, n): replayed.append(key)),
+                                             torch.arange(rows * n, dtype=torch.float32)[:, None],
+                                             static.attention_batch(rows * n, 24, BS, rows))
+                     for rows, counts in runner._graph_sizes.items() for n in counts}
+    inputs = runner.upload(_verify_step())
+    assert inputs.graph.size == 8 and inputs.logits_indices is None
+    assert inputs.attn.rows_per_seq == 4 and static.seq_lens[:8].tolist() == [9, 10, 11, 0, 10, 11, 12, 13]
+    hidden = runner.run_model(inputs)
+    assert replayed == [(4, 2)] and hidden[:, 0].tolist() == [0, 1, 2, 4, 5, 6, 7]
