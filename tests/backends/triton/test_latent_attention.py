@@ -56,14 +56,24 @@ def test_refuses_a_two_part_cache():
                                SCALE, rank=RANK, max_seq_len=5)
 
 
+def _step(tables: torch.Tensor, done: list[int], counts: list[int], block: int) -> AttentionBatch:
+    """The AttentionBatch of a step computing counts[i] tokens of sequence i after its done[i] (0: absent)."""
+    live = [i for i, n in enumerate(counts) if n]
+    ends = [done[i] + counts[i] for i in live]
+    positions = [torch.arange(done[i], end) for i, end in zip(live, ends)]
+    slots = torch.cat([tables[i, pos // block].long() * block + pos % block for i, pos in zip(live, positions)])
+    starts = torch.tensor([0, *torch.tensor([counts[i] for i in live]).cumsum(0).tolist()], dtype=torch.int32)
+    return AttentionBatch(query_start_loc=starts, seq_lens=torch.tensor(ends, dtype=torch.int32),
+                          block_tables=tables[live], slot_mapping=slots, query_lens_host=[counts[i] for i in live],
+                          seq_lens_host=ends, max_query_len=max(counts), max_seq_len=max(ends), block_size=block)
+
+
 def test_both_backends_store_rows_and_attend_through_prefill_mixed_and_decode_steps(assert_close):
     """TritonAttentionBackend and TorchSDPABackend, each on its own one-part cache, through the steps a
     chunked prefill beside a short prompt takes: rows stored at the step's slots, then attended."""
     width, block = RANK + ROPE, 4
-    totals, steps = [14, 7], [[9, 6], [4, 1], [1, 0]]
-    rows = [torch.randn(n, width) for n in totals]
-    order = torch.randperm(8).tolist()
-    tables = torch.tensor([order[:4], order[4:]], dtype=torch.int32)
+    rows = [torch.randn(n, width) for n in (14, 7)]
+    tables = torch.randperm(8).to(torch.int32).view(2, 4)
     backends = [cls(HEADS, 1, width, torch.float32, torch.device("cpu"), block)
                 for cls in (TritonAttentionBackend, TorchSDPABackend)]
     # Unwritten slots are NaN for the kernel, which must not read them; the CPU path reads padding
@@ -71,25 +81,16 @@ def test_both_backends_store_rows_and_attend_through_prefill_mixed_and_decode_st
     caches = [torch.full(TritonAttentionBackend.kv_cache_shape(8, block, 1, width, parts=1), fill)
               for fill in (float("nan"), 0.0)]
     done = [0, 0]
-    for counts in steps:
+    for counts in ([9, 6], [4, 1], [1, 0]):
+        batch = _step(tables, done, counts, block)
         live = [i for i, n in enumerate(counts) if n]
-        ends = [done[i] + counts[i] for i in live]
-        slots = torch.cat([tables[i, torch.arange(done[i], e) // block].long() * block + torch.arange(done[i], e) % block
-                           for i, e in zip(live, ends)])
-        batch = AttentionBatch(
-            query_start_loc=torch.tensor([0, *torch.tensor([counts[i] for i in live]).cumsum(0).tolist()],
-                                         dtype=torch.int32),
-            seq_lens=torch.tensor(ends, dtype=torch.int32), block_tables=tables[live], slot_mapping=slots,
-            query_lens_host=[counts[i] for i in live], seq_lens_host=ends, max_query_len=max(counts),
-            max_seq_len=max(ends), block_size=block)
-        new = torch.cat([rows[i][done[i]:e] for i, e in zip(live, ends)])
+        new = torch.cat([rows[i][done[i]:done[i] + counts[i]] for i in live])
         q = torch.randn(new.shape[0], HEADS, width)
-        expected, row = [], 0
-        for i, e in zip(live, ends):
-            n = e - done[i]
-            context = rows[i][:e, None]
-            expected.append(causal_attention_ref(q[row:row + n], context, context[..., :RANK], SCALE))
-            row, done[i] = row + n, e
+        expected, first = [], 0
+        for i in live:
+            context = rows[i][:done[i] + counts[i], None]
+            expected.append(causal_attention_ref(q[first:first + counts[i]], context, context[..., :RANK], SCALE))
+            first, done[i] = first + counts[i], done[i] + counts[i]
         for backend, cache in zip(backends, caches):
-            meta = backend.build_metadata(batch)
-            assert_close(backend.forward_latent(q, new, cache, meta, SCALE, value_dim=RANK), torch.cat(expected))
+            out = backend.forward_latent(q, new, cache, backend.build_metadata(batch), SCALE, value_dim=RANK)
+            assert_close(out, torch.cat(expected))
