@@ -83,3 +83,17 @@ def test_plan_sizes_latent_blocks_of_a_v2_lite_shape(tmp_path):
     plan = plan_deployment(EngineConfig(model=str(tmp_path)), device_memory=80 << 30, device_capability=(9, 0))
     assert plan.kv_bytes_per_token == 27 * (512 + 64) * 2
     assert plan.problem is None and plan.kv_tokens == plan.num_kv_blocks * plan.block_size > 1_000_000
+
+
+def test_triton_backend_under_the_interpreter(tmp_path, default_model_dir):
+    """The real CPU worker and scheduler with the Triton backend: the latent-attention kernel over
+    rows stored through `store_kvcache`, chunked prefills (16-token steps), mixed and decode steps."""
+    from test_sliding_window_parity import _run_triton_engine
+
+    hf_model = save_random_model(deepseek_config("v2-lite"), tmp_path, default_model_dir, seed=5)
+    prompts = [[5 + 7 * i for i in range(n)] for n in (11, 19)]
+    outputs, _, worker = _run_triton_engine(tmp_path, prompts, 6)
+    assert worker.runner.kv_caches[0].shape[0] == 1
+    for prompt, output in zip(prompts, outputs):
+        tokens = [token for token, _ in output]
+        assert hf_greedy_choices(hf_model, prompt, tokens)[0] == tokens
