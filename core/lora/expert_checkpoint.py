@@ -7,7 +7,11 @@
   [e * r, (e + 1) * r), its B the columns e, e + E, e + 2E, ... The wrapper of a second
   parameter wraps the first, which PEFT then names `experts.base_layer.lora_A`; PEFT keeps
   `target_parameters` as a set, so which name holds which parameter is not fixed: a pair is told
-  apart by its shape (gate_up: in H, out 2I; down: in I, out H; never both).
+  apart by its shape (gate_up: in H, out 2I; down: in I, out H; never both). PEFT before 0.19.1
+  read a stack [E, out, in] as [E, in, out] (its A over the stack's out features, its delta the
+  transpose of B A): such a pair (gate_up: "in" 2I, "out" H; down: "in" H, "out" I) is read
+  transposed, A_e = B_e.T and B_e = A_e.T. Where the widths cannot tell (H = 2I or H = I) the
+  current layout is assumed.
 - Per-expert modules (transformers 4's experts, the layout vLLM loads):
   `<layer>.mlp.experts.<e>.gate_proj|up_proj|down_proj`, Mixtral's
   `<layer>.block_sparse_moe.experts.<e>.w1|w3|w2`, each A [r, in] and B [out, r].
@@ -123,7 +127,10 @@ def _from_fused(lora: LoRARequest, layer: str, entries: list[tuple[str, Pair]], 
         _float(lora, module, (a, b))
         rows = a.shape[0] if a.dim() == 2 else -1
         fits = a.dim() == 2 and b.dim() == 2 and rows > 0 and rows % e == 0 and b.shape[1] == rows
-        proj = {(h, 2 * i): "gate_up_proj", (i, h): "down_proj"}.get((a.shape[-1], b.shape[0])) if fits else None
+        # Later entries win where widths coincide: the current layout over the pre-0.19.1 one.
+        layouts = {(2 * i, h): ("gate_up_proj", True), (h, i): ("down_proj", True),
+                   (h, 2 * i): ("gate_up_proj", False), (i, h): ("down_proj", False)}
+        proj, transposed = layouts.get((a.shape[-1], b.shape[0]), (None, False)) if fits else (None, False)
         if proj is None:
             raise LoRAAdapterError(
                 f"adapter {lora.lora_name!r}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, which "
@@ -134,8 +141,11 @@ def _from_fused(lora: LoRARequest, layer: str, entries: list[tuple[str, Pair]], 
         if key in out:
             raise LoRAAdapterError(f"adapter {lora.lora_name!r} holds two pairs for {key!r}")
         r = rows // e
-        a_experts = a.reshape(e, 1, r, a.shape[1])
+        a_experts = a.reshape(e, r, a.shape[1])
         b_experts = b.reshape(b.shape[0], r, e).permute(2, 0, 1)
+        if transposed:
+            a_experts, b_experts = b_experts.transpose(1, 2), a_experts.transpose(1, 2)
+        a_experts = a_experts.unsqueeze(1)
         out[key] = (a_experts.expand(e, 2, r, h) if proj == "gate_up_proj" else a_experts, b_experts)
     return out
 

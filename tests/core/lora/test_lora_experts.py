@@ -5,6 +5,7 @@ tokens; a mixed batch equals each request alone; bad expert adapters are refused
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,21 @@ def per_expert_layout(fused: Path, folder: Path, num_experts: int, hidden: int, 
     return folder
 
 
+def transposed_layout(fused: Path, folder: Path, num_experts: int) -> Path:
+    """`fused` as PEFT before 0.19.1 saved it, reading each stack [E, out, in] as [E, in, out]:
+    expert e's A is the current B_e.T and its B the current A_e.T (the same delta)."""
+    shutil.copytree(fused, folder)
+    tensors = load_file(str(fused / "adapter_model.safetensors"))
+    for key in [k for k in tensors if ".mlp.experts." in k and ".lora_A." in k]:
+        a, b = tensors[key], tensors[key.replace(".lora_A.", ".lora_B.")]
+        rank = a.shape[0] // num_experts
+        tensors[key] = b.view(b.shape[0], rank, num_experts).permute(2, 1, 0).reshape(-1, b.shape[0])
+        tensors[key.replace(".lora_A.", ".lora_B.")] = a.view(num_experts, rank, -1).permute(2, 1, 0).reshape(
+            a.shape[1], -1)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
 def tokens(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
@@ -98,17 +114,19 @@ def test_mixed_batch_equals_each_alone_and_layouts_agree(qwen3_moe):
     assert alone[0] != alone[2] and alone[1] != alone[2]
 
 
-def test_mixtral_fused_and_per_expert_layouts_match_peft(tmp_path, default_model_dir):
+def test_mixtral_fused_per_expert_and_old_peft_layouts_match_peft(tmp_path, default_model_dir):
+    """Mixtral's widths (hidden 64, experts 128) tell the pre-0.19.1 PEFT layout apart."""
     base = build_random_checkpoint("mixtral", tmp_path / "base", default_model_dir, num_local_experts=4)
     model = save_adapter(base, tmp_path / "fused", rank=8, seed=3, targets=["k_proj", "o_proj"],
                          target_parameters=EXPERTS)
     per_expert_layout(tmp_path / "fused", tmp_path / "w123", 4, 64, MIXTRAL_NAMES)
-    llm = LLM(str(base), enable_lora=True, max_loras=2, **ENGINE)
+    transposed_layout(tmp_path / "fused", tmp_path / "old_peft", 4)
+    llm = LLM(str(base), enable_lora=True, max_loras=3, **ENGINE)
     expected = hf_greedy(model, PROMPTS[0], GREEDY.max_tokens)[0]
     with model.disable_adapter():
         assert hf_greedy(model, PROMPTS[0], GREEDY.max_tokens)[0] != expected
-    loras = [LoRARequest("fused", 1, str(tmp_path / "fused")), LoRARequest("w123", 2, str(tmp_path / "w123"))]
-    assert tokens(llm.generate([PROMPTS[0]] * 2, GREEDY, lora_request=loras, use_tqdm=False)) == [expected] * 2
+    loras = [LoRARequest(name, i + 1, str(tmp_path / name)) for i, name in enumerate(["fused", "w123", "old_peft"])]
+    assert tokens(llm.generate([PROMPTS[0]] * 3, GREEDY, lora_request=loras, use_tqdm=False)) == [expected] * 3
 
 
 @pytest.fixture(scope="module")
