@@ -1,7 +1,7 @@
 """CPU platform: always available. A bf16 checkpoint computes in bf16 and anything else (fp32 or
 quantized, the embedded GGUF among them) in fp32: in bf16 the embedded SmolLM2 flips a near-tie
-first token ("L'Étoile..." instead of "Paris" on AVX512-BF16/AMX CPUs), and its 4-bit GEMMs take
-bf16 activations either way, so fp32 around them measured no slower at batch 1."""
+first token ("L'Étoile..." instead of "Paris" on AVX512-BF16/AMX CPUs), and its 4-bit GEMMs
+(corectl.quantization.int4_cpu) take fp32 activations, so fp32 around them costs no casts."""
 from __future__ import annotations
 
 import os

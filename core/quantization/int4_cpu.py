@@ -139,31 +139,34 @@ def int4pack_bytes(out_features: int, in_features: int, group: int) -> int:
     return out_features * in_features // 2 + in_features // group * out_features * 2 * 2
 
 
-def _grouped_gemm(bits: int, rows: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor,
+def _grouped_gemm(bits: int, x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor,
                   group: int) -> torch.Tensor:
-    rows = rows.float().contiguous()
+    """x [..., K] @ W.T -> [..., N] in x's dtype. A decode step makes ~120 of these calls: each torch
+    operator left out (no-op casts and copies, a view of a 2-D result) is microseconds of its host time."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+        rows = rows.float().contiguous()
     m, k = rows.shape
     n = packed.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
-    kernel_library().grouped_gemm(bits, m, n, k, group, rows.data_ptr(), k, packed.data_ptr(),
+    kernel_library().grouped_gemm(bits, m, n, k, group, rows.data_ptr(), rows.stride(0), packed.data_ptr(),
                                   scale_zero.data_ptr(), out.data_ptr(), torch.get_num_threads())
-    return out
+    if x.dtype != torch.float32:
+        out = out.to(x.dtype)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group: int,
                 bias: torch.Tensor | None) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
     if scale_zero.dtype == torch.float16:
-        out = _grouped_gemm(4, rows, packed, scale_zero, group).to(x.dtype)
+        out = _grouped_gemm(4, x, packed, scale_zero, group)
     else:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(TORCH_ACT_DTYPE), packed, group, scale_zero)
-        out = out.to(x.dtype)
-    if bias is not None:
-        out = out + bias
-    return out.view(*x.shape[:-1], out.shape[-1])
+        rows = x.reshape(-1, x.shape[-1]).to(TORCH_ACT_DTYPE)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group, scale_zero)
+        out = out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+    return out if bias is None else out + bias
 
 
 def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group: int) -> torch.Tensor:
     """x @ W.T for W packed by `pack_int8`."""
-    out = _grouped_gemm(8, x.reshape(-1, x.shape[-1]), packed, scale_zero, group).to(x.dtype)
-    return out.view(*x.shape[:-1], out.shape[-1])
+    return _grouped_gemm(8, x, packed, scale_zero, group)
