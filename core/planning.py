@@ -36,6 +36,7 @@ from .loaders.hf_config import checkpoint_dtype
 from .loaders.presets import PRESETS, is_preset
 from .loaders.resolve import default_model, resolve_model_source
 from .loaders.source import ModelSource
+from .models.base import check_tensor_parallel
 from .models.registry import resolve_model_class
 from .planning_weights import ModelWeights, planned_model, size_weights
 from .platform import resolve_dtype
@@ -163,6 +164,7 @@ class _Shape:
     weights: ModelWeights
     max_model_len: int
     quantization: QuantizationConfig | None
+    model_cls: type
 
 
 def plan_deployment(config: EngineConfig, *, device: str = "auto", device_memory: int | None = None,
@@ -277,7 +279,7 @@ def _model_shape(checkpoint: Checkpoint, config: EngineConfig, target: Target) -
     weights = size_weights(model, info.head_dim)
     info = dataclasses.replace(info, num_params=weights.num_params)
     return _Shape(info=info, hidden_size=hf.hidden_size, intermediate_size=_mlp_rows_per_token(hf),
-                  weights=weights, max_model_len=max_model_len, quantization=quantization)
+                  weights=weights, max_model_len=max_model_len, quantization=quantization, model_cls=type(model))
 
 
 def _mlp_rows_per_token(hf) -> int:
@@ -316,6 +318,7 @@ def _activation_bytes(shape: _Shape, kv_heads: int, tp: int, tokens: int, num_se
 
 def _size(checkpoint: Checkpoint, shape: _Shape, config: EngineConfig, target: Target, tp: int) -> Plan:
     info, weights = shape.info, shape.weights
+    check_tensor_parallel(shape.model_cls, tp)
     kv_heads = _kv_heads_per_rank(info, tp)
     per_token = dataclasses.replace(info, num_kv_heads=kv_heads).kv_bytes_per_block(1)
     num_seqs = profile_num_seqs(config.max_num_seqs, config.max_num_batched_tokens, shape.max_model_len)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..attention import ForwardContext
+from ..errors import ConfigError
 
 
 class CausalLM(nn.Module):
@@ -20,12 +21,15 @@ class CausalLM(nn.Module):
     `graph_capture_blocker` says why, for the log line.
     `supports_pipeline_parallel` True: the model builds only its pipeline stage's layers
     (`corectl.models.pipeline`), and `forward` takes and returns `IntermediateTensors` between
-    stages.
+    stages. A model that does not shard its layers for tensor parallelism says why in
+    `tensor_parallel_blocker` (`check_tensor_parallel` refuses it by that reason, in the model and in
+    `corectl plan`).
     """
 
     supports_graph_capture: bool = True
     graph_capture_blocker: str = ""
     supports_pipeline_parallel: bool = False
+    tensor_parallel_blocker: str = ""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         raise NotImplementedError
@@ -39,3 +43,10 @@ class CausalLM(nn.Module):
     def after_loading(self) -> None:
         """Called once every weight is loaded and quantized layers are processed, to derive what the
         forward needs from them (DeepSeek's absorbed MLA up-projections); nothing by default."""
+
+
+def check_tensor_parallel(model_cls: type, world_size: int) -> None:
+    """Refuse `world_size` > 1 ranks for a model class with a `tensor_parallel_blocker`."""
+    blocker = getattr(model_cls, "tensor_parallel_blocker", "")
+    if world_size > 1 and blocker:
+        raise ConfigError("tensor_parallel_size", f"{model_cls.__name__} runs on one rank only: {blocker}")

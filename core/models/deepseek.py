@@ -24,8 +24,7 @@ from torch.nn import functional as F
 
 from ..attention import ForwardContext
 from ..distributed import get_tp
-from ..errors import ConfigError
-from .base import CausalLM
+from .base import CausalLM, check_tensor_parallel
 from .layers import RMSNorm, RotaryEmbedding
 from .llama import GatedMLP
 from .mla import MLAttention, latent_cache_layout
@@ -145,13 +144,12 @@ class DeepseekModel(nn.Module):
 class DeepseekV2ForCausalLM(CausalLM):
     supports_graph_capture = False
     graph_capture_blocker = TORCH_EXPERTS_BLOCKER
+    tensor_parallel_blocker = "its latent attention projections are not sharded yet"
     correction = False
 
     def __init__(self, config, max_positions: int, dtype: torch.dtype):
         super().__init__()
-        if get_tp().world_size > 1:
-            raise ConfigError("tensor_parallel_size", f"{type(self).__name__} runs on one rank only: its latent "
-                              "attention projections are not sharded yet")
+        check_tensor_parallel(type(self), get_tp().world_size)
         self.config = config
         interleave = self.correction is False or bool(getattr(config, "rope_interleave", True))
         self.model = DeepseekModel(config, max_positions, dtype, interleave, self.correction)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from corectl import LLM, SamplingParams
 from corectl.config import EngineConfig
+from corectl.errors import ConfigError
 from corectl.planning import plan_deployment
 from support.arch_parity import BLOCK, MAX_MODEL_LEN, assert_engine_matches, parity_prompts, save_random_model
 from support.models import hf_greedy_choices
@@ -70,7 +71,8 @@ def test_chunked_prefill_over_the_latent_cache_matches_transformers(tmp_path, de
 
 def test_plan_sizes_latent_blocks_of_a_v2_lite_shape(tmp_path):
     """`corectl plan` of DeepSeek-V2-Lite's shape: a token costs layers x (kv_lora_rank + rope) bf16
-    numbers, 27 x 576 x 2 bytes, not 2 x heads x (nope + rope) per layer."""
+    numbers, 27 x 576 x 2 bytes, not 2 x heads x (nope + rope) per layer. Tensor parallelism, which
+    the model refuses, is neither planned nor offered as a remedy."""
     from transformers import DeepseekV2Config
 
     config = DeepseekV2Config(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
@@ -83,6 +85,10 @@ def test_plan_sizes_latent_blocks_of_a_v2_lite_shape(tmp_path):
     plan = plan_deployment(EngineConfig(model=str(tmp_path)), device_memory=80 << 30, device_capability=(9, 0))
     assert plan.kv_bytes_per_token == 27 * (512 + 64) * 2
     assert plan.problem is None and plan.kv_tokens == plan.num_kv_blocks * plan.block_size > 1_000_000
+    small = plan_deployment(EngineConfig(model=str(tmp_path)), device_memory=24 << 30, device_capability=(9, 0))
+    assert small.problem and not any("tensor-parallel" in remedy for remedy in small.remedies)
+    with pytest.raises(ConfigError, match="runs on one rank only: its latent attention projections"):
+        plan_deployment(EngineConfig(model=str(tmp_path), tensor_parallel_size=2), device_memory=80 << 30)
 
 
 def test_triton_backend_under_the_interpreter(tmp_path, default_model_dir):
