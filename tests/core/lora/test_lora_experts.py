@@ -212,3 +212,16 @@ def test_tensor_parallel_ranks_partial_outputs_with_adapters_add_up():
 
     whole = partial(0, 1)
     torch.testing.assert_close(partial(0, 2) + partial(1, 2), whole, rtol=1e-5, atol=1e-5 * whole.abs().max().item())
+
+
+def test_dummy_adapters_adapt_the_experts_of_a_moe_base(tmp_path, moe_shape):
+    """The benchmarks' random adapters on a mixture-of-experts base: attention plus both expert
+    stacks of every layer, through the same checks."""
+    from corectl.lora.dummy import write_dummy_adapters
+
+    (lora,) = write_dummy_adapters(tmp_path, moe_shape, num=1, rank=8)
+    adapter = load_adapter(lora, BaseModelShape.of(moe_shape, 16))
+    assert adapter.rank == 8
+    assert {m.rsplit(".", 1)[-1] for m in adapter.weights} == {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                               "gate_up_proj", "down_proj"}
+    assert adapter.weights["model.layers.1.mlp.experts.gate_up_proj"][0].shape == (4, 2, 8, 64)
