@@ -85,20 +85,22 @@ def choose_graph(sizes: Mapping[int, Sequence[int]], max_blocks: int, host: Host
     return None if bucket is None else (rows, bucket)
 
 
-def pad_decode_step(host: HostStep, size: int) -> list[np.ndarray]:
-    """A pure-decode step's input_ids, positions, slot_mapping, seq_lens and block_tables padded to
-    `size` rows. Padding rows read token 0 at position 0, store nothing (slot -1) and attend to
-    nothing (seq_len 0, a row of null blocks)."""
+def pad_decode_step(host: HostStep, size: int, positions: np.ndarray | None = None) -> list[np.ndarray]:
+    """A pure-decode step's input_ids, positions (the model's: `positions`, or the step's cache
+    positions), slot_mapping, seq_lens and block_tables padded to `size` rows. Padding rows read
+    token 0 at position 0, store nothing (slot -1) and attend to nothing (seq_len 0, a row of
+    null blocks)."""
     return [
         _padded(host.input_ids, size, 0),
-        _padded(host.positions, size, 0),
+        _padded(host.positions if positions is None else positions, size, 0),
         _padded(host.slot_mapping, size, -1),
         _padded(host.seq_lens, size, 0),
         _padded(host.block_tables, size, 0),
     ]
 
 
-def pad_verify_step(host: HostStep, rows: int, groups: int) -> tuple[list[np.ndarray], np.ndarray]:
+def pad_verify_step(host: HostStep, rows: int, groups: int,
+                    positions: np.ndarray | None = None) -> tuple[list[np.ndarray], np.ndarray]:
     """A verify step laid out `rows` to a request for `groups` requests (`pad_decode_step`'s five
     arrays), and the row each token went to. Token j of request i goes to row i * rows + j, a
     decode row ending at its own position over the request's block table; the rows after a
@@ -114,7 +116,7 @@ def pad_verify_step(host: HostStep, rows: int, groups: int) -> tuple[list[np.nda
 
     return [
         scatter(host.input_ids, 0),
-        scatter(host.positions, 0),
+        scatter(host.positions if positions is None else positions, 0),
         scatter(host.slot_mapping, -1),
         scatter((host.positions + 1).astype(np.int32), 0),
         _padded(np.repeat(host.block_tables, rows, axis=0), size, 0),
@@ -283,15 +285,18 @@ class CUDAGraphModelRunner(ModelRunner):
 
     def upload(self, host: HostStep) -> StepInputs:
         key = None if self._static is None else choose_graph(self._graph_sizes, self._static.max_blocks, host)
-        if key is None:
+        # A vision-language model's step replays a graph unless it merges image rows or needs
+        # M-RoPE's three position rows (`MultiModalStep.graph_positions`).
+        positions = host.positions if self.multimodal is None else self.multimodal.graph_positions(host, self.states)
+        if key is None or positions is None:
             return super().upload(host)
         static, graph = self._static, self.graphs[key]
         size = graph.size
         if key[0] == 1:
             # A one-token prefill chunk makes a decode-shaped row that samples nothing.
-            padded, index, token_rows = pad_decode_step(host, size), logits_index(host), None
+            padded, index, token_rows = pad_decode_step(host, size, positions), logits_index(host), None
         else:
-            (padded, token_rows), index = pad_verify_step(host, *key), None
+            (padded, token_rows), index = pad_verify_step(host, *key, positions), None
         extra = [a for a in (index, token_rows) if a is not None]
         tensors = self.to_device([*padded, *extra])
         static.load(size, tensors[:5])

@@ -108,8 +108,6 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     encode images."""
 
     supports_pipeline_parallel = False
-    supports_graph_capture = False
-    graph_capture_blocker = "decode graphs are not wired to image models yet"
 
     def __init__(self, config, max_positions: int, dtype: torch.dtype):
         super().__init__(config.get_text_config(), max_positions, dtype)

@@ -180,8 +180,6 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
 
     qkv_bias = True
     supports_pipeline_parallel = False
-    supports_graph_capture = False
-    graph_capture_blocker = "positions come as three rows (M-RoPE) for requests with images; decode graphs take one"
 
     def __init__(self, config, max_positions: int, dtype: torch.dtype):
         text = config.get_text_config()

@@ -61,6 +61,18 @@ class MultiModalStep:
                 self.cache.put(key, value)
         return embeds, positions
 
+    def graph_positions(self, host: HostStep, states: RequestStates) -> np.ndarray | None:
+        """The step's positions as one row, as a replayed decode graph takes them, or None when the
+        step needs what a graph cannot give: image rows merged into its embeddings, or M-RoPE rows
+        that differ. Outside an image the three rows agree (a text token's, and every position
+        past the prompt, at index + offset), and M-RoPE over three equal rows is plain RoPE."""
+        if self._spans(host, states):
+            return None
+        if not (self.uses_mrope and any(states[r].mm_inputs for r in host.req_ids)):
+            return host.positions
+        rows = self._mrope_positions(host, states)
+        return rows[0] if (rows == rows[0]).all() else None
+
     def bidirectional_spans(self, host: HostStep, states: RequestStates) -> list[list[tuple[int, int]]] | None:
         """Per step sequence, the image spans its chunk holds (`AttentionBatch.bidirectional_spans`);
         None for a model whose images attend causally or a step without image tokens."""

@@ -1,5 +1,5 @@
 """Decode CUDA graphs give eager execution's tokens across buckets (verify steps of speculative
-decoding too, unless CORECTL_GRAPH_VERIFY=0); async scheduling gives the
+decoding and vision-language decode steps too, unless CORECTL_GRAPH_VERIFY=0 for the former); async scheduling gives the
 synchronous loop's tokens, and launching a step never waits for the device."""
 import pytest
 import torch
@@ -101,7 +101,7 @@ def test_programmatic_dependent_launch_changes_no_bit(checkpoint, monkeypatch):
 
 
 def test_verify_steps_replayed_in_graphs_give_eager_verification_tokens(checkpoint, replayed_sizes, monkeypatch):
-    """A verify step (k + 1 rows a request) replays a decode graph of one row per token; fp32, so
+    """A verify step (k + 1 rows a request) replays a verify graph of k + 1 rows a request; fp32, so
     token-exact against verify steps run eagerly (CORECTL_GRAPH_VERIFY=0)."""
     # The checkpoint drafts for itself: every step proposes k tokens, so every verify step has k + 1
     # rows a request. (N-gram lookup over a random model's output proposed almost nothing, and the
@@ -116,3 +116,35 @@ def test_verify_steps_replayed_in_graphs_give_eager_verification_tokens(checkpoi
     graphs = generate(checkpoint, prompts, params, dtype="float32", max_num_seqs=4, speculative_config=spec)
     assert max(replayed_sizes) > 4, "verify steps of 4 requests x 5 rows must have replayed graphs"
     assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]
+
+
+def test_vision_language_decode_replays_graphs_with_the_eager_tokens(tmp_path, replayed_sizes):
+    """Qwen2.5-VL (M-RoPE): image requests decode in graphs at index + offset positions, one row,
+    token-exact in fp32 against eager steps, batched with a text-only request."""
+    import gc
+
+    from corectl import LLM
+    from support.gpu import write_tokenizer
+    from support.vision_models import build_qwen2_5_vl, random_image
+
+    (tmp_path / "tokenizer").mkdir()
+    write_tokenizer(tmp_path / "tokenizer", 512)
+    folder = build_qwen2_5_vl(tmp_path / "qwen2_5_vl", tmp_path / "tokenizer")
+
+    def user(*parts):
+        return [{"role": "user", "content": [{"type": "text", "text": p} if isinstance(p, str) else
+                                             {"type": "image_pil", "image_pil": p} for p in parts]}]
+
+    conversations = [user(random_image(100, 70, 1), "t5 t6 t7"), user(random_image(60, 90, 2), "t8"),
+                     [{"role": "user", "content": "t9 t10 t11 t12"}]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    tokens = {}
+    for eager in (True, False):
+        llm = LLM(str(folder), platform="cuda", dtype="float32", max_model_len=512, gpu_memory_utilization=0.2,
+                  max_num_seqs=8, enforce_eager=eager)
+        tokens[eager] = [list(o.outputs[0].token_ids) for o in llm.chat(conversations, params, use_tqdm=False)]
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert replayed_sizes, "the image requests' decode steps must have replayed graphs"
+    assert tokens[False] == tokens[True]

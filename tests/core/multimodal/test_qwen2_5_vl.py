@@ -86,6 +86,30 @@ def test_a_repeated_image_is_encoded_once_and_hits_the_prefix_cache_another_imag
     assert cache.misses == misses + 1
 
 
+def test_graph_positions_are_the_eager_steps_positions_wherever_a_graph_may_replay(llm, monkeypatch):
+    """Decode CUDA graphs take one position row: wherever `graph_positions` offers one, all three
+    M-RoPE rows of the eager step equal it (an image request's decode positions sit at index +
+    offset), and no step that merges image rows is offered one."""
+    step = _runner(llm).multimodal
+    prepare, seen = step.prepare, []
+
+    def watched(host, input_ids, positions, states):
+        offered = step.graph_positions(host, states)
+        embeds, used = prepare(host, input_ids, positions, states)
+        seen.append((offered, embeds is not None, used.cpu().numpy()))
+        return embeds, used
+
+    monkeypatch.setattr(step, "prepare", watched)
+    llm.chat([_user(random_image(100, 70, 5), "Describe it."), [{"role": "user", "content": "Text."}]],
+             SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert any(merged for _, merged, _ in seen) and any(offered is None for offered, _, _ in seen)
+    offered = [(rows, used) for rows, merged, used in seen if rows is not None and not merged]
+    assert len(offered) == sum(rows is not None for rows, _, _ in seen), "a step merging image rows was offered a graph"
+    assert any(used.ndim == 2 for _, used in offered), "no decode step of the image request was offered a graph"
+    for rows, used in offered:
+        assert ((used if used.ndim == 2 else used[None]) == rows).all()
+
+
 def test_text_only_model_refuses_images(llm_fp32):
     from corectl.errors import InvalidRequestError
 
