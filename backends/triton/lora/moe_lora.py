@@ -147,7 +147,6 @@ def fused_moe_lora(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tens
     num_tokens, top_k = topk_ids.shape
     if num_tokens * top_k == 0:
         return torch.zeros_like(hidden)
-    require(lora.gate_up_a.dtype == hidden.dtype, f"the adapters are {lora.gate_up_a.dtype}, hidden {hidden.dtype}")
     slots, scales = lora.batch.token_slots[:num_tokens], lora.batch.scales
     routing = sort_by_expert(topk_ids, gate_up.shape[0])
     a_gu, a_down = (a.flatten(2, 3) for a in (lora.gate_up_a, lora.down_a))
