@@ -127,7 +127,22 @@ def gguf_reader(path: Path) -> gguf.GGUFReader:
 
 @functools.lru_cache(maxsize=4)
 def _parsed(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
-    return gguf.GGUFReader(path)
+    return _PlainViewReader(path)
+
+
+class _PlainViewReader(gguf.GGUFReader):
+    """The gguf package's reader over a plain ndarray view of its file mapping. Every field part is
+    a slice of the mapping, and a slice of an `np.memmap` runs Python code (`memmap.__array_finalize__`)
+    where a plain view's does not: SmolLM2's ~300k vocabulary parts took 3.7 s of CPU, 0.95 s plain.
+    The view keeps the mapping open; tensor data is still read from disk only when used."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain_data
+
+    @data.setter
+    def data(self, mapping: np.memmap) -> None:
+        self._plain_data = np.asarray(mapping)
 
 
 def read_gguf_header(path: Path) -> GGUFHeader:
