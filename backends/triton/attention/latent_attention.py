@@ -6,14 +6,15 @@ arrives already multiplied into the latent space, [q_latent | q_rope], so its sc
 is q_latent . c_kv + q_rope . k_rope and its output is the softmax-weighted sum of the c_kv parts:
 the row is read once and serves as key and value for every head (the model applies W_UV after).
 
-Grid (query token, head block, split): a program holds BLOCK_H heads of one token and walks one
-contiguous partition of the keys that token sees, in tiles of BLOCK_N, looking each key's page up
-in the block table. A decode step (one token per sequence) splits long contexts like
-`decode_attention` and combines the partial outputs with its combine kernel; a prefill or mixed
-step runs every token unsplit, seeing keys up to its own position (its sequence found by binary
-search over `query_start_loc`), so a chunked prefill or a prefix-cache hit is the same code. Each
-prefill token reads its context on its own: exact, but a long prompt's tokens re-read their shared
-prefix (from L2 mostly), where vLLM expands the latent into per-head K/V and runs a dense kernel.
+Grid (query tile, head block, split): a program holds the heads of one head block for the query
+tokens of its tile (rows = tokens x heads) and walks one contiguous partition of the keys they
+see, in tiles of BLOCK_N, looking each key's page up in the block table, so a key tile is read once
+for all of them. A decode step (one token per sequence, tile = sequence) splits long contexts like
+`decode_attention` and combines the partial outputs with its combine kernel. A prefill or mixed
+step takes tiles of several tokens of one sequence, numbered and found as the prefill kernel's
+(`_find_sequence`), unsplit, each row masked at its own position: a chunked prefill or a
+prefix-cache hit is the same code. vLLM expands the latent into per-head K/V for prefill instead,
+which costs fewer FLOPs per key on long prompts (nope + rope against rank + rope per head).
 
 Numerics as `paged_softmax` (fp32 scores, softmax and accumulator; DOT_DTYPE operands; log2 domain).
 Sequence lengths and block tables come from tensors, so a decode launch with fixed batch, table
@@ -29,24 +30,33 @@ import triton.language as tl
 
 from ..checks import check_float, check_index, check_range, check_same_device, require
 from .decode_attention import MAX_SPLITS, _combine_splits_kernel, choose_decode_splits
+from .prefill_attention import _find_sequence
 from .paged_softmax import LOG2E, dot_dtype, head_block
 
 
 class LatentConfig(NamedTuple):
-    """One launch: heads per program, keys per tile, warps, tiles in flight."""
+    """One launch: heads per program, keys per tile, warps, tiles in flight, and for prefill the
+    rows (query tokens x heads) a program holds, so each key tile serves several tokens."""
     block_h: int = 16
     block_n: int = 32
     num_warps: int = 4
     num_stages: int = 2
+    rows: int = 16
+
+
+# Prefill and mixed steps: 32 rows (two tokens of 16 heads at V2-Lite's shape) halve the key reads
+# of one token a program; the 32 x 512 fp32 accumulator wants twice the warps.
+PREFILL = LatentConfig(num_warps=8, rows=32)
 
 
 @triton.jit
-def _attend_latent(acc, m_i, l_i, q_c, q_r, row_base, table_row, lo, hi, qk_scale, stride_blk, stride_tok,
+def _attend_latent(acc, m_i, l_i, q_c, q_r, q_pos, row_base, table_row, lo, hi, qk_scale, stride_blk, stride_tok,
                    offs_r, offs_p, r_mask, p_mask, RANK: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, MASKED: tl.constexpr, EVEN: tl.constexpr):
-    """Fold keys [lo, hi) into (acc, m_i, l_i); unmasked, hi - lo is a whole number of tiles. EVEN:
-    rank and rope are their blocks' widths, so unmasked tiles load without masks (the bulk of a
-    long context at real shapes, 512 + 64)."""
+    """Fold keys [lo, hi) into (acc, m_i, l_i). MASKED: row r sees key j < hi when j <= q_pos[r];
+    unmasked, every row sees every key and hi - lo is a whole number of tiles. EVEN: rank and rope
+    are their blocks' widths, so unmasked tiles load without masks (the bulk of a long context at
+    real shapes, 512 + 64)."""
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         if MASKED:
@@ -67,7 +77,7 @@ def _attend_latent(acc, m_i, l_i, q_c, q_r, row_base, table_row, lo, hi, qk_scal
         s = tl.dot(q_c, tl.trans(c), input_precision="ieee")
         s = (s + tl.dot(q_r, tl.trans(pe), input_precision="ieee")) * qk_scale
         if MASKED:
-            s = tl.where(n_mask[None, :], s, float("-inf"))
+            s = tl.where(n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -77,75 +87,73 @@ def _attend_latent(acc, m_i, l_i, q_c, q_r, row_base, table_row, lo, hi, qk_scal
     return acc, m_i, l_i
 
 
-@triton.jit
-def _token_sequence(query_start_ptr, num_seqs, token):
-    """Largest i with query_start[i] <= token: the sequence of a packed token."""
-    left = 0
-    right = num_seqs
-    while left < right:
-        mid = (left + right) // 2
-        if tl.load(query_start_ptr + mid) <= token:
-            left = mid + 1
-        else:
-            right = mid
-    return left - 1
-
-
 # The batch size and the block-table width change every eager step: no specialization on them.
 @triton.jit(do_not_specialize=["num_seqs", "stride_table"])
 def _latent_kernel(
     q_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr, out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
     num_seqs, num_heads, stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_tok, stride_table,
-    RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DECODE: tl.constexpr, EVEN: tl.constexpr,
+    RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, HEADS: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr, DECODE: tl.constexpr, EVEN: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    # Row m is head (m % HEADS) of this program's head block, for query token (m // HEADS) of its tile.
+    tile = tl.program_id(0)
     split = tl.program_id(2)
     if DECODE:
-        seq = token
-        pos = tl.load(seq_lens_ptr + seq) - 1
+        seq = tile
+        q_start = tile
+        q_len = 1
+        local = 0
     else:
-        seq = _token_sequence(query_start_ptr, num_seqs, token)
-        pos = tl.load(seq_lens_ptr + seq) - tl.load(query_start_ptr + seq + 1) + token
-    # The token sees keys [0, pos]; splits share them out in whole tiles, only the last one ragged.
-    seen = pos + 1
+        seq = _find_sequence(query_start_ptr, num_seqs, tile, BLOCK_Q)
+        q_start = tl.load(query_start_ptr + seq)
+        q_len = tl.load(query_start_ptr + seq + 1) - q_start
+        local = tile - (q_start // BLOCK_Q + seq)
+        if local * BLOCK_Q >= q_len:
+            return
+    prefix = tl.load(seq_lens_ptr + seq) - q_len
+    offs_m = tl.arange(0, BLOCK_M)
+    token = local * BLOCK_Q + offs_m // HEADS
+    heads = tl.program_id(1) * HEADS + offs_m % HEADS
+    m_mask = (offs_m < BLOCK_Q * HEADS) & (token < q_len) & (heads < num_heads)
+    q_pos = prefix + token
+    # Keys up to the tile's first token are seen by every row; splits (decode) share the keys out
+    # in whole tiles, the last one ragged.
+    seen = prefix + tl.minimum((local + 1) * BLOCK_Q, q_len)
     split_len = tl.cdiv(tl.cdiv(seen, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seen)
-    bulk_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+    bulk_end = tl.maximum(lo, tl.minimum(hi, (prefix + local * BLOCK_Q + 1) // BLOCK_N * BLOCK_N))
 
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_r = tl.arange(0, BLOCK_R)
     offs_p = tl.arange(0, BLOCK_P)
-    h_mask = heads < num_heads
     r_mask = offs_r < RANK
     p_mask = offs_p < ROPE
-    q_rows = q_ptr + token * stride_qt + heads[:, None] * stride_qh
-    q_c = tl.load(q_rows + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0).to(DOT_DTYPE)
-    q_r = tl.load(q_rows + RANK + offs_p[None, :], mask=h_mask[:, None] & p_mask[None, :], other=0.0).to(DOT_DTYPE)
+    q_rows = q_ptr + (q_start + token)[:, None] * stride_qt + heads[:, None] * stride_qh
+    q_c = tl.load(q_rows + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0).to(DOT_DTYPE)
+    q_r = tl.load(q_rows + RANK + offs_p[None, :], mask=m_mask[:, None] & p_mask[None, :], other=0.0).to(DOT_DTYPE)
 
     table_row = table_ptr + seq * stride_table
-    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
-    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - 1.0e30
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc, m_i, l_i = _attend_latent(acc, m_i, l_i, q_c, q_r, cache_ptr, table_row, lo, bulk_end, qk_scale,
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend_latent(acc, m_i, l_i, q_c, q_r, q_pos, cache_ptr, table_row, lo, bulk_end, qk_scale,
                                    stride_blk, stride_tok, offs_r, offs_p, r_mask, p_mask,
                                    RANK, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, False, EVEN)
-    acc, m_i, l_i = _attend_latent(acc, m_i, l_i, q_c, q_r, cache_ptr, table_row, bulk_end, hi, qk_scale,
+    acc, m_i, l_i = _attend_latent(acc, m_i, l_i, q_c, q_r, q_pos, cache_ptr, table_row, bulk_end, hi, qk_scale,
                                    stride_blk, stride_tok, offs_r, offs_p, r_mask, p_mask,
                                    RANK, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, True, EVEN)
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / safe_l[:, None]
-    row_mask = h_mask[:, None] & r_mask[None, :]
+    row_mask = m_mask[:, None] & r_mask[None, :]
     if NUM_SPLITS == 1:
-        dst = out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_r[None, :]
+        dst = out_ptr + (q_start + token)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_r[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:
-        part_rows = (token * num_heads + heads) * NUM_SPLITS + split
+        part_rows = (seq * num_heads + heads) * NUM_SPLITS + split
         tl.store(part_out_ptr + part_rows[:, None] * RANK + offs_r[None, :], out, mask=row_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
-        tl.store(part_lse_ptr + part_rows, lse, mask=h_mask)
+        tl.store(part_lse_ptr + part_rows, lse, mask=m_mask)
 
 
 def check_latent_cache(kv_cache: torch.Tensor) -> tuple[int, int, int]:
@@ -203,26 +211,29 @@ def paged_latent_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
             check_range("query_start_loc", query_start_loc, 0, num_tokens + 1)
     if num_tokens:
         _launch(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, rank, splits,
-                config or LatentConfig())
+                config or (LatentConfig() if query_start_loc is None else PREFILL))
     return out
 
 
 def _launch(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, rank, splits, cfg: LatentConfig):
     num_tokens, num_heads, width = q.shape
-    rope = width - rank
-    block_h = max(16, min(cfg.block_h, triton.next_power_of_2(num_heads)))
+    rope, decode = width - rank, query_start_loc is None
+    heads = min(cfg.block_h, triton.next_power_of_2(num_heads))
+    block_q = 1 if decode else max(1, cfg.rows // heads)
     if splits == 1:
         part_out = part_lse = out
     else:
         part_out = torch.empty((num_tokens, num_heads, splits, rank), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
-    _latent_kernel[(num_tokens, triton.cdiv(num_heads, block_h), splits)](
-        q, kv_cache, block_tables, seq_lens, seq_lens if query_start_loc is None else query_start_loc, out,
+    # Prefill tiles are numbered as the prefill kernel's: the grid depends only on T and B.
+    tiles = num_tokens if decode else num_tokens // block_q + block_tables.shape[0]
+    _latent_kernel[(tiles, triton.cdiv(num_heads, heads), splits)](
+        q, kv_cache, block_tables, seq_lens, seq_lens if decode else query_start_loc, out,
         part_out, part_lse, scale * LOG2E, block_tables.shape[0], num_heads, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
-        RANK=rank, ROPE=rope, BLOCK_R=head_block(rank), BLOCK_P=head_block(rope), BLOCK_H=block_h,
-        BLOCK_N=cfg.block_n, BLOCK_SIZE=kv_cache.shape[2], NUM_SPLITS=splits,
-        DOT_DTYPE=dot_dtype(q.dtype, q.device), DECODE=query_start_loc is None,
+        RANK=rank, ROPE=rope, BLOCK_R=head_block(rank), BLOCK_P=head_block(rope), HEADS=heads, BLOCK_Q=block_q,
+        BLOCK_M=max(16, block_q * heads), BLOCK_N=cfg.block_n, BLOCK_SIZE=kv_cache.shape[2], NUM_SPLITS=splits,
+        DOT_DTYPE=dot_dtype(q.dtype, q.device), DECODE=decode,
         EVEN=head_block(rank) == rank and head_block(rope) == rope,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -6,7 +6,7 @@ import torch
 from corectl.attention import AttentionBatch
 from corectl.backends.cpu.attention import TorchSDPABackend
 from corectl.backends.triton.attention.backend import TritonAttentionBackend
-from corectl.backends.triton.attention.latent_attention import paged_latent_attention
+from corectl.backends.triton.attention.latent_attention import LatentConfig, paged_latent_attention
 from corectl.backends.triton.bench.paged_batch import random_paged_batch
 from corectl.backends.triton.reference import causal_attention_ref
 
@@ -29,7 +29,7 @@ def _reference(batch, q):
 
 @pytest.mark.parametrize("dtype, num_splits", [(torch.float32, 1), (torch.bfloat16, 3)])
 def test_decode_matches_reference(dtype, num_splits, assert_close):
-    seq_lens = [77, 3, 0, 18]
+    seq_lens = [45, 3, 0, 18]
     batch, cache, q = _latent_batch(seq_lens, [1, 1, 0, 1], dtype)
     # A padding row (length 0, as a CUDA graph pads a batch) takes a query row of its own.
     q = torch.cat((q[:2], torch.randn(1, HEADS, RANK + ROPE).to(dtype), q[2:]))
@@ -40,11 +40,13 @@ def test_decode_matches_reference(dtype, num_splits, assert_close):
     assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
-def test_prefill_with_cached_prefix_matches_reference(assert_close):
+# Prefill tiles of 2 tokens x 16 heads (the default), and of 8 tokens x 4 heads (5 head blocks).
+@pytest.mark.parametrize("config", [None, LatentConfig(block_h=4, rows=32)])
+def test_prefill_with_cached_prefix_matches_reference(config, assert_close):
     # A rope width of 8 (the tiny parity configs') is narrower than its block: masked loads throughout.
     batch, cache, q = _latent_batch([29, 6, 40], [9, 6, 1], torch.float32, rope=8)
     out = paged_latent_attention(q, cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, SCALE,
-                                 rank=RANK, max_seq_len=40)
+                                 rank=RANK, max_seq_len=40, config=config)
     assert_close(out, _reference(batch, q))
 
 
