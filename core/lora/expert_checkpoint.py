@@ -57,7 +57,8 @@ def check_target_parameters(lora: LoRARequest, names) -> None:
         if name.rsplit(".", 1)[-1] not in EXPERT_PARAMETERS or not (name.startswith("experts.") or ".experts." in name
                                                                    or "." not in name):
             raise LoRAAdapterError(f"adapter {lora.lora_name!r} targets parameter {name!r}, which corectl cannot "
-                                   "adapt; supported target parameters: mlp.experts.gate_up_proj, mlp.experts.down_proj")
+                                   "adapt; supported target parameters: mlp.experts.gate_up_proj, "
+                                   "mlp.experts.down_proj")
 
 
 def is_expert_module(module: str) -> bool:
@@ -117,7 +118,8 @@ def _check_per_expert(lora: LoRARequest, module: str, proj: str, expert: int, pa
     if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
         raise LoRAAdapterError(
             f"adapter {lora.lora_name!r}: module {module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
-            f"the base model's expert {proj} needs {expected_a} and {expected_b}: was it trained on another base model?")
+            f"the base model's expert {proj} needs {expected_a} and {expected_b}: was it trained on another base "
+            "model?")
 
 
 def _from_fused(lora: LoRARequest, layer: str, entries: list[tuple[str, Pair]], shape: ExpertShape) -> dict[str, Pair]:
@@ -160,7 +162,8 @@ def _from_per_expert(layer: str, entries: dict[tuple[str, int], tuple[str, Pair]
         out[f"{layer}.mlp.experts.gate_up_proj"] = (torch.zeros(e, 2, r, h, dtype=dtype),
                                                     torch.zeros(e, 2 * i, r, dtype=dtype))
     if any(proj == "down_proj" for proj, _ in entries):
-        out[f"{layer}.mlp.experts.down_proj"] = (torch.zeros(e, 1, r, i, dtype=dtype), torch.zeros(e, h, r, dtype=dtype))
+        out[f"{layer}.mlp.experts.down_proj"] = (torch.zeros(e, 1, r, i, dtype=dtype),
+                                                 torch.zeros(e, h, r, dtype=dtype))
     for (proj, expert), (_, (a, b)) in entries.items():
         rank = a.shape[0]
         stack_a, stack_b = out[f"{layer}.mlp.experts.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"]

@@ -25,7 +25,7 @@ import triton.language as tl
 from ..attention.paged_softmax import dot_dtype
 from ..checks import check_float, require
 from ..elementwise.activation import silu_and_mul
-from ..moe.fused_moe import SortedRouting, expert_gemm, sort_by_expert, topk_softmax
+from ..moe.fused_moe import SortedRouting, expert_gemm, sort_by_expert
 
 # Columns of one expand program, and the widest rank block of a shrink program.
 _BLOCK_N = 64

@@ -91,7 +91,8 @@ def qwen3_moe(tmp_path_factory, default_model_dir):
                                 target_parameters=EXPERTS[:1]),
     }
     per_expert_layout(root / "both", root / "per_expert", 4, 64, QWEN_NAMES)
-    loras = {name: LoRARequest(name, i + 1, str(root / name)) for i, name in enumerate(["both", "gate_up", "per_expert"])}
+    names = ["both", "gate_up", "per_expert"]
+    loras = {name: LoRARequest(name, i + 1, str(root / name)) for i, name in enumerate(names)}
     llm = LLM(str(base), enable_lora=True, max_loras=3, **ENGINE)
     return llm, loras, peft
 
