@@ -11,6 +11,8 @@ Sorted path (batches with several pairs per expert):
 3. The same kernel without GATED: the down projection of those rows, scaled by the pair's routing
    weight ([pairs, H]).
 4. The k weighted rows of each token are summed in fp32, in slot order.
+`sort_by_expert` (step 1) and `expert_gemm` (one launch of steps 2-3) are what
+`lora/moe_lora.py` builds the adapters' path on.
 
 Pair path (small decode batches, at most one pair per two experts): no sort; two GEMV launches,
 every expert's weights read once per pair, at batch 1 exactly the weights the token needs
