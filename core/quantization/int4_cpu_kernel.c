@@ -71,6 +71,10 @@ static inline __attribute__((always_inline)) __m512 group_out(__m512 s, __m512 z
     return _mm512_fmadd_ps(_mm512_set1_ps(step), v, acc);
 }
 
+static inline __attribute__((always_inline)) __m256i bytes32(const uint8_t *p) {
+    return _mm256_loadu_si256((const __m256i *)p);
+}
+
 static inline __attribute__((always_inline)) __m512i pair_of(const int16_t *p) {
     int32_t v;
     memcpy(&v, p, sizeof v);
@@ -94,7 +98,7 @@ static inline __attribute__((always_inline)) void block(
             const uint8_t *wg = w + (long)g * group * 8;
             for (int c = 0; c < group / 4; c++) {
                 for (int t = 0; t < T; t++) {
-                    __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wg + t * tile_bytes + c * 32)));
+                    __m512i b = _mm512_cvtepu8_epi16(bytes32(wg + t * tile_bytes + c * 32));
                     __m512i lo = _mm512_and_si512(b, low), hi = _mm512_srli_epi16(b, 4);
                     for (int r = 0; r < R; r++) {
                         d[r * T + t] = _mm512_dpwssd_epi32(d[r * T + t], lo, pair_of(xg + r * K + 4 * c));
@@ -106,7 +110,7 @@ static inline __attribute__((always_inline)) void block(
             const uint8_t *wg = w + (long)g * group * L;
             for (int p = 0; p < group / 2; p++) {
                 for (int t = 0; t < T; t++) {
-                    __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wg + t * tile_bytes + p * 32)));
+                    __m512i b = _mm512_cvtepi8_epi16(bytes32(wg + t * tile_bytes + p * 32));
                     for (int r = 0; r < R; r++)
                         d[r * T + t] = _mm512_dpwssd_epi32(d[r * T + t], b, pair_of(xg + r * K + 2 * p));
                 }
@@ -129,7 +133,8 @@ static inline __attribute__((always_inline)) void block(
 // Tiles a block of R rows takes at once: enough independent accumulators to hide vpdpwssd's latency.
 static int tiles_for(int rows) { return rows <= 2 ? 4 : rows <= 4 ? 2 : 1; }
 
-#define BLOCK(R, T) case R * 8 + T: block(R, T, bits, groups, group, a, m0, K, w, tile_bytes, sz, tile_sz, y, ldy); break;
+#define BLOCK(R, T) \
+    case R * 8 + T: block(R, T, bits, groups, group, a, m0, K, w, tile_bytes, sz, tile_sz, y, ldy); break;
 
 static void block_rows(int rows, int tiles, int bits, int groups, int group, const acts *a, long m0, long K,
                        const uint8_t *w, long tile_bytes, const _Float16 *sz, long tile_sz, float *y, long ldy) {
