@@ -25,6 +25,8 @@
 // is input 2p+t of output n), so that bytes widened to 16-bit words are vpdpwssd's pairs. fp32 loop:
 // 4-bit codes as L bytes per pair of inputs (low nibble: input 2j, high nibble: input 2j+1), int8
 // codes as L bytes per input.
+#include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,9 +50,16 @@ typedef struct {
 static void quantize_row(long K, int group, const float *x, const acts *a, long m) {
     for (long g0 = 0; g0 < K; g0 += group) {
         __m512 amax = _mm512_setzero_ps();
-        for (int k = 0; k < group; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + g0 + k)));
+        __mmask16 nan = 0;
+        for (int k = 0; k < group; k += 16) {
+            __m512 v = _mm512_loadu_ps(x + g0 + k);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+        }
         const float top = _mm512_reduce_max_ps(amax);
-        const __m512 inv = _mm512_set1_ps(top > 0 ? QMAX / top : 0.0f);
+        // A NaN or infinite input makes its group's step NaN: every output of the row is NaN, as in fp32.
+        const int finite = !nan && top <= FLT_MAX;
+        const __m512 inv = _mm512_set1_ps(finite && top > 0 ? QMAX / top : 0.0f);
         __m512i sum = _mm512_setzero_si512();
         for (int k = 0; k < group; k += 16) {
             const long at = m * K + g0 + k;
@@ -59,7 +68,7 @@ static void quantize_row(long K, int group, const float *x, const acts *a, long 
             _mm256_storeu_si256((__m256i *)(a->i + at), _mm512_cvtsepi32_epi16(i));
         }
         const long at = m * (K / group) + g0 / group;
-        a->step[at] = top / QMAX;
+        a->step[at] = finite ? top / QMAX : NAN;
         a->sums[at] = (float)_mm512_reduce_add_epi32(sum);
     }
 }

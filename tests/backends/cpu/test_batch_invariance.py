@@ -132,3 +132,6 @@ def test_grouped_gemm_rows_do_not_depend_on_the_batch(bits, arch, monkeypatch):
     weight = (codes.view(n, k // 32, 32) * scales[..., None] + mins[..., None]).view(n, k)
     # int16 activations (AVX512-VNNI) give ~2e-5 here, fp32 ones (AVX2) less; bf16 ones would give ~2e-3
     assert_close(batched, (x.double() @ weight.double().t()).float(), 2e-4, norm="max")
+    x[5, 77] = float("nan")  # a NaN input reaches every output of its row and no other row
+    poisoned = gemm(x)
+    assert poisoned[5].isnan().all() and torch.equal(poisoned[6:], batched[6:])
