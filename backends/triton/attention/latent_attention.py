@@ -96,14 +96,19 @@ def _latent_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr, DECODE: tl.constexpr, EVEN: tl.constexpr,
 ):
-    # Row m is head (m % HEADS) of this program's head block, for query token (m // HEADS) of its tile.
+    # Row m is head (m % HEADS) of this program's head block for query token (m // HEADS) of its tile.
     tile = tl.program_id(0)
     split = tl.program_id(2)
+    offs_m = tl.arange(0, BLOCK_M)
+    # The tile's keys: [0, seen); its first row's position, first_pos: all its rows see keys <= it.
     if DECODE:
         seq = tile
         q_start = tile
-        q_len = 1
-        local = 0
+        seen = tl.load(seq_lens_ptr + seq)
+        first_pos = seen - 1
+        token = offs_m // HEADS
+        q_pos = first_pos + token
+        m_mask = token < 1
     else:
         seq = _find_sequence(query_start_ptr, num_seqs, tile, BLOCK_Q)
         q_start = tl.load(query_start_ptr + seq)
@@ -111,19 +116,19 @@ def _latent_kernel(
         local = tile - (q_start // BLOCK_Q + seq)
         if local * BLOCK_Q >= q_len:
             return
-    prefix = tl.load(seq_lens_ptr + seq) - q_len
-    offs_m = tl.arange(0, BLOCK_M)
-    token = local * BLOCK_Q + offs_m // HEADS
+        prefix = tl.load(seq_lens_ptr + seq) - q_len
+        seen = prefix + tl.minimum((local + 1) * BLOCK_Q, q_len)
+        first_pos = prefix + local * BLOCK_Q
+        token = local * BLOCK_Q + offs_m // HEADS
+        q_pos = prefix + token
+        m_mask = (offs_m < BLOCK_Q * HEADS) & (token < q_len)
     heads = tl.program_id(1) * HEADS + offs_m % HEADS
-    m_mask = (offs_m < BLOCK_Q * HEADS) & (token < q_len) & (heads < num_heads)
-    q_pos = prefix + token
-    # Keys up to the tile's first token are seen by every row; splits (decode) share the keys out
-    # in whole tiles, the last one ragged.
-    seen = prefix + tl.minimum((local + 1) * BLOCK_Q, q_len)
+    m_mask = m_mask & (heads < num_heads)
+    # Splits (decode) share the keys out in whole tiles, the last one ragged.
     split_len = tl.cdiv(tl.cdiv(seen, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seen)
-    bulk_end = tl.maximum(lo, tl.minimum(hi, (prefix + local * BLOCK_Q + 1) // BLOCK_N * BLOCK_N))
+    bulk_end = tl.maximum(lo, tl.minimum(hi, (first_pos + 1) // BLOCK_N * BLOCK_N))
 
     offs_r = tl.arange(0, BLOCK_R)
     offs_p = tl.arange(0, BLOCK_P)
