@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     failed = [name for name, err in checks if not err < 1e-2]
     timings = [] if args.small else bench_w6(W6)
     latent_timings = [] if args.small else mla.bench_latent(mla.V2_LITE, DTYPE)
+    prefill_timings = [] if args.small else mla.bench_latent_prefill(mla.V2_LITE, DTYPE)
     print("\ncorrectness vs torch (bf16; relative L2 error, store_kvcache: 0 = identical)")
     for name, err in checks:
         print(f"  {name:<44} {err:9.2e}  {'ok' if err < 1e-2 else 'FAIL'}")
@@ -212,6 +213,8 @@ def main(argv: list[str] | None = None) -> None:
         s = mla.V2_LITE
         _print_timings(f"MLA decode (latent cache): batch {s.num_seqs} x context {s.context}, {s.num_heads} heads, "
                        f"latent {s.rank} + rope {s.rope}, bf16", latent_timings, width=60)
+    for name, ms, tflops in prefill_timings:
+        print(f"  {name:<60} {ms:10.4f} {tflops:7.1f} TFLOP/s")
     if failed:
         raise SystemExit(f"correctness check failed: {', '.join(failed)}")
 

@@ -4,7 +4,8 @@ batch 64 x context 4096, DeepSeek-V2-Lite's shape (16 heads, latent 512, rope 64
 Bandwidth counts the bytes that must move: every context's latent rows read once (576 numbers a
 token, shared by all heads), the latent queries read and the latent outputs written; it is
 compared with a device-to-device copy measured in the same call. The sweep times the split counts
-and tile configurations around the default, so a better launch shows itself.
+and tile configurations around the default, so a better launch shows itself. Prefill (4 prompts of
+2048 tokens, causal) is timed in TFLOP/s of the absorbed form's products, for the rows per program.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class LatentShapes:
 
 V2_LITE = LatentShapes(num_seqs=64, context=4096, num_heads=16, rank=512, rope=64, block_size=16)
 SMALL = LatentShapes(num_seqs=3, context=37, num_heads=5, rank=32, rope=16, block_size=4)
+PREFILL_PROMPTS = (4, 2048)
 # (heads per program, keys per tile, warps, stages) tried beside the default launch.
 SWEEP = ((16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 8, 2), (16, 64, 8, 2), (16, 32, 4, 3), (16, 16, 4, 4))
 
@@ -88,4 +90,29 @@ def bench_latent(s: LatentShapes, dtype: torch.dtype) -> list[tuple[str, float, 
             print(f"  {label}: {error}")
             continue
         rows.append((label, ms, moved / ms / 1e9))
+    return rows
+
+
+def bench_latent_prefill(s: LatentShapes, dtype: torch.dtype) -> list[tuple[str, float, float]]:
+    """(name, median ms, TFLOP/s) of causal prefills of PREFILL_PROMPTS over an empty prefix."""
+    from triton.testing import do_bench
+
+    from ..attention.latent_attention import PREFILL, paged_latent_attention
+    from .paged_batch import random_paged_batch
+
+    count, length = PREFILL_PROMPTS
+    width = s.rank + s.rope
+    batch = random_paged_batch([length] * count, [length] * count, s.num_heads, 1, width, s.block_size, dtype,
+                               "cuda", store_new_tokens=True, spare_blocks=0)
+    q = batch.q.view(-1, s.num_heads, width)
+    # Each query of position p meets p + 1 keys: a score (width) and an output (rank) product per head.
+    flops = 2 * count * length * (length + 1) // 2 * s.num_heads * (width + s.rank)
+    rows = []
+    for cfg in (PREFILL, PREFILL._replace(rows=16, num_warps=4), PREFILL._replace(rows=64)):
+        def prefill(cfg=cfg):
+            paged_latent_attention(q, batch.kv_cache[:1], batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                                   width ** -0.5, rank=s.rank, max_seq_len=length, check_indices=False, config=cfg)
+
+        ms = do_bench(prefill, warmup=10, rep=100, return_mode="median")
+        rows.append((f"MLA prefill {count} x {length}, rows {cfg.rows} w{cfg.num_warps}", ms, flops / ms / 1e9))
     return rows
