@@ -50,12 +50,16 @@ def test_gated_gemv_matches_gated_reference(m, dtype, assert_close):
 
 
 # Both kernel forms (the CUDA-core GEMV only serves M = 1), one split and three (K = 300: the
-# last split is short, and no split is a whole number of 64-input blocks).
+# last split is short, and no split is a whole number of 64-input blocks), each activation dtype.
+# The bias is added after the gated sum (in the kernel's epilogue, or in the reduce pass when split):
+# it alternates over the cases instead of doubling them, so each kernel form, split and dtype still
+# runs with and without one.
 @pytest.mark.parametrize("m,block_m", [(1, 1), (1, 16), (3, 16), (MAX_M, 16)])
 @pytest.mark.parametrize("split_k", [1, 3])
-@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_gated_gemv_is_the_gemv_of_silu_and_mul_to_the_bit(m, block_m, split_k, bias, dtype):
+def test_gated_gemv_is_the_gemv_of_silu_and_mul_to_the_bit(m, block_m, split_k, dtype):
+    dtypes = [torch.float32, torch.float16, torch.bfloat16]
+    bias = (block_m + m + split_k // 3 + dtypes.index(dtype)) % 2 == 1
     x, weight, scale, b = _gated_case(m, 37, 300, dtype, bias)
     config = GemvConfig(block_m, 32, 64, split_k, 4, 2)
     fused = fp8_w8a16_gemv(x, weight, scale, b, config=config, gated=True)
