@@ -261,6 +261,12 @@ stage_w10() {  # multi-LoRA: W1 with 8 rank-16 adapters round-robin, and batch-1
   bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --num-loras 1 --lora-rank 16 \
     --lora-compare-base --save-result "$RES/${TAG}_latency.json"
 }
+stage_w10moe() {  # LoRA on MoE experts, qwen3-30b-a3b shape: 2 rank-16 adapters (1.7 GB a slot), each beside the base in one engine
+  bench throughput --model qwen3-30b-a3b --num-prompts 128 --input-len 512 --output-len 128 --num-loras 2 --lora-rank 16 \
+    --max-loras 2 --lora-compare-base --save-result "$RES/$TAG.json"
+  bench latency --model qwen3-30b-a3b --batch-size 1 --input-len 512 --output-len 128 --num-loras 1 --lora-rank 16 \
+    --max-loras 1 --lora-compare-base --save-result "$RES/${TAG}_latency.json"
+}
 stage_w11() {  # speculative decoding: a verify step with k = 4 against a plain decode step, batch 1 and 64
   corectl bench verify-step --model llama3-8b --platform cuda --load-format dummy --num-speculative-tokens 4 \
     --batch-sizes 1,64 --context-len 512 --num-steps 30 "${ENGINE[@]}"

@@ -28,6 +28,9 @@ def register(sub) -> None:
     p.add_argument("--context-len", type=int, default=512, help="tokens each request holds before the timed steps")
     p.add_argument("--num-steps", type=int, default=20, help="timed steps of each kind per batch size")
     p.add_argument("--num-warmup-steps", type=int, default=3)
+    p.add_argument("--profile", action="store_true",
+                   help="after timing each batch size, profile 5 decode steps, then 5 verify steps (cProfile and "
+                        "torch.profiler, bench/profiling.py) and print both reports")
     add_engine_args(p)
     p.set_defaults(handler=run_verify_step)
 
@@ -42,7 +45,8 @@ def run_verify_step(args: argparse.Namespace) -> int:
     vocab = llm.engine.info.vocab_size
     block_size = llm.engine.info.block_size
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        num_pairs = args.num_warmup_steps + args.num_steps
+        # A profile adds 10 steps of each kind (5 under each profiler), which need their blocks too.
+        num_pairs = args.num_warmup_steps + args.num_steps + (10 if args.profile else 0)
         steps = _SyntheticSteps(runner, batch, args.context_len, block_size, vocab, args.num_speculative_tokens,
                                 num_pairs)
         timings = steps.run(args.num_warmup_steps, args.num_steps)
@@ -50,6 +54,11 @@ def run_verify_step(args: argparse.Namespace) -> int:
         print(f"batch {batch}: decode step median {decode * 1e3:.3f} ms (p90 {percentile(timings['decode'], 90) * 1e3:.3f}), "
               f"verify step (k={args.num_speculative_tokens}) median {verify * 1e3:.3f} ms "
               f"(p90 {percentile(timings['verify'], 90) * 1e3:.3f}): {verify / decode:.3f}x")
+        if args.profile:
+            from .profiling import profile_batch
+
+            for kind, drafts in (("decode", 0), ("verify", args.num_speculative_tokens)):
+                print(f"== batch {batch}: 5 {kind} steps\n" + profile_batch(lambda: [steps.step(drafts) for _ in range(5)]))
         steps.finish()
     return 0
 
@@ -76,7 +85,7 @@ class _SyntheticSteps:
                                                    context_len * batch, []))
         self.computed = {r: context_len for r in out.req_ids}
 
-    def _step(self, drafts: int) -> float:
+    def step(self, drafts: int) -> float:
         CachedRequestData, SchedulerOutput = self._messages
         cached = CachedRequestData(req_ids=list(self.ids), new_block_ids=[[] for _ in self.ids],
                                    num_computed_tokens=[self.computed[r] for r in self.ids])
@@ -93,7 +102,7 @@ class _SyntheticSteps:
     def run(self, warmup: int, steps: int) -> dict[str, list[float]]:
         timings: dict[str, list[float]] = {"decode": [], "verify": []}
         for i in range(warmup + steps):
-            decode, verify = self._step(0), self._step(self.k)
+            decode, verify = self.step(0), self.step(self.k)
             if i >= warmup:
                 timings["decode"].append(decode)
                 timings["verify"].append(verify)

@@ -12,11 +12,15 @@ from corectl.server.cli.main import main
 def test_verify_step_times_decode_and_verify_steps(isolated_env, capsys):
     code = main(["bench", "verify-step", "--model", "llama-tiny", "--load-format", "dummy", "--platform", "cpu",
                  "--kv-cache-memory", "0.01", "--batch-sizes", "1,3", "--context-len", "12", "--num-steps", "2",
-                 "--num-warmup-steps", "1", "-k", "2"])
+                 "--num-warmup-steps", "1", "-k", "2", "--profile"])
     assert code == 0
-    lines = re.findall(r"batch (\d+): decode step median [\d.]+ ms .* verify step \(k=2\) median [\d.]+ ms .*: [\d.]+x",
-                       capsys.readouterr().out)
+    out = capsys.readouterr().out
+    lines = re.findall(r"batch (\d+): decode step median [\d.]+ ms .* verify step \(k=2\) median [\d.]+ ms .*: [\d.]+x", out)
     assert lines == ["1", "3"]
+    # --profile: each kind's steps under both profilers, the verify steps' own sampling visible.
+    assert re.findall(r"== batch (\d+): 5 (\w+) steps", out) == [("1", "decode"), ("1", "verify"), ("3", "decode"), ("3", "verify")]
+    verify_report = out.split("== batch 3: 5 verify steps")[1]
+    assert "rejection_sample" in verify_report and "Wall time of the profiled run" in verify_report
 
 
 def test_edit_text_prompts_hold_a_passage_and_acceptance_figures_follow_vllm(llm_fp32):
