@@ -60,9 +60,9 @@ class MLAttention(nn.Module):
         self.o_proj = RowParallelLinear(h * self.v_dim, hidden, bias=bias)
         self.rotary, self.interleave = rotary, interleave
         self.scale = yarn_apply_mscale(getattr(config, "rope_parameters", None) or {}, self.qk_dim ** -0.5)
-        # [heads, nope, rank] and [heads, rank, v_dim], set by `absorb_weights` once weights are loaded.
-        self.w_uk: torch.Tensor | None = None
-        self.w_uv: torch.Tensor | None = None
+        # Filled by `absorb_weights` once the weights are loaded; buffers, so `corectl plan` counts them.
+        self.register_buffer("w_uk", torch.empty(h, self.nope, self.rank), persistent=False)
+        self.register_buffer("w_uv", torch.empty(h, self.rank, self.v_dim), persistent=False)
 
     @torch.no_grad()
     def absorb_weights(self) -> None:
@@ -70,8 +70,8 @@ class MLAttention(nn.Module):
         norm = self.kv_a_layernorm.weight
         eye = torch.eye(self.rank, dtype=norm.dtype, device=norm.device)
         w = self.kv_b_proj(eye).t().reshape(self.num_heads, self.nope + self.v_dim, self.rank)
-        self.w_uk = w[:, :self.nope].contiguous()
-        self.w_uv = w[:, self.nope:].transpose(1, 2).contiguous()
+        self.w_uk.copy_(w[:, :self.nope])
+        self.w_uv.copy_(w[:, self.nope:].transpose(1, 2))
 
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rotary.cos[positions].unsqueeze(1), self.rotary.sin[positions].unsqueeze(1)

@@ -84,6 +84,8 @@ def test_plan_sizes_latent_blocks_of_a_v2_lite_shape(tmp_path):
     config.save_pretrained(tmp_path)
     plan = plan_deployment(EngineConfig(model=str(tmp_path)), device_memory=80 << 30, device_capability=(9, 0))
     assert plan.kv_bytes_per_token == 27 * (512 + 64) * 2
+    # The absorbed up-projections are held beside kv_b_proj: W_UK and W_UV of every head and layer.
+    assert plan.buffer_bytes >= 27 * 16 * (128 + 128) * 512 * 2
     assert plan.problem is None and plan.kv_tokens == plan.num_kv_blocks * plan.block_size > 1_000_000
     small = plan_deployment(EngineConfig(model=str(tmp_path)), device_memory=24 << 30, device_capability=(9, 0))
     assert small.problem and not any("tensor-parallel" in remedy for remedy in small.remedies)
