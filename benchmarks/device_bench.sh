@@ -271,6 +271,11 @@ stage_w11() {  # speculative decoding: a verify step with k = 4 against a plain 
   corectl bench verify-step --model llama3-8b --platform cuda --load-format dummy --num-speculative-tokens 4 \
     --batch-sizes 1,64 --context-len 512 --num-steps 30 "${ENGINE[@]}"
 }
+stage_w11prof() {  # W11 at batch 64 under the profilers: where a verify step's time goes against a decode step's
+  corectl bench verify-step --model llama3-8b --platform cuda --load-format dummy --num-speculative-tokens 4 \
+    --batch-sizes 64 --context-len 512 --num-steps 10 --profile "${ENGINE[@]}" > "$RES/w11_profile.txt" 2>&1
+  grep -E "^batch|^== batch|Self CUDA time total|Wall time" "$RES/w11_profile.txt"
+}
 stage_images() {
   # Issue 29: a Qwen2.5-VL-7B-shaped folder (benchmarks/vlm_shape.py), dummy weights, 64 prompts with
   # one 1024 x 1024 image and 128 output tokens against text-only prompts of the same length, then
