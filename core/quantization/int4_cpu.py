@@ -110,7 +110,7 @@ def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros_at_8: torch.Tenso
     group = codes.shape[1] // scales.shape[1]
     # Groups of 16 inputs: the int16 loop quantizes activations 16 at a time.
     if kernel_library() is not None and codes.shape[0] % TILE == 0 and group % 16 == 0:
-        # The kernel dequantizes q * scale + min: the min is exact in fp32 from the zero at 8.
+        # The kernel computes with w = q * scale + min: the min is exact in fp32 from the zero at 8.
         return _tiled(codes, scales, zeros_at_8.float() - 8 * scales.float(), bits=4)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
     scale_zero = torch.stack([scales.t(), zeros_at_8.t()], dim=-1).to(TORCH_ACT_DTYPE).contiguous()
