@@ -35,7 +35,8 @@ def _adapters(token_slots: list[int]) -> ExpertLoRA:
 @pytest.mark.parametrize("num_tokens", [1, 64, 1024])
 def test_fused_moe_lora_matches_the_torch_path_at_a_real_shape(num_tokens):
     generator = torch.Generator().manual_seed(num_tokens)
-    token_slots = torch.randint(-1, SLOTS, (num_tokens,), generator=generator).tolist()
+    # Every slot and the base in the batch (the first token always adapted).
+    token_slots = [0, *torch.randint(-1, SLOTS, (num_tokens - 1,), generator=generator).tolist()]
     lora = _adapters(token_slots)
     hidden = torch.randn(num_tokens, HIDDEN, device=CUDA).bfloat16()
     gate_up = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, device=CUDA) / HIDDEN ** 0.5).bfloat16()

@@ -28,7 +28,8 @@ V2_LITE = LatentShapes(num_seqs=64, context=4096, num_heads=16, rank=512, rope=6
 SMALL = LatentShapes(num_seqs=3, context=37, num_heads=5, rank=32, rope=16, block_size=4)
 PREFILL_PROMPTS = (4, 2048)
 # (heads per program, keys per tile, warps, stages) tried beside the default launch.
-SWEEP = ((16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 8, 2), (16, 64, 8, 2), (16, 32, 4, 3), (16, 16, 4, 4))
+SWEEP = ((16, 32, 4, 2), (16, 64, 8, 2), (16, 32, 8, 3), (16, 64, 8, 3), (16, 16, 8, 3), (16, 32, 8, 4),
+         (16, 16, 8, 4), (16, 32, 16, 2))
 
 
 def _latent_batch(s: LatentShapes, seq_lens: list[int], dtype: torch.dtype, device: str):
