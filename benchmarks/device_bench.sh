@@ -74,6 +74,7 @@ variant() {  # the switches of one stage: engine options into ENGINE, environmen
       accurate) export CORECTL_FP8_FAST_ACCUM=0 ;;                          # FP8 GEMMs without fast accumulation
       profile) PROFILE=1 ;;                                                 # torch.profiler + cProfile summary
       eagerverify) export CORECTL_GRAPH_VERIFY=0 ;;                         # verify steps outside the decode graphs
+      eager) ENGINE+=(--enforce-eager) ;;                                   # no CUDA graphs at all
       uv) [ -d /tmp/site-uv ] || { echo "uv needs .whl/uv/ (uvloop, httptools)"; return 1; }
           export PYTHONPATH=/tmp/site-uv:$PYTHONPATH ;;                     # uvicorn picks uvloop and httptools
       *) echo "unknown switch '$switch' (stage variant '$1')"; return 1 ;;
