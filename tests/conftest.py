@@ -1,7 +1,16 @@
 """Shared test setup. Triton's interpreter must be chosen before any kernel module imports triton."""
 import os
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Bytecode caches, even where the environment turns them off (PYTHONDONTWRITEBYTECODE, as some CI
+# images do): the suite starts some 200 interpreters (servers, engine and rank processes, CLI runs)
+# that would each compile corectl's source again, and each pytest worker would rewrite every test
+# module's asserts again (collection: 23 s of CPU a worker without the caches, 15 s with them).
+# Popped here, in the process that starts the xdist workers, so they and every process after them
+# inherit it; __pycache__ is ignored by git.
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+    sys.dont_write_bytecode = False
 # Under xdist every worker (and the engine processes it spawns, which inherit the variable) gets its
 # share of the cores: torch's default of one thread per core in each worker oversubscribes them.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
