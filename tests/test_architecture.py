@@ -12,6 +12,7 @@ cycle with its children).
 from __future__ import annotations
 
 import ast
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,7 +97,10 @@ def _module_name(folder: str, path: Path) -> str:
     return ".".join([ROOTS[folder], *parts])
 
 
-def _discover() -> dict[str, Module]:
+@functools.cache
+def _modules() -> dict[str, Module]:
+    """Every module of the tree, parsed on first use (at test time, not when pytest collects this file in
+    every worker: the parse costs seconds)."""
     modules: dict[str, Module] = {}
     for folder in ROOTS:
         for path in sorted((REPO / folder).rglob("*.py")):
@@ -148,8 +152,6 @@ def _known(target: str, modules: dict[str, Module]) -> str:
     return target
 
 
-MODULES = _discover()
-
 
 def _fail_on(found: list[str], rule: str) -> None:
     """Fail with the rule and one line per place that breaks it (no traceback: the lines say it)."""
@@ -170,24 +172,24 @@ def _is_core(name: str) -> bool:
 
 
 def _violations(rule) -> list[str]:
-    return [f"  {_where(m, imp)}: {m.name} imports {imp.target}" for m in MODULES.values()
+    return [f"  {_where(m, imp)}: {m.name} imports {imp.target}" for m in _modules().values()
             for imp in m.imports if rule(m.name, imp.target)]
 
 
 def test_the_walk_finds_every_layer():
     for root in ("corectl.engine.core", "corectl.backends", "corectl.plugins.manager", "corectl.server"):
-        assert root in MODULES, f"{root} not found: did the folder layout change?"
+        assert root in _modules(), f"{root} not found: did the folder layout change?"
 
 
 def test_no_import_cycle():
     graph: dict[str, dict[str, Import]] = defaultdict(dict)
-    for module in MODULES.values():
+    for module in _modules().values():
         for imp in module.imports:
             if not imp.type_only and imp.target != module.name:
                 graph[module.name].setdefault(imp.target, imp)
     cycles = [_cycle_in(component, graph) for component in _strongly_connected(graph) if len(component) > 1]
     report = "\n".join(" -> ".join(cycle) + "\n" + "\n".join(
-        f"    {_where(MODULES[a], graph[a][b])}: {a} imports {b}" for a, b in zip(cycle, cycle[1:]))
+        f"    {_where(_modules()[a], graph[a][b])}: {a} imports {b}" for a, b in zip(cycle, cycle[1:]))
         for cycle in cycles)
     _fail_on([report] if cycles else [], "import cycles (break each by moving the shared piece one floor down)")
 
@@ -199,7 +201,7 @@ def _strongly_connected(graph: dict[str, dict[str, Import]]) -> list[list[str]]:
     stack: list[str] = []
     on_stack: set[str] = set()
     components = []
-    for root in sorted(MODULES):
+    for root in sorted(_modules()):
         if root in index:
             continue
         work = [(root, iter(sorted(graph.get(root, {}))))]
@@ -271,7 +273,7 @@ def test_plugins_import_nothing_of_ours():
 
 def test_only_the_plugin_manager_reads_entry_points():
     found = []
-    for module in MODULES.values():
+    for module in _modules().values():
         if module.name == "corectl.plugins.manager":
             continue
         for node in ast.walk(module.tree):
@@ -297,7 +299,7 @@ def _floor(name: str) -> int:
 def test_core_imports_only_downwards():
     allowed = {(src, dst) for src, dst, _ in FLOOR_EXCEPTIONS}
     found = []
-    for module in MODULES.values():
+    for module in _modules().values():
         if not _is_core(module.name):
             continue
         for imp in module.imports:
@@ -329,7 +331,7 @@ def test_core_names_no_device(kind):
     instead of naming a platform, a device type or a device runtime's environment variable."""
     allowed = {(module, literal) for module, literal, _ in DEVICE_LITERAL_EXCEPTIONS}
     found = []
-    for module in MODULES.values():
+    for module in _modules().values():
         if not _is_core(module.name):
             continue
         skip = _docstrings(module.tree)
