@@ -9,6 +9,12 @@ later chunk moves past it. An image that does not fit what is left of either end
 before its first placeholder (the text before it still runs), unless nothing else is spent or
 pinned: an image larger than a whole budget runs rather than never.
 
+A chunk that starts inside an image whose rows the worker has not kept (a request admitted after
+a prefix hit that ends inside the image, or resumed after preemption: `admitted`) must have the
+image encoded again, so it is charged like one that starts the image. The worker may still hold
+its rows (its cache keeps finished images while room lasts): the charge is then for nothing, but
+never too little, so a step never encodes more than a budget's worth of images at once.
+
 `whole_images` (a model whose image tokens attend to each other both ways, Gemma 3): a chunk never
 ends inside an image, it stops before it; the scheduler refuses a token budget smaller than one
 image, so an image always fits a step of its own.
@@ -43,18 +49,19 @@ class EncoderBudget:
     spent: int = 0
     whole_images: bool = False
 
-    def fit(self, items: list[MultiModalInput], num_computed: int, num_tokens: int) -> int:
-        """How much of the chunk num_computed .. num_computed + num_tokens the budget has room for."""
+    def fit(self, items: list[MultiModalInput], num_computed: int, num_tokens: int, admitted: bool = False) -> int:
+        """How much of the chunk num_computed .. num_computed + num_tokens the budget has room for;
+        `admitted`: the request's first chunk since it was admitted (or resumed)."""
         end = num_computed + num_tokens
         for item in items:
-            if item.offset < num_computed:
-                continue  # begun by an earlier chunk: its rows are pinned already
+            if item.end <= num_computed or item.offset < num_computed and not admitted:
+                continue  # computed already, or begun by an earlier chunk: its rows are pinned
             if item.offset >= end:
                 break
             split = item.end > end
             if (split and self.whole_images or self.spent and self.spent + item.length > self.compute
                     or split and self.pinned and self.pinned + item.length > self.cache_rows):
-                return item.offset - num_computed
+                return max(item.offset - num_computed, 0)
             self.spent += item.length
             self.pinned += item.length if split else 0
         return num_tokens

@@ -249,14 +249,15 @@ class Scheduler:
                 plan.drafts[req.request_id] = drafts
             index += 1
 
-    def _fit_images(self, req: Request, num_computed: int, num_tokens: int, plan: StepPlan) -> int:
+    def _fit_images(self, req: Request, num_computed: int, num_tokens: int, plan: StepPlan,
+                    admitted: bool = False) -> int:
         """The part of a chunk whose images the step's encoder budget (the token budget) and the
-        worker's encoder cache have room for."""
+        worker's encoder cache have room for (`admitted`: the chunk admits a waiting request)."""
         if not req.mm_inputs:
             return num_tokens
         if plan.encoder.pinned is None:
             plan.encoder.pinned = pinned_rows(self.running)
-        return plan.encoder.fit(req.mm_inputs, num_computed, num_tokens)
+        return plan.encoder.fit(req.mm_inputs, num_computed, num_tokens, admitted)
 
     def _drafts_for(self, req: Request, num_tokens: int, budget: int) -> list[int]:
         """Draft tokens for a request whose step computes only its newest token (speculation
@@ -334,7 +335,7 @@ class Scheduler:
             external, load_async = (0, False) if self.kv_loads is None else self.kv_loads.external_tokens(req, hit)
             num_tokens = 0 if load_async else min(req.num_tokens - hit.num_tokens - external, plan.budget)
             if not load_async:
-                num_tokens = self._fit_images(req, hit.num_tokens + external, num_tokens, plan)
+                num_tokens = self._fit_images(req, hit.num_tokens + external, num_tokens, plan, admitted=True)
                 if num_tokens == 0:
                     break  # no encoder room left this step: the image waits for the next
             if self.config.encoder_only and num_tokens < req.num_tokens:

@@ -15,9 +15,10 @@ def _image(offset: int, length: int, seed: int = 0) -> MultiModalInput:
     return MultiModalInput.build(pixels, [1, 2, 2], offset, length)
 
 
-def _fit(images, num_computed, num_tokens, compute=16, cache_rows=64, spent=0, pinned=0) -> tuple[int, int, int]:
+def _fit(images, num_computed, num_tokens, compute=16, cache_rows=64, spent=0, pinned=0,
+         admitted=False) -> tuple[int, int, int]:
     budget = EncoderBudget(compute, cache_rows, pinned=pinned, spent=spent)
-    return budget.fit(images, num_computed, num_tokens), budget.spent, budget.pinned
+    return budget.fit(images, num_computed, num_tokens, admitted), budget.spent, budget.pinned
 
 
 def test_a_chunk_stops_before_an_image_the_step_has_no_encoder_room_for():
@@ -28,6 +29,19 @@ def test_a_chunk_stops_before_an_image_the_step_has_no_encoder_room_for():
     assert _fit(images, 8, 32, spent=10) == (12, 10, 0)
     assert _fit(images, 0, 40, compute=32) == (40, 20, 0)
     assert _fit([_image(0, 50)], 0, 60) == (60, 50, 0)      # larger than the budget: runs as the first
+
+
+def test_an_admitted_chunk_that_starts_inside_an_image_pays_for_encoding_it_again():
+    """After a prefix hit (or a preemption) that ends inside an image, the worker has no pinned rows
+    for it: the admitting chunk is charged as if it started the image, and waits when no room is left,
+    so 64 such requests never encode 64 images in one step."""
+    images = [_image(4, 10), _image(20, 10, 1)]
+    assert _fit(images, 8, 32) == (32, 10, 0)                             # a running request's: free
+    assert _fit(images, 8, 32, admitted=True) == (12, 10, 0)                            # admitted: charged, second waits
+    assert _fit(images, 8, 32, compute=32, admitted=True) == (32, 20, 0)
+    assert _fit(images, 8, 4, spent=10, admitted=True) == (0, 10, 0)                    # no room: the request waits
+    assert _fit(images, 8, 4, admitted=True) == (4, 10, 10)                             # stops inside: pinned again
+    assert _fit(images, 14, 26, admitted=True) == (26, 10, 0)                           # past the first image: only the second
 
 
 def test_a_chunk_that_stops_inside_an_image_pins_its_rows_within_the_cache():
