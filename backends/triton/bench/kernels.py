@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .measure import bench_copy, rel_error
+
 
 @dataclass(frozen=True)
 class Shapes:
@@ -40,11 +42,6 @@ SMOLLM2 = Shapes(num_seqs=8, context=1000, num_heads=9, num_kv_heads=3, head_dim
 SMALL = Shapes(num_seqs=3, context=37, num_heads=6, num_kv_heads=2, head_dim=32, block_size=4,
                hidden=96, intermediate=80)
 DTYPE = torch.bfloat16
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.double()
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def check_correctness(shapes: Shapes, device: str) -> list[tuple[str, float]]:
@@ -122,7 +119,7 @@ def bench_w6(shapes: Shapes) -> list[tuple[str, float, float]]:
     elem = batch.q.element_size()
     kv_bytes = 2 * s.num_seqs * s.context * s.num_kv_heads * s.head_dim * elem
     moved = kv_bytes + 2 * batch.q.numel() * elem
-    rows = [_bench_copy(do_bench, kv_bytes)]
+    rows = [bench_copy(do_bench, kv_bytes)]
     auto = choose_decode_splits(s.num_seqs, s.num_kv_heads, s.context, batch.q.device)
     for splits in sorted({1, 2, 4, auto}):
         ms = _time_decode(do_bench, batch, batch.kv_cache, scale, s.context, splits)
@@ -159,13 +156,6 @@ def _bench_window(do_bench, s: Shapes, scale: float, moved: int) -> tuple[str, f
     splits = choose_decode_splits(s.num_seqs, s.num_kv_heads, context, batch.q.device)
     ms = _time_decode(do_bench, batch, batch.kv_cache, scale, context, splits, sliding_window=s.context)
     return f"triton decode, window {s.context} at {context}", ms, moved / ms / 1e9
-
-
-def _bench_copy(do_bench, nbytes: int) -> tuple[str, float, float]:
-    src = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    return "device-to-device copy (read + write)", ms, 2 * nbytes / ms / 1e9
 
 
 def _bench_sdpa(do_bench, batch, s: Shapes, scale: float, moved: int) -> tuple[str, float, float]:

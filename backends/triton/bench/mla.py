@@ -45,7 +45,7 @@ def check_latent(s: LatentShapes, device: str, dtype: torch.dtype) -> list[tuple
     """Relative error of the decode kernel, unsplit and split, against the causal torch reference."""
     from ..attention.latent_attention import paged_latent_attention
     from ..reference import causal_attention_ref
-    from .kernels import rel_error
+    from .measure import rel_error
 
     scale = (s.rank + s.rope) ** -0.5
     seq_lens = [s.context - 7 * i for i in range(s.num_seqs)]
@@ -67,7 +67,7 @@ def bench_latent(s: LatentShapes, dtype: torch.dtype) -> list[tuple[str, float, 
 
     from ..attention.decode_attention import choose_decode_splits
     from ..attention.latent_attention import LatentConfig, paged_latent_attention
-    from .kernels import _bench_copy
+    from .measure import bench_copy
 
     batch, cache, q = _latent_batch(s, [s.context] * s.num_seqs, dtype, "cuda")
     elem = q.element_size()
@@ -75,7 +75,7 @@ def bench_latent(s: LatentShapes, dtype: torch.dtype) -> list[tuple[str, float, 
     moved = latent_bytes + q.numel() * elem + s.num_seqs * s.num_heads * s.rank * elem
     scale = (s.rank + s.rope) ** -0.5
     auto = choose_decode_splits(s.num_seqs, 1, s.context, q.device)
-    rows = [_bench_copy(do_bench, latent_bytes)]
+    rows = [bench_copy(do_bench, latent_bytes)]
     launches = [(splits, LatentConfig()) for splits in sorted({1, 2, 4, 8, auto})]
     launches += [(auto, LatentConfig(*cfg)) for cfg in SWEEP if LatentConfig(*cfg) != LatentConfig()]
     # Two passes, the second in reverse order: on the H100 a launch measured later in the list ran
@@ -94,7 +94,7 @@ def bench_latent(s: LatentShapes, dtype: torch.dtype) -> list[tuple[str, float, 
                 print(f"  {label}: {error}")
                 continue
             rows.append((label, ms, moved / ms / 1e9))
-    rows.append(_bench_copy(do_bench, latent_bytes))
+    rows.append(bench_copy(do_bench, latent_bytes))
     return rows
 
 
