@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
 
 from ..attention import ForwardContext, KVCacheLayout
 from .layers import RMSNorm, RotaryEmbedding, _rotate_half
@@ -59,6 +58,9 @@ class MLAttention(nn.Module):
         self.kv_b_proj = RowParallelLinear(self.rank, h * (self.nope + self.v_dim), bias=False)
         self.o_proj = RowParallelLinear(h * self.v_dim, hidden, bias=bias)
         self.rotary, self.interleave = rotary, interleave
+        # Imported here: transformers' DeepSeek module costs ~1.5 s, paid only by a DeepSeek engine.
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
         self.scale = yarn_apply_mscale(getattr(config, "rope_parameters", None) or {}, self.qk_dim ** -0.5)
         # Filled by `absorb_weights` once the weights are loaded; buffers, so `corectl plan` counts them.
         self.register_buffer("w_uk", torch.empty(h, self.nope, self.rank), persistent=False)
