@@ -38,17 +38,18 @@ class LatentConfig(NamedTuple):
     """One launch: heads per program, keys per tile, warps, tiles in flight, and for prefill the
     rows (query tokens x heads) a program holds, so each key tile serves several tokens."""
     block_h: int = 16
-    # H100, V2-Lite's shape at 64 x 4096 (`bench kernels`, 2026-11-27): 8 warps reach 70% of copy
-    # bandwidth over the latent cache where 4 reach 58% (the 16 x 512 fp32 accumulator).
+    # H100, V2-Lite's shape at 64 x 4096 (`bench kernels`, three calls on 2026-11-27): 4 warps beat
+    # 8 in two calls of three (79.0 / 70.1% and 60.2 / 50.8% of copy bandwidth), lost in one.
     block_n: int = 32
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 2
     rows: int = 16
 
 
-# Prefill and mixed steps: 32 rows (two tokens of 16 heads at V2-Lite's shape) halve the key reads
-# of one token a program.
-PREFILL = LatentConfig(rows=32)
+# Prefill and mixed steps: 64 rows (four tokens of 16 heads at V2-Lite's shape) quarter the key
+# reads of one token a program; the 64 x 512 fp32 accumulator wants 8 warps. H100, 4 x 2048 causal
+# (two calls on 2026-11-27): 183 TFLOP/s against 91-93 with 32 rows.
+PREFILL = LatentConfig(num_warps=8, rows=64)
 
 
 @triton.jit

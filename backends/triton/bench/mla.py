@@ -113,7 +113,7 @@ def bench_latent_prefill(s: LatentShapes, dtype: torch.dtype) -> list[tuple[str,
     # Each query of position p meets p + 1 keys: a score (width) and an output (rank) product per head.
     flops = 2 * count * length * (length + 1) // 2 * s.num_heads * (width + s.rank)
     rows = []
-    for cfg in (PREFILL, PREFILL._replace(rows=16, num_warps=4), PREFILL._replace(rows=64)):
+    for cfg in (PREFILL, PREFILL._replace(rows=32), PREFILL._replace(rows=16, num_warps=4)):
         def prefill(cfg=cfg):
             paged_latent_attention(q, batch.kv_cache[:1], batch.block_tables, batch.seq_lens, batch.query_start_loc,
                                    width ** -0.5, rank=s.rank, max_seq_len=length, check_indices=False, config=cfg)
