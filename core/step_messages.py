@@ -102,6 +102,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     last of their scheduled tokens, verified by the step (`corectl.spec_decode`).
     `kv_transfer` is the step's KV-connector work; set whenever a connector has anything under
     way, so the worker polls it even on a step that computes nothing.
+    `encoder_evicted` names the images the scheduler evicted from the worker's encoder cache
+    (`corectl.multimodal.cache_manager`): the worker drops them before the step runs.
     """
 
     new_requests: list[NewRequestData]
@@ -113,6 +115,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     grammar_pending: bool = False
     spec_token_ids: dict[str, list[int]] = {}
     kv_transfer: KVTransferMetadata | None = None
+    encoder_evicted: list[str] = []
 
     @property
     def is_empty(self) -> bool:

@@ -2,8 +2,9 @@
 rows merged in at its placeholders, and M-RoPE's three position rows.
 
 Each scheduled chunk takes the rows of the images it overlaps, so a chunked prefill that stops
-inside an image takes the rest of its rows in a later step (the encoder cache keeps them, pinned
-to the request, until then). The images a step needs and the cache lacks are encoded as one batch.
+inside an image takes the rest of its rows in a later step (the encoder cache keeps them: the
+scheduler's `EncoderCacheManager` evicts no image a running request still needs). The images a
+step needs and the cache lacks are encoded as one batch and stored.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .budget import ENCODER_CACHE_ROWS
 from .encoder_cache import EncoderCache
 from .inputs import MultiModalInput, overlapping
 
@@ -24,21 +24,21 @@ if TYPE_CHECKING:
 class MultiModalStep:
     """Owned by the model runner of a model with `encode_images` (a vision-language model)."""
 
-    def __init__(self, model: Any, to_device: Callable[[list[np.ndarray]], list[torch.Tensor]],
-                 cache_rows: int = ENCODER_CACHE_ROWS):
+    def __init__(self, model: Any, to_device: Callable[[list[np.ndarray]], list[torch.Tensor]]):
         self.model = model
         self.to_device = to_device
-        self.cache = EncoderCache(cache_rows)
+        self.cache = EncoderCache()
         self.uses_mrope = hasattr(model, "mrope_positions")
         # Gemma 3: an image's tokens attend to each other both ways (the scheduler keeps each whole).
         self.bidirectional = getattr(model, "bidirectional_image_tokens", None) is not None
         # M-RoPE: each image request's prompt positions [3, P] and the offset of later positions.
         self._mrope: dict[str, tuple[np.ndarray, int]] = {}
 
-    def forget(self, req_ids: list[str]) -> None:
+    def forget(self, req_ids: list[str], evicted: list[str]) -> None:
+        """Requests the worker forgets, and images the scheduler evicted from the encoder cache."""
         for req_id in req_ids:
             self._mrope.pop(req_id, None)
-            self.cache.forget(req_id)
+        self.cache.drop(evicted)
 
     def prepare(self, host: HostStep, input_ids: torch.Tensor, positions: torch.Tensor,
                 states: RequestStates) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -48,14 +48,10 @@ class MultiModalStep:
             positions = self.to_device([self._mrope_positions(host, states)])[0]
         if not spans:
             return None, positions
-        rows = self._encoder_rows([item for _, item, _, _, _ in spans])
+        rows = self._encoder_rows([item for _, item, _, _ in spans])
         embeds = self.model.embed_input_ids(input_ids)
-        for row, item, lo, hi, req_id in spans:
+        for row, item, lo, hi in spans:
             embeds[row:row + hi - lo] = rows[item.hash][lo:hi]
-            if hi < item.length:
-                self.cache.pin(item.hash, req_id)
-            else:
-                self.cache.unpin(item.hash, req_id)
         for key, value in rows.items():
             if key not in self.cache:
                 self.cache.put(key, value)
@@ -85,7 +81,7 @@ class MultiModalStep:
         return spans if any(spans) else None
 
     @staticmethod
-    def _spans(host: HostStep, states: RequestStates) -> list[tuple[int, MultiModalInput, int, int, str]]:
+    def _spans(host: HostStep, states: RequestStates) -> list[tuple[int, MultiModalInput, int, int]]:
         """(first step row, image, first and end row of the image's output) of each image part this
         step's chunks cover."""
         spans = []
@@ -94,7 +90,7 @@ class MultiModalStep:
             start = state.num_computed_tokens
             for item in overlapping(state.mm_inputs, start, start + n):
                 lo, hi = max(item.offset, start), min(item.end, start + n)
-                spans.append((q_start + lo - start, item, lo - item.offset, hi - item.offset, req_id))
+                spans.append((q_start + lo - start, item, lo - item.offset, hi - item.offset))
         return spans
 
     def _encoder_rows(self, items: list[MultiModalInput]) -> dict[str, torch.Tensor]:

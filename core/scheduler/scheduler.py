@@ -42,7 +42,8 @@ from ..kv import KVCacheManager, PrefixHit
 from ..kv.sizing import blocks_per_sequence
 from ..kv_transfer.base import KVConnectorScheduler
 from ..lora.admission import AdapterAdmission
-from ..multimodal.budget import ENCODER_CACHE_ROWS, EncoderBudget, pinned_rows
+from ..multimodal.budget import ENCODER_CACHE_ROWS, EncoderBudget
+from ..multimodal.cache_manager import EncoderCacheManager
 from ..request import Request, RequestStatus
 from ..spec_decode.scheduling import DraftPlanner
 from ..step_messages import (
@@ -124,6 +125,8 @@ class Scheduler:
         self.drafts = None if spec is None or self.pooling else DraftPlanner(spec, max_model_len)
         # Pipeline parallelism: as many micro-batches in flight as stages, each of other requests.
         self.pipeline_stages = config.pipeline_parallel_size
+        # Which images the worker's encoder cache holds (corectl/multimodal/cache_manager.py).
+        self.encoder_cache = EncoderCacheManager(ENCODER_CACHE_ROWS)
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -199,8 +202,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         plan = StepPlan(budget=self.config.max_num_batched_tokens, max_seqs=self._micro_batch_seqs(),
-                         encoder=EncoderBudget(self.config.max_num_batched_tokens, ENCODER_CACHE_ROWS,
-                                               whole_images=self.whole_images))
+                        encoder=EncoderBudget(self.config.max_num_batched_tokens, self.encoder_cache,
+                                              self.whole_images))
         self._schedule_running(plan)
         # After a preemption the cache is short: admitting new work would only preempt again.
         if not plan.preempted:
@@ -249,15 +252,12 @@ class Scheduler:
                 plan.drafts[req.request_id] = drafts
             index += 1
 
-    def _fit_images(self, req: Request, num_computed: int, num_tokens: int, plan: StepPlan,
-                    admitted: bool = False) -> int:
-        """The part of a chunk whose images the step's encoder budget (the token budget) and the
-        worker's encoder cache have room for (`admitted`: the chunk admits a waiting request)."""
+    def _fit_images(self, req: Request, num_computed: int, num_tokens: int, plan: StepPlan) -> int:
+        """The part of a chunk whose images the worker's encoder cache holds, or the step's encoder
+        budget (the token budget) and the cache have room to encode."""
         if not req.mm_inputs:
             return num_tokens
-        if plan.encoder.pinned is None:
-            plan.encoder.pinned = pinned_rows(self.running)
-        return plan.encoder.fit(req.mm_inputs, num_computed, num_tokens, admitted)
+        return plan.encoder.fit(req, num_computed, num_tokens)
 
     def _drafts_for(self, req: Request, num_tokens: int, budget: int) -> list[int]:
         """Draft tokens for a request whose step computes only its newest token (speculation
@@ -307,6 +307,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self.encoder_cache.free(req.request_id)
         self._forget[req.request_id] = None
         self.waiting.prepend([req])
         plan.preempted = True
@@ -325,8 +326,9 @@ class Scheduler:
                 continue
             if self.kv.holds_blocks(req):
                 # Its blocks were allocated for a KV load that has since finished or failed.
-                num_tokens = min(req.num_tokens - req.num_computed_tokens, plan.budget)
-                if self.kv.allocate(req, num_tokens) is None:
+                num_tokens = self._fit_images(req, req.num_computed_tokens,
+                                              min(req.num_tokens - req.num_computed_tokens, plan.budget), plan)
+                if num_tokens == 0 or self.kv.allocate(req, num_tokens) is None:
                     break
                 self.waiting.pop()
                 self._start(req, req.num_computed_tokens, num_tokens, plan)
@@ -335,7 +337,7 @@ class Scheduler:
             external, load_async = (0, False) if self.kv_loads is None else self.kv_loads.external_tokens(req, hit)
             num_tokens = 0 if load_async else min(req.num_tokens - hit.num_tokens - external, plan.budget)
             if not load_async:
-                num_tokens = self._fit_images(req, hit.num_tokens + external, num_tokens, plan, admitted=True)
+                num_tokens = self._fit_images(req, hit.num_tokens + external, num_tokens, plan)
                 if num_tokens == 0:
                     break  # no encoder room left this step: the image waits for the next
             if self.config.encoder_only and num_tokens < req.num_tokens:
@@ -414,6 +416,7 @@ class Scheduler:
             req.num_computed_tokens += plan.known_tokens(req)
             self.in_flight.schedule(req)
             self.kv.commit(req)
+        plan.encoder.commit(running + plan.new)
         finished = list(self._forget)
         self._forget.clear()
         self._iterations.count(sum(plan.num_scheduled.values()))
@@ -427,6 +430,7 @@ class Scheduler:
             grammar_pending=grammar_pending,
             spec_token_ids=plan.drafts,
             kv_transfer=None if self.connector is None else self.connector.build_metadata(),
+            encoder_evicted=self.encoder_cache.take_evicted(),
         )
 
     def pending_grammar_bitmask(self) -> GrammarBitmask | None:
@@ -534,6 +538,7 @@ class Scheduler:
                 self.connector.request_finished(req, self.kv.block_ids(req))
             self.connector.request_released(req)
         self.kv.free(req)
+        self.encoder_cache.free(req.request_id)
         del self._requests[req.request_id]
         group = self._groups[req.group_id]
         group.remove(req)

@@ -11,6 +11,8 @@ from ..request import Request
 @dataclass
 class StepPlan:
     budget: int
+    # The image encoding the step's chunks may start (`corectl.multimodal.budget`).
+    encoder: EncoderBudget
     # The most requests this step may hold (pipeline parallelism's micro-batches), None: no cap.
     max_seqs: int | None = None
     num_scheduled: dict[str, int] = field(default_factory=dict)
@@ -19,8 +21,6 @@ class StepPlan:
     preempted: bool = False
     # Draft tokens of speculating requests, the last of their scheduled tokens.
     drafts: dict[str, list[int]] = field(default_factory=dict)
-    # The image encoding the step's chunks may start (`corectl.multimodal.budget`).
-    encoder: EncoderBudget = field(default_factory=lambda: EncoderBudget(0, 0))
 
     @property
     def full(self) -> bool:

@@ -110,7 +110,7 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.forget(sched.finished_req_ids)
         if self.multimodal is not None:
-            self.multimodal.forget(sched.finished_req_ids)
+            self.multimodal.forget(sched.finished_req_ids, sched.encoder_evicted)
         if sched.is_empty:
             return InflightStep.done()
         inputs = self.upload(self.states.build_step(sched, self.block_size, self._drafts(sched)))
