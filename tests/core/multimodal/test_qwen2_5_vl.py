@@ -86,6 +86,41 @@ def test_a_repeated_image_is_encoded_once_and_hits_the_prefix_cache_another_imag
     assert cache.misses == misses + 1
 
 
+def test_the_scheduler_decides_what_the_encoder_cache_holds(llm):
+    """Requests repeating a finished request's image prompt, whose prefix hits end inside the
+    image, read its rows from the worker's encoder cache; once the scheduler's manager evicts the
+    image (the worker drops it too), such a prefix hit encodes it again, and greedy tokens equal
+    the cold run's."""
+    from corectl.multimodal.inputs import content_hash
+    from corectl.multimodal.processors import image_processing_for
+
+    image = random_image(96, 96, 11)
+    conversation = [{"role": "system", "content": "Be brief."}, *_user(image, "Describe.")]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    processed = image_processing_for(llm.engine.source.model_dir, llm.engine.source.hf_config).process(image)
+    key = content_hash(processed.pixels, processed.grid_thw)
+    cache, manager = _runner(llm).multimodal.cache, llm.engine.scheduler.encoder_cache
+    cold = llm.chat(conversation, params, use_tqdm=False)[0]
+    assert key in manager and key in cache and manager.is_idle(key)
+    misses = cache.misses
+    repeats = llm.chat([conversation] * 3, params, use_tqdm=False)
+    offset = list(cold.prompt_token_ids).index(llm.engine.info.image_token_id)
+    assert all(offset < out.num_cached_tokens < offset + processed.num_tokens for out in repeats)
+    assert cache.misses == misses  # encoded once, by the cold run
+    assert all(out.outputs[0].token_ids == cold.outputs[0].token_ids for out in repeats)
+    # Room for one image: another image's request evicts this one, in the scheduler and the worker.
+    capacity, manager.capacity_rows = manager.capacity_rows, processed.num_tokens
+    try:
+        llm.chat(_user(random_image(96, 96, 12), "Other."), params, use_tqdm=False)
+    finally:
+        manager.capacity_rows = capacity
+    assert key not in manager and key not in cache
+    again = llm.chat(conversation, params, use_tqdm=False)[0]
+    assert offset < again.num_cached_tokens < offset + processed.num_tokens
+    assert cache.misses == misses + 2  # the other image, then this one again
+    assert again.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
 def test_graph_positions_are_the_eager_steps_positions_wherever_a_graph_may_replay(llm, monkeypatch):
     """Decode CUDA graphs take one position row: wherever `graph_positions` offers one, all three
     M-RoPE rows of the eager step equal it (an image request's decode positions sit at index +
