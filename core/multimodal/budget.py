@@ -68,7 +68,8 @@ class EncoderBudget:
         if key in self._counted or key in self.cache and not self.cache.is_idle(key):
             return True
         if key not in self.cache:
-            if self.spent and self.spent + rows > self.compute or self.held and self.held + rows > self.cache.capacity_rows:
+            no_room = self.held and self.held + rows > self.cache.capacity_rows
+            if no_room or self.spent and self.spent + rows > self.compute:
                 return False
             self.spent += rows
         self.held += rows

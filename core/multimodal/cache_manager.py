@@ -29,9 +29,6 @@ class EncoderCacheManager:
     def __contains__(self, key: str) -> bool:
         return key in self._rows
 
-    def rows_of(self, key: str) -> int:
-        return self._rows[key]
-
     def is_idle(self, key: str) -> bool:
         return key in self._idle
 

@@ -20,9 +20,6 @@ class EncoderCache:
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def get(self, key: str) -> torch.Tensor | None:
         out = self._entries.get(key)
         if out is None:
