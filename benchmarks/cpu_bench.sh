@@ -20,7 +20,13 @@ python -c "import torch, transformers; print('torch', torch.__version__, 'transf
 peer="${CORECTL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/corectl}/bench/llama-venv"
 if [ ! -x "$peer/bin/python" ] || ! "$peer/bin/python" -c "import llama_cpp" 2>/dev/null; then
   python -m venv "$peer"
-  CMAKE_ARGS="-DGGML_NATIVE=ON" "$peer/bin/pip" install --no-binary llama-cpp-python llama-cpp-python
+  # The CPU's vector extensions by name, not -march=native: a native build on a KVM guest listing AMX
+  # died with an illegal instruction (2026-11-27); llama.cpp's AMX path is left out.
+  flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
+  for ext in avx512f:AVX512 avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 avx512vbmi:AVX512_VBMI; do
+    grep -qw "${ext%%:*}" /proc/cpuinfo && flags+=("-DGGML_${ext#*:}=ON")
+  done
+  CMAKE_ARGS="${flags[*]}" "$peer/bin/pip" install --no-cache-dir --no-binary llama-cpp-python llama-cpp-python
 fi
 gguf=$(python -c "from corectl.config import EngineConfig; from corectl.loaders import resolve_model_source; print(resolve_model_source(EngineConfig()).gguf_file)")
 
