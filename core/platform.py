@@ -47,6 +47,11 @@ class PlatformCaps:
     # "w8a16" (worker-provided dequantize-in-the-GEMM kernels, `Worker.quantization_kernels`). A
     # method none of whose kernels is listed is refused at engine start (`QuantizationConfig.bind`).
     quantization_kernels: tuple[str, ...] = ()
+    # How the `mp` executor starts rank processes (`corectl.executor.multiproc`): "spawn" (a fresh
+    # interpreter each, for device runtimes that must not be initialised before a fork) or
+    # "forkserver" (forked from one server process that imported torch and corectl once, so a rank
+    # skips ~4 s of imports; for platforms without such a runtime).
+    rank_start_method: str = "spawn"
 
 
 class Platform(abc.ABC):

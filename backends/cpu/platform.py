@@ -24,6 +24,7 @@ class CPUPlatform(Platform):
             default_dtype="float32",
             sampling_draw="inverse_cdf",
             quantization_kernels=("cpu_int4pack",),
+            rank_start_method="forkserver",
         )
 
     def device_memory(self) -> int:

@@ -1,4 +1,6 @@
-"""The `mp` executor: one spawned process per rank (tensor-parallel rank of a pipeline stage) on this host.
+"""The `mp` executor: one process per rank (tensor-parallel rank of a pipeline stage) on this host,
+spawned, or forked from a server that imported torch and corectl once where the platform allows it
+(`PlatformCaps.rank_start_method`: the CPU platform's ranks start without their imports).
 
 All ranks live in worker processes, rank 0 included, and the engine process only schedules: it
 never blocks inside a collective, so while it waits for the output rank's reply it also watches
@@ -36,6 +38,8 @@ _STARTUP_CALLS = frozenset({"load_model", "profile_num_kv_blocks", "init_kv_cach
 _STEP, _MASK, _FLUSH, _CALL, _STOP = b"S", b"M", b"F", b"C", b"Q"  # engine -> rank
 _OUTPUT, _RESULT, _ERROR = b"O", b"R", b"E"  # rank -> engine
 _STOP_GRACE_S = 5.0
+# What a forkserver imports once for every rank it forks (`PlatformCaps.rank_start_method`).
+_FORKSERVER_PRELOAD = ["torch", "corectl.executor.rank"]
 # How long a rank's error waits for a peer's process to be seen ending (the error's likely cause).
 _PEER_EXIT_WAIT_S = 0.5
 
@@ -43,7 +47,10 @@ _PEER_EXIT_WAIT_S = 0.5
 class MultiprocExecutor(RemoteRanksExecutor):
     def __init__(self, spec: WorkerSpec):
         super().__init__()
-        ctx = multiprocessing.get_context("spawn")
+        method = spec.platform.capabilities().rank_start_method
+        ctx = multiprocessing.get_context(method)
+        if method == "forkserver":
+            ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
         world_size = spec.config.world_size
         self._names = [rank_name(spec.config, rank) for rank in range(world_size)]
         self._output_rank = output_rank(spec.config)
@@ -55,8 +62,8 @@ class MultiprocExecutor(RemoteRanksExecutor):
         self._error: EngineDeadError | None = None
         for rank in range(world_size):
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, name=f"corectl-tp{rank}", daemon=True,
-                               args=(spec, rank, world_size, init_method, theirs, death_reader))
+            proc = ctx.Process(target=_rank_main, name=f"corectl-rank{rank}", daemon=True,
+                               args=(spec, rank, world_size, init_method, theirs, death_reader, dict(os.environ)))
             proc.start()
             theirs.close()
             self._conns.append(ours)
@@ -185,7 +192,14 @@ def _stop_ranks(procs, conns: list[Connection], death_writer: Connection) -> Non
 # -- the rank's process --------------------------------------------------------------------------
 
 def _rank_main(spec: WorkerSpec, rank: int, world_size: int, init_method: str, conn: Connection,
-               death_reader: Connection) -> None:
+               death_reader: Connection, environ: dict[str, str]) -> None:
+    # A forked rank has its server's environment, from when the server started: take the engine's.
+    os.environ.clear()
+    os.environ.update(environ)
+    # `ps` and /proc name the rank (a forked rank's command line is its server's).
+    with contextlib.suppress(OSError):
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(multiprocessing.current_process().name)
     _exit_with_parent(death_reader)
     # The engine decides when ranks stop: a Ctrl-C or SIGTERM to the process group must let the
     # server drain first (the engine process ignores them too).

@@ -108,7 +108,7 @@ def descendants(pid: int) -> list[int]:
 def rank_processes(server: ServerProcess) -> list[int]:
     """The engine's rank processes (tensor-parallel ranks, pipeline stages), in start order."""
     return sorted(pid for pid in descendants(server.engine_pid())
-                  if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
+                  if Path(f"/proc/{pid}/comm").read_text().startswith("corectl-rank"))
 
 
 def assert_serves_like_one_device(server: ServerProcess, checkpoint: Path) -> None:

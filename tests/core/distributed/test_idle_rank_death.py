@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from support.models import build_random_checkpoint
-from support.server import SMALL_ENGINE, descendants, running_server
+from support.server import SMALL_ENGINE, rank_processes, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -23,8 +22,7 @@ def server(tmp_path, default_model_dir):
 
 
 def test_a_rank_killed_while_idle_is_noticed_without_a_request(server):
-    ranks = [pid for pid in descendants(server.engine_pid())
-             if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    ranks = rank_processes(server)
     assert len(ranks) == 2, ranks
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200
     os.kill(ranks[1], signal.SIGKILL)
