@@ -12,7 +12,7 @@ see, in tiles of BLOCK_N, looking each key's page up in the block table, so a ke
 for all of them. A decode step (one token per sequence, tile = sequence) splits long contexts like
 `decode_attention` and combines the partial outputs with its combine kernel. A prefill or mixed
 step takes tiles of several tokens of one sequence, numbered and found as the prefill kernel's
-(`_find_sequence`), unsplit, each row masked at its own position: a chunked prefill or a
+(`query_tile`), unsplit, each row masked at its own position: a chunked prefill or a
 prefix-cache hit is the same code. vLLM expands the latent into per-head K/V for prefill instead,
 which costs fewer FLOPs per key on long prompts (nope + rope against rank + rope per head).
 
@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ..checks import check_float, check_index, check_range, check_same_device, require
 from .decode_attention import MAX_SPLITS, _combine_splits_kernel, choose_decode_splits
-from .prefill_attention import _find_sequence
+from .prefill_attention import query_tile
 from .paged_softmax import LOG2E, dot_dtype, head_block
 
 
@@ -113,13 +113,9 @@ def _latent_kernel(
         q_pos = first_pos + token
         m_mask = token < 1
     else:
-        seq = _find_sequence(query_start_ptr, num_seqs, tile, BLOCK_Q)
-        q_start = tl.load(query_start_ptr + seq)
-        q_len = tl.load(query_start_ptr + seq + 1) - q_start
-        local = tile - (q_start // BLOCK_Q + seq)
+        seq, q_start, q_len, local, prefix = query_tile(query_start_ptr, seq_lens_ptr, num_seqs, tile, BLOCK_Q)
         if local * BLOCK_Q >= q_len:
             return
-        prefix = tl.load(seq_lens_ptr + seq) - q_len
         seen = prefix + tl.minimum((local + 1) * BLOCK_Q, q_len)
         first_pos = prefix + local * BLOCK_Q
         token = local * BLOCK_Q + offs_m // HEADS

@@ -56,6 +56,19 @@ def _find_sequence(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return left - 1
 
 
+@triton.jit
+def query_tile(query_start_ptr, seq_lens_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """(sequence, its first packed query row, its query length, this tile's index among the
+    sequence's tiles, its cached prefix length) of query tile `tile`; the tile is empty when
+    local * BLOCK_Q >= q_len (sequences round their tiles up)."""
+    seq = _find_sequence(query_start_ptr, num_seqs, tile, BLOCK_Q)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    local = tile - (q_start // BLOCK_Q + seq)
+    prefix = tl.load(seq_lens_ptr + seq) - q_len
+    return seq, q_start, q_len, local, prefix
+
+
 # The batch size and the block-table width change every step: specializing on them (Triton does
 # for integers divisible by 16) would compile variants at first use while serving.
 @triton.jit(do_not_specialize=["num_seqs", "stride_table", "window"])
@@ -69,14 +82,9 @@ def _prefill_kernel(
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = _find_sequence(query_start_ptr, num_seqs, tile, BLOCK_Q)
-    q_start = tl.load(query_start_ptr + seq)
-    q_len = tl.load(query_start_ptr + seq + 1) - q_start
-    local = tile - (q_start // BLOCK_Q + seq)
+    seq, q_start, q_len, local, prefix = query_tile(query_start_ptr, seq_lens_ptr, num_seqs, tile, BLOCK_Q)
     if local * BLOCK_Q >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    prefix = seq_len - q_len
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
