@@ -105,8 +105,9 @@ def pad_verify_step(host: HostStep, rows: int, groups: int,
     arrays), and the row each token went to. Token j of request i goes to row i * rows + j, a
     decode row ending at its own position over the request's block table; the rows after a
     request's tokens, and whole padding groups, are padding rows as in `pad_decode_step`."""
-    lens = np.asarray(host.query_lens)
-    token_rows = np.repeat(np.arange(lens.size) * rows, lens) + (np.arange(host.num_tokens) - np.repeat(np.cumsum(lens) - lens, lens))
+    # Each token moves from its packed row by its request's (row start - query start).
+    shift = np.arange(len(host.query_lens)) * rows - np.asarray(host.query_starts)
+    token_rows = np.arange(host.num_tokens) + np.repeat(shift, host.query_lens)
     size = rows * groups
 
     def scatter(values: np.ndarray, fill: int) -> np.ndarray:
@@ -285,10 +286,12 @@ class CUDAGraphModelRunner(ModelRunner):
 
     def upload(self, host: HostStep) -> StepInputs:
         key = None if self._static is None else choose_graph(self._graph_sizes, self._static.max_blocks, host)
+        if key is None:
+            return super().upload(host)
         # A vision-language model's step replays a graph unless it merges image rows or needs
         # M-RoPE's three position rows (`MultiModalStep.graph_positions`).
         positions = host.positions if self.multimodal is None else self.multimodal.graph_positions(host, self.states)
-        if key is None or positions is None:
+        if positions is None:
             return super().upload(host)
         static, graph = self._static, self.graphs[key]
         size = graph.size
