@@ -8,9 +8,11 @@ from corectl.envs import graph_verify_enabled
 from corectl.errors import ConfigError
 from corectl.kv.sizing import blocks_per_sequence, profile_num_seqs, profiled_kv_blocks
 from corectl.models.kernels import LayerKernels
-from corectl.worker.worker import Worker
+from corectl.multimodal.budget import ENCODER_CACHE_ROWS
+from corectl.worker.worker import ModelInfo, Worker
 
-from ..triton.layer_kernels import triton_layer_kernels
+from ..triton.layer_kernels import batch_invariant_layer_kernels, triton_layer_kernels
+from .batch_invariant import check_invariant_quantization, make_runner_invariant
 from .graph_runner import CUDAGraphModelRunner
 
 logger = logging.getLogger("corectl.cuda")
@@ -33,30 +35,22 @@ class CUDAWorker(Worker):
         return device
 
     def profile_num_kv_blocks(self) -> int:
-        """Memory left for the KV cache after weights, a worst-case step's activations and
-        non-torch allocations, within `gpu_memory_utilization` of the device."""
+        """Memory left for the KV cache after weights, a worst-case step's activations (a
+        vision-language model's: with its largest encoder batch), non-torch allocations and the
+        encoder cache, within `gpu_memory_utilization` of the device."""
         cfg = self.config
-        num_seqs = profile_num_seqs(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len)
-        per_seq_blocks = -(-max(1, cfg.max_num_batched_tokens // num_seqs) // cfg.block_size)
-        self.init_kv_cache(num_seqs * per_seq_blocks)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        self.run_dummy_step(cfg.max_num_batched_tokens, num_seqs)
-        torch.cuda.synchronize()
-        profile_cache_bytes = sum(c.numel() * c.element_size() for c in self.runner.kv_caches)
-        peak = torch.cuda.max_memory_allocated() - profile_cache_bytes
-        self.runner.set_kv_caches([])
-        torch.cuda.empty_cache()
+        peak, reserved = self._profile_peak()
         free, total = torch.cuda.mem_get_info()
         non_torch = (total - free) - torch.cuda.memory_reserved()
         per_block = self.model_info.kv_bytes_per_block(cfg.block_size)
-        num_blocks = profiled_kv_blocks(total, cfg.gpu_memory_utilization, peak, non_torch, per_block)
+        num_blocks = profiled_kv_blocks(total, cfg.gpu_memory_utilization, peak, non_torch, per_block, reserved)
         window = self.model_info.sliding_window
         needed = blocks_per_sequence(self.max_model_len, cfg.block_size, window, cfg.max_num_batched_tokens)
         if num_blocks < needed:
             raise ConfigError(
                 "gpu_memory_utilization",
-                f"the model needs {peak / 2**30:.2f} GiB for weights and activations, leaving room for "
+                f"the model needs {(peak + reserved) / 2**30:.2f} GiB for weights, activations and its encoder "
+                f"cache, leaving room for "
                 f"{max(num_blocks, 0) * cfg.block_size} KV tokens of the {self.max_model_len} one sequence "
                 f"needs on this {total / 2**30:.1f} GiB device; raise gpu_memory_utilization, lower "
                 "max_model_len or max_num_batched_tokens, or use a smaller model",
@@ -72,6 +66,34 @@ class CUDAWorker(Worker):
                     num_blocks, tokens, num_blocks * per_block / 2**30, self.max_model_len, concurrency, note)
         return num_blocks
 
+    def _profile_peak(self) -> tuple[int, int]:
+        """(peak bytes of the weights and a worst-case step, bytes reserved for the encoder cache).
+        The step: dummy prefills over the whole token budget, run inside a vision-language model's
+        worst-case encoding so that the tower's outputs stay alive meanwhile, as in a real step."""
+        cfg = self.config
+        num_seqs = profile_num_seqs(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len)
+        per_seq_blocks = -(-max(1, cfg.max_num_batched_tokens // num_seqs) // cfg.block_size)
+        self.init_kv_cache(num_seqs * per_seq_blocks)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with self.worst_case_encoding() as encoded:
+            torch.cuda.synchronize()
+            reserved = 0 if encoded is None else encoded.cache_bytes
+            if encoded is not None:
+                logger.info("Vision tower: %d images, %d encoder rows (the most one step encodes): %.2f GiB of "
+                            "activations and outputs in the profile; encoder cache: %d rows, %.2f GiB reserved "
+                            "outside the KV cache", len(encoded.images), encoded.rows,
+                            (torch.cuda.max_memory_allocated() - before) / 2**30, ENCODER_CACHE_ROWS,
+                            reserved / 2**30)
+            self.run_dummy_step(cfg.max_num_batched_tokens, num_seqs)
+            torch.cuda.synchronize()
+        profile_cache_bytes = sum(c.numel() * c.element_size() for c in self.runner.kv_caches)
+        peak = torch.cuda.max_memory_allocated() - profile_cache_bytes
+        self.runner.set_kv_caches([])
+        torch.cuda.empty_cache()
+        return peak, reserved
+
     def quantization_kernels(self) -> dict:
         from ..triton.gemm.fp8_block import fp8_block_w8a16
         from ..triton.gemm.fp8_gemv import fp8_w8a16_gemv
@@ -82,8 +104,16 @@ class CUDAWorker(Worker):
         return {"w4a16": w4a16_gemm_trusted, "w8a16": w8a16_gemm, "fp8_quantize_rows": quantize_rows_fp8,
                 "fp8_w8a16_gemv": fp8_w8a16_gemv, "fp8_block_w8a16": fp8_block_w8a16}
 
+    def load_model(self) -> ModelInfo:
+        if self.config.batch_invariant:
+            check_invariant_quantization(self.quantization)
+        info = super().load_model()
+        if self.config.batch_invariant:
+            make_runner_invariant(self.runner)
+        return info
+
     def layer_kernels(self) -> LayerKernels:
-        return triton_layer_kernels()
+        return batch_invariant_layer_kernels() if self.config.batch_invariant else triton_layer_kernels()
 
     def warmup(self) -> None:
         """Compile the kernels' variants before the first request, then capture decode graphs.

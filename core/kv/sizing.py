@@ -26,11 +26,12 @@ def fixed_kv_blocks(budget_gib: float, bytes_per_block: int) -> int:
 
 
 def profiled_kv_blocks(total_bytes: float, utilization: float, peak_bytes: float, non_torch_bytes: float,
-                       bytes_per_block: int) -> int:
+                       bytes_per_block: int, reserved_bytes: float = 0) -> int:
     """Blocks left within `utilization` of the device once the weights and a worst-case step's
-    activations (`peak_bytes`) and the memory torch does not manage are taken; negative when
+    activations (`peak_bytes`), the memory torch does not manage and `reserved_bytes` (what fills
+    later outside the KV cache: a vision-language model's encoder cache) are taken; negative when
     even those do not fit."""
-    budget = total_bytes * utilization - peak_bytes - max(non_torch_bytes, 0)
+    budget = total_bytes * utilization - peak_bytes - max(non_torch_bytes, 0) - reserved_bytes
     return int(budget // bytes_per_block)
 
 

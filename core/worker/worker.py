@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ from ..models.kernels import LayerKernels, install_layer_kernels
 from ..models.layers import Attention
 from ..models.pipeline import stage_layers
 from ..models.registry import resolve_model_class
+from ..multimodal.profile import EncodedBatch, encode, worst_case_images
 from ..platform import Platform
 from ..pooling import pooling_architectures, pooling_weights
 from ..quantization.base import KernelTable, QuantizationConfig
@@ -303,6 +305,25 @@ class Worker(abc.ABC):
         self.runner.execute_model(SchedulerOutput(new, CachedRequestData(), {i: per_seq for i in ids},
                                                   per_seq * num_seqs, []))
         self.runner.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, ids))
+
+    @contextlib.contextmanager
+    def worst_case_encoding(self) -> Iterator[EncodedBatch | None]:
+        """A vision-language model's largest encoder batch of one step (corectl.multimodal.profile),
+        encoded on entry and held until the block ends, so that a dummy step run inside it peaks as
+        a real step does: the tower's outputs alive while the language model runs. None for a
+        text-only model, or one whose folder has no image processor."""
+        images = []
+        if self.runner.multimodal is not None:
+            images = worst_case_images(self.source.hf_config, self.source.model_dir,
+                                       self.config.max_num_batched_tokens, self.max_model_len)
+        if not images:
+            yield None
+            return
+        encoded = encode(self.runner.multimodal.model, images)
+        try:
+            yield encoded
+        finally:
+            encoded.outputs.clear()
 
     def sleep(self, level: int) -> None:
         """Free the KV cache and move the weights to host memory (level 1) or drop them (level 2)
