@@ -100,6 +100,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         compressed-tensors, gguf, or a plugin's). None: the checkpoint's own `quantization_config`,
         and GGUF files kept quantized where the platform has the kernel (unless `dtype` is set);
         "none": dense weights (GGUF dequantized); "fp8" on a dense checkpoint quantizes on the fly.
+    batch_invariant: a request's greedy output does not depend on what else shares its steps (alone,
+        among many, after a prefix hit: the same tokens). The platform decides what that takes
+        (`PlatformCaps.batch_invariance`): CPUs are row-invariant already; GPUs switch to GEMM and
+        attention launches chosen by the layer's shape only, and refuse what has no such kernel
+        (quantized weights, MoE, LoRA, tensor parallelism, speculative decoding); docs/performance.md.
     skip_tokenizer_init: load no tokenizer: prompts are token ids, outputs carry token ids and empty
         text. Shape presets, and dummy weights from a config with no tokenizer files beside it (and
         no `tokenizer` given), always run this way.
@@ -127,6 +132,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     attention_backend: str | None = None
     seed: int = 0
     enforce_eager: bool = False
+    batch_invariant: bool = False
     async_scheduling: bool | None = None
     num_threads: int | None = None
     tensor_parallel_size: int = 1

@@ -52,6 +52,9 @@ class PlatformCaps:
     # "forkserver" (forked from one server process that imported torch and corectl once, so a rank
     # skips ~4 s of imports; for platforms without such a runtime).
     rank_start_method: str = "spawn"
+    # The worker honours `EngineConfig.batch_invariant` (every kernel of the step computes a row the
+    # same way whatever the batch); the engine refuses the flag on a platform without it.
+    batch_invariance: bool = False
 
 
 class Platform(abc.ABC):

@@ -4,9 +4,13 @@ first token ("L'Étoile..." instead of "Paris" on AVX512-BF16/AMX CPUs), and its
 (corectl.quantization.int4_cpu) take fp32 activations, so fp32 around them costs no casts."""
 from __future__ import annotations
 
+import logging
 import os
 
 from corectl.platform import Platform, PlatformCaps
+
+
+logger = logging.getLogger("corectl.cpu")
 
 
 class CPUPlatform(Platform):
@@ -25,7 +29,14 @@ class CPUPlatform(Platform):
             sampling_draw="inverse_cdf",
             quantization_kernels=("cpu_int4pack",),
             rank_start_method="forkserver",
+            batch_invariance=True,
         )
+
+    def check_config(self, config) -> None:
+        if config.batch_invariant:
+            # tests/backends/cpu/test_batch_invariance.py holds the CPU kernels to it in every mode.
+            logger.info("--batch-invariant: the CPU kernels compute each row alone already (row-invariant GEMMs, "
+                        "attention per sequence); nothing changes")
 
     def device_memory(self) -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -27,6 +27,7 @@ def gpu_caps(capability: tuple[int, int]) -> PlatformCaps:
         async_output=True,
         sampling_draw="exponential_race",
         profiles_memory=True,
+        batch_invariance=True,
     )
 
 
@@ -78,6 +79,9 @@ class CUDAPlatform(Platform):
         import torch
         from corectl.errors import ConfigError
 
+        from .batch_invariant import check_invariant_config
+
+        check_invariant_config(config)
         # Ray places each rank on a GPU of the cluster; this host's count matters to "mp" only.
         ranks = config.world_size
         if config.distributed_executor_backend != "ray" and ranks > torch.cuda.device_count():

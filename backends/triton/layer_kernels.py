@@ -11,6 +11,7 @@ from .elementwise.activation import silu_and_mul
 from .elementwise.rms_norm import rms_norm
 from .elementwise.rotary import qk_norm_rotary, rotary_embedding
 from .gemm.fp8_gemv import MAX_M, dense_decode_config, dense_gemv
+from .gemm.invariant import invariant_linear
 from .lora import lora_expand, lora_shrink
 from .lora.moe_lora import fused_moe_lora
 from .moe.fused_moe import fused_moe, topk_softmax
@@ -66,3 +67,17 @@ def triton_layer_kernels() -> LayerKernels:
                         qk_norm_rotary=_qk_norm_rotary_trusted, fused_moe=_routed_fused_moe,
                         router_logits=_router_logits, dense_linear=_dense_linear, lora_shrink=lora_shrink,
                         lora_expand=lora_expand, fused_moe_lora=_routed_fused_moe_lora)
+
+
+def _invariant_dense_linear(x, weight, bias, gated):
+    # Every dense GEMM, whatever its batch: the GEMV and cuBLAS both choose their work split by M.
+    return invariant_linear(silu_and_mul(x) if gated else x, weight, bias)
+
+
+@functools.lru_cache(maxsize=1)
+def batch_invariant_layer_kernels() -> LayerKernels:
+    """The kernels of `--batch-invariant`: the fused row-wise kernels (each row's result is its own
+    whatever the row count) and the invariant GEMM for every dense linear and the LM head. MoE and
+    LoRA have none here: the CUDA worker refuses them in this mode."""
+    return LayerKernels(rms_norm=rms_norm, silu_and_mul=silu_and_mul, rotary_embedding=_rotary_trusted,
+                        qk_norm_rotary=_qk_norm_rotary_trusted, dense_linear=_invariant_dense_linear)

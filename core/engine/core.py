@@ -73,6 +73,9 @@ class EngineCore:
         self.config = config
         platform = resolve_platform(config.platform)
         platform.check_config(config)
+        if config.batch_invariant and not platform.capabilities().batch_invariance:
+            raise ConfigError("batch_invariant", f"platform {platform.name!r} has no batch-invariant kernels; "
+                              "drop --batch-invariant")
         hf = self.source.hf_config
         self.max_model_len = resolve_max_model_len(config, hf)
         if config.encoder_only and config.max_num_batched_tokens < self.max_model_len:

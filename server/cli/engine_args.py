@@ -79,6 +79,9 @@ ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] 
     "platform": ("--platform", _PLATFORM, "auto, cpu, cuda, rocm or a plugin's platform", {}),
     "attention_backend": ("--attention-backend", _PLATFORM, "attention backend (default: the platform's)", {}),
     "enforce_eager": ("--enforce-eager", _PLATFORM, "disable CUDA graphs", {"action": "store_true"}),
+    "batch_invariant": ("--batch-invariant", _PLATFORM, "greedy output independent of the batch a request shares "
+                        "(GPUs: shape-fixed GEMM and attention kernels, slower; CPUs: always so)",
+                        {"action": "store_true"}),
     "enable_sleep_mode": ("--enable-sleep-mode", _PLATFORM, "allow the engine to sleep (free the KV cache and "
                           "offload or drop the weights) and wake up: POST /sleep, /wake_up, LLM.sleep()",
                           {"action": "store_true"}),

@@ -40,6 +40,8 @@ class TritonAttentionMetadata:
     max_seq_len: int
     is_pure_decode: bool
     num_splits: int                   # decode only; fixed per captured graph
+    # Prefill tiles chosen by the model alone, every step through the prefill kernel (`batch_invariant`).
+    fixed_tiles: bool
     rows_per_seq: int                 # decode only: rows sharing a block table (AttentionBatch)
     # [T] int32: each token's first unseen context position, where the batch has bidirectional
     # spans (prefill only: a decode token's span, if any, is itself).
@@ -55,13 +57,21 @@ class TritonAttentionBackend(AttentionBackend):
     kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")
     supports_sinks = True
     supports_chunked_attention = True
+    # `--batch-invariant` (the CUDA worker sets it): a row's attention must not depend on the other
+    # rows of its step. The decode kernel splits the context by the batch's size and runs other
+    # tiles than the prefill kernel, which a decode row in a mixed step (or a one-token prefill
+    # chunk) would take instead; so every step runs the prefill kernel, its query tile fixed by the
+    # model's heads per KV head. Its key tiles are BLOCK_N-aligned context positions wherever a
+    # query tile starts, and a key a row does not see contributes exact zeros, so a row's sums run
+    # over the same tiles in the same order alone, in any batch, and after any cached prefix.
+    batch_invariant = False
 
     def build_metadata(self, batch: AttentionBatch, check_indices: bool = True) -> TritonAttentionMetadata:
         require(batch.block_size == self.block_size,
                 f"batch block_size {batch.block_size} differs from the backend's {self.block_size}")
         num_tokens = sum(batch.query_lens_host)
         # One token for every sequence: the decode kernel maps query row i to sequence i.
-        pure_decode = batch.is_pure_decode and num_tokens == batch.num_seqs
+        pure_decode = batch.is_pure_decode and num_tokens == batch.num_seqs and not self.batch_invariant
         splits = 1
         if pure_decode:
             splits = choose_decode_splits(batch.num_seqs // batch.rows_per_seq, self.num_kv_heads,
@@ -76,6 +86,7 @@ class TritonAttentionBackend(AttentionBackend):
             max_seq_len=batch.max_seq_len,
             is_pure_decode=pure_decode,
             num_splits=splits,
+            fixed_tiles=self.batch_invariant,
             rows_per_seq=batch.rows_per_seq if pure_decode else 1,
             query_key_end=None if pure_decode else _key_ends(batch, self.device),
             check_indices=check_indices,
@@ -100,7 +111,7 @@ class TritonAttentionBackend(AttentionBackend):
                 q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
                 max_query_len=meta.max_query_len, check_indices=check,
                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                attention_chunk=attention_chunk, query_key_end=meta.query_key_end,
+                attention_chunk=attention_chunk, query_key_end=meta.query_key_end, fixed_tiles=meta.fixed_tiles,
             )
         meta.check_indices = False
         return out

@@ -162,7 +162,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
                             logits_soft_cap: float | None = None, k_scale: float = 1.0,
                             v_scale: float = 1.0, sinks: torch.Tensor | None = None,
                             attention_chunk: int | None = None,
-                            query_key_end: torch.Tensor | None = None) -> torch.Tensor:
+                            query_key_end: torch.Tensor | None = None, fixed_tiles: bool = False) -> torch.Tensor:
     """Causal attention of T packed new tokens over their sequences' paged context.
 
     q: [T, num_heads * head_dim]; query_start_loc: int32 [B + 1]; seq_lens: int32 [B] (cached
@@ -174,6 +174,8 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     `sinks` [num_heads] and `attention_chunk` as in `paged_decode_attention`. `query_key_end`
     int32 [T] (`corectl.attention.query_key_ends`): the first context position each token does
     not see, past its own inside a bidirectional span, never past its sequence's end.
+    `fixed_tiles`: the query tile depends on the heads per KV head only, never on `max_query_len`,
+    so a row's result is the same bits whatever the step's other queries (`--batch-invariant`).
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     check_index("block_tables", block_tables, 2, (torch.int32,))
@@ -206,8 +208,8 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
                                table_width * block_size, max_query_len)
     if num_tokens == 0:
         return out
-    _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, max_query_len,
-                    local, logits_soft_cap, k_scale, v_scale, sinks, query_key_end)
+    _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale,
+                    1 if fixed_tiles else max_query_len, local, logits_soft_cap, k_scale, v_scale, sinks, query_key_end)
     return out
 
 
