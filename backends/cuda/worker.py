@@ -9,9 +9,10 @@ from corectl.errors import ConfigError
 from corectl.kv.sizing import blocks_per_sequence, profile_num_seqs, profiled_kv_blocks
 from corectl.models.kernels import LayerKernels
 from corectl.multimodal.budget import ENCODER_CACHE_ROWS
-from corectl.worker.worker import Worker
+from corectl.worker.worker import ModelInfo, Worker
 
-from ..triton.layer_kernels import triton_layer_kernels
+from ..triton.layer_kernels import batch_invariant_layer_kernels, triton_layer_kernels
+from .batch_invariant import check_invariant_quantization, make_runner_invariant
 from .graph_runner import CUDAGraphModelRunner
 
 logger = logging.getLogger("corectl.cuda")
@@ -103,8 +104,16 @@ class CUDAWorker(Worker):
         return {"w4a16": w4a16_gemm_trusted, "w8a16": w8a16_gemm, "fp8_quantize_rows": quantize_rows_fp8,
                 "fp8_w8a16_gemv": fp8_w8a16_gemv, "fp8_block_w8a16": fp8_block_w8a16}
 
+    def load_model(self) -> ModelInfo:
+        if self.config.batch_invariant:
+            check_invariant_quantization(self.quantization)
+        info = super().load_model()
+        if self.config.batch_invariant:
+            make_runner_invariant(self.runner)
+        return info
+
     def layer_kernels(self) -> LayerKernels:
-        return triton_layer_kernels()
+        return batch_invariant_layer_kernels() if self.config.batch_invariant else triton_layer_kernels()
 
     def warmup(self) -> None:
         """Compile the kernels' variants before the first request, then capture decode graphs.
