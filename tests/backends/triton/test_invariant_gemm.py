@@ -1,0 +1,73 @@
+"""The batch-invariant mode's kernels under the interpreter: the invariant GEMM's rows are the same
+bits alone and in batches of other sizes (and close to torch's fp32 product), and the prefill
+attention kernel with fixed tiles gives a row the same bits whether it is a decode row, part of a
+cold prefill, or a prefill after a cached prefix, in any batch."""
+import pytest
+import torch
+from corectl.backends.triton.attention.prefill_attention import paged_prefill_attention
+from corectl.backends.triton.bench.paged_batch import contiguous_attention_ref, random_paged_batch
+from corectl.backends.triton.gemm.invariant import invariant_config, invariant_linear
+from corectl.backends.triton.layer_kernels import batch_invariant_layer_kernels
+
+SCALE = 0.3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m, n, k, bias", [(1, 48, 40, False), (37, 200, 96, True), (130, 64, 72, True)])
+def test_rows_alone_equal_rows_in_a_batch(m, n, k, bias, dtype, assert_close):
+    weight = torch.randn(n, k, dtype=dtype)
+    b = torch.randn(n, dtype=dtype) if bias else None
+    x = torch.randn(m, k, dtype=dtype)
+    # programs=2: each program walks several tiles of the larger batches, as on a GPU's SMs.
+    batched = invariant_linear(x, weight, b, programs=2)
+    assert_close(batched, torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float()))
+    for rows in (slice(0, 1), slice(m // 2, m // 2 + 3), slice(m - 1, m)):
+        assert torch.equal(invariant_linear(x[rows], weight, b), batched[rows])
+    # The same rows inside a bigger batch of other rows.
+    bigger = torch.cat([torch.randn(5, k, dtype=dtype), x, torch.randn(131, k, dtype=dtype)])
+    assert torch.equal(invariant_linear(bigger, weight, b)[5:5 + m], batched)
+
+
+def test_config_never_reads_the_rows():
+    assert invariant_config(4096, 4096, torch.bfloat16) == invariant_config(4096, 4096, torch.float16)
+    assert invariant_config(8, 64, torch.bfloat16).block_n == 16
+
+
+def test_layer_kernel_takes_every_dense_linear_gated_too(assert_close):
+    kernels = batch_invariant_layer_kernels()
+    x = torch.randn(3, 2 * 24, dtype=torch.bfloat16)
+    weight = torch.randn(40, 24, dtype=torch.bfloat16)
+    gated = kernels.dense_linear(x, weight, None, True)
+    gate, up = x.float().chunk(2, dim=-1)
+    # The activation is rounded to bf16 before the GEMM, as the unfused path's silu_and_mul does.
+    act = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16).float()
+    assert_close(gated, act @ weight.float().T, tol=1e-2)
+    assert torch.equal(kernels.dense_linear(x[1:2], weight, None, True), gated[1:2])
+
+
+def _attend(batch, rows: slice, seq: int, query_len: int, **masking):
+    """Sequence `seq`'s attention as a batch of its own whose last `query_len` tokens are new."""
+    seq_len = int(batch.seq_lens[seq])
+    start = int(batch.query_start_loc[seq]) + int(batch.query_lens[seq]) - query_len
+    q = batch.q[start:start + query_len]
+    return paged_prefill_attention(
+        q, batch.kv_cache, batch.block_tables[seq:seq + 1], batch.seq_lens[seq:seq + 1],
+        torch.tensor([0, query_len], dtype=torch.int32), SCALE, max_query_len=query_len, fixed_tiles=True,
+        **masking)[rows]
+
+
+@pytest.mark.parametrize("masking", [{}, {"sliding_window": 40}])
+def test_attention_row_is_the_same_alone_batched_and_after_a_prefix(masking, assert_close):
+    seq_lens = [150, 75, 9]
+    batch = random_paged_batch(seq_lens, seq_lens, num_heads=4, num_kv_heads=2, head_dim=16, block_size=8,
+                               dtype=torch.bfloat16, store_new_tokens=True)
+    cold = paged_prefill_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                                   batch.query_start_loc, SCALE, max_query_len=max(seq_lens), fixed_tiles=True,
+                                   **masking)
+    assert_close(cold, contiguous_attention_ref(batch, SCALE, **masking))
+    first = cold[:150]
+    # The last token as a decode row; the last 37 after a 113-token cached prefix (a query tile
+    # boundary elsewhere than the cold prefill's); the whole prompt alone.
+    assert torch.equal(_attend(batch, slice(None), 0, 1, **masking), first[-1:])
+    assert torch.equal(_attend(batch, slice(None), 0, 37, **masking), first[-37:])
+    assert torch.equal(_attend(batch, slice(None), 0, 150, **masking), first)
