@@ -159,3 +159,13 @@ def test_a_step_budget_smaller_than_one_bidirectional_image_is_refused():
     with pytest.raises(ConfigError, match="cannot hold one image of 256 tokens"):
         Scheduler(EngineConfig(max_num_batched_tokens=200), 256, 64, bidirectional_image_tokens=256)
     assert Scheduler(EngineConfig(max_num_batched_tokens=256), 256, 64, bidirectional_image_tokens=256).whole_images
+
+
+def test_the_memory_profile_encodes_as_many_whole_squares_as_a_step_starts(llm):
+    """18-token steps start one 16-row image; its rows, at the text width, stay held until the block ends."""
+    worker = llm.engine.executor.worker
+    with worker.worst_case_encoding() as encoded:
+        outputs = encoded.outputs
+        assert [tuple(rows.shape) for rows in outputs] == [(16, 64)]
+        assert [item.pixel_shape for item in encoded.images] == [[1, 3, 32, 32]]
+    assert outputs == []
