@@ -52,16 +52,18 @@ def check_invariant_model(model: torch.nn.Module) -> None:
     """Refuse a model with a layer whose GEMM bypasses `LayerKernels.dense_linear`: experts,
     latent attention's per-head products, and plain nn.Linear layers (routers, vision towers,
     encoders), which run cuBLAS directly."""
-    for name, module in model.named_modules():
-        if isinstance(module, FusedMoE):
-            feature = f"mixture-of-experts layers ({name})"
-        elif isinstance(module, MLAttention):
-            feature = f"multi-head latent attention ({name})"
-        elif isinstance(module, torch.nn.Linear) and not isinstance(module, UsesLayerKernels):
-            feature = f"{type(model).__name__}'s {name} (an nn.Linear outside the fused layers)"
-        else:
-            continue
-        raise _refuse("batch_invariant", feature, "serve a dense decoder-only model or drop the flag")
+    modules = list(model.named_modules())
+    bypasses = (
+        (lambda m: isinstance(m, FusedMoE), "mixture-of-experts layers ({})"),
+        (lambda m: isinstance(m, MLAttention), "multi-head latent attention ({})"),
+        # After the two above, whose routers and projections are such layers too.
+        (lambda m: isinstance(m, torch.nn.Linear) and not isinstance(m, UsesLayerKernels),
+         f"{type(model).__name__}'s {{}} (an nn.Linear outside the fused layers)"),
+    )
+    for bypasses_kernels, feature in bypasses:
+        name = next((n for n, m in modules if bypasses_kernels(m)), None)
+        if name is not None:
+            raise _refuse("batch_invariant", feature.format(name), "serve a dense decoder-only model or drop the flag")
 
 
 def make_runner_invariant(runner) -> None:

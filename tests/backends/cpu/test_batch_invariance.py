@@ -1,6 +1,7 @@
 """Greedy output on the CPU does not depend on the batch: each of 16 prompts gives the same tokens
 among all 16 at once and again after a prefix-cache hit, and five of them the same generated alone,
-on the embedded SmolLM2 GGUF served the default way (4-bit layers and its Q8_0 head, fp32 around them).
+on the embedded SmolLM2 GGUF served the default way (4-bit layers and its Q8_0 head, fp32 around them),
+with `LLM(batch_invariant=True)`, which CPUs accept without changing a kernel.
 
 What would break it: a GEMM whose per-row result changes with the number of rows (oneDNN's fp32
 GEMM runs one row through another kernel than several; torch's int4 GEMM needs bf16 activations),
@@ -29,8 +30,11 @@ ALONE = (0, 4, 9, 12, 15)
 def llm_default():
     # One thread: no kernel's per-row result depends on the thread count, and one thread stays fast
     # on a loaded machine (two wait on each other at every parallel region).
-    llm = LLM(max_model_len=256, kv_cache_memory_gib=0.05, max_num_seqs=16, num_threads=1)
+    # --batch-invariant is accepted and changes nothing on CPUs (their kernels are the default ones),
+    # so this engine also proves the flag's CPU promise.
+    llm = LLM(max_model_len=256, kv_cache_memory_gib=0.05, max_num_seqs=16, num_threads=1, batch_invariant=True)
     assert llm.engine.info.quantization == "gguf (Q4_1 int4 layers via cpu_int4pack)"
+    assert llm.config.batch_invariant
     return llm
 
 
