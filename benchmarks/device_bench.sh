@@ -75,6 +75,7 @@ variant() {  # the switches of one stage: engine options into ENGINE, environmen
       profile) PROFILE=1 ;;                                                 # torch.profiler + cProfile summary
       eagerverify) export CORECTL_GRAPH_VERIFY=0 ;;                         # verify steps outside the decode graphs
       eager) ENGINE+=(--enforce-eager) ;;                                   # no CUDA graphs at all
+      inv) ENGINE+=(--batch-invariant) ;;                                   # batch-invariant kernels
       uv) [ -d /tmp/site-uv ] || { echo "uv needs .whl/uv/ (uvloop, httptools)"; return 1; }
           export PYTHONPATH=/tmp/site-uv:$PYTHONPATH ;;                     # uvicorn picks uvloop and httptools
       *) echo "unknown switch '$switch' (stage variant '$1')"; return 1 ;;
@@ -141,6 +142,18 @@ stage_kernels() {  # W6: paged decode attention alone, 64 x 4096, against a devi
 stage_w1() {  # 256 prompts x 512 in / 128 out, offline, llama3-8b shape
   bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 --save-result "$RES/$TAG.json"
   peer static --shape llama3-8b --batch 128 --input-len 512 --output-len 128
+}
+stage_w1inv() {  # W1 with --batch-invariant against the default, alternating in one call, two passes each
+  local pass mode flags
+  for pass in 1 2; do
+    for mode in default inv; do
+      flags=()
+      [ "$mode" = inv ] && flags=(--batch-invariant)
+      echo "pass $pass, $mode:"
+      bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 "${flags[@]}" \
+        --save-result "$RES/${TAG}_${mode}_$pass.json" | grep Throughput
+    done
+  done
 }
 stage_w2() {  # batch-1 decode, 512 in / 128 out, llama3-8b shape (TP: w2 against w2:tp2)
   bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/$TAG.json"
@@ -336,7 +349,8 @@ stage_sweep() {
     decode) timeout 400 python3 benchmarks/decode_sweep.py ;;
     w8a16) timeout 300 python3 benchmarks/w8a16_bench.py ;;
     fp8accum) timeout 200 python3 benchmarks/fp8_accum_bench.py ;;
-    *) echo "sweep:NAME, NAME one of w4a16 fp8 dense moe moefine decode w8a16 fp8accum"; return 1 ;;
+    invgemm) timeout 300 python3 benchmarks/invariant_gemm_bench.py ;;
+    *) echo "sweep:NAME, NAME one of w4a16 fp8 dense moe moefine decode w8a16 fp8accum invgemm"; return 1 ;;
   esac > "$RES/$TAG.txt" 2>&1
   local rc=$?
   tail -60 "$RES/$TAG.txt"
