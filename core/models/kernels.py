@@ -40,7 +40,8 @@ class LayerKernels:
     # (x [T, K], weight [N, K], bias [N] | None, gated) -> x @ weight.T + bias [T, N], or None where the
     # platform has nothing faster than F.linear for this shape and batch; gated: x is [T, 2K] (gate |
     # up) and silu(gate) * up takes its place. An unquantized linear layer's GEMM (decode-sized
-    # steps, where a GEMV can read small weights closer to copy bandwidth than cuBLAS). None: F.linear
+    # steps, where a GEMV can read small weights closer to copy bandwidth than cuBLAS; under
+    # `--batch-invariant`, every one, never None: its launch must not depend on the batch). None: F.linear
     dense_linear: Callable[..., torch.Tensor | None] | None = None
     # Batched mixed-adapter LoRA (corectl.lora.punica says what each computes; slot -1 rows are left
     # alone). shrink: (x [T, K], a [S, R, K], token_slots [T] int32, segments | None, gated=False) -> fp32 partial
