@@ -54,7 +54,7 @@ def invariant_config(n: int, k: int, dtype: torch.dtype) -> InvariantConfig:
 def _invariant_gemm_kernel(
     a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
     programs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, OPERAND: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, OPERAND: tl.constexpr,
 ):
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -78,7 +78,7 @@ def _invariant_gemm_kernel(
             k_mask = offs_k < K - k0
             a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
-            acc = tl.dot(a.to(OPERAND), b.to(OPERAND), acc, input_precision=PRECISION)
+            acc = tl.dot(a.to(OPERAND), b.to(OPERAND), acc, input_precision="ieee")
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
         if HAS_BIAS:
@@ -121,7 +121,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             rows, weight, weight if bias is None else bias, out, m, n, k, rows.stride(0), rows.stride(1),
             weight.stride(0), weight.stride(1), out.stride(0), out.stride(1), grid,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            HAS_BIAS=bias is not None, OPERAND=_operand(rows), PRECISION="ieee" if rows.dtype == torch.float32 else "tf32",
+            HAS_BIAS=bias is not None, OPERAND=_operand(rows),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out.view(*x.shape[:-1], n)
