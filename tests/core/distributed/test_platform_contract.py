@@ -86,6 +86,11 @@ def test_each_data_parallel_engine_is_confined_by_the_platforms_variable(registe
     assert registered.visible_devices() == "6,7"
 
 
+def test_a_platform_that_claims_no_batch_invariance_refuses_the_flag(registered):
+    with pytest.raises(ConfigError, match="^batch_invariant: platform 'host_accel' has no batch-invariant kernels"):
+        LLM(platform=NAME, batch_invariant=True)
+
+
 @pytest.mark.slow
 def test_tensor_parallel_ranks_on_a_third_party_platform_match_one_rank(registered, tmp_path, default_model_dir):
     folder = build_random_checkpoint("llama", tmp_path / "llama", default_model_dir)
