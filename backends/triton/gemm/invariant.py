@@ -96,10 +96,11 @@ def _operand(x: torch.Tensor):
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                     programs: int | None = None) -> torch.Tensor:
+                     programs: int | None = None, config: InvariantConfig | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T + bias [N] in x's dtype, each row independent of the others'
     count and values. `programs` caps the persistent grid (a test's way to make programs loop over
-    several tiles; default: one per SM)."""
+    several tiles; default: one per SM); `config` overrides `invariant_config` (a benchmark's
+    sweep: rows stay invariant under any one config, not across two)."""
     require(x.dim() >= 1, f"x must have at least one dimension, got shape {tuple(x.shape)}")
     rows = x.reshape(-1, x.shape[-1])
     check_float("weight", weight, 2)
@@ -114,7 +115,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         check_same_device(x=x, weight=weight)
     out = torch.empty((m, n), dtype=rows.dtype, device=rows.device)
     if m and n:
-        cfg = invariant_config(n, k, rows.dtype)
+        cfg = config or invariant_config(n, k, rows.dtype)
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         grid = min(tiles, programs or sm_count(rows.device))
         _invariant_gemm_kernel[(grid,)](
