@@ -22,7 +22,7 @@ from corectl.errors import ConfigError
 from corectl.models.registry import resolve_model_class
 from corectl.quantization.fp8 import Fp8Config
 from corectl.worker.worker import build_model
-from server.cli.engine_args import add_engine_args, config_from_args
+from corectl.server.cli.engine_args import add_engine_args, config_from_args
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)
