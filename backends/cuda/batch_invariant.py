@@ -70,7 +70,10 @@ def make_runner_invariant(runner) -> None:
     """After the model is built with the invariant layer kernels: refuse what bypasses them, and
     switch the attention backend to its batch-invariant launches (refused where it has none)."""
     check_invariant_model(runner.model)
-    backend = runner.backend
+    make_attention_invariant(runner.backend)
+
+
+def make_attention_invariant(backend) -> None:
     if not hasattr(backend, "batch_invariant"):
         raise _refuse("attention_backend", f"the {backend.name!r} attention backend",
                       "use --attention-backend triton or drop the flag")

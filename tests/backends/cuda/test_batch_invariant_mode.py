@@ -13,7 +13,7 @@ from corectl.backends.cuda.batch_invariant import (
     check_invariant_config,
     check_invariant_model,
     check_invariant_quantization,
-    make_runner_invariant,
+    make_attention_invariant,
 )
 from corectl.backends.cuda.platform import CUDAPlatform, gpu_caps
 from corectl.backends.triton.attention.backend import TritonAttentionBackend
@@ -81,10 +81,9 @@ def test_accepts_dense_decoders_and_refuses_layers_outside_the_fused_kernels():
 
 
 def test_switches_the_triton_backend_and_refuses_others():
-    runner = argparse.Namespace(model=torch.nn.Module(), backend=TritonAttentionBackend(4, 2, 16, torch.bfloat16,
-                                                                                         torch.device("cpu"), 16))
-    make_runner_invariant(runner)
-    assert runner.backend.batch_invariant and not TritonAttentionBackend.batch_invariant
-    runner.backend = TorchSDPABackend(4, 2, 16, torch.float32, torch.device("cpu"), 16)
+    backend = TritonAttentionBackend(4, 2, 16, torch.bfloat16, torch.device("cpu"), 16)
+    make_attention_invariant(backend)
+    assert backend.batch_invariant and not TritonAttentionBackend.batch_invariant
+    sdpa = TorchSDPABackend(4, 2, 16, torch.float32, torch.device("cpu"), 16)
     with pytest.raises(ConfigError, match="^attention_backend: --batch-invariant .* the 'torch_sdpa' attention backend"):
-        make_runner_invariant(runner)
+        make_attention_invariant(sdpa)

@@ -4,6 +4,8 @@ attention kernel with fixed tiles gives a row the same bits whether it is a deco
 cold prefill, or a prefill after a cached prefix, in any batch."""
 import pytest
 import torch
+from corectl.attention import AttentionBatch
+from corectl.backends.triton.attention.backend import TritonAttentionBackend
 from corectl.backends.triton.attention.prefill_attention import paged_prefill_attention
 from corectl.backends.triton.bench.paged_batch import contiguous_attention_ref, random_paged_batch
 from corectl.backends.triton.gemm.invariant import invariant_config, invariant_linear
@@ -71,3 +73,27 @@ def test_attention_row_is_the_same_alone_batched_and_after_a_prefix(masking, ass
     assert torch.equal(_attend(batch, slice(None), 0, 1, **masking), first[-1:])
     assert torch.equal(_attend(batch, slice(None), 0, 37, **masking), first[-37:])
     assert torch.equal(_attend(batch, slice(None), 0, 150, **masking), first)
+
+
+def test_invariant_backend_runs_a_decode_step_through_the_prefill_kernel(assert_close):
+    """A pure-decode step (what a decode graph captures), its padding row included, in the mode."""
+    seq_lens = [20, 7, 33]
+    batch = random_paged_batch(seq_lens, [1, 1, 1], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8,
+                               dtype=torch.bfloat16)
+    backend = TritonAttentionBackend(4, 2, 16, torch.bfloat16, torch.device("cpu"), 8)
+    backend.batch_invariant = True
+    # A graph's padding row: nothing stored (slot -1), no context (seq_len 0).
+    lens = torch.tensor([*seq_lens, 0], dtype=torch.int32)
+    step = AttentionBatch(
+        query_start_loc=torch.arange(5, dtype=torch.int32), seq_lens=lens,
+        block_tables=torch.cat([batch.block_tables, torch.zeros_like(batch.block_tables[:1])]),
+        slot_mapping=torch.cat([batch.slot_mapping, torch.tensor([-1])]), query_lens_host=[1] * 4,
+        seq_lens_host=lens.tolist(), max_query_len=1, max_seq_len=max(seq_lens), block_size=8)
+    meta = backend.build_metadata(step, check_indices=False)
+    assert not meta.is_pure_decode and meta.fixed_tiles
+    pad = torch.zeros(1, batch.q.shape[1], dtype=batch.q.dtype)
+    out = backend.forward(torch.cat([batch.q, pad]), torch.cat([batch.k, pad[:, :32]]),
+                          torch.cat([batch.v, pad[:, :32]]), batch.kv_cache, meta, SCALE)
+    assert_close(out[:3], contiguous_attention_ref(batch, SCALE))
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    assert torch.equal(out[1:2], _attend(batch, slice(None), 1, 1))
