@@ -20,6 +20,16 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 import pytest  # noqa: E402
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Modules sharing a session server run on one worker (support/xdist_groups.py)."""
+    if config.getvalue("dist") == "loadscope":
+        from support.xdist_groups import SessionServerScheduling
+
+        return SessionServerScheduling(config, log)
+    return None
+
+
 @pytest.fixture(scope="module")
 def isolated_env(tmp_path_factory):
     """For modules that build shape presets: presets write their config to a cache folder of the
