@@ -46,6 +46,12 @@ class _Lane:
         while (job := self._jobs.get()) is not None:
             job()
 
+    def drain(self, timeout: float) -> bool:
+        """Whether the jobs queued so far ran within `timeout` seconds."""
+        done = threading.Event()
+        self._jobs.put(done.set)
+        return done.wait(timeout)
+
     def close(self) -> None:
         self._jobs.put(None)
 
@@ -89,6 +95,11 @@ class StagedTransferWorker(KVConnectorWorker):
             fetch = self.access.fetch_to_host([] if self.publishes_device_blocks else [blocks])
             self._saves_lane.put(lambda transfer=transfer, fetch=fetch, blocks=blocks:
                                  self._publish_one(transfer, fetch, blocks))
+
+    def saves_published(self, timeout: float) -> bool:
+        """Whether every save handed over so far is fetchable (published on the save thread) within
+        `timeout` seconds: a producer's saves trail its requests' ends."""
+        return self._saves_lane.drain(timeout)
 
     def _fetch_one(self, transfer: KVBlockTransfer) -> None:
         try:

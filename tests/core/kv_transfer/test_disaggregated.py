@@ -103,7 +103,13 @@ def test_saves_past_the_producers_cap_are_dropped_and_recomputed(torch_pair, ref
     monkeypatch.setattr(worker, "max_saved_bytes", 1)
     monkeypatch.setattr(worker, "load_timeout_s", 0.3)
     before = consumer.engine.scheduler.make_stats()
-    assert _disaggregate(producer, consumer, "capped") == reference
+    ids = [f"capped-{i}" for i in range(len(PROMPTS))]
+    _tokens(producer, [_greedy(1, {"do_remote_decode": True, "transfer_id": i}) for i in ids])
+    # Saves are published on a thread after the requests end: all of them must be in (and the cap
+    # applied) before the consumer asks, or an early ask finds a save the cap would have dropped.
+    assert worker.saves_published(timeout=30)
+    decoded = _tokens(consumer, [_greedy(MAX_TOKENS, {"do_remote_prefill": True, "transfer_id": i}) for i in ids])
+    assert decoded == reference
     stats = consumer.engine.scheduler.make_stats()
     assert stats.kv_load_failures - before.kv_load_failures == len(PROMPTS) - 1
     # The newest prompt arrived (past what an earlier test left in the consumer's prefix cache).
