@@ -27,14 +27,21 @@ import pytest  # noqa: E402
 def pytest_runtest_teardown(item, nextitem):
     """After a module's fixtures are gone, hand the memory they freed back to the system: glibc keeps
     freed heap pages, so a worker that built a few engines grew to ~6 GB by the end of the suite (the
-    servers and engine processes beside it need that memory on a 24 GB machine)."""
+    servers and engine processes beside it need that memory on a 24 GB machine). Only past
+    `_TRIM_ABOVE`: a full collection of a worker's heap takes ~0.2-0.5 s."""
     yield
-    if nextitem is None or nextitem.module is not item.module:
+    if (nextitem is None or nextitem.module is not item.module) and _resident_bytes() > _TRIM_ABOVE:
         gc.collect()
         _LIBC.malloc_trim(0)
 
 
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
+_TRIM_ABOVE = 1536 << 20
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 @pytest.hookimpl(optionalhook=True)
