@@ -5,8 +5,11 @@ method the target platform binds (`corectl.planning_weights`), so the tensors co
 those the engine would load, each quantized layer sized as its method serves it, and `ModelInfo`
 gives the engine's own KV bytes per block. The KV cache is sized with the workers' rules
 (`corectl.kv.sizing`): a budget in GiB on platforms that do not profile memory (CPU), what is left
-of `gpu_memory_utilization` of the device on those that do. Two numbers a plan can only estimate, where the engine measures them:
-the activation peak of a full token budget, and the memory a GPU process holds outside torch.
+of `gpu_memory_utilization` of the device on those that do, less a vision-language model's encoder
+cache (`corectl.multimodal.profile`). Two numbers a plan can only estimate, where the engine
+measures them: the activation peak of a full token budget, and the memory a GPU process holds
+outside torch; a vision-language model's tower activations, which the engine's profile also
+measures, are not estimated.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from .loaders.resolve import default_model, resolve_model_source
 from .loaders.source import ModelSource
 from .models.base import check_tensor_parallel
 from .models.registry import resolve_model_class
+from .multimodal.profile import encoder_cache_bytes, serves_images
 from .planning_weights import ModelWeights, planned_model, size_weights
 from .platform import resolve_dtype
 from .pooling import pooling_architectures
@@ -125,6 +129,8 @@ class Plan:
     quantization: str | None = None
     # The window every layer keeps to, if one does: a sequence then holds only its window's blocks.
     sliding_window: int | None = None
+    # A vision-language model's encoder cache, reserved outside the KV cache where memory is profiled.
+    encoder_cache_bytes: int = 0
 
     @property
     def fits(self) -> bool:
@@ -140,8 +146,10 @@ class Plan:
 
     @property
     def fixed_bytes(self) -> int:
-        """Everything but the KV cache: weights, buffers, activations and non-torch memory."""
-        return self.weight_bytes_per_rank + self.buffer_bytes + self.activation_bytes + self.non_torch_bytes
+        """Everything but the KV cache: weights, buffers, activations, non-torch memory and an
+        encoder cache."""
+        return (self.weight_bytes_per_rank + self.buffer_bytes + self.activation_bytes + self.non_torch_bytes
+                + self.encoder_cache_bytes)
 
     @property
     def max_concurrency(self) -> float:
@@ -327,10 +335,13 @@ def _size(checkpoint: Checkpoint, shape: _Shape, config: EngineConfig, target: T
     served = weights.served.per_rank(kv_heads, info.num_kv_heads, tp)
     activations = _activation_bytes(shape, kv_heads, tp, config.max_num_batched_tokens, num_seqs)
     per_block = per_token * config.block_size
+    encoder_cache = 0
     if target.profiles_memory:
         non_torch, usable = NON_TORCH_BYTES, int(target.memory_bytes * config.gpu_memory_utilization)
+        if serves_images(shape.model_cls, checkpoint.source.model_dir):
+            encoder_cache = encoder_cache_bytes(shape.hidden_size, _DTYPES[info.dtype].itemsize)
         blocks = profiled_kv_blocks(target.memory_bytes, config.gpu_memory_utilization,
-                                    served + weights.buffer_bytes + activations, non_torch, per_block)
+                                    served + weights.buffer_bytes + activations, non_torch, per_block, encoder_cache)
     else:
         non_torch, usable = 0, target.memory_bytes
         blocks = fixed_kv_blocks(config.kv_cache_memory_gib or DEFAULT_KV_CACHE_GIB, per_block)
@@ -347,6 +358,7 @@ def _size(checkpoint: Checkpoint, shape: _Shape, config: EngineConfig, target: T
                                                                 info.sliding_window, config.max_num_batched_tokens),
         max_model_len=shape.max_model_len, problem=None, sliding_window=info.sliding_window,
         quantization=None if shape.quantization is None else shape.quantization.describe(),
+        encoder_cache_bytes=encoder_cache,
     )
     return dataclasses.replace(plan, problem=_problem(plan))
 

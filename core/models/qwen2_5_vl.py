@@ -35,7 +35,7 @@ class MRotaryEmbedding(RotaryEmbedding):
     def __init__(self, config, head_size: int, max_positions: int, dtype: torch.dtype):
         super().__init__(config, head_size, max_positions, dtype)
         section = config.rope_parameters["mrope_section"]
-        rows = torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+        rows = torch.repeat_interleave(torch.arange(3), torch.tensor(section), output_size=sum(section))
         self.register_buffer("row_of_feature", torch.cat([rows, rows]), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, norms=None):

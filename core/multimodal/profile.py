@@ -75,7 +75,18 @@ def encode(model, images: list[MultiModalInput]) -> EncodedBatch:
     """The batch through the model's tower, as `MultiModalStep` encodes a step's images."""
     with torch.inference_mode():
         outputs = model.encode_images(images)
-    return EncodedBatch(images, outputs, ENCODER_CACHE_ROWS * outputs[0].shape[-1] * outputs[0].element_size())
+    return EncodedBatch(images, outputs, encoder_cache_bytes(outputs[0].shape[-1], outputs[0].element_size()))
+
+
+def encoder_cache_bytes(width: int, itemsize: int) -> int:
+    """The encoder cache full: `ENCODER_CACHE_ROWS` rows of the language model's width."""
+    return ENCODER_CACHE_ROWS * width * itemsize
+
+
+def serves_images(model_cls: type, model_dir: Path | None) -> bool:
+    """Whether an engine of `model_cls` on this folder encodes images (and so keeps an encoder cache):
+    a vision-language model whose folder holds an image processor config."""
+    return hasattr(model_cls, "encode_images") and _image_processor(model_dir) is not None
 
 
 def _dummy_input(image: DummyImage, index: int) -> MultiModalInput:

@@ -143,3 +143,20 @@ def test_plan_of_a_bare_backbone_sizes_it_as_its_causal_lm(tmp_path):
     plan = plan_deployment(EngineConfig(model=str(tmp_path), load_format="dummy", kv_cache_memory_gib=0.01),
                            device="cpu")
     assert plan.architecture == "Qwen3ForCausalLM" and plan.fits and plan.num_params > 0
+
+
+def test_plan_of_a_vision_language_model_reserves_its_encoder_cache(qwen2_5_vl_dir):
+    """Built on the meta device like any model (its M-RoPE rows included); on a GPU the encoder cache
+    (16,384 rows of the language model's width) comes out of the KV cache's share, as the engine's
+    profile takes it; the CPU's fixed KV budget is unchanged."""
+    from corectl.multimodal.budget import ENCODER_CACHE_ROWS
+    from corectl.planning import read_checkpoint
+
+    config = EngineConfig(model=str(qwen2_5_vl_dir), dtype="float32")
+    gpu = plan_deployment(config, device="gpu", device_memory=2**30)
+    width = read_checkpoint(config).hf_config.hidden_size
+    assert gpu.architecture == "Qwen2_5_VLForConditionalGeneration"
+    assert gpu.encoder_cache_bytes == ENCODER_CACHE_ROWS * width * 4
+    left = 0.9 * 2**30 - gpu.fixed_bytes
+    assert 0 <= left - gpu.kv_cache_bytes < gpu.block_size * gpu.kv_bytes_per_token
+    assert plan_deployment(config, device="cpu").encoder_cache_bytes == 0
