@@ -69,6 +69,9 @@ def torch_pair():
 def _disaggregate(producer: LLM, consumer: LLM, tag: str) -> list[list[int]]:
     ids = [f"{tag}-{i}" for i in range(len(PROMPTS))]
     _tokens(producer, [_greedy(1, {"do_remote_decode": True, "transfer_id": i}) for i in ids])
+    # Saves are published on a thread after the requests end: all of them must be in (and a cap
+    # applied) before the consumer asks, or an early ask finds a save the cap would have dropped.
+    assert producer.engine.executor.worker.kv_connector.saves_published(timeout=30)
     return _tokens(consumer, [_greedy(MAX_TOKENS, {"do_remote_prefill": True, "transfer_id": i}) for i in ids])
 
 
@@ -103,13 +106,7 @@ def test_saves_past_the_producers_cap_are_dropped_and_recomputed(torch_pair, ref
     monkeypatch.setattr(worker, "max_saved_bytes", 1)
     monkeypatch.setattr(worker, "load_timeout_s", 0.3)
     before = consumer.engine.scheduler.make_stats()
-    ids = [f"capped-{i}" for i in range(len(PROMPTS))]
-    _tokens(producer, [_greedy(1, {"do_remote_decode": True, "transfer_id": i}) for i in ids])
-    # Saves are published on a thread after the requests end: all of them must be in (and the cap
-    # applied) before the consumer asks, or an early ask finds a save the cap would have dropped.
-    assert worker.saves_published(timeout=30)
-    decoded = _tokens(consumer, [_greedy(MAX_TOKENS, {"do_remote_prefill": True, "transfer_id": i}) for i in ids])
-    assert decoded == reference
+    assert _disaggregate(producer, consumer, "capped") == reference
     stats = consumer.engine.scheduler.make_stats()
     assert stats.kv_load_failures - before.kv_load_failures == len(PROMPTS) - 1
     # The newest prompt arrived (past what an earlier test left in the consumer's prefix cache).
