@@ -79,8 +79,9 @@ class CUDAWorker(Worker):
         before = torch.cuda.memory_allocated()
         with self.worst_case_encoding() as encoded:
             torch.cuda.synchronize()
-            reserved = 0 if encoded is None else encoded.cache_bytes
+            reserved = 0
             if encoded is not None:
+                reserved = encoded.cache_bytes
                 logger.info("Vision tower: %d images, %d encoder rows (the most one step encodes): %.2f GiB of "
                             "activations and outputs in the profile; encoder cache: %d rows, %.2f GiB reserved "
                             "outside the KV cache", len(encoded.images), encoded.rows,
