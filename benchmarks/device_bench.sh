@@ -351,7 +351,8 @@ stage_sweep() {
     fp8accum) timeout 200 python3 benchmarks/fp8_accum_bench.py ;;
     invgemm) timeout 300 python3 benchmarks/invariant_gemm_bench.py ;;
     invgemmcfg) timeout 500 python3 benchmarks/invariant_gemm_bench.py --sweep ;;
-    *) echo "sweep:NAME, NAME one of w4a16 fp8 dense moe moefine decode w8a16 fp8accum invgemm invgemmcfg"; return 1 ;;
+    fp8block) timeout 300 python3 benchmarks/fp8_block_bench.py ;;
+    *) echo "sweep:NAME, NAME one of w4a16 fp8 dense moe moefine decode w8a16 fp8accum invgemm invgemmcfg fp8block"; return 1 ;;
   esac > "$RES/$TAG.txt" 2>&1
   local rc=$?
   tail -60 "$RES/$TAG.txt"
