@@ -16,9 +16,9 @@ from corectl.backends.triton.gemm.invariant import InvariantConfig, invariant_co
 SHAPES = {"square": (4096, 4096), "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}
 ROWS = (1, 16, 64, 256, 2048, 8192)
-CANDIDATES = [InvariantConfig(128, 128, 64, 8, 8, 3), InvariantConfig(128, 64, 64, 8, 4, 4),
-              InvariantConfig(128, 256, 64, 8, 8, 3), InvariantConfig(64, 128, 64, 8, 4, 4),
-              InvariantConfig(128, 128, 64, 8, 4, 4)]
+CANDIDATES = [InvariantConfig(128, 128, 64, 8, 8, 3), InvariantConfig(128, 128, 64, 8, 4, 5),
+              InvariantConfig(128, 256, 64, 8, 8, 4), InvariantConfig(64, 128, 64, 8, 4, 4),
+              InvariantConfig(128, 128, 128, 8, 8, 3)]
 
 
 def check_rows(weight: torch.Tensor) -> bool:

@@ -35,7 +35,9 @@ class InvariantConfig(NamedTuple):
 
 # 128 x 128 tiles, 64 inputs a step: the compute-bound prefill shapes keep the tensor cores busy, and a
 # decode step's few rows cost one row tile per weight tile (the weights are read once either way).
-_HALF = InvariantConfig(128, 128, 64, 8, 8, 3)
+# 4 warps and 4 stages beat 8 and 3 on every llama3-8b projection from 1 to 8,192 rows on an H100
+# (`sweep:invgemmcfg`, docs/performance.md "Batch-invariant output").
+_HALF = InvariantConfig(128, 128, 64, 8, 4, 4)
 # fp32 runs IEEE FMAs (TF32 would round the inputs): smaller K steps keep the operands in registers.
 _FLOAT = InvariantConfig(64, 64, 32, 8, 4, 3)
 
