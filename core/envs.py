@@ -48,3 +48,9 @@ def graph_verify_enabled() -> bool:
     """CUDA workers replay speculative decoding's verify steps in the decode graphs (one row per
     verified token); CORECTL_GRAPH_VERIFY=0 runs them eagerly (for measurement)."""
     return os.environ.get("CORECTL_GRAPH_VERIFY", "1").lower() not in ("0", "false", "no")
+
+
+def lora_sorted_enabled() -> bool:
+    """Decode steps of over 16 tokens run the LoRA kernels on tiles of tokens sorted by adapter
+    (corectl.lora.layers); CORECTL_LORA_SORTED=0 keeps the per-token gathered kernels (for measurement)."""
+    return os.environ.get("CORECTL_LORA_SORTED", "1").lower() not in ("0", "false", "no")

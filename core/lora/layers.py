@@ -16,15 +16,19 @@ slots of whatever step replays it.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
+from .. import envs
 from ..models.kernels import UsesLayerKernels
 from ..loaders.packing import PACKED_MODULES
 from ..models.quantizable import QuantizableLinear
-from .punica import LoRASegments, SlotGroup, grouped_lora
+from .punica import LoRASegments, SlotGroup, grouped_lora, sorted_tiles
 
 ADAPTED_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# Rows of a sorted tile: the kernels' row block (tl.dot takes 16 rows and up).
+TILE_ROWS = 16
 
 
 class LoRABatch:
@@ -32,11 +36,14 @@ class LoRABatch:
 
     `token_slots` [max_tokens] int32 holds each token row's slot (-1: base only, and every row past
     the step's tokens); `scales` [S] fp32 each slot's scaling. `segments` is the segment form of a
-    prefill or mixed step, None for the gathered form (decode steps, graph capture); `groups` the
-    rows of each slot for the torch path; `active` is False for a step with no adapter at all.
+    prefill or mixed step, None in decode steps and graph captures, whose kernels read the static
+    buffers: `token_slots` (the gathered form) and, past TILE_ROWS tokens, the sorted tiles.
+    `groups` are the rows of each slot for the torch path; `active` is False for a step with no
+    adapter at all.
     """
 
     def __init__(self, max_loras: int, max_tokens: int, device: torch.device):
+        self.max_loras = max_loras
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.scale_list = [0.0] * max_loras
@@ -44,10 +51,56 @@ class LoRABatch:
         self.segments: LoRASegments | None = None
         self.groups: list[SlotGroup] = []
         self.active = True
+        self.sorted = envs.lora_sorted_enabled()
+        self.max_tiles = -(-max_tokens // TILE_ROWS) + max_loras
+        # The tiles' starts, lengths and slots, then the sorted order: one buffer, so one copy writes
+        # a step's. Zero lengths: no tile, what a replayed graph must see in a step without adapters.
+        self._sorted = torch.zeros(3 * self.max_tiles + max_tokens, dtype=torch.int32, device=device)
+        self._tiles: dict[int, LoRASegments] = {}
+        # Rows of `token_slots` that may hold a slot other than -1 (the last step with adapters wrote them).
+        self._slot_rows = 0
 
     def reset(self) -> None:
-        """Back to the state a captured decode graph is recorded in: every kernel runs, gathered form."""
+        """Back to the state a captured decode graph is recorded in: every kernel runs on the static buffers."""
         self.segments, self.groups, self.active = None, [], True
+
+    def write_slots(self, token_slots: np.ndarray, tiles: bool) -> None:
+        """A step's token slots into the static buffers (rows past them back to -1), with the sorted
+        tiles where `tiles` (the kernels read them); each one host-to-device copy."""
+        num_tokens = token_slots.shape[0]
+        rows = max(num_tokens, self._slot_rows)
+        if rows:
+            padded = np.full(rows, -1, dtype=np.int32)
+            padded[:num_tokens] = token_slots
+            self.token_slots[:rows].copy_(torch.from_numpy(padded), non_blocking=True)
+        self._slot_rows = num_tokens
+        if tiles and self.sorted:
+            order, step_tiles = sorted_tiles(token_slots, TILE_ROWS)
+            host = np.zeros(3 * self.max_tiles + order.shape[0], dtype=np.int32)
+            host[:3 * self.max_tiles].reshape(3, self.max_tiles)[:, :step_tiles.shape[1]] = step_tiles
+            host[3 * self.max_tiles:] = order
+            self._sorted[:host.shape[0]].copy_(torch.from_numpy(host), non_blocking=True)
+
+    def clear_slots(self) -> None:
+        """No adapter in this step: a replayed decode graph runs the kernels whatever the step, so the
+        buffers it reads must hold none (only where a step with adapters wrote them)."""
+        if self._slot_rows:
+            self.token_slots[:self._slot_rows].fill_(-1)
+            self._sorted[:3 * self.max_tiles].zero_()
+            self._slot_rows = 0
+
+    def kernel_layout(self, num_tokens: int) -> LoRASegments | None:
+        """The layout the kernels take for a forward pass of `num_tokens` rows: a prefill or mixed
+        step's segments; in a decode step or a graph capture, the sorted tiles past TILE_ROWS rows (a
+        captured graph keeps the form of its row count), else None: the gathered form, a program a
+        token (fewer tokens than a tile gain nothing from sorting)."""
+        if self.segments is not None or not self.sorted or num_tokens <= TILE_ROWS:
+            return self.segments
+        count = min(self.max_tiles, -(-num_tokens // TILE_ROWS) + min(self.max_loras, num_tokens))
+        if count not in self._tiles:
+            starts, lens, slots = (self._sorted[j * self.max_tiles:j * self.max_tiles + count] for j in range(3))
+            self._tiles[count] = LoRASegments(starts, lens, slots, TILE_ROWS, self._sorted[3 * self.max_tiles:])
+        return self._tiles[count]
 
 
 class LoRALinear(UsesLayerKernels, nn.Module):
@@ -110,14 +163,14 @@ class LoRALinear(UsesLayerKernels, nn.Module):
                          self.reduce_xa)
             return
         slots = batch.token_slots[: x.shape[0]]
+        layout = batch.kernel_layout(x.shape[0])
         num_slots, n, rank, in_features = self.lora_a.shape
         # One shrink over every sub-projection's stacked A and one expand writing every slice: at
         # batch 1 each launch costs more than the bytes it moves.
-        xa = kernels.lora_shrink(x, self.lora_a.view(num_slots, n * rank, in_features), slots, batch.segments,
-                                 gated=gated)
+        xa = kernels.lora_shrink(x, self.lora_a.view(num_slots, n * rank, in_features), slots, layout, gated=gated)
         if self.reduce_xa is not None:
             xa = self.reduce_xa(xa.sum(0, keepdim=True))
-        kernels.lora_expand(xa, self.lora_b, batch.scales, slots, batch.segments, out, self.slice_sizes)
+        kernels.lora_expand(xa, self.lora_b, batch.scales, slots, layout, out, self.slice_sizes)
 
     def load_slot(self, slot: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write an adapter's (A [r, in], B [out, r]) per checkpoint projection into `slot` (this

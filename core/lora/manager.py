@@ -4,8 +4,9 @@ Two LRU tiers: a host cache of loaded checkpoints (`max_cpu_loras`) and the devi
 LoRA layers read (`max_loras`). Before each forward pass `prepare` makes the step's adapters
 resident (the scheduler never puts more than `max_loras` distinct adapters in one step, so the
 least recently used slot outside the step can always be taken), then writes the step's layout
-into the shared `LoRABatch`: each token row's slot, the segment form for a prefill or mixed
-step, and the per-slot row groups of the torch path.
+into the shared `LoRABatch`: each token row's slot and, for the kernels, the rows sorted by slot
+in tiles (the decode form), the segment form for a prefill or mixed step, and the per-slot row
+groups of the torch path.
 """
 from __future__ import annotations
 
@@ -43,8 +44,6 @@ class AdapterManager:
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
         self._requests: dict[str, LoRARequest] = {}
-        # Whether `batch.token_slots` holds a slot other than -1 (a step with adapters wrote it).
-        self._slots_written = False
 
     @property
     def resident(self) -> list[int]:
@@ -69,24 +68,17 @@ class AdapterManager:
         batch = self.batch
         batch.active = bool((req_slots >= 0).any())
         if not batch.active:
-            if self._slots_written:
-                # A replayed decode graph runs the kernels whatever the step: they must see no adapter.
-                batch.token_slots.fill_(-1)
-                self._slots_written = False
+            batch.clear_slots()
             return
-        self._slots_written = True
         lens = np.array(host.query_lens, dtype=np.int32)
         starts = np.asarray(host.query_start_loc[:-1], dtype=np.int32)
-        token_slots = np.repeat(req_slots, lens)
+        torch_path = self._torch_path()
+        batch.write_slots(np.repeat(req_slots, lens), tiles=not torch_path)
         keep = req_slots >= 0
-        arrays = [token_slots, starts[keep], lens[keep], req_slots[keep]]
-        token_slots_dev, seg_starts, seg_lens, seg_slots = to_device(arrays)
-        num_tokens = token_slots.shape[0]
-        batch.token_slots[:num_tokens].copy_(token_slots_dev)
-        batch.token_slots[num_tokens:].fill_(-1)
-        batch.segments = None if host.max_query_len == 1 else LoRASegments(
-            seg_starts, seg_lens, seg_slots, int(lens[keep].max()))
-        if self._torch_path():
+        if host.max_query_len > 1:
+            (segments,) = to_device([np.stack([starts[keep], lens[keep], req_slots[keep]])])
+            batch.segments = LoRASegments(segments[0], segments[1], segments[2], int(lens[keep].max()))
+        if torch_path:
             batch.groups = slot_groups(starts[keep], lens[keep], req_slots[keep], batch.token_slots.device)
 
     def _torch_path(self) -> bool:

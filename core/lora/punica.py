@@ -16,23 +16,47 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.nn import functional as F
 
 
 @dataclass(frozen=True)
 class LoRASegments:
-    """Runs of consecutive tokens that share one adapter (base-only runs are left out): the
-    segment form a prefill or mixed step's kernels take. Device int32 tensors of G entries."""
+    """Runs of tokens that share one adapter (base-only runs are left out): the segment form a
+    step's kernels take. Device int32 tensors of G entries. Without `order` a segment is consecutive
+    token rows [start, start + len) (a prefill or mixed step). With it, a segment is positions
+    [start, start + len) of `order`, the step's adapted token rows sorted by slot: a decode step's
+    tiles (`sorted_tiles`), each at most `max_len` rows of one slot, so each adapter's A and B are
+    read once a tile instead of once a token; segments of length 0 are padding."""
 
     starts: torch.Tensor
     lens: torch.Tensor
     slots: torch.Tensor
     max_len: int
+    order: torch.Tensor | None = None
 
     @property
     def num_segments(self) -> int:
         return self.slots.shape[0]
+
+
+def sorted_tiles(token_slots: np.ndarray, tile_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The sorted form of a step whose token row i has adapter slot token_slots[i] (-1: base):
+    (order, tiles [3, n]) with `order` the adapted rows sorted by slot (stable) and tiles' rows
+    the starts in `order`, lengths (at most `tile_rows`) and slots of n = sum over slots of
+    ceil(rows / tile_rows) tiles, at most ceil(T / tile_rows) + distinct slots."""
+    rows = np.flatnonzero(token_slots >= 0).astype(np.int32)
+    order = rows[np.argsort(token_slots[rows], kind="stable")]
+    sorted_slots = token_slots[order]
+    run_starts = np.flatnonzero(np.diff(sorted_slots, prepend=-1)).astype(np.int32)
+    run_lens = np.diff(run_starts, append=np.int32(order.shape[0]))
+    per_run = -(-run_lens // tile_rows)
+    run_of = np.repeat(np.arange(run_starts.shape[0]), per_run)
+    within = np.arange(run_of.shape[0]) - np.repeat(np.cumsum(per_run) - per_run, per_run)
+    starts = run_starts[run_of] + within * tile_rows
+    lens = np.minimum(tile_rows, run_starts[run_of] + run_lens[run_of] - starts)
+    return order, np.stack([starts, lens, sorted_slots[run_starts][run_of]]).astype(np.int32)
 
 
 @dataclass(frozen=True)

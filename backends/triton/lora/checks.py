@@ -22,9 +22,18 @@ def check_slots(token_slots: torch.Tensor, num_tokens: int, num_slots: int, segm
         require(getattr(segments, name).shape[0] == segments.num_segments,
                 f"segments.{name} must have one entry per segment ({segments.num_segments})")
     check_same_device(token_slots=token_slots, starts=segments.starts, lens=segments.lens, slots=segments.slots)
+    # Sorted tiles index `order` (zero-length ones are padding); plain segments index token rows.
+    order = segments.order
+    if order is not None:
+        check_index("segments.order", order, 1, (torch.int32,))
+        check_same_device(token_slots=token_slots, order=order)
     if check_indices:
         check_range("segments.slots", segments.slots, 0, num_slots)
-        check_range("segments.starts", segments.starts, 0, max(num_tokens, 1))
-        check_range("segments end", segments.starts + segments.lens, 1, num_tokens + 1)
+        live = segments.lens > 0
+        ends, positions = segments.starts[live] + segments.lens[live], num_tokens if order is None else order.shape[0]
+        check_range("segments.starts", segments.starts[live], 0, max(positions, 1))
+        check_range("segments end", ends, 1, positions + 1)
+        if order is not None and ends.numel():
+            check_range("segments.order", order[:int(ends.max())], 0, num_tokens)
         require(segments.num_segments == 0 or int(segments.lens.max()) <= segments.max_len,
                 f"segments.max_len {segments.max_len} is below the longest segment")

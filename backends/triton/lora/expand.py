@@ -26,6 +26,8 @@ _GATHER_BLOCK_N = 128
 _TILE_ELEMENTS = 8192
 _SEGMENT_BLOCK_M = 16
 _SEGMENT_BLOCK_N = 64
+# Programs a sorted expand aims for (a few per H100 multiprocessor).
+_SORTED_TARGET_PROGRAMS = 1024
 MAX_SLICES = 3
 
 
@@ -60,27 +62,45 @@ def _expand_gathered_kernel(xa_ptr, b_ptr, scales_ptr, slots_ptr, out_ptr, N, R,
 
 
 @triton.jit
-def _expand_segment_kernel(xa_ptr, b_ptr, scales_ptr, starts_ptr, lens_ptr, seg_slots_ptr, out_ptr, N, R, P, END0,
-                           END1, stride_xp, stride_xt, stride_bs, stride_bn, stride_ot, NUM_SLICES: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    rows, in_segment, slot, live = segment_tile(starts_ptr, lens_ptr, seg_slots_ptr, BLOCK_M)
+def _slice_bounds(j: tl.constexpr, N, END0, END1):
+    """Slice j's first and past-the-end output columns."""
+    if j == 0:
+        return 0, END0
+    elif j == 1:
+        return END0, END1
+    else:
+        return END1, N
+
+
+@triton.jit
+def _expand_segment_kernel(xa_ptr, b_ptr, scales_ptr, starts_ptr, lens_ptr, seg_slots_ptr, order_ptr, out_ptr, N, R, P,
+                           END0, END1, stride_xp, stride_xt, stride_bs, stride_bn, stride_ot, N_PER_PROGRAM,
+                           NUM_SLICES: tl.constexpr, ORDERED: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    rows, in_segment, slot, live = segment_tile(starts_ptr, lens_ptr, seg_slots_ptr, order_ptr, BLOCK_M, ORDERED)
     if live:
-        n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
         r = tl.arange(0, BLOCK_R)
-        bt = tl.load(b_ptr + slot * stride_bs + n[None, :] * stride_bn + r[:, None],
-                     mask=(n[None, :] < N) & (r[:, None] < R), other=0.0).to(tl.float32)
-        which = _slice_of(n, END0, END1)
-        delta = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        scale = tl.load(scales_ptr + slot)
+        lo = tl.program_id(2) * N_PER_PROGRAM
+        hi = tl.minimum(lo + N_PER_PROGRAM, N)
         for j in tl.static_range(NUM_SLICES):
-            xa = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-            for part in range(0, P):
-                xa += tl.load(xa_ptr + part * stride_xp + rows[:, None] * stride_xt + j * R + r[None, :],
-                              mask=in_segment[:, None] & (r[None, :] < R), other=0.0)
-            delta = tl.where(which[None, :] == j, tl.dot(xa, bt), delta)
-        mask = in_segment[:, None] & (n[None, :] < N)
-        out = out_ptr + rows[:, None] * stride_ot + n[None, :]
-        y = tl.load(out, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out, (y + delta * tl.load(scales_ptr + slot)).to(out_ptr.dtype.element_ty), mask=mask)
+            # This program's columns of slice j: xa's slice is summed over the splits once for all.
+            first, end = _slice_bounds(j, N, END0, END1)
+            n_lo = tl.maximum(lo, first)
+            n_hi = tl.minimum(hi, end)
+            if n_lo < n_hi:
+                xa = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+                for part in range(0, P):
+                    xa += tl.load(xa_ptr + part * stride_xp + rows[:, None] * stride_xt + j * R + r[None, :],
+                                  mask=in_segment[:, None] & (r[None, :] < R), other=0.0)
+                for n0 in range(n_lo, n_hi, BLOCK_N):
+                    n = n0 + tl.arange(0, BLOCK_N)
+                    bt = tl.load(b_ptr + slot * stride_bs + n[None, :] * stride_bn + r[:, None],
+                                 mask=(n[None, :] < n_hi) & (r[:, None] < R), other=0.0).to(tl.float32)
+                    mask = in_segment[:, None] & (n[None, :] < n_hi)
+                    out = out_ptr + rows[:, None] * stride_ot + n[None, :]
+                    y = tl.load(out, mask=mask, other=0.0).to(tl.float32)
+                    tl.store(out, (y + tl.dot(xa, bt) * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def lora_expand(xa: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, token_slots: torch.Tensor,
@@ -119,9 +139,16 @@ def lora_expand(xa: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, token_s
         return
     if not segments.num_segments or not segments.max_len:
         return
+    ordered = segments.order is not None
+    block_m = max(16, triton.next_power_of_2(segments.max_len)) if ordered else _SEGMENT_BLOCK_M
     block_r = max(16, triton.next_power_of_2(rank))
     block_n = max(16, min(_SEGMENT_BLOCK_N, _TILE_ELEMENTS // block_r, triton.next_power_of_2(n_out)))
-    grid = (segments.num_segments, triton.cdiv(segments.max_len, _SEGMENT_BLOCK_M), triton.cdiv(n_out, block_n))
+    row_blocks = triton.cdiv(segments.max_len, block_m)
+    n_blocks = triton.cdiv(n_out, block_n)
+    # A sorted decode step's tile covers several output blocks, loading its partial sums once.
+    per_program = triton.cdiv(segments.num_segments * n_blocks, _SORTED_TARGET_PROGRAMS) if ordered else 1
+    grid = (segments.num_segments, row_blocks, triton.cdiv(n_blocks, per_program))
+    order = segments.starts if segments.order is None else segments.order
     _expand_segment_kernel[grid](
-        xa, b, scales, segments.starts, segments.lens, segments.slots, out, *common, NUM_SLICES=len(sizes),
-        BLOCK_M=_SEGMENT_BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=4)
+        xa, b, scales, segments.starts, segments.lens, segments.slots, order, out, *common, per_program * block_n,
+        NUM_SLICES=len(sizes), ORDERED=ordered, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=4)

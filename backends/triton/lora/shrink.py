@@ -33,6 +33,8 @@ _TARGET_PROGRAMS = 1024
 MAX_SPLITS = 64
 _SEGMENT_BLOCK_M = 32
 _SEGMENT_BLOCK_K = 64
+# A sorted decode step's programs: its expand loads every split's partial sums once a program.
+_SORTED_TARGET_PROGRAMS = 192
 
 
 @triton.jit
@@ -66,10 +68,10 @@ def _shrink_gathered_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, K, R, K_PER_SPLIT,
 
 
 @triton.jit
-def _shrink_segment_kernel(x_ptr, a_ptr, starts_ptr, lens_ptr, seg_slots_ptr, out_ptr, K, R, K_PER_SPLIT, stride_xt,
-                           stride_as, stride_ar, stride_os, stride_ot, RANK_BLOCKS, GATED: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows, in_segment, slot, live = segment_tile(starts_ptr, lens_ptr, seg_slots_ptr, BLOCK_M)
+def _shrink_segment_kernel(x_ptr, a_ptr, starts_ptr, lens_ptr, seg_slots_ptr, order_ptr, out_ptr, K, R, K_PER_SPLIT,
+                           stride_xt, stride_as, stride_ar, stride_os, stride_ot, RANK_BLOCKS, GATED: tl.constexpr,
+                           ORDERED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows, in_segment, slot, live = segment_tile(starts_ptr, lens_ptr, seg_slots_ptr, order_ptr, BLOCK_M, ORDERED)
     if live:
         # Axis 2 is (input split, rank block).
         split = tl.program_id(2) // RANK_BLOCKS
@@ -105,10 +107,10 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, seg
     return _shrink_segments(x, a, segments, gated)
 
 
-def _splits(k: int, block_k: int, programs: int) -> tuple[int, int]:
-    """(input features per split, splits): enough programs to fill the GPU, at most one per k block."""
+def _splits(k: int, block_k: int, programs: int, target: int = _TARGET_PROGRAMS) -> tuple[int, int]:
+    """(input features per split, splits): about `target` programs, at most one per k block."""
     k_blocks = triton.cdiv(k, block_k)
-    splits = max(1, min(k_blocks, MAX_SPLITS, triton.cdiv(_TARGET_PROGRAMS, max(1, programs))))
+    splits = max(1, min(k_blocks, MAX_SPLITS, triton.cdiv(target, max(1, programs))))
     k_per_split = max(1, triton.cdiv(k_blocks, splits)) * block_k
     return k_per_split, max(1, triton.cdiv(k, k_per_split))
 
@@ -129,19 +131,26 @@ def _shrink_gathered(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor
 
 def _shrink_segments(x: torch.Tensor, a: torch.Tensor, segments: LoRASegments, gated: bool) -> torch.Tensor:
     num_tokens, (rank, k) = x.shape[0], a.shape[1:]
+    ordered = segments.order is not None
     if not (segments.num_segments and segments.max_len and rank):
         return torch.zeros((1, num_tokens, rank), dtype=torch.float32, device=x.device)
+    block_m = max(16, triton.next_power_of_2(segments.max_len)) if ordered else _SEGMENT_BLOCK_M
     block_r = max(16, min(triton.next_power_of_2(rank), 64))
     block_k = max(16, min(_SEGMENT_BLOCK_K, triton.next_power_of_2(k)))
     rank_blocks = triton.cdiv(rank, block_r)
-    row_blocks = triton.cdiv(segments.max_len, _SEGMENT_BLOCK_M)
+    row_blocks = triton.cdiv(segments.max_len, block_m)
     # One 512-token prompt is 16 row blocks: its reduction is split too.
-    k_per_split, splits = _splits(k, block_k, segments.num_segments * row_blocks * rank_blocks)
-    # Rows outside every segment stay zero in every split.
-    out = torch.zeros((splits, num_tokens, rank), dtype=torch.float32, device=x.device)
+    programs = segments.num_segments * row_blocks * rank_blocks
+    k_per_split, splits = _splits(k, block_k, programs, _SORTED_TARGET_PROGRAMS if ordered else _TARGET_PROGRAMS)
+    # Rows outside every segment stay zero in every split; sorted tiles (a decode step's, whose graph
+    # must not grow by a fill) leave them unwritten, as the expand never reads them.
+    alloc = torch.empty if ordered else torch.zeros
+    out = alloc((splits, num_tokens, rank), dtype=torch.float32, device=x.device)
+    order = segments.starts if segments.order is None else segments.order
     _shrink_segment_kernel[(segments.num_segments, row_blocks, splits * rank_blocks)](
-        x, a, segments.starts, segments.lens, segments.slots, out, k, rank, k_per_split, x.stride(0), a.stride(0),
-        a.stride(1), out.stride(0), out.stride(1), rank_blocks, GATED=gated, BLOCK_M=_SEGMENT_BLOCK_M, BLOCK_R=block_r,
-        BLOCK_K=block_k, num_warps=4)
+        x, a, segments.starts, segments.lens, segments.slots, order, out, k, rank, k_per_split, x.stride(0),
+        a.stride(0), a.stride(1), out.stride(0), out.stride(1), rank_blocks, GATED=gated, ORDERED=ordered,
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
     # The segment expand would read every split once per output block: they are summed once here.
-    return out if splits == 1 else out.sum(0, keepdim=True)
+    # A sorted expand program covers many output blocks and sums them itself, without a launch more.
+    return out if ordered or splits == 1 else out.sum(0, keepdim=True)

@@ -2,85 +2,111 @@
 import pytest
 import torch
 from corectl.backends.triton.lora import lora_expand, lora_shrink
-from corectl.lora.punica import LoRASegments, expand_reference, shrink_reference
+from corectl.backends.triton.lora import expand as expand_module
+from corectl.lora.layers import TILE_ROWS
+from corectl.lora.punica import LoRASegments, expand_reference, shrink_reference, sorted_tiles
 
 DTYPES = [torch.float32, torch.bfloat16]
+FORMS = ["gathered", "segment", "sorted"]
 # Requests of 3, 1, 5 and 2 tokens: adapter slot 1, base, slot 0, slot 1 again.
 REQUESTS = [(3, 1), (1, -1), (5, 0), (2, 1)]
+# A decode step of 37 tokens, slots unsorted: slot 1's 19 rows are two tiles of TILE_ROWS.
+DECODE = [(1, s) for s in [1, -1, 0, 1, 1, 2] * 6 + [1]]
 
 
-def _layout(requests, decode: bool):
+def _requests(form: str, requests=REQUESTS):
+    return {"gathered": [(1, s) for _, s in requests], "segment": requests, "sorted": DECODE}[form]
+
+
+def _layout(requests, form: str):
     slots = torch.tensor([s for n, s in requests for _ in range(n)], dtype=torch.int32)
-    if decode:
+    as_i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    if form == "gathered":
         return slots, None
+    if form == "sorted":
+        # Padded as LoRABatch pads a graph's tiles: zero-length tiles past the step's.
+        order, tiles = sorted_tiles(slots.numpy(), TILE_ROWS)
+        padded = torch.zeros(3, tiles.shape[1] + 2, dtype=torch.int32)
+        padded[:, :tiles.shape[1]] = torch.from_numpy(tiles)
+        return slots, LoRASegments(padded[0], padded[1], padded[2], TILE_ROWS, torch.from_numpy(order))
     starts, lens, seg_slots, start = [], [], [], 0
     for n, s in requests:
         if s >= 0:
             starts.append(start), lens.append(n), seg_slots.append(s)
         start += n
-    as_i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     return slots, LoRASegments(as_i32(starts), as_i32(lens), as_i32(seg_slots), max(lens))
 
 
+def test_sorted_tiles_cover_each_slots_rows():
+    """Every adapted row once, in tiles of one slot and at most TILE_ROWS rows; base rows in none."""
+    slots = torch.tensor([s for _, s in DECODE], dtype=torch.int32).numpy()
+    order, (starts, lens, tile_slots) = sorted_tiles(slots, TILE_ROWS)
+    assert sorted(order.tolist()) == [i for i, s in enumerate(slots) if s >= 0]
+    assert lens.tolist() == [6, 16, 3, 6] and tile_slots.tolist() == [0, 1, 1, 2]
+    for start, length, slot in zip(starts, lens, tile_slots):
+        assert (slots[order[start:start + length]] == slot).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("decode", [True, False], ids=["gathered", "segment"])
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("rank", [8, 24])
-def test_shrink_matches_reference(dtype, decode, rank, assert_close):
-    requests = [(1, s) for _, s in REQUESTS] if decode else REQUESTS
-    slots, segments = _layout(requests, decode)
+def test_shrink_matches_reference(dtype, form, rank, assert_close):
+    slots, segments = _layout(_requests(form), form)
     x = torch.randn(slots.shape[0], 40).to(dtype)
-    a = torch.randn(2, rank, 40).to(dtype)
+    a = torch.randn(3, rank, 40).to(dtype)
     parts = lora_shrink(x, a, slots, segments, check_indices=True)
     assert parts.dtype == torch.float32 and parts.shape[1:] == (slots.shape[0], rank)
-    assert (parts[:, slots < 0] == 0).all()
+    adapted = slots >= 0
+    if form != "sorted":  # sorted tiles leave base rows unwritten: the expand never reads them
+        assert (parts[:, ~adapted] == 0).all()
     # The interpreter sums in another order than the reference's bmm; inputs are exact in fp32.
-    torch.testing.assert_close(parts.sum(0), shrink_reference(x, a, slots), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(parts.sum(0)[adapted], shrink_reference(x, a, slots)[adapted], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("decode", [True, False], ids=["gathered", "segment"])
-def test_gated_shrink_forms_the_activation(decode):
+@pytest.mark.parametrize("form", FORMS)
+def test_gated_shrink_forms_the_activation(form):
     """A down projection's shrink takes the gated MLP's [gate | up] and multiplies silu(gate) * up."""
-    slots, segments = _layout([(1, s) for _, s in REQUESTS] if decode else REQUESTS, decode)
-    gate_up, a = torch.randn(slots.shape[0], 2 * 40), torch.randn(2, 8, 40)
+    slots, segments = _layout(_requests(form), form)
+    gate_up, a = torch.randn(slots.shape[0], 2 * 40), torch.randn(3, 8, 40)
     gate, up = gate_up.chunk(2, dim=-1)
     parts = lora_shrink(gate_up, a, slots, segments, gated=True)
     expected = shrink_reference(torch.nn.functional.silu(gate) * up, a, slots)
-    torch.testing.assert_close(parts.sum(0), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(parts.sum(0)[slots >= 0], expected[slots >= 0], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("decode", [True, False], ids=["gathered", "segment"])
-def test_shrink_splits_the_input_features(decode, assert_close):
-    """One token (or one short prompt) spreads its reduction over many programs, each over its share
-    of the 3000 input features (the last share ragged); the segment form sums the shares itself."""
-    slots, segments = _layout([(1, 1)] if decode else [(3, 1)], decode)
-    x, a = torch.randn(slots.shape[0], 3000), torch.randn(2, 8, 3000)
+@pytest.mark.parametrize("form", FORMS)
+def test_shrink_splits_the_input_features(form, assert_close):
+    """One token (or one short prompt, or one sorted tile) spreads its reduction over many programs,
+    each over its share of the 3000 input features (the last share ragged); the segment form sums
+    the shares itself, the sorted form leaves them to its expand."""
+    slots, segments = _layout(_requests(form, [(3, 1)]), form)
+    x, a = torch.randn(slots.shape[0], 3000), torch.randn(3, 8, 3000)
     parts = lora_shrink(x, a, slots, segments)
-    assert parts.shape[0] > 1 if decode else parts.shape[0] == 1
+    assert parts.shape[0] == 1 if form == "segment" else parts.shape[0] > 1
+    adapted = slots >= 0
     # Relative to the whole result: a near-zero sum of 3000 fp32 terms has no useful elementwise bound.
-    assert_close(parts.sum(0), shrink_reference(x, a, slots), tol=1e-5)
+    assert_close(parts.sum(0)[adapted], shrink_reference(x, a, slots)[adapted], tol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("decode", [True, False], ids=["gathered", "segment"])
-@pytest.mark.parametrize("rank", [16, 128])
-def test_expand_adds_every_slice(dtype, decode, rank, assert_close):
-    """One launch adds three slices (widths 24, 8 and 16, the middle 48 of 64 columns), slice j from
-    columns j of the shrink's three partial sums, and touches only rows with an adapter."""
-    requests = [(1, s) for _, s in REQUESTS] if decode else REQUESTS
-    slots, segments = _layout(requests, decode)
-    num_tokens = slots.shape[0]
-    parts = torch.randn(3, num_tokens, 3 * rank)
-    b = torch.randn(2, 48, rank).to(dtype)
-    scales = torch.tensor([0.5, 2.0])
-    out = torch.randn(num_tokens, 64).to(dtype)
+def _expand_case(form: str, rank: int, widths: list[int], dtype: torch.dtype):
+    """A random expand into the middle columns of a wider output: (arguments, expected output)."""
+    slots, segments = _layout(_requests(form), form)
+    num_tokens, width = slots.shape[0], sum(widths)
+    parts = torch.randn(3, num_tokens, len(widths) * rank)
+    b = torch.randn(3, width, rank).to(dtype)
+    scales = torch.tensor([0.5, 2.0, -1.0])
+    out = torch.randn(num_tokens, width + 16).to(dtype)
     expected = out.clone()
-    xa = parts.sum(0)
-    for j, (first, last) in enumerate([(0, 24), (24, 32), (32, 48)]):
-        expand_reference(xa[:, j * rank:(j + 1) * rank], b[:, first:last], scales, slots,
-                         expected[:, 8 + first:8 + last])
-    before = out.clone()
-    lora_expand(parts, b, scales, slots, segments, out[:, 8:56], [24, 8, 16], check_indices=True)
-    assert torch.equal(out[:, :8], before[:, :8]) and torch.equal(out[:, 56:], before[:, 56:])
+    xa, first = parts.sum(0), 0
+    for j, size in enumerate(widths):
+        expand_reference(xa[:, j * rank:(j + 1) * rank], b[:, first:first + size], scales, slots,
+                         expected[:, 8 + first:8 + first + size])
+        first += size
+    return (parts, b, scales, slots, segments, out), expected
+
+
+def _check_expand(out, before, expected, slots, dtype, assert_close):
+    assert torch.equal(out[:, :8], before[:, :8]) and torch.equal(out[:, -8:], before[:, -8:])
     assert torch.equal(out[slots < 0], before[slots < 0])
     if dtype == torch.float32:
         assert_close(out, expected)
@@ -88,6 +114,28 @@ def test_expand_adds_every_slice(dtype, decode, rank, assert_close):
         # Base output and delta are each bf16-sized: where they cancel, the sum keeps their absolute step.
         step = 2.0 ** -7 * expected.float().abs().max().item()
         torch.testing.assert_close(out.float(), expected.float(), rtol=2.0 ** -6, atol=2 * step)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("rank", [16, 128])
+def test_expand_adds_every_slice(dtype, form, rank, assert_close):
+    """One launch adds three slices (widths 24, 8 and 16, the middle 48 of 64 columns), slice j from
+    columns j of the shrink's three partial sums, and touches only rows with an adapter."""
+    (parts, b, scales, slots, segments, out), expected = _expand_case(form, rank, [24, 8, 16], dtype)
+    before = out.clone()
+    lora_expand(parts, b, scales, slots, segments, out[:, 8:56], [24, 8, 16], check_indices=True)
+    _check_expand(out, before, expected, slots, dtype, assert_close)
+
+
+def test_sorted_expand_program_covers_several_output_blocks(monkeypatch, assert_close):
+    """A sorted tile's program loops over output blocks of 64 columns (here two a program), each
+    column in one slice: slices of 40, 72 and 24 columns cross the blocks' and programs' bounds."""
+    monkeypatch.setattr(expand_module, "_SORTED_TARGET_PROGRAMS", 10)
+    (parts, b, scales, slots, segments, out), expected = _expand_case("sorted", 16, [40, 72, 24], torch.float32)
+    before = out.clone()
+    lora_expand(parts, b, scales, slots, segments, out[:, 8:144], [40, 72, 24], check_indices=True)
+    _check_expand(out, before, expected, slots, torch.float32, assert_close)
 
 
 def test_launchers_name_bad_arguments():
@@ -107,10 +155,11 @@ def test_launchers_name_bad_arguments():
                     torch.zeros(4, 10), [6, 6])
 
 
-@pytest.mark.parametrize("decode", [True, False], ids=["gathered", "segment"])
-def test_layer_with_kernels_matches_torch_path(decode):
+@pytest.mark.parametrize("form", FORMS)
+def test_layer_with_kernels_matches_torch_path(form):
     """A packed qkv layer with three adapters in slots: the Triton kernels (installed as layer
-    kernels) add what the grouped torch path adds, into the q, k and v slices."""
+    kernels) add what the grouped torch path adds, into the q, k and v slices. Decode steps take the
+    layout LoRABatch writes: gathered up to TILE_ROWS tokens, sorted tiles past it."""
     from corectl.backends.triton.layer_kernels import triton_layer_kernels
     from corectl.lora.layers import LoRABatch, attach_lora
     from corectl.lora.manager import slot_groups
@@ -120,7 +169,7 @@ def test_layer_with_kernels_matches_torch_path(decode):
     model = nn.Module()
     model.qkv_proj = PackedLinear(32, {"q": 32, "k": 16, "v": 16}, bias=False, unit=8)
     nn.init.normal_(model.qkv_proj.weight)
-    batch = LoRABatch(max_loras=3, max_tokens=16, device=torch.device("cpu"))
+    batch = LoRABatch(max_loras=3, max_tokens=48, device=torch.device("cpu"))
     modules = attach_lora(model, batch, max_loras=3, max_rank=16, dtype=torch.float32, device=torch.device("cpu"))
     for slot, rank in enumerate([8, 16, 4]):
         pairs = {proj: (torch.randn(rank, 32), torch.randn(out, rank)) for proj, out in
@@ -129,16 +178,17 @@ def test_layer_with_kernels_matches_torch_path(decode):
         batch.ranks[slot], batch.scale_list[slot] = rank, 0.5 * (slot + 1)
         batch.scales[slot] = batch.scale_list[slot]
     assert set(modules) == {"q_proj", "k_proj", "v_proj"}
-    requests = [(1, s) for _, s in REQUESTS] + [(1, 2)] if decode else REQUESTS + [(2, 2)]
-    slots, segments = _layout(requests, decode)
+    requests = _requests(form, REQUESTS + [(2, 2)])
+    slots, segments = _layout(requests, form)
     num_tokens = slots.shape[0]
-    batch.token_slots[:num_tokens] = slots
+    batch.write_slots(slots.numpy(), tiles=True)
     starts = torch.tensor([0] + [n for n, _ in requests]).cumsum(0)[:-1].to(torch.int32).numpy()
     lens = torch.tensor([n for n, _ in requests], dtype=torch.int32).numpy()
     req_slots = torch.tensor([s for _, s in requests], dtype=torch.int32).numpy()
     keep = req_slots >= 0
     batch.groups = slot_groups(starts[keep], lens[keep], req_slots[keep], torch.device("cpu"))
-    batch.segments, batch.active = segments, True
+    batch.segments, batch.active = (segments if form == "segment" else None), True
+    assert (batch.kernel_layout(num_tokens) is None) == (form == "gathered")
     x = torch.randn(num_tokens, 32)
     torch_path = model.qkv_proj(x)
     model.qkv_proj.kernels = triton_layer_kernels()
