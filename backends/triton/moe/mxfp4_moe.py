@@ -1,0 +1,341 @@
+"""gpt-oss's MXFP4 experts in the fused MoE paths, the weights dequantized on the fly inside the K loop.
+
+The weights stay packed as the checkpoint stores them (`corectl.quantization.mxfp4`, whose loader
+splits gate_up's interleaved rows into gate rows then up rows): `blocks` uint8 [E, N, K / 32, 16],
+byte j of a group holding inputs 2j (low nibble) and 2j + 1 (high nibble) as e2m1 codes, and
+`scales` uint8 [E, N, K / 32], the group's e8m0 exponent (2^(s - 127)). A kernel reads a tile of
+bytes, decodes its low codes (the even inputs) and high codes (the odd inputs) separately with bit
+arithmetic (`_e2m1`), multiplies both by their group's scale and by the even and odd activations:
+the interleaved weight row is never assembled. A weight costs 4.25 bits of memory traffic.
+
+gpt-oss's experts add a bias to both projections and gate with the clamped SwiGLU
+(`corectl.models.gpt_oss.clamped_swiglu`): the gate/up kernels add their rows' biases to the fp32
+sums, then apply it; the down kernels add the expert's bias before the routing weight.
+
+The two paths and their routing are fused_moe.py's (`topk_softmax`, `sort_by_expert`):
+- pairs (small decode batches): `_mx_pair_gate_up_kernel` per (pair, column block) and
+  `_mx_pair_down_kernel` per (token, column block), GEMVs streaming the packed rows along K with
+  per-thread fp32 accumulators [BLOCK_N, GROUPS, 16] (the structure of moe_pairs.py);
+- sorted (prefill and larger batches): `_mx_moe_gemm_kernel`, tensor-core dots of bf16 activations
+  with the decoded weight tiles, fp32 accumulation.
+Nothing reads back to the host, so decode steps capture in CUDA graphs. The reference is
+dequantize-then-torch (`corectl.quantization.mxfp4.mxfp4_dequantize`, `fused_moe_torch`).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..attention.paged_softmax import dot_dtype
+from ..checks import check_float, check_index, check_range, check_same_device, require
+from .fused_moe import sort_by_expert, topk_softmax
+from .moe_pairs import _TARGET_PROGRAMS
+
+GROUP = 32
+
+
+class Mxfp4Stack(NamedTuple):
+    """One packed projection of a layer's experts: blocks [E, N, K / 32, 16], scales [E, N, K / 32]
+    (uint8 both), bias [E, N]."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor
+
+
+@triton.jit
+def _e2m1(codes):
+    """e2m1 codes (int32, 0..15) -> fp32 values. Magnitudes 2..7 are 2^(e - 1) * (1 + m / 2): their
+    exponent and mantissa bits, shifted under fp32's exponent field with the bias 126, are the
+    value's bits; 0 and 1 (e = 0, the subnormals) are 0 and 0.5. Bit 3 is the sign."""
+    mag = codes & 7
+    bits = tl.where(mag < 2, mag * 0x3F000000, (mag << 22) + 0x3F000000) | ((codes & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0(scales):
+    """e8m0 scales (uint8) -> 2^(s - 127) in fp32: the byte is an fp32 exponent field (255 gives
+    inf, as the reference's exp2 does), except 0, 2^-127, which lies below fp32's normal range."""
+    s = scales.to(tl.int32)
+    return tl.where(s == 0, 5.877471754111438e-39, (s << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _clamped_swiglu(gate, up, alpha, limit):
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    return (up + 1) * (gate * tl.sigmoid(gate * alpha))
+
+
+@triton.jit
+def _mx_products(byte_ptrs, scale_ptrs, byte_mask, scale_mask, x_even, x_odd):
+    """[BLOCK_N, GROUPS, 16] products of packed rows with the even and odd inputs, scaled per group."""
+    packed = tl.load(byte_ptrs, mask=byte_mask, other=0, eviction_policy="evict_first").to(tl.int32)
+    scale = _e8m0(tl.load(scale_ptrs, mask=scale_mask, other=0, eviction_policy="evict_first"))
+    products = _e2m1(packed & 15) * x_even[None, :, :] + _e2m1(packed >> 4) * x_odd[None, :, :]
+    return products * scale[:, :, None]
+
+
+@triton.jit
+def _mx_pair_gate_up_kernel(x_ptr, blocks_ptr, scales_ptr, bias_ptr, ids_ptr, out_ptr, N, K, top_k,
+                            stride_xm, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_om,
+                            alpha, limit, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """out[pair, n] = clamped_swiglu(gate[e] @ x + gate_bias, up[e] @ x + up_bias) for columns
+    [pid_n * BLOCK_N, +BLOCK_N) of N, x the pair's token row, e its expert."""
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // top_k) * stride_xm
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    g, j = tl.arange(0, GROUPS), tl.arange(0, 16)
+    gate_bytes = blocks_ptr + expert * stride_be + offs_n[:, None, None] * stride_bn + g[None, :, None] * 16 + j
+    gate_scales = scales_ptr + expert * stride_se + offs_n[:, None] * stride_sn + g[None, :]
+    acc_gate = tl.zeros((BLOCK_N, GROUPS, 16), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, GROUPS, 16), dtype=tl.float32)
+    num_groups = K // 32
+    for g0 in tl.range(0, num_groups, GROUPS, num_stages=NUM_STAGES):
+        g_ok = g0 + g < num_groups
+        k_even = (g0 + g)[:, None] * 32 + 2 * j[None, :]
+        x_even = tl.load(x_row + k_even, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        x_odd = tl.load(x_row + k_even + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        byte_mask = n_ok[:, None, None] & g_ok[None, :, None]
+        scale_mask = n_ok[:, None] & g_ok[None, :]
+        step_bytes, step_scales = gate_bytes + g0 * 16, gate_scales + g0
+        acc_gate += _mx_products(step_bytes, step_scales, byte_mask, scale_mask, x_even, x_odd)
+        acc_up += _mx_products(step_bytes + N * stride_bn, step_scales + N * stride_sn, byte_mask, scale_mask,
+                               x_even, x_odd)
+    bias_row = bias_ptr + expert * stride_bias + offs_n
+    gate = tl.sum(tl.sum(acc_gate, 2), 1) + tl.load(bias_row, mask=n_ok, other=0.0).to(tl.float32)
+    up = tl.sum(tl.sum(acc_up, 2), 1) + tl.load(bias_row + N, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pair * stride_om + offs_n, _clamped_swiglu(gate, up, alpha, limit).to(out_ptr.dtype.element_ty),
+             mask=n_ok)
+
+
+@triton.jit
+def _mx_pair_down_kernel(act_ptr, blocks_ptr, scales_ptr, bias_ptr, ids_ptr, pair_weight_ptr, out_ptr, N, K,
+                         stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_om,
+                         TOP_K: tl.constexpr, BLOCK_TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                         GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """out[token, n] = sum over the token's k pairs, in slot order, of weight * (down[e] @ act[pair]
+    + down_bias[e]). One flat loop over slot and K, as moe_pairs' down kernel (its doc says why)."""
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    slots = tl.arange(0, BLOCK_TOP_K)
+    experts = tl.load(ids_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=0).to(tl.int64)
+    coeffs = tl.load(pair_weight_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=0.0)
+    g, j = tl.arange(0, GROUPS), tl.arange(0, 16)
+    num_groups = K // 32
+    g_steps = tl.cdiv(num_groups, GROUPS)
+    acc = tl.zeros((BLOCK_N, GROUPS, 16), dtype=tl.float32)
+    for step in tl.range(0, TOP_K * g_steps, num_stages=NUM_STAGES):
+        slot = step // g_steps
+        expert = tl.sum(tl.where(slots == slot, experts, 0))
+        groups = (step - slot * g_steps) * GROUPS + g
+        g_ok = groups < num_groups
+        k_even = groups[:, None] * 32 + 2 * j[None, :]
+        # The routing weight scales the activations, not the [BLOCK_N, GROUPS, 16] products.
+        coeff = tl.sum(tl.where(slots == slot, coeffs, 0.0))
+        act_row = act_ptr + (token * TOP_K + slot) * stride_am
+        x_even = tl.load(act_row + k_even, mask=g_ok[:, None], other=0.0).to(tl.float32) * coeff
+        x_odd = tl.load(act_row + k_even + 1, mask=g_ok[:, None], other=0.0).to(tl.float32) * coeff
+        rows = offs_n[:, None, None] * stride_bn + groups[None, :, None] * 16 + j
+        scale_rows = offs_n[:, None] * stride_sn + groups[None, :]
+        acc += _mx_products(blocks_ptr + expert * stride_be + rows, scales_ptr + expert * stride_se + scale_rows,
+                            n_ok[:, None, None] & g_ok[None, :, None], n_ok[:, None] & g_ok[None, :], x_even, x_odd)
+    out = tl.sum(tl.sum(acc, 2), 1)
+    for slot in tl.static_range(TOP_K):
+        expert = tl.sum(tl.where(slots == slot, experts, 0))
+        bias = tl.load(bias_ptr + expert * stride_bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        out += tl.sum(tl.where(slots == slot, coeffs, 0.0)) * bias
+    tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _mx_dot(acc, a_even, a_odd, byte_ptrs, scale_ptrs, mask, DOT_DTYPE: tl.constexpr):
+    """acc + a @ W for a [BLOCK_K / 2, BLOCK_N] tile of packed bytes (their rows' group scales
+    gathered alongside), as the even and odd halves' two dots."""
+    packed = tl.load(byte_ptrs, mask=mask, other=0).to(tl.int32)
+    scale = _e8m0(tl.load(scale_ptrs, mask=mask, other=0))
+    acc = tl.dot(a_even, (_e2m1(packed & 15) * scale).to(DOT_DTYPE), acc, input_precision="ieee")
+    return tl.dot(a_odd, (_e2m1(packed >> 4) * scale).to(DOT_DTYPE), acc, input_precision="ieee")
+
+
+@triton.jit
+def _mx_moe_gemm_kernel(
+    a_ptr, blocks_ptr, scales_ptr, bias_ptr, out_ptr, pair_weight_ptr, sorted_pairs_ptr, block_expert_ptr,
+    num_padded_ptr, num_pairs, N, K, a_rows_per_pair,
+    stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_om, alpha, limit,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr, WEIGHTED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    """fused_moe's `_moe_gemm_kernel` on packed weights, biased: GATED stores
+    clamped_swiglu(gate + bias, up + bias) of gate rows [0, N) and up rows [N, 2N); otherwise
+    (down) the rows plus bias, times the pair's routing weight when WEIGHTED."""
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pairs < num_pairs
+    a_rows = a_ptr + (pairs // a_rows_per_pair).to(tl.int64)[:, None] * stride_am
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    byte_rows = blocks_ptr + expert * stride_be + offs_n[None, :] * stride_bn
+    scale_rows = scales_ptr + expert * stride_se + offs_n[None, :] * stride_sn
+    half = tl.arange(0, BLOCK_K // 2)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_even = k0 + 2 * half
+        k_ok = k_even < K
+        a_mask = row_ok[:, None] & k_ok[None, :]
+        a_even = tl.load(a_rows + k_even[None, :], mask=a_mask, other=0.0).to(DOT_DTYPE)
+        a_odd = tl.load(a_rows + k_even[None, :] + 1, mask=a_mask, other=0.0).to(DOT_DTYPE)
+        byte = (k0 // 2 + half)[:, None]
+        group = (k0 // 32 + half // 16)[:, None]
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        acc = _mx_dot(acc, a_even, a_odd, byte_rows + byte, scale_rows + group, w_mask, DOT_DTYPE)
+        if GATED:
+            acc_up = _mx_dot(acc_up, a_even, a_odd, byte_rows + N * stride_bn + byte,
+                             scale_rows + N * stride_sn + group, w_mask, DOT_DTYPE)
+    bias_row = bias_ptr + expert * stride_bias + offs_n
+    acc += tl.load(bias_row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        acc_up += tl.load(bias_row + N, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc = _clamped_swiglu(acc, acc_up, alpha, limit)
+    if WEIGHTED:
+        acc *= tl.load(pair_weight_ptr + pairs, mask=row_ok, other=0.0)[:, None]
+    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def _check_stack(name: str, stack: Mxfp4Stack, num_experts: int | None, rows: int, k: int) -> None:
+    blocks, scales, bias = stack
+    for part, tensor, ndim in (("blocks", blocks, 4), ("scales", scales, 3)):
+        require(isinstance(tensor, torch.Tensor) and tensor.dtype == torch.uint8 and tensor.dim() == ndim
+                and tensor.is_contiguous(), f"{name}_{part} must be a contiguous {ndim}-dimensional uint8 tensor, "
+                f"got {getattr(tensor, 'dtype', type(tensor))} {list(getattr(tensor, 'shape', []))}")
+    e = blocks.shape[0] if num_experts is None else num_experts
+    require(tuple(blocks.shape) == (e, rows, k // GROUP, GROUP // 2) and tuple(scales.shape) == (e, rows, k // GROUP),
+            f"{name}_blocks and {name}_scales must be [{e}, {rows}, {k // GROUP}, 16] and [{e}, {rows}, {k // GROUP}], "
+            f"got {list(blocks.shape)} and {list(scales.shape)}")
+    check_float(f"{name}_bias", bias, 2)
+    require(tuple(bias.shape) == (e, rows) and bias.stride(1) == 1,
+            f"{name}_bias must be [{e}, {rows}] contiguous in its last dimension, got {list(bias.shape)}")
+
+
+def _check_inputs(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_weights, topk_ids, check_indices) -> None:
+    check_float("hidden", hidden, 2)
+    require(hidden.stride(1) == 1, "hidden must be contiguous in its last dimension")
+    hidden_size = hidden.shape[1]
+    require(gate_up.blocks.dim() == 4 and gate_up.blocks.shape[1] % 2 == 0 and hidden_size % GROUP == 0,
+            f"gate_up_blocks must be [E, 2I, H / 32, 16] with H = {hidden_size} a multiple of {GROUP}, "
+            f"got {list(gate_up.blocks.shape)}")
+    num_experts, inter = gate_up.blocks.shape[0], gate_up.blocks.shape[1] // 2
+    require(inter % GROUP == 0, f"the experts' intermediate rows ({inter}) must be a multiple of {GROUP}")
+    _check_stack("gate_up", gate_up, None, 2 * inter, hidden_size)
+    _check_stack("down", down, num_experts, hidden_size, inter)
+    check_float("topk_weights", topk_weights, 2)
+    check_index("topk_ids", topk_ids, 2, (torch.int32, torch.int64))
+    check_same_device(hidden=hidden, gate_up_blocks=gate_up.blocks, gate_up_scales=gate_up.scales,
+                      gate_up_bias=gate_up.bias, down_blocks=down.blocks, down_scales=down.scales,
+                      down_bias=down.bias, topk_weights=topk_weights, topk_ids=topk_ids)
+    require(topk_weights.dtype == torch.float32 and topk_ids.shape == topk_weights.shape
+            and topk_ids.shape[0] == hidden.shape[0] and topk_weights.is_contiguous() and topk_ids.is_contiguous(),
+            f"topk_weights (float32) and topk_ids must both be contiguous [T, k] with T = {hidden.shape[0]}, "
+            f"got {topk_weights.dtype} {list(topk_weights.shape)} and {list(topk_ids.shape)}")
+    if check_indices:
+        check_range("topk_ids", topk_ids, 0, num_experts)
+
+
+def _pair_config(rows: int, programs: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, GROUPS, num_stages): 8 groups (128 bytes of a row) per step, column blocks narrowed
+    until the grid reaches moe_pairs' target; small tiles under the interpreter."""
+    if device.type == "cpu":
+        return 16, 2, 1
+    block_n = 32
+    while block_n > 4 and programs * triton.cdiv(rows, block_n) < _TARGET_PROGRAMS:
+        block_n //= 2
+    return block_n, 8, 3
+
+
+def _by_pair(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_weights, topk_ids, alpha, limit) -> torch.Tensor:
+    num_tokens, top_k = topk_ids.shape
+    hidden_size, inter = hidden.shape[1], gate_up.blocks.shape[1] // 2
+    activated = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
+    block_n, groups, stages = _pair_config(inter, num_tokens * top_k, hidden.device)
+    _mx_pair_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, block_n))](
+        hidden, gate_up.blocks, gate_up.scales, gate_up.bias, topk_ids, activated, inter, hidden_size, top_k,
+        hidden.stride(0), *_strides(gate_up), activated.stride(0), alpha, limit,
+        BLOCK_N=block_n, GROUPS=groups, NUM_STAGES=stages, num_warps=4,
+    )
+    out = torch.empty_like(hidden)
+    block_n, groups, stages = _pair_config(hidden_size, num_tokens, hidden.device)
+    _mx_pair_down_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
+        activated, down.blocks, down.scales, down.bias, topk_ids, topk_weights, out, hidden_size, inter,
+        activated.stride(0), *_strides(down), out.stride(0), TOP_K=top_k,
+        BLOCK_TOP_K=triton.next_power_of_2(top_k), BLOCK_N=block_n, GROUPS=groups, NUM_STAGES=stages, num_warps=4,
+    )
+    return out
+
+
+def _strides(stack: Mxfp4Stack) -> tuple[int, ...]:
+    """Expert and row strides of the blocks (in bytes) and scales, and the bias's expert stride."""
+    blocks, scales, bias = stack
+    return blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1), bias.stride(0)
+
+
+def _expert_gemm(a, stack: Mxfp4Stack, routing, a_rows_per_pair, topk_weights, alpha, limit, *, gated: bool):
+    n = stack.blocks.shape[1] // 2 if gated else stack.blocks.shape[1]
+    k = stack.blocks.shape[2] * GROUP
+    on_cpu = a.device.type == "cpu"  # the interpreter runs one program at a time: small tiles
+    block_n, block_k = (16, 32) if on_cpu else (64, 128)
+    out = torch.empty(routing.num_pairs, n, dtype=a.dtype, device=a.device)
+    _mx_moe_gemm_kernel[(routing.sorted_pairs.numel() // routing.block_m, triton.cdiv(n, block_n))](
+        a, stack.blocks, stack.scales, stack.bias, out, topk_weights, routing.sorted_pairs, routing.block_expert,
+        routing.num_padded, routing.num_pairs, n, k, a_rows_per_pair, a.stride(0), *_strides(stack), out.stride(0),
+        alpha, limit, BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, WEIGHTED=not gated,
+        DOT_DTYPE=dot_dtype(a.dtype, a.device), num_warps=4, num_stages=3,
+    )
+    return out
+
+
+def _sorted(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_weights, topk_ids, alpha, limit) -> torch.Tensor:
+    num_tokens, top_k = topk_ids.shape
+    routing = sort_by_expert(topk_ids, gate_up.blocks.shape[0])
+    activated = _expert_gemm(hidden, gate_up, routing, top_k, topk_weights, alpha, limit, gated=True)
+    weighted = _expert_gemm(activated, down, routing, 1, topk_weights, alpha, limit, gated=False)
+    return weighted.view(num_tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+
+
+def mxfp4_moe(hidden: torch.Tensor, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, alpha: float, limit: float, *, check_indices: bool = True,
+              path: str | None = None) -> torch.Tensor:
+    """hidden [T, H] (bf16, or fp32); gate_up: packed [E, 2I, H] (gate rows, then up rows) with
+    bias [E, 2I]; down: packed [E, H, I] with bias [E, H]; topk_weights [T, k] fp32, topk_ids
+    [T, k] -> [T, H] in hidden's dtype: sum_j w[t, j] * (down_j @ clamped_swiglu(gate_up_j @ x_t +
+    b_j) + c_j). `check_indices` and `path` as in `fused_moe.fused_moe`."""
+    _check_inputs(hidden, gate_up, down, topk_weights, topk_ids, check_indices)
+    num_tokens, top_k = topk_ids.shape
+    if num_tokens * top_k == 0:
+        return torch.zeros_like(hidden)
+    if path is None:
+        path = "pairs" if num_tokens * top_k <= gate_up.blocks.shape[0] // 2 else "sorted"
+    require(path in ("pairs", "sorted"), f"path must be 'pairs' or 'sorted', got {path!r}")
+    run = _by_pair if path == "pairs" else _sorted
+    return run(hidden, gate_up, down, topk_weights, topk_ids, float(alpha), float(limit))
+
+
+def routed_mxfp4_moe(hidden: torch.Tensor, router_logits: torch.Tensor, gate_up: tuple, down: tuple,
+                     top_k: int, renormalize: bool, alpha: float, limit: float) -> torch.Tensor:
+    """The `mxfp4_moe` kernel a worker hands `corectl.quantization.mxfp4` (gate_up and down as
+    (blocks, scales, bias) tuples): routing (`topk_softmax`) then `mxfp4_moe`. Expert ids come from
+    that top-k (always in range): not read back to check."""
+    topk_weights, topk_ids = topk_softmax(router_logits, top_k, renormalize)
+    return mxfp4_moe(hidden, Mxfp4Stack(*gate_up), Mxfp4Stack(*down), topk_weights, topk_ids, alpha, limit,
+                     check_indices=False)

@@ -1,0 +1,87 @@
+"""The MXFP4 MoE kernels (both paths) against dequantize-then-torch (`mxfp4_dequantize`, then the
+models' `fused_moe_torch` with gpt-oss's biases and clamped SwiGLU), under the interpreter."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from corectl.backends.triton.moe.mxfp4_moe import Mxfp4Stack, mxfp4_moe, routed_mxfp4_moe
+from corectl.models.gpt_oss import clamped_swiglu
+from corectl.models.moe import fused_moe_torch, select_experts
+from corectl.quantization.mxfp4 import mxfp4_dequantize
+
+ALPHA, LIMIT = 1.702, 1.5
+
+
+def packed_stack(num_experts: int, rows: int, k: int, scale_low: int, scale_high: int) -> Mxfp4Stack:
+    """Random codes (every one of the 16, both nibbles), e8m0 scales drawn from [low, high], a bias."""
+    blocks = torch.randint(0, 256, (num_experts, rows, k // 32, 16), dtype=torch.uint8)
+    scales = torch.randint(scale_low, scale_high + 1, (num_experts, rows, k // 32), dtype=torch.uint8)
+    return Mxfp4Stack(blocks, scales, torch.randn(num_experts, rows) / 4)
+
+
+def reference(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, weights, ids) -> torch.Tensor:
+    dense = [mxfp4_dequantize(stack.blocks, stack.scales, torch.float32) for stack in (gate_up, down)]
+    return fused_moe_torch(hidden, *dense, weights, ids, gate_up_bias=gate_up.bias, down_bias=down.bias,
+                           activation=functools.partial(clamped_swiglu, alpha=ALPHA, limit=LIMIT))
+
+
+def experts(num_tokens, num_experts, hidden_size, inter, top_k, scales=(122, 126)):
+    """Inputs scaled so the clamp is reached by some gate and up sums and not by all."""
+    hidden = torch.randn(num_tokens, hidden_size) / 4
+    gate_up = packed_stack(num_experts, 2 * inter, hidden_size, *scales)
+    down = packed_stack(num_experts, hidden_size, inter, *scales)
+    weights, ids = select_experts(torch.randn(num_tokens, num_experts), top_k, renormalize=True)
+    return hidden, gate_up, down, weights, ids
+
+
+@pytest.mark.parametrize("path", ["pairs", "sorted"])
+@pytest.mark.parametrize(("num_tokens", "num_experts", "hidden_size", "inter", "top_k"), [
+    (1, 8, 64, 32, 2),     # decode: one token
+    (3, 4, 96, 64, 4),     # a few tokens, every expert chosen, groups that do not fill a step
+    (20, 3, 64, 32, 2),    # more pairs per expert than one row block
+    (2, 6, 32, 96, 3),     # a top-k that is not a power of two, intermediate rows over one column block
+])
+def test_mxfp4_moe_matches_dequantize_then_torch(num_tokens, num_experts, hidden_size, inter, top_k, path,
+                                                 assert_close):
+    hidden, gate_up, down, weights, ids = experts(num_tokens, num_experts, hidden_size, inter, top_k)
+    out = mxfp4_moe(hidden, gate_up, down, weights, ids, ALPHA, LIMIT, path=path)
+    assert_close(out, reference(hidden, gate_up, down, weights, ids))
+
+
+@pytest.mark.parametrize("path", ["pairs", "sorted"])
+def test_e8m0_extremes(path, assert_close):
+    """Scales from 0 (2^-127, fp32's one subnormal scale) to 2^10 in one layer: each row's first
+    group at 2^-127 or 2^-126, its last at 2^10 or 2^-19 by expert, those between at 1 or 2^-10.
+    A scale decoded one step off, applied to the wrong group, or the subnormal decoded wrongly
+    moves the sums far off. No clamp: it would hide the gate and up sums."""
+    hidden, gate_up, down, weights, ids = experts(5, 4, 128, 64, 2, scales=(0, 1))
+    for stack in (gate_up, down):
+        stack.scales[..., 1:-1] = 127 - 10 * torch.randint(0, 2, stack.scales[..., 1:-1].shape, dtype=torch.uint8)
+        stack.scales[:2, :, -1] = 137
+        stack.scales[2:, :, -1] = 108
+    out = mxfp4_moe(hidden, gate_up, down, weights, ids, ALPHA, 1e9, path=path)
+    dense = [mxfp4_dequantize(stack.blocks, stack.scales, torch.float32) for stack in (gate_up, down)]
+    assert dense[0].abs().amax() == 6 * 2.0 ** 10 and dense[0][dense[0] != 0].abs().amin() == 0.5 * 2.0 ** -127
+    ref = fused_moe_torch(hidden, *dense, weights, ids, gate_up_bias=gate_up.bias, down_bias=down.bias,
+                          activation=functools.partial(clamped_swiglu, alpha=ALPHA, limit=1e9))
+    # Sums of terms 2^30 apart cancel: fp32 noise relative to the whole output, not each element.
+    assert_close(out, ref, 1e-5)
+
+
+def test_routed_entry_point_routes_like_select_experts(assert_close):
+    """The kernel the worker provides: gpt-oss's router softmax over the top k, then the experts."""
+    hidden, gate_up, down, _, _ = experts(3, 8, 64, 32, 4)
+    logits = torch.randn(3, 8)
+    weights, ids = select_experts(logits, 4, renormalize=True)
+    out = routed_mxfp4_moe(hidden, logits, tuple(gate_up), tuple(down), 4, True, ALPHA, LIMIT)
+    assert_close(out, reference(hidden, gate_up, down, weights, ids))
+
+
+def test_bad_shapes_are_refused():
+    hidden, gate_up, down, weights, ids = experts(2, 4, 64, 32, 2)
+    with pytest.raises(ValueError, match="down_blocks and down_scales must be"):
+        mxfp4_moe(hidden, gate_up, down._replace(blocks=down.blocks[:, :32].contiguous()), weights, ids, ALPHA, LIMIT)
+    with pytest.raises(ValueError, match="gate_up_scales must be a contiguous 3-dimensional uint8"):
+        mxfp4_moe(hidden, gate_up._replace(scales=gate_up.scales.float()), down, weights, ids, ALPHA, LIMIT)
