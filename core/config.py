@@ -142,6 +142,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     distributed_executor_backend: str | None = None
     chat_template: str | None = None
     hf_overrides: dict[str, Any] | None = None
+    # vLLM's: image-processor options for every image (Gemma 3's do_pan_and_scan, ...); a request's own win.
+    mm_processor_kwargs: dict[str, Any] | None = None
     structured_outputs_backend: str = "xgrammar"
     structured_outputs_compile_timeout: float = 10.0
     runner: str = "auto"

@@ -93,14 +93,17 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None, continue_final_message: bool = False,
-             tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+             mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
 
         As vLLM's `LLM.chat`: `tools` (OpenAI function specs) reach the template, `chat_template_kwargs`
         become template variables (e.g. `enable_thinking`), and `continue_final_message` leaves the
         last (assistant) message open for the model to continue instead of starting a new turn.
         A vision-language model reads image parts too: `{"type": "image_url", "image_url": {"url":
-        "data:image/png;base64,..."}}` or `{"type": "image_pil", "image_pil": <PIL.Image>}`."""
+        "data:image/png;base64,..."}}` or `{"type": "image_pil", "image_pil": <PIL.Image>}`;
+        `mm_processor_kwargs` set its image processor's options for these images, over the engine's
+        (Gemma 3: `{"do_pan_and_scan": True}`)."""
         if continue_final_message and add_generation_prompt:
             raise InvalidRequestError("continue_final_message continues the last message: pass "
                                       "add_generation_prompt=False with it", param="continue_final_message")
@@ -118,20 +121,21 @@ class LLM:
         ]
         params = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompts), "sampling_params")
         encoded = [(p, tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
-        images = [self._chat_images(sources, ids) for sources, (_, ids) in zip(sources_of, encoded)]
+        images = [self._chat_images(sources, ids, mm_processor_kwargs) for sources, (_, ids) in zip(sources_of, encoded)]
         encoded = [(text, image["prompt_token_ids"]) if image else (text, ids)
                    for (text, ids), image in zip(encoded, images)]
         return self._run(encoded, params, [0] * len(prompts), use_tqdm,
                          mm_inputs=[image["mm_inputs"] if image else None for image in images])
 
-    def _chat_images(self, sources: list, token_ids: list[int]) -> dict | None:
+    def _chat_images(self, sources: list, token_ids: list[int], processor_kwargs: dict[str, Any] | None) -> dict | None:
         """The engine prompt of a rendered conversation with these images; None without images."""
         if not sources:
             return None
         if self._image_processing is None:
-            self._image_processing = image_processing_for(self.engine.source.model_dir,
-                                                               self.engine.source.hf_config)
-        return self._image_processing.prompt(token_ids, [local_image(source) for source in sources])
+            self._image_processing = image_processing_for(self.engine.source.model_dir, self.engine.source.hf_config,
+                                                          self.config.mm_processor_kwargs)
+        return self._image_processing.prompt(token_ids, [local_image(source) for source in sources],
+                                             self._image_processing.options(processor_kwargs))
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:

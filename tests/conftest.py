@@ -82,6 +82,14 @@ def qwen2_5_vl_dir(tmp_path_factory, default_model_dir):
 
 
 @pytest.fixture(scope="session")
+def gemma3_dir(tmp_path_factory, default_model_dir):
+    """A tiny random-weight Gemma 3 vision-language checkpoint (tests/support/vision_models.py), built once."""
+    from support.vision_models import build_gemma3
+
+    return build_gemma3(tmp_path_factory.mktemp("gemma3"), default_model_dir)
+
+
+@pytest.fixture(scope="session")
 def llm_fp32():
     """One fp32 engine on the embedded model, shared by the tests that only generate through it."""
     from corectl import LLM

@@ -34,6 +34,7 @@ from ..lora.shapes import BaseModelShape
 from ..models.bert import position_offset
 from ..models.registry import resolve_model_class
 from ..multimodal.inputs import is_multimodal
+from ..multimodal.processors import check_processor_kwargs
 from ..pooling import PoolingInfo, resolve_pooling
 from ..quantization.selection import resolve_quantization
 from ..request import Request
@@ -77,6 +78,7 @@ class EngineCore:
             raise ConfigError("batch_invariant", f"platform {platform.name!r} has no batch-invariant kernels; "
                               "drop --batch-invariant")
         hf = self.source.hf_config
+        check_processor_kwargs(hf, config.mm_processor_kwargs)
         self.max_model_len = resolve_max_model_len(config, hf)
         if config.encoder_only and config.max_num_batched_tokens < self.max_model_len:
             # Whole encoder prompts: any prompt the context admits fits one step.

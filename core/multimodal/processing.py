@@ -4,11 +4,17 @@ the run of tokens its encoder output fills.
 
 The chat template writes one placeholder token per image (Qwen2.5-VL's `<|image_pad|>`); `expand`
 widens each into the image's full token run, as the model's transformers processor does, and
-records where it landed (`MultiModalInput.offset`).
+records where it landed (`MultiModalInput.offset`). An image the processor cuts into several
+pieces (Gemma 3's pan-and-scan crops) gets one run and one record per piece.
+
+Options a caller may set on the processor (vLLM's `mm_processor_kwargs`: the engine's
+`--mm-processor-kwargs`, and a request's own over them) are the model's `OPTIONS`, each checked
+before any image is read.
 """
 from __future__ import annotations
 
 import io
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +29,32 @@ class ProcessedImage:
     pixels: np.ndarray
     grid_thw: list[int]
     num_tokens: int
+
+
+@dataclass(frozen=True)
+class Option:
+    """One processor option a caller may set: `accepts` its value, which `wanted` describes."""
+
+    accepts: Callable[[Any], bool]
+    wanted: str
+
+
+def checked_options(allowed: Mapping[str, Option], kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`kwargs` (vLLM's mm_processor_kwargs) once every name is one of `allowed` and every value fits."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise InvalidRequestError(f"mm_processor_kwargs must be a JSON object, got {kwargs!r}",
+                                  param="mm_processor_kwargs")
+    for name, value in kwargs.items():
+        if name not in allowed:
+            takes = f"it takes {', '.join(sorted(allowed))}" if allowed else "it takes none"
+            raise InvalidRequestError(f"mm_processor_kwargs: this model's image processor has no option {name!r} "
+                                      f"({takes})", param="mm_processor_kwargs")
+        if not allowed[name].accepts(value):
+            raise InvalidRequestError(f"mm_processor_kwargs: {name} must be {allowed[name].wanted}, got {value!r}",
+                                      param="mm_processor_kwargs")
+    return dict(kwargs)
 
 
 def decode_image(data: bytes, max_pixels: int):
@@ -57,33 +89,46 @@ def check_pixels(size: tuple[int, int], max_pixels: int) -> None:
 class ImageProcessing:
     """Preprocessing for one served model.
 
-        processing = image_processing_for(model_dir, hf_config)   # processors.py; None: text-only
-        processed = [processing.process(image) for image in images]
+        processing = image_processing_for(model_dir, hf_config, defaults)   # processors.py; None: text-only
+        options = processing.options(request_kwargs)       # the defaults, with a request's own over them
+        processed = [processing.process(image, options) for image in images]
         token_ids, items = processing.expand(token_ids, processed)
     """
 
-    def __init__(self, image_processor: Any, hf_config):
+    # The processor options a caller may set (none for Qwen2.5-VL).
+    OPTIONS: Mapping[str, Option] = {}
+
+    def __init__(self, image_processor: Any, hf_config, defaults: Mapping[str, Any] | None = None):
         self.image_processor = image_processor
         self.image_token_id: int = hf_config.image_token_id
         # The token the chat template writes for each image.
         self.placeholder_id: int = self.image_token_id
-        # Tokens around each image's run (Gemma 3: "\n\n<start_of_image>" and "<end_of_image>\n\n").
-        self.wrap: tuple[list[int], list[int]] = ([], [])
-        # Newline-run tokens by length, for tokenizers with one token per run (Gemma's): a wrap's
-        # newlines merge with the prompt's next to them, as the processor's re-tokenized text does.
+        # Newline-run tokens by length, for tokenizers with one token per run (Gemma's): the newlines
+        # an image's tokens begin and end with merge with the prompt's next to them, as the
+        # processor's re-tokenized text does.
         self.newlines: dict[int, int] = {}
         self.merge_size = getattr(hf_config.vision_config, "spatial_merge_size", 1)
+        self.defaults = checked_options(self.OPTIONS, defaults)
 
-    def process(self, image) -> ProcessedImage:
+    def options(self, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The engine's options with a request's `kwargs` over them, checked."""
+        return {**self.defaults, **checked_options(self.OPTIONS, kwargs)}
+
+    def process(self, image, options: Mapping[str, Any] | None = None) -> ProcessedImage:
         """Pixel values, patch grid and placeholder count of one RGB PIL image."""
-        out = self.image_processor(images=[image], return_tensors="np")
+        out = self.image_processor(images=[image], return_tensors="np", **(options or {}))
         pixels = np.asarray(out["pixel_values"], dtype=np.float32)
         grid = [int(g) for g in np.asarray(out["image_grid_thw"])[0]]
         return ProcessedImage(pixels, grid, int(np.prod(grid)) // self.merge_size ** 2)
 
+    def replacement(self, image: ProcessedImage) -> tuple[list[int], list[tuple[int, ProcessedImage]]]:
+        """The tokens an image's placeholder becomes, and each piece the encoder reads with the
+        offset of its run in those tokens: here the one run of image tokens."""
+        return [self.image_token_id] * image.num_tokens, [(0, image)]
+
     def expand(self, token_ids: list[int], images: list[ProcessedImage]) -> tuple[list[int], list[MultiModalInput]]:
-        """`token_ids` with each image's placeholder widened to its token run, and the images'
-        records in prompt order."""
+        """`token_ids` with each image's placeholder widened to its tokens, and the records of the
+        pieces the encoder reads, in prompt order."""
         spots = [i for i, t in enumerate(token_ids) if t == self.placeholder_id]
         if len(spots) != len(images):
             raise InvalidRequestError(f"the prompt holds {len(spots)} image placeholders for {len(images)} images "
@@ -91,12 +136,14 @@ class ImageProcessing:
         out: list[int] = []
         items: list[MultiModalInput] = []
         last = 0
-        before, after = self.wrap
         for spot, image in zip(spots, images):
             self._join(out, token_ids[last:spot])
-            self._join(out, before)
-            items.append(MultiModalInput.build(image.pixels, image.grid_thw, len(out), image.num_tokens))
-            out += [self.image_token_id] * image.num_tokens + after
+            tokens, pieces = self.replacement(image)
+            self._join(out, tokens)
+            # `_join` may merge the first token into the last one before it; the rest end `out`.
+            start = len(out) - len(tokens)
+            items += [MultiModalInput.build(piece.pixels, piece.grid_thw, start + at, piece.num_tokens)
+                      for at, piece in pieces]
             last = spot + 1
         self._join(out, token_ids[last:])
         return out, items
@@ -111,7 +158,9 @@ class ImageProcessing:
                 tokens = tokens[1:]
         out += tokens
 
-    def prompt(self, token_ids: list[int], images: list) -> dict:
-        """The engine's prompt for a rendered conversation and its RGB PIL images, in order."""
-        ids, items = self.expand(token_ids, [self.process(image) for image in images])
+    def prompt(self, token_ids: list[int], images: list, options: Mapping[str, Any] | None = None) -> dict:
+        """The engine's prompt for a rendered conversation and its RGB PIL images, in order;
+        `options` as `options()` gives them (None: the engine's)."""
+        options = self.defaults if options is None else options
+        ids, items = self.expand(token_ids, [self.process(image, options) for image in images])
         return {"prompt_token_ids": ids, "mm_inputs": items}

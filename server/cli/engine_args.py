@@ -62,6 +62,9 @@ ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] 
     "max_model_len": ("--max-model-len", _MODEL, "context length (default: the model's)", {"type": int}),
     "chat_template": ("--chat-template", _MODEL, "chat template (Jinja string or .jinja file) overriding the model's", {}),
     "hf_overrides": ("--hf-overrides", _MODEL, "JSON object merged into the model config", {"type": json.loads}),
+    "mm_processor_kwargs": ("--mm-processor-kwargs", _MODEL, "JSON object of image-processor options for every "
+                            "image, vLLM's (Gemma 3: '{\"do_pan_and_scan\": true}' and the pan_and_scan_* "
+                            "limits); a request's mm_processor_kwargs override them", {"type": json.loads}),
     "seed": ("--seed", _MODEL, "seed for dummy weights and unseeded sampling", {"type": int}),
     "block_size": ("--block-size", _CACHE, "tokens per KV block", {"type": int, "choices": BLOCK_SIZES}),
     "kv_cache_dtype": ("--kv-cache-dtype", _CACHE, "KV cache storage: 'auto' (the model's dtype) or 'fp8' (e4m3 "

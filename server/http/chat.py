@@ -87,7 +87,7 @@ async def start_chat(data: ChatCompletionRequest, request: Request, server: Serv
             raise APIError(400, "use_beam_search does not take images", "use_beam_search")
         group = _beam_group(data, server, prompt, params, request_id, lora, forced)
     else:
-        engine_prompt = await server.media.prompt(images, prompt, server.engine.info)
+        engine_prompt = await server.media.prompt(images, prompt, server.engine.info, data.mm_processor_kwargs)
         group = GenerationGroup(server, [engine_prompt], reasoning.params, request_id, data.priority,
                                 lora, "tools" if forced else data.constraint_field, data.keep_best)
         await group.start(request.receive)

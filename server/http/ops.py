@@ -58,7 +58,7 @@ class TokenizerController(Controller):
             images = server.media.check(messages, server.engine.info)
             tokens = tokenizer.encode_chat(messages, add_generation_prompt=data.add_generation_prompt, tools=tools)
             # Each image counts as the placeholder tokens the model gives it.
-            prompt = await server.media.prompt(images, tokens, server.engine.info)
+            prompt = await server.media.prompt(images, tokens, server.engine.info, data.mm_processor_kwargs)
             tokens = prompt["prompt_token_ids"] if images else tokens
         strs = tokenizer.convert_ids_to_tokens(tokens) if data.return_token_strs else None
         return TokenizeResponse(len(tokens), server.engine.info.max_model_len, tokens, strs)

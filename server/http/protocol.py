@@ -273,6 +273,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     # assistant wrote it; RAG documents and OpenAI's reasoning_effort for templates that read them;
     # a template for this request (a Jinja string); special tokens on top of the template's.
     chat_template_kwargs: Annotated[dict[str, Any], Meta(max_length=64)] | None = None
+    # The model's image-processor options for this request's images (corectl.multimodal.processing).
+    mm_processor_kwargs: Annotated[dict[str, Any], Meta(max_length=16)] | None = None
     continue_final_message: bool = False
     echo: bool = False
     documents: Annotated[list[dict[str, str]], Meta(max_length=MAX_DOCUMENTS)] | None = None
@@ -340,6 +342,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     return_token_strs: bool = False
     # With messages: the tools the template renders, as a chat request would send them.
     tools: Annotated[list[ChatTool], Meta(max_length=MAX_TOOLS)] | None = None
+    # With messages: image-processor options, as a chat request would send them.
+    mm_processor_kwargs: Annotated[dict[str, Any], Meta(max_length=16)] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

@@ -108,7 +108,7 @@ class ServerState:
         self.started_at = time.time()
         # Sampling defaults for the fields a request leaves unset (corectl.generation_config), once the engine is up.
         self.sampling_defaults: dict = {}
-        self.media = MediaIntake(settings.media)
+        self.media = MediaIntake(settings.media, settings.engine.mm_processor_kwargs)
         self.tool_parser = None if settings.tool_call_parser is None else tool_parser_class(settings.tool_call_parser)
         self.reasoning_parser = (None if settings.reasoning_parser is None
                                  else reasoning_parser_class(settings.reasoning_parser))

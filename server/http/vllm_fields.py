@@ -18,7 +18,6 @@ from .errors import APIError
 REFUSED_REASONS = {
     "logits_processors": "this server loads no custom logits processors",
     "vllm_xargs": "this server has no extensions that read vllm_xargs",
-    "mm_processor_kwargs": "this server serves text-only models",
     "prompt_embeds": "this server takes prompts as text or token ids, not embeddings",
     "guided_decoding_backend": "the structured-output backend is chosen at start-up (--structured-outputs-backend)",
     "guided_whitespace_pattern": "JSON whitespace is set with structured_outputs.disable_any_whitespace",
@@ -41,7 +40,6 @@ class RefusedFields(ConstraintFields, kw_only=True):
 
     logits_processors: Any = None
     vllm_xargs: Any = None
-    mm_processor_kwargs: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
     return_tokens_as_token_ids: Any = None

@@ -86,12 +86,13 @@ PROBE_TEMPLATE = (
 # a real server (test_dropin_server.py, test_openai_api.py, test_structured_api.py, test_tool_parsers.py).
 OUTPUT = {"model", "prompt", "messages", "input", "echo", "stream", "stream_options", "user", "priority",
           "request_id", "tools", "tool_choice", "parallel_tool_calls", "encoding_format", "dimensions",
-          "normalize", "chat_template", "suffix"}
+          "normalize", "chat_template", "suffix",
+          "mm_processor_kwargs"}  # the image processor's options: test_gemma3_server.py
 # Values that must be refused, naming the field (the refused fields' non-default values).
 REFUSED_VALUES = {
     "prompt_embeds": "AAAA", "guided_decoding_backend": "outlines",
     "guided_whitespace_pattern": " ", "logits_processors": ["m.P"], "return_tokens_as_token_ids": True,
-    "vllm_xargs": {"a": 1}, "mm_processor_kwargs": {"a": 1},
+    "vllm_xargs": {"a": 1},
     "structural_tag": "{}", "include_reasoning": False,
 }
 EMBEDDING_REFUSED = {"messages": [{"role": "user", "content": "hi"}], "chat_template": "x",

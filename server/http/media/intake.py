@@ -22,10 +22,12 @@ _THREADS = 4
 
 
 class MediaIntake:
-    """One per server; `check` before rendering a conversation, `prompt` after."""
+    """One per server; `check` before rendering a conversation, `prompt` after. `processor_kwargs`:
+    the engine's `--mm-processor-kwargs`, under each request's `mm_processor_kwargs`."""
 
-    def __init__(self, settings: MediaSettings):
+    def __init__(self, settings: MediaSettings, processor_kwargs: dict[str, Any] | None = None):
         self.settings = settings
+        self.processor_kwargs = processor_kwargs
         self._limiter = anyio.CapacityLimiter(_THREADS)
         self._processing: ImageProcessing | None = None
 
@@ -40,15 +42,23 @@ class MediaIntake:
                            "(--limit-mm-per-prompt)", "messages", "too_many_images")
         return sources
 
-    async def prompt(self, sources: list[Any], token_ids: list[int], info: EngineInfo) -> list[int] | dict:
+    async def prompt(self, sources: list[Any], token_ids: list[int], info: EngineInfo,
+                     processor_kwargs: dict[str, Any] | None = None) -> list[int] | dict:
         """The engine prompt: the token ids as they are without images, else with each image's
-        placeholders widened and its pixels attached (`ImageProcessing.prompt`)."""
+        placeholders widened and its pixels attached (`ImageProcessing.prompt`). A request's
+        `processor_kwargs` are checked even when it holds no image."""
+        if not sources and not processor_kwargs:
+            return token_ids
+        if info.image_token_id is None:
+            raise APIError(400, f"mm_processor_kwargs sets image-processor options, and this model "
+                           f"({info.architecture}) reads no images", "mm_processor_kwargs")
+        processing = await self._processing_for(info)
+        options = processing.options(processor_kwargs)
         if not sources:
             return token_ids
-        processing = await self._processing_for(info)
         async with guarded_client(self.settings) as client:
             images = [await self._image(client, source) for source in sources]
-        return await anyio.to_thread.run_sync(processing.prompt, token_ids, images, limiter=self._limiter)
+        return await anyio.to_thread.run_sync(processing.prompt, token_ids, images, options, limiter=self._limiter)
 
     async def _image(self, client: httpx.AsyncClient, source: Any):
         if not isinstance(source, str):
@@ -69,5 +79,6 @@ class MediaIntake:
 
             folder = Path(info.model_dir)
             hf_config, _ = await anyio.to_thread.run_sync(load_hf_config, folder, None)
-            self._processing = await anyio.to_thread.run_sync(image_processing_for, folder, hf_config)
+            self._processing = await anyio.to_thread.run_sync(image_processing_for, folder, hf_config,
+                                                              self.processor_kwargs)
         return self._processing

@@ -1,24 +1,21 @@
 """Gemma 3 vision-language end to end on a tiny random-weight checkpoint: greedy parity with
 transformers (bidirectional attention over each image's tokens) for one and two images batched
 with a text-only request, with 18-token steps that would otherwise split images; no chunk and no
-prefix hit ends inside an image."""
+prefix hit ends inside an image; pan-and-scan crops (vLLM's mm_processor_kwargs) against
+transformers' Gemma3Processor and model."""
 from __future__ import annotations
 
 import base64
+import re
 
 import pytest
 import torch
-from support.vision_models import build_gemma3, hf_greedy_with_images, png_bytes, random_image
+from support.vision_models import hf_greedy_with_images, png_bytes, random_image
 
 from corectl import LLM, SamplingParams
 
 MAX_TOKENS = 5
 STEP_TOKENS = 18
-
-
-@pytest.fixture(scope="module")
-def gemma3_dir(tmp_path_factory, default_model_dir):
-    return build_gemma3(tmp_path_factory.mktemp("gemma3"), default_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +30,29 @@ def hf(gemma3_dir):
 
     model = Gemma3ForConditionalGeneration.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
     return model, Gemma3ImageProcessorPil.from_pretrained(gemma3_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_processor(gemma3_dir, hf):
+    """transformers' Gemma3Processor for the checkpoint (its tokenizer told Gemma's image tokens)."""
+    from transformers import AutoTokenizer, Gemma3Processor
+
+    tokenizer = AutoTokenizer.from_pretrained(gemma3_dir, extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    return Gemma3Processor(image_processor=hf[1], tokenizer=tokenizer, image_seq_length=16)
+
+
+def _hf_prompt_logprobs(model, ids: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
+    """transformers' log-probability of each prompt token after the first ([1, T] ids)."""
+    with torch.no_grad():
+        logits = model(ids, pixel_values=pixel_values, token_type_ids=(ids == model.config.image_token_id).long()).logits[0]
+    return torch.log_softmax(logits[:-1].double(), dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+
+
+def _prompt_logprobs(out) -> torch.Tensor:
+    ids = list(out.prompt_token_ids)
+    return torch.tensor([entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], ids[1:])],
+                        dtype=torch.float64)
 
 
 def _hf_greedy(hf, prompt_ids: list[int], images) -> list[int]:
@@ -79,14 +99,37 @@ def test_prompt_logprobs_match_transformers_inside_and_after_the_image(llm, hf):
     image = random_image(80, 80, 3)
     out = llm.chat(_user("Look:", image, "Now."), SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0),
                    use_tqdm=False)[0]
-    ids = torch.tensor([list(out.prompt_token_ids)])
-    with torch.no_grad():
-        logits = model(ids, pixel_values=processor(images=[image], return_tensors="pt")["pixel_values"],
-                       token_type_ids=(ids == model.config.image_token_id).long()).logits[0]
-    expected = torch.log_softmax(logits[:-1].double(), dim=-1).gather(1, ids[0, 1:, None])[:, 0]
-    got = torch.tensor([entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], ids[0, 1:].tolist())],
-                       dtype=torch.float64)
-    torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-4)
+    expected = _hf_prompt_logprobs(model, torch.tensor([list(out.prompt_token_ids)]),
+                                   processor(images=[image], return_tensors="pt")["pixel_values"])
+    torch.testing.assert_close(_prompt_logprobs(out), expected, atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pan_and_scan", [True, False])
+def test_pan_and_scan_matches_transformers_on_a_wide_image(llm, hf, hf_processor, pan_and_scan):
+    """600 x 256 is wide enough for the processor's default pan-and-scan (2 crops of 300 x 256, each a
+    square of its own after the whole image's): the prompt, the pixels, greedy tokens and prompt
+    logprobs (each square's tokens attend both ways among themselves only) equal transformers'."""
+    model = hf[0]
+    image = random_image(600, 256, 7)
+    messages = _user("Look:", image, " What is it?")
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, prompt_logprobs=0)
+    out = llm.chat(messages, params, use_tqdm=False, mm_processor_kwargs={"do_pan_and_scan": pan_and_scan})[0]
+    text = hf_processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"} if part["type"] == "image_pil" else part
+                                      for part in messages[0]["content"]]}], tokenize=False, add_generation_prompt=True)
+    expected = hf_processor(text=text, images=[[image]], add_special_tokens=False, do_pan_and_scan=pan_and_scan,
+                            return_tensors="pt")
+    squares = expected["pixel_values"].shape[0]
+    assert squares == (3 if pan_and_scan else 1)
+    ids = list(out.prompt_token_ids)
+    assert ids == expected["input_ids"][0].tolist()
+    assert ids.count(model.config.image_token_id) == 16 * squares
+    assert list(out.outputs[0].token_ids) == hf_greedy_with_images(
+        model, expected["input_ids"], dict(pixel_values=expected["pixel_values"],
+                                           token_type_ids=expected["token_type_ids"]), MAX_TOKENS)
+    torch.testing.assert_close(_prompt_logprobs(out), _hf_prompt_logprobs(model, expected["input_ids"],
+                                                                          expected["pixel_values"]),
+                               atol=2e-3, rtol=1e-4)
 
 
 def test_an_image_at_a_chunk_boundary_is_not_split_and_a_prefix_hit_stops_before_it(llm):
@@ -126,29 +169,69 @@ def test_an_image_at_a_chunk_boundary_is_not_split_and_a_prefix_hit_stops_before
     assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
 
 
-def test_the_prompt_is_gemma3_processors(gemma3_dir):
+def test_the_prompt_is_gemma3_processors(gemma3_dir, hf_processor):
     """The image runs, and the newline runs merged around them, are the ids transformers'
     Gemma3Processor writes for the same rendered text. (The test tokenizer is SmolLM2's byte-level
     BPE, which splits a newline run before a word, where Gemma's tokenizer keeps it whole: the text
     after each image here starts with a space or a special token, where both agree.)"""
-    from transformers import AutoTokenizer, Gemma3ImageProcessorPil, Gemma3Processor
-
     from corectl.loaders.hf_config import load_hf_config
     from corectl.multimodal.processors import image_processing_for
 
     processing = image_processing_for(gemma3_dir, load_hf_config(gemma3_dir, None)[0])
-    tokenizer = AutoTokenizer.from_pretrained(gemma3_dir, extra_special_tokens={
-        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
-    reference = Gemma3Processor(image_processor=Gemma3ImageProcessorPil.from_pretrained(gemma3_dir),
-                                tokenizer=tokenizer, image_seq_length=16)
+    tokenizer = hf_processor.tokenizer
     for parts in (["Look:", None, None, " Compare."], ["A\n", None]):
-        images = [random_image(50, 40, i) for i, part in enumerate(parts) if part is None]
+        # The first image is wide enough for pan-and-scan crops, the second is not.
+        images = [random_image(*((600, 256) if i == 1 else (50, 40)), i) for i, part in enumerate(parts) if part is None]
         content = [{"type": "image"} if part is None else {"type": "text", "text": part} for part in parts]
         text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                              add_generation_prompt=True)
-        ours = processing.prompt(tokenizer.encode(text, add_special_tokens=False), images)["prompt_token_ids"]
-        expected = reference(text=text, images=[images], add_special_tokens=False)["input_ids"][0]
-        assert ours == list(expected)
+        for pan_and_scan in (False, True):
+            ours = processing.prompt(tokenizer.encode(text, add_special_tokens=False), images,
+                                     processing.options({"do_pan_and_scan": pan_and_scan}))["prompt_token_ids"]
+            expected = hf_processor(text=text, images=[images], add_special_tokens=False,
+                                    do_pan_and_scan=pan_and_scan)["input_ids"][0]
+            assert ours == list(expected)
+
+
+def test_each_crop_is_its_own_encoder_input_and_the_whole_square_is_the_image_without_crops(gemma3_dir):
+    """The encoder cache and prefix-cache hashes key each square by its pixels: the crops differ from
+    each other and from the whole image, whose square is the same pixels as the image read without
+    pan-and-scan (so the two share one encoder output, rightly)."""
+    from corectl.loaders.hf_config import load_hf_config
+    from corectl.multimodal.processors import image_processing_for
+
+    processing = image_processing_for(gemma3_dir, load_hf_config(gemma3_dir, None)[0])
+    image, boi = random_image(256, 600, 8), processing.placeholder_id
+    on = processing.prompt([5, boi, 6], [image], processing.options({"do_pan_and_scan": True}))["mm_inputs"]
+    off = processing.prompt([5, boi, 6], [image])["mm_inputs"]
+    assert len(on) == 3 and len({item.hash for item in on}) == 3 and len(off) == 1
+    assert on[0].hash == off[0].hash and on[0].pixel_values == off[0].pixel_values
+    assert all(a.end < b.offset for a, b in zip(on, on[1:])) and {item.length for item in on} == {16}
+
+
+def test_processor_options_are_checked_by_name_and_value_and_a_request_overrides_the_engine(gemma3_dir,
+                                                                                           default_model_dir):
+    from corectl.errors import ConfigError, InvalidRequestError
+    from corectl.loaders.hf_config import load_hf_config
+    from corectl.multimodal.processors import check_processor_kwargs, image_processing_for
+
+    hf_config = load_hf_config(gemma3_dir, None)[0]
+    processing = image_processing_for(gemma3_dir, hf_config, {"do_pan_and_scan": True})
+    assert processing.options(None) == {"do_pan_and_scan": True}
+    assert processing.options({"do_pan_and_scan": False, "pan_and_scan_max_num_crops": 2}) == {
+        "do_pan_and_scan": False, "pan_and_scan_max_num_crops": 2}
+    for bad, says in (({"size": 3}, "no option 'size' (it takes do_pan_and_scan, pan_and_scan_max_num_crops"),
+                      ({"do_pan_and_scan": "yes"}, "do_pan_and_scan must be true or false"),
+                      ({"pan_and_scan_max_num_crops": 17}, "an integer from 1 to 16"),
+                      ({"pan_and_scan_min_crop_size": 0}, "a positive integer")):
+        with pytest.raises(InvalidRequestError, match=re.escape(says)) as caught:
+            processing.options(bad)
+        assert caught.value.param == "mm_processor_kwargs"
+    check_processor_kwargs(hf_config, {"do_pan_and_scan": True, "pan_and_scan_min_ratio_to_activate": 2})
+    with pytest.raises(ConfigError, match="mm_processor_kwargs: .*no option 'crops'"):
+        check_processor_kwargs(hf_config, {"crops": 2})
+    with pytest.raises(ConfigError, match="reads no images"):
+        check_processor_kwargs(load_hf_config(default_model_dir, None)[0], {"do_pan_and_scan": True})
 
 
 def test_a_step_budget_smaller_than_one_bidirectional_image_is_refused():
