@@ -3,7 +3,6 @@ client), every bad input a 400 naming its limit with the server healthy after; a
 own bounds (a host that never answers, a redirect hop to a host not allowed, the byte limit)."""
 from __future__ import annotations
 
-import base64
 import socket
 import struct
 import threading
@@ -16,16 +15,12 @@ import pytest
 from openai import OpenAI
 from support.openai_errors import expect_error
 from support.server import API_KEY, ServerProcess
-from support.vision_models import png_bytes, random_image
+from support.vision_models import data_url, png_bytes, random_image
 
 from corectl.server.http.errors import APIError
 from corectl.server.http.media.address_guard import guarded_client
 from corectl.server.http.media.fetch import fetch_image
 from corectl.server.http.media.settings import MediaSettings
-
-
-def _data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:
@@ -65,7 +60,7 @@ def _chat(client: httpx.Client, messages, max_tokens: int = 3) -> httpx.Response
 
 
 def test_a_data_url_image_through_the_openai_client_and_tokenize_counts_its_tokens(vlm_server, vlm_http):
-    messages = _image_message(_data_url(png_bytes(random_image(100, 70, 1))))
+    messages = _image_message(data_url(png_bytes(random_image(100, 70, 1))))
     client = OpenAI(base_url=vlm_server.url + "/v1", api_key=API_KEY)
     reply = client.chat.completions.create(model="m", messages=messages, max_tokens=3,
                                            temperature=0)
@@ -76,9 +71,9 @@ def test_a_data_url_image_through_the_openai_client_and_tokenize_counts_its_toke
 
 
 @pytest.mark.parametrize(("url", "code"), [
-    (_data_url(b"\x89PNG\r\n\x1a\nnot an image at all"), "invalid_image"),
-    (_data_url(b"hello", "text/plain"), "unsupported_media_type"),
-    (_data_url(_huge_png_header(10000, 10000)), "image_too_large"),
+    (data_url(b"\x89PNG\r\n\x1a\nnot an image at all"), "invalid_image"),
+    (data_url(b"hello", "text/plain"), "unsupported_media_type"),
+    (data_url(_huge_png_header(10000, 10000)), "image_too_large"),
     ("http://127.0.0.1:9/cat.png", "media_address_not_allowed"),
     ("file:///etc/passwd", "invalid_image_url"),
 ])
@@ -87,7 +82,7 @@ def test_bad_images_are_400s_naming_the_limit(vlm_http, url, code):
 
 
 def test_too_many_images_then_the_server_still_serves(vlm_http):
-    url = _data_url(png_bytes(random_image(60, 60, 2)))
+    url = data_url(png_bytes(random_image(60, 60, 2)))
     expect_error(_chat(vlm_http, _image_message(url, url, url)), 400, "messages", "too_many_images")
     assert vlm_http.get("/health").status_code == 200
     assert _chat(vlm_http, _image_message(url, url)).status_code == 200

@@ -70,6 +70,13 @@ def png_bytes(image) -> bytes:
     return out.getvalue()
 
 
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    """`data` as a base64 data URL, as an OpenAI client sends an image."""
+    import base64
+
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
 # Gemma 3's template, trimmed to user turns of text and image parts.
 GEMMA3_TEMPLATE = (
     "{% for message in messages %}<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"

@@ -5,12 +5,11 @@ prefix hit ends inside an image; pan-and-scan crops (vLLM's mm_processor_kwargs)
 transformers' Gemma3Processor and model."""
 from __future__ import annotations
 
-import base64
 import re
 
 import pytest
 import torch
-from support.vision_models import hf_greedy_with_images, png_bytes, random_image
+from support.vision_models import data_url, hf_greedy_with_images, png_bytes, random_image
 
 from corectl import LLM, SamplingParams
 
@@ -73,7 +72,7 @@ def _user(*parts) -> list[dict]:
 
 def test_greedy_parity_with_transformers_one_and_two_images_batched_with_text(llm, hf):
     first, second = random_image(100, 70, 1), random_image(60, 90, 2)
-    url = "data:image/png;base64," + base64.b64encode(png_bytes(first)).decode()
+    url = data_url(png_bytes(first))
     conversations = [
         [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                       {"type": "text", "text": "What is this?"}]}],

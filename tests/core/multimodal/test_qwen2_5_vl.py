@@ -3,11 +3,9 @@ one and two images batched with a text-only request, with prefill chunks that sp
 encoder cache; prefix caching that never matches another image."""
 from __future__ import annotations
 
-import base64
-
 import pytest
 import torch
-from support.vision_models import hf_greedy_with_images, png_bytes, random_image
+from support.vision_models import data_url, hf_greedy_with_images, png_bytes, random_image
 
 from corectl import LLM, SamplingParams
 
@@ -52,7 +50,7 @@ def _runner(llm):
 
 def test_greedy_parity_with_transformers_one_and_two_images_batched_with_text(llm, hf):
     first, second = random_image(100, 70, 1), random_image(60, 90, 2)
-    url = "data:image/png;base64," + base64.b64encode(png_bytes(first)).decode()
+    url = data_url(png_bytes(first))
     conversations = [
         [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                       {"type": "text", "text": "What is this?"}]}],
