@@ -7,7 +7,8 @@ Two things live outside the KV cache and grow with images:
   never more than the encoder cache holds), except that an image larger than that runs alone; no
   image is longer than `max_model_len` (its placeholders sit in one prompt). `worst_case_images`
   fills that bound with the largest images the model's image processor admits, then smaller ones
-  for the rest (Qwen2.5-VL's resolution varies; Gemma 3's is one square).
+  for the rest (Qwen2.5-VL's resolution varies; Gemma 3's is one square, and each of its
+  pan-and-scan crops is one more such square, its own item: the budget bounds them all alike).
 - the encoder cache: `ENCODER_CACHE_ROWS` rows of the language model's width, which the
   scheduler fills with the images it keeps.
 
