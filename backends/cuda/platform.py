@@ -55,8 +55,9 @@ class CUDAPlatform(Platform):
 
     def planned_capabilities(self, compute_capability: tuple[int, int]) -> PlatformCaps:
         # FP8 tensor cores (torch._scaled_mm) from Ada/Hopper (8.9) on; the Triton 4- and 8-bit GEMMs
-        # (block-scaled FP8 weights widened in the GEMM among them) anywhere.
-        kernels = (("fp8_scaled_mm",) if compute_capability >= (8, 9) else ()) + ("w4a16", "w8a16", "fp8_block_w8a16")
+        # (block-scaled FP8 weights widened in the GEMM among them) and MXFP4 experts' fused MoE anywhere.
+        kernels = (("fp8_scaled_mm",) if compute_capability >= (8, 9) else ()) + ("w4a16", "w8a16", "fp8_block_w8a16",
+                                                                                  "mxfp4_moe")
         return dataclasses.replace(gpu_caps(compute_capability), quantization_kernels=kernels)
 
     def device_name(self) -> str:

@@ -101,9 +101,10 @@ class CUDAWorker(Worker):
         from ..triton.gemm.fp8_quant import quantize_rows_fp8
         from ..triton.gemm.w4a16 import w4a16_gemm_trusted
         from ..triton.gemm.w8a16 import w8a16_gemm
+        from ..triton.moe.mxfp4_moe import routed_mxfp4_moe
 
         return {"w4a16": w4a16_gemm_trusted, "w8a16": w8a16_gemm, "fp8_quantize_rows": quantize_rows_fp8,
-                "fp8_w8a16_gemv": fp8_w8a16_gemv, "fp8_block_w8a16": fp8_block_w8a16}
+                "fp8_w8a16_gemv": fp8_w8a16_gemv, "fp8_block_w8a16": fp8_block_w8a16, "mxfp4_moe": routed_mxfp4_moe}
 
     def load_model(self) -> ModelInfo:
         if self.config.batch_invariant:

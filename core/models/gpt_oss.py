@@ -12,9 +12,11 @@ What differs from Llama (`llama.py`), following transformers' GptOssForCausalLM:
 Checkpoints stack the experts: `experts.gate_up_proj` [E, H, 2I] with gate and up interleaved
 column by column, `experts.down_proj` [E, I, H], and their biases. They load transposed and
 de-interleaved into `FusedMoE`'s layout ([E, 2I, H], gate rows then up rows). MXFP4 checkpoints
-(`*_blocks`/`*_scales`) load through the `mxfp4` quantization method (`corectl.quantization.mxfp4`).
-The experts run the torch path (`fused_moe_torch`) on every platform: the fused MoE kernels take
-neither biases nor this activation.
+(`*_blocks`/`*_scales`) load through the `mxfp4` quantization method (`corectl.quantization.mxfp4`),
+which on a platform with its `mxfp4_moe` kernel (CUDA) keeps them packed and runs that kernel,
+biases and activation included; such a model decodes in CUDA graphs. Dense experts, and MXFP4
+ones dequantized at load (CPU), run the torch path (`fused_moe_torch`): the dense fused MoE
+kernels take neither biases nor this activation.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from torch import nn
 
 from ..distributed import get_tp
 from ..loaders.packing import load_packed_weights
+from ..quantization.mxfp4 import Mxfp4MoEMethod
 from .llama import LlamaForCausalLM
 from .moe import TORCH_EXPERTS_BLOCKER, FusedMoE, fused_moe_torch, select_experts
 
@@ -107,8 +110,14 @@ class GptOssMoE(nn.Module):
 class GptOssForCausalLM(LlamaForCausalLM):
     # Its loader resolves checkpoint names to modules before skipping: every layer must exist.
     supports_pipeline_parallel = False
-    supports_graph_capture = False
     graph_capture_blocker = TORCH_EXPERTS_BLOCKER
+
+    @property
+    def supports_graph_capture(self) -> bool:
+        """Only packed MXFP4 experts run a kernel that reads nothing back (module doc)."""
+        return all(isinstance(method := layer.mlp.experts.quant_method, Mxfp4MoEMethod) and method.packed
+                   for layer in self.model.layers)
+
     def __init__(self, config, max_positions: int, dtype: torch.dtype):
         super().__init__(config, max_positions, dtype)
         for layer in self.model.layers:

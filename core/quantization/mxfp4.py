@@ -6,10 +6,13 @@ A checkpoint (`quantization_config.quant_method == "mxfp4"`) stores each layer's
 features (gpt-oss interleaves gate and up rows). Everything else (attention, router, biases,
 embeddings) is dense.
 
-Served dequantized: the method loads this rank's blocks and scales, then dequantizes them at load
-(`process_weights_after_loading`) into the dense stacked experts the torch MoE path runs on, on
-every platform. The experts take the model dtype's bytes, not MXFP4's; a kernel that keeps them
-packed (dequantizing tiles on the fly) is not built.
+Served two ways, the platform's choice (`bind`):
+  - packed, where the platform provides the `mxfp4_moe` kernel (`PlatformCaps.quantization_kernels`;
+    CUDA's is a Triton fused MoE that decodes e2m1 and applies the e8m0 scales inside its K loop,
+    bf16 activations and fp32 sums): the loaded blocks and scales are what the layer keeps, 4.25
+    bits a weight, and `apply` hands them, the biases and the router's logits to the kernel;
+  - dequantized everywhere else (CPU): `process_weights_after_loading` dequantizes them into the
+    dense stacked experts the torch MoE path runs on, in the model dtype's bytes.
 """
 from __future__ import annotations
 
@@ -21,8 +24,12 @@ import torch
 
 from ..errors import ConfigError
 from .base import LinearMethod, MoEMethod, QuantizationConfig
+from .scope import kernel as provided_kernel
 
 GROUP = 32
+# The platform kernel that runs packed experts: (hidden, router_logits, gate_up, down, top_k,
+# renormalize, alpha, limit) -> this rank's output, gate_up and down (blocks, scales, bias) tuples.
+PACKED_KERNEL = "mxfp4_moe"
 # e2m1 code -> value (sign bit 3, then two exponent bits and one mantissa bit)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -38,7 +45,7 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 @dataclass(frozen=True)
 class Mxfp4Config(QuantizationConfig):
     name = "mxfp4"
-    kernels = ("dequantized",)
+    kernels = (PACKED_KERNEL, "dequantized")
 
     @classmethod
     def from_checkpoint(cls, quant_config: dict[str, Any] | None, source) -> "Mxfp4Config":
@@ -48,8 +55,8 @@ class Mxfp4Config(QuantizationConfig):
         return cls()
 
     def bind(self, provided: tuple[str, ...], platform: str) -> "Mxfp4Config":
-        # Dequantized at load: torch code, which every platform runs.
-        return dataclasses.replace(self, kernel="dequantized")
+        # Without the platform's kernel, dequantized at load: torch code, which every platform runs.
+        return dataclasses.replace(self, kernel=PACKED_KERNEL if PACKED_KERNEL in provided else "dequantized")
 
     def linear_method(self, prefix: str, layer) -> LinearMethod | None:
         return None
@@ -58,11 +65,16 @@ class Mxfp4Config(QuantizationConfig):
         if not hasattr(layer, "load_stacked"):
             raise ConfigError("quantization", f"MXFP4 experts are read for gpt-oss's stacked layout; {prefix} "
                               f"({type(layer).__name__}) is not one")
-        return Mxfp4MoEMethod()
+        return Mxfp4MoEMethod(packed=self.kernel == PACKED_KERNEL)
 
 
 class Mxfp4MoEMethod(MoEMethod):
-    """Loads this rank's MXFP4 blocks and scales (module doc), dense after loading."""
+    """Loads this rank's MXFP4 blocks and scales (module doc): kept for the platform's kernel when
+    `packed`, else dense after loading."""
+
+    def __init__(self, packed: bool):
+        self.packed = packed
+        self.moe = provided_kernel(PACKED_KERNEL) if packed else None
 
     def create_weights(self, layer, dtype: torch.dtype) -> None:
         e, h, rows = layer.num_experts, layer.hidden_size, layer.rows
@@ -97,6 +109,8 @@ class Mxfp4MoEMethod(MoEMethod):
             raise ValueError(f"experts.{name}: expected {tuple(shape)}, checkpoint has {tuple(loaded.shape)}")
 
     def process_weights_after_loading(self, layer) -> None:
+        if self.packed:
+            return
         for stack in ("gate_up_proj", "down_proj"):
             blocks, scales = getattr(layer, f"{stack}_blocks").data, getattr(layer, f"{stack}_scales").data
             dense = torch.empty(*scales.shape[:2], scales.shape[2] * GROUP, dtype=self.dtype, device=blocks.device)
@@ -109,7 +123,13 @@ class Mxfp4MoEMethod(MoEMethod):
 
     def served_bytes(self, layer) -> int:
         e, h, rows = layer.num_experts, layer.hidden_size, layer.rows
+        if self.packed:  # half a byte a weight, a byte of scale per 32
+            return e * 3 * rows * h * (GROUP // 2 + 1) // GROUP
         return e * 3 * rows * h * self.dtype.itemsize
 
     def apply(self, layer, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        return layer.run_experts(hidden, router_logits)
+        if not self.packed:
+            return layer.run_experts(hidden, router_logits)
+        gate_up = (layer.gate_up_proj_blocks, layer.gate_up_proj_scales, layer.gate_up_proj_bias)
+        down = (layer.down_proj_blocks, layer.down_proj_scales, layer.down_proj_bias)
+        return self.moe(hidden, router_logits, gate_up, down, layer.top_k, layer.renormalize, layer.alpha, layer.limit)

@@ -257,7 +257,7 @@ def _pair_config(rows: int, programs: int, device: torch.device) -> tuple[int, i
     """(BLOCK_N, GROUPS, num_stages): 8 groups (128 bytes of a row) per step, column blocks narrowed
     until the grid reaches moe_pairs' target; small tiles under the interpreter."""
     if device.type == "cpu":
-        return 16, 2, 1
+        return 32, 2, 1
     block_n = 32
     while block_n > 4 and programs * triton.cdiv(rows, block_n) < _TARGET_PROGRAMS:
         block_n //= 2

@@ -66,9 +66,11 @@ def test_pre_ampere_gpu_has_no_bf16(fake_gpu):
     assert caps.dtypes == ("float16", "float32") and caps.default_dtype == "float16"
 
 
-@pytest.mark.parametrize("capability, kernels", [((9, 0), ("fp8_scaled_mm", "w4a16", "w8a16", "fp8_block_w8a16")),
-                                                 ((8, 9), ("fp8_scaled_mm", "w4a16", "w8a16", "fp8_block_w8a16")),
-                                                 ((8, 0), ("w4a16", "w8a16", "fp8_block_w8a16"))])
+@pytest.mark.parametrize("capability, kernels", [
+    ((9, 0), ("fp8_scaled_mm", "w4a16", "w8a16", "fp8_block_w8a16", "mxfp4_moe")),
+    ((8, 9), ("fp8_scaled_mm", "w4a16", "w8a16", "fp8_block_w8a16", "mxfp4_moe")),
+    ((8, 0), ("w4a16", "w8a16", "fp8_block_w8a16", "mxfp4_moe")),
+])
 def test_fp8_kernels_from_ada_and_hopper_on(fake_gpu, capability, kernels):
     fake_gpu(capability=capability)
     assert cuda_platform.CUDAPlatform().capabilities().quantization_kernels == kernels

@@ -89,16 +89,16 @@ def _quantize_mxfp4(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, (exponent + 127).to(torch.uint8)
 
 
-def test_mxfp4_experts_match_transformers(tmp_path, default_model_dir):
-    """Experts quantized to MXFP4 in the checkpoint's layout; the reference is transformers with the
-    experts its own MXFP4 dequantizer (`convert_moe_packed_tensors`) gives."""
+def mxfp4_checkpoint(folder, tokenizer_dir):
+    """A gpt-oss checkpoint with its experts quantized to MXFP4 in the checkpoint's layout, and the
+    transformers model whose experts are what its own MXFP4 dequantizer (`convert_moe_packed_tensors`)
+    gives of them."""
     import json
 
     from safetensors.torch import save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    folder = tmp_path / "oss4"
-    hf_model = _checkpoint(folder, default_model_dir)
+    hf_model = _checkpoint(folder, tokenizer_dir)
     state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
     for i, layer in enumerate(hf_model.model.layers):
         experts = layer.mlp.experts
@@ -115,5 +115,13 @@ def test_mxfp4_experts_match_transformers(tmp_path, default_model_dir):
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["self_attn", "router",
                                                                                           "embed_tokens", "lm_head"]}
     (folder / "config.json").write_text(json.dumps(config))
+    return hf_model
+
+
+def test_mxfp4_experts_match_transformers(tmp_path, default_model_dir):
+    """Experts quantized to MXFP4 in the checkpoint's layout; the reference is transformers with the
+    experts its own MXFP4 dequantizer gives."""
+    folder = tmp_path / "oss4"
+    hf_model = mxfp4_checkpoint(folder, default_model_dir)
     llm = assert_engine_matches(folder, hf_model, VOCAB, variant=True)
     assert llm.engine.executor.worker.runner.model.model.layers[0].mlp.experts.quant_method is not None

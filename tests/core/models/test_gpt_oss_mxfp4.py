@@ -1,0 +1,56 @@
+"""gpt-oss's MXFP4 experts served packed: a platform listing the `mxfp4_moe` kernel (the CPU
+platform here, given the Triton kernel under the interpreter, as CUDA is) keeps the blocks and
+scales and runs the kernel; greedy tokens equal those of the dequantized torch path."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from corectl import LLM, SamplingParams
+from corectl.backends.cpu.platform import CPUPlatform
+from corectl.backends.cpu.worker import CPUWorker
+from corectl.backends.triton.moe.mxfp4_moe import routed_mxfp4_moe
+from test_gpt_oss_parity import mxfp4_checkpoint
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=0, ignore_eos=True)
+    return [(out.outputs[0].token_ids, [next(iter(pos.values())).logprob for pos in out.outputs[0].logprobs])
+            for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_packed_experts_give_the_dequantized_tokens(tmp_path, default_model_dir, monkeypatch):
+    folder = tmp_path / "oss4"
+    mxfp4_checkpoint(folder, default_model_dir)
+    engine = dict(dtype="float32", kv_cache_memory_gib=0.01, max_model_len=64, enable_prefix_caching=False)
+    # Two prompts (prefill and decode steps of several pairs an expert: the sorted path), then one
+    # alone (decode steps of 2 pairs over 4 experts: the pairs path).
+    batches = [[[5, 9, 33, 7, 81], [11, 4, 60, 2, 19, 27, 8]], [[40, 3, 17, 90]]]
+    dequantized = LLM(str(folder), **engine)
+    assert dequantized.engine.info.quantization == "mxfp4 (dequantized)"
+    expected = [_generate(dequantized, prompts) for prompts in batches]
+    del dequantized
+
+    caps = CPUPlatform().capabilities()
+    monkeypatch.setattr(CPUPlatform, "capabilities",
+                        lambda self: dataclasses.replace(caps, quantization_kernels=("mxfp4_moe",)))
+    calls = []
+
+    def counted(hidden, *args):
+        calls.append(hidden.shape[0])
+        return routed_mxfp4_moe(hidden, *args)
+
+    monkeypatch.setattr(CPUWorker, "quantization_kernels", lambda self: {"mxfp4_moe": counted})
+    packed = LLM(str(folder), **engine)
+    assert packed.engine.info.quantization == "mxfp4 (mxfp4_moe)"
+    model = packed.engine.executor.worker.runner.model
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj_blocks.dtype == torch.uint8 and not hasattr(experts, "gate_up_proj")
+    assert model.supports_graph_capture
+    calls.clear()
+    for prompts, reference in zip(batches, expected):
+        got = _generate(packed, prompts)
+        for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, reference):
+            assert tokens == ref_tokens
+            assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < 1e-4
+    assert 1 in calls and max(calls) > 2
