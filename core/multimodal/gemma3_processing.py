@@ -68,7 +68,8 @@ class Gemma3ImageProcessing(ImageProcessing):
         self._lock = threading.Lock()
 
     def process(self, image, options: Mapping[str, Any] | None = None) -> ProcessedImage:
-        out = self.image_processor(images=[image], return_tensors="np", **{**self.processor_defaults, **(options or {})})
+        options = {**self.processor_defaults, **(options or {})}
+        out = self.image_processor(images=[image], return_tensors="np", **options)
         return ProcessedImage(np.asarray(out["pixel_values"], dtype=np.float32), [], self.num_tokens)
 
     def replacement(self, image: ProcessedImage) -> tuple[list[int], list[tuple[int, ProcessedImage]]]:

@@ -51,6 +51,9 @@ class TokenizerController(Controller):
         param = "prompt" if data.prompt is not None else "messages"
         tokenizer = server.require_tokenizer(param, "text cannot be tokenized; send token ids to /v1/completions")
         if data.prompt is not None:
+            if data.mm_processor_kwargs:
+                raise APIError(400, "mm_processor_kwargs sets options for the images of messages; a text prompt "
+                               "holds none", "mm_processor_kwargs")
             tokens = tokenizer.encode(data.prompt, add_special_tokens=data.add_special_tokens)
         else:
             tools = template_tools(data.tools) if data.tools else None

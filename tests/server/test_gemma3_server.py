@@ -72,12 +72,14 @@ def test_bad_processor_options_are_400s_naming_the_field(gemma3_http, kwargs, sa
         assert says in expect_error(response, 400, "mm_processor_kwargs")["message"]
 
 
-def test_a_bad_image_or_too_many_are_400s_and_the_server_still_serves(gemma3_http):
+def test_a_bad_image_too_many_or_options_without_images_are_400s_and_the_server_still_serves(gemma3_http):
     corrupt = [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": data_url(b"\x89PNG\r\n\x1a\nnot an image at all")}}]}]
     expect_error(_chat(gemma3_http, corrupt, **PAN_AND_SCAN), 400, "messages", "invalid_image")
     two = _messages(random_image(64, 64, 3), random_image(64, 64, 4))
     expect_error(_chat(gemma3_http, two), 400, "messages", "too_many_images")
+    # Options for images, sent with a text prompt that holds none.
+    expect_error(gemma3_http.post("/tokenize", json={"prompt": "Hi", **PAN_AND_SCAN}), 400, "mm_processor_kwargs")
     assert gemma3_http.get("/health").status_code == 200
     assert _chat(gemma3_http, _messages(random_image(300, 600, 5)), **PAN_AND_SCAN).status_code == 200
     assert _chat(gemma3_http, [{"role": "user", "content": "Hi"}]).status_code == 200
