@@ -54,3 +54,11 @@ def lora_sorted_enabled() -> bool:
     """Decode steps of over 16 tokens run the LoRA kernels on tiles of tokens sorted by adapter
     (corectl.lora.layers); CORECTL_LORA_SORTED=0 keeps the per-token gathered kernels (for measurement)."""
     return os.environ.get("CORECTL_LORA_SORTED", "1").lower() not in ("0", "false", "no")
+
+
+def lora_stacked(default: bool) -> bool:
+    """Whether dense LoRA layers hold their adapters' A rows under the base weight, so a batch-1
+    step's base GEMV computes the shrink too (corectl.lora.layers): CORECTL_LORA_STACKED=1 or 0, else
+    `default` (the layer's choice for its device); 0 keeps A apart and the shrink launch (for measurement)."""
+    value = os.environ.get("CORECTL_LORA_STACKED", "").lower()
+    return default if value in ("", "auto") else value not in ("0", "false", "no")

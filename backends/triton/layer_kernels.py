@@ -14,6 +14,7 @@ from .gemm.fp8_gemv import MAX_M, dense_decode_config, dense_gemv
 from .gemm.invariant import invariant_linear
 from .lora import lora_expand, lora_shrink
 from .lora.moe_lora import fused_moe_lora
+from .lora.stacked import lora_stacked_linear
 from .moe.fused_moe import fused_moe, topk_softmax
 
 
@@ -66,7 +67,8 @@ def triton_layer_kernels() -> LayerKernels:
     return LayerKernels(rms_norm=rms_norm, silu_and_mul=silu_and_mul, rotary_embedding=_rotary_trusted,
                         qk_norm_rotary=_qk_norm_rotary_trusted, fused_moe=_routed_fused_moe,
                         router_logits=_router_logits, dense_linear=_dense_linear, lora_shrink=lora_shrink,
-                        lora_expand=lora_expand, fused_moe_lora=_routed_fused_moe_lora)
+                        lora_expand=lora_expand, lora_stacked_linear=lora_stacked_linear,
+                        fused_moe_lora=_routed_fused_moe_lora)
 
 
 def _invariant_dense_linear(x, weight, bias, gated):

@@ -128,12 +128,24 @@ class LoRALinear(UsesLayerKernels, nn.Module):
         if offsets != [sum(size for _, size, _ in slices[:j]) for j in range(len(slices))]:
             raise ValueError(f"LoRA needs a packed layer's slices side by side from column 0, got {slices}")
         self.slice_sizes = [size for _, size, _ in slices]
-        self.register_buffer("lora_a", torch.zeros(max_loras, len(projections), max_rank, in_features, dtype=dtype,
-                                                   device=device), persistent=False)
+        a_shape = (max_loras, len(projections), max_rank, in_features)
+        # The base weight with every slot's A rows under it (None: A apart), `stacked_bias` its bias.
+        # CPUs run the torch path, and their prepacked linears keep a packed copy: a stacked weight
+        # would hold the base weight twice there.
+        stacked = _stack_under(base, a_shape, dtype) if envs.lora_stacked(device.type != "cpu") else None
+        self.stacked, self.stacked_bias = stacked or (None, None)
+        self.base_rows = out_features
+        lora_a = torch.zeros(a_shape, dtype=dtype, device=device) if self.stacked is None else \
+            self.stacked[self.base_rows:].view(a_shape)
+        self.register_buffer("lora_a", lora_a, persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device),
                              persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch.active:
+            out = self._stacked_forward(x, gated=False)
+            if out is not None:
+                return out
         out = self.base(x)
         if self.batch.active:
             self._add_lora(x, out)
@@ -145,9 +157,33 @@ class LoRALinear(UsesLayerKernels, nn.Module):
         kernels = self.kernels
         if self.batch.active and (kernels is None or kernels.lora_shrink is None):
             return None
+        if self.batch.active:
+            out = self._stacked_forward(gate_up, gated=True)
+            if out is not None:
+                return out
         out = self.base.forward_gated(gate_up)
         if out is not None and self.batch.active:
             self._add_lora(gate_up, out, gated=True)
+        return out
+
+    def _stacked_forward(self, x: torch.Tensor, gated: bool) -> torch.Tensor | None:
+        """A batch-1 step on the stacked weight: one GEMV gives the base output and every slot's
+        x @ A.T after it, and the expand adds the token's slot's (no shrink launch). None where the
+        layer is not stacked or the platform has no GEMV for it: the base and the shrink run apart."""
+        kernels = self.kernels
+        if self.stacked is None or x.shape[0] != 1 or kernels is None or kernels.lora_stacked_linear is None:
+            return None
+        base_rows = self.base_rows
+        y = kernels.lora_stacked_linear(x, self.stacked, self.stacked_bias, base_rows, gated)
+        if y is None:
+            return None
+        if self.reduce_xa is not None:
+            # A row-parallel layer: one all-reduce sums the base output and x @ A.T over the ranks.
+            y = self.reduce_xa(y)
+        out = y[:, :base_rows]
+        batch = self.batch
+        kernels.lora_expand(y[:, base_rows:].unsqueeze(0), self.lora_b, batch.scales, batch.token_slots[:1], None, out,
+                            self.slice_sizes)
         return out
 
     def _add_lora(self, x: torch.Tensor, out: torch.Tensor, gated: bool = False) -> None:
@@ -190,6 +226,29 @@ class LoRALinear(UsesLayerKernels, nn.Module):
 
     def extra_repr(self) -> str:
         return f"projections={self.projections}, slots={self.lora_a.shape[0]}, max_rank={self.max_rank}"
+
+
+def _stack_under(base: nn.Module, a_shape: tuple[int, ...],
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A dense base weight [N, K] moved into [N + S n R, K] (the base keeps a view of its rows, so
+    the weight is held once), the rows past N every slot's A (zeros), with the bias likewise
+    (zeros past N); (None, None) for a quantized or differently typed base, or where the A rows would
+    add over 1/8 to the bytes a batch-1 GEMV reads (at most the cost of the shrink launch they save)."""
+    weight = getattr(base, "weight", None)
+    a_rows = a_shape[0] * a_shape[1] * a_shape[2]
+    if (getattr(base, "quant_method", None) is not None or not isinstance(weight, torch.Tensor) or weight.dim() != 2
+            or weight.dtype != dtype or weight.is_meta or 8 * a_rows > weight.shape[0]):
+        return None
+    rows = weight.shape[0]
+    stacked = torch.zeros(rows + a_rows, weight.shape[1], dtype=dtype, device=weight.device)
+    stacked[:rows].copy_(weight)
+    weight.data = stacked[:rows]
+    if base.bias is None:
+        return stacked, None
+    bias = torch.zeros(rows + a_rows, dtype=base.bias.dtype, device=base.bias.device)
+    bias[:rows].copy_(base.bias)
+    base.bias.data = bias[:rows]
+    return stacked, bias
 
 
 def attach_lora(model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: int, dtype: torch.dtype,

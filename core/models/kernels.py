@@ -51,6 +51,11 @@ class LayerKernels:
     # (decode; graph capture); gated: x is [T, 2K] (gate | up) and silu(gate) * up takes its place. None: the torch path
     lora_shrink: Callable[..., torch.Tensor] | None = None
     lora_expand: Callable[..., None] | None = None
+    # (x [M, K], stacked [N', K], bias [N'] | None, base_rows N, gated) -> x @ stacked.T + bias [M, N'],
+    # or None: a LoRA layer's weight with its adapters' A rows stacked under it, by the GEMV tuned for
+    # the base's [N, K] (batch-1 decode: the shrink rides the base GEMV). None where the base would
+    # not take a GEMV at this batch, or where this field is None: the base and the shrink run apart
+    lora_stacked_linear: Callable[..., torch.Tensor | None] | None = None
     # `fused_moe` with each token's adapter added in its experts: the same arguments plus
     # lora=<corectl.lora.experts.ExpertLoRA> (its stacks, and its batch's token_slots and scales;
     # that module says what it computes). None runs the experts' torch path while adapters are on

@@ -20,23 +20,37 @@ TAGS = ("weights", "kv_cache")
 
 class OffloadedTensors:
     """Every tensor a model holds on its device (parameters, buffers, and tensors kept as plain
-    attributes, such as prepacked weights), copied to host memory; the device copies are released."""
+    attributes, such as prepacked weights), copied to host memory; the device copies are released.
+    Tensors that are views of one storage (a LoRA layer's base weight and adapters' A rows in one
+    stacked weight, corectl.lora.layers) come back as views of one storage again."""
 
     def __init__(self, model: torch.nn.Module):
-        self._slots: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # (tensor, its storage's key, offset, shape, strides), and each storage's bytes on the host.
+        self._slots: list[tuple[torch.Tensor, int, int, torch.Size, tuple[int, ...]]] = []
+        self._host: dict[int, torch.Tensor] = {}
         seen: set[int] = set()
         for module in model.modules():
             for tensor in _device_tensors(module):
                 if id(tensor) in seen:
                     continue  # tied weights: one copy
                 seen.add(id(tensor))
-                self._slots.append((tensor, tensor.detach().cpu()))
-                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+                storage = tensor.untyped_storage()
+                key = storage.data_ptr()
+                if key not in self._host:
+                    self._host[key] = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage).cpu()
+                self._slots.append((tensor, key, tensor.storage_offset(), tensor.shape, tensor.stride()))
+        for tensor, *_ in self._slots:
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
     def restore(self) -> None:
-        for tensor, host in self._slots:
-            tensor.data = host.to(tensor.device)
+        storages: dict[int, torch.UntypedStorage] = {}
+        for tensor, key, offset, shape, stride in self._slots:
+            if key not in storages:
+                storages[key] = self._host[key].to(tensor.device).untyped_storage()
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(storages[key], offset, shape,
+                                                                                          stride)
         self._slots.clear()
+        self._host.clear()
 
 
 def _device_tensors(module: torch.nn.Module):

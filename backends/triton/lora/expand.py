@@ -6,7 +6,9 @@ partial sums [P, T, n * R], slice j reading columns [j * R, (j + 1) * R). One la
 slice and sums the shrink's P partials as it loads them. Gathered form (decode, CUDA graphs): one
 program per (token, output block); base tokens (slot -1) leave their row untouched. Segment form
 (prefill and mixed steps): one program per (segment, row block, output block), `tl.dot` over the
-rank. The sum is formed in fp32 and rounded once into `out`'s dtype.
+rank. Sorted tiles (decode steps of many tokens): one program per (tile, group of output blocks),
+the tile's rows read and written through the sorted order, its partial sums loaded once for the
+group. The sum is formed in fp32 and rounded once into `out`'s dtype.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def _slice_of(n, END0, END1):
 
 @triton.jit
 def _expand_gathered_kernel(xa_ptr, b_ptr, scales_ptr, slots_ptr, out_ptr, N, R, P, END0, END1, stride_xp, stride_xt,
-                            stride_bs, stride_bn, stride_ot, NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr,
+                            stride_bs, stride_bn, stride_ot, stride_xs, NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + token).to(tl.int64)
@@ -52,8 +54,8 @@ def _expand_gathered_kernel(xa_ptr, b_ptr, scales_ptr, slots_ptr, out_ptr, N, R,
         which = _slice_of(n, END0, END1)
         delta = tl.zeros([BLOCK_N], dtype=tl.float32)
         for j in tl.static_range(NUM_SLICES):
-            parts = tl.load(xa_ptr + p[:, None] * stride_xp + token * stride_xt + j * R + r[None, :],
-                            mask=(p[:, None] < P) & (r[None, :] < R), other=0.0)
+            parts = tl.load(xa_ptr + p[:, None] * stride_xp + token * stride_xt + slot * stride_xs + j * R + r[None, :],
+                            mask=(p[:, None] < P) & (r[None, :] < R), other=0.0).to(tl.float32)
             xa = tl.sum(parts, axis=0)
             delta = tl.where(which == j, tl.sum(b * xa[None, :], axis=1), delta)
         out = out_ptr + token * stride_ot + n
@@ -92,7 +94,7 @@ def _expand_segment_kernel(xa_ptr, b_ptr, scales_ptr, starts_ptr, lens_ptr, seg_
                 xa = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
                 for part in range(0, P):
                     xa += tl.load(xa_ptr + part * stride_xp + rows[:, None] * stride_xt + j * R + r[None, :],
-                                  mask=in_segment[:, None] & (r[None, :] < R), other=0.0)
+                                  mask=in_segment[:, None] & (r[None, :] < R), other=0.0).to(tl.float32)
                 for n0 in range(n_lo, n_hi, BLOCK_N):
                     n = n0 + tl.arange(0, BLOCK_N)
                     bt = tl.load(b_ptr + slot * stride_bs + n[None, :] * stride_bn + r[:, None],
@@ -108,19 +110,23 @@ def lora_expand(xa: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, token_s
                 check_indices: bool = False) -> None:
     """out [T, N] += (sum_p xa[p] [T, n*R] slice j @ b[slot] [N, R] rows of slice j .T) * scales[slot]
     for rows with a slot >= 0, in place. `slice_sizes` (default: one slice of N) are the n slices'
-    widths in `out`'s columns, in order; out may be a column slice of a larger tensor."""
+    widths in `out`'s columns, in order; out may be a column slice of a larger tensor. In the
+    gathered form xa may also be [P, T, S*n*R], every slot's columns side by side (a batch-1 step's
+    stacked GEMV computes them all), of which each row reads its slot's."""
     check_float("xa", xa, 3)
     check_float("b", b, 3)
     check_float("out", out, 2)
     check_float("scales", scales, 1)
-    require(xa.dtype == torch.float32, f"xa must be float32 (the shrink's partial sums), got {xa.dtype}")
     require(scales.dtype == torch.float32, f"scales must be float32, got {scales.dtype}")
     require(b.shape[0] == scales.shape[0], f"b has {b.shape[0]} slots, scales {scales.shape[0]}")
     sizes = [b.shape[1]] if slice_sizes is None else list(slice_sizes)
     require(1 <= len(sizes) <= MAX_SLICES and sum(sizes) == b.shape[1] and min(sizes) >= 0,
             f"slice_sizes {sizes} must be 1 to {MAX_SLICES} widths adding up to b's {b.shape[1]} rows")
-    rank = b.shape[2]
-    require(xa.shape[2] == len(sizes) * rank, f"xa has {xa.shape[2]} columns for {len(sizes)} slices of rank {rank}")
+    rank, num_slots = b.shape[2], b.shape[0]
+    per_slot = num_slots > 1 and xa.shape[2] == num_slots * len(sizes) * rank
+    require(per_slot or xa.shape[2] == len(sizes) * rank,
+            f"xa has {xa.shape[2]} columns for {len(sizes)} slices of rank {rank} (or those of each of {num_slots} slots)")
+    require(segments is None or not per_slot, "xa with every slot's columns takes the gathered form (segments=None)")
     require(out.shape == (xa.shape[1], b.shape[1]), f"out must be {(xa.shape[1], b.shape[1])}, got {tuple(out.shape)}")
     check_same_device(xa=xa, b=b, scales=scales, token_slots=token_slots, out=out)
     parts, num_tokens = xa.shape[0], xa.shape[1]
@@ -134,8 +140,8 @@ def lora_expand(xa: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, token_s
         block_r = triton.next_power_of_2(rank)
         block_n = min(_GATHER_BLOCK_N, max(16, _TILE_ELEMENTS // block_r), triton.next_power_of_2(n_out))
         _expand_gathered_kernel[(num_tokens, triton.cdiv(n_out, block_n))](
-            xa, b, scales, token_slots, out, *common, NUM_SLICES=len(sizes), BLOCK_N=block_n, BLOCK_R=block_r,
-            BLOCK_P=triton.next_power_of_2(parts), num_warps=4)
+            xa, b, scales, token_slots, out, *common, len(sizes) * rank if per_slot else 0, NUM_SLICES=len(sizes),
+            BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=triton.next_power_of_2(parts), num_warps=4)
         return
     if not segments.num_segments or not segments.max_len:
         return

@@ -10,7 +10,9 @@ zeros. A batch-1 step has one token: without the split, one program would stream
 (0.4 MB for llama3-8b's qkv) alone. Segment form (prefill and mixed steps): one program per
 (segment, row block, input split and rank block) multiplies a tile of a run of tokens sharing one
 adapter with that adapter's A by `tl.dot`, so A is read once per tile instead of once per token;
-its splits are summed before it returns (P = 1). Loads are
+its splits are summed before it returns (P = 1). Sorted tiles (decode steps of many tokens: the
+segment kernel over tiles of rows sorted by slot, read through the order) keep their splits for the
+expand and leave rows of no tile unwritten, so a captured graph adds no fill or sum. Loads are
 converted to fp32 at once and accumulate in fp32 (the interpreter computes no bf16 arithmetic).
 """
 from __future__ import annotations

@@ -1,4 +1,5 @@
 """LoRA shrink and expand kernels (segment and gathered forms) against the per-token torch reference."""
+import numpy as np
 import pytest
 import torch
 from corectl.backends.triton.lora import lora_expand, lora_shrink
@@ -197,3 +198,48 @@ def test_layer_with_kernels_matches_torch_path(form):
     base = model.qkv_proj.base(x)
     assert torch.equal(with_kernels[slots < 0], base[slots < 0])
     assert not torch.allclose(with_kernels[slots >= 0], base[slots >= 0])
+
+
+def test_batch_one_stacked_layers_match_torch_path(monkeypatch, assert_close):
+    """Batch 1 with each slot's A rows stacked under the base weight: the base GEMV gives the base
+    output and x @ A.T of every slot, the expand adds the token's slot's; a packed qkv (with a bias)
+    and a gated down projection (silu(gate) * up formed by the GEMV) add what the torch path adds."""
+    from corectl.backends.triton.gemm import fp8_gemv
+    from corectl.backends.triton.layer_kernels import triton_layer_kernels
+    from corectl.lora.layers import LoRABatch, attach_lora
+    from corectl.lora.punica import SlotGroup
+    from corectl.models.parallel import PackedLinear, RowParallelLinear
+    from torch import nn
+
+    monkeypatch.setenv("CORECTL_LORA_STACKED", "1")
+    # The GEMV takes the layers' shapes as it takes the tuned ones of a real model.
+    for shape in [(128, 32), (128, 16)]:
+        monkeypatch.setitem(fp8_gemv.DENSE_TUNED, shape, {1: fp8_gemv.GemvConfig(1, 8, 16, 1, 4, 1)})
+    model = nn.Module()
+    model.qkv_proj = PackedLinear(32, {"q": 64, "k": 32, "v": 32}, bias=True, unit=8)
+    model.down_proj = RowParallelLinear(16, 128, bias=False)
+    for param in model.parameters():
+        nn.init.normal_(param)
+    model.to(torch.bfloat16)
+    batch = LoRABatch(max_loras=2, max_tokens=4, device=torch.device("cpu"))
+    attach_lora(model, batch, max_loras=2, max_rank=2, dtype=torch.bfloat16, device=torch.device("cpu"))
+    qkv, down = model.qkv_proj, model.down_proj
+    for layer, shapes in [(qkv, [("q_proj", 64), ("k_proj", 32), ("v_proj", 32)]), (down, [("down_proj", 128)])]:
+        assert layer.stacked is not None and layer.base.weight.data_ptr() == layer.stacked.data_ptr()
+        for slot in range(2):
+            layer.load_slot(slot, {p: (torch.randn(2, layer.base.in_features), torch.randn(n, 2)) for p, n in shapes})
+    batch.scales[:] = torch.tensor([0.5, 2.0])
+    batch.ranks, batch.scale_list = [2, 2], [0.5, 2.0]
+    for slot in [1, -1]:
+        batch.write_slots(np.array([slot], dtype=np.int32), tiles=True)
+        batch.groups = [] if slot < 0 else [SlotGroup(slot, slice(0, 1))]
+        x, gate_up = torch.randn(1, 32).bfloat16(), torch.randn(1, 32).bfloat16()
+        activation = torch.nn.functional.silu(gate_up[:, :16]) * gate_up[:, 16:]
+        qkv.kernels = down.kernels = None
+        # The base token's reference is the base layer alone (the torch path has no group for it).
+        expected_qkv, expected_down = (qkv(x), down(activation)) if slot >= 0 else (qkv.base(x), down.base(activation))
+        qkv.kernels = down.kernels = triton_layer_kernels()
+        assert qkv._stacked_forward(x, gated=False) is not None
+        # A few bf16 roundings apart (x @ A.T is rounded before the expand, as in PEFT's bf16 layers).
+        assert_close(qkv(x), expected_qkv, tol=2e-2, norm="max")
+        assert_close(down.forward_gated(gate_up), expected_down, tol=2e-2, norm="max")
