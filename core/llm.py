@@ -121,7 +121,8 @@ class LLM:
         ]
         params = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompts), "sampling_params")
         encoded = [(p, tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
-        images = [self._chat_images(sources, ids, mm_processor_kwargs) for sources, (_, ids) in zip(sources_of, encoded)]
+        images = [self._chat_images(sources, ids, mm_processor_kwargs)
+                  for sources, (_, ids) in zip(sources_of, encoded)]
         encoded = [(text, image["prompt_token_ids"]) if image else (text, ids)
                    for (text, ids), image in zip(encoded, images)]
         return self._run(encoded, params, [0] * len(prompts), use_tqdm,

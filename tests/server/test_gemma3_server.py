@@ -29,7 +29,8 @@ def gemma3_server(gemma3_dir):
 
 @pytest.fixture(scope="module")
 def gemma3_http(gemma3_server):
-    with httpx.Client(base_url=gemma3_server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=gemma3_server.url, headers=headers, timeout=120) as client:
         yield client
 
 

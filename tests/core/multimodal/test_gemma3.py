@@ -44,7 +44,8 @@ def hf_processor(gemma3_dir, hf):
 def _hf_prompt_logprobs(model, ids: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
     """transformers' log-probability of each prompt token after the first ([1, T] ids)."""
     with torch.no_grad():
-        logits = model(ids, pixel_values=pixel_values, token_type_ids=(ids == model.config.image_token_id).long()).logits[0]
+        logits = model(ids, pixel_values=pixel_values,
+                       token_type_ids=(ids == model.config.image_token_id).long()).logits[0]
     return torch.log_softmax(logits[:-1].double(), dim=-1).gather(1, ids[0, 1:, None])[:, 0]
 
 
@@ -180,7 +181,8 @@ def test_the_prompt_is_gemma3_processors(gemma3_dir, hf_processor):
     tokenizer = hf_processor.tokenizer
     for parts in (["Look:", None, None, " Compare."], ["A\n", None]):
         # The first image is wide enough for pan-and-scan crops, the second is not.
-        images = [random_image(*((600, 256) if i == 1 else (50, 40)), i) for i, part in enumerate(parts) if part is None]
+        images = [random_image(*((600, 256) if i == 1 else (50, 40)), i)
+                  for i, part in enumerate(parts) if part is None]
         content = [{"type": "image"} if part is None else {"type": "text", "text": part} for part in parts]
         text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                              add_generation_prompt=True)
