@@ -338,6 +338,15 @@ stage_swa() {
   done
 }
 
+stage_w2oss() {  # batch-1 decode, 512 in / 128 out, gpt-oss-20b shape (MXFP4 experts packed), against its bandwidth floor
+  bench latency --model gpt-oss-20b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/$TAG.json"
+  python3 benchmarks/moe_decode_floor.py --preset gpt-oss-20b --input-len 512 --output-len 128 --result "$RES/$TAG.json"
+}
+stage_w1oss() {  # W1's workload on the gpt-oss-20b shape; the HF peer (bf16 experts) in the same stage
+  bench throughput --model gpt-oss-20b --num-prompts 256 --input-len 512 --output-len 128 --save-result "$RES/$TAG.json"
+  peer static --shape gpt-oss-20b --batch 128 --input-len 512 --output-len 128
+}
+
 # -- kernel sweeps: the launch-config tables in the kernels come from these ----------------------------
 stage_sweep() {
   case $SWEEP in

@@ -54,6 +54,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
         "vocab_size": 32000, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 32768,
     },
+    # gpt-oss-20b as published: 32 experts, top 4 (~3.6B active parameters), alternating 128-token
+    # sliding-window and full attention with sinks, YaRN. Its experts are MXFP4 (the
+    # quantization_config), so dummy weights are packed blocks and scales, served as the checkpoint's are.
+    "gpt-oss-20b": {
+        "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "dtype": "bfloat16",
+        "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4,
+        "vocab_size": 201088, "sliding_window": 128, "swiglu_limit": 7.0, "rms_norm_eps": 1e-5,
+        "attention_bias": True, "tie_word_embeddings": False, "max_position_embeddings": 131072,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+        "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+    },
     # Mistral-7B-v0.1: a 4096-token sliding window on every layer (the windowed-decode measurement).
     "mistral-7b": {
         "model_type": "mistral", "architectures": ["MistralForCausalLM"], "dtype": "bfloat16",
