@@ -125,7 +125,7 @@ def lora_expand(xa: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, token_s
     rank, num_slots = b.shape[2], b.shape[0]
     per_slot = num_slots > 1 and xa.shape[2] == num_slots * len(sizes) * rank
     require(per_slot or xa.shape[2] == len(sizes) * rank,
-            f"xa has {xa.shape[2]} columns for {len(sizes)} slices of rank {rank} (or those of each of {num_slots} slots)")
+            f"xa has {xa.shape[2]} columns for {len(sizes)} slices of rank {rank} (or those of {num_slots} slots)")
     require(segments is None or not per_slot, "xa with every slot's columns takes the gathered form (segments=None)")
     require(out.shape == (xa.shape[1], b.shape[1]), f"out must be {(xa.shape[1], b.shape[1])}, got {tuple(out.shape)}")
     check_same_device(xa=xa, b=b, scales=scales, token_slots=token_slots, out=out)
