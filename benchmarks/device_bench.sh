@@ -74,6 +74,8 @@ variant() {  # the switches of one stage: engine options into ENGINE, environmen
       accurate) export CORECTL_FP8_FAST_ACCUM=0 ;;                          # FP8 GEMMs without fast accumulation
       profile) PROFILE=1 ;;                                                 # torch.profiler + cProfile summary
       eagerverify) export CORECTL_GRAPH_VERIFY=0 ;;                         # verify steps outside the decode graphs
+      unsorted) export CORECTL_LORA_SORTED=0 ;;                             # LoRA decode steps keep the gathered kernels
+      unstacked) export CORECTL_LORA_STACKED=0 ;;                           # LoRA A apart from the base weight (batch-1 shrink launch)
       eager) ENGINE+=(--enforce-eager) ;;                                   # no CUDA graphs at all
       inv) ENGINE+=(--batch-invariant) ;;                                   # batch-invariant kernels
       uv) [ -d /tmp/site-uv ] || { echo "uv needs .whl/uv/ (uvloop, httptools)"; return 1; }
