@@ -10,7 +10,7 @@ from corectl import LLM, SamplingParams
 from corectl.backends.cpu.platform import CPUPlatform
 from corectl.backends.cpu.worker import CPUWorker
 from corectl.backends.triton.moe.mxfp4_moe import routed_mxfp4_moe
-from test_gpt_oss_parity import mxfp4_checkpoint
+from support.gpt_oss_checkpoints import mxfp4_checkpoint
 
 
 def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:

@@ -9,20 +9,14 @@ from corectl.attention import ForwardContext
 from corectl.backends.cpu.attention import TorchSDPABackend
 from corectl.errors import ConfigError
 from corectl.models.layers import Attention
-from support.arch_parity import assert_engine_matches, save_random_model
-from support.new_arch_configs import VOCAB, gpt_oss_config, randomise_sinks
+from support.arch_parity import assert_engine_matches
+from support.gpt_oss_checkpoints import gpt_oss_checkpoint, mxfp4_checkpoint
+from support.new_arch_configs import VOCAB, gpt_oss_config
 
-
-
-def _checkpoint(folder, tokenizer_dir):
-    hf_model = save_random_model(gpt_oss_config(), folder, tokenizer_dir, seed=6)
-    randomise_sinks(hf_model)
-    hf_model.save_pretrained(folder)
-    return hf_model
 
 
 def test_gpt_oss_greedy_matches_transformers(tmp_path, default_model_dir):
-    hf_model = _checkpoint(tmp_path / "oss", default_model_dir)
+    hf_model = gpt_oss_checkpoint(tmp_path / "oss", default_model_dir)
     llm = assert_engine_matches(tmp_path / "oss", hf_model, VOCAB)
     windows = [layer.self_attn.attn.sliding_window for layer in llm.engine.executor.worker.runner.model.model.layers]
     assert windows == [8, None, 8, None]
@@ -33,7 +27,7 @@ def test_sinks_and_clamp_change_the_model(tmp_path, default_model_dir):
     clamp (the limit is low enough for random weights to reach it)."""
     from transformers import AutoModelForCausalLM
 
-    base = _checkpoint(tmp_path / "oss", default_model_dir)
+    base = gpt_oss_checkpoint(tmp_path / "oss", default_model_dir)
     prompt = torch.arange(3, 30)[None]
     with torch.no_grad():
         logits = base(prompt).logits[0, -1]
@@ -68,54 +62,11 @@ def test_triton_backend_under_the_interpreter(tmp_path, default_model_dir):
     from support.models import hf_greedy
     from test_sliding_window_parity import _run_triton_engine
 
-    hf_model = _checkpoint(tmp_path / "oss", default_model_dir)
+    hf_model = gpt_oss_checkpoint(tmp_path / "oss", default_model_dir)
     prompts = [[5 + i for i in range(n)] for n in (11, 19)]
     outputs, _, _ = _run_triton_engine(tmp_path / "oss", prompts, 6)
     for prompt, output in zip(prompts, outputs):
         assert [token for token, _ in output] == hf_greedy(hf_model, prompt, 6)[0]
-
-
-def _quantize_mxfp4(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, rows, K] -> (blocks uint8 [E, rows, K / 32, 16], scales uint8 [E, rows, K / 32]): each
-    group's scale the power of two that brings its largest value within 6, values rounded to the
-    nearest e2m1 code."""
-    from corectl.quantization.mxfp4 import E2M1_VALUES
-
-    groups = dense.unflatten(-1, (-1, 32))
-    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
-    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
-    codes = (scaled.unsqueeze(-1) - torch.tensor(E2M1_VALUES)).abs().argmin(-1).to(torch.uint8)
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return blocks, (exponent + 127).to(torch.uint8)
-
-
-def mxfp4_checkpoint(folder, tokenizer_dir):
-    """A gpt-oss checkpoint with its experts quantized to MXFP4 in the checkpoint's layout, and the
-    transformers model whose experts are what its own MXFP4 dequantizer (`convert_moe_packed_tensors`)
-    gives of them."""
-    import json
-
-    from safetensors.torch import save_file
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    hf_model = _checkpoint(folder, tokenizer_dir)
-    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
-    for i, layer in enumerate(hf_model.model.layers):
-        experts = layer.mlp.experts
-        for stack in ("gate_up_proj", "down_proj"):
-            # The checkpoint stores output rows first: [E, out, in].
-            blocks, scales = _quantize_mxfp4(getattr(experts, stack).data.transpose(1, 2))
-            prefix = f"model.layers.{i}.mlp.experts.{stack}"
-            del state[prefix]
-            state[f"{prefix}_blocks"], state[f"{prefix}_scales"] = blocks, scales
-            with torch.no_grad():
-                getattr(experts, stack).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
-    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["self_attn", "router",
-                                                                                          "embed_tokens", "lm_head"]}
-    (folder / "config.json").write_text(json.dumps(config))
-    return hf_model
 
 
 def test_mxfp4_experts_match_transformers(tmp_path, default_model_dir):
