@@ -8,11 +8,13 @@ The wrapper keeps the base layer's tensor-parallel layout:
     whole input); B rows sliced exactly as the base shards its output rows;
   - row-parallel layers (o, down): A sliced along the input as the base is; each rank's partial
     x @ A.T is summed over the ranks (a [T, r] all-reduce) before the expand, with B whole.
-The adapted output is `base(x) + (x @ A.T @ B.T) * scaling` per token, PEFT's formula.
+The adapted output is `base(x) + (x @ A.T @ B.T) * scaling` per token, PEFT's formula. On GPUs a
+dense base's A rows of every slot sit under its weight in one storage, so a batch-1 step's base
+GEMV computes x @ A.T as well and no shrink launches (docs/lora.md, "How it runs").
 
 Which slot each token uses is in the shared `LoRABatch` (one per model, written by the adapter
-manager before each forward pass): a static device buffer, so a captured decode graph reads the
-slots of whatever step replays it.
+manager before each forward pass): static device buffers (the slots, and the rows sorted by slot in
+tiles), so a captured decode graph reads the layout of whatever step replays it.
 """
 from __future__ import annotations
 
