@@ -290,15 +290,18 @@ def _strides(stack: Mxfp4Stack) -> tuple[int, ...]:
     return blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1), bias.stride(0)
 
 
-def _gemm_tiles(device: torch.device) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K) of the sorted path; the interpreter runs one program at a time: small tiles."""
-    return (16, 32) if device.type == "cpu" else (64, 128)
+def _gemm_tiles(n: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of the sorted path. The interpreter pays per operation, not per element:
+    there, tiles as wide as the tests' small matrices (fewer programs and K steps)."""
+    if device.type == "cpu":
+        return max(16, min(64, triton.next_power_of_2(n))), 64
+    return 64, 128
 
 
 def _expert_gemm(a, stack: Mxfp4Stack, routing, a_rows_per_pair, topk_weights, alpha, limit, *, gated: bool):
     n = stack.blocks.shape[1] // 2 if gated else stack.blocks.shape[1]
     k = stack.blocks.shape[2] * GROUP
-    block_n, block_k = _gemm_tiles(a.device)
+    block_n, block_k = _gemm_tiles(n, a.device)
     out = torch.empty(routing.num_pairs, n, dtype=a.dtype, device=a.device)
     _mx_moe_gemm_kernel[(routing.sorted_pairs.numel() // routing.block_m, triton.cdiv(n, block_n))](
         a, stack.blocks, stack.scales, stack.bias, out, topk_weights, routing.sorted_pairs, routing.block_expert,
