@@ -253,29 +253,31 @@ def _check_inputs(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_weights, t
         check_range("topk_ids", topk_ids, 0, num_experts)
 
 
-def _pair_config(rows: int, programs: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, GROUPS, num_stages): 8 groups (128 bytes of a row) per step, column blocks narrowed
-    until the grid reaches moe_pairs' target; small tiles under the interpreter."""
+def _pair_config(rows: int, programs: int, k: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, GROUPS, num_stages): column blocks narrowed until the grid reaches moe_pairs'
+    target, then as many groups a step as keep about 2 KB of bytes in flight a program and stage
+    (moe_pairs' tuned 16-bit configs stream 2-4 KB); small tiles under the interpreter."""
     if device.type == "cpu":
         return 32, 2, 1
     block_n = 32
     while block_n > 4 and programs * triton.cdiv(rows, block_n) < _TARGET_PROGRAMS:
         block_n //= 2
-    return block_n, 8, 3
+    groups = min(max(8, 2048 // (block_n * GROUP // 2)), 32, triton.next_power_of_2(k // GROUP))
+    return block_n, groups, 3
 
 
 def _by_pair(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_weights, topk_ids, alpha, limit) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
     hidden_size, inter = hidden.shape[1], gate_up.blocks.shape[1] // 2
     activated = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
-    block_n, groups, stages = _pair_config(inter, num_tokens * top_k, hidden.device)
+    block_n, groups, stages = _pair_config(inter, num_tokens * top_k, hidden_size, hidden.device)
     _mx_pair_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, block_n))](
         hidden, gate_up.blocks, gate_up.scales, gate_up.bias, topk_ids, activated, inter, hidden_size, top_k,
         hidden.stride(0), *_strides(gate_up), activated.stride(0), alpha, limit,
         BLOCK_N=block_n, GROUPS=groups, NUM_STAGES=stages, num_warps=4,
     )
     out = torch.empty_like(hidden)
-    block_n, groups, stages = _pair_config(hidden_size, num_tokens, hidden.device)
+    block_n, groups, stages = _pair_config(hidden_size, num_tokens, inter, hidden.device)
     _mx_pair_down_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
         activated, down.blocks, down.scales, down.bias, topk_ids, topk_weights, out, hidden_size, inter,
         activated.stride(0), *_strides(down), out.stride(0), TOP_K=top_k,
