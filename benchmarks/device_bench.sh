@@ -341,6 +341,7 @@ stage_swa() {
 }
 
 stage_w2oss() {  # batch-1 decode, 512 in / 128 out, gpt-oss-20b shape (MXFP4 experts packed), against its bandwidth floor
+  timeout 300 python3 benchmarks/mxfp4_moe_bench.py  # the MoE kernel alone first: expert GB/s per batch size
   bench latency --model gpt-oss-20b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/$TAG.json"
   python3 benchmarks/moe_decode_floor.py --preset gpt-oss-20b --input-len 512 --output-len 128 --result "$RES/$TAG.json"
 }
