@@ -31,7 +31,7 @@ import triton.language as tl
 
 # The smallest grid that keeps every SM of an H100 (132) streaming: the heuristic narrows column
 # blocks until the batch's programs reach it.
-_TARGET_PROGRAMS = 4 * 132
+TARGET_PROGRAMS = 4 * 132
 
 
 class PairConfig(NamedTuple):
@@ -95,6 +95,16 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, out_ptr, N, K, top_k,
 
 
 @triton.jit
+def token_routes(ids_ptr, pair_weight_ptr, token, TOP_K: tl.constexpr, BLOCK_TOP_K: tl.constexpr):
+    """(slot lanes, expert ids, routing weights) of a token, read once: inside a down kernel's loop a
+    weight row's address then comes from registers, not from a load the pipeliner would wait for."""
+    slots = tl.arange(0, BLOCK_TOP_K)
+    experts = tl.load(ids_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=0).to(tl.int64)
+    coeffs = tl.load(pair_weight_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=0.0)
+    return slots, experts, coeffs
+
+
+@triton.jit
 def _pair_down_sum_kernel(act_ptr, w_ptr, scale_ptr, ids_ptr, pair_weight_ptr, out_ptr, N, K,
                           stride_am, stride_we, stride_wn, stride_se, stride_om,
                           TOP_K: tl.constexpr, BLOCK_TOP_K: tl.constexpr, SCALED: tl.constexpr,
@@ -104,11 +114,7 @@ def _pair_down_sum_kernel(act_ptr, w_ptr, scale_ptr, ids_ptr, pair_weight_ptr, o
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    # The token's experts and routing weights, read once: inside the loop a weight row's address
-    # then comes from registers, not from a load the pipeliner would have to wait for each step.
-    slots = tl.arange(0, BLOCK_TOP_K)
-    experts = tl.load(ids_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=0).to(tl.int64)
-    coeffs = tl.load(pair_weight_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=0.0)
+    slots, experts, coeffs = token_routes(ids_ptr, pair_weight_ptr, token, TOP_K, BLOCK_TOP_K)
     k_steps = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for step in tl.range(0, TOP_K * k_steps, num_stages=NUM_STAGES):
@@ -129,13 +135,13 @@ def _pair_down_sum_kernel(act_ptr, w_ptr, scale_ptr, ids_ptr, pair_weight_ptr, o
 
 def _heuristic(num_rows: int, num_programs: int, k: int, element_size: int, device: torch.device) -> PairConfig:
     """1 KB of each row per step (512 bf16 values, 256 fp32 ones, whose deeper stages would not fit
-    shared memory); column blocks narrowed (down to 4 rows) until the grid reaches _TARGET_PROGRAMS.
+    shared memory); column blocks narrowed (down to 4 rows) until the grid reaches TARGET_PROGRAMS.
     The interpreter runs one program at a time: small tiles there."""
     if device.type == "cpu":
         return PairConfig(16, 32, 4, 1)
     block_k = max(64, min(1024 // max(element_size, 2), triton.next_power_of_2(k)))
     block_n = 32
-    while block_n > 4 and num_programs * triton.cdiv(num_rows, block_n) < _TARGET_PROGRAMS:
+    while block_n > 4 and num_programs * triton.cdiv(num_rows, block_n) < TARGET_PROGRAMS:
         block_n //= 2
     return PairConfig(block_n, block_k, 4, 2 if element_size > 2 else 3)
 

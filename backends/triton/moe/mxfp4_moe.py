@@ -32,7 +32,7 @@ import triton.language as tl
 from ..attention.paged_softmax import dot_dtype
 from ..checks import check_float, check_index, check_range, check_same_device, require
 from .fused_moe import sort_by_expert, topk_softmax
-from .moe_pairs import _TARGET_PROGRAMS
+from .moe_pairs import TARGET_PROGRAMS, token_routes
 
 GROUP = 32
 
@@ -125,9 +125,7 @@ def _mx_pair_down_kernel(act_ptr, blocks_ptr, scales_ptr, bias_ptr, ids_ptr, pai
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    slots = tl.arange(0, BLOCK_TOP_K)
-    experts = tl.load(ids_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=0).to(tl.int64)
-    coeffs = tl.load(pair_weight_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=0.0)
+    slots, experts, coeffs = token_routes(ids_ptr, pair_weight_ptr, token, TOP_K, BLOCK_TOP_K)
     g, j = tl.arange(0, GROUPS), tl.arange(0, 16)
     num_groups = K // 32
     g_steps = tl.cdiv(num_groups, GROUPS)
@@ -260,7 +258,7 @@ def _pair_config(rows: int, programs: int, k: int, device: torch.device) -> tupl
     if device.type == "cpu":
         return 32, 2, 1
     block_n = 32
-    while block_n > 4 and programs * triton.cdiv(rows, block_n) < _TARGET_PROGRAMS:
+    while block_n > 4 and programs * triton.cdiv(rows, block_n) < TARGET_PROGRAMS:
         block_n //= 2
     groups = min(max(8, 2048 // (block_n * GROUP // 2)), 32, triton.next_power_of_2(k // GROUP))
     return block_n, groups, 3
