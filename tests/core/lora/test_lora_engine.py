@@ -99,3 +99,35 @@ def test_preemption_and_async_scheduling_keep_each_adapters_tokens(lora_base, ad
     assert tight.engine.scheduler.make_stats().num_preemptions > 0
     alone = [tokens(llm.generate(p, params, lora_request=one, use_tqdm=False))[0] for p, one in zip(prompts, loras)]
     assert got == alone
+
+
+def test_triton_kernels_in_the_engine_match_the_torch_path(llm, adapters, monkeypatch):
+    """The engine's steps through the Triton LoRA kernels (interpreted on CPU): 17 requests of three
+    adapters and the base, so the prefill step takes the segment form and the decode step of 17
+    rows the sorted tiles the manager writes; tokens and logprobs match the torch path's."""
+    from corectl.backends.triton.layer_kernels import triton_layer_kernels
+    from corectl.models.kernels import install_layer_kernels
+
+    names = [None, "r8", "r16", "attn"]
+    loras = [None if names[i % 4] is None else lora(adapters, names[i % 4]) for i in range(17)]
+    prompts = [[(37 * i + 11 * j) % 40000 + 100 for j in range(3 + i % 5)] for i in range(17)]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=0)
+
+    def run():
+        outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        return tokens(outs), [[next(iter(p.values())).logprob for p in o.outputs[0].logprobs] for o in outs]
+
+    reference_tokens, reference_logprobs = run()
+    model = llm.engine.executor.worker.runner.model
+    batch, layouts = llm.engine.executor.worker.runner.lora.batch, []
+    kernel_layout = batch.kernel_layout
+    monkeypatch.setattr(batch, "kernel_layout", lambda rows: layouts.append(kernel_layout(rows)) or layouts[-1])
+    assert install_layer_kernels(model, triton_layer_kernels()) > 0
+    try:
+        got_tokens, got_logprobs = run()
+    finally:
+        install_layer_kernels(model, None)
+    assert any(layout is not None and layout.order is not None for layout in layouts)
+    assert got_tokens == reference_tokens
+    worst = max(abs(a - b) for row, ref in zip(got_logprobs, reference_logprobs) for a, b in zip(row, ref))
+    assert worst < 1e-4
