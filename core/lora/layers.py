@@ -234,7 +234,7 @@ def _stack_under(base: nn.Module, a_shape: tuple[int, ...],
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """A dense base weight [N, K] moved into [N + S n R, K] (the base keeps a view of its rows, so
     the weight is held once), the rows past N every slot's A (zeros), with the bias likewise
-    (zeros past N); (None, None) for a quantized or differently typed base, or where the A rows would
+    (zeros past N); None for a quantized or differently typed base, or where the A rows would
     add over 1/8 to the bytes a batch-1 GEMV reads (at most the cost of the shrink launch they save)."""
     weight = getattr(base, "weight", None)
     a_rows = a_shape[0] * a_shape[1] * a_shape[2]
