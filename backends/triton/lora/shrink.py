@@ -35,8 +35,10 @@ _TARGET_PROGRAMS = 1024
 MAX_SPLITS = 64
 _SEGMENT_BLOCK_M = 32
 _SEGMENT_BLOCK_K = 64
-# A sorted decode step's programs: its expand loads every split's partial sums once a program.
+# A sorted decode step's programs and splits: its expand loads every split's partial sums once a
+# program (8 splits of a 16-row tile at rank 16: 8 KB a slice).
 _SORTED_TARGET_PROGRAMS = 192
+_SORTED_MAX_SPLITS = 8
 
 
 @triton.jit
@@ -109,10 +111,11 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, seg
     return _shrink_segments(x, a, segments, gated)
 
 
-def _splits(k: int, block_k: int, programs: int, target: int = _TARGET_PROGRAMS) -> tuple[int, int]:
-    """(input features per split, splits): about `target` programs, at most one per k block."""
+def _splits(k: int, block_k: int, programs: int, target: int = _TARGET_PROGRAMS,
+            most: int = MAX_SPLITS) -> tuple[int, int]:
+    """(input features per split, splits): about `target` programs, at most `most` splits and one per k block."""
     k_blocks = triton.cdiv(k, block_k)
-    splits = max(1, min(k_blocks, MAX_SPLITS, triton.cdiv(target, max(1, programs))))
+    splits = max(1, min(k_blocks, most, triton.cdiv(target, max(1, programs))))
     k_per_split = max(1, triton.cdiv(k_blocks, splits)) * block_k
     return k_per_split, max(1, triton.cdiv(k, k_per_split))
 
@@ -143,7 +146,8 @@ def _shrink_segments(x: torch.Tensor, a: torch.Tensor, segments: LoRASegments, g
     row_blocks = triton.cdiv(segments.max_len, block_m)
     # One 512-token prompt is 16 row blocks: its reduction is split too.
     programs = segments.num_segments * row_blocks * rank_blocks
-    k_per_split, splits = _splits(k, block_k, programs, _SORTED_TARGET_PROGRAMS if ordered else _TARGET_PROGRAMS)
+    target, most = (_SORTED_TARGET_PROGRAMS, _SORTED_MAX_SPLITS) if ordered else (_TARGET_PROGRAMS, MAX_SPLITS)
+    k_per_split, splits = _splits(k, block_k, programs, target, most)
     # Rows outside every segment stay zero in every split; sorted tiles (a decode step's, whose graph
     # must not grow by a fill) leave them unwritten, as the expand never reads them.
     alloc = torch.empty if ordered else torch.zeros
