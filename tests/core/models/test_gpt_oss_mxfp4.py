@@ -54,3 +54,18 @@ def test_packed_experts_give_the_dequantized_tokens(tmp_path, default_model_dir,
             assert tokens == ref_tokens
             assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < 1e-4
     assert 1 in calls and max(calls) > 2
+
+
+def test_the_gpt_oss_20b_preset_plans_packed_experts_on_an_h100(isolated_env):
+    """`corectl plan` of the preset: an H100 (which lists `mxfp4_moe`) holds the experts packed,
+    17/32 byte a weight; the CPU dequantizes them to bf16; everything else is the same bytes."""
+    from corectl.config import EngineConfig
+    from corectl.planning import plan_deployment
+
+    config = EngineConfig(model="gpt-oss-20b", load_format="dummy", dtype="bfloat16", max_model_len=4096)
+    gpu = plan_deployment(config, device_memory=80 << 30, device_capability=(9, 0))
+    cpu = plan_deployment(config, device="cpu")
+    assert (gpu.quantization, cpu.quantization) == ("mxfp4 (mxfp4_moe)", "mxfp4 (dequantized)")
+    expert_weights = 24 * 32 * 3 * 2880 * 2880
+    assert gpu.weight_bytes - expert_weights * 17 // 32 == cpu.weight_bytes - expert_weights * 2
+    assert 12.5 < gpu.weight_bytes / 2**30 < 13.0  # gpt-oss-20b's published checkpoint: 12.8 GiB
