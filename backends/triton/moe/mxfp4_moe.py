@@ -189,14 +189,13 @@ def _mx_moe_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_even = k0 + 2 * half
-        k_ok = k_even < K
-        a_mask = row_ok[:, None] & k_ok[None, :]
-        a_even = tl.load(a_rows + k_even[None, :], mask=a_mask, other=0.0).to(DOT_DTYPE)
-        a_odd = tl.load(a_rows + k_even[None, :] + 1, mask=a_mask, other=0.0).to(DOT_DTYPE)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        # One contiguous (vectorised) load of the rows, split into even and odd inputs in registers.
+        a = tl.load(a_rows + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        a_even, a_odd = tl.split(tl.reshape(a.to(DOT_DTYPE), (BLOCK_M, BLOCK_K // 2, 2)))
         byte = (k0 // 2 + half)[:, None]
         group = (k0 // 32 + half // 16)[:, None]
-        w_mask = k_ok[:, None] & n_ok[None, :]
+        w_mask = (k0 + 2 * half < K)[:, None] & n_ok[None, :]
         acc = _mx_dot(acc, a_even, a_odd, byte_rows + byte, scale_rows + group, w_mask, DOT_DTYPE)
         if GATED:
             acc_up = _mx_dot(acc_up, a_even, a_odd, byte_rows + N * stride_bn + byte,
