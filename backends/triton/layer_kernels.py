@@ -29,9 +29,13 @@ def _qk_norm_rotary_trusted(positions, q, k, q_weight, k_weight, eps, cos, sin) 
 
 
 def _routed_fused_moe(hidden, gate_up, down, router_logits, top_k, renormalize, gate_up_scale=None, down_scale=None):
-    # Expert ids come from our own top-k over the router (always in range); checking them would be
-    # a host sync per layer.
     topk_weights, topk_ids = topk_softmax(router_logits, top_k, renormalize)
+    return _prerouted_fused_moe(hidden, gate_up, down, topk_weights, topk_ids, gate_up_scale, down_scale)
+
+
+def _prerouted_fused_moe(hidden, gate_up, down, topk_weights, topk_ids, gate_up_scale=None, down_scale=None):
+    # Expert ids come from a top-k over the router (always in range); checking them would be a host
+    # sync per layer.
     return fused_moe(hidden, gate_up, down, topk_weights, topk_ids, gate_up_scale=gate_up_scale,
                      down_scale=down_scale, check_indices=False)
 
@@ -66,9 +70,9 @@ def _dense_linear(x, weight, bias, gated):
 def triton_layer_kernels() -> LayerKernels:
     return LayerKernels(rms_norm=rms_norm, silu_and_mul=silu_and_mul, rotary_embedding=_rotary_trusted,
                         qk_norm_rotary=_qk_norm_rotary_trusted, fused_moe=_routed_fused_moe,
-                        router_logits=_router_logits, dense_linear=_dense_linear, lora_shrink=lora_shrink,
-                        lora_expand=lora_expand, lora_stacked_linear=lora_stacked_linear,
-                        fused_moe_lora=_routed_fused_moe_lora)
+                        fused_moe_routed=_prerouted_fused_moe, router_logits=_router_logits,
+                        dense_linear=_dense_linear, lora_shrink=lora_shrink, lora_expand=lora_expand,
+                        lora_stacked_linear=lora_stacked_linear, fused_moe_lora=_routed_fused_moe_lora)
 
 
 def _invariant_dense_linear(x, weight, bias, gated):

@@ -68,6 +68,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
             "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
     },
+    # DeepSeek-V2-Lite as published (transformers' DeepseekV2Config names): multi-head latent attention
+    # (a 512 + 64 latent row per token and layer, no q LoRA), 64 routed experts top-6 softmax-greedy plus
+    # 2 shared from layer 1 on (~2.4B active parameters a token), YaRN x40.
+    "deepseek-v2-lite": {
+        "model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], "dtype": "bfloat16",
+        "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "n_routed_experts": 64,
+        "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "topk_method": "greedy",
+        "n_group": 1, "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+        "vocab_size": 102400, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "max_position_embeddings": 163840, "bos_token_id": 100000, "eos_token_id": 100001,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707,
+                            "original_max_position_embeddings": 4096},
+    },
     # Mistral-7B-v0.1: a 4096-token sliding window on every layer (the windowed-decode measurement).
     "mistral-7b": {
         "model_type": "mistral", "architectures": ["MistralForCausalLM"], "dtype": "bfloat16",

@@ -74,10 +74,19 @@ class DeepseekExperts(FusedMoE):
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(config.n_routed_experts), requires_grad=False)
                                         if correction else None)
 
+    @property
+    def runs_kernel(self) -> bool:
+        """Whether the worker's pre-routed MoE kernel runs these experts (it reads nothing back to the
+        host); block-FP8 experts keep the torch path, which dequantizes each expert as it reads it."""
+        return self.kernels is not None and self.kernels.fused_moe_routed is not None and self.weight_block is None
+
     def run_experts(self, hidden: torch.Tensor, router_logits: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
                     down_scale: torch.Tensor | None = None) -> torch.Tensor:
         correction = None if self.e_score_correction_bias is None else self.e_score_correction_bias.float()
         weights, ids = select_deepseek_experts(router_logits, self.config, correction)
+        if self.runs_kernel:
+            scales = {} if gate_up_scale is None else {"gate_up_scale": gate_up_scale, "down_scale": down_scale}
+            return self.kernels.fused_moe_routed(hidden, self.gate_up_proj, self.down_proj, weights, ids, **scales)
         return fused_moe_torch(hidden, self.gate_up_proj, self.down_proj, weights, ids, gate_up_scale, down_scale,
                                weight_block=self.weight_block)
 
@@ -142,7 +151,6 @@ class DeepseekModel(nn.Module):
 
 
 class DeepseekV2ForCausalLM(CausalLM):
-    supports_graph_capture = False
     graph_capture_blocker = TORCH_EXPERTS_BLOCKER
     tensor_parallel_blocker = "its latent attention projections are not sharded yet"
     correction = False
@@ -159,6 +167,12 @@ class DeepseekV2ForCausalLM(CausalLM):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.kv_cache_layout = latent_cache_layout(config)
+
+    @property
+    def supports_graph_capture(self) -> bool:
+        """Decode steps replay in CUDA graphs once every MoE layer's experts run the installed kernel
+        (the worker installs kernels before it captures; until then, and on the torch path, not)."""
+        return all(layer.mlp.experts.runs_kernel for layer in self.model.layers if isinstance(layer.mlp, DeepseekMoE))
 
     def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)

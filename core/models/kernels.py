@@ -33,6 +33,10 @@ class LayerKernels:
     # (corectl.models.moe); the scales ([E, 2I], [E, H] fp32) come with e4m3 weights (FP8 experts,
     # scaled per output row). None runs its torch path
     fused_moe: Callable[..., torch.Tensor] | None = None
+    # (hidden [T, H], gate_up, down, topk_weights [T, k] fp32, topk_ids [T, k], gate_up_scale=None,
+    # down_scale=None) -> [T, H]: `fused_moe` with the routing chosen by the model (DeepSeek's grouped,
+    # scaled top-k), read on the device only. None runs the torch path
+    fused_moe_routed: Callable[..., torch.Tensor] | None = None
     # (hidden [T, H], weight [E, H]) -> hidden @ weight.T [T, E] in hidden's dtype: a mixture-of-experts
     # router's logits (small E: decode steps are mostly launch latency, which a GEMV kernel cuts).
     # None runs F.linear

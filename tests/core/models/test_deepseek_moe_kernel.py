@@ -1,0 +1,46 @@
+"""DeepSeek's routed experts through the worker's pre-routed MoE kernel (Triton, interpreted) against
+their torch path, for V2's grouped top-k with routed scaling and V3's corrected sigmoid, on both
+kernel paths (one token: pairs; five: sorted); and the model decodes in CUDA graphs only once every
+MoE layer runs that kernel (never with block-FP8 experts, which keep the torch path)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from corectl.backends.triton.layer_kernels import triton_layer_kernels
+from corectl.models.deepseek import DeepseekExperts
+from corectl.models.kernels import install_layer_kernels
+from corectl.models.registry import resolve_model_class
+from corectl.quantization.fp8 import Fp8Config
+from corectl.worker.worker import build_model
+from support.close import assert_close
+from test_deepseek_parity import deepseek_config
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5])
+@pytest.mark.parametrize("version", ["v2-grouped", "v3"])
+def test_experts_on_the_kernel_match_the_torch_path(version, num_tokens):
+    torch.manual_seed(11)
+    config = deepseek_config(version)
+    experts = DeepseekExperts(config, correction=version == "v3")
+    with torch.no_grad():
+        for param in experts.parameters():
+            param.copy_(torch.randn(param.shape) * 0.3)
+    hidden = torch.randn(num_tokens, config.hidden_size)
+    logits = torch.randn(num_tokens, config.n_routed_experts)
+    assert not experts.runs_kernel
+    expected = experts.run_experts(hidden, logits)
+    experts.kernels = triton_layer_kernels()
+    assert experts.runs_kernel
+    assert_close(experts.run_experts(hidden, logits), expected)
+
+
+@pytest.mark.parametrize("block_fp8", [False, True])
+def test_graph_capture_follows_the_experts_kernel(block_fp8):
+    hf = deepseek_config("v3")
+    hf.architectures = ["DeepseekV3ForCausalLM"]
+    quant = (Fp8Config.from_checkpoint({"quant_method": "fp8", "weight_block_size": [8, 8]}, None).bind((), "cuda")
+             if block_fp8 else None)
+    model = build_model(resolve_model_class(hf), hf, torch.bfloat16, "meta", 64, quant)
+    assert not model.supports_graph_capture
+    install_layer_kernels(model, triton_layer_kernels())
+    assert model.supports_graph_capture is not block_fp8
