@@ -46,22 +46,28 @@ class Mxfp4Stack(NamedTuple):
     bias: torch.Tensor
 
 
-@triton.jit
-def _e2m1(codes):
-    """e2m1 codes (int32, 0..15) -> fp32 values. Magnitudes 2..7 are 2^(e - 1) * (1 + m / 2): their
-    exponent and mantissa bits, shifted under fp32's exponent field with the bias 126, are the
-    value's bits; 0 and 1 (e = 0, the subnormals) are 0 and 0.5. Bit 3 is the sign."""
-    mag = codes & 7
-    bits = tl.where(mag < 2, mag * 0x3F000000, (mag << 22) + 0x3F000000) | ((codes & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
+# The kernels decode e2m1 codes to e2m1 * 2^-126 (`_e2m1_tiny`) and take the 2^126 back with the
+# group's scale, 2^(s - 127) * 2^126 = 2^(s - 1), split as 2^(s - 65) (`_e8m0_high`, an fp32 normal
+# for every e8m0 up to 192) and 2^64 (`X_SHIFT`), which the GEMVs fold into their activations.
+X_SHIFT = tl.constexpr(2.0 ** 64)
 
 
 @triton.jit
-def _e8m0(scales):
-    """e8m0 scales (uint8) -> 2^(s - 127) in fp32: the byte is an fp32 exponent field (255 gives
-    inf, as the reference's exp2 does), except 0, 2^-127, which lies below fp32's normal range."""
-    s = scales.to(tl.int32)
-    return tl.where(s == 0, 5.877471754111438e-39, (s << 23).to(tl.float32, bitcast=True))
+def _e2m1_tiny(packed):
+    """Bytes (int32) -> their low and high e2m1 codes as fp32 values times 2^-126, from bit moves
+    alone: a code's exponent and mantissa bits under fp32's exponent field and mantissa top bit
+    give exactly that (magnitude 1, e = 0, is fp32's subnormal 2^-127: the kernels' fp32 arithmetic
+    keeps subnormals, Triton emits no flush-to-zero), its sign bit at bit 31."""
+    lo = ((packed << 22) & 0x01C00000) | ((packed << 28) & -0x80000000)
+    hi = ((packed << 18) & 0x01C00000) | ((packed << 24) & -0x80000000)
+    return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0_high(scales):
+    """e8m0 scales (uint8) -> 2^(s - 65) in fp32: the exponent field s + 62. Past 192 (groups over
+    2^66, which no checkpoint has) it is inf."""
+    return ((tl.minimum(scales.to(tl.int32), 193) + 62) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -72,12 +78,21 @@ def _clamped_swiglu(gate, up, alpha, limit):
 
 
 @triton.jit
-def _mx_products(byte_ptrs, scale_ptrs, byte_mask, scale_mask, x_even, x_odd):
-    """[BLOCK_N, GROUPS, 16] products of packed rows with the even and odd inputs, scaled per group."""
+def _even_odd(row_ptr, groups, g_ok, factor):
+    """The inputs of `groups` ([GROUPS] indices) of an activation row as fp32 times `factor`, split
+    into the even and odd ones ([GROUPS, 16] each) in registers after one contiguous load."""
+    x = tl.load(row_ptr + groups[:, None] * 32 + tl.arange(0, 32)[None, :], mask=g_ok[:, None], other=0.0)
+    return tl.split(tl.reshape(x.to(tl.float32) * factor, (groups.shape[0], 16, 2)))
+
+
+@triton.jit
+def _mx_group_sums(byte_ptrs, scale_ptrs, byte_mask, scale_mask, x_even, x_odd):
+    """[BLOCK_N, GROUPS] dot products of packed rows with the even and odd inputs (times X_SHIFT),
+    each group's sum scaled once: the true products."""
     packed = tl.load(byte_ptrs, mask=byte_mask, other=0, eviction_policy="evict_first").to(tl.int32)
-    scale = _e8m0(tl.load(scale_ptrs, mask=scale_mask, other=0, eviction_policy="evict_first"))
-    products = _e2m1(packed & 15) * x_even[None, :, :] + _e2m1(packed >> 4) * x_odd[None, :, :]
-    return products * scale[:, :, None]
+    scale = _e8m0_high(tl.load(scale_ptrs, mask=scale_mask, other=0, eviction_policy="evict_first"))
+    lo, hi = _e2m1_tiny(packed)
+    return tl.sum(lo * x_even[None, :, :] + hi * x_odd[None, :, :], 2) * scale
 
 
 @triton.jit
@@ -94,23 +109,21 @@ def _mx_pair_gate_up_kernel(x_ptr, blocks_ptr, scales_ptr, bias_ptr, ids_ptr, ou
     g, j = tl.arange(0, GROUPS), tl.arange(0, 16)
     gate_bytes = blocks_ptr + expert * stride_be + offs_n[:, None, None] * stride_bn + g[None, :, None] * 16 + j
     gate_scales = scales_ptr + expert * stride_se + offs_n[:, None] * stride_sn + g[None, :]
-    acc_gate = tl.zeros((BLOCK_N, GROUPS, 16), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, GROUPS, 16), dtype=tl.float32)
+    acc_gate = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
     num_groups = K // 32
     for g0 in tl.range(0, num_groups, GROUPS, num_stages=NUM_STAGES):
         g_ok = g0 + g < num_groups
-        k_even = (g0 + g)[:, None] * 32 + 2 * j[None, :]
-        x_even = tl.load(x_row + k_even, mask=g_ok[:, None], other=0.0).to(tl.float32)
-        x_odd = tl.load(x_row + k_even + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        x_even, x_odd = _even_odd(x_row, g0 + g, g_ok, X_SHIFT)
         byte_mask = n_ok[:, None, None] & g_ok[None, :, None]
         scale_mask = n_ok[:, None] & g_ok[None, :]
         step_bytes, step_scales = gate_bytes + g0 * 16, gate_scales + g0
-        acc_gate += _mx_products(step_bytes, step_scales, byte_mask, scale_mask, x_even, x_odd)
-        acc_up += _mx_products(step_bytes + N * stride_bn, step_scales + N * stride_sn, byte_mask, scale_mask,
-                               x_even, x_odd)
+        acc_gate += _mx_group_sums(step_bytes, step_scales, byte_mask, scale_mask, x_even, x_odd)
+        acc_up += _mx_group_sums(step_bytes + N * stride_bn, step_scales + N * stride_sn, byte_mask, scale_mask,
+                                 x_even, x_odd)
     bias_row = bias_ptr + expert * stride_bias + offs_n
-    gate = tl.sum(tl.sum(acc_gate, 2), 1) + tl.load(bias_row, mask=n_ok, other=0.0).to(tl.float32)
-    up = tl.sum(tl.sum(acc_up, 2), 1) + tl.load(bias_row + N, mask=n_ok, other=0.0).to(tl.float32)
+    gate = tl.sum(acc_gate, 1) + tl.load(bias_row, mask=n_ok, other=0.0).to(tl.float32)
+    up = tl.sum(acc_up, 1) + tl.load(bias_row + N, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + pair * stride_om + offs_n, _clamped_swiglu(gate, up, alpha, limit).to(out_ptr.dtype.element_ty),
              mask=n_ok)
 
@@ -129,23 +142,20 @@ def _mx_pair_down_kernel(act_ptr, blocks_ptr, scales_ptr, bias_ptr, ids_ptr, pai
     g, j = tl.arange(0, GROUPS), tl.arange(0, 16)
     num_groups = K // 32
     g_steps = tl.cdiv(num_groups, GROUPS)
-    acc = tl.zeros((BLOCK_N, GROUPS, 16), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
     for step in tl.range(0, TOP_K * g_steps, num_stages=NUM_STAGES):
         slot = step // g_steps
         expert = tl.sum(tl.where(slots == slot, experts, 0))
         groups = (step - slot * g_steps) * GROUPS + g
         g_ok = groups < num_groups
-        k_even = groups[:, None] * 32 + 2 * j[None, :]
         # The routing weight scales the activations, not the [BLOCK_N, GROUPS, 16] products.
-        coeff = tl.sum(tl.where(slots == slot, coeffs, 0.0))
-        act_row = act_ptr + (token * TOP_K + slot) * stride_am
-        x_even = tl.load(act_row + k_even, mask=g_ok[:, None], other=0.0).to(tl.float32) * coeff
-        x_odd = tl.load(act_row + k_even + 1, mask=g_ok[:, None], other=0.0).to(tl.float32) * coeff
+        coeff = tl.sum(tl.where(slots == slot, coeffs, 0.0)) * X_SHIFT
+        x_even, x_odd = _even_odd(act_ptr + (token * TOP_K + slot) * stride_am, groups, g_ok, coeff)
         rows = offs_n[:, None, None] * stride_bn + groups[None, :, None] * 16 + j
         scale_rows = offs_n[:, None] * stride_sn + groups[None, :]
-        acc += _mx_products(blocks_ptr + expert * stride_be + rows, scales_ptr + expert * stride_se + scale_rows,
-                            n_ok[:, None, None] & g_ok[None, :, None], n_ok[:, None] & g_ok[None, :], x_even, x_odd)
-    out = tl.sum(tl.sum(acc, 2), 1)
+        acc += _mx_group_sums(blocks_ptr + expert * stride_be + rows, scales_ptr + expert * stride_se + scale_rows,
+                              n_ok[:, None, None] & g_ok[None, :, None], n_ok[:, None] & g_ok[None, :], x_even, x_odd)
+    out = tl.sum(acc, 1)
     for slot in tl.static_range(TOP_K):
         expert = tl.sum(tl.where(slots == slot, experts, 0))
         bias = tl.load(bias_ptr + expert * stride_bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -154,13 +164,17 @@ def _mx_pair_down_kernel(act_ptr, blocks_ptr, scales_ptr, bias_ptr, ids_ptr, pai
 
 
 @triton.jit
-def _mx_dot(acc, a_even, a_odd, byte_ptrs, scale_ptrs, mask, DOT_DTYPE: tl.constexpr):
-    """acc + a @ W for a [BLOCK_K / 2, BLOCK_N] tile of packed bytes (their rows' group scales
-    gathered alongside), as the even and odd halves' two dots."""
-    packed = tl.load(byte_ptrs, mask=mask, other=0).to(tl.int32)
-    scale = _e8m0(tl.load(scale_ptrs, mask=mask, other=0))
-    acc = tl.dot(a_even, (_e2m1(packed & 15) * scale).to(DOT_DTYPE), acc, input_precision="ieee")
-    return tl.dot(a_odd, (_e2m1(packed >> 4) * scale).to(DOT_DTYPE), acc, input_precision="ieee")
+def _mx_dot(acc, a_even, a_odd, byte_ptrs, scale_ptrs, byte_mask, scale_mask, DOT_DTYPE: tl.constexpr):
+    """acc + a @ W for a [BLOCK_K / 2, BLOCK_N] tile of packed bytes, as the even and odd halves'
+    two dots (the activations times X_SHIFT); the tile's [BLOCK_K / 32, BLOCK_N] group scales are
+    read once and spread over their 16 bytes in registers."""
+    packed = tl.load(byte_ptrs, mask=byte_mask, other=0).to(tl.int32)
+    scale = _e8m0_high(tl.load(scale_ptrs, mask=scale_mask, other=0))
+    groups: tl.constexpr = scale.shape[0]
+    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (groups, 16, scale.shape[1])), packed.shape)
+    lo, hi = _e2m1_tiny(packed)
+    acc = tl.dot(a_even, (lo * scale).to(DOT_DTYPE), acc, input_precision="ieee")
+    return tl.dot(a_odd, (hi * scale).to(DOT_DTYPE), acc, input_precision="ieee")
 
 
 @triton.jit
@@ -185,21 +199,22 @@ def _mx_moe_gemm_kernel(
     n_ok = offs_n < N
     byte_rows = blocks_ptr + expert * stride_be + offs_n[None, :] * stride_bn
     scale_rows = scales_ptr + expert * stride_se + offs_n[None, :] * stride_sn
-    half = tl.arange(0, BLOCK_K // 2)
+    half, groups = tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         # One contiguous (vectorised) load of the rows, split into even and odd inputs in registers.
         a = tl.load(a_rows + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-        a_even, a_odd = tl.split(tl.reshape(a.to(DOT_DTYPE), (BLOCK_M, BLOCK_K // 2, 2)))
+        a_even, a_odd = tl.split(tl.reshape((a * X_SHIFT).to(DOT_DTYPE), (BLOCK_M, BLOCK_K // 2, 2)))
         byte = (k0 // 2 + half)[:, None]
-        group = (k0 // 32 + half // 16)[:, None]
-        w_mask = (k0 + 2 * half < K)[:, None] & n_ok[None, :]
-        acc = _mx_dot(acc, a_even, a_odd, byte_rows + byte, scale_rows + group, w_mask, DOT_DTYPE)
+        group = (k0 // 32 + groups)[:, None]
+        byte_mask = (k0 + 2 * half < K)[:, None] & n_ok[None, :]
+        scale_mask = (k0 + 32 * groups < K)[:, None] & n_ok[None, :]
+        acc = _mx_dot(acc, a_even, a_odd, byte_rows + byte, scale_rows + group, byte_mask, scale_mask, DOT_DTYPE)
         if GATED:
             acc_up = _mx_dot(acc_up, a_even, a_odd, byte_rows + N * stride_bn + byte,
-                             scale_rows + N * stride_sn + group, w_mask, DOT_DTYPE)
+                             scale_rows + N * stride_sn + group, byte_mask, scale_mask, DOT_DTYPE)
     bias_row = bias_ptr + expert * stride_bias + offs_n
     acc += tl.load(bias_row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
@@ -250,35 +265,37 @@ def _check_inputs(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_weights, t
         check_range("topk_ids", topk_ids, 0, num_experts)
 
 
-def _pair_config(rows: int, programs: int, k: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, GROUPS, num_stages): column blocks narrowed until the grid reaches moe_pairs'
-    target, then as many groups a step as keep about 2 KB of bytes in flight a program and stage
-    (moe_pairs' tuned 16-bit configs stream 2-4 KB); small tiles under the interpreter."""
+def _pair_config(rows: int, programs: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_N, GROUPS, num_warps, num_stages): column blocks narrowed until the grid reaches
+    moe_pairs' target, then as many groups a step as keep about 2 KB of bytes in flight a program
+    and stage (moe_pairs' tuned 16-bit configs stream 2-4 KB), on 2 warps for narrow blocks (as
+    those configs run their narrowest); small tiles under the interpreter."""
     if device.type == "cpu":
-        return 32, 2, 1
+        return 32, 2, 4, 1
     block_n = 32
     while block_n > 4 and programs * triton.cdiv(rows, block_n) < TARGET_PROGRAMS:
         block_n //= 2
     groups = min(max(8, 2048 // (block_n * GROUP // 2)), 32, triton.next_power_of_2(k // GROUP))
-    return block_n, groups, 3
+    return block_n, groups, 2 if block_n <= 8 else 4, 3
 
 
 def _by_pair(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_weights, topk_ids, alpha, limit) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
     hidden_size, inter = hidden.shape[1], gate_up.blocks.shape[1] // 2
     activated = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
-    block_n, groups, stages = _pair_config(inter, num_tokens * top_k, hidden_size, hidden.device)
+    block_n, groups, warps, stages = _pair_config(inter, num_tokens * top_k, hidden_size, hidden.device)
     _mx_pair_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, block_n))](
         hidden, gate_up.blocks, gate_up.scales, gate_up.bias, topk_ids, activated, inter, hidden_size, top_k,
         hidden.stride(0), *_strides(gate_up), activated.stride(0), alpha, limit,
-        BLOCK_N=block_n, GROUPS=groups, NUM_STAGES=stages, num_warps=4,
+        BLOCK_N=block_n, GROUPS=groups, NUM_STAGES=stages, num_warps=warps,
     )
     out = torch.empty_like(hidden)
-    block_n, groups, stages = _pair_config(hidden_size, num_tokens, inter, hidden.device)
+    block_n, groups, warps, stages = _pair_config(hidden_size, num_tokens, inter, hidden.device)
     _mx_pair_down_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
         activated, down.blocks, down.scales, down.bias, topk_ids, topk_weights, out, hidden_size, inter,
         activated.stride(0), *_strides(down), out.stride(0), TOP_K=top_k,
-        BLOCK_TOP_K=triton.next_power_of_2(top_k), BLOCK_N=block_n, GROUPS=groups, NUM_STAGES=stages, num_warps=4,
+        BLOCK_TOP_K=triton.next_power_of_2(top_k), BLOCK_N=block_n, GROUPS=groups, NUM_STAGES=stages,
+        num_warps=warps,
     )
     return out
 
