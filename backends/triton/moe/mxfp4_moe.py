@@ -4,9 +4,18 @@ The weights stay packed as the checkpoint stores them (`corectl.quantization.mxf
 splits gate_up's interleaved rows into gate rows then up rows): `blocks` uint8 [E, N, K / 32, 16],
 byte j of a group holding inputs 2j (low nibble) and 2j + 1 (high nibble) as e2m1 codes, and
 `scales` uint8 [E, N, K / 32], the group's e8m0 exponent (2^(s - 127)). A kernel reads a tile of
-bytes, decodes its low codes (the even inputs) and high codes (the odd inputs) separately with bit
-arithmetic (`_e2m1`), multiplies both by their group's scale and by the even and odd activations:
+bytes, decodes its low codes (the even inputs) and high codes (the odd inputs) separately and
+multiplies them with the even and odd activations (split in registers after one contiguous load):
 the interleaved weight row is never assembled. A weight costs 4.25 bits of memory traffic.
+
+Decoding is bit moves only (`_e2m1_tiny`: a code's bits placed in an fp32 are the value times
+2^-126, exactly, magnitude 1 as fp32's subnormal 2^-127), so the decode GEMVs stay near memory
+speed: their loop is about 14 instructions a byte on sm_90 (two shifts and a LOP3 a nibble, a
+multiply-add each, a byte extract), where a decode through selects took 22. The 2^126 comes back
+with the group's scale: 2^(s - 65) (`_e8m0_high`) times the 2^64 the activations are shifted by
+(`X_SHIFT`). The GEMVs scale each group's sum once; the sorted path scales the decoded tile.
+Limits of that split: scales past 2^65 (e8m0 > 192; none in checkpoints) read as inf, and groups
+whose scaled terms fall below fp32's range (values under 2^-149 after scaling) add nothing.
 
 gpt-oss's experts add a bias to both projections and gate with the clamped SwiGLU
 (`corectl.models.gpt_oss.clamped_swiglu`): the gate/up kernels add their rows' biases to the fp32
@@ -14,8 +23,8 @@ sums, then apply it; the down kernels add the expert's bias before the routing w
 
 The two paths and their routing are fused_moe.py's (`topk_softmax`, `sort_by_expert`):
 - pairs (small decode batches): `_mx_pair_gate_up_kernel` per (pair, column block) and
-  `_mx_pair_down_kernel` per (token, column block), GEMVs streaming the packed rows along K with
-  per-thread fp32 accumulators [BLOCK_N, GROUPS, 16] (the structure of moe_pairs.py);
+  `_mx_pair_down_kernel` per (token, column block), GEMVs streaming the packed rows along K
+  (the structure of moe_pairs.py), fp32 accumulators per row and group;
 - sorted (prefill and larger batches): `_mx_moe_gemm_kernel`, tensor-core dots of bf16 activations
   with the decoded weight tiles, fp32 accumulation.
 Nothing reads back to the host, so decode steps capture in CUDA graphs. The reference is
@@ -46,9 +55,7 @@ class Mxfp4Stack(NamedTuple):
     bias: torch.Tensor
 
 
-# The kernels decode e2m1 codes to e2m1 * 2^-126 (`_e2m1_tiny`) and take the 2^126 back with the
-# group's scale, 2^(s - 127) * 2^126 = 2^(s - 1), split as 2^(s - 65) (`_e8m0_high`, an fp32 normal
-# for every e8m0 up to 192) and 2^64 (`X_SHIFT`), which the GEMVs fold into their activations.
+# 2^(s - 127) * 2^126 = 2^(s - 65) * X_SHIFT (module doc).
 X_SHIFT = tl.constexpr(2.0 ** 64)
 
 
