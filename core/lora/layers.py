@@ -115,7 +115,7 @@ class LoRALinear(UsesLayerKernels, nn.Module):
 
     def __init__(self, base: nn.Module, projections: list[str], slices: list[tuple[int, int, int]],
                  input_slice: tuple[int, int] | None, batch: LoRABatch, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device, reduce_xa=None):
+                 dtype: torch.dtype, device: torch.device, reduce_xa=None, stack_a: bool = False):
         super().__init__()
         self.base = base
         self.projections = projections
@@ -132,9 +132,9 @@ class LoRALinear(UsesLayerKernels, nn.Module):
         self.slice_sizes = [size for _, size, _ in slices]
         a_shape = (max_loras, len(projections), max_rank, in_features)
         # The base weight with every slot's A rows under it (None: A apart), `stacked_bias` its bias.
-        # CPUs run the torch path, and their prepacked linears keep a packed copy: a stacked weight
-        # would hold the base weight twice there.
-        stacked = _stack_under(base, a_shape, dtype) if envs.lora_stacked(device.type != "cpu") else None
+        # Only where the platform's kernels run batch-1 steps on it (`stack_a`): the torch path would
+        # not read it, and a CPU's prepacked linears keep a packed copy, so it would hold the base twice.
+        stacked = _stack_under(base, a_shape, dtype) if envs.lora_stacked(stack_a) else None
         self.stacked, self.stacked_bias = stacked or (None, None)
         self.base_rows = out_features
         lora_a = torch.zeros(a_shape, dtype=dtype, device=device) if self.stacked is None else \
@@ -254,15 +254,16 @@ def _stack_under(base: nn.Module, a_shape: tuple[int, ...],
 
 
 def attach_lora(model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: int, dtype: torch.dtype,
-                device: torch.device) -> dict[str, tuple[LoRALinear, str]]:
+                device: torch.device, stack_a: bool = False) -> dict[str, tuple[LoRALinear, str]]:
     """Wrap every adapted projection of `model` in place; returns checkpoint module path
-    (`model.layers.0.self_attn.q_proj`) -> (its wrapper, its projection name)."""
+    (`model.layers.0.self_attn.q_proj`) -> (its wrapper, its projection name). `stack_a`: the
+    platform's kernels run batch-1 steps on stacked weights (`LayerKernels.lora_stacked_linear`)."""
     targets = [(prefix, parent, name, child)
                for prefix, parent in model.named_modules() for name, child in parent.named_children()
                if name in ADAPTED_LAYERS and isinstance(child, QuantizableLinear)]
     modules: dict[str, tuple[LoRALinear, str]] = {}
     for prefix, parent, name, base in targets:
-        wrapper = _wrap(base, name, batch, max_loras, max_rank, dtype, device)
+        wrapper = _wrap(base, name, batch, max_loras, max_rank, dtype, device, stack_a)
         setattr(parent, name, wrapper)
         for projection in wrapper.projections:
             modules[f"{prefix}.{projection}" if prefix else projection] = (wrapper, projection)
@@ -270,13 +271,13 @@ def attach_lora(model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: in
 
 
 def _wrap(base: QuantizableLinear, name: str, batch: LoRABatch, max_loras: int, max_rank: int,
-          dtype: torch.dtype, device: torch.device) -> LoRALinear:
+          dtype: torch.dtype, device: torch.device, stack_a: bool) -> LoRALinear:
     if base.shards is not None:
         by_shard = {shard: proj for proj, (packed, shard) in PACKED_MODULES.items() if packed == name}
         projections = [by_shard[shard] for shard in base.shards]
         return LoRALinear(base, projections, list(base.shards.values()), None, batch, max_loras, max_rank, dtype,
-                          device)
+                          device, stack_a=stack_a)
     slices = [(0, base.out_features, 0)]
     input_slice = None if base.first_input is None else (base.first_input, base.in_features)
     return LoRALinear(base, [name], slices, input_slice, batch, max_loras, max_rank, dtype, device,
-                      reduce_xa=base.reduce_output)
+                      reduce_xa=base.reduce_output, stack_a=stack_a)

@@ -30,14 +30,15 @@ logger = logging.getLogger("corectl.lora")
 
 class AdapterManager:
     def __init__(self, model: torch.nn.Module, base: BaseModelShape, *, max_loras: int, max_cpu_loras: int,
-                 max_tokens: int, dtype: torch.dtype, device: torch.device, download_dir: str | None = None):
+                 max_tokens: int, dtype: torch.dtype, device: torch.device, download_dir: str | None = None,
+                 stack_a: bool = False):
         self.base = base
         self.max_loras = max_loras
         self.max_cpu_loras = max_cpu_loras
         self.download_dir = download_dir
         self.batch = LoRABatch(max_loras, max_tokens, device)
         self.modules: dict[str, tuple[LoRALinear | ExpertLoRA, str]] = attach_lora(
-            model, self.batch, max_loras, base.max_lora_rank, dtype, device)
+            model, self.batch, max_loras, base.max_lora_rank, dtype, device, stack_a)
         if base.experts is not None:
             self.modules.update(attach_expert_lora(model, self.batch, max_loras, base.max_lora_rank, dtype, device))
         self.layers = list(dict.fromkeys(wrapper for wrapper, _ in self.modules.values()))

@@ -226,12 +226,13 @@ class Worker(abc.ABC):
     def _attach_lora(self, model: torch.nn.Module, hf) -> AdapterManager:
         """Wrap the model's projections for LoRA; the manager owns the adapters from then on."""
         cfg = self.config
+        kernels = self.layer_kernels()
         return AdapterManager(
             model, BaseModelShape.of(hf, cfg.max_lora_rank), max_loras=cfg.max_loras,
             max_cpu_loras=cfg.max_cpu_loras or cfg.max_loras,
             max_tokens=max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
             dtype=self.torch_dtype if cfg.lora_dtype == "auto" else _DTYPES[cfg.lora_dtype], device=self.device,
-            download_dir=cfg.download_dir)
+            download_dir=cfg.download_dir, stack_a=kernels is not None and kernels.lora_stacked_linear is not None)
 
     def _build_model(self, hf, pooling: bool) -> torch.nn.Module:
         """The model on the device. A pooling model reads hidden states only (corectl.pooling): it
