@@ -13,7 +13,8 @@ Decoding is bit moves only (`_e2m1_tiny`: a code's bits placed in an fp32 are th
 speed: their loop is about 14 instructions a byte on sm_90 (two shifts and a LOP3 a nibble, a
 multiply-add each, a byte extract), where a decode through selects took 22. The 2^126 comes back
 with the group's scale: 2^(s - 65) (`_e8m0_high`) times the 2^64 the activations are shifted by
-(`X_SHIFT`). The GEMVs scale each group's sum once; the sorted path scales the decoded tile.
+(`X_SHIFT`). The GEMVs scale each group's sum once; the sorted path scales the decoded tile (and
+shifts fp16 tiles rather than fp16 activations, which 2^64 would overflow).
 Limits of that split: scales past 2^65 (e8m0 > 192; none in checkpoints) read as inf, and groups
 whose scaled terms fall below fp32's range (values under 2^-149 after scaling) add nothing.
 
@@ -171,17 +172,21 @@ def _mx_pair_down_kernel(act_ptr, blocks_ptr, scales_ptr, bias_ptr, ids_ptr, pai
 
 
 @triton.jit
-def _mx_dot(acc, a_even, a_odd, byte_ptrs, scale_ptrs, byte_mask, scale_mask, DOT_DTYPE: tl.constexpr):
+def _mx_dot(acc, a_even, a_odd, byte_ptrs, scale_ptrs, byte_mask, scale_mask, DOT_DTYPE: tl.constexpr,
+            SHIFT_A: tl.constexpr):
     """acc + a @ W for a [BLOCK_K / 2, BLOCK_N] tile of packed bytes, as the even and odd halves'
-    two dots (the activations times X_SHIFT); the tile's [BLOCK_K / 32, BLOCK_N] group scales are
-    read once and spread over their 16 bytes in registers."""
+    two dots; X_SHIFT is in the activations (SHIFT_A) or else put in the tile here. The tile's
+    [BLOCK_K / 32, BLOCK_N] group scales are read once and spread over their 16 bytes in registers."""
     packed = tl.load(byte_ptrs, mask=byte_mask, other=0).to(tl.int32)
     scale = _e8m0_high(tl.load(scale_ptrs, mask=scale_mask, other=0))
     groups: tl.constexpr = scale.shape[0]
     scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (groups, 16, scale.shape[1])), packed.shape)
     lo, hi = _e2m1_tiny(packed)
-    acc = tl.dot(a_even, (lo * scale).to(DOT_DTYPE), acc, input_precision="ieee")
-    return tl.dot(a_odd, (hi * scale).to(DOT_DTYPE), acc, input_precision="ieee")
+    lo, hi = lo * scale, hi * scale
+    if not SHIFT_A:
+        lo, hi = lo * X_SHIFT, hi * X_SHIFT
+    acc = tl.dot(a_even, lo.to(DOT_DTYPE), acc, input_precision="ieee")
+    return tl.dot(a_odd, hi.to(DOT_DTYPE), acc, input_precision="ieee")
 
 
 @triton.jit
@@ -190,7 +195,7 @@ def _mx_moe_gemm_kernel(
     num_padded_ptr, num_pairs, N, K, a_rows_per_pair,
     stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_om, alpha, limit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GATED: tl.constexpr, WEIGHTED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    GATED: tl.constexpr, WEIGHTED: tl.constexpr, DOT_DTYPE: tl.constexpr, SHIFT_A: tl.constexpr,
 ):
     """fused_moe's `_moe_gemm_kernel` on packed weights, biased: GATED stores
     clamped_swiglu(gate + bias, up + bias) of gate rows [0, N) and up rows [N, 2N); otherwise
@@ -213,15 +218,18 @@ def _mx_moe_gemm_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         # One contiguous (vectorised) load of the rows, split into even and odd inputs in registers.
         a = tl.load(a_rows + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-        a_even, a_odd = tl.split(tl.reshape((a * X_SHIFT).to(DOT_DTYPE), (BLOCK_M, BLOCK_K // 2, 2)))
+        if SHIFT_A:
+            a = a.to(tl.float32) * X_SHIFT
+        a_even, a_odd = tl.split(tl.reshape(a.to(DOT_DTYPE), (BLOCK_M, BLOCK_K // 2, 2)))
         byte = (k0 // 2 + half)[:, None]
         group = (k0 // 32 + groups)[:, None]
         byte_mask = (k0 + 2 * half < K)[:, None] & n_ok[None, :]
         scale_mask = (k0 + 32 * groups < K)[:, None] & n_ok[None, :]
-        acc = _mx_dot(acc, a_even, a_odd, byte_rows + byte, scale_rows + group, byte_mask, scale_mask, DOT_DTYPE)
+        acc = _mx_dot(acc, a_even, a_odd, byte_rows + byte, scale_rows + group, byte_mask, scale_mask, DOT_DTYPE,
+                      SHIFT_A)
         if GATED:
             acc_up = _mx_dot(acc_up, a_even, a_odd, byte_rows + N * stride_bn + byte,
-                             scale_rows + N * stride_sn + group, byte_mask, scale_mask, DOT_DTYPE)
+                             scale_rows + N * stride_sn + group, byte_mask, scale_mask, DOT_DTYPE, SHIFT_A)
     bias_row = bias_ptr + expert * stride_bias + offs_n
     acc += tl.load(bias_row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
@@ -331,6 +339,8 @@ def _expert_gemm(a, stack: Mxfp4Stack, routing, a_rows_per_pair, topk_weights, a
         routing.num_padded, routing.num_pairs, n, k, a_rows_per_pair, a.stride(0), *_strides(stack), out.stride(0),
         alpha, limit, BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, WEIGHTED=not gated,
         DOT_DTYPE=dot_dtype(a.dtype, a.device), num_warps=4, num_stages=3,
+        # fp16 activations would overflow at 2^64: their weight tiles take the shift (a multiply more).
+        SHIFT_A=a.dtype != torch.float16,
     )
     return out
 

@@ -71,6 +71,17 @@ def test_e8m0_extremes(path, assert_close):
     assert_close(out, ref, 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_activations(dtype, assert_close):
+    """fp16 activations (the sorted path shifts their weight tiles by 2^64 instead: it would overflow
+    them) and bf16 ones, against the reference on the same rounded inputs."""
+    hidden, gate_up, down, weights, ids = experts(20, 3, 64, 32, 2)
+    hidden = hidden.to(dtype)
+    out = mxfp4_moe(hidden, gate_up, down, weights, ids, ALPHA, LIMIT, path="sorted")
+    assert out.dtype == dtype
+    assert_close(out, reference(hidden.float(), gate_up, down, weights, ids), 2e-2)
+
+
 def test_routed_entry_point_routes_like_select_experts(assert_close):
     """The kernel the worker provides: gpt-oss's router softmax over the top k, then the experts."""
     hidden, gate_up, down, _, _ = experts(3, 8, 64, 32, 4)
