@@ -179,8 +179,7 @@ def _mx_dot(acc, a_even, a_odd, byte_ptrs, scale_ptrs, byte_mask, scale_mask, DO
     [BLOCK_K / 32, BLOCK_N] group scales are read once and spread over their 16 bytes in registers."""
     packed = tl.load(byte_ptrs, mask=byte_mask, other=0).to(tl.int32)
     scale = _e8m0_high(tl.load(scale_ptrs, mask=scale_mask, other=0))
-    groups: tl.constexpr = scale.shape[0]
-    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (groups, 16, scale.shape[1])), packed.shape)
+    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (scale.shape[0], 16, scale.shape[1])), packed.shape)
     lo, hi = _e2m1_tiny(packed)
     lo, hi = lo * scale, hi * scale
     if not SHIFT_A:
