@@ -73,8 +73,8 @@ def _e2m1_tiny(packed):
 
 @triton.jit
 def _e8m0_high(scales):
-    """e8m0 scales (uint8) -> 2^(s - 65) in fp32: the exponent field s + 62. Past 192 (groups over
-    2^66, which no checkpoint has) it is inf."""
+    """e8m0 scales (uint8) -> 2^(s - 65) in fp32: the exponent field s + 62. Past 192 (scales over
+    2^65, which no checkpoint has) it is inf."""
     return ((tl.minimum(scales.to(tl.int32), 193) + 62) << 23).to(tl.float32, bitcast=True)
 
 
