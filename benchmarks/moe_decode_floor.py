@@ -8,6 +8,9 @@ averaged over the decode steps of a request of `--input-len` + `--output-len` to
 bandwidth is measured here (a device-to-device copy of 2 GiB, as the HF peer's `ceilings`).
 
   python benchmarks/moe_decode_floor.py --preset gpt-oss-20b --input-len 512 --output-len 128 --result w2oss.json
+
+DeepSeek presets (`kv_lora_rank` in the config) count multi-head latent attention's cache instead: one
+latent row per token and layer, not per head (`latent_step_bytes`).
 """
 from __future__ import annotations
 
@@ -23,7 +26,9 @@ MXFP4 = 17 / 32
 
 
 def step_bytes(cfg: dict, context: float) -> float:
-    """Bytes a batch-1 decode step reads at `context` tokens (gpt-oss-style config fields)."""
+    """Bytes a batch-1 decode step reads at `context` tokens (gpt-oss-style config fields, or DeepSeek's)."""
+    if "kv_lora_rank" in cfg:
+        return latent_step_bytes(cfg, context)
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     q, kv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     experts, k, inter = cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"]
@@ -38,6 +43,24 @@ def step_bytes(cfg: dict, context: float) -> float:
         kv_read += (min(context, window) if sliding else context) * 2 * kv * d * BF16
     head = cfg["vocab_size"] * h * BF16
     return layers * (attention + router + k * expert + 2 * h * BF16) + kv_read + head + 2 * h * BF16
+
+
+def latent_step_bytes(cfg: dict, context: float) -> float:
+    """`step_bytes` of a DeepSeek config: MLA reads its projections in the absorbed form (W_UK and W_UV
+    in place of kv_b_proj, the same count) and one latent row of kv_lora_rank + qk_rope_head_dim
+    numbers per token and layer, shared by every head; the first `first_k_dense_replace` layers are
+    dense, the rest read an fp32 router, the top-k routed and the shared experts."""
+    h, layers, heads = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    rank, rope, nope, v = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    q_lora = cfg.get("q_lora_rank")
+    q_proj = h * heads * (nope + rope) if q_lora is None else h * q_lora + q_lora + q_lora * heads * (nope + rope)
+    attention = (q_proj + h * (rank + rope) + rank + heads * (nope + v) * rank + heads * v * h) * BF16
+    dense = cfg.get("first_k_dense_replace", 0)
+    experts, k, inter = cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+    moe = h * experts * 4 + (k + cfg.get("n_shared_experts", 0)) * 3 * inter * h * BF16
+    mlps = dense * 3 * cfg["intermediate_size"] * h * BF16 + (layers - dense) * moe
+    latent = layers * context * (rank + rope) * BF16
+    return layers * (attention + 2 * h * BF16) + mlps + latent + cfg["vocab_size"] * h * BF16 + h * BF16
 
 
 def copy_bandwidth() -> float:

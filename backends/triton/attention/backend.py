@@ -26,6 +26,8 @@ from ..checks import FP8_KV_DTYPE, check_packed_heads, require
 from .decode_attention import choose_decode_splits, paged_decode_attention
 from .kv_cache_store import store_kvcache
 from .latent_attention import paged_latent_attention
+
+LATENT_TICKETS = 1 << 14
 from .prefill_attention import paged_prefill_attention
 
 
@@ -65,6 +67,14 @@ class TritonAttentionBackend(AttentionBackend):
     # query tile starts, and a key a row does not see contributes exact zeros, so a row's sums run
     # over the same tiles in the same order alone, in any batch, and after any cached prefix.
     batch_invariant = False
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 block_size: int):
+        super().__init__(num_heads, num_kv_heads, head_dim, dtype, device, block_size)
+        # Split MLA decodes count their finished splits here and leave it zeroed (`paged_latent_attention`'s
+        # tickets), so a step, and its CUDA graph, zeroes nothing per layer; made here, never inside a
+        # capture. A step of more than 16k decode rows x head blocks zeroes its own.
+        self.latent_tickets = torch.zeros(LATENT_TICKETS, dtype=torch.int32, device=device)
 
     def build_metadata(self, batch: AttentionBatch, check_indices: bool = True) -> TritonAttentionMetadata:
         require(batch.block_size == self.block_size,
@@ -126,7 +136,8 @@ class TritonAttentionBackend(AttentionBackend):
         store_kvcache(rows, rows, kv_cache.expand(2, -1, -1, -1, -1), meta.slot_mapping, check_indices=check)
         out = paged_latent_attention(
             q, kv_cache, meta.block_tables, meta.seq_lens, None if meta.is_pure_decode else meta.query_start_loc,
-            scale, rank=value_dim, max_seq_len=meta.max_seq_len, num_splits=meta.num_splits, check_indices=check)
+            scale, rank=value_dim, max_seq_len=meta.max_seq_len, num_splits=meta.num_splits, check_indices=check,
+            tickets=self.latent_tickets)
         meta.check_indices = False
         return out
 

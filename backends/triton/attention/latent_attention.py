@@ -10,7 +10,8 @@ Grid (query tile, head block, split): a program holds the heads of one head bloc
 tokens of its tile (rows = tokens x heads) and walks one contiguous partition of the keys they
 see, in tiles of BLOCK_N, looking each key's page up in the block table, so a key tile is read once
 for all of them. A decode step (one token per sequence, tile = sequence) splits long contexts like
-`decode_attention` and combines the partial outputs with its combine kernel. A prefill or mixed
+`decode_attention`, and the last split program of a tile to finish (an atomic ticket per tile and
+head block) combines the partial outputs: one launch a step, no combine launch after it. A prefill or mixed
 step takes tiles of several tokens of one sequence, numbered and found as the prefill kernel's
 (`query_tile`), unsplit, each row masked at its own position: a chunked prefill or a
 prefix-cache hit is the same code. vLLM expands the latent into per-head K/V for prefill instead,
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ..checks import check_float, check_index, check_range, check_same_device, require
-from .decode_attention import MAX_SPLITS, _combine_splits_kernel, choose_decode_splits
+from .decode_attention import MAX_SPLITS, choose_decode_splits
 from .prefill_attention import query_tile
 from .paged_softmax import LOG2E, dot_dtype, head_block
 
@@ -93,7 +94,7 @@ def _attend_latent(acc, m_i, l_i, q_c, q_r, q_pos, row_base, table_row, lo, hi, 
 # The batch size and the block-table width change every eager step: no specialization on them.
 @triton.jit(do_not_specialize=["num_seqs", "stride_table"])
 def _latent_kernel(
-    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr, out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
+    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr, out_ptr, part_out_ptr, part_lse_ptr, tickets_ptr, qk_scale,
     num_seqs, num_heads, stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_tok, stride_table,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, HEADS: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -150,14 +151,50 @@ def _latent_kernel(
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / safe_l[:, None]
     row_mask = m_mask[:, None] & r_mask[None, :]
+    dst = out_ptr + (q_start + token)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_r[None, :]
     if NUM_SPLITS == 1:
-        dst = out_ptr + (q_start + token)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_r[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:
-        part_rows = (seq * num_heads + heads) * NUM_SPLITS + split
-        tl.store(part_out_ptr + part_rows[:, None] * RANK + offs_r[None, :], out, mask=row_mask)
+        # A row that saw no key (an empty split past a short context) stores its -inf only: the
+        # combine never reads its output.
+        first_row = (seq * num_heads + heads) * NUM_SPLITS
+        tl.store(part_out_ptr + (first_row + split)[:, None] * RANK + offs_r[None, :], out,
+                 mask=row_mask & (l_i > 0.0)[:, None])
         lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
-        tl.store(part_lse_ptr + part_rows, lse, mask=m_mask)
+        tl.store(part_lse_ptr + first_row + split, lse, mask=m_mask)
+        # The last of the splits to finish combines them, so a decode step is one launch: every
+        # thread's stores precede the ticket (barrier, then a release at GPU scope), and the ticket
+        # goes back to 0 for the next launch.
+        tl.debug_barrier()
+        ticket = tickets_ptr + tile * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+            _combine_splits(part_out_ptr, part_lse_ptr, dst, first_row, m_mask, offs_r, r_mask, RANK, NUM_SPLITS,
+                            BLOCK_M, BLOCK_R)
+            tl.store(ticket, 0)
+
+
+@triton.jit
+def _combine_splits(part_out_ptr, part_lse_ptr, dst, first_row, m_mask, offs_r, r_mask, RANK: tl.constexpr,
+                    NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The softmax-weighted sum of a program's rows over every split into `dst`. Loads bypass L1
+    (other SMs wrote them during this launch); a split's rows are read only where it saw keys."""
+    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(NUM_SPLITS):
+        lse = tl.load(part_lse_ptr + first_row + s, mask=m_mask, other=float("-inf"), cache_modifier=".cg")
+        top = tl.maximum(top, lse)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        lse = tl.load(part_lse_ptr + first_row + s, mask=m_mask, other=float("-inf"), cache_modifier=".cg")
+        weight = tl.exp2(lse - top)
+        seen = (m_mask & (lse > float("-inf")))[:, None] & r_mask[None, :]
+        part = tl.load(part_out_ptr + (first_row + s)[:, None] * RANK + offs_r[None, :], mask=seen, other=0.0,
+                       cache_modifier=".cg")
+        acc += part * weight[:, None]
+        total += weight
+    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+    tl.store(dst, out.to(dst.dtype.element_ty), mask=m_mask[:, None] & r_mask[None, :])
 
 
 def check_latent_cache(kv_cache: torch.Tensor) -> tuple[int, int, int]:
@@ -172,7 +209,7 @@ def paged_latent_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor | None, scale: float, *,
                            rank: int, max_seq_len: int, num_splits: int | None = None,
                            out: torch.Tensor | None = None, check_indices: bool = True,
-                           config: LatentConfig | None = None) -> torch.Tensor:
+                           config: LatentConfig | None = None, tickets: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA of T packed query tokens over their sequences' paged latent rows (module doc).
 
     q: [T, num_heads, rank + rope] (any token stride, heads packed); kv_cache: [1, num_blocks,
@@ -181,6 +218,9 @@ def paged_latent_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     prefill or mixed step; None for a decode step (token i is sequence i's last position), the only
     kind that splits (`num_splits`, else chosen from `max_seq_len`). Returns `out` [T, num_heads, rank].
     `check_indices` reads the index tensors back to validate them (a GPU synchronisation).
+    `tickets`: int32 zeros that a split decode counts its finished splits on (T x head blocks of
+    them) and leaves zeroed; a caller decoding repeatedly (the backend, CUDA graphs) keeps them;
+    None, or too few, allocates them.
     """
     num_blocks, block_size, width = check_latent_cache(kv_cache)
     require(0 < rank < width, f"rank must lie in (0, {width}), got {rank}")
@@ -214,26 +254,39 @@ def paged_latent_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         if not decode:
             check_range("query_start_loc", query_start_loc, 0, num_tokens + 1)
     if num_tokens:
-        _launch(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, rank, splits,
-                config or (LatentConfig() if query_start_loc is None else PREFILL))
+        launch_latent(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, rank, splits,
+                      config or (LatentConfig() if query_start_loc is None else PREFILL), tickets)
     return out
 
 
-def _launch(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, rank, splits, cfg: LatentConfig):
+def _split_buffers(q: torch.Tensor, rank: int, splits: int, head_blocks: int, tickets: torch.Tensor | None):
+    """(partial outputs, their log-sum-exps, tickets) of a decode split `splits` ways."""
+    num_tokens, num_heads, _ = q.shape
+    part_out = torch.empty((num_tokens, num_heads, splits, rank), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
+    if tickets is None or tickets.numel() < num_tokens * head_blocks:
+        return part_out, part_lse, torch.zeros(num_tokens * head_blocks, dtype=torch.int32, device=q.device)
+    require(tickets.dtype == torch.int32 and tickets.device == q.device and tickets.is_contiguous(),
+            f"tickets must be contiguous int32 zeros on {q.device}, got {tickets.dtype} on {tickets.device}")
+    return part_out, part_lse, tickets
+
+
+def launch_latent(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, rank, splits, cfg: LatentConfig,
+                  tickets: torch.Tensor | None = None):
+    """One launch on checked inputs (`paged_latent_attention`); returns what Triton's launch returns
+    (on a GPU, the compiled kernel: `bench kernels` reads its registers and shared memory)."""
     num_tokens, num_heads, width = q.shape
     rope, decode = width - rank, query_start_loc is None
     heads = min(cfg.block_h, triton.next_power_of_2(num_heads))
     block_q = 1 if decode else max(1, cfg.rows // heads)
-    if splits == 1:
-        part_out = part_lse = out
-    else:
-        part_out = torch.empty((num_tokens, num_heads, splits, rank), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
+    head_blocks = triton.cdiv(num_heads, heads)
+    part_out, part_lse, tickets = (out, out, seq_lens) if splits == 1 else _split_buffers(q, rank, splits,
+                                                                                         head_blocks, tickets)
     # Prefill tiles are numbered as the prefill kernel's: the grid depends only on T and B.
     tiles = num_tokens if decode else num_tokens // block_q + block_tables.shape[0]
-    _latent_kernel[(tiles, triton.cdiv(num_heads, heads), splits)](
+    return _latent_kernel[(tiles, head_blocks, splits)](
         q, kv_cache, block_tables, seq_lens, seq_lens if decode else query_start_loc, out,
-        part_out, part_lse, scale * LOG2E, block_tables.shape[0], num_heads, q.stride(0), q.stride(1),
+        part_out, part_lse, tickets, scale * LOG2E, block_tables.shape[0], num_heads, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
         RANK=rank, ROPE=rope, BLOCK_R=head_block(rank), BLOCK_P=head_block(rope), HEADS=heads, BLOCK_Q=block_q,
         BLOCK_M=max(16, block_q * heads), BLOCK_N=cfg.block_n, BLOCK_SIZE=kv_cache.shape[2], NUM_SPLITS=splits,
@@ -241,9 +294,3 @@ def _launch(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, ra
         EVEN=head_block(rank) == rank and head_block(rope) == rope,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if splits > 1:
-        _combine_splits_kernel[(num_tokens, num_heads)](
-            part_out, part_lse, out, out, out.stride(0), num_heads,
-            HEAD_DIM=rank, BLOCK_D=head_block(rank), NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-            HAS_SINKS=False, PDL=False, num_warps=4,
-        )

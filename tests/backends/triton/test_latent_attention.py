@@ -40,6 +40,24 @@ def test_decode_matches_reference(dtype, num_splits, assert_close):
     assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
+@pytest.mark.parametrize("block_h", [16, 4])
+def test_split_decodes_combine_in_their_last_program_and_leave_the_tickets_zeroed(block_h, assert_close):
+    """One tickets buffer through decodes split 5 and 2 ways (1 or 5 head blocks a token, a padding
+    row, a context shorter than its splits): every launch combines and hands the tickets back zeroed;
+    too few tickets for the launch are replaced by its own."""
+    seq_lens = [61, 3, 0, 30]
+    batch, cache, q = _latent_batch(seq_lens, [1, 1, 0, 1], torch.float32)
+    q = torch.cat((q[:2], torch.randn(1, HEADS, RANK + ROPE), q[2:]))
+    rows, tickets = [0, 1, 3], torch.zeros(32, dtype=torch.int32)
+    for splits, buffer in ((5, tickets), (2, tickets), (3, tickets[:3])):
+        out = paged_latent_attention(q, cache, batch.block_tables, batch.seq_lens, None, SCALE, rank=RANK,
+                                     max_seq_len=max(seq_lens), num_splits=splits,
+                                     config=LatentConfig(block_h=block_h), tickets=buffer)
+        assert_close(out[rows], _reference(batch, q[rows]))
+        assert torch.equal(out[2], torch.zeros_like(out[2]))
+        assert not tickets.any()
+
+
 # Prefill tiles of 2 tokens x 16 heads (the default), and of 8 tokens x 4 heads (5 head blocks).
 @pytest.mark.parametrize("config", [None, LatentConfig(block_h=4, rows=32)])
 def test_prefill_with_cached_prefix_matches_reference(config, assert_close):
