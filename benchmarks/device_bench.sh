@@ -349,6 +349,14 @@ stage_w1oss() {  # W1's workload on the gpt-oss-20b shape; the HF peer (bf16 exp
   bench throughput --model gpt-oss-20b --num-prompts 256 --input-len 512 --output-len 128 --save-result "$RES/$TAG.json"
   peer static --shape gpt-oss-20b --batch 128 --input-len 512 --output-len 128
 }
+stage_w2dsv2() {  # batch-1 decode, 512 in / 128 out, deepseek-v2-lite shape (MLA, fused-MoE experts in CUDA graphs), against its bandwidth floor
+  bench latency --model deepseek-v2-lite --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/$TAG.json"
+  python3 benchmarks/moe_decode_floor.py --preset deepseek-v2-lite --input-len 512 --output-len 128 --result "$RES/$TAG.json"
+}
+stage_w1dsv2() {  # W1's workload on the deepseek-v2-lite shape; the HF peer in the same stage
+  bench throughput --model deepseek-v2-lite --num-prompts 256 --input-len 512 --output-len 128 --save-result "$RES/$TAG.json"
+  peer static --shape deepseek-v2-lite --batch 128 --input-len 512 --output-len 128
+}
 
 # -- kernel sweeps: the launch-config tables in the kernels come from these ----------------------------
 stage_sweep() {
