@@ -1,6 +1,7 @@
 """Shape presets and tokenizer-free engines: benchmarks on random weights with no hub and no tokenizer."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,7 +19,17 @@ from corectl.server.cli.main import main
 from support.engines import TINY
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers
-from transformers import GptOssConfig, LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
+
+
+
+def _peer_extra_shapes() -> dict:
+    path = Path(__file__).parents[3] / "benchmarks" / "hf_peer_shapes.py"
+    spec = importlib.util.spec_from_file_location("hf_peer_shapes", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.extra_shapes()
+
 
 # The peer benchmark's model configs (hf_baseline.py SHAPES), which the presets must equal.
 PEER_SHAPES = {
@@ -41,16 +52,9 @@ PEER_SHAPES = {
                                           num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
                                           num_experts_per_tok=2, vocab_size=32000, rope_theta=1000000.0,
                                           rms_norm_eps=1e-5, max_position_embeddings=32768),
-    "gpt-oss-20b": lambda: GptOssConfig(hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
-                                        num_attention_heads=64, num_key_value_heads=8, head_dim=64,
-                                        num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
-                                        sliding_window=128, swiglu_limit=7.0, rms_norm_eps=1e-5,
-                                        attention_bias=True, tie_word_embeddings=False,
-                                        max_position_embeddings=131072,
-                                        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
-                                                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                                                         "original_max_position_embeddings": 4096}),
 }
+# The shapes benchmarks/hf_peer_shapes.py adds to the peer (gpt-oss, DeepSeek), for the presets that exist.
+PEER_SHAPES.update({name: shape for name, shape in _peer_extra_shapes().items() if name in PRESETS})
 # What the peer's constructor calls leave unset: it passes dtype to from_config and needs no architecture;
 # its gpt-oss experts are bf16 (transformers' MXFP4 kernels come from the hub), ours the preset's MXFP4.
 NOT_COMPARED = {"architectures", "dtype", "transformers_version", "_name_or_path", "quantization_config"}
