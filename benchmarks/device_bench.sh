@@ -102,7 +102,9 @@ bench() {  # corectl bench MODE ...: the engine options of every GPU workload, t
 }
 
 peer() {  # the HF transformers peer, same workload, same call: for the plain stage of this tree only
-  [ "${PEER:-1}" = 0 ] || [ -n "$VARIANT" ] || [ -n "${BASE:-}" ] || timeout 300 python3 "$PEER_SCRIPT" "$@"
+  # benchmarks/hf_peer_shapes.py runs the peer's own code with the shapes it lacks added (gpt-oss, DeepSeek).
+  [ "${PEER:-1}" = 0 ] || [ -n "$VARIANT" ] || [ -n "${BASE:-}" ] \
+    || timeout 300 python3 benchmarks/hf_peer_shapes.py "$PEER_SCRIPT" "$@"
 }
 
 serve() {  # starts `corectl serve MODEL` with the variant on PORT (first argument), waits for /health
