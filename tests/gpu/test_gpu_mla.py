@@ -1,6 +1,8 @@
 """DeepSeek's multi-head latent attention on the GPU: the latent kernel at DeepSeek-V2-Lite's shape
 against the torch reference, and greedy bf16 generation of a random DeepSeek-V2 checkpoint with real
 MLA widths (latent 512, rope 64, nope 128, 16 heads) against transformers on the same GPU."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -22,6 +24,34 @@ def test_latent_kernel_matches_the_reference_at_v2_lite_shape():
     torch.manual_seed(0)
     results = mla.check_latent(mla.V2_LITE, "cuda", torch.bfloat16)
     assert all(error < 1e-2 for _, error in results), results
+
+
+def test_split_decode_replays_in_a_cuda_graph_with_persistent_tickets():
+    """The one-launch split decode (its last split program combines) captured as the engine captures
+    it, over the backend's kind of persistent tickets: replays before and after the contexts shrink
+    equal eager launches bit for bit, and leave the tickets zeroed."""
+    from corectl.backends.triton.attention.latent_attention import paged_latent_attention
+
+    torch.manual_seed(0)
+    s = dataclasses.replace(mla.V2_LITE, num_seqs=8, context=1000)
+    batch, cache, q = mla._latent_batch(s, [s.context - 97 * i for i in range(s.num_seqs)], torch.bfloat16, "cuda")
+    tickets = torch.zeros(64, dtype=torch.int32, device="cuda")
+    out = torch.empty(s.num_seqs, s.num_heads, s.rank, dtype=torch.bfloat16, device="cuda")
+
+    def decode(**buffers):
+        return paged_latent_attention(q, cache, batch.block_tables, batch.seq_lens, None, 0.1, rank=s.rank,
+                                      max_seq_len=s.context, num_splits=8, check_indices=False, **buffers)
+
+    decode(out=out, tickets=tickets)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode(out=out, tickets=tickets)
+    for shrink in (0, 300):
+        batch.seq_lens.sub_(shrink)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, decode())
+        assert not tickets.any()
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +93,18 @@ def test_deepseek_greedy_matches_transformers_in_bf16(deepseek_checkpoint):
     torch.cuda.empty_cache()
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True)
     worst = 0.0
-    for (expected, rows), out in zip(references, generate(deepseek_checkpoint, prompts, params)):
+    captured = []
+
+    def watch(llm):
+        runner = llm.engine.executor.worker.runner
+        captured.append(runner.model.supports_graph_capture and bool(runner.graphs))
+
+    for (expected, rows), out in zip(references, generate(deepseek_checkpoint, prompts, params, watch)):
         completion = out.outputs[0]
         got = [next(iter(position.values())).logprob for position in completion.logprobs]
         _, error = compare_greedy(expected, completion.token_ids, lambda pos, tok: rows[pos, tok].item(), got,
                                   TIE_TOLERANCE)
         worst = max(worst, error)
     assert worst < LOGPROB_TOLERANCE
+    # Its experts ran the fused MoE kernel with DeepSeek's routing, so its decode steps ran in CUDA graphs.
+    assert captured == [True]

@@ -3,15 +3,26 @@ batch 64 x context 4096, DeepSeek-V2-Lite's shape (16 heads, latent 512, rope 64
 
 Bandwidth counts the bytes that must move: every context's latent rows read once (576 numbers a
 token, shared by all heads), the latent queries read and the latent outputs written; it is
-compared with a device-to-device copy measured in the same call. The sweep times the split counts
-and tile configurations around the default, so a better launch shows itself. Prefill (4 prompts of
-2048 tokens, causal) is timed in TFLOP/s of the absorbed form's products, for the rows per program.
+compared with a device-to-device copy of the latent bytes measured in each pass. The sweep times
+the split counts and tile configurations around the default, so a better launch shows itself, and
+first prints each launch's registers, shared memory and programs per SM (how many waves its grid
+takes). Earlier calls timed each launch once with `do_bench` (host launches between L2 flushes)
+and saw the same launch move by up to 20 points of copy bandwidth between calls and list
+positions; now every launch runs from a CUDA graph (no host time, as the engine's decode graphs),
+alternating between two batches of the same shape (neither finds the other's rows in L2), in
+PASSES passes of alternating orders, each pass printed beside its own copy, and the table gives
+the median with the range of the passes. Prefill (4 prompts of 2048 tokens, causal) is timed in
+TFLOP/s of the absorbed form's products, for the rows per program.
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 import torch
+from triton.runtime.errors import OutOfResources
+
+from ..attention.latent_attention import LatentConfig
 
 
 @dataclass(frozen=True)
@@ -28,8 +39,10 @@ V2_LITE = LatentShapes(num_seqs=64, context=4096, num_heads=16, rank=512, rope=6
 SMALL = LatentShapes(num_seqs=3, context=37, num_heads=5, rank=32, rope=16, block_size=4)
 PREFILL_PROMPTS = (4, 2048)
 # (heads per program, keys per tile, warps, stages) tried beside the default launch.
-SWEEP = ((16, 32, 4, 2), (16, 64, 8, 2), (16, 32, 8, 3), (16, 64, 8, 3), (16, 16, 8, 3), (16, 32, 8, 4),
-         (16, 16, 8, 4), (16, 32, 16, 2))
+SWEEP = ((16, 32, 8, 2), (16, 32, 4, 3), (16, 32, 8, 3), (16, 64, 8, 2), (16, 16, 4, 2), (16, 16, 4, 3))
+# Each launch is timed PASSES times in alternating orders (module doc), from a CUDA graph of
+# GRAPH_PAIRS launch pairs replayed REPLAYS times.
+PASSES, GRAPH_PAIRS, REPLAYS = 4, 20, 10
 
 
 def _latent_batch(s: LatentShapes, seq_lens: list[int], dtype: torch.dtype, device: str):
@@ -61,41 +74,136 @@ def check_latent(s: LatentShapes, device: str, dtype: torch.dtype) -> list[tuple
 
 
 def bench_latent(s: LatentShapes, dtype: torch.dtype) -> list[tuple[str, float, float]]:
-    """(name, median ms, TB/s): the copy ceiling over the latent bytes, then the decode launches."""
-    from triton.runtime.errors import OutOfResources
-    from triton.testing import do_bench
-
+    """(name, median ms, TB/s): the copy ceiling over the latent bytes, then each decode launch, the
+    medians of PASSES passes in alternating orders; every pass's figures are printed as measured."""
     from ..attention.decode_attention import choose_decode_splits
-    from ..attention.latent_attention import LatentConfig, paged_latent_attention
-    from .measure import bench_copy
 
-    batch, cache, q = _latent_batch(s, [s.context] * s.num_seqs, dtype, "cuda")
+    pair = [_latent_batch(s, [s.context] * s.num_seqs, dtype, "cuda") for _ in range(2)]
+    q = pair[0][2]
     elem = q.element_size()
     latent_bytes = s.num_seqs * s.context * (s.rank + s.rope) * elem
     moved = latent_bytes + q.numel() * elem + s.num_seqs * s.num_heads * s.rank * elem
-    scale = (s.rank + s.rope) ** -0.5
     auto = choose_decode_splits(s.num_seqs, 1, s.context, q.device)
-    rows = [bench_copy(do_bench, latent_bytes)]
-    launches = [(splits, LatentConfig()) for splits in sorted({1, 2, 4, 8, auto})]
+    launches = [(splits, LatentConfig()) for splits in sorted({2, 4, 8, 16, auto})]
     launches += [(auto, LatentConfig(*cfg)) for cfg in SWEEP if LatentConfig(*cfg) != LatentConfig()]
-    # Two passes, the second in reverse order: on the H100 a launch measured later in the list ran
-    # up to 10 points of copy bandwidth faster than the same launch measured early.
-    for number, order in ((1, launches), (2, launches[::-1])):
-        for splits, cfg in order:
-            def decode(splits=splits, cfg=cfg):
-                paged_latent_attention(q, cache, batch.block_tables, batch.seq_lens, None, scale, rank=s.rank,
-                                       max_seq_len=s.context, num_splits=splits, check_indices=False, config=cfg)
-
-            label = (f"pass {number}: MLA decode, {splits} split(s){' [auto]' if splits == auto else ''}, "
-                     f"h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}")
-            try:
-                ms = do_bench(decode, warmup=50, rep=300, return_mode="median")
-            except OutOfResources as error:  # a tile that does not fit the SM's shared memory or registers
-                print(f"  {label}: {error}")
-                continue
-            rows.append((label, ms, moved / ms / 1e9))
-    rows.append(bench_copy(do_bench, latent_bytes))
+    copy = _graph_copy(latent_bytes)
+    print(f"\nMLA decode launches at {s.num_seqs} x {s.context} (registers, shared memory, programs an SM holds):")
+    runs = {}
+    for splits, cfg in launches:
+        label = (f"MLA decode, {splits} split(s){' [auto]' if splits == auto else ''}, "
+                 f"h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}")
+        try:
+            compiled, runs[label] = _launch_pair(s, pair, splits, cfg)
+        except OutOfResources as error:  # a tile that does not fit the SM
+            print(f"  {label}: {error}")
+            continue
+        print(f"  {label}: {_occupancy(compiled, s.num_seqs * splits)}")
+    runs[f"MLA decode, {auto} split(s), default, by do_bench (as before)"] = _eager(s, pair[0])
+    copies, times = [], {label: [] for label in runs}
+    labels = list(runs)
+    for number in range(PASSES):
+        # Forward, reversed, then both from the middle: no launch keeps its place in the list.
+        order = labels[::-1] if number % 2 else labels
+        order = order[len(order) // 2:] + order[:len(order) // 2] if number >= 2 else order
+        copies.append(copy())
+        print(f"pass {number + 1}: copy {2 * latent_bytes / copies[-1] / 1e9:.3f} TB/s")
+        for label in order:
+            ms = runs[label]()
+            times[label].append(ms)
+            print(f"  pass {number + 1}: {label:<52} {ms:8.4f} ms {moved / ms / 1e9:6.3f} TB/s "
+                  f"{100 * moved / ms / (2 * latent_bytes / copies[-1]):5.1f}% of this pass's copy")
+    copy_ms = statistics.median(copies)
+    rows = [("device-to-device copy (read + write), median of passes", copy_ms, 2 * latent_bytes / copy_ms / 1e9)]
+    for label, values in times.items():
+        spread = f"{moved / max(values) / 1e9:.2f}-{moved / min(values) / 1e9:.2f} TB/s"
+        rows.append((f"{label} ({spread})", statistics.median(values), moved / statistics.median(values) / 1e9))
     return rows
+
+
+def _eager(s: LatentShapes, batch_cache_q):
+    """A function timing the default launch as earlier calls did: `do_bench` (an L2 flush before
+    each launch, launched from the host), for comparison with the graph timings."""
+    from triton.testing import do_bench
+
+    from ..attention.latent_attention import paged_latent_attention
+
+    batch, cache, q = batch_cache_q
+
+    def decode():
+        paged_latent_attention(q, cache, batch.block_tables, batch.seq_lens, None, (s.rank + s.rope) ** -0.5,
+                               rank=s.rank, max_seq_len=s.context, check_indices=False)
+
+    return lambda: do_bench(decode, warmup=50, rep=300, return_mode="median")
+
+
+def _launch_pair(s: LatentShapes, pair, splits: int, cfg: LatentConfig):
+    """(compiled kernel, a function timing ms a launch) of launch pairs, one launch over each batch of
+    `pair` (so neither finds the other's rows in L2), from a CUDA graph of GRAPH_PAIRS pairs: no host
+    in the timing, as in the engine's decode graphs."""
+    from ..attention.latent_attention import launch_latent
+
+    scale = (s.rank + s.rope) ** -0.5
+    outs = [torch.empty(s.num_seqs, s.num_heads, s.rank, dtype=q.dtype, device=q.device) for _, _, q in pair]
+    tickets = torch.zeros(s.num_seqs * s.num_heads, dtype=torch.int32, device="cuda")
+
+    def launch():
+        return [launch_latent(q, cache, batch.block_tables, batch.seq_lens, None, out, scale, s.rank, splits, cfg,
+                              tickets) for (batch, cache, q), out in zip(pair, outs)][-1]
+
+    compiled = launch()
+    graph = _capture(launch, GRAPH_PAIRS)
+    return compiled, lambda: _replay_ms(graph) / (2 * GRAPH_PAIRS)
+
+
+def _capture(fn, times: int) -> torch.cuda.CUDAGraph:
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(times):
+                fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph) -> float:
+    """The median of REPLAYS replays' wall time on the device, after one warm replay."""
+    graph.replay()
+    results = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        results.append(start.elapsed_time(end))
+    return statistics.median(results)
+
+
+def _graph_copy(nbytes: int):
+    """A function timing a device-to-device copy of `nbytes` (ms a copy) from a CUDA graph."""
+    src = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    graph = _capture(lambda: dst.copy_(src), GRAPH_PAIRS)
+    return lambda: _replay_ms(graph) / GRAPH_PAIRS
+
+
+def _occupancy(compiled, programs: int) -> str:
+    """Registers, spills and shared memory of a compiled launch, and how many of its programs an SM
+    holds at once by each (the least binds): too few programs per SM leave bandwidth unused."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    regs, spills = getattr(compiled, "n_regs", 0), getattr(compiled, "n_spills", 0)
+    shared, warps = compiled.metadata.shared, compiled.metadata.num_warps
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // max(1, regs * 32 * warps)
+    by_smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // max(1, shared + 1024)
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+    held = min(by_regs, by_smem, by_threads, 32)
+    slots = held * props.multi_processor_count
+    return (f"{regs} registers, {spills} spilled, {shared // 1024} KiB shared -> {held} a SM (registers "
+            f"{by_regs}, shared {by_smem}, threads {by_threads}); {programs} programs in {slots} slots, "
+            f"{-(-programs // max(1, slots))} wave(s)")
 
 
 def bench_latent_prefill(s: LatentShapes, dtype: torch.dtype) -> list[tuple[str, float, float]]:
