@@ -2,21 +2,26 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from corectl.errors import CorectlError
 
-from . import bench, generate, plan, plugins, proxy, run_batch, serve
 from .vllm_flags import expand_config_file
 
-SUBCOMMANDS = [generate, plugins, serve, proxy, run_batch, plan, bench]
+# Command -> the module that registers and runs it. A command imports only its own module: `serve`
+# does not pay for the benchmarks' imports on every start.
+SUBCOMMANDS = {"generate": "generate", "plugins": "plugins", "serve": "serve", "proxy": "proxy",
+               "run-batch": "run_batch", "plan": "plan", "bench": "bench"}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """corectl's parser: every subcommand, or only `command`'s when one is named."""
     parser = argparse.ArgumentParser(prog="corectl", description="LLM inference and serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in SUBCOMMANDS:
-        module.register(sub)
+    for name, module in SUBCOMMANDS.items():
+        if command in (None, name):
+            importlib.import_module(f"{__package__}.{module}").register(sub)
     return parser
 
 
@@ -26,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     except CorectlError as exc:
         print(f"corectl: error: {exc}", file=sys.stderr)
         return 2
-    parser = build_parser()
+    parser = build_parser(argv[0] if argv and argv[0] in SUBCOMMANDS else None)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         # The subcommand's own usage, which lists the flags it takes (argparse would print corectl's).
