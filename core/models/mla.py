@@ -16,6 +16,13 @@ prefix-cache hits read the same latent rows; it costs prefill more arithmetic pe
 expanded kernel would (rank + rope against nope + rope per head). W_UK and W_UV are read out of
 `kv_b_proj` once its weights are loaded (`absorb_weights`), through the layer's own forward, so a
 quantized `kv_b_proj` (FP8, block-FP8) is dequantized once into them by its own method.
+
+V2 (and V3 with `rope_interleave`) rotates the rope features in pairs (2i, 2i + 1). With dense
+projections, loading reorders their rope output rows into halves (evens, then odds) in q's and
+k's projection alike: scores are unchanged (the same permutation on both sides of each dot
+product) and the rotation becomes the rotate-half one that `RotaryEmbedding` and the installed
+rotary kernel run, one launch for q and k a layer in place of about twenty small torch kernels.
+Quantized projections keep their rows and the pairwise torch rotation.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ import torch
 from torch import nn
 
 from ..attention import ForwardContext, KVCacheLayout
-from .layers import RMSNorm, RotaryEmbedding, _rotate_half
+from .layers import RMSNorm, RotaryEmbedding
 from .llama4 import rotate_pairs
 from .parallel import RowParallelLinear
 
@@ -68,19 +75,37 @@ class MLAttention(nn.Module):
 
     @torch.no_grad()
     def absorb_weights(self) -> None:
-        """W_UK and W_UV out of the loaded `kv_b_proj`, read as its output on the identity (W^T)."""
+        """W_UK and W_UV out of the loaded `kv_b_proj`, read as its output on the identity (W^T);
+        pairwise-rotated rope features of dense projections reordered into halves (module doc)."""
         norm = self.kv_a_layernorm.weight
         eye = torch.eye(self.rank, dtype=norm.dtype, device=norm.device)
         w = self.kv_b_proj(eye).t().reshape(self.num_heads, self.nope + self.v_dim, self.rank)
         self.w_uk.copy_(w[:, :self.nope])
         self.w_uv.copy_(w[:, self.nope:].transpose(1, 2))
+        q_proj = self.q_full_proj if hasattr(self, "q_full_proj") else self.q_b_proj
+        if self.interleave and all(layer.quant_method is None for layer in (q_proj, self.kv_a_proj_with_mqa)):
+            self._rope_rows_to_halves(q_proj, self.kv_a_proj_with_mqa)
+            self.interleave = False
 
-    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _rope_rows_to_halves(self, q_proj: nn.Module, kv_a_proj: nn.Module) -> None:
+        """Reorder the rope output rows of both projections from pairs (2i, 2i + 1) to halves (i,
+        i + rope / 2): the same permutation of q's and k's rope features leaves every score as it
+        was, and a pair rotation of the old order is a rotate-half of the new one."""
+        order = torch.cat((torch.arange(0, self.rope, 2), torch.arange(1, self.rope, 2))).to(q_proj.weight.device)
+        per_head = q_proj.weight.view(self.num_heads, self.qk_dim, -1)[:, self.nope:]
+        per_head.copy_(per_head[:, order])
+        for tensor in (kv_a_proj.weight, getattr(kv_a_proj, "bias", None)):
+            if tensor is not None:
+                tensor[self.rank:].copy_(tensor[self.rank:][order])
+
+    def _rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, rope] and k [T, 1, rope] rotated: rotate-half by the shared rotary module (the
+        installed kernel rotates both in place, in one launch), pairwise where the rows keep pairs."""
+        if not self.interleave:
+            return self.rotary(positions, q, k)
         cos, sin = self.rotary.cos[positions].unsqueeze(1), self.rotary.sin[positions].unsqueeze(1)
-        if self.interleave:
-            half = self.rope // 2
-            return rotate_pairs(x, cos[..., :half], sin[..., :half])
-        return x * cos + _rotate_half(x) * sin
+        half = self.rope // 2
+        return rotate_pairs(q, cos[..., :half], sin[..., :half]), rotate_pairs(k, cos[..., :half], sin[..., :half])
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t, h = hidden.shape[0], self.num_heads
@@ -90,10 +115,10 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         q_nope, q_rot = q.view(t, h, self.qk_dim).split([self.nope, self.rope], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(hidden).split([self.rank, self.rope], dim=-1)
-        k_rot = self._rotate(k_rot.reshape(t, 1, self.rope), positions).view(t, self.rope)
-        rows = torch.cat((self.kv_a_layernorm(latent), k_rot), dim=-1)
+        q_rot, k_rot = self._rotate(positions, q_rot, k_rot.unsqueeze(1))
+        rows = torch.cat((self.kv_a_layernorm(latent), k_rot.squeeze(1)), dim=-1)
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
-        query = torch.cat((q_latent, self._rotate(q_rot, positions)), dim=-1)
+        query = torch.cat((q_latent, q_rot), dim=-1)
         out = ctx.backend.forward_latent(query, rows, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale,
                                          value_dim=self.rank)
         out = torch.bmm(out.transpose(0, 1), self.w_uv).transpose(0, 1)

@@ -1,7 +1,9 @@
-"""DeepSeek's routed experts through the worker's pre-routed MoE kernel (Triton, interpreted) against
-their torch path, for V2's grouped top-k with routed scaling and V3's corrected sigmoid, on both
-kernel paths (one token: pairs; five: sorted); and the model decodes in CUDA graphs only once every
-MoE layer runs that kernel (never with block-FP8 experts, which keep the torch path)."""
+"""DeepSeek's decode step on the worker's kernels (Triton, interpreted) against its torch path: the
+routed experts through the pre-routed MoE kernel, for V2's grouped top-k with routed scaling and
+V3's corrected sigmoid, on both kernel paths (one token: pairs; five: sorted), the model decoding in
+CUDA graphs only once every MoE layer runs that kernel (never with block-FP8 experts, which keep
+the torch path); MLA's pairwise rope rows reordered into halves at load, every score kept, and
+rotated by the rotary kernel in place."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +11,8 @@ import torch
 from corectl.backends.triton.layer_kernels import triton_layer_kernels
 from corectl.models.deepseek import DeepseekExperts
 from corectl.models.kernels import install_layer_kernels
+from corectl.models.layers import RotaryEmbedding
+from corectl.models.mla import MLAttention
 from corectl.models.registry import resolve_model_class
 from corectl.quantization.fp8 import Fp8Config
 from corectl.worker.worker import build_model
@@ -44,3 +48,34 @@ def test_graph_capture_follows_the_experts_kernel(block_fp8):
     assert not model.supports_graph_capture
     install_layer_kernels(model, triton_layer_kernels())
     assert model.supports_graph_capture is not block_fp8
+
+
+def test_rope_rows_reordered_into_halves_keep_every_score_and_rotate_on_the_kernel():
+    torch.manual_seed(12)
+    config = deepseek_config("v2-lite")
+    heads, nope, rope, rank = config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim, 32
+    rotary = RotaryEmbedding(config, rope, 64, torch.float32)
+    attn = MLAttention(config, 0, rotary, interleave=True)
+    with torch.no_grad():
+        for param in attn.parameters():
+            param.copy_(torch.randn(param.shape) * 0.3)
+    positions, hidden = torch.tensor([3, 17, 40]), torch.randn(3, config.hidden_size)
+
+    def rotated():
+        """(q's rope features [T, H, rope], k's [T, rope]) as the forward rotates them, from its views."""
+        q = attn.q_full_proj(hidden).view(3, heads, nope + rope)[..., nope:]
+        k = attn.kv_a_proj_with_mqa(hidden)[:, rank:].unsqueeze(1)
+        q, k = attn._rotate(positions, q, k)
+        return q, k.squeeze(1)
+
+    def scores(q, k):
+        return torch.einsum("thd,sd->ths", q, k)
+
+    pairs = rotated()
+    attn.absorb_weights()
+    assert not attn.interleave
+    halves = rotated()
+    assert_close(scores(*halves), scores(*pairs))
+    rotary.kernels = triton_layer_kernels()
+    for got, expected in zip(rotated(), halves):
+        assert_close(got, expected)
