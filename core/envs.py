@@ -51,9 +51,24 @@ def graph_verify_enabled() -> bool:
 
 
 def lora_sorted_enabled() -> bool:
-    """Decode steps of over 16 tokens run the LoRA kernels on tiles of tokens sorted by adapter
-    (corectl.lora.layers); CORECTL_LORA_SORTED=0 keeps the per-token gathered kernels (for measurement)."""
+    """Decode steps of over 16 tokens, and prefill and mixed steps, run the LoRA kernels on tiles of
+    tokens sorted by adapter (corectl.lora.layers); CORECTL_LORA_SORTED=0 keeps the per-token gathered
+    kernels in decode steps and the segment form in the others (for measurement)."""
     return os.environ.get("CORECTL_LORA_SORTED", "1").lower() not in ("0", "false", "no")
+
+
+def lora_tile_rows() -> tuple[int, int]:
+    """Rows of a sorted LoRA tile (corectl.lora.layers): a decode step's (CORECTL_LORA_TILE, default
+    16) and a prefill or mixed step's (CORECTL_LORA_PREFILL_TILE, default 64; 0 keeps the segment
+    form there, a tile grid per request, for measurement). Each 16, 32, 64 or 128."""
+    tiles = []
+    for name, default in (("CORECTL_LORA_TILE", 16), ("CORECTL_LORA_PREFILL_TILE", 64)):
+        value = int(os.environ.get(name, default))
+        if value not in (16, 32, 64, 128) and not (value == 0 and name == "CORECTL_LORA_PREFILL_TILE"):
+            raise ValueError(f"{name}={value}: expected 16, 32, 64 or 128" +
+                             (" (or 0)" if name == "CORECTL_LORA_PREFILL_TILE" else ""))
+        tiles.append(value)
+    return tiles[0], tiles[1]
 
 
 def lora_stacked(default: bool) -> bool:

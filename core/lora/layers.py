@@ -29,8 +29,9 @@ from ..models.quantizable import QuantizableLinear
 from .punica import LoRASegments, SlotGroup, grouped_lora, sorted_tiles
 
 ADAPTED_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-# Rows of a sorted tile: the kernels' row block (tl.dot takes 16 rows and up).
-TILE_ROWS = 16
+# Decode steps of at most this many tokens keep the gathered form (a program a token): fewer tokens
+# than a tile gain nothing from sorting. tl.dot takes 16 rows and up.
+GATHERED_MAX_TOKENS = 16
 
 
 class LoRABatch:
@@ -39,7 +40,10 @@ class LoRABatch:
     `token_slots` [max_tokens] int32 holds each token row's slot (-1: base only, and every row past
     the step's tokens); `scales` [S] fp32 each slot's scaling. `segments` is the segment form of a
     prefill or mixed step, None in decode steps and graph captures, whose kernels read the static
-    buffers: `token_slots` (the gathered form) and, past TILE_ROWS tokens, the sorted tiles.
+    buffers: `token_slots` (the gathered form) and, past GATHERED_MAX_TOKENS tokens, the sorted tiles
+    of `tile_rows` rows. A prefill or mixed step runs on sorted tiles of `prefill_tile_rows` (its
+    requests' runs are long; a grid over requests x row blocks would launch a program for every row
+    block of the longest prompt for each decode token of the step, nearly all of them empty).
     `groups` are the rows of each slot for the torch path; `active` is False for a step with no
     adapter at all.
     """
@@ -54,11 +58,14 @@ class LoRABatch:
         self.groups: list[SlotGroup] = []
         self.active = True
         self.sorted = envs.lora_sorted_enabled()
-        self.max_tiles = -(-max_tokens // TILE_ROWS) + max_loras
+        # Fixed for the engine's life: a captured graph keeps the tiles of its row count.
+        self.tile_rows, self.prefill_tile_rows = envs.lora_tile_rows()
+        smallest = min(rows for rows in (self.tile_rows, self.prefill_tile_rows) if rows)
+        self.max_tiles = -(-max_tokens // smallest) + max_loras
         # The tiles' starts, lengths and slots, then the sorted order: one buffer, so one copy writes
         # a step's. Zero lengths: no tile, what a replayed graph must see in a step without adapters.
         self._sorted = torch.zeros(3 * self.max_tiles + max_tokens, dtype=torch.int32, device=device)
-        self._tiles: dict[int, LoRASegments] = {}
+        self._tiles: dict[tuple[int, int], LoRASegments] = {}
         # Rows of `token_slots` that may hold a slot other than -1 (the last step with adapters wrote them).
         self._slot_rows = 0
 
@@ -66,9 +73,10 @@ class LoRABatch:
         """Back to the state a captured decode graph is recorded in: every kernel runs on the static buffers."""
         self.segments, self.groups, self.active = None, [], True
 
-    def write_slots(self, token_slots: np.ndarray, tiles: bool) -> None:
+    def write_slots(self, token_slots: np.ndarray, tiles: bool, prefill: bool = False) -> None:
         """A step's token slots into the static buffers (rows past them back to -1), with the sorted
-        tiles where `tiles` (the kernels read them); each one host-to-device copy."""
+        tiles where `tiles` (the kernels read them; a prefill or mixed step's of `prefill_tile_rows`);
+        each one host-to-device copy."""
         num_tokens = token_slots.shape[0]
         rows = max(num_tokens, self._slot_rows)
         if rows:
@@ -76,8 +84,9 @@ class LoRABatch:
             padded[:num_tokens] = token_slots
             self.token_slots[:rows].copy_(torch.from_numpy(padded), non_blocking=True)
         self._slot_rows = num_tokens
-        if tiles and self.sorted:
-            order, step_tiles = sorted_tiles(token_slots, TILE_ROWS)
+        tile_rows = self._step_tile_rows(prefill)
+        if tiles and tile_rows:
+            order, step_tiles = sorted_tiles(token_slots, tile_rows)
             host = np.zeros(3 * self.max_tiles + order.shape[0], dtype=np.int32)
             host[:3 * self.max_tiles].reshape(3, self.max_tiles)[:, :step_tiles.shape[1]] = step_tiles
             host[3 * self.max_tiles:] = order
@@ -91,18 +100,27 @@ class LoRABatch:
             self._sorted[:3 * self.max_tiles].zero_()
             self._slot_rows = 0
 
+    def _step_tile_rows(self, prefill: bool) -> int:
+        """Rows of the sorted tiles of a (prefill or mixed, else decode) step; 0: no sorted tiles."""
+        if not self.sorted:
+            return 0
+        return self.prefill_tile_rows if prefill else self.tile_rows
+
     def kernel_layout(self, num_tokens: int) -> LoRASegments | None:
         """The layout the kernels take for a forward pass of `num_tokens` rows: a prefill or mixed
-        step's segments; in a decode step or a graph capture, the sorted tiles past TILE_ROWS rows (a
-        captured graph keeps the form of its row count), else None: the gathered form, a program a
-        token (fewer tokens than a tile gain nothing from sorting)."""
-        if self.segments is not None or not self.sorted or num_tokens <= TILE_ROWS:
+        step's sorted tiles (its segments where those are off); in a decode step or a graph capture,
+        the sorted tiles past GATHERED_MAX_TOKENS rows (a captured graph keeps the form of its row
+        count), else None: the gathered form, a program a token."""
+        prefill = self.segments is not None
+        tile_rows = self._step_tile_rows(prefill)
+        if not tile_rows or (not prefill and num_tokens <= GATHERED_MAX_TOKENS):
             return self.segments
-        count = min(self.max_tiles, -(-num_tokens // TILE_ROWS) + min(self.max_loras, num_tokens))
-        if count not in self._tiles:
+        count = min(self.max_tiles, -(-num_tokens // tile_rows) + min(self.max_loras, num_tokens))
+        if (count, tile_rows) not in self._tiles:
             starts, lens, slots = (self._sorted[j * self.max_tiles:j * self.max_tiles + count] for j in range(3))
-            self._tiles[count] = LoRASegments(starts, lens, slots, TILE_ROWS, self._sorted[3 * self.max_tiles:])
-        return self._tiles[count]
+            self._tiles[count, tile_rows] = LoRASegments(starts, lens, slots, tile_rows,
+                                                         self._sorted[3 * self.max_tiles:])
+        return self._tiles[count, tile_rows]
 
 
 class LoRALinear(UsesLayerKernels, nn.Module):

@@ -5,8 +5,8 @@ LoRA layers read (`max_loras`). Before each forward pass `prepare` makes the ste
 resident (the scheduler never puts more than `max_loras` distinct adapters in one step, so the
 least recently used slot outside the step can always be taken), then writes the step's layout
 into the shared `LoRABatch`: each token row's slot and, for the kernels, the rows sorted by slot
-in tiles (the decode form), the segment form for a prefill or mixed step, and the per-slot row
-groups of the torch path.
+in tiles (longer ones in a prefill or mixed step), the segment form for a prefill or mixed step,
+and the per-slot row groups of the torch path.
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ class AdapterManager:
         lens = np.array(host.query_lens, dtype=np.int32)
         starts = np.asarray(host.query_start_loc[:-1], dtype=np.int32)
         torch_path = self._torch_path()
-        batch.write_slots(np.repeat(req_slots, lens), tiles=not torch_path)
+        batch.write_slots(np.repeat(req_slots, lens), tiles=not torch_path, prefill=host.max_query_len > 1)
         keep = req_slots >= 0
         if host.max_query_len > 1:
             (segments,) = to_device([np.stack([starts[keep], lens[keep], req_slots[keep]])])

@@ -21,6 +21,7 @@ from corectl.lora.punica import LoRASegments
 
 from ..checks import check_float, check_same_device, require
 from .checks import check_slots
+from .config import SortedConfig, sorted_config, warps_for
 from .segments import segment_tile
 
 _GATHER_BLOCK_N = 128
@@ -28,8 +29,6 @@ _GATHER_BLOCK_N = 128
 _TILE_ELEMENTS = 8192
 _SEGMENT_BLOCK_M = 16
 _SEGMENT_BLOCK_N = 64
-# Programs a sorted expand aims for (a few per H100 multiprocessor).
-_SORTED_TARGET_PROGRAMS = 1024
 MAX_SLICES = 3
 
 
@@ -107,12 +106,13 @@ def _expand_segment_kernel(xa_ptr, b_ptr, scales_ptr, starts_ptr, lens_ptr, seg_
 
 def lora_expand(xa: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, token_slots: torch.Tensor,
                 segments: LoRASegments | None, out: torch.Tensor, slice_sizes: Sequence[int] | None = None,
-                check_indices: bool = False) -> None:
+                check_indices: bool = False, config: SortedConfig | None = None) -> None:
     """out [T, N] += (sum_p xa[p] [T, n*R] slice j @ b[slot] [N, R] rows of slice j .T) * scales[slot]
     for rows with a slot >= 0, in place. `slice_sizes` (default: one slice of N) are the n slices'
     widths in `out`'s columns, in order; out may be a column slice of a larger tensor. In the
     gathered form xa may also be [P, T, S*n*R], every slot's columns side by side (a batch-1 step's
-    stacked GEMV computes them all), of which each row reads its slot's."""
+    stacked GEMV computes them all), of which each row reads its slot's. `config`: sorted tiles' launch
+    knobs (default: `sorted_config` of the tiles)."""
     check_float("xa", xa, 3)
     check_float("b", b, 3)
     check_float("out", out, 2)
@@ -147,14 +147,17 @@ def lora_expand(xa: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, token_s
         return
     ordered = segments.order is not None
     block_m = max(16, triton.next_power_of_2(segments.max_len)) if ordered else _SEGMENT_BLOCK_M
+    config = (config or sorted_config(block_m)) if ordered else None
     block_r = max(16, triton.next_power_of_2(rank))
-    block_n = max(16, min(_SEGMENT_BLOCK_N, _TILE_ELEMENTS // block_r, triton.next_power_of_2(n_out)))
+    widest = _SEGMENT_BLOCK_N if config is None else config.block_n
+    block_n = max(16, min(widest, _TILE_ELEMENTS // block_r, triton.next_power_of_2(n_out)))
     row_blocks = triton.cdiv(segments.max_len, block_m)
     n_blocks = triton.cdiv(n_out, block_n)
-    # A sorted decode step's tile covers several output blocks, loading its partial sums once.
-    per_program = triton.cdiv(segments.num_segments * n_blocks, _SORTED_TARGET_PROGRAMS) if ordered else 1
+    # A sorted tile's program covers several output blocks, loading its partial sums once.
+    per_program = 1 if config is None else triton.cdiv(segments.num_segments * n_blocks, config.expand_programs)
     grid = (segments.num_segments, row_blocks, triton.cdiv(n_blocks, per_program))
     order = segments.starts if segments.order is None else segments.order
     _expand_segment_kernel[grid](
         xa, b, scales, segments.starts, segments.lens, segments.slots, order, out, *common, per_program * block_n,
-        NUM_SLICES=len(sizes), ORDERED=ordered, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=4)
+        NUM_SLICES=len(sizes), ORDERED=ordered, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        num_warps=warps_for(block_m))

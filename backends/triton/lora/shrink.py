@@ -24,6 +24,7 @@ from corectl.lora.punica import LoRASegments
 
 from ..checks import check_float, check_same_device, require
 from .checks import check_slots
+from .config import SortedConfig, sorted_config, warps_for
 from .segments import segment_tile
 
 _GATHER_BLOCK_K = 256
@@ -35,10 +36,6 @@ _TARGET_PROGRAMS = 1024
 MAX_SPLITS = 64
 _SEGMENT_BLOCK_M = 32
 _SEGMENT_BLOCK_K = 64
-# A sorted decode step's programs and splits: its expand loads every split's partial sums once a
-# program (8 splits of a 16-row tile at rank 16: 8 KB a slice).
-_SORTED_TARGET_PROGRAMS = 192
-_SORTED_MAX_SPLITS = 8
 
 
 @triton.jit
@@ -93,12 +90,12 @@ def _shrink_segment_kernel(x_ptr, a_ptr, starts_ptr, lens_ptr, seg_slots_ptr, or
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, segments: LoRASegments | None = None,
-                check_indices: bool = False, gated: bool = False) -> torch.Tensor:
+                check_indices: bool = False, gated: bool = False, config: SortedConfig | None = None) -> torch.Tensor:
     """x [T, K], a [S, R, K], token_slots [T] int32 (-1: base) -> fp32 partial sums [P, T, R] whose
     sum over P is x @ a[slot].T per row (zero on base rows). With `segments` the segment form runs
     (P = 1; rows outside every segment are zero). `check_indices` reads the slots back to check
     their range (a host sync). `gated`: x is a gated MLP's [T, 2K] (gate | up), and silu(gate) * up
-    takes its place."""
+    takes its place. `config`: sorted tiles' launch knobs (default: `sorted_config` of the tiles)."""
     check_float("x", x, 2)
     check_float("a", a, 3)
     require(a.stride(1) == a.shape[2] or a.shape[1] <= 1, f"a's rows must be contiguous, got strides {a.stride()}")
@@ -108,7 +105,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, seg
     check_slots(token_slots, x.shape[0], a.shape[0], segments, check_indices)
     if segments is None:
         return _shrink_gathered(x, a, token_slots, gated)
-    return _shrink_segments(x, a, segments, gated)
+    return _shrink_segments(x, a, segments, gated, config)
 
 
 def _splits(k: int, block_k: int, programs: int, target: int = _TARGET_PROGRAMS,
@@ -134,7 +131,8 @@ def _shrink_gathered(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor
     return out
 
 
-def _shrink_segments(x: torch.Tensor, a: torch.Tensor, segments: LoRASegments, gated: bool) -> torch.Tensor:
+def _shrink_segments(x: torch.Tensor, a: torch.Tensor, segments: LoRASegments, gated: bool,
+                     config: SortedConfig | None) -> torch.Tensor:
     num_tokens, (rank, k) = x.shape[0], a.shape[1:]
     ordered = segments.order is not None
     if not (segments.num_segments and segments.max_len and rank):
@@ -146,7 +144,11 @@ def _shrink_segments(x: torch.Tensor, a: torch.Tensor, segments: LoRASegments, g
     row_blocks = triton.cdiv(segments.max_len, block_m)
     # One 512-token prompt is 16 row blocks: its reduction is split too.
     programs = segments.num_segments * row_blocks * rank_blocks
-    target, most = (_SORTED_TARGET_PROGRAMS, _SORTED_MAX_SPLITS) if ordered else (_TARGET_PROGRAMS, MAX_SPLITS)
+    if ordered:
+        config = config or sorted_config(block_m)
+        target, most = config.shrink_programs, config.shrink_splits
+    else:
+        target, most = _TARGET_PROGRAMS, MAX_SPLITS
     k_per_split, splits = _splits(k, block_k, programs, target, most)
     # Rows outside every segment stay zero in every split; sorted tiles (a decode step's, whose graph
     # must not grow by a fill) leave them unwritten, as the expand never reads them.
@@ -156,7 +158,7 @@ def _shrink_segments(x: torch.Tensor, a: torch.Tensor, segments: LoRASegments, g
     _shrink_segment_kernel[(segments.num_segments, row_blocks, splits * rank_blocks)](
         x, a, segments.starts, segments.lens, segments.slots, order, out, k, rank, k_per_split, x.stride(0),
         a.stride(0), a.stride(1), out.stride(0), out.stride(1), rank_blocks, GATED=gated, ORDERED=ordered,
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps_for(block_m))
     # The segment expand would read every split once per output block: they are summed once here.
     # A sorted expand program covers many output blocks and sums them itself, without a launch more.
     return out if ordered or splits == 1 else out.sum(0, keepdim=True)

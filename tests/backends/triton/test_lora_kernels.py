@@ -3,20 +3,23 @@ import numpy as np
 import pytest
 import torch
 from corectl.backends.triton.lora import lora_expand, lora_shrink
-from corectl.backends.triton.lora import expand as expand_module
-from corectl.lora.layers import TILE_ROWS
+from corectl.backends.triton.lora.config import SortedConfig
 from corectl.lora.punica import LoRASegments, expand_reference, shrink_reference, sorted_tiles
 
 DTYPES = [torch.float32, torch.bfloat16]
-FORMS = ["gathered", "segment", "sorted"]
+# Sorted tiles of a decode step (16 rows), of W10's decode tile (32) and of a mixed step's (64 rows:
+# the kernels' prefill knobs and row blocks).
+TILES = {"sorted": 16, "sorted32": 32, "sorted_mixed": 64}
+FORMS = ["gathered", "segment", *TILES]
 # Requests of 3, 1, 5 and 2 tokens: adapter slot 1, base, slot 0, slot 1 again.
 REQUESTS = [(3, 1), (1, -1), (5, 0), (2, 1)]
-# A decode step of 37 tokens, slots unsorted: slot 1's 19 rows are two tiles of TILE_ROWS.
+# A decode step of 37 tokens, slots unsorted: slot 1's 19 rows are two tiles of 16.
 DECODE = [(1, s) for s in [1, -1, 0, 1, 1, 2] * 6 + [1]]
 
 
 def _requests(form: str, requests=REQUESTS):
-    return {"gathered": [(1, s) for _, s in requests], "segment": requests, "sorted": DECODE}[form]
+    return {"gathered": [(1, s) for _, s in requests], "segment": requests, "sorted": DECODE, "sorted32": DECODE,
+            "sorted_mixed": requests + DECODE[:8]}[form]
 
 
 def _layout(requests, form: str):
@@ -24,12 +27,12 @@ def _layout(requests, form: str):
     as_i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     if form == "gathered":
         return slots, None
-    if form == "sorted":
+    if form in TILES:
         # Padded as LoRABatch pads a graph's tiles: zero-length tiles past the step's.
-        order, tiles = sorted_tiles(slots.numpy(), TILE_ROWS)
+        order, tiles = sorted_tiles(slots.numpy(), TILES[form])
         padded = torch.zeros(3, tiles.shape[1] + 2, dtype=torch.int32)
         padded[:, :tiles.shape[1]] = torch.from_numpy(tiles)
-        return slots, LoRASegments(padded[0], padded[1], padded[2], TILE_ROWS, torch.from_numpy(order))
+        return slots, LoRASegments(padded[0], padded[1], padded[2], TILES[form], torch.from_numpy(order))
     starts, lens, seg_slots, start = [], [], [], 0
     for n, s in requests:
         if s >= 0:
@@ -39,9 +42,9 @@ def _layout(requests, form: str):
 
 
 def test_sorted_tiles_cover_each_slots_rows():
-    """Every adapted row once, in tiles of one slot and at most TILE_ROWS rows; base rows in none."""
+    """Every adapted row once, in tiles of one slot and at most 16 rows; base rows in none."""
     slots = torch.tensor([s for _, s in DECODE], dtype=torch.int32).numpy()
-    order, (starts, lens, tile_slots) = sorted_tiles(slots, TILE_ROWS)
+    order, (starts, lens, tile_slots) = sorted_tiles(slots, 16)
     assert sorted(order.tolist()) == [i for i, s in enumerate(slots) if s >= 0]
     assert lens.tolist() == [6, 16, 3, 6] and tile_slots.tolist() == [0, 1, 1, 2]
     for start, length, slot in zip(starts, lens, tile_slots):
@@ -58,7 +61,7 @@ def test_shrink_matches_reference(dtype, form, rank, assert_close):
     parts = lora_shrink(x, a, slots, segments, check_indices=True)
     assert parts.dtype == torch.float32 and parts.shape[1:] == (slots.shape[0], rank)
     adapted = slots >= 0
-    if form != "sorted":  # sorted tiles leave base rows unwritten: the expand never reads them
+    if form not in TILES:  # sorted tiles leave base rows unwritten: the expand never reads them
         assert (parts[:, ~adapted] == 0).all()
     # The interpreter sums in another order than the reference's bmm; inputs are exact in fp32.
     torch.testing.assert_close(parts.sum(0)[adapted], shrink_reference(x, a, slots)[adapted], rtol=1e-4, atol=1e-4)
@@ -129,13 +132,13 @@ def test_expand_adds_every_slice(dtype, form, rank, assert_close):
     _check_expand(out, before, expected, slots, dtype, assert_close)
 
 
-def test_sorted_expand_program_covers_several_output_blocks(monkeypatch, assert_close):
+def test_sorted_expand_program_covers_several_output_blocks(assert_close):
     """A sorted tile's program loops over output blocks of 64 columns (here two a program), each
     column in one slice: slices of 40, 72 and 24 columns cross the blocks' and programs' bounds."""
-    monkeypatch.setattr(expand_module, "_SORTED_TARGET_PROGRAMS", 10)
     (parts, b, scales, slots, segments, out), expected = _expand_case("sorted", 16, [40, 72, 24], torch.float32)
     before = out.clone()
-    lora_expand(parts, b, scales, slots, segments, out[:, 8:144], [40, 72, 24], check_indices=True)
+    lora_expand(parts, b, scales, slots, segments, out[:, 8:144], [40, 72, 24], check_indices=True,
+                config=SortedConfig(192, 8, 10))
     _check_expand(out, before, expected, slots, torch.float32, assert_close)
 
 
@@ -156,11 +159,14 @@ def test_launchers_name_bad_arguments():
                     torch.zeros(4, 10), [6, 6])
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_layer_with_kernels_matches_torch_path(form):
+@pytest.mark.parametrize("form, tiles", [("gathered", "16,64"), ("segment", "16,0"), ("segment", "16,64"),
+                                         ("sorted", "16,64"), ("sorted", "32,64")])
+def test_layer_with_kernels_matches_torch_path(form, tiles, monkeypatch):
     """A packed qkv layer with three adapters in slots: the Triton kernels (installed as layer
-    kernels) add what the grouped torch path adds, into the q, k and v slices. Decode steps take the
-    layout LoRABatch writes: gathered up to TILE_ROWS tokens, sorted tiles past it."""
+    kernels) add what the grouped torch path adds, into the q, k and v slices. Steps take the
+    layout LoRABatch writes: a decode step gathered up to 16 tokens, sorted tiles of the decode tile
+    rows past it; a prefill or mixed step sorted tiles of the prefill tile rows, or its segments
+    (CORECTL_LORA_PREFILL_TILE=0). `tiles`: the decode and prefill tile rows."""
     from corectl.backends.triton.layer_kernels import triton_layer_kernels
     from corectl.lora.layers import LoRABatch, attach_lora
     from corectl.lora.manager import slot_groups
@@ -170,6 +176,9 @@ def test_layer_with_kernels_matches_torch_path(form):
     model = nn.Module()
     model.qkv_proj = PackedLinear(32, {"q": 32, "k": 16, "v": 16}, bias=False, unit=8)
     nn.init.normal_(model.qkv_proj.weight)
+    decode_tile, prefill_tile = tiles.split(",")
+    monkeypatch.setenv("CORECTL_LORA_TILE", decode_tile)
+    monkeypatch.setenv("CORECTL_LORA_PREFILL_TILE", prefill_tile)
     batch = LoRABatch(max_loras=3, max_tokens=48, device=torch.device("cpu"))
     modules = attach_lora(model, batch, max_loras=3, max_rank=16, dtype=torch.float32, device=torch.device("cpu"))
     for slot, rank in enumerate([8, 16, 4]):
@@ -182,14 +191,18 @@ def test_layer_with_kernels_matches_torch_path(form):
     requests = _requests(form, REQUESTS + [(2, 2)])
     slots, segments = _layout(requests, form)
     num_tokens = slots.shape[0]
-    batch.write_slots(slots.numpy(), tiles=True)
+    batch.write_slots(slots.numpy(), tiles=True, prefill=form == "segment")
     starts = torch.tensor([0] + [n for n, _ in requests]).cumsum(0)[:-1].to(torch.int32).numpy()
     lens = torch.tensor([n for n, _ in requests], dtype=torch.int32).numpy()
     req_slots = torch.tensor([s for _, s in requests], dtype=torch.int32).numpy()
     keep = req_slots >= 0
     batch.groups = slot_groups(starts[keep], lens[keep], req_slots[keep], torch.device("cpu"))
     batch.segments, batch.active = (segments if form == "segment" else None), True
-    assert (batch.kernel_layout(num_tokens) is None) == (form == "gathered")
+    layout = batch.kernel_layout(num_tokens)
+    assert (layout is None) == (form == "gathered")
+    # The segment form where prefill tiles are off; sorted tiles of the step's kind's rows elsewhere.
+    expected_rows = {"gathered": None, "segment": int(prefill_tile) or None, "sorted": int(decode_tile)}[form]
+    assert (None if layout is None or layout.order is None else layout.max_len) == expected_rows
     x = torch.randn(num_tokens, 32)
     torch_path = model.qkv_proj(x)
     model.qkv_proj.kernels = triton_layer_kernels()
