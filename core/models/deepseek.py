@@ -80,12 +80,22 @@ class DeepseekExperts(FusedMoE):
         host); block-FP8 experts keep the torch path, which dequantizes each expert as it reads it."""
         return self.kernels is not None and self.kernels.fused_moe_routed is not None and self.weight_block is None
 
+    @property
+    def plain_routing(self) -> bool:
+        """V2's greedy rule unscaled (V2-Lite): a softmax top-k, which the installed kernel routes
+        itself in one launch."""
+        return (self.e_score_correction_bias is None and getattr(self.config, "topk_method", "greedy") == "greedy"
+                and self.config.routed_scaling_factor == 1.0)
+
     def run_experts(self, hidden: torch.Tensor, router_logits: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
                     down_scale: torch.Tensor | None = None) -> torch.Tensor:
+        scales = {} if gate_up_scale is None else {"gate_up_scale": gate_up_scale, "down_scale": down_scale}
+        if self.runs_kernel and self.plain_routing:
+            return self.kernels.fused_moe(hidden, self.gate_up_proj, self.down_proj, router_logits, self.top_k,
+                                          False, **scales)
         correction = None if self.e_score_correction_bias is None else self.e_score_correction_bias.float()
         weights, ids = select_deepseek_experts(router_logits, self.config, correction)
         if self.runs_kernel:
-            scales = {} if gate_up_scale is None else {"gate_up_scale": gate_up_scale, "down_scale": down_scale}
             return self.kernels.fused_moe_routed(hidden, self.gate_up_proj, self.down_proj, weights, ids, **scales)
         return fused_moe_torch(hidden, self.gate_up_proj, self.down_proj, weights, ids, gate_up_scale, down_scale,
                                weight_block=self.weight_block)
