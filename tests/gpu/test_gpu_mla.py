@@ -26,10 +26,11 @@ def test_latent_kernel_matches_the_reference_at_v2_lite_shape():
     assert all(error < 1e-2 for _, error in results), results
 
 
-def test_split_decode_replays_in_a_cuda_graph_with_persistent_tickets():
-    """The one-launch split decode (its last split program combines) captured as the engine captures
-    it, over the backend's kind of persistent tickets: replays before and after the contexts shrink
-    equal eager launches bit for bit, and leave the tickets zeroed."""
+@pytest.mark.parametrize("splits", [8, 16])
+def test_split_decode_replays_in_a_cuda_graph_with_persistent_tickets(splits):
+    """The split decode captured as the engine captures it, its last split program combining (8
+    splits, over the backend's kind of persistent tickets) or a combine launch after it (16): replays
+    before and after the contexts shrink equal eager launches bit for bit, the tickets left zeroed."""
     from corectl.backends.triton.attention.latent_attention import paged_latent_attention
 
     torch.manual_seed(0)
@@ -40,7 +41,7 @@ def test_split_decode_replays_in_a_cuda_graph_with_persistent_tickets():
 
     def decode(**buffers):
         return paged_latent_attention(q, cache, batch.block_tables, batch.seq_lens, None, 0.1, rank=s.rank,
-                                      max_seq_len=s.context, num_splits=8, check_indices=False, **buffers)
+                                      max_seq_len=s.context, num_splits=splits, check_indices=False, **buffers)
 
     decode(out=out, tickets=tickets)
     graph = torch.cuda.CUDAGraph()

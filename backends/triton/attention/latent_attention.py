@@ -10,8 +10,9 @@ Grid (query tile, head block, split): a program holds the heads of one head bloc
 tokens of its tile (rows = tokens x heads) and walks one contiguous partition of the keys they
 see, in tiles of BLOCK_N, looking each key's page up in the block table, so a key tile is read once
 for all of them. A decode step (one token per sequence, tile = sequence) splits long contexts like
-`decode_attention`, and the last split program of a tile to finish (an atomic ticket per tile and
-head block) combines the partial outputs: one launch a step, no combine launch after it. A prefill or mixed
+`decode_attention`; with up to FUSED_SPLITS splits the last split program of a tile to finish (an
+atomic ticket per tile and head block) combines the partial outputs, so the step is one launch,
+past it the decode kernel's combine launch does. A prefill or mixed
 step takes tiles of several tokens of one sequence, numbered and found as the prefill kernel's
 (`query_tile`), unsplit, each row masked at its own position: a chunked prefill or a
 prefix-cache hit is the same code. vLLM expands the latent into per-head K/V for prefill instead,
@@ -30,9 +31,15 @@ import triton
 import triton.language as tl
 
 from ..checks import check_float, check_index, check_range, check_same_device, require
-from .decode_attention import MAX_SPLITS, choose_decode_splits
+from .decode_attention import MAX_SPLITS, _combine_splits_kernel, choose_decode_splits
 from .prefill_attention import query_tile
 from .paged_softmax import LOG2E, dot_dtype, head_block
+
+
+# Up to this many splits the last split program of a sequence combines them (one launch); past it
+# that one program's serial pass over the partials would cost more than a combine launch spread
+# over the heads (a batch-1 decode graph splits by the model's max length, up to MAX_SPLITS ways).
+FUSED_SPLITS = 8
 
 
 class LatentConfig(NamedTuple):
@@ -98,7 +105,8 @@ def _latent_kernel(
     num_seqs, num_heads, stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_tok, stride_table,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, HEADS: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr, DECODE: tl.constexpr, EVEN: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, FUSED_COMBINE: tl.constexpr, DOT_DTYPE: tl.constexpr, DECODE: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
     # Row m is head (m % HEADS) of this program's head block for query token (m // HEADS) of its tile.
     tile = tl.program_id(0)
@@ -155,22 +163,24 @@ def _latent_kernel(
     if NUM_SPLITS == 1:
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:
-        # A row that saw no key (an empty split past a short context) stores its -inf only: the
-        # combine never reads its output.
         first_row = (seq * num_heads + heads) * NUM_SPLITS
-        tl.store(part_out_ptr + (first_row + split)[:, None] * RANK + offs_r[None, :], out,
-                 mask=row_mask & (l_i > 0.0)[:, None])
         lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(part_lse_ptr + first_row + split, lse, mask=m_mask)
-        # The last of the splits to finish combines them, so a decode step is one launch: every
-        # thread's stores precede the ticket (barrier, then a release at GPU scope), and the ticket
-        # goes back to 0 for the next launch.
-        tl.debug_barrier()
-        ticket = tickets_ptr + tile * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            _combine_splits(part_out_ptr, part_lse_ptr, dst, first_row, m_mask, offs_r, r_mask, RANK, NUM_SPLITS,
-                            BLOCK_M, BLOCK_R)
-            tl.store(ticket, 0)
+        if FUSED_COMBINE:
+            # A row that saw no key (an empty split past a short context) stores its -inf only: this
+            # combine never reads its output.
+            tl.store(part_out_ptr + (first_row + split)[:, None] * RANK + offs_r[None, :], out,
+                     mask=row_mask & (l_i > 0.0)[:, None])
+            # The last of the splits to finish combines them: every thread's stores precede the
+            # ticket (barrier, then a release at GPU scope), and the ticket goes back to 0.
+            tl.debug_barrier()
+            ticket = tickets_ptr + tile * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+                _combine_splits(part_out_ptr, part_lse_ptr, dst, first_row, m_mask, offs_r, r_mask, RANK,
+                                NUM_SPLITS, BLOCK_M, BLOCK_R)
+                tl.store(ticket, 0)
+        else:
+            tl.store(part_out_ptr + (first_row + split)[:, None] * RANK + offs_r[None, :], out, mask=row_mask)
 
 
 @triton.jit
@@ -218,9 +228,9 @@ def paged_latent_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     prefill or mixed step; None for a decode step (token i is sequence i's last position), the only
     kind that splits (`num_splits`, else chosen from `max_seq_len`). Returns `out` [T, num_heads, rank].
     `check_indices` reads the index tensors back to validate them (a GPU synchronisation).
-    `tickets`: int32 zeros that a split decode counts its finished splits on (T x head blocks of
-    them) and leaves zeroed; a caller decoding repeatedly (the backend, CUDA graphs) keeps them;
-    None, or too few, allocates them.
+    `tickets`: int32 zeros that a decode split at most FUSED_SPLITS ways counts its finished splits
+    on (T x head blocks of them) and leaves zeroed; a caller decoding repeatedly (the backend, CUDA
+    graphs) keeps them; None, or too few, allocates them.
     """
     num_blocks, block_size, width = check_latent_cache(kv_cache)
     require(0 < rank < width, f"rank must lie in (0, {width}), got {rank}")
@@ -259,11 +269,14 @@ def paged_latent_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     return out
 
 
-def _split_buffers(q: torch.Tensor, rank: int, splits: int, head_blocks: int, tickets: torch.Tensor | None):
+def _split_buffers(q: torch.Tensor, rank: int, splits: int, head_blocks: int, tickets: torch.Tensor | None,
+                   fused: bool):
     """(partial outputs, their log-sum-exps, tickets) of a decode split `splits` ways."""
     num_tokens, num_heads, _ = q.shape
     part_out = torch.empty((num_tokens, num_heads, splits, rank), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
+    if not fused:
+        return part_out, part_lse, part_lse
     if tickets is None or tickets.numel() < num_tokens * head_blocks:
         return part_out, part_lse, torch.zeros(num_tokens * head_blocks, dtype=torch.int32, device=q.device)
     require(tickets.dtype == torch.int32 and tickets.device == q.device and tickets.is_contiguous(),
@@ -280,17 +293,25 @@ def launch_latent(q, kv_cache, block_tables, seq_lens, query_start_loc, out, sca
     heads = min(cfg.block_h, triton.next_power_of_2(num_heads))
     block_q = 1 if decode else max(1, cfg.rows // heads)
     head_blocks = triton.cdiv(num_heads, heads)
+    fused = 1 < splits <= FUSED_SPLITS
     part_out, part_lse, tickets = (out, out, seq_lens) if splits == 1 else _split_buffers(q, rank, splits,
-                                                                                         head_blocks, tickets)
+                                                                                         head_blocks, tickets, fused)
     # Prefill tiles are numbered as the prefill kernel's: the grid depends only on T and B.
     tiles = num_tokens if decode else num_tokens // block_q + block_tables.shape[0]
-    return _latent_kernel[(tiles, head_blocks, splits)](
+    kernel = _latent_kernel[(tiles, head_blocks, splits)](
         q, kv_cache, block_tables, seq_lens, seq_lens if decode else query_start_loc, out,
         part_out, part_lse, tickets, scale * LOG2E, block_tables.shape[0], num_heads, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
         RANK=rank, ROPE=rope, BLOCK_R=head_block(rank), BLOCK_P=head_block(rope), HEADS=heads, BLOCK_Q=block_q,
         BLOCK_M=max(16, block_q * heads), BLOCK_N=cfg.block_n, BLOCK_SIZE=kv_cache.shape[2], NUM_SPLITS=splits,
-        DOT_DTYPE=dot_dtype(q.dtype, q.device), DECODE=decode,
+        FUSED_COMBINE=fused, DOT_DTYPE=dot_dtype(q.dtype, q.device), DECODE=decode,
         EVEN=head_block(rank) == rank and head_block(rope) == rope,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if splits > 1 and not fused:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            part_out, part_lse, out, out, out.stride(0), num_heads,
+            HEAD_DIM=rank, BLOCK_D=head_block(rank), NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+            HAS_SINKS=False, PDL=False, num_warps=4,
+        )
+    return kernel

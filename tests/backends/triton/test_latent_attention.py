@@ -6,7 +6,7 @@ import torch
 from corectl.attention import AttentionBatch
 from corectl.backends.cpu.attention import TorchSDPABackend
 from corectl.backends.triton.attention.backend import TritonAttentionBackend
-from corectl.backends.triton.attention.latent_attention import LatentConfig, paged_latent_attention
+from corectl.backends.triton.attention.latent_attention import FUSED_SPLITS, LatentConfig, paged_latent_attention
 from corectl.backends.triton.bench.paged_batch import random_paged_batch
 from corectl.backends.triton.reference import causal_attention_ref
 
@@ -44,12 +44,12 @@ def test_decode_matches_reference(dtype, num_splits, assert_close):
 def test_split_decodes_combine_in_their_last_program_and_leave_the_tickets_zeroed(block_h, assert_close):
     """One tickets buffer through decodes split 5 and 2 ways (1 or 5 head blocks a token, a padding
     row, a context shorter than its splits): every launch combines and hands the tickets back zeroed;
-    too few tickets for the launch are replaced by its own."""
+    too few tickets for the launch are replaced by its own. Past FUSED_SPLITS a combine launch follows."""
     seq_lens = [61, 3, 0, 30]
     batch, cache, q = _latent_batch(seq_lens, [1, 1, 0, 1], torch.float32)
     q = torch.cat((q[:2], torch.randn(1, HEADS, RANK + ROPE), q[2:]))
     rows, tickets = [0, 1, 3], torch.zeros(32, dtype=torch.int32)
-    for splits, buffer in ((5, tickets), (2, tickets), (3, tickets[:3])):
+    for splits, buffer in ((5, tickets), (2, tickets), (3, tickets[:3]), (FUSED_SPLITS + 1, tickets)):
         out = paged_latent_attention(q, cache, batch.block_tables, batch.seq_lens, None, SCALE, rank=RANK,
                                      max_seq_len=max(seq_lens), num_splits=splits,
                                      config=LatentConfig(block_h=block_h), tickets=buffer)
