@@ -76,6 +76,8 @@ variant() {  # the switches of one stage: engine options into ENGINE, environmen
       eagerverify) export CORECTL_GRAPH_VERIFY=0 ;;                         # verify steps outside the decode graphs
       unsorted) export CORECTL_LORA_SORTED=0 ;;                             # LoRA decode steps keep the gathered kernels
       unstacked) export CORECTL_LORA_STACKED=0 ;;                           # LoRA A apart from the base weight (batch-1 shrink launch)
+      tile32) export CORECTL_LORA_TILE=32 ;;                                # LoRA decode steps' sorted tiles of 32 rows (default 16)
+      segprefill) export CORECTL_LORA_PREFILL_TILE=0 ;;                     # LoRA prefill/mixed steps in the segment form (no sorted tiles)
       eager) ENGINE+=(--enforce-eager) ;;                                   # no CUDA graphs at all
       inv) ENGINE+=(--batch-invariant) ;;                                   # batch-invariant kernels
       uv) [ -d /tmp/site-uv ] || { echo "uv needs .whl/uv/ (uvloop, httptools)"; return 1; }
@@ -374,7 +376,8 @@ stage_sweep() {
     invgemm) timeout 300 python3 benchmarks/invariant_gemm_bench.py ;;
     invgemmcfg) timeout 500 python3 benchmarks/invariant_gemm_bench.py --sweep ;;
     fp8block) timeout 300 python3 benchmarks/fp8_block_bench.py ;;
-    *) echo "sweep:NAME, NAME one of w4a16 fp8 dense moe moefine decode w8a16 fp8accum invgemm invgemmcfg fp8block"; return 1 ;;
+    lora) timeout 400 python3 benchmarks/lora_bench.py ;;
+    *) echo "sweep:NAME, NAME one of w4a16 fp8 dense moe moefine decode w8a16 fp8accum invgemm invgemmcfg fp8block lora"; return 1 ;;
   esac > "$RES/$TAG.txt" 2>&1
   local rc=$?
   tail -60 "$RES/$TAG.txt"
