@@ -143,7 +143,7 @@ stage_tests() {
 # -- workloads (DESIGN.md section 5) ---------------------------------------------------------------
 stage_kernels() {  # W6: paged decode attention alone, 64 x 4096, against a device copy; every kernel checked first
   peer ceilings
-  python3 -m corectl.backends.triton.bench.kernels 2>&1 | tail -60
+  python3 -m corectl.backends.triton.bench.kernels 2>&1 | tail -80  # the MLA launches' resources print first
 }
 stage_w1() {  # 256 prompts x 512 in / 128 out, offline, llama3-8b shape
   bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 --save-result "$RES/$TAG.json"

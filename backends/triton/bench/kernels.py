@@ -202,9 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     if latent_timings:
         s = mla.V2_LITE
         _print_timings(f"MLA decode (latent cache): batch {s.num_seqs} x context {s.context}, {s.num_heads} heads, "
-                       f"latent {s.rank} + rope {s.rope}, bf16", latent_timings, width=68)
+                       f"latent {s.rank} + rope {s.rope}, bf16", latent_timings, width=82)
     for name, ms, tflops in prefill_timings:
-        print(f"  {name:<68} {ms:10.4f} {tflops:7.1f} TFLOP/s")
+        print(f"  {name:<82} {ms:10.4f} {tflops:7.1f} TFLOP/s")
     if failed:
         raise SystemExit(f"correctness check failed: {', '.join(failed)}")
 

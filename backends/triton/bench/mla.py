@@ -10,8 +10,8 @@ takes). Earlier calls timed each launch once with `do_bench` (host launches betw
 and saw the same launch move by up to 20 points of copy bandwidth between calls and list
 positions; now every launch runs from a CUDA graph (no host time, as the engine's decode graphs),
 alternating between two batches of the same shape (neither finds the other's rows in L2), in
-PASSES passes of alternating orders, each pass printed beside its own copy, and the table gives
-the median with the range of the passes. Prefill (4 prompts of 2048 tokens, causal) is timed in
+PASSES passes of alternating orders, each pass against its own copy; the table gives the median
+and every pass's share of copy bandwidth. Prefill (4 prompts of 2048 tokens, causal) is timed in
 TFLOP/s of the absorbed form's products, for the rows per program.
 """
 from __future__ import annotations
@@ -75,7 +75,8 @@ def check_latent(s: LatentShapes, device: str, dtype: torch.dtype) -> list[tuple
 
 def bench_latent(s: LatentShapes, dtype: torch.dtype) -> list[tuple[str, float, float]]:
     """(name, median ms, TB/s): the copy ceiling over the latent bytes, then each decode launch, the
-    medians of PASSES passes in alternating orders; every pass's figures are printed as measured."""
+    medians of PASSES passes in alternating orders, each name listing its passes (% of that pass's
+    copy); each launch's resources are printed as it compiles."""
     from ..attention.decode_attention import choose_decode_splits
 
     pair = [_latent_batch(s, [s.context] * s.num_seqs, dtype, "cuda") for _ in range(2)]
@@ -99,24 +100,22 @@ def bench_latent(s: LatentShapes, dtype: torch.dtype) -> list[tuple[str, float, 
             continue
         print(f"  {label}: {_occupancy(compiled, s.num_seqs * splits)}")
     runs[f"MLA decode, {auto} split(s), default, by do_bench (as before)"] = _eager(s, pair[0])
-    copies, times = [], {label: [] for label in runs}
+    copies, times, shares = [], {label: [] for label in runs}, {label: [] for label in runs}
     labels = list(runs)
     for number in range(PASSES):
         # Forward, reversed, then both from the middle: no launch keeps its place in the list.
         order = labels[::-1] if number % 2 else labels
         order = order[len(order) // 2:] + order[:len(order) // 2] if number >= 2 else order
         copies.append(copy())
-        print(f"pass {number + 1}: copy {2 * latent_bytes / copies[-1] / 1e9:.3f} TB/s")
         for label in order:
-            ms = runs[label]()
-            times[label].append(ms)
-            print(f"  pass {number + 1}: {label:<52} {ms:8.4f} ms {moved / ms / 1e9:6.3f} TB/s "
-                  f"{100 * moved / ms / (2 * latent_bytes / copies[-1]):5.1f}% of this pass's copy")
+            times[label].append(runs[label]())
+            shares[label].append(100 * moved / times[label][-1] / (2 * latent_bytes / copies[-1]))
     copy_ms = statistics.median(copies)
-    rows = [("device-to-device copy (read + write), median of passes", copy_ms, 2 * latent_bytes / copy_ms / 1e9)]
+    passes = " ".join(f"{2 * latent_bytes / ms / 1e12:.2f}" for ms in copies)
+    rows = [(f"copy (read + write), median; passes {passes} TB/s", copy_ms, 2 * latent_bytes / copy_ms / 1e9)]
     for label, values in times.items():
-        spread = f"{moved / max(values) / 1e9:.2f}-{moved / min(values) / 1e9:.2f} TB/s"
-        rows.append((f"{label} ({spread})", statistics.median(values), moved / statistics.median(values) / 1e9))
+        passes = " ".join(f"{share:.0f}" for share in shares[label])
+        rows.append((f"{label}; passes {passes}%", statistics.median(values), moved / statistics.median(values) / 1e9))
     return rows
 
 
@@ -144,7 +143,7 @@ def _launch_pair(s: LatentShapes, pair, splits: int, cfg: LatentConfig):
 
     scale = (s.rank + s.rope) ** -0.5
     outs = [torch.empty(s.num_seqs, s.num_heads, s.rank, dtype=q.dtype, device=q.device) for _, _, q in pair]
-    tickets = torch.zeros(s.num_seqs * s.num_heads, dtype=torch.int32, device="cuda")
+    tickets = torch.zeros(s.num_seqs * s.num_heads, dtype=torch.int32, device=pair[0][2].device)
 
     def launch():
         return [launch_latent(q, cache, batch.block_tables, batch.seq_lens, None, out, scale, s.rank, splits, cfg,
@@ -201,7 +200,7 @@ def _occupancy(compiled, programs: int) -> str:
     by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
     held = min(by_regs, by_smem, by_threads, 32)
     slots = held * props.multi_processor_count
-    return (f"{regs} registers, {spills} spilled, {shared // 1024} KiB shared -> {held} a SM (registers "
+    return (f"{regs} registers, {spills} spilled, {shared // 1024} KiB shared -> {held} per SM (by registers "
             f"{by_regs}, shared {by_smem}, threads {by_threads}); {programs} programs in {slots} slots, "
             f"{-(-programs // max(1, slots))} wave(s)")
 
