@@ -1,6 +1,6 @@
 """The dense LoRA kernels compiled on the GPU at llama3-8b's projection shapes in bf16: a W10-style
-decode step (256 tokens of 8 adapters and the base) in sorted tiles and gathered, against the fp32
-torch reference; a batch-1 step on the stacked weights (x @ A.T from the base GEMV) against the
+decode step (256 tokens of 8 adapters and the base) in sorted tiles and gathered, and a mixed step
+(those and three prompts) in sorted tiles of 64 rows, against the fp32 torch reference; a batch-1 step on the stacked weights (x @ A.T from the base GEMV) against the
 layers' shrink path; and sleep level 1 keeping a stacked weight one storage."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 from corectl.backends.triton.layer_kernels import triton_layer_kernels  # noqa: E402
 from corectl.backends.triton.lora import lora_expand, lora_shrink  # noqa: E402
 from corectl.lora.layers import LoRABatch, attach_lora  # noqa: E402
-from corectl.lora.punica import expand_reference, shrink_reference  # noqa: E402
+from corectl.lora.punica import LoRASegments, expand_reference, shrink_reference  # noqa: E402
 from corectl.models.kernels import install_layer_kernels  # noqa: E402
 from corectl.models.parallel import PackedLinear, RowParallelLinear  # noqa: E402
 from corectl.worker.sleep import OffloadedTensors  # noqa: E402
@@ -31,23 +31,34 @@ def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("projection", list(PROJECTIONS))
-@pytest.mark.parametrize("form", ["sorted", "gathered"])
+@pytest.mark.parametrize("form", ["sorted", "gathered", "mixed"])
 def test_decode_step_of_eight_adapters_matches_reference(projection, form):
+    """`mixed`: the decode tokens and three prompts of 300 rows (two adapters and the base), a
+    mixed step's sorted tiles of 64 rows (the prefill knobs)."""
     k, widths, gated = PROJECTIONS[projection]
     generator = torch.Generator().manual_seed(0)
     # Round-robin over the slots, every ninth token the base: slots unsorted, 32-ish tokens each.
-    token_slots = np.array([-1 if t % 9 == 8 else t % SLOTS for t in range(256)], dtype=np.int32)
-    batch = LoRABatch(SLOTS, 512, CUDA)
-    batch.sorted = form == "sorted"
-    batch.write_slots(token_slots, tiles=True)
-    layout = batch.kernel_layout(256)
+    req_slots = [-1 if t % 9 == 8 else t % SLOTS for t in range(256)] + ([1, 5, -1] if form == "mixed" else [])
+    lens = np.array([1] * 256 + [300] * (len(req_slots) - 256), dtype=np.int32)
+    token_slots = np.repeat(np.array(req_slots, dtype=np.int32), lens)
+    rows = token_slots.shape[0]
+    batch = LoRABatch(SLOTS, 2048, CUDA)
+    batch.sorted = form != "gathered"
+    batch.write_slots(token_slots, tiles=True, prefill=form == "mixed")
+    if form == "mixed":
+        keep = np.array(req_slots) >= 0
+        seg = torch.tensor(np.stack([(np.cumsum(lens) - lens)[keep], lens[keep], np.array(req_slots)[keep]]),
+                           dtype=torch.int32, device=CUDA)
+        batch.segments = LoRASegments(seg[0], seg[1], seg[2], 300)
+    layout = batch.kernel_layout(rows)
     assert (layout is None) == (form == "gathered")
-    slots = batch.token_slots[:256]
-    x = torch.randn(256, 2 * k if gated else k, generator=generator).to(CUDA, torch.bfloat16)
+    assert form == "gathered" or layout.max_len == (64 if form == "mixed" else 16)
+    slots = batch.token_slots[:rows]
+    x = torch.randn(rows, 2 * k if gated else k, generator=generator).to(CUDA, torch.bfloat16)
     a = (torch.randn(SLOTS, len(widths) * RANK, k, generator=generator) / k ** 0.5).to(CUDA, torch.bfloat16)
     b = (torch.randn(SLOTS, sum(widths), RANK, generator=generator) / RANK ** 0.5).to(CUDA, torch.bfloat16)
     scales = torch.linspace(0.5, 2.0, SLOTS, device=CUDA)
-    out = torch.randn(256, sum(widths), generator=generator).to(CUDA, torch.bfloat16)
+    out = torch.randn(rows, sum(widths), generator=generator).to(CUDA, torch.bfloat16)
     expected = out.float()
     activation = nn.functional.silu(x[:, :k].float()) * x[:, k:].float() if gated else x.float()
     xa = shrink_reference(activation, a.float(), slots)
