@@ -69,28 +69,22 @@ def test_chunked_prefill_over_the_latent_cache_matches_transformers(tmp_path, de
         assert hf_greedy_choices(hf_model, prompt, tokens)[0] == tokens
 
 
-def test_plan_sizes_latent_blocks_of_a_v2_lite_shape(tmp_path):
-    """`corectl plan` of DeepSeek-V2-Lite's shape: a token costs layers x (kv_lora_rank + rope) bf16
-    numbers, 27 x 576 x 2 bytes, not 2 x heads x (nope + rope) per layer. Tensor parallelism, which
-    the model refuses, is neither planned nor offered as a remedy."""
-    from transformers import DeepseekV2Config
-
-    config = DeepseekV2Config(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
-                              num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
-                              n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1,
-                              kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128,
-                              v_head_dim=128, max_position_embeddings=4096, dtype="bfloat16",
-                              architectures=["DeepseekV2ForCausalLM"])
-    config.save_pretrained(tmp_path)
-    plan = plan_deployment(EngineConfig(model=str(tmp_path)), device_memory=80 << 30, device_capability=(9, 0))
+def test_plan_sizes_latent_blocks_of_the_v2_lite_preset(isolated_env):
+    """`corectl plan` of the deepseek-v2-lite preset: the published checkpoint's 15.7B parameters,
+    and a token costs layers x (kv_lora_rank + rope) bf16 numbers, 27 x 576 x 2 bytes, not 2 x heads
+    x (nope + rope) per layer. Tensor parallelism, which the model refuses, is neither planned nor
+    offered as a remedy."""
+    model = dict(model="deepseek-v2-lite", load_format="dummy", max_model_len=4096)
+    plan = plan_deployment(EngineConfig(**model), device_memory=80 << 30, device_capability=(9, 0))
+    assert 15.6e9 < plan.weight_bytes / 2 < 15.8e9
     assert plan.kv_bytes_per_token == 27 * (512 + 64) * 2
     # The absorbed up-projections are held beside kv_b_proj: W_UK and W_UV of every head and layer.
     assert plan.buffer_bytes >= 27 * 16 * (128 + 128) * 512 * 2
     assert plan.problem is None and plan.kv_tokens == plan.num_kv_blocks * plan.block_size > 1_000_000
-    small = plan_deployment(EngineConfig(model=str(tmp_path)), device_memory=24 << 30, device_capability=(9, 0))
+    small = plan_deployment(EngineConfig(**model), device_memory=24 << 30, device_capability=(9, 0))
     assert small.problem and not any("tensor-parallel" in remedy for remedy in small.remedies)
     with pytest.raises(ConfigError, match="runs on one rank only: its latent attention projections"):
-        plan_deployment(EngineConfig(model=str(tmp_path), tensor_parallel_size=2), device_memory=80 << 30)
+        plan_deployment(EngineConfig(**model, tensor_parallel_size=2), device_memory=80 << 30)
 
 
 def test_triton_backend_under_the_interpreter(tmp_path, default_model_dir):
