@@ -68,6 +68,8 @@ class LoRABatch:
         self._tiles: dict[tuple[int, int], LoRASegments] = {}
         # Rows of `token_slots` that may hold a slot other than -1 (the last step with adapters wrote them).
         self._slot_rows = 0
+        # Rows of the tiles the step's write_slots cut: an eager step with segments runs on those.
+        self._written_tile_rows = self.tile_rows
 
     def reset(self) -> None:
         """Back to the state a captured decode graph is recorded in: every kernel runs on the static buffers."""
@@ -84,8 +86,9 @@ class LoRABatch:
             padded[:num_tokens] = token_slots
             self.token_slots[:rows].copy_(torch.from_numpy(padded), non_blocking=True)
         self._slot_rows = num_tokens
-        tile_rows = self._step_tile_rows(prefill)
-        if tiles and tile_rows:
+        tile_rows = self.prefill_tile_rows if prefill else self.tile_rows
+        if tiles and self.sorted and tile_rows:
+            self._written_tile_rows = tile_rows
             order, step_tiles = sorted_tiles(token_slots, tile_rows)
             host = np.zeros(3 * self.max_tiles + order.shape[0], dtype=np.int32)
             host[:3 * self.max_tiles].reshape(3, self.max_tiles)[:, :step_tiles.shape[1]] = step_tiles
@@ -100,21 +103,17 @@ class LoRABatch:
             self._sorted[:3 * self.max_tiles].zero_()
             self._slot_rows = 0
 
-    def _step_tile_rows(self, prefill: bool) -> int:
-        """Rows of the sorted tiles of a (prefill or mixed, else decode) step; 0: no sorted tiles."""
-        if not self.sorted:
-            return 0
-        return self.prefill_tile_rows if prefill else self.tile_rows
-
     def kernel_layout(self, num_tokens: int) -> LoRASegments | None:
-        """The layout the kernels take for a forward pass of `num_tokens` rows: a prefill or mixed
-        step's sorted tiles (its segments where those are off); in a decode step or a graph capture,
-        the sorted tiles past GATHERED_MAX_TOKENS rows (a captured graph keeps the form of its row
-        count), else None: the gathered form, a program a token."""
+        """The layout the kernels take for a forward pass of `num_tokens` rows: a step with segments
+        (prefill, mixed, or verify run eagerly) on the sorted tiles its write_slots cut (its
+        segments where prefill tiles are off); in a decode step or a graph capture, the sorted tiles
+        past GATHERED_MAX_TOKENS rows (a captured graph keeps the form of its row count), else None:
+        the gathered form, a program a token."""
         prefill = self.segments is not None
-        tile_rows = self._step_tile_rows(prefill)
-        if not tile_rows or (not prefill and num_tokens <= GATHERED_MAX_TOKENS):
+        if not self.sorted or (prefill and not self.prefill_tile_rows) or \
+                (not prefill and num_tokens <= GATHERED_MAX_TOKENS):
             return self.segments
+        tile_rows = self._written_tile_rows if prefill else self.tile_rows
         count = min(self.max_tiles, -(-num_tokens // tile_rows) + min(self.max_loras, num_tokens))
         if (count, tile_rows) not in self._tiles:
             starts, lens, slots = (self._sorted[j * self.max_tiles:j * self.max_tiles + count] for j in range(3))

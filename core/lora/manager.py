@@ -74,7 +74,9 @@ class AdapterManager:
         lens = np.array(host.query_lens, dtype=np.int32)
         starts = np.asarray(host.query_start_loc[:-1], dtype=np.int32)
         torch_path = self._torch_path()
-        batch.write_slots(np.repeat(req_slots, lens), tiles=not torch_path, prefill=host.max_query_len > 1)
+        # A verify step may replay a graph captured with the decode tiles: it keeps their rows.
+        prefill = host.max_query_len > 1 and not host.verifies
+        batch.write_slots(np.repeat(req_slots, lens), tiles=not torch_path, prefill=prefill)
         keep = req_slots >= 0
         if host.max_query_len > 1:
             (segments,) = to_device([np.stack([starts[keep], lens[keep], req_slots[keep]])])

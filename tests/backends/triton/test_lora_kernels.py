@@ -256,3 +256,18 @@ def test_batch_one_stacked_layers_match_torch_path(monkeypatch, assert_close):
         # A few bf16 roundings apart (x @ A.T is rounded before the expand, as in PEFT's bf16 layers).
         assert_close(qkv(x), expected_qkv, tol=2e-2, norm="max")
         assert_close(down.forward_gated(gate_up), expected_down, tol=2e-2, norm="max")
+
+
+def test_step_with_segments_runs_on_the_tiles_written():
+    """A step with segments runs on the tiles its write_slots cut: a prefill or mixed step's 64 rows,
+    a verify step's decode tiles (16 rows: it may replay a graph captured with them)."""
+    from corectl.lora.layers import LoRABatch
+
+    batch = LoRABatch(max_loras=3, max_tokens=48, device=torch.device("cpu"))
+    slots, segments = _layout(REQUESTS, "segment")
+    for prefill, rows in [(True, 64), (False, 16)]:
+        batch.write_slots(slots.numpy(), tiles=True, prefill=prefill)
+        batch.segments = segments
+        assert batch.kernel_layout(slots.shape[0]).max_len == rows
+        batch.reset()
+        assert batch.kernel_layout(slots.shape[0]) is None  # 11 decode rows: gathered
