@@ -13,8 +13,8 @@ adapter in tiles of R rows) under each candidate `SortedConfig` (`CANDIDATES`); 
 engine runs by default. Each row: microseconds a layer for qkv, o, gate_up and the gated down,
 their sum, that times 32 layers (ms a step), and the largest relative error against the fp32
 torch path of the four. The base projections' bf16 GEMMs (F.linear) at the case's rows are
-printed first for scale. Adapter weights cycle through copies past 256 MB, so decode steps read
-them from HBM as a real step does (the base weights between layers evict them).
+printed first for scale. Adapter weights cycle through copies until a graph moves 256 MB, so decode
+steps read them from HBM as a real step does (the base weights between layers evict them).
 """
 from __future__ import annotations
 
@@ -107,7 +107,9 @@ def time_shape(shape: str, requests, forms) -> dict[tuple[str, object], tuple[fl
     slots = torch.tensor([s for n, s in requests for _ in range(n)], dtype=torch.int32, device=CUDA)
     x = torch.randn(tokens, 2 * k if gated else k, device=CUDA).to(DTYPE)
     scales = torch.linspace(0.5, 2.0, SLOTS, device=CUDA)
-    copies = max(2, math.ceil(L2_OVERFLOW_BYTES / (2 * SLOTS * RANK * (len(widths) * k + sum(widths)))))
+    # A call's bytes: the adapters, the input, the output read and written (a prefill call's pass L2 alone).
+    moved = 2 * (SLOTS * RANK * (len(widths) * k + sum(widths)) + x.shape[0] * (x.shape[1] + 2 * sum(widths)))
+    copies = max(2, math.ceil(L2_OVERFLOW_BYTES / moved))
     weights = _weights(k, widths, copies)
     out = torch.zeros(tokens, sum(widths), device=CUDA, dtype=DTYPE)
     expected = _reference(x, *weights[0], scales, widths, gated, requests)
