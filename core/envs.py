@@ -71,6 +71,21 @@ def lora_tile_rows() -> tuple[int, int]:
     return tiles[0], tiles[1]
 
 
+def lora_knobs(kind: str) -> tuple[int, ...] | None:
+    """CORECTL_LORA_DECODE_KNOBS or CORECTL_LORA_PREFILL_KNOBS (`kind`: decode or prefill): the sorted
+    LoRA kernels' launch knobs for that kind of tile, "shrink_programs,shrink_splits,expand_programs"
+    with an optional ",block_n" (a power of two, 16 to 256; backends/triton/lora/config.py), in place
+    of the defaults (for measurement); None when unset."""
+    name = f"CORECTL_LORA_{kind.upper()}_KNOBS"
+    value = os.environ.get(name, "")
+    if not value:
+        return None
+    knobs = tuple(int(part) for part in value.split(","))
+    if len(knobs) not in (3, 4) or min(knobs) < 1 or (len(knobs) == 4 and knobs[3] not in (16, 32, 64, 128, 256)):
+        raise ValueError(f"{name}={value!r}: expected shrink_programs,shrink_splits,expand_programs[,block_n]")
+    return knobs
+
+
 def lora_stacked(default: bool) -> bool:
     """Whether dense LoRA layers hold their adapters' A rows under the base weight, so a batch-1
     step's base GEMV computes the shrink too (corectl.lora.layers): CORECTL_LORA_STACKED=1 or 0, else

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from corectl.envs import lora_knobs
+
 
 @dataclass(frozen=True)
 class SortedConfig:
@@ -25,17 +27,19 @@ class SortedConfig:
     block_n: int = 64
 
 
-# Tiles of up to 32 rows (decode steps), and longer ones (prefill and mixed steps).
-DECODE = SortedConfig(192, 8, 1024)
-PREFILL = SortedConfig(1024, 8, 2048)
-CANDIDATES = {
-    "decode": [DECODE, SortedConfig(96, 8, 1024), SortedConfig(384, 8, 1024), SortedConfig(192, 4, 1024),
-               SortedConfig(192, 16, 1024), SortedConfig(192, 8, 512), SortedConfig(192, 8, 2048),
-               SortedConfig(192, 8, 1024, 128)],
-    "prefill": [PREFILL, SortedConfig(512, 8, 2048), SortedConfig(2048, 8, 2048), SortedConfig(1024, 2, 2048),
-                SortedConfig(1024, 8, 1024), SortedConfig(1024, 8, 4096), SortedConfig(1024, 8, 8192),
-                SortedConfig(1024, 8, 2048, 128)],
-}
+# Tiles of up to 32 rows (decode steps), and longer ones (prefill and mixed steps);
+# CORECTL_LORA_DECODE_KNOBS / CORECTL_LORA_PREFILL_KNOBS replace them for a measurement.
+DECODE = SortedConfig(*(lora_knobs("decode") or (192, 8, 1024)))
+PREFILL = SortedConfig(*(lora_knobs("prefill") or (1024, 8, 2048)))
+# What benchmarks/lora_bench.py times: the default first, then one knob moved at a time.
+CANDIDATES = {kind: list(dict.fromkeys(configs)) for kind, configs in {
+    "decode": [DECODE, SortedConfig(192, 8, 1024), SortedConfig(96, 8, 1024), SortedConfig(384, 8, 1024),
+               SortedConfig(192, 4, 1024), SortedConfig(192, 16, 1024), SortedConfig(192, 8, 512),
+               SortedConfig(192, 8, 2048), SortedConfig(192, 8, 1024, 128)],
+    "prefill": [PREFILL, SortedConfig(1024, 8, 2048), SortedConfig(512, 8, 2048), SortedConfig(2048, 8, 2048),
+                SortedConfig(1024, 2, 2048), SortedConfig(1024, 8, 1024), SortedConfig(1024, 8, 4096),
+                SortedConfig(1024, 8, 8192), SortedConfig(1024, 8, 2048, 128)],
+}.items()}
 
 
 def sorted_config(block_m: int) -> SortedConfig:

@@ -271,3 +271,20 @@ def test_step_with_segments_runs_on_the_tiles_written():
         assert batch.kernel_layout(slots.shape[0]).max_len == rows
         batch.reset()
         assert batch.kernel_layout(slots.shape[0]) is None  # 11 decode rows: gathered
+
+
+def test_tile_rows_and_knobs_from_the_environment(monkeypatch):
+    """The tile rows and knobs a measurement sets, and one clear error for a value the kernels cannot take."""
+    from corectl import envs
+
+    monkeypatch.setenv("CORECTL_LORA_TILE", "32")
+    monkeypatch.setenv("CORECTL_LORA_PREFILL_TILE", "0")
+    monkeypatch.setenv("CORECTL_LORA_PREFILL_KNOBS", "512,4,4096,128")
+    assert envs.lora_tile_rows() == (32, 0) and envs.lora_knobs("prefill") == (512, 4, 4096, 128)
+    assert envs.lora_knobs("decode") is None
+    monkeypatch.setenv("CORECTL_LORA_TILE", "24")
+    with pytest.raises(ValueError, match="CORECTL_LORA_TILE=24: expected 16, 32, 64 or 128"):
+        envs.lora_tile_rows()
+    monkeypatch.setenv("CORECTL_LORA_DECODE_KNOBS", "192,8,1024,48")
+    with pytest.raises(ValueError, match="CORECTL_LORA_DECODE_KNOBS='192,8,1024,48': expected"):
+        envs.lora_knobs("decode")
