@@ -26,6 +26,8 @@ Quantized projections keep their rows and the pairwise torch rotation.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -33,6 +35,20 @@ from ..attention import ForwardContext, KVCacheLayout
 from .layers import RMSNorm, RotaryEmbedding
 from .llama4 import rotate_pairs
 from .parallel import RowParallelLinear
+
+
+def yarn_softmax_scale(rope_parameters: dict, scale: float) -> float:
+    """transformers' `yarn_apply_mscale` (DeepSeek V2/V3): YaRN's mscale of `mscale_all_dim`,
+    squared, into the softmax scale. Written out rather than imported: importing transformers'
+    modeling code for the first time while the worker builds a model (its `_no_random_init` stands
+    in for torch's init functions) makes transformers record the stand-ins as torch's, and every
+    transformers model made later in the process would skip its initialisation."""
+    mscale_all_dim = rope_parameters.get("mscale_all_dim", 0)
+    if rope_parameters.get("rope_type", "default") == "default" or not mscale_all_dim:
+        return scale
+    factor = rope_parameters["factor"]
+    mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+    return scale * mscale * mscale
 
 
 def latent_cache_layout(config) -> KVCacheLayout:
@@ -65,10 +81,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = RowParallelLinear(self.rank, h * (self.nope + self.v_dim), bias=False)
         self.o_proj = RowParallelLinear(h * self.v_dim, hidden, bias=bias)
         self.rotary, self.interleave = rotary, interleave
-        # Imported here: transformers' DeepSeek module costs ~1.5 s, paid only by a DeepSeek engine.
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
-
-        self.scale = yarn_apply_mscale(getattr(config, "rope_parameters", None) or {}, self.qk_dim ** -0.5)
+        self.scale = yarn_softmax_scale(getattr(config, "rope_parameters", None) or {}, self.qk_dim ** -0.5)
         # Filled by `absorb_weights` once the weights are loaded; buffers, so `corectl plan` counts them.
         self.register_buffer("w_uk", torch.empty(h, self.nope, self.rank), persistent=False)
         self.register_buffer("w_uv", torch.empty(h, self.rank, self.v_dim), persistent=False)

@@ -3,8 +3,12 @@ routed experts through the pre-routed MoE kernel, for V2's grouped top-k with ro
 V3's corrected sigmoid, on both kernel paths (one token: pairs; five: sorted), the model decoding in
 CUDA graphs only once every MoE layer runs that kernel (never with block-FP8 experts, which keep
 the torch path); MLA's pairwise rope rows reordered into halves at load, every score kept, and
-rotated by the rotary kernel in place."""
+rotated by the rotary kernel in place; and a DeepSeek build leaves transformers' initialisation
+working for models made after it."""
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -80,3 +84,32 @@ def test_rope_rows_reordered_into_halves_keep_every_score_and_rotate_on_the_kern
     rotary.kernels = triton_layer_kernels()
     for got, expected in zip(rotated(), halves):
         assert_close(got, expected)
+
+
+# A fresh process, so that the build comes before any import of transformers' modeling code.
+BUILD_THEN_HF = """
+import sys
+import torch
+from transformers import DeepseekV2Config, LlamaConfig
+from corectl.models.registry import resolve_model_class
+from corectl.worker.worker import build_model
+assert "transformers.initialization" not in sys.modules
+hf = DeepseekV2Config(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=16,
+                      num_hidden_layers=2, num_attention_heads=2, n_routed_experts=4, n_shared_experts=1,
+                      num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
+                      qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, architectures=["DeepseekV2ForCausalLM"])
+build_model(resolve_model_class(hf), hf, torch.float32, "meta", 32)
+from transformers import AutoModelForCausalLM
+llama = LlamaConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                    vocab_size=4096, initializer_range=0.5)
+print(float(AutoModelForCausalLM.from_config(llama).lm_head.weight.detach().std()))
+"""
+
+
+def test_a_deepseek_build_leaves_transformers_initialisation_alone():
+    """The worker builds models with torch's init functions stood in for (`_no_random_init`); a
+    DeepSeek model imported none of transformers' modeling code there, which would record the
+    stand-ins as torch's and leave later transformers models at torch's default init (std 0.07
+    here instead of the config's 0.5; stacked experts uninitialised)."""
+    out = subprocess.run([sys.executable, "-c", BUILD_THEN_HF], capture_output=True, text=True, check=True)
+    assert abs(float(out.stdout.split()[-1]) - 0.5) < 0.02
