@@ -57,6 +57,12 @@ class StructuredOutputBackend(abc.ABC):
         ...
 
     @classmethod
+    def load_library(cls) -> None:
+        """Import what `validate` needs, once a process (xgrammar: seconds, torch with it). The
+        client calls it before its first check, outside the check's deadline: a library's start-up
+        is not the time a grammar takes to check."""
+
+    @classmethod
     @abc.abstractmethod
     def validate(cls, spec: StructuredOutputsParams) -> None:
         """Check the spec cheaply, without a tokenizer, in the client's process, so that bad input is

@@ -92,6 +92,10 @@ class XGrammarBackend(StructuredOutputBackend):
         self._batch = xgr.BatchGrammarMatcher(self.fill_threads) if self.fill_threads > 1 else None
 
     @classmethod
+    def load_library(cls) -> None:
+        import xgrammar  # noqa: F401
+
+    @classmethod
     def validate(cls, spec: StructuredOutputsParams) -> None:
         import xgrammar as xgr
 

@@ -17,6 +17,12 @@ class SlowCheckBackend(XGrammarBackend):
     """xgrammar, whose check of a regex "slow-<seconds>" takes that long, and which records where it ran."""
 
     threads: list[threading.Thread] = []
+    loads: list[float] = []  # each element: how long that load_library call slept
+
+    @classmethod
+    def load_library(cls):
+        cls.loads.append(1.5)
+        time.sleep(1.5)  # longer than the fixture's 1 s deadline, as xgrammar's import can be on a loaded machine
 
     @classmethod
     def validate(cls, spec):
@@ -42,6 +48,7 @@ def intake():
                       structured_outputs_backend="slow-check")
     XGrammarBackend.validate(StructuredOutputsParams(regex="a"))  # xgrammar imported: the deadline times checks only
     SlowCheckBackend.threads.clear()
+    SlowCheckBackend.loads.clear()
     try:
         yield GrammarIntake(info, deadline_s=1.0)
     finally:
@@ -77,3 +84,20 @@ def test_refusals_of_the_backend_pass_through(intake):
     with pytest.raises(InvalidRequestError, match="admits no string") as err:
         anyio.run(intake.check, StructuredOutputsParams(regex=r"[^\s\S]"))
     assert err.value.param == "structured_outputs.regex"
+
+
+def test_the_library_loads_once_outside_the_deadline(intake):
+    """The first checks wait for the backend's library (1.5 s, past the 1 s deadline) and pass; the
+    library loads once for concurrent first checks, and the deadline then times checks alone."""
+    async def main():
+        async with anyio.create_task_group() as tg:
+            for regex in ("a", "b", "c"):
+                tg.start_soon(intake.check, StructuredOutputsParams(regex=regex))
+        await intake.check(StructuredOutputsParams(regex="d"))
+
+    anyio.run(main)
+    assert SlowCheckBackend.loads == [1.5]
+    assert len(SlowCheckBackend.threads) == 4
+    # slow-2.5: a spec no other test checks (a check that passed is remembered process-wide).
+    with pytest.raises(InvalidRequestError, match=r"took longer than 1 s to check"):
+        anyio.run(intake.check, StructuredOutputsParams(regex="slow-2.5"))
