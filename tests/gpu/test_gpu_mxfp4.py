@@ -16,6 +16,8 @@ from corectl.models.moe import fused_moe_torch, select_experts  # noqa: E402
 from corectl.quantization.mxfp4 import mxfp4_dequantize  # noqa: E402
 from support.close import relative_error  # noqa: E402
 from support.gpt_oss_checkpoints import mxfp4_checkpoint  # noqa: E402
+from support.gpu import write_tokenizer  # noqa: E402
+from support.new_arch_configs import VOCAB  # noqa: E402
 
 # gpt-oss-20b: hidden 2880, 32 experts of width 2880, top 4, SwiGLU clamped at 7.
 HIDDEN, EXPERTS, INTER, TOP_K = 2880, 32, 2880, 4
@@ -93,11 +95,14 @@ def test_routed_kernel_replays_in_a_cuda_graph_without_host_syncs(num_tokens):
         torch.testing.assert_close(out, run(), rtol=0, atol=0)
 
 
-def test_packed_gpt_oss_decodes_in_cuda_graphs(tmp_path, default_model_dir):
+def test_packed_gpt_oss_decodes_in_cuda_graphs(tmp_path):
     """A tiny gpt-oss checkpoint with MXFP4 experts: served packed (the platform's mxfp4_moe), its
-    decode steps captured, and greedy tokens equal to the eager engine's."""
-    folder = tmp_path / "oss4"
-    mxfp4_checkpoint(folder, default_model_dir)
+    decode steps captured, and greedy tokens equal to the eager engine's. The tokenizer is the GPU
+    suite's word-level one (the device has no embedded SmolLM2 package)."""
+    tokenizer_dir, folder = tmp_path / "tokenizer", tmp_path / "oss4"
+    tokenizer_dir.mkdir()
+    write_tokenizer(tokenizer_dir, VOCAB)
+    mxfp4_checkpoint(folder, tokenizer_dir)
     prompts = [[5, 9, 33, 7, 81], [11, 4, 60, 2, 19, 27, 8, 14]]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     tokens = {}
