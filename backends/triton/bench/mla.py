@@ -150,8 +150,7 @@ def _launch_pair(s: LatentShapes, pair, splits: int, cfg: LatentConfig):
                               tickets) for (batch, cache, q), out in zip(pair, outs)][-1]
 
     compiled = launch()
-    graph = _capture(launch, GRAPH_PAIRS)
-    return compiled, lambda: _replay_ms(graph) / (2 * GRAPH_PAIRS)
+    return compiled, _GraphTimer(_capture(launch, GRAPH_PAIRS), 2 * GRAPH_PAIRS, (outs, tickets))
 
 
 def _capture(fn, times: int) -> torch.cuda.CUDAGraph:
@@ -165,6 +164,18 @@ def _capture(fn, times: int) -> torch.cuda.CUDAGraph:
                 fn()
     torch.cuda.synchronize()
     return graph
+
+
+class _GraphTimer:
+    """ms a call, from replays of a graph of `calls` calls. It holds the tensors the graph writes and
+    reads that nothing else holds (outputs, tickets, copy buffers): a graph keeps raw addresses, and
+    replaying it after they were freed wrote into reused or released memory (an illegal access)."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, calls: int, tensors: tuple):
+        self.graph, self.calls, self.tensors = graph, calls, tensors
+
+    def __call__(self) -> float:
+        return _replay_ms(self.graph) / self.calls
 
 
 def _replay_ms(graph: torch.cuda.CUDAGraph) -> float:
@@ -185,8 +196,7 @@ def _graph_copy(nbytes: int):
     """A function timing a device-to-device copy of `nbytes` (ms a copy) from a CUDA graph."""
     src = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    graph = _capture(lambda: dst.copy_(src), GRAPH_PAIRS)
-    return lambda: _replay_ms(graph) / GRAPH_PAIRS
+    return _GraphTimer(_capture(lambda: dst.copy_(src), GRAPH_PAIRS), GRAPH_PAIRS, (src, dst))
 
 
 def _occupancy(compiled, programs: int) -> str:
