@@ -1,6 +1,7 @@
 """The HF transformers peer (`.peers/hf_baseline.py`, DESIGN.md's harness, read-only) on model shapes
 it does not list: its own measurement code, run unchanged, with SHAPES extended by the presets that
-issue 28's speed targets name. `device_bench.sh`'s `peer` runs every shape through this file.
+issue 28's speed targets name (and eager attention for gpt-oss, which transformers runs no other way
+without the kernels hub). `device_bench.sh`'s `peer` runs every shape through this file.
 
   python benchmarks/hf_peer_shapes.py PEER_SCRIPT static --shape gpt-oss-20b --batch 128 ...
 """
@@ -34,11 +35,17 @@ def extra_shapes() -> dict:
     }
 
 
+# transformers' gpt-oss refuses SDPA (its attention sinks): eager attention is its own path there.
+EAGER_ONLY = {"gpt-oss-20b"}
+
+
 def main() -> None:
     spec = importlib.util.spec_from_file_location("hf_baseline", sys.argv[1])
     peer = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(peer)
     peer.SHAPES.update(extra_shapes())
+    build = peer.build
+    peer.build = lambda shape, attn: build(shape, "eager" if shape in EAGER_ONLY and attn == "sdpa" else attn)
     sys.argv = [sys.argv[1], *sys.argv[2:]]
     peer.main()
 
