@@ -111,7 +111,7 @@ def bench_latent(s: LatentShapes, dtype: torch.dtype) -> list[tuple[str, float, 
             times[label].append(runs[label]())
             shares[label].append(100 * moved / times[label][-1] / (2 * latent_bytes / copies[-1]))
     copy_ms = statistics.median(copies)
-    passes = " ".join(f"{2 * latent_bytes / ms / 1e12:.2f}" for ms in copies)
+    passes = " ".join(f"{2 * latent_bytes / ms / 1e9:.2f}" for ms in copies)  # bytes a ms / 1e9: TB/s
     rows = [(f"copy (read + write), median; passes {passes} TB/s", copy_ms, 2 * latent_bytes / copy_ms / 1e9)]
     for label, values in times.items():
         passes = " ".join(f"{share:.0f}" for share in shares[label])
