@@ -30,31 +30,31 @@ def hub_offline() -> bool:
 
 def fused_kernels_enabled() -> bool:
     """CORECTL_FUSED_KERNELS=0 makes workers keep the models' torch layer code (for measurement)."""
-    return os.environ.get("CORECTL_FUSED_KERNELS", "1").lower() not in ("0", "false", "no")
+    return _switch("CORECTL_FUSED_KERNELS", True)
 
 
 def pdl_enabled() -> bool:
     """CORECTL_PDL=0 launches GPU kernels without programmatic dependent launch (for measurement)."""
-    return os.environ.get("CORECTL_PDL", "1").lower() not in ("0", "false", "no")
+    return _switch("CORECTL_PDL", True)
 
 
 def fp8_fast_accum() -> bool:
     """CORECTL_FP8_FAST_ACCUM=0 makes the FP8 W8A8 GEMMs (`torch._scaled_mm`) promote their partial
     sums to fp32 periodically instead of accumulating in the tensor cores' own precision."""
-    return os.environ.get("CORECTL_FP8_FAST_ACCUM", "1").lower() not in ("0", "false", "no")
+    return _switch("CORECTL_FP8_FAST_ACCUM", True)
 
 
 def graph_verify_enabled() -> bool:
     """CUDA workers replay speculative decoding's verify steps in the decode graphs (one row per
     verified token); CORECTL_GRAPH_VERIFY=0 runs them eagerly (for measurement)."""
-    return os.environ.get("CORECTL_GRAPH_VERIFY", "1").lower() not in ("0", "false", "no")
+    return _switch("CORECTL_GRAPH_VERIFY", True)
 
 
 def lora_sorted_enabled() -> bool:
     """Decode steps of over 16 tokens, and prefill and mixed steps, run the LoRA kernels on tiles of
     tokens sorted by adapter (corectl.lora.layers); CORECTL_LORA_SORTED=0 keeps the per-token gathered
     kernels in decode steps and the segment form in the others (for measurement)."""
-    return os.environ.get("CORECTL_LORA_SORTED", "1").lower() not in ("0", "false", "no")
+    return _switch("CORECTL_LORA_SORTED", True)
 
 
 def lora_tile_rows() -> tuple[int, int]:
@@ -90,5 +90,10 @@ def lora_stacked(default: bool) -> bool:
     """Whether dense LoRA layers hold their adapters' A rows under the base weight, so a batch-1
     step's base GEMV computes the shrink too (corectl.lora.layers): CORECTL_LORA_STACKED=1 or 0, else
     `default` (the layer's choice for its device); 0 keeps A apart and the shrink launch (for measurement)."""
-    value = os.environ.get("CORECTL_LORA_STACKED", "").lower()
+    return _switch("CORECTL_LORA_STACKED", default)
+
+
+def _switch(name: str, default: bool) -> bool:
+    """An on/off variable: 0, false or no turn it off, any other value on; unset or "auto" is `default`."""
+    value = os.environ.get(name, "").lower()
     return default if value in ("", "auto") else value not in ("0", "false", "no")
