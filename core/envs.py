@@ -38,6 +38,13 @@ def pdl_enabled() -> bool:
     return _switch("CORECTL_PDL", True)
 
 
+def custom_allreduce_enabled() -> bool:
+    """Tensor-parallel ranks sum small messages with their platform's own all-reduce where it has one
+    (`Platform.device_communicator`: one-shot over NVLink on CUDA); CORECTL_CUSTOM_ALLREDUCE=0 keeps
+    the group's collective (NCCL, gloo) for every size (for measurement)."""
+    return _switch("CORECTL_CUSTOM_ALLREDUCE", True)
+
+
 def fp8_fast_accum() -> bool:
     """CORECTL_FP8_FAST_ACCUM=0 makes the FP8 W8A8 GEMMs (`torch._scaled_mm`) promote their partial
     sums to fp32 periodically instead of accumulating in the tensor cores' own precision."""
@@ -48,6 +55,12 @@ def graph_verify_enabled() -> bool:
     """CUDA workers replay speculative decoding's verify steps in the decode graphs (one row per
     verified token); CORECTL_GRAPH_VERIFY=0 runs them eagerly (for measurement)."""
     return _switch("CORECTL_GRAPH_VERIFY", True)
+
+
+def logits_fp32_gemm() -> bool:
+    """An LM head whose step goes to cuBLAS on CUDA (verify and prefill rows) writes fp32 logits
+    directly; CORECTL_LOGITS_FP32_GEMM=0 writes the model dtype and converts (for measurement)."""
+    return _switch("CORECTL_LOGITS_FP32_GEMM", True)
 
 
 def lora_sorted_enabled() -> bool:

@@ -31,6 +31,13 @@ def register(sub) -> None:
     p.add_argument("--profile", action="store_true",
                    help="after timing each batch size, profile 5 decode steps, then 5 verify steps (cProfile and "
                         "torch.profiler, bench/profiling.py) and print both reports")
+    p.add_argument("--engine-steps", type=int, default=0,
+                   help="then, per batch size, time this many steps of the running engine with n-gram speculation "
+                        "(prompts it finds drafts in) and print host time per step against device time per step "
+                        "(bench/spec_host.py)")
+    p.add_argument("--gemm-rows", default="",
+                   help="comma-separated row counts: time the model's GEMMs (first layer's projections, LM head) "
+                        "at each by cuBLAS and cuBLASLt (bench/gemm_rows.py; CUDA)")
     add_engine_args(p)
     p.set_defaults(handler=run_verify_step)
 
@@ -60,6 +67,17 @@ def run_verify_step(args: argparse.Namespace) -> int:
             for kind, drafts in (("decode", 0), ("verify", args.num_speculative_tokens)):
                 print(f"== batch {batch}: 5 {kind} steps\n" + profile_batch(lambda: [steps.step(drafts) for _ in range(5)]))
         steps.finish()
+    if args.engine_steps:
+        from .spec_host import HEADER, measure_engine_steps
+
+        print(f"== the engine with speculation {args.speculative_config}, {args.engine_steps} steps a window\n"
+              + HEADER)
+        for batch in (int(b) for b in args.batch_sizes.split(",")):
+            print(measure_engine_steps(llm, batch, args.context_len, args.engine_steps).row(batch))
+    if args.gemm_rows:
+        from .gemm_rows import gemm_rows_report
+
+        print("== GEMMs by rows\n" + gemm_rows_report(runner.model, [int(m) for m in args.gemm_rows.split(",")]))
     return 0
 
 

@@ -1,0 +1,115 @@
+"""W11's second requirement: does a running engine with speculation keep the device busy, its host
+work per step (scheduler, proposer, verify bookkeeping, the sampler's host side, output handling)
+under the device's time per step?
+
+The engine runs B greedy requests whose prompts repeat one random passage (so n-gram lookup finds
+drafts from the first step on), through `EngineCore.step()` as `LLM.generate` drives it. After the
+prefill and a few steps, a window of steps is timed twice: once plainly (wall time per step), once
+under torch.profiler, which gives the device's busy time (the union of its kernels' and copies'
+intervals) and the time the host thread spent blocked in CUDA synchronisation calls; host time per
+step is the profiled wall time less that blocked time (an upper bound: the profiler's own cost per
+operator is in it). The device's idle time per step is what bubbles cost.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+# CUDA runtime calls in which the host thread waits for the device.
+_SYNC_CALLS = frozenset({"cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy"})
+_WARMUP_STEPS = 6
+
+
+@dataclass(frozen=True)
+class StepWindow:
+    """One window of engine steps: seconds per step, and the speculation counters over it."""
+
+    steps: int
+    wall: float
+    profiled_wall: float
+    device_busy: float
+    host_blocked: float
+    drafts: int
+    draft_tokens: int
+    accepted: int
+
+    @property
+    def host_busy(self) -> float:
+        return self.profiled_wall - self.host_blocked
+
+    def row(self, batch: int) -> str:
+        ms = 1e3 / self.steps
+        mean_len = 1 + self.accepted / self.drafts if self.drafts else 1.0
+        return (f"| {batch} | {self.steps} | {self.drafts / self.steps:.1f} | {mean_len:.2f} | {self.wall * ms:.3f} "
+                f"| {self.device_busy * ms:.3f} | {self.host_busy * ms:.3f} | {max(0.0, self.wall - self.device_busy) * ms:.3f} "
+                f"| {'yes' if self.host_busy < self.device_busy else 'no'} |")
+
+
+HEADER = ("| batch | steps | requests drafting a step | mean accepted length | wall ms/step | device busy ms/step "
+          "| host busy ms/step (profiled) | device idle ms/step | host < device |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def measure_engine_steps(llm, batch: int, context_len: int, num_steps: int, seed: int = 0) -> StepWindow:
+    """Run `batch` requests in `llm`'s engine and time `num_steps` steps of it twice (plain, then
+    profiled); the requests are aborted after."""
+    from corectl.sampling_params import SamplingParams
+
+    engine = llm.engine
+    rng = random.Random(seed)
+    passage = [rng.randrange(engine.info.vocab_size) for _ in range(64)]
+    prompts = [[rng.randrange(engine.info.vocab_size), *(passage * (context_len // 64 + 1))][:context_len]
+               for _ in range(batch)]
+    # Enough tokens for every step to emit k + 1 of them and still not finish inside the windows.
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=(_WARMUP_STEPS + 2 * num_steps) * 17 + 64)
+    processor = llm._processor()
+    ids = [f"spec-host-{batch}-{i}" for i in range(batch)]
+    engine.add_requests([r for rid, p in zip(ids, prompts) for r in processor.add_request(rid, None, p, params)])
+    try:
+        for _ in range(_WARMUP_STEPS + -(-batch * context_len // engine.config.max_num_batched_tokens)):
+            engine.step()
+        start = time.perf_counter()
+        for _ in range(num_steps):
+            engine.step()
+        wall = time.perf_counter() - start
+        before = engine.scheduler.make_stats()
+        profiled_wall, device_busy, blocked = _profiled(engine, num_steps)
+        after = engine.scheduler.make_stats()
+    finally:
+        engine.abort_requests(ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return StepWindow(num_steps, wall, profiled_wall, device_busy, blocked,
+                      after.spec_decode_num_drafts - before.spec_decode_num_drafts,
+                      after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+                      after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens)
+
+
+def _profiled(engine, num_steps: int) -> tuple[float, float, float]:
+    """(wall, device busy, host blocked in CUDA synchronisation), seconds, over `num_steps` steps under
+    torch.profiler."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(num_steps):
+            engine.step()
+        wall = time.perf_counter() - start
+    events = prof.events()
+    device = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
+    blocked = sum(e.time_range.elapsed_us() for e in events if e.device_type == DeviceType.CPU and e.name in _SYNC_CALLS)
+    return wall, union_length(device) * 1e-6, blocked * 1e-6
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of [start, end) intervals (a device's busy time: its streams overlap)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
