@@ -74,6 +74,7 @@ variant() {  # the switches of one stage: engine options into ENGINE, environmen
       accurate) export CORECTL_FP8_FAST_ACCUM=0 ;;                          # FP8 GEMMs without fast accumulation
       profile) PROFILE=1 ;;                                                 # torch.profiler + cProfile summary
       eagerverify) export CORECTL_GRAPH_VERIFY=0 ;;                         # verify steps outside the decode graphs
+      bf16logits) export CORECTL_LOGITS_FP32_GEMM=0 ;;                      # the LM head's GEMM writes bf16, then converts
       unsorted) export CORECTL_LORA_SORTED=0 ;;                             # LoRA decode steps keep the gathered kernels
       unstacked) export CORECTL_LORA_STACKED=0 ;;                           # LoRA A apart from the base weight (batch-1 shrink launch)
       tile32) export CORECTL_LORA_TILE=32 ;;                                # LoRA decode steps' sorted tiles of 32 rows (default 16)
@@ -288,8 +289,11 @@ stage_w10moe() {  # LoRA on MoE experts, qwen3-30b-a3b shape: 2 rank-16 adapters
     --max-loras 1 --lora-compare-base --save-result "$RES/${TAG}_latency.json"
 }
 stage_w11() {  # speculative decoding: a verify step with k = 4 against a plain decode step, batch 1 and 64
+  # The plain stage also times the running engine's steps (host against device) and the GEMMs by rows.
+  local extra=()
+  [ -z "$VARIANT" ] && extra=(--engine-steps 30 --gemm-rows 64,256,320,384)
   corectl bench verify-step --model llama3-8b --platform cuda --load-format dummy --num-speculative-tokens 4 \
-    --batch-sizes 1,64 --context-len 512 --num-steps 30 "${ENGINE[@]}"
+    --batch-sizes 1,64 --context-len 512 --num-steps 30 "${extra[@]}" "${ENGINE[@]}"
 }
 stage_w11prof() {  # W11 at batch 64 under the profilers: where a verify step's time goes against a decode step's
   corectl bench verify-step --model llama3-8b --platform cuda --load-format dummy --num-speculative-tokens 4 \
