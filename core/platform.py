@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .config import EngineConfig
+    from .distributed import DeviceCommunicator, TensorParallel
     from .worker import Worker
 
 
@@ -146,6 +147,16 @@ class Platform(abc.ABC):
         from .errors import ConfigError
 
         raise ConfigError("tensor_parallel_size", f"platform {self.name!r} does not support tensor parallelism")
+
+    def device_communicator(self, tp: "TensorParallel") -> "DeviceCommunicator | None":
+        """An all-reduce of the platform's own for the tensor-parallel group `tp`'s small messages
+        (``corectl.distributed.DeviceCommunicator``: what it takes, in place, the same bits on every
+        rank, capturable in device graphs); messages it does not take go through the
+        ``distributed_backend()`` collective. Every rank calls it once, together, right after joining
+        its group (``attach_device_communicator``), so it may run collectives on ``tp.group`` (None:
+        the default group) to agree on a result. None (the default): the collective takes every size.
+        A platform returns None where its devices cannot serve one (no peer access), saying why."""
+        return None
 
     def device_for_rank(self, local_rank: int):
         """Make device `local_rank` (among those this process sees) the current one, and return

@@ -73,6 +73,11 @@ class CUDAPlatform(Platform):
     def distributed_backend(self) -> str:
         return "nccl"  # ROCm's torch maps it to RCCL
 
+    def device_communicator(self, tp):
+        from .custom_allreduce import create_communicator
+
+        return create_communicator(tp)  # None on ROCm and without peer access: NCCL for every size
+
     def ray_resources_per_rank(self) -> dict[str, float]:
         return {"GPU": 1.0}
 

@@ -1,10 +1,12 @@
 """Parallel state (tensor-parallel groups, pipeline stages) and its collectives (torch.distributed),
 shared by the model layers, the worker and the executors."""
+from .communicator import DeviceCommunicator
 from .parallel_state import (
     PipelineParallel,
     TensorParallel,
     all_gather,
     all_reduce,
+    attach_device_communicator,
     destroy_parallel_state,
     get_pp,
     get_tp,
@@ -14,5 +16,6 @@ from .parallel_state import (
     shard_range,
 )
 
-__all__ = ["PipelineParallel", "TensorParallel", "all_gather", "all_reduce", "destroy_parallel_state", "get_pp",
-           "get_tp", "init_parallel_state", "receive_from_previous_stage", "send_to_next_stage", "shard_range"]
+__all__ = ["DeviceCommunicator", "PipelineParallel", "TensorParallel", "all_gather", "all_reduce",
+           "attach_device_communicator", "destroy_parallel_state", "get_pp", "get_tp", "init_parallel_state",
+           "receive_from_previous_stage", "send_to_next_stage", "shard_range"]

@@ -13,16 +13,24 @@ nothing is initialised and the collectives return their input untouched, so one 
 nothing.
 
 Core never names a collectives backend: the rank passes the one its platform names
-(`Platform.distributed_backend()`).
+(`Platform.distributed_backend()`), and may attach the platform's own all-reduce for small
+messages (`attach_device_communicator`, `Platform.device_communicator`): `all_reduce` sends it the
+messages it takes and the rest to the group's collective.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+from .. import envs
+from .communicator import DeviceCommunicator
+
+if TYPE_CHECKING:
+    from ..platform import Platform
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,8 @@ class PipelineParallel:
 
 _state = TensorParallel()
 _pp = PipelineParallel()
+# The platform's all-reduce for small messages, when it gave one (`attach_device_communicator`).
+_communicator: DeviceCommunicator | None = None
 
 
 def get_tp() -> TensorParallel:
@@ -84,8 +94,18 @@ def init_parallel_state(rank: int, tp_size: int, pp_size: int, backend: str, ini
                            next_rank=rank + tp_size if stage < pp_size - 1 else None, partition=partition)
 
 
+def attach_device_communicator(platform: "Platform") -> None:
+    """Ask `platform` for its all-reduce for the stage's small messages; every rank of the group
+    calls it together, after `init_parallel_state` (the platform may run collectives on the group).
+    CORECTL_CUSTOM_ALLREDUCE=0 keeps the group's collective for every size (for measurement)."""
+    global _communicator
+    if _state.world_size > 1 and envs.custom_allreduce_enabled():
+        _communicator = platform.device_communicator(_state)
+
+
 def destroy_parallel_state() -> None:
-    global _state, _pp
+    global _state, _pp, _communicator
+    _communicator = None  # its peer buffers belong to the group destroyed below
     if dist.is_initialized():
         dist.destroy_process_group()
     _state = TensorParallel()
@@ -95,7 +115,10 @@ def destroy_parallel_state() -> None:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the stage's ranks, in place; every rank gets the same bits."""
     if _state.world_size > 1:
-        dist.all_reduce(x, group=_state.group)
+        if _communicator is not None and _communicator.takes(x):
+            _communicator.all_reduce_(x)
+        else:
+            dist.all_reduce(x, group=_state.group)
     return x
 
 

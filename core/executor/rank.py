@@ -20,7 +20,7 @@ import msgspec
 import torch
 
 from ..config import EngineConfig, parse_layer_partition
-from ..distributed import destroy_parallel_state, init_parallel_state
+from ..distributed import attach_device_communicator, destroy_parallel_state, init_parallel_state
 from ..step_messages import GrammarBitmask, SchedulerOutput
 from .base import StepHandle, WorkerSpec
 
@@ -38,6 +38,7 @@ class RankWorker:
                             spec.platform.distributed_backend(), init_method,
                             None if partition is None else
                             parse_layer_partition(partition, config.pipeline_parallel_size, "pipeline_layer_partition"))
+        attach_device_communicator(spec.platform)
         self.is_output_rank = rank == output_rank(config)
         self.worker = spec.build()
         self._in_flight: StepHandle | None = None
