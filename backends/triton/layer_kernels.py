@@ -10,7 +10,8 @@ from torch.nn import functional as F
 from .elementwise.activation import silu_and_mul
 from .elementwise.rms_norm import rms_norm
 from .elementwise.rotary import qk_norm_rotary, rotary_embedding
-from .gemm.fp8_gemv import MAX_M, dense_decode_config, dense_gemv
+from .gemm.fp8_gemv import dense_gemv
+from .gemm.gemv_configs import MAX_M, dense_decode_config
 from .gemm.invariant import invariant_linear
 from .lora import lora_expand, lora_shrink
 from .lora.moe_lora import fused_moe_lora
@@ -56,11 +57,11 @@ def _router_logits(hidden, weight):
 
 
 def _dense_linear(x, weight, bias, gated):
-    # Only the shapes and batches the H100 sweep measured the GEMV ahead of cuBLAS on
-    # (fp8_gemv.DENSE_TUNED); the rest returns None and runs F.linear.
+    # The GEMV where its rule (gemv_configs) has it ahead of cuBLAS for this size and batch; the
+    # rest returns None and runs F.linear.
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
         return None
-    cfg = dense_decode_config(x.shape[0], *weight.shape)
+    cfg = dense_decode_config(x.shape[0], *weight.shape, gated, x.device)
     if cfg is None or x.stride(1) != 1 or weight.stride(1) != 1:
         return None
     return dense_gemv(x, weight, bias, cfg, gated)

@@ -91,6 +91,39 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
         "sliding_window": 4096, "max_position_embeddings": 32768,
     },
+    # Dense shapes the decode GEMV's rule was not read off (issue 26 item 5), as their published
+    # config.json files have them (Gemma 2: tied embeddings, the config class's default).
+    "qwen3-8b": {
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "dtype": "bfloat16",
+        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "max_position_embeddings": 40960, "max_window_layers": 36,
+    },
+    "qwen3-14b": {
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "dtype": "bfloat16",
+        "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 40,
+        "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "max_position_embeddings": 40960, "max_window_layers": 40,
+    },
+    # Alternating 4096-token sliding-window and global layers, soft-capped attention scores and logits.
+    "gemma-2-9b": {
+        "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "dtype": "bfloat16",
+        "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "vocab_size": 256000,
+        "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 8192,
+    },
+    "llama-3.2-3b": {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "dtype": "bfloat16",
+        "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
+        "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "max_position_embeddings": 131072,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "high_freq_factor": 4.0,
+                            "low_freq_factor": 1.0, "original_max_position_embeddings": 8192},
+    },
     # Small enough for CPU tests of the whole preset path.
     "llama-tiny": {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "dtype": "float32",

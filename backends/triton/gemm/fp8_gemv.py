@@ -29,8 +29,9 @@ Everything is sized from shapes only: CUDA-graph capturable, no host syncs.
 `dense_gemv` runs the same kernel on 16- or 32-bit weights without scales (SCALED off): small
 matrices read at decode, such as a mixture-of-experts router ([E, H], 0.5 MB for Qwen3-30B-A3B),
 where cuBLAS's smallest GEMM kernel takes about 5 us on an H100 for what is mostly launch latency,
-and the dense layers of a decode step where the sweep measured it ahead of cuBLAS (`DENSE_TUNED`:
-cuBLAS reads the small projections of a batch-1 step well below copy bandwidth), gated too.
+and the dense layers of a decode step where the GEMV is ahead of cuBLAS (cuBLAS reads the small
+projections of a batch-1 step well below copy bandwidth), gated too. Launch configs are a rule of
+the problem size: `gemv_configs`.
 """
 from __future__ import annotations
 
@@ -44,56 +45,10 @@ from ..attention.paged_softmax import dot_dtype
 from ..checks import check_float, check_same_device, require
 from ..elementwise.activation import silu_mul
 from ..pdl import grid_dependency, pdl_enabled
+from .gemv_configs import DOT_M, MAX_M, GemvConfig, fp8_decode_config, small_n_config
 
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
-MAX_M = 8
-_DOT_M = 16  # the smallest tl.dot tile
 _REDUCE_BLOCK = 1024
-# Programs to aim for when no tuned config matches: two per SM of an H100 (132 SMs), so each SM
-# keeps at least two streams of loads in flight.
-_TARGET_PROGRAMS = 264
-
-
-class GemvConfig(NamedTuple):
-    # Rows per program: 1 (the CUDA-core GEMV, M = 1 only) or 16 (one tensor-core tile).
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int
-    num_warps: int
-    # Loads issued ahead along K (the loop has no tl.dot at M = 1, so Triton pipelines its loads
-    # only when the loop asks): bytes in flight per SM are what reach HBM bandwidth.
-    num_stages: int
-
-
-# Tuned on an H100 (2026-11-25, triton 3.6, torch 2.11) by `python -m corectl.backends.triton.bench.fp8`
-# (it prints this table): {(N, K): {M bucket (1, 2, 4, 8, 16): GemvConfig}}, llama3-8b's layers.
-# Shapes not listed use `_heuristic_config`.
-TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {
-    (4096, 4096): {1: GemvConfig(1, 8, 512, 1, 4, 3), 2: GemvConfig(16, 64, 128, 4, 4, 3), 4: GemvConfig(16, 64, 128, 4, 4, 3), 8: GemvConfig(16, 64, 128, 4, 4, 3), 16: GemvConfig(16, 64, 128, 4, 4, 3)},
-    (4096, 14336): {1: GemvConfig(1, 16, 1024, 1, 8, 3), 2: GemvConfig(16, 64, 128, 4, 4, 3), 4: GemvConfig(16, 64, 128, 4, 4, 3), 8: GemvConfig(16, 64, 128, 4, 4, 3), 16: GemvConfig(16, 64, 128, 4, 4, 3)},
-    (6144, 4096): {1: GemvConfig(1, 8, 512, 1, 4, 3), 2: GemvConfig(16, 64, 128, 4, 4, 3), 4: GemvConfig(16, 64, 128, 4, 4, 3), 8: GemvConfig(16, 64, 128, 4, 4, 3), 16: GemvConfig(16, 64, 128, 4, 4, 3)},
-    (28672, 4096): {1: GemvConfig(1, 8, 512, 1, 4, 3), 2: GemvConfig(16, 64, 128, 1, 4, 3), 4: GemvConfig(16, 64, 128, 1, 4, 3), 8: GemvConfig(16, 64, 128, 1, 4, 3), 16: GemvConfig(16, 64, 128, 1, 4, 3)},
-}
-
-# The dense (16-bit weight) GEMV's configs where `bench.fp8 --dense` measured it at least 3% faster
-# than F.linear (cuBLAS) on an H100 (2026-11-26, triton 3.6, torch 2.11; llama3-8b's and qwen3-0.6b's
-# projections), {(N, K): {M bucket: GemvConfig}}; any other shape or batch takes F.linear
-# (`dense_decode_config`). At M = 1: llama3-8b's gate_up 78.0 against 94.9 us (3.0 against 2.5 TB/s),
-# o 13.4 against 16.4 us, its LM head 335 against 387 us; at M >= 2 cuBLAS catches up on the
-# projections, less so on the LM heads.
-DENSE_TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {
-    (1024, 2048): {1: GemvConfig(1, 8, 512, 1, 4, 3)},
-    (1024, 3072): {1: GemvConfig(1, 8, 512, 1, 4, 3)},
-    (4096, 1024): {1: GemvConfig(1, 16, 256, 1, 4, 3)},
-    (4096, 4096): {1: GemvConfig(1, 8, 512, 1, 4, 3), 2: GemvConfig(16, 64, 128, 4, 4, 3), 4: GemvConfig(16, 64, 128, 4, 4, 3), 8: GemvConfig(16, 64, 128, 4, 4, 3)},
-    (4096, 14336): {1: GemvConfig(1, 8, 512, 1, 4, 3)},
-    (6144, 1024): {1: GemvConfig(1, 16, 256, 1, 4, 3)},
-    (6144, 4096): {1: GemvConfig(1, 8, 512, 1, 4, 3), 4: GemvConfig(16, 32, 256, 1, 4, 3)},
-    (28672, 4096): {1: GemvConfig(1, 16, 1024, 1, 8, 3)},
-    (128256, 4096): {1: GemvConfig(1, 16, 1024, 1, 8, 3), 2: GemvConfig(16, 16, 512, 1, 4, 3), 4: GemvConfig(16, 16, 512, 1, 4, 3), 8: GemvConfig(16, 16, 512, 1, 4, 3)},
-    (151936, 1024): {1: GemvConfig(1, 8, 512, 1, 4, 3), 2: GemvConfig(16, 64, 128, 1, 4, 3), 4: GemvConfig(16, 64, 128, 1, 4, 3), 8: GemvConfig(16, 64, 128, 1, 4, 1)},
-}
 
 
 @triton.jit
@@ -176,35 +131,6 @@ def _splitk_reduce_kernel(part_ptr, scale_ptr, bias_ptr, out_ptr, N, total,
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _heuristic_config(m: int, n: int, k: int) -> GemvConfig:
-    """Narrow output slices (more programs, each streaming whole rows), split K only as far as
-    needed to give every SM work."""
-    block_m, block_n, block_k = (1, 16, 512) if m == 1 else (_DOT_M, 32, 256)
-    tiles = triton.cdiv(n, block_n)
-    split_k = 1
-    # Each split keeps at least two BLOCK_K steps, so the loads of one can overlap the next.
-    while tiles * split_k < _TARGET_PROGRAMS and k >= 4 * split_k * block_k:
-        split_k *= 2
-    return GemvConfig(block_m, block_n, block_k, split_k, num_warps=4, num_stages=3)
-
-
-def _bucket(m: int) -> int:
-    return 1 << (m - 1).bit_length()
-
-
-def default_config(m: int, n: int, k: int) -> GemvConfig:
-    """The tuned config of (N, K) at M's power-of-two bucket, else the heuristic."""
-    return TUNED.get((n, k), {}).get(_bucket(m)) or _heuristic_config(m, n, k)
-
-
-def dense_decode_config(m: int, n: int, k: int) -> GemvConfig | None:
-    """The dense GEMV's config for an [M, K] x [N, K] layer where it was measured ahead of cuBLAS
-    (`DENSE_TUNED`), else None: the layer keeps F.linear."""
-    if not 1 <= m <= MAX_M:
-        return None
-    return DENSE_TUNED.get((n, k), {}).get(_bucket(m))
-
-
 def _check_rows(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> None:
     """What both launchers need of a float x and a 2-D weight: a decode-sized x whose features
     (gated: twice them) are the weight's inputs, and weight rows contiguous and apart."""
@@ -247,16 +173,16 @@ def _check_bias_and_device(bias: torch.Tensor | None, n: int, **tensors: torch.T
 def fp8_w8a16_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                    config: GemvConfig | None = None, gated: bool = False) -> torch.Tensor:
     """x @ (weight * w_scale[:, None]).T + bias for M <= MAX_M rows; [M, N] in x's dtype.
-    `config` overrides the table (the benchmark's sweep). `gated`: x is [M, 2K] (gate | up) and
+    `config` overrides the rule's (the benchmark's sweep). `gated`: x is [M, 2K] (gate | up) and
     silu(gate) * up takes its place (module doc)."""
     _check_inputs(x, weight, w_scale, bias, gated)
     m = x.shape[0]
     n, k = weight.shape
-    cfg = config or default_config(max(m, 1), n, k)
-    require(cfg.block_m in (1, _DOT_M) and m <= cfg.block_m,
-            f"block_m must be 1 (M = 1) or {_DOT_M}, and at least M = {m}; got {cfg}")
-    require(cfg.block_m == 1 or cfg.block_n >= _DOT_M,
-            f"block_n must be >= {_DOT_M} with block_m {_DOT_M} (tl.dot), got {cfg}")
+    cfg = config or fp8_decode_config(m, n, k, x.device)
+    require(cfg.block_m in (1, DOT_M) and m <= cfg.block_m,
+            f"block_m must be 1 (M = 1) or {DOT_M}, and at least M = {m}; got {cfg}")
+    require(cfg.block_m == 1 or cfg.block_n >= DOT_M,
+            f"block_n must be >= {DOT_M} with block_m {DOT_M} (tl.dot), got {cfg}")
     return _run(x, weight, w_scale, bias, cfg, gated)
 
 
@@ -271,19 +197,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     _check_rows(x, weight, gated)
     n, k = weight.shape
     _check_bias_and_device(bias, n, x=x, weight=weight)
-    return _run(x, weight, None, bias, config or _small_n_config(max(x.shape[0], 1), n, k), gated)
-
-
-def _small_n_config(m: int, n: int, k: int) -> GemvConfig:
-    """At M = 1 one launch without split-K, column slices narrowed (down to 2 rows) until the grid
-    has a program per SM: a router's few rows would otherwise make a handful of programs, and a
-    split adds a second launch to a call that is mostly launch latency. Larger M: the heuristic."""
-    if m != 1:
-        return _heuristic_config(m, n, k)
-    block_n = 16
-    while block_n > 2 and triton.cdiv(n, block_n) < _TARGET_PROGRAMS // 2:
-        block_n //= 2
-    return GemvConfig(1, block_n, min(512, triton.next_power_of_2(k)), 1, num_warps=4, num_stages=3)
+    return _run(x, weight, None, bias, config or small_n_config(max(x.shape[0], 1), n, k, x.device), gated)
 
 
 def _run(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None, bias: torch.Tensor | None,

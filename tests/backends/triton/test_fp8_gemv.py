@@ -6,12 +6,8 @@ import torch
 import triton
 from corectl.backends.triton.gemm import fp8_gemv
 from corectl.backends.triton.elementwise.activation import silu_and_mul
-from corectl.backends.triton.gemm.fp8_gemv import (
-    MAX_M,
-    GemvConfig,
-    default_config,
-    fp8_w8a16_gemv,
-)
+from corectl.backends.triton.gemm.fp8_gemv import MAX_M, GemvConfig, fp8_w8a16_gemv
+from corectl.backends.triton.gemm.gemv_configs import fp8_decode_config, small_n_config
 from corectl.quantization.fp8 import GEMV_MAX_M, fp8_w8a16_reference, quantize_rows
 from support.close import BF16_STEP
 
@@ -121,17 +117,10 @@ def test_kernel_and_method_agree_on_the_bound():
     assert MAX_M == GEMV_MAX_M
 
 
-def test_tuned_table_is_read_by_power_of_two_bucket(monkeypatch):
-    tuned = GemvConfig(16, 64, 256, 2, 8, 4)
-    monkeypatch.setitem(fp8_gemv.TUNED, (4096, 4096), {4: tuned})
-    assert default_config(3, 4096, 4096) == default_config(4, 4096, 4096) == tuned
-    assert default_config(5, 4096, 4096) != tuned and default_config(4, 4096, 14336) != tuned
-
-
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("n,k", LLAMA3_8B)
-def test_heuristic_gives_every_h100_sm_work(m, n, k):
-    cfg = fp8_gemv._heuristic_config(m, n, k)
+def test_rule_gives_every_h100_sm_work(m, n, k):
+    cfg = fp8_decode_config(m, n, k)
     assert triton.cdiv(n, cfg.block_n) * cfg.split_k >= H100_SMS
     assert k // cfg.split_k >= 2 * cfg.block_k and m <= cfg.block_m and (cfg.block_m == 1 or cfg.block_n >= 16)
 
@@ -146,7 +135,7 @@ def test_dense_gemv_matches_torch(m, n, k):
 
 
 def test_dense_gemv_at_batch_1_is_one_unsplit_launch_over_narrow_columns(assert_close):
-    cfg = fp8_gemv._small_n_config(1, 128, 2048)
+    cfg = small_n_config(1, 128, 2048)
     assert (cfg.block_m, cfg.split_k, cfg.block_n) == (1, 1, 2)
     x, weight = torch.randn(1, 300).to(torch.bfloat16), torch.randn(24, 300).to(torch.bfloat16)
     assert_close(fp8_gemv.dense_gemv(x, weight), x.float() @ weight.float().t(), BF16_STEP, norm="max")
@@ -166,15 +155,6 @@ def test_dense_gemv_with_bias_and_gated_matches_torch(m, cfg, dtype, assert_clos
                  norm="max")
     gated = fp8_gemv.dense_gemv(gate_up, weight, bias, cfg, gated=True)
     torch.testing.assert_close(gated, fp8_gemv.dense_gemv(silu_and_mul(gate_up), weight, bias, cfg), rtol=0, atol=0)
-
-
-def test_dense_decode_configs_come_only_from_the_measured_table(monkeypatch):
-    tuned = GemvConfig(1, 8, 512, 1, 4, 3)
-    monkeypatch.setattr(fp8_gemv, "DENSE_TUNED", {(64, 128): {1: tuned}})
-    assert fp8_gemv.dense_decode_config(1, 64, 128) == tuned
-    assert fp8_gemv.dense_decode_config(2, 64, 128) is None  # bucket 2 not measured: cuBLAS
-    assert fp8_gemv.dense_decode_config(1, 64, 256) is None and fp8_gemv.dense_decode_config(0, 64, 128) is None
-    assert fp8_gemv.dense_decode_config(MAX_M + 1, 64, 128) is None
 
 
 def test_dense_gemv_refuses_what_it_cannot_run():

@@ -119,20 +119,15 @@ def test_router_logits_take_the_gemv_at_decode_sizes_and_f_linear_above(num_toke
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 9])
-def test_dense_layers_take_the_gemv_where_the_table_has_their_shape(num_tokens, monkeypatch):
-    """bf16 column- and row-parallel layers with the Triton kernels installed: decode-sized inputs
-    of a shape in DENSE_TUNED go through the dense GEMV (the down projection gated: silu(gate) * up
-    formed on load), others through F.linear; both equal the torch layers."""
+def test_dense_layers_take_the_gemv_where_the_rule_chooses_it(num_tokens, monkeypatch):
+    """bf16 column- and row-parallel layers with the Triton kernels installed: a batch-1 step goes
+    through the dense GEMV (the down projection gated: silu(gate) * up formed on load); at more rows
+    these small layers keep F.linear (gemv_configs); both equal the torch layers."""
     from corectl.backends.triton import layer_kernels
-    from corectl.backends.triton.gemm import fp8_gemv
-    from corectl.backends.triton.gemm.fp8_gemv import GemvConfig
     from corectl.models.parallel import PackedLinear, RowParallelLinear
     from torch.nn import functional as F
 
     hidden, inter = 64, 96
-    monkeypatch.setattr(fp8_gemv, "DENSE_TUNED", {(2 * inter, hidden): {1: GemvConfig(1, 8, 64, 1, 4, 1)},
-                                                  (hidden, inter): {1: GemvConfig(1, 8, 32, 2, 4, 1),
-                                                                    4: GemvConfig(16, 16, 32, 1, 4, 1)}})
     calls = []
     real = layer_kernels.dense_gemv
     monkeypatch.setattr(layer_kernels, "dense_gemv", lambda *a: calls.append(a[0].shape) or real(*a))
@@ -149,22 +144,19 @@ def test_dense_layers_take_the_gemv_where_the_table_has_their_shape(num_tokens, 
     torch.testing.assert_close(projected, F.linear(x, gate_up.weight), rtol=2 ** -7, atol=1e-2)
     gated = down.forward_gated(projected)
     expected = F.linear(triton_layer_kernels().silu_and_mul(projected), down.weight, down.bias)
-    if num_tokens == 9:  # above the GEMV's rows: no fused form, the MLP runs silu_and_mul and forward
+    if num_tokens > 1:  # no fused form: the MLP runs silu_and_mul and forward
         assert gated is None and calls == []
         return
     torch.testing.assert_close(gated, expected, rtol=2 ** -7, atol=1e-2)
-    # Bucket 4 has the down projection only: 3 tokens take F.linear for gate_up.
-    assert calls == ([(1, hidden), (1, 2 * inter)] if num_tokens == 1 else [(3, 2 * inter)])
+    assert calls == [(1, hidden), (1, 2 * inter)]
 
 
 def test_lm_head_takes_the_dense_gemv_at_decode_rows(monkeypatch):
-    """The LM head's logits come from the dense GEMV where the table has its shape, and equal F.linear."""
+    """The LM head's logits come from the dense GEMV at a decode step, and equal F.linear."""
     from corectl.backends.triton.gemm import fp8_gemv
-    from corectl.backends.triton.gemm.fp8_gemv import GemvConfig
     from corectl.models.parallel import ParallelLMHead
 
     head = ParallelLMHead(32, 200).to(torch.bfloat16)
-    monkeypatch.setattr(fp8_gemv, "DENSE_TUNED", {(200, 32): {1: GemvConfig(1, 16, 32, 1, 4, 1)}})
     hidden = torch.randn(1, 32).to(torch.bfloat16)
     reference = head(hidden)  # no kernels installed: F.linear
     install_layer_kernels(head, triton_layer_kernels())

@@ -217,7 +217,6 @@ def test_batch_one_stacked_layers_match_torch_path(monkeypatch, assert_close):
     """Batch 1 with each slot's A rows stacked under the base weight: the base GEMV gives the base
     output and x @ A.T of every slot, the expand adds the token's slot's; a packed qkv (with a bias)
     and a gated down projection (silu(gate) * up formed by the GEMV) add what the torch path adds."""
-    from corectl.backends.triton.gemm import fp8_gemv
     from corectl.backends.triton.layer_kernels import triton_layer_kernels
     from corectl.lora.layers import LoRABatch, attach_lora
     from corectl.lora.punica import SlotGroup
@@ -225,9 +224,6 @@ def test_batch_one_stacked_layers_match_torch_path(monkeypatch, assert_close):
     from torch import nn
 
     monkeypatch.setenv("CORECTL_LORA_STACKED", "1")
-    # The GEMV takes the layers' shapes as it takes the tuned ones of a real model.
-    for shape in [(128, 32), (128, 16)]:
-        monkeypatch.setitem(fp8_gemv.DENSE_TUNED, shape, {1: fp8_gemv.GemvConfig(1, 8, 16, 1, 4, 1)})
     model = nn.Module()
     model.qkv_proj = PackedLinear(32, {"q": 64, "k": 32, "v": 32}, bias=True, unit=8)
     model.down_proj = RowParallelLinear(16, 128, bias=False)

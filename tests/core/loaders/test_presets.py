@@ -78,6 +78,28 @@ def test_presets_equal_the_peer_shapes_field_by_field(name):
     assert source.model_dtype == "bfloat16" and source.tokenizer_dir is None and source.weight_files == ()
 
 
+@pytest.mark.parametrize(("name", "config_class"), [("qwen3-8b", "Qwen3Config"), ("qwen3-14b", "Qwen3Config"),
+                                                   ("gemma-2-9b", "Gemma2Config"), ("llama-3.2-3b", "LlamaConfig")])
+def test_dense_presets_load_in_their_config_classes_with_every_field(name, config_class):
+    """The presets of issue 26's untuned dense shapes load as their transformers config classes, each
+    field as written (Gemma 2's soft caps and alternating windows, Llama 3.2's llama3 rope scaling), and
+    resolve to a model class."""
+    from corectl.models.registry import resolve_model_class
+
+    config = resolve_model_source(EngineConfig(model=name, load_format="dummy")).hf_config
+    assert type(config).__name__ == config_class
+    resolve_model_class(config)
+    for field, value in PRESETS[name].items():
+        if field == "rope_parameters":
+            assert {k: config.rope_parameters[k] for k in value} == value
+        elif field == "rope_theta":
+            assert config.rope_parameters["rope_theta"] == value
+        elif field != "dtype":
+            assert getattr(config, field) == value, field
+    if name == "gemma-2-9b":
+        assert config.layer_types[:2] == ["sliding_attention", "full_attention"] and config.tie_word_embeddings
+
+
 def test_a_mixture_of_experts_preset_generates_from_dummy_weights():
     llm = LLM(**{**TINY, "model": "qwen3-moe-tiny"})
     assert llm.engine.info.architecture == "Qwen3MoeForCausalLM"
