@@ -65,6 +65,8 @@ variant() {  # the switches of one stage: engine options into ENGINE, environmen
       kvbound) ENGINE+=(--gpu-memory-utilization "${KV_BOUND_UTIL:-0.12}") ;;  # KV capacity binds (W4)
       sync) ENGINE+=(--no-async-scheduling) ;;
       tp2) ENGINE+=(-tp 2) ;;
+      tp4) ENGINE+=(-tp 4) ;;
+      noar) export CORECTL_CUSTOM_ALLREDUCE=0 ;;                            # NCCL for every TP all-reduce (no one-shot)
       pp2) ENGINE+=(-pp 2) ;;                                               # two pipeline stages
       dp2) ENGINE+=(-dp 2) ;;
       asc[0-9]*) SERVE_ARGS="${SERVE_ARGS:-} --api-server-count ${switch#asc}" ;;  # API processes (F1)
@@ -162,7 +164,7 @@ stage_w1inv() {  # W1 with --batch-invariant against the default, alternating in
     done
   done
 }
-stage_w2() {  # batch-1 decode, 512 in / 128 out, llama3-8b shape (TP: w2 against w2:tp2)
+stage_w2() {  # batch-1 decode, 512 in / 128 out, llama3-8b shape (TP: w2 against w2:tp2, w2:tp2+noar, w2:tp4, w2:tp4+noar)
   bench latency --model llama3-8b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/$TAG.json"
   peer static --shape llama3-8b --batch 1 --input-len 512 --output-len 128
 }
@@ -381,7 +383,8 @@ stage_sweep() {
     invgemmcfg) timeout 500 python3 benchmarks/invariant_gemm_bench.py --sweep ;;
     fp8block) timeout 300 python3 benchmarks/fp8_block_bench.py ;;
     lora) timeout 400 python3 benchmarks/lora_bench.py ;;
-    *) echo "sweep:NAME, NAME one of w4a16 fp8 dense moe moefine decode w8a16 fp8accum invgemm invgemmcfg fp8block lora"; return 1 ;;
+    allreduce) timeout 300 python3 benchmarks/allreduce_bench.py ;;
+    *) echo "sweep:NAME, NAME one of w4a16 fp8 dense moe moefine decode w8a16 fp8accum invgemm invgemmcfg fp8block lora allreduce"; return 1 ;;
   esac > "$RES/$TAG.txt" 2>&1
   local rc=$?
   tail -60 "$RES/$TAG.txt"
