@@ -35,7 +35,6 @@ the problem size: `gemv_configs`.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
 
 import torch
 import triton
