@@ -57,8 +57,9 @@ def measure_engine_steps(llm, batch: int, context_len: int, num_steps: int, seed
 
     engine = llm.engine
     rng = random.Random(seed)
-    passage = [rng.randrange(engine.info.vocab_size) for _ in range(64)]
-    prompts = [[rng.randrange(engine.info.vocab_size), *(passage * (context_len // 64 + 1))][:context_len]
+    # A request's own first token, then a passage repeated: its last tokens recur in the prompt.
+    passage = [rng.randrange(engine.info.vocab_size) for _ in range(max(2, min(64, context_len // 4)))]
+    prompts = [[rng.randrange(engine.info.vocab_size), *(passage * (context_len // len(passage) + 1))][:context_len]
                for _ in range(batch)]
     # Enough tokens for every step to emit k + 1 of them and still not finish inside the windows.
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=(_WARMUP_STEPS + 2 * num_steps) * 17 + 64)

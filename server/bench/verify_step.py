@@ -37,7 +37,7 @@ def register(sub) -> None:
                         "(bench/spec_host.py)")
     p.add_argument("--gemm-rows", default="",
                    help="comma-separated row counts: time the model's GEMMs (first layer's projections, LM head) "
-                        "at each by cuBLAS and cuBLASLt (bench/gemm_rows.py; CUDA)")
+                        "at each by cuBLAS and cuBLASLt, and its element-wise kernels (bench/gemm_rows.py; CUDA)")
     add_engine_args(p)
     p.set_defaults(handler=run_verify_step)
 
@@ -75,9 +75,11 @@ def run_verify_step(args: argparse.Namespace) -> int:
         for batch in (int(b) for b in args.batch_sizes.split(",")):
             print(measure_engine_steps(llm, batch, args.context_len, args.engine_steps).row(batch))
     if args.gemm_rows:
-        from .gemm_rows import gemm_rows_report
+        from .gemm_rows import elementwise_rows_report, gemm_rows_report
 
-        print("== GEMMs by rows\n" + gemm_rows_report(runner.model, [int(m) for m in args.gemm_rows.split(",")]))
+        rows = [int(m) for m in args.gemm_rows.split(",")]
+        print("== GEMMs by rows\n" + gemm_rows_report(runner.model, rows))
+        print("== element-wise kernels by rows\n" + elementwise_rows_report(runner.model, rows))
     return 0
 
 

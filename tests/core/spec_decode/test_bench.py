@@ -6,13 +6,14 @@ import re
 
 from corectl.engine.messages import SchedulerStats
 from corectl.server.bench.edit_text import acceptance, edit_text_prompts, format_acceptance
+from corectl.server.bench.spec_host import union_length
 from corectl.server.cli.main import main
 
 
 def test_verify_step_times_decode_and_verify_steps(isolated_env, capsys):
     code = main(["bench", "verify-step", "--model", "llama-tiny", "--load-format", "dummy", "--platform", "cpu",
                  "--kv-cache-memory", "0.01", "--batch-sizes", "1,3", "--context-len", "12", "--num-steps", "2",
-                 "--num-warmup-steps", "1", "-k", "2", "--profile"])
+                 "--num-warmup-steps", "1", "-k", "2", "--profile", "--engine-steps", "3", "--gemm-rows", "4"])
     assert code == 0
     out = capsys.readouterr().out
     lines = re.findall(r"batch (\d+): decode step median [\d.]+ ms .* verify step \(k=2\) median [\d.]+ ms .*: [\d.]+x", out)
@@ -21,6 +22,18 @@ def test_verify_step_times_decode_and_verify_steps(isolated_env, capsys):
     assert re.findall(r"== batch (\d+): 5 (\w+) steps", out) == [("1", "decode"), ("1", "verify"), ("3", "decode"), ("3", "verify")]
     verify_report = out.split("== batch 3: 5 verify steps")[1]
     assert "rejection_sample" in verify_report and "Wall time of the profiled run" in verify_report
+    # --engine-steps: the running engine's steps, one row a batch size: host time against device time.
+    cell = r"\| ([\d.]+) "
+    rows = re.findall(r"^\| (\d+) \| 3 " + cell * 6 + r"\| (yes|no) \|$", out, re.MULTILINE)
+    assert [r[0] for r in rows] == ["1", "3"]
+    # Wall and host time per step; a CPU engine has no device time, so all its wall time is device idle.
+    assert all(float(r[3]) > 0 and float(r[5]) > 0 and float(r[4]) == 0 and r[6] == r[3] for r in rows)
+    assert "gemm rows: CUDA only" in out
+
+
+def test_union_length_counts_overlapping_intervals_once():
+    assert union_length([(5.0, 9.0), (0.0, 2.0), (1.0, 3.0), (6.0, 7.0), (9.0, 10.0)]) == 3.0 + 5.0
+    assert union_length([]) == 0.0
 
 
 def test_edit_text_prompts_hold_a_passage_and_acceptance_figures_follow_vllm(llm_fp32):
