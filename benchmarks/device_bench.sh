@@ -354,7 +354,7 @@ stage_swa() {
 stage_w2oss() {  # batch-1 decode, 512 in / 128 out, gpt-oss-20b shape (MXFP4 experts packed), against its bandwidth floor
   timeout 300 python3 benchmarks/mxfp4_moe_bench.py  # the MoE kernel alone first: expert GB/s per batch size
   bench latency --model gpt-oss-20b --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/$TAG.json"
-  python3 benchmarks/moe_decode_floor.py --preset gpt-oss-20b --input-len 512 --output-len 128 --result "$RES/$TAG.json"
+  python3 benchmarks/decode_floor.py --preset gpt-oss-20b --input-len 512 --output-len 128 --result "$RES/$TAG.json"
 }
 stage_w1oss() {  # W1's workload on the gpt-oss-20b shape; the HF peer (bf16 experts) in the same stage
   bench throughput --model gpt-oss-20b --num-prompts 256 --input-len 512 --output-len 128 --save-result "$RES/$TAG.json"
@@ -362,11 +362,34 @@ stage_w1oss() {  # W1's workload on the gpt-oss-20b shape; the HF peer (bf16 exp
 }
 stage_w2dsv2() {  # batch-1 decode, 512 in / 128 out, deepseek-v2-lite shape (MLA, fused-MoE experts in CUDA graphs), against its bandwidth floor
   bench latency --model deepseek-v2-lite --batch-size 1 --input-len 512 --output-len 128 --save-result "$RES/$TAG.json"
-  python3 benchmarks/moe_decode_floor.py --preset deepseek-v2-lite --input-len 512 --output-len 128 --result "$RES/$TAG.json"
+  python3 benchmarks/decode_floor.py --preset deepseek-v2-lite --input-len 512 --output-len 128 --result "$RES/$TAG.json"
 }
 stage_w1dsv2() {  # W1's workload on the deepseek-v2-lite shape; the HF peer in the same stage
   bench throughput --model deepseek-v2-lite --num-prompts 256 --input-len 512 --output-len 128 --save-result "$RES/$TAG.json"
   peer static --shape deepseek-v2-lite --batch 128 --input-len 512 --output-len 128
+}
+
+# -- issue 26 item 5: batch-1 decode of dense shapes the decode GEMV's launch rule was not read off ---
+DENSE_FLOOR_PRESETS="mistral-7b qwen3-8b qwen3-14b gemma-2-9b llama-3.2-3b"
+stage_shapes() {  # shapes[:PRESET]: bf16 and FP8 weights of each (default: all five), batch-1 TPOT against the floor
+  # W2-style (512 in, CUDA graphs) but short, to fit ~6 minutes on one H100: 64 out, two iterations, graphs
+  # captured for batch 1 only, the context bounded as llama3-8b's (W2's). One table row a run
+  # (benchmarks/decode_floor.py: every weight once in its served bytes and the mean context's KV, over the
+  # measured copy bandwidth).
+  local preset dtype flags
+  ENGINE+=(--max-num-seqs 1 --max-model-len 8192)
+  echo "| shape | weights | TPOT median | floor | floor / TPOT |"
+  for preset in ${SWEEP:-$DENSE_FLOOR_PRESETS}; do
+    for dtype in bf16 fp8; do
+      flags=()
+      [ $dtype = fp8 ] && flags=(--quantization fp8)
+      bench latency --model "$preset" --batch-size 1 --input-len 512 --output-len 64 --num-iters-warmup 1 \
+        --num-iters 2 "${flags[@]}" --save-result "$RES/${TAG}_${preset}_$dtype.json" > "$RES/${TAG}_${preset}_$dtype.txt" 2>&1 \
+        || { echo "| $preset | $dtype | failed: $(tail -1 "$RES/${TAG}_${preset}_$dtype.txt") |"; continue; }
+      python3 benchmarks/decode_floor.py --preset "$preset" --input-len 512 --output-len 64 "${flags[@]}" \
+        --result "$RES/${TAG}_${preset}_$dtype.json" | grep "^|"
+    done
+  done
 }
 
 # -- kernel sweeps: the launch-config tables in the kernels come from these ----------------------------
@@ -405,7 +428,8 @@ run_stage() {  # [base:]NAME[:VARIANT], in a subshell of its own so that its swi
   [[ $spec == *:* ]] && VARIANT=${spec#*:}
   TAG=${1//[:+]/_}
   declare -F "stage_$name" >/dev/null || { echo "no stage '$name'"; return 1; }
-  if [ "$name" = sweep ]; then SWEEP=$VARIANT; VARIANT=; else variant "$VARIANT" || return 1; fi
+  # `sweep` and `shapes` take a name (a sweep, a preset) where other stages take switches.
+  if [ "$name" = sweep ] || [ "$name" = shapes ]; then SWEEP=$VARIANT; VARIANT=; else variant "$VARIANT" || return 1; fi
   "stage_$name"
 }
 
