@@ -1,5 +1,5 @@
-"""Sweep the 4-bit GEMM's launch configs at llama3-8b's layer shapes on a GPU and print the table
-to paste into `w4a16_configs.TABLE`.
+"""Sweep the 4-bit GEMM's launch configs at llama3-8b's layer shapes on a GPU and print each case's
+best config beside the launch rule's (`w4a16_configs.heuristic`), for revising the rule.
 
     python -m corectl.backends.triton.bench.w4a16            # H100: about 2-3 minutes
     python -m corectl.backends.triton.bench.w4a16 --quick    # fewer candidates, M in (1, 16)
@@ -115,9 +115,11 @@ def main() -> None:
     print(f"\n{'layer':8s} {'M':>4s} {'w4a16 us':>9s} {'GB/s':>6s} {'bf16 us':>8s}  best config")
     for name, m, n, k, us, gbs, peer, cfg in rows:
         print(f"{name:8s} {m:4d} {us:9.1f} {gbs:6.0f} {peer:8.1f}  {cfg}")
-    print("\n# w4a16_configs.TABLE entries (M bucket, N, K):")
+    print("\n# the rule's launches where the sweep's best differs:")
     for name, m, n, k, us, gbs, peer, cfg in rows:
-        print(f"    ({m}, {n}, {k}): {cfg!r},")
+        rule = heuristic(m, n, k, sm_count(torch.device("cuda")))
+        if rule != cfg:
+            print(f"    {name} M={m}: rule {rule}, best {cfg}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Launch configurations of the 4-bit GEMM (`w4a16.py`): a table keyed by (M bucket, N, K) that
-`python -m corectl.backends.triton.bench.w4a16` fills, and a heuristic for shapes it lacks.
+"""Launch configurations of the 4-bit GEMM (`w4a16.py`): a rule of the problem size (M, N, K, the
+SM count), read off the sweeps of `python -m corectl.backends.triton.bench.w4a16` on llama3-8b's layers.
 
 Decode (M <= 16) reads the weight once per call, so it is a bandwidth problem: it needs wide
 contiguous rows of packed words (BLOCK_N), enough programs to cover every SM several times
@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-# Decode batches are padded by CUDA graphs to 1, 2, 4, 8, 16; prefill chunks are larger.
-M_BUCKETS = (1, 4, 16, 64, 512)
 # At most this many K slices: each adds a [M, N] fp32 partial to write and sum.
 MAX_SPLIT_K = 16
 
@@ -43,26 +41,6 @@ class W4Config:
             raise ValueError(f"tl.dot tiles need block_m >= 16, got {self}")
 
 
-# (M bucket, N, K) -> config, from the H100 sweep of bench.w4a16 --quick (2026-11-25, triton 3.6;
-# llama3-8b shapes, group 128); the M = 1 entries re-picked by an A/B script (since removed) on 2026-11-26 once
-# words were column tiles and each code one LOP3 (weights cycled past L2, PDL on: qkv 8.7, o 7.0,
-# gate_up 26.9, down 16.7 us, 59.2 a layer against 72.4 before). Other shapes take the heuristic.
-TABLE: dict[tuple[int, int, int], W4Config] = {
-    (1, 6144, 4096): W4Config(block_m=1, block_n=16, block_k=512, split_k=1, num_warps=4, num_stages=2, gemv=True),
-    (16, 6144, 4096): W4Config(block_m=16, block_n=128, block_k=64, split_k=8, num_warps=4, num_stages=2, gemv=False),
-    (1, 4096, 4096): W4Config(block_m=1, block_n=16, block_k=512, split_k=4, num_warps=4, num_stages=2, gemv=True),
-    (16, 4096, 4096): W4Config(block_m=16, block_n=128, block_k=64, split_k=16, num_warps=4, num_stages=2, gemv=False),
-    (1, 28672, 4096): W4Config(block_m=1, block_n=16, block_k=512, split_k=1, num_warps=4, num_stages=2, gemv=True),
-    (16, 28672, 4096): W4Config(block_m=16, block_n=128, block_k=64, split_k=4, num_warps=4, num_stages=2, gemv=False),
-    (1, 4096, 14336): W4Config(block_m=1, block_n=16, block_k=512, split_k=4, num_warps=4, num_stages=2, gemv=True),
-    (16, 4096, 14336): W4Config(block_m=16, block_n=128, block_k=64, split_k=16, num_warps=4, num_stages=2, gemv=False),
-}
-
-
-def m_bucket(m: int) -> int:
-    return next((b for b in M_BUCKETS if m <= b), M_BUCKETS[-1])
-
-
 @functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of `device` (a host-side query, cached: no sync inside graphs);
@@ -77,13 +55,18 @@ def heuristic(m: int, n: int, k: int, sms: int, gathered: bool = False) -> W4Con
     times; prefill: 64-row dot tiles, split only when the grid is smaller than the SMs. Gathered
     (act-order) tiles are smaller: their per-input scale gathers need registers (sm_90 ptxas:
     these sizes compile without spills). The contiguous-group GEMV streams 16-column slices (one
-    tile of int4.tile_words each) in 512-input blocks, K split until there are four programs per
-    SM: the H100 sweep's best form on every llama3-8b layer."""
+    tile of int4.tile_words each) in 512-input blocks; a grid of two programs an SM or more runs
+    unsplit (the split's partials and second launch cost more than the fuller grid gains), a smaller
+    one splits K until there are four programs per SM. This gives the H100 sweep's best launches on
+    llama3-8b's layers (2026-11-25/26, group 128: M = 1 qkv 6144x4096 unsplit, o and down split in
+    four, gate_up unsplit; M = 5-16 16 x 128 x 64 tiles, o and down split 16, gate_up 4 and qkv 16
+    where the sweep's 8 was within its spread)."""
     if m == 1 and not gathered:
         block_n, block_k = 16, 512
         tiles, split = -(-n // block_n), 1
-        while split * 2 <= MAX_SPLIT_K and tiles * split < 4 * sms and k // (split * 2) >= 2 * block_k:
-            split *= 2
+        if tiles < 2 * sms:
+            while split * 2 <= MAX_SPLIT_K and tiles * split < 4 * sms and k // (split * 2) >= 2 * block_k:
+                split *= 2
         return W4Config(1, block_n, block_k, split, 4, gemv=True)
     if m == 1:
         cfg, waves = W4Config(1, 128, 32, 1, 4, gemv=True), 4
@@ -99,6 +82,5 @@ def heuristic(m: int, n: int, k: int, sms: int, gathered: bool = False) -> W4Con
 
 
 def choose(m: int, n: int, k: int, device: torch.device, gathered: bool = False) -> W4Config:
-    """The table's entry for contiguous groups (the measured case), else the heuristic."""
-    cfg = None if gathered else TABLE.get((m_bucket(m), n, k))
-    return cfg or heuristic(m, n, k, sm_count(device), gathered)
+    """The rule's launch for this problem on `device`'s SMs."""
+    return heuristic(m, n, k, sm_count(device), gathered)
