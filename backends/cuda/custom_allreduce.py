@@ -48,13 +48,15 @@ class SymmetricMemoryAllReduce(DeviceCommunicator):
         super().__init__(buffer.numel(), DTYPES, ALIGNMENT)
         self._buffer = buffer
         self._group_name = group_name
+        # Resolved once: eager steps call it dozens of times each.
+        self._one_shot = torch.ops.symm_mem.one_shot_all_reduce_copy_out.default
 
     def all_reduce_(self, x: torch.Tensor) -> None:
         flat = x.view(-1)
         # The buffer is raw bytes viewed as the message's dtype at offset 0: one buffer serves bf16
         # and fp32 messages, and the op finds its peers' copies from the buffer's allocation.
         staged = self._buffer[:flat.numel() * flat.element_size()].view(flat.dtype)
-        torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, flat, "sum", self._group_name, flat)
+        self._one_shot(staged, flat, "sum", self._group_name, flat)
 
 
 def create_communicator(tp: TensorParallel, max_bytes: int | None = None) -> SymmetricMemoryAllReduce | None:
