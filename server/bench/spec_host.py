@@ -4,21 +4,34 @@ under the device's time per step?
 
 The engine runs B greedy requests whose prompts repeat one random passage (so n-gram lookup finds
 drafts from the first step on), through `EngineCore.step()` as `LLM.generate` drives it. After the
-prefill and a few steps, a window of steps is timed twice: once plainly (wall time per step), once
+prefill and a few steps, three windows of steps follow: one timed plainly (wall time per step), one
 under torch.profiler, which gives the device's busy time (the union of its kernels' and copies'
-intervals) and the time the host thread spent blocked in CUDA synchronisation calls; host time per
-step is the profiled wall time less that blocked time (an upper bound: the profiler's own cost per
-operator is in it). The device's idle time per step is what bubbles cost.
+intervals) and the time the host thread spent blocked in CUDA synchronisation calls (host time per
+step is the profiled wall time less that blocked time: an upper bound, the profiler's own cost per
+operator is in it), and one under cProfile, which splits the host's step into its parts (scheduler
+with the n-gram proposer, the runner's launch with the verify sampling, the result read, the
+scheduler's update). The device's idle time per step is what bubbles cost.
 """
 from __future__ import annotations
 
+import cProfile
+import pstats
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # CUDA runtime calls in which the host thread waits for the device.
 _SYNC_CALLS = frozenset({"cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy"})
 _WARMUP_STEPS = 6
+# The engine step's parts, by (the end of the file's path, function): cumulative time in a step.
+_PARTS = {
+    "scheduler.schedule": ("scheduler/scheduler.py", "schedule"),
+    "  of it n-gram drafts": ("spec_decode/scheduling.py", "drafts"),
+    "runner launch": ("worker/model_runner.py", "launch"),
+    "  of it verify sampling": ("worker/model_runner.py", "_verify"),
+    "result read (waits for the device)": ("worker/inflight.py", "result"),
+    "scheduler.update": ("scheduler/scheduler.py", "update"),
+}
 
 
 @dataclass(frozen=True)
@@ -33,6 +46,8 @@ class StepWindow:
     drafts: int
     draft_tokens: int
     accepted: int
+    # Host milliseconds a step in each of `_PARTS`, under cProfile (whose cost per call is in them).
+    parts: dict[str, float] = field(default_factory=dict)
 
     @property
     def host_busy(self) -> float:
@@ -45,14 +60,17 @@ class StepWindow:
                 f"| {self.device_busy * ms:.3f} | {self.host_busy * ms:.3f} | {max(0.0, self.wall - self.device_busy) * ms:.3f} "
                 f"| {'yes' if self.host_busy < self.device_busy else 'no'} |")
 
+    def parts_line(self, batch: int) -> str:
+        return f"batch {batch} host ms/step (cProfile): " + ", ".join(f"{k.strip()} {v:.3f}" for k, v in self.parts.items())
+
 
 HEADER = ("| batch | steps | requests drafting a step | mean accepted length | wall ms/step | device busy ms/step "
           "| host busy ms/step (profiled) | device idle ms/step | host < device |\n|---|---|---|---|---|---|---|---|---|")
 
 
 def measure_engine_steps(llm, batch: int, context_len: int, num_steps: int, seed: int = 0) -> StepWindow:
-    """Run `batch` requests in `llm`'s engine and time `num_steps` steps of it twice (plain, then
-    profiled); the requests are aborted after."""
+    """Run `batch` requests in `llm`'s engine and time three windows of `num_steps` steps (plain,
+    torch.profiler, cProfile); the requests are aborted after."""
     from corectl.sampling_params import SamplingParams
 
     engine = llm.engine
@@ -62,7 +80,7 @@ def measure_engine_steps(llm, batch: int, context_len: int, num_steps: int, seed
     prompts = [[rng.randrange(engine.info.vocab_size), *(passage * (context_len // len(passage) + 1))][:context_len]
                for _ in range(batch)]
     # Enough tokens for every step to emit k + 1 of them and still not finish inside the windows.
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=(_WARMUP_STEPS + 2 * num_steps) * 17 + 64)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=(_WARMUP_STEPS + 3 * num_steps) * 17 + 64)
     processor = llm._processor()
     ids = [f"spec-host-{batch}-{i}" for i in range(batch)]
     engine.add_requests([r for rid, p in zip(ids, prompts) for r in processor.add_request(rid, None, p, params)])
@@ -76,6 +94,7 @@ def measure_engine_steps(llm, batch: int, context_len: int, num_steps: int, seed
         before = engine.scheduler.make_stats()
         profiled_wall, device_busy, blocked = _profiled(engine, num_steps)
         after = engine.scheduler.make_stats()
+        parts = _host_parts(engine, num_steps)
     finally:
         engine.abort_requests(ids)
         while engine.has_unfinished_requests():
@@ -83,7 +102,19 @@ def measure_engine_steps(llm, batch: int, context_len: int, num_steps: int, seed
     return StepWindow(num_steps, wall, profiled_wall, device_busy, blocked,
                       after.spec_decode_num_drafts - before.spec_decode_num_drafts,
                       after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
-                      after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens)
+                      after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens, parts)
+
+
+def _host_parts(engine, num_steps: int) -> dict[str, float]:
+    """Milliseconds a step in each part of the engine step (`_PARTS`), over `num_steps` steps under cProfile."""
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(num_steps):
+        engine.step()
+    host.disable()
+    cumulative = {(file.replace("\\", "/"), name): stat[3] for (file, _, name), stat in pstats.Stats(host).stats.items()}
+    return {part: 1e3 / num_steps * sum(t for (file, name), t in cumulative.items() if name == fn and file.endswith(suffix))
+            for part, (suffix, fn) in _PARTS.items()}
 
 
 def _profiled(engine, num_steps: int) -> tuple[float, float, float]:

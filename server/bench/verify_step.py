@@ -61,6 +61,9 @@ def run_verify_step(args: argparse.Namespace) -> int:
         print(f"batch {batch}: decode step median {decode * 1e3:.3f} ms (p90 {percentile(timings['decode'], 90) * 1e3:.3f}), "
               f"verify step (k={args.num_speculative_tokens}) median {verify * 1e3:.3f} ms "
               f"(p90 {percentile(timings['verify'], 90) * 1e3:.3f}): {verify / decode:.3f}x")
+        launches = [statistics.median(timings[f"{kind} launch"]) * 1e3 for kind in ("decode", "verify")]
+        print(f"batch {batch} host: the runner's launch median decode {launches[0]:.3f} ms, verify {launches[1]:.3f} ms "
+              "(the rest of a step waits for the device)")
         if args.profile:
             from .profiling import profile_batch
 
@@ -72,8 +75,10 @@ def run_verify_step(args: argparse.Namespace) -> int:
 
         print(f"== the engine with speculation {args.speculative_config}, {args.engine_steps} steps a window\n"
               + HEADER)
-        for batch in (int(b) for b in args.batch_sizes.split(",")):
-            print(measure_engine_steps(llm, batch, args.context_len, args.engine_steps).row(batch))
+        windows = {batch: measure_engine_steps(llm, batch, args.context_len, args.engine_steps)
+                   for batch in (int(b) for b in args.batch_sizes.split(","))}
+        print("\n".join(w.row(batch) for batch, w in windows.items()))
+        print("\n".join(w.parts_line(batch) for batch, w in windows.items()))
     if args.gemm_rows:
         from .gemm_rows import elementwise_rows_report, gemm_rows_report
 
@@ -105,7 +110,9 @@ class _SyntheticSteps:
                                                    context_len * batch, []))
         self.computed = {r: context_len for r in out.req_ids}
 
-    def step(self, drafts: int) -> float:
+    def step(self, drafts: int) -> tuple[float, float]:
+        """(the step's seconds, of them the host's in the runner's launch: inputs, graph replay,
+        logits and sampling queued; the rest waits for the device)."""
         CachedRequestData, SchedulerOutput = self._messages
         cached = CachedRequestData(req_ids=list(self.ids), new_block_ids=[[] for _ in self.ids],
                                    num_computed_tokens=[self.computed[r] for r in self.ids])
@@ -113,19 +120,23 @@ class _SyntheticSteps:
         sched = SchedulerOutput([], cached, {r: 1 + drafts for r in self.ids}, len(self.ids) * (1 + drafts), [],
                                 spec_token_ids=spec)
         start = time.perf_counter()
-        out = self.runner.execute_model(sched)
+        pending = self.runner.launch(sched)
+        launched = time.perf_counter()
+        out = pending.result()
         elapsed = time.perf_counter() - start
         for req_id, rows in zip(out.req_ids, out.token_rows()):
             self.computed[req_id] += len(rows)
-        return elapsed
+        return elapsed, launched - start
 
     def run(self, warmup: int, steps: int) -> dict[str, list[float]]:
-        timings: dict[str, list[float]] = {"decode": [], "verify": []}
+        """Seconds of each timed step ("decode", "verify") and of its launch ("decode launch", "verify launch")."""
+        timings: dict[str, list[float]] = {"decode": [], "verify": [], "decode launch": [], "verify launch": []}
         for i in range(warmup + steps):
             decode, verify = self.step(0), self.step(self.k)
             if i >= warmup:
-                timings["decode"].append(decode)
-                timings["verify"].append(verify)
+                for kind, (elapsed, launch) in (("decode", decode), ("verify", verify)):
+                    timings[kind].append(elapsed)
+                    timings[f"{kind} launch"].append(launch)
         return timings
 
     def finish(self) -> None:

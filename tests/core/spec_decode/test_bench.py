@@ -18,6 +18,8 @@ def test_verify_step_times_decode_and_verify_steps(isolated_env, capsys):
     out = capsys.readouterr().out
     lines = re.findall(r"batch (\d+): decode step median [\d.]+ ms .* verify step \(k=2\) median [\d.]+ ms .*: [\d.]+x", out)
     assert lines == ["1", "3"]
+    launches = re.findall(r"batch (\d+) host: the runner's launch median decode ([\d.]+) ms, verify ([\d.]+) ms", out)
+    assert [b for b, *_ in launches] == ["1", "3"] and all(float(v) > 0 for _, d, v in launches)
     # --profile: each kind's steps under both profilers, the verify steps' own sampling visible.
     assert re.findall(r"== batch (\d+): 5 (\w+) steps", out) == [("1", "decode"), ("1", "verify"), ("3", "decode"), ("3", "verify")]
     verify_report = out.split("== batch 3: 5 verify steps")[1]
@@ -28,6 +30,8 @@ def test_verify_step_times_decode_and_verify_steps(isolated_env, capsys):
     assert [r[0] for r in rows] == ["1", "3"]
     # Wall and host time per step; a CPU engine has no device time, so all its wall time is device idle.
     assert all(float(r[3]) > 0 and float(r[5]) > 0 and float(r[4]) == 0 and r[6] == r[3] for r in rows)
+    parts = re.findall(r"^batch (\d+) host ms/step \(cProfile\): scheduler.schedule ([\d.]+), .*runner launch ([\d.]+),", out, re.MULTILINE)
+    assert [p[0] for p in parts] == ["1", "3"] and all(float(p[2]) > 0 for p in parts)
     assert "gemm rows: CUDA only" in out
 
 
