@@ -12,8 +12,9 @@ first), so every rank gets the same bits; with two ranks the sum is one rounding
 NVLink multicast (`multimem_*` ops) is never used: rendezvous is asked not to create it.
 
 Fallback: ROCm, a torch without the op, ranks on other hosts or devices without peer access
-(PCIe-only boxes, Ray actors each confined to its own device) keep NCCL for every size; one log
-line says why. The ranks agree before any rank allocates, so they always choose alike.
+(PCIe-only boxes, Ray actors each confined to its own device), and a first sum at start that fails
+or comes out wrong keep NCCL for every size; one log line says why. The ranks agree after every
+step of the set-up, so they always choose alike.
 """
 from __future__ import annotations
 
@@ -66,19 +67,21 @@ def create_communicator(tp: TensorParallel, max_bytes: int | None = None) -> Sym
     group = tp.group if tp.group is not None else dist.group.WORLD
     if max_bytes is None:
         max_bytes = MAX_BYTES_BY_WORLD_SIZE.get(tp.world_size, MAX_BYTES_OTHERWISE)
-    reason = _unsupported_reason()  # the same on every rank: no collective needed to agree
+    communicator, reason = None, _unsupported_reason()  # the same on every rank: no collective needed to agree
     if reason is None and not _agree(_peers_reachable(group), group):
         reason = "a rank cannot map every peer's memory (other host, no P2P access, or devices it cannot see)"
     if reason is None:
         communicator, reason = _rendezvous(group, max_bytes)
-        if communicator is not None:
-            if tp.rank == 0:
-                logger.info("tensor-parallel all-reduce: one-shot over peer memory up to %d KiB (%d ranks), "
-                            "NCCL above", max_bytes // KIB, tp.world_size)
-            return communicator
-    if tp.rank == 0:
+    if communicator is not None:
+        reason = _probe(communicator, tp.rank, group)
+        if not _agree(reason is None, group):
+            communicator, reason = None, reason or "the one-shot's first sum went wrong on another rank"
+    if tp.rank == 0 and communicator is not None:
+        logger.info("tensor-parallel all-reduce: one-shot over peer memory up to %d KiB (%d ranks), NCCL above",
+                    max_bytes // KIB, tp.world_size)
+    elif tp.rank == 0:
         logger.warning("tensor-parallel all-reduce: NCCL for every size (%s)", reason)
-    return None
+    return communicator
 
 
 def _unsupported_reason() -> str | None:
@@ -114,6 +117,22 @@ def _agree(ok: bool, group) -> bool:
     flag = torch.tensor([int(ok)], dtype=torch.int32, device=torch.cuda.current_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+def _probe(communicator: SymmetricMemoryAllReduce, rank: int, group) -> str | None:
+    """One sum of each dtype through the new communicator, against the known total: a torch whose op
+    refuses the buffer's views, or sums wrongly, leaves the ranks on NCCL instead of failing mid-step.
+    The op's checks run on the host before its kernel, alike on every rank, so none is left waiting."""
+    ranks = dist.get_world_size(group)
+    try:
+        for dtype in DTYPES:
+            x = torch.full((ALIGNMENT,), rank + 1, dtype=dtype, device=torch.cuda.current_device())
+            communicator.all_reduce_(x)
+            if not bool((x == ranks * (ranks + 1) // 2).all()):
+                return f"the one-shot's first {dtype} sum was wrong"
+    except RuntimeError as error:
+        return f"the one-shot's first sum failed: {error}"
+    return None
 
 
 def _rendezvous(group, max_bytes: int) -> tuple[SymmetricMemoryAllReduce | None, str | None]:
