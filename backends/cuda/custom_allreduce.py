@@ -30,10 +30,10 @@ logger = logging.getLogger(__name__)
 
 KIB = 1024
 # The one-shot reads (W - 1) x S bytes per rank over NVLink; NCCL's ring moves 2 (W - 1) / W x S but
-# pays a ~10-15 us floor. With two ranks the one-shot's read is no more than the ring's, so it stays
-# ahead until its per-byte time nears that floor (~4 MB at ~400 GB/s); 512 KiB covers a decode step's
-# hidden state up to 64 tokens of a 4096-wide model with margin. At four and more ranks it reads
-# twice the ring's bytes and more, so the limit halves. benchmarks/allreduce_bench.py measures both.
+# pays a ~10-15 us floor. With two ranks both move S, so the one-shot (one step, 24 blocks at most)
+# leads until NCCL's wider grid wins on bandwidth: an estimate, placed at 512 KiB (a decode step of
+# 64 tokens at hidden 4096). At four ranks the one-shot reads 1.5x the ring's bytes (1.75x at eight),
+# so the limit halves. benchmarks/allreduce_bench.py measures where the crossover really is.
 MAX_BYTES_BY_WORLD_SIZE = {2: 512 * KIB}
 MAX_BYTES_OTHERWISE = 256 * KIB
 # The op dispatches bf16 and fp32 (torch's AT_DISPATCH_FLOAT_AND_BFLOAT16); fp16 takes NCCL.
