@@ -11,12 +11,12 @@ reasoning applied to its own N, K and SM count instead of cuBLAS:
 - M = 1, the CUDA-core GEMV: 8 output rows x 512 inputs a step (8 KB of bf16, 4 warps). Short rows
   (fewer than four steps) trade K for N while the grid stays under 16 programs an SM, so each
   program still walks several steps; long bf16 rows (K >= 4096) over a grid of at least 8 programs an
-  SM of 16-row slices, and FP8 rows of 8 KB or more, take 16 x 1024 tiles with 8 warps (twice the
-  bytes a load). K is split only when the grid would leave more than half the SMs idle.
+  SM of 16-row slices, and FP8 rows of 8 KB or more, take 16 x 1024 tiles with 8 warps (four times
+  the bytes a step). K is split only when the grid would leave more than half the SMs idle.
 - M = 2..8, one 16-row tensor-core tile: F.linear (cuBLAS) caught up with the GEMV on the
   projections (within 1-7%), except where the GEMV's grid is shaped better than cuBLAS's: the LM
-  heads (N >= 16 K: 8 K elements a tile step) and plain layers of long rows and few 64-column tiles
-  (fewer than half an SM each: K split in up to four so the grid covers the SMs twice). The gated
+  heads (N >= 16 K: 8,192 elements a tile step) and plain layers of long rows (K >= 4096) with fewer
+  64-column tiles than half the SMs (K split in up to four so the grid covers the SMs twice). The gated
   form (silu(gate) * up on load) keeps F.linear there: every column slice recomputes the activation.
 - FP8 weights always take the GEMV up to MAX_M rows (it beats the W8A8 GEMM there): M = 1 as above,
   larger M 16 x 64 x 128 tiles with K split in up to four until the grid covers the SMs twice.
