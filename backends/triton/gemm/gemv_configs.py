@@ -86,13 +86,13 @@ def _dot(n: int, k: int, sms: int) -> GemvConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def _dense(bucket: int, n: int, k: int, gated: bool, sms: int) -> GemvConfig | None:
-    if bucket == 1:
+def _dense(m_bucket: int, n: int, k: int, gated: bool, sms: int) -> GemvConfig | None:
+    if m_bucket == 1:
         return _gemv(n, k, sms, wide=k >= 4096 and triton.cdiv(n, 16) >= 8 * sms)
     if n >= 16 * k:
         block_k = max(16, min(512, 1 << (max(k // 8, 1).bit_length() - 1)))
         return GemvConfig(DOT_M, max(DOT_M, 8192 // block_k), block_k, 1, 4, 3)
-    if not gated and k >= 32 * 128 and triton.cdiv(n, 64) < sms // 2:
+    if not gated and k >= 4096 and triton.cdiv(n, 64) < sms // 2:
         return _dot(n, k, sms)
     return None
 
@@ -102,7 +102,8 @@ def bucket(m: int) -> int:
     return 1 << (m - 1).bit_length()
 
 
-def dense_decode_config(m: int, n: int, k: int, gated: bool = False, device: torch.device | None = None) -> GemvConfig | None:
+def dense_decode_config(m: int, n: int, k: int, gated: bool = False,
+                        device: torch.device | None = None) -> GemvConfig | None:
     """The dense (16-bit weight) GEMV's config for an [M, K] x [N, K] layer (`gated`: its input is
     [M, 2K] gate | up), or None where F.linear is the faster choice (module doc)."""
     if not 1 <= m <= MAX_M:
@@ -111,8 +112,8 @@ def dense_decode_config(m: int, n: int, k: int, gated: bool = False, device: tor
 
 
 @functools.lru_cache(maxsize=None)
-def _fp8(bucket: int, n: int, k: int, sms: int) -> GemvConfig:
-    return _gemv(n, k, sms, wide=k >= 8192) if bucket == 1 else _dot(n, k, sms)
+def _fp8(m_bucket: int, n: int, k: int, sms: int) -> GemvConfig:
+    return _gemv(n, k, sms, wide=k >= 8192) if m_bucket == 1 else _dot(n, k, sms)
 
 
 def fp8_decode_config(m: int, n: int, k: int, device: torch.device | None = None) -> GemvConfig:
@@ -122,7 +123,7 @@ def fp8_decode_config(m: int, n: int, k: int, device: torch.device | None = None
 
 def small_n_config(m: int, n: int, k: int, device: torch.device | None = None) -> GemvConfig:
     """A router's few output rows: at M = 1 one launch without split-K, column slices narrowed
-    (down to 2 rows) until the grid has a program per two SMs (a split adds a second launch to a
+    (down to 2 rows) until the grid has a program per SM (a split adds a second launch to a
     call that is mostly launch latency); larger M the tensor-core tile."""
     sms = device_sms(device)
     if m != 1:
