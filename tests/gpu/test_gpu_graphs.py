@@ -87,7 +87,7 @@ def test_programmatic_dependent_launch_changes_no_bit(checkpoint, monkeypatch):
     from corectl.backends.triton.gemm.fp8_gemv import MAX_M, GemvConfig
 
     monkeypatch.setattr(layer_kernels, "dense_decode_config",
-                        lambda m, n, k: GemvConfig(1, 8, 256, 1, 4, 3) if m == 1 else
+                        lambda m, n, k, gated, device: GemvConfig(1, 8, 256, 1, 4, 3) if m == 1 else
                         (GemvConfig(16, 32, 128, 2, 4, 3) if m <= MAX_M else None))
     prompts = random_prompts(PROMPT_LENGTHS)
     params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=0, ignore_eos=True) for n in MAX_TOKENS]
