@@ -2,8 +2,13 @@
 work per step (scheduler, proposer, verify bookkeeping, the sampler's host side, output handling)
 under the device's time per step?
 
-The engine runs B greedy requests whose prompts repeat one random passage (so n-gram lookup finds
-drafts from the first step on), through `EngineCore.step()` as `LLM.generate` drives it. After the
+The engine runs B greedy requests through `EngineCore.step()` as `LLM.generate` drives it. Each
+request's output is held to two tokens of its own by `logit_bias` (+100 each; dummy weights' logits
+are a few units) and its prompt is a random string of those two: n-gram lookup then finds drafts in
+nearly every step (a 5-gram of a two-token string recurs), and the model's choice between the two
+decides how many are accepted. The bias is sampler work a plain greedy request does not have (its
+metadata built each step on the host, a scatter on the device): host time is, if anything, over.
+After the
 prefill and a few steps, three windows of steps follow: one timed plainly (wall time per step), one
 under torch.profiler, which gives the device's busy time (the union of its kernels' and copies'
 intervals) and the time the host thread spent blocked in CUDA synchronisation calls (host time per
@@ -75,15 +80,18 @@ def measure_engine_steps(llm, batch: int, context_len: int, num_steps: int, seed
 
     engine = llm.engine
     rng = random.Random(seed)
-    # A request's own first token, then a passage repeated: its last tokens recur in the prompt.
-    passage = [rng.randrange(engine.info.vocab_size) for _ in range(max(2, min(64, context_len // 4)))]
-    prompts = [[rng.randrange(engine.info.vocab_size), *(passage * (context_len // len(passage) + 1))][:context_len]
-               for _ in range(batch)]
-    # Enough tokens for every step to emit k + 1 of them and still not finish inside the windows.
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=(_WARMUP_STEPS + 3 * num_steps) * 17 + 64)
+    # Enough tokens for every step to emit k + 1 of them and still not finish inside the windows,
+    # where the model's length allows.
+    max_tokens = min((_WARMUP_STEPS + 3 * num_steps) * 17 + 64, engine.max_model_len - context_len)
     processor = llm._processor()
     ids = [f"spec-host-{batch}-{i}" for i in range(batch)]
-    engine.add_requests([r for rid, p in zip(ids, prompts) for r in processor.add_request(rid, None, p, params)])
+    requests = []
+    for rid in ids:
+        pair = rng.sample(range(engine.info.vocab_size), 2)
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens,
+                                logit_bias={token: 100.0 for token in pair})
+        requests += processor.add_request(rid, None, [rng.choice(pair) for _ in range(context_len)], params)
+    engine.add_requests(requests)
     try:
         for _ in range(_WARMUP_STEPS + -(-batch * context_len // engine.config.max_num_batched_tokens)):
             engine.step()

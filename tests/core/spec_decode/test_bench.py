@@ -30,6 +30,8 @@ def test_verify_step_times_decode_and_verify_steps(isolated_env, capsys):
     assert [r[0] for r in rows] == ["1", "3"]
     # Wall and host time per step; a CPU engine has no device time, so all its wall time is device idle.
     assert all(float(r[3]) > 0 and float(r[5]) > 0 and float(r[4]) == 0 and r[6] == r[3] for r in rows)
+    # The two-token prompts and outputs give n-gram lookup drafts to verify in the timed steps.
+    assert all(float(r[1]) > 0 for r in rows)
     parts = re.findall(r"^batch (\d+) host ms/step \(cProfile\): scheduler.schedule ([\d.]+), .*runner launch ([\d.]+),", out, re.MULTILINE)
     assert [p[0] for p in parts] == ["1", "3"] and all(float(p[2]) > 0 for p in parts)
     assert "gemm rows: CUDA only" in out
