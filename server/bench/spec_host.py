@@ -8,9 +8,8 @@ are a few units) and its prompt is a random string of those two: n-gram lookup t
 nearly every step (a 5-gram of a two-token string recurs), and the model's choice between the two
 decides how many are accepted. The bias is sampler work a plain greedy request does not have (its
 metadata built each step on the host, a scatter on the device): host time is, if anything, over.
-After the
-prefill and a few steps, three windows of steps follow: one timed plainly (wall time per step), one
-under torch.profiler, which gives the device's busy time (the union of its kernels' and copies'
+After the prefill and a few steps, three windows of steps follow: one timed plainly (wall time per
+step), one under torch.profiler, which gives the device's busy time (the union of its kernels' and copies'
 intervals) and the time the host thread spent blocked in CUDA synchronisation calls (host time per
 step is the profiled wall time less that blocked time: an upper bound, the profiler's own cost per
 operator is in it), and one under cProfile, which splits the host's step into its parts (scheduler
