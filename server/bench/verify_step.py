@@ -33,8 +33,8 @@ def register(sub) -> None:
                         "torch.profiler, bench/profiling.py) and print both reports")
     p.add_argument("--engine-steps", type=int, default=0,
                    help="then, per batch size, time this many steps of the running engine with n-gram speculation "
-                        "(requests held to two tokens, so that lookup drafts every step) and print host time per step against device time per step "
-                        "(bench/spec_host.py)")
+                        "(requests held to two tokens, so that lookup drafts every step) and print host time per "
+                        "step against device time per step (bench/spec_host.py)")
     p.add_argument("--gemm-rows", default="",
                    help="comma-separated row counts: time the model's GEMMs (first layer's projections, LM head) "
                         "at each by cuBLAS and cuBLASLt, and its element-wise kernels (bench/gemm_rows.py; CUDA)")
