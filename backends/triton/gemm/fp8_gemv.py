@@ -35,7 +35,6 @@ the problem size: `gemv_configs`.
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
