@@ -371,21 +371,23 @@ stage_w1dsv2() {  # W1's workload on the deepseek-v2-lite shape; the HF peer in 
 
 # -- issue 26 item 5: batch-1 decode of dense shapes the decode GEMV's launch rule was not read off ---
 DENSE_FLOOR_PRESETS="mistral-7b qwen3-8b qwen3-14b gemma-2-9b llama-3.2-3b"
-stage_shapes() {  # shapes[:PRESET]: bf16 and FP8 weights of each (default: all five), batch-1 TPOT against the floor
+stage_shapes() {  # shapes[:PRESET[+SWITCH...]]: bf16 and FP8 weights of each (default: all five), batch-1 TPOT against the floor
   # W2-style (512 in, CUDA graphs) but short, to fit ~6 minutes on one H100: 64 out, two iterations, graphs
   # captured for batch 1 only, the context bounded as llama3-8b's (W2's). One table row a run
   # (benchmarks/decode_floor.py: every weight once in its served bytes and the mean context's KV, over the
-  # measured copy bandwidth).
-  local preset dtype flags
+  # measured copy bandwidth). Switches as a workload's (`shapes:qwen3-14b+profile`: where the step goes).
+  local preset dtype flags presets=${SWEEP%%+*}
+  [[ $SWEEP == *+* ]] && { variant "${SWEEP#*+}" || return 1; }
   ENGINE+=(--max-num-seqs 1 --max-model-len 8192)
   echo "| shape | weights | TPOT median | floor | floor / TPOT |"
-  for preset in ${SWEEP:-$DENSE_FLOOR_PRESETS}; do
+  for preset in ${presets:-$DENSE_FLOOR_PRESETS}; do
     for dtype in bf16 fp8; do
       flags=()
       [ $dtype = fp8 ] && flags=(--quantization fp8)
       bench latency --model "$preset" --batch-size 1 --input-len 512 --output-len 64 --num-iters-warmup 1 \
         --num-iters 2 "${flags[@]}" --save-result "$RES/${TAG}_${preset}_$dtype.json" > "$RES/${TAG}_${preset}_$dtype.txt" 2>&1 \
         || { echo "| $preset | $dtype | failed: $(tail -1 "$RES/${TAG}_${preset}_$dtype.txt") |"; continue; }
+      [ -n "$PROFILE" ] && tail -40 "$RES/${TAG}_${preset}_$dtype.txt"
       python3 benchmarks/decode_floor.py --preset "$preset" --input-len 512 --output-len 64 "${flags[@]}" \
         --result "$RES/${TAG}_${preset}_$dtype.json" | grep "^|"
     done
