@@ -63,7 +63,7 @@ def dense_step_bytes(cfg: dict, context: float, weight_bytes: float) -> float:
     weights = h * (q + 2 * kv) * d + q * d * h + 3 * inter * h
     rows = (q + 2 * kv) * d + h + 2 * inter + h  # an fp32 scale each under FP8
     scales = rows * FP32 if weight_bytes < BF16 else 0
-    bias = ((q + 2 * kv) * d) * BF16 if cfg.get("attention_bias") else 0
+    bias = (q + 2 * kv) * d * BF16 if cfg.get("attention_bias") or cfg["model_type"] == "qwen2" else 0
     norms = (4 if cfg["model_type"].startswith("gemma") else 2) * h * BF16
     layer = weights * weight_bytes + scales + bias + norms
     return layers * layer + kv_bytes(cfg, context) + cfg["vocab_size"] * h * BF16 + 2 * h * BF16

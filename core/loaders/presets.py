@@ -124,6 +124,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "high_freq_factor": 4.0,
                             "low_freq_factor": 1.0, "original_max_position_embeddings": 8192},
     },
+    # Two more untuned dense shapes: Qwen2.5-7B (q/k/v biases, 4 KV heads) and Mistral-NeMo-12B (128-wide
+    # heads under a 5120-wide hidden state).
+    "qwen2.5-7b": {
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "dtype": "bfloat16",
+        "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "max_position_embeddings": 131072, "max_window_layers": 28, "use_sliding_window": False,
+    },
+    "mistral-nemo-12b": {
+        "model_type": "mistral", "architectures": ["MistralForCausalLM"], "dtype": "bfloat16",
+        "hidden_size": 5120, "intermediate_size": 14336, "num_hidden_layers": 40,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 131072,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-5, "sliding_window": None, "tie_word_embeddings": False,
+        "max_position_embeddings": 1024000,
+    },
     # Small enough for CPU tests of the whole preset path.
     "llama-tiny": {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "dtype": "float32",

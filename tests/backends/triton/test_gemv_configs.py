@@ -47,7 +47,7 @@ FP8_SWEEP = {
 # The down projections, which decode steps run gated (silu(gate) * up formed on load): the sweep kept a
 # config only where it won in both forms.
 GATED = {(4096, 14336), (1024, 3072)}
-NEW_DENSE = ["mistral-7b", "qwen3-8b", "qwen3-14b", "gemma-2-9b", "llama-3.2-3b"]
+NEW_DENSE = ["mistral-7b", "qwen3-8b", "qwen3-14b", "gemma-2-9b", "llama-3.2-3b", "qwen2.5-7b", "mistral-nemo-12b"]
 
 
 def test_rule_returns_the_sweeps_winners_on_the_shapes_they_measured():

@@ -79,7 +79,9 @@ def test_presets_equal_the_peer_shapes_field_by_field(name):
 
 
 @pytest.mark.parametrize(("name", "config_class"), [("qwen3-8b", "Qwen3Config"), ("qwen3-14b", "Qwen3Config"),
-                                                   ("gemma-2-9b", "Gemma2Config"), ("llama-3.2-3b", "LlamaConfig")])
+                                                   ("gemma-2-9b", "Gemma2Config"), ("llama-3.2-3b", "LlamaConfig"),
+                                                   ("qwen2.5-7b", "Qwen2Config"),
+                                                   ("mistral-nemo-12b", "MistralConfig")])
 def test_dense_presets_load_in_their_config_classes_with_every_field(name, config_class):
     """The presets of issue 26's untuned dense shapes load as their transformers config classes, each
     field as written (Gemma 2's soft caps and alternating windows, Llama 3.2's llama3 rope scaling), and
