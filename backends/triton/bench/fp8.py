@@ -1,6 +1,6 @@
 """Time FP8-weight linear layers at decode batch sizes on the GPU and pick the W8A16 kernel's configs.
 
-    python -m corectl.backends.triton.bench.fp8 [--m 1 2 4 8 16] [--shapes qkv o gate_up down]
+    python -m corectl.backends.triton.bench.fp8 [--m 1 2 4 8] [--shapes qkv o gate_up down]
     python -m corectl.backends.triton.bench.fp8 --dense [--m 1 2 4 8] [--shapes ...]
 
 `--dense` sweeps the same kernel on bf16 weights (`dense_gemv`) against F.linear instead, the down
@@ -28,7 +28,7 @@ import torch
 
 from ..elementwise.activation import silu_and_mul
 from ..gemm.fp8_gemv import GemvConfig, dense_gemv, fp8_w8a16_gemv
-from ..gemm.gemv_configs import dense_decode_config, fp8_decode_config
+from ..gemm.gemv_configs import MAX_M, dense_decode_config, fp8_decode_config
 
 # llama3-8b's projections, then qwen3-0.6b's (W3's model), both LM heads (the --dense default: the
 # shapes the rule was read off), then shapes of presets it was not (`--shapes` picks).
@@ -200,12 +200,12 @@ def summarize(rows: list[dict]) -> None:
             break
         bound = m
     print(f"# the kernel beats W8A8 on every shape up to M = {bound} "
-          "(GEMV_MAX_M in core/quantization/fp8.py, MAX_M in fp8_gemv.py)")
+          "(GEMV_MAX_M in core/quantization/fp8.py, MAX_M in gemv_configs.py)")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8], help="batch rows, at most MAX_M")
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None,
                         help="default: llama3-8b's four (FP8), the rule's measured ten (--dense)")
     parser.add_argument("--dense", action="store_true", help="sweep the bf16 dense GEMV against F.linear")
@@ -213,14 +213,15 @@ def main(argv: list[str] | None = None) -> None:
     shapes = args.shapes or list(MEASURED if args.dense else LLAMA)
     if not torch.cuda.is_available():
         parser.error("no GPU visible: the benchmark times CUDA kernels")
+    if max(args.m) > MAX_M:
+        parser.error(f"--m: the GEMV serves at most {MAX_M} rows")
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}: {', '.join(shapes)}, bf16 activations, "
           f"{REPLAYS} graph replays over weight copies of >= {L2_OVERFLOW_BYTES >> 20} MB")
     start = time.perf_counter()
     if args.dense:
-        ms = [m for m in args.m if m <= 8]
         rows = [row for name in shapes for gated in ((False, True) if name in GATED else (False,))
-                for row in bench_dense_shape(*SHAPES[name], ms, gated)]
+                for row in bench_dense_shape(*SHAPES[name], args.m, gated)]
         summarize_dense(rows)
     else:
         rows = [row for name in shapes for row in bench_shape(*SHAPES[name], args.m)]
