@@ -21,6 +21,11 @@ A decode row in a step that also prefills (chunked prefill beside decodes) still
 path instead of the grouped one, and soft-capped or sink layers spell the math out with matmuls:
 neither is covered.
 
+fp32 layers without soft-capping, sinks or chunks, in steps without bidirectional spans, skip all
+of that where the C kernels build (`fused_ops.paged_attention`: the cache writes and every query
+row's attention in one call, each row by the same operations whether it decodes or prefills, alone
+or batched); the torch path below serves the rest and is what the fused one was checked against.
+
 Sliding-window layers narrow the step's mask to each query's window (built once per step and
 window); soft-capped layers (Gemma 2) and layers with attention sinks (gpt-oss: a per-head logit
 joins the softmax's denominator) spell the attention out, since SDPA can do neither. Chunked
@@ -39,6 +44,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from corectl.attention import AttentionBackend, AttentionBatch, query_key_ends
+
+from .fused_ops import fused_library, paged_attention
 
 # Key lengths are padded to a multiple of this (a multiple of every vector width of the CPU kernels).
 KEY_ALIGN = 64
@@ -66,6 +73,10 @@ class SDPAMetadata:
     kv_index: torch.Tensor | None = None
     # (window, chunk) -> mask, built by the first layer with that window or chunk in the step
     window_masks: dict[tuple[int | None, int | None], torch.Tensor] = field(default_factory=dict)
+    # For the fused attention (fused_ops.paged_attention; None where it cannot serve the step): the
+    # [B, max_blocks] int32 block tables, and per packed row its sequence and the end of its keys
+    fused: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    block_size: int = 0
 
     def mask_for(self, sliding_window: int | None, attention_chunk: int | None = None) -> torch.Tensor:
         """The attention mask of a layer: `mask`, narrowed to each query's window or chunk when it
@@ -108,6 +119,20 @@ def _decode_metadata(batch: AttentionBatch, cols: torch.Tensor) -> SDPAMetadata:
     mask = (cols[None, :] < s_lens[:, None]).view(len(s_lens), 1, 1, -1)
     return SDPAMetadata(batch.slot_mapping, _key_index(batch, cols), mask, None, None,
                         batch.num_seqs, 1, len(cols), query_pos=(s_lens - 1)[:, None], seq_lens=s_lens)
+
+
+def _fused_rows(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(block tables, each packed row's sequence, the end of each row's keys) for the fused attention,
+    or None where it cannot serve: no kernel, or bidirectional spans (whose windows the torch path
+    measures from the query's position, not its keys' end)."""
+    if fused_library() is None or batch.block_tables.dtype != torch.int32 or batch.bidirectional_spans:
+        return None
+    q_lens, s_lens = batch.query_lens_host, batch.seq_lens_host
+    seqs = torch.arange(batch.num_seqs)
+    if batch.is_pure_decode:
+        return batch.block_tables.contiguous(), seqs, torch.tensor(s_lens)
+    ends = [s - q + i + 1 for q, s in zip(q_lens, s_lens) for i in range(q)]
+    return batch.block_tables.contiguous(), seqs.repeat_interleave(torch.tensor(q_lens)), torch.tensor(ends)
 
 
 def _padded_metadata(batch: AttentionBatch, cols: torch.Tensor) -> SDPAMetadata:
@@ -170,14 +195,19 @@ class TorchSDPABackend(AttentionBackend):
     def build_metadata(self, batch: AttentionBatch, check_indices: bool = True) -> SDPAMetadata:
         # Indices are never read back here, so there is nothing to skip.
         cols = torch.arange(_key_len(batch.max_seq_len))
-        if batch.is_pure_decode:
-            return _decode_metadata(batch, cols)
-        return _padded_metadata(batch, cols)
+        meta = _decode_metadata(batch, cols) if batch.is_pure_decode else _padded_metadata(batch, cols)
+        meta.fused, meta.block_size = _fused_rows(batch), batch.block_size
+        return meta
 
     def forward(self, q, k, v, kv_cache, meta: SDPAMetadata, scale: float, *, sliding_window: int | None = None,
                 logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
                 attention_chunk: int | None = None) -> torch.Tensor:
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if (meta.fused is not None and logits_soft_cap is None and sinks is None and attention_chunk is None
+                and q.dtype == kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()):
+            tables, seqs, ends = meta.fused
+            return paged_attention(q, k, v, kv_cache, meta.slot_mapping, tables, meta.block_size, seqs, ends,
+                                   h, hk, d, sliding_window, scale)
         per_head = None if sinks is None else sinks.view(h, 1, 1)
         k = k.view(-1, hk, d)
         v = v.view(-1, hk, d)

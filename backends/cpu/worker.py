@@ -1,12 +1,14 @@
-"""CPU worker: thread count, an exactly-int8 head served as int8 groups, prepacked linear weights and
-a KV cache sized from a memory budget in GiB."""
+"""CPU worker: thread count, an exactly-int8 head served as int8 groups, prepacked linear weights, the
+fused C layer kernels of fp32 models (fused_ops.py) and a KV cache sized from a memory budget in GiB."""
 from __future__ import annotations
 
 import torch
 from corectl.errors import ConfigError
 from corectl.kv.sizing import DEFAULT_KV_CACHE_GIB, blocks_per_sequence, fixed_kv_blocks
+from corectl.models.kernels import LayerKernels
 from corectl.worker.worker import ModelInfo, Worker
 
+from .fused_ops import cpu_layer_kernels
 from .int8_head import serve_int8_head
 from .prepack import prepack_linears
 
@@ -24,6 +26,9 @@ class CPUWorker(Worker):
             serve_int8_head(model)
             prepack_linears(model, self.torch_dtype)
         return info
+
+    def layer_kernels(self) -> LayerKernels | None:
+        return cpu_layer_kernels(self.torch_dtype)
 
     def profile_num_kv_blocks(self) -> int:
         budget_gib = self.config.kv_cache_memory_gib or DEFAULT_KV_CACHE_GIB

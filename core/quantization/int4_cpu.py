@@ -49,32 +49,40 @@ def _cpu_identity() -> str:
     return "|".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
 
 
-@functools.lru_cache(maxsize=None)
-def kernel_library(arch: str = "native") -> ctypes.CDLL | None:
-    """The kernel built for `-march=arch` (the host's CPU; tests build an older one for the loop
-    other CPUs run), or None where it cannot be built (then torch's int4 GEMM serves)."""
+def build_library(source: Path, arch: str = "native") -> ctypes.CDLL | None:
+    """The C file `source` built for `-march=arch` into the cache folder (once per source, compiler,
+    flags and CPU) and loaded, or None where it cannot be built (no C compiler, or it failed)."""
     flags = (*_FLAGS, f"-march={arch}")
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        logger.warning("no C compiler (cc): 4-bit CPU layers run torch's int4 GEMM, which is slower "
-                       "at batch > 1 and not batch-invariant")
+        logger.warning("no C compiler (cc): %s is not built, torch's operators serve instead", source.name)
         return None
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((compiler, *flags, _cpu_identity())).encode()).hexdigest()[:16]
-    target = envs.cache_dir() / "cpu_kernels" / f"int4_cpu_kernel-{key}.so"
+    code = source.read_bytes()
+    key = hashlib.sha256(code + " ".join((compiler, *flags, _cpu_identity())).encode()).hexdigest()[:16]
+    target = envs.cache_dir() / "cpu_kernels" / f"{source.stem}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # Built beside the target and renamed into place, so processes building at once never load a half file.
         fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        built = subprocess.run([compiler, *flags, "-o", partial, str(_SOURCE)], capture_output=True, text=True)
+        built = subprocess.run([compiler, *flags, "-o", partial, str(source)], capture_output=True, text=True)
         if built.returncode != 0:
             os.unlink(partial)
-            logger.warning("the 4-bit CPU kernel did not build (%s): torch's int4 GEMM serves instead\n%s",
-                           compiler, built.stderr[-2000:])
+            logger.warning("%s did not build (%s): torch's operators serve instead\n%s", source.name, compiler,
+                           built.stderr[-2000:])
             return None
         os.replace(partial, target)
-    lib = ctypes.CDLL(str(target))
+    return ctypes.CDLL(str(target))
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_library(arch: str = "native") -> ctypes.CDLL | None:
+    """The kernel built for `-march=arch` (the host's CPU; tests build an older one for the loop
+    other CPUs run), or None where it cannot be built (then torch's int4 GEMM serves: slower at
+    batch > 1 and not batch-invariant)."""
+    lib = build_library(_SOURCE, arch)
+    if lib is None:
+        return None
     lib.grouped_gemm.restype = None
     lib.grouped_layout.restype = ctypes.c_int
     lib.grouped_gemm.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int,

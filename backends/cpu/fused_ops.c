@@ -1,0 +1,136 @@
+// Fused fp32 operators of a decoder layer on CPUs, one ctypes call each (fused_ops.py loads them).
+//
+// Why: at batch 1 a SmolLM2 layer's GEMMs are ~40 us, and the torch code around them was ~45 small
+// operators (RMSNorm as pow/mean/add/rsqrt/mul/mul, rotary as index/neg/cat/mul/add per q and k,
+// SiLU and mul, attention's cache writes, gather and SDPA), each a few microseconds of dispatch,
+// some an OpenMP parallel region. Here each family is one call.
+//
+// Every output row is computed by one fixed sequence of operations that reads only that row (and,
+// for attention, that sequence's own context): a request's tokens do not depend on what else is in
+// the batch, nor on the thread count. Rotary and SiLU * up round every product and sum as torch's
+// expressions do (no contraction into FMAs), so rotary is bitwise torch's; RMSNorm sums the squares
+// in another order than torch's mean (a few ulps).
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define NOFMA __attribute__((optimize("fp-contract=off")))
+// Row counts below this run on the calling thread: a parallel region costs more than the rows.
+#define PARALLEL_ROWS 64
+
+// sum_i a[i] b[i] in 16 lanes (lane i % 16), then the lanes in order: one order whatever the
+// pointers' alignment (a compiler's own vector reduction may peel to align, which would make a row's
+// sum depend on where its data sits, i.e. on the batch).
+static inline float dot(const float *a, const float *b, long n) {
+    float lanes[16] = {0};
+    long i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++) lanes[l] += a[i + l] * b[i + l];
+    for (; i < n; i++) lanes[i % 16] += a[i] * b[i];
+    float total = 0.0f;
+    for (int l = 0; l < 16; l++) total += lanes[l];
+    return total;
+}
+
+// out = w * (s * 1/sqrt(mean(s^2) + eps)) with s = x (+ r); with r, s is also written to sum.
+void NOFMA rms_norm(long T, long N, const float *x, long ldx, const float *r, long ldr, const float *w,
+                    float eps, float *out, float *sum, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (T >= PARALLEL_ROWS)
+    for (long t = 0; t < T; t++) {
+        const float *xt = x + t * ldx;
+        float *s = r ? sum + t * N : (float *)xt;
+        if (r)
+            for (long i = 0; i < N; i++) s[i] = xt[i] + r[t * ldr + i];
+        const float inv = 1.0f / sqrtf(dot(s, s, N) / (float)N + eps);
+        float *o = out + t * N;
+        for (long i = 0; i < N; i++) o[i] = w[i] * (s[i] * inv);
+    }
+}
+
+// out [T, I] = silu(gate) * up of x [T, 2I] (gate first), silu(g) = g / (1 + exp(-g)).
+void NOFMA silu_and_mul(long T, long I, const float *x, long ldx, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (T >= PARALLEL_ROWS)
+    for (long t = 0; t < T; t++) {
+        const float *g = x + t * ldx, *u = g + I;
+        float *o = out + t * I;
+        for (long i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+// One head in place: x cos + rotate_half(x) sin, rotate_half(x) = (-x[h:], x[:h]).
+static inline void NOFMA rotate(float *x, const float *c, const float *s, int D) {
+    const int h = D / 2;
+    for (int i = 0; i < h; i++) {
+        const float a = x[i], b = x[i + h];
+        x[i] = a * c[i] + -b * s[i];
+        x[i + h] = b * c[i + h] + a * s[i + h];
+    }
+}
+
+// q [T, Hq, D] and k [T, Hk, D] (tokens ldq / ldk apart, heads hq / hk apart, features adjacent)
+// rotated in place by the rows `positions` of the cos and sin tables [P, D].
+void NOFMA rotary(long T, int Hq, int Hk, int D, const int64_t *positions, float *q, long ldq, long hq, float *k,
+                  long ldk, long hk, const float *cos, const float *sin, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (T >= PARALLEL_ROWS)
+    for (long t = 0; t < T; t++) {
+        const float *c = cos + positions[t] * D, *s = sin + positions[t] * D;
+        for (int h = 0; h < Hq; h++) rotate(q + t * ldq + h * hq, c, s, D);
+        for (int h = 0; h < Hk; h++) rotate(k + t * ldk + h * hk, c, s, D);
+    }
+}
+
+// One query head of one row over its sequence's keys [first, len): softmax(scale q.K) V,
+// keys in position order. Rows of the cache: slot * Hk + kv head, keys then values (`values` apart).
+static void attend_row(const float *q, int D, int Hk, int kvh, const int32_t *table, int bs, long first,
+                       long len, const float *cache, long values, float scale, float *scores, float *out) {
+    float top = -INFINITY;
+    for (long j = first; j < len; j++) {
+        const long row = ((long)table[j / bs] * bs + j % bs) * Hk + kvh;
+        const float *key = cache + row * D;
+        scores[j - first] = dot(q, key, D) * scale;
+        top = scores[j - first] > top ? scores[j - first] : top;
+    }
+    float total = 0.0f;
+    for (int i = 0; i < D; i++) out[i] = 0.0f;
+    for (long j = first; j < len; j++) {
+        const float p = expf(scores[j - first] - top);
+        total += p;
+        const float *value = cache + values + (((long)table[j / bs] * bs + j % bs) * Hk + kvh) * D;
+        for (int i = 0; i < D; i++) out[i] += p * value[i];
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;  // no keys (a padding row): zeros
+    for (int i = 0; i < D; i++) out[i] *= inv;
+}
+
+// Paged causal attention for T packed query rows: writes the rows' new keys and values k, v
+// [T, Hk * D] into the cache [2, slots, Hk, D] at `slot_mapping` (-1: a padding row, not written),
+// then each query head of row t of q [T, Hq * D] attends over positions [first, ends[t]) of sequence
+// seqs[t] (first = ends[t] - window where a window is set, else 0). Every row, decode or prefill, alone
+// or batched, goes through the same `attend_row`: a prompt's last row computed in a decode step after
+// a prefix-cache hit equals that row computed in the whole prompt's prefill.
+void paged_attention(long T, int Hq, int Hk, int D, const float *q, long ldq, const float *k, long ldk,
+                     const float *v, long ldv, float *cache, long slots, const int64_t *slot_mapping,
+                     const int32_t *tables, long ldt, int bs, const int64_t *seqs, const int64_t *ends, long window,
+                     float scale, float *out, int threads) {
+    const long values = slots * Hk * D, kv = (long)Hk * D;
+    long most = 0;
+    for (long t = 0; t < T; t++) most = ends[t] > most ? ends[t] : most;
+    for (long t = 0; t < T; t++)
+        for (long i = 0; i < kv && slot_mapping[t] >= 0; i++) {
+            cache[slot_mapping[t] * kv + i] = k[t * ldk + i];
+            cache[values + slot_mapping[t] * kv + i] = v[t * ldv + i];
+        }
+#pragma omp parallel num_threads(threads) if (T * Hq * most >= 4096)
+    {
+        float *scores = malloc(sizeof *scores * (most > 0 ? most : 1));
+#pragma omp for schedule(static)
+        for (long i = 0; i < T * Hq; i++) {
+            const long t = i / Hq, end = ends[t];
+            const int h = (int)(i % Hq);
+            const long first = window > 0 && end > window ? end - window : 0;
+            attend_row(q + t * ldq + (long)h * D, D, Hk, h / (Hq / Hk), tables + seqs[t] * ldt, bs, first, end,
+                       cache, values, scale, scores, out + t * (long)Hq * D + (long)h * D);
+        }
+        free(scores);
+    }
+}
