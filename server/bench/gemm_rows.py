@@ -53,7 +53,7 @@ def gemm_rows_report(model: torch.nn.Module, rows: list[int]) -> str:
                 x = torch.randn(m, k, dtype=weight.dtype, device=weight.device)
                 flop = 2 * m * n * k / 1e9
                 times = []
-                for library in ("default", "cublas", "cublaslt"):
+                for library in (default, "cublas", "cublaslt"):
                     torch.backends.cuda.preferred_blas_library(library)
                     times.append(_time(lambda: F.linear(x, weight)))
                 torch.backends.cuda.preferred_blas_library(default)
