@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from corectl import envs
 from corectl.attention import AttentionBackend, AttentionBatch, query_key_ends
 
 from .fused_ops import fused_library, paged_attention
@@ -77,6 +78,8 @@ class SDPAMetadata:
     # [B, max_blocks] int32 block tables, and per packed row its sequence and the end of its keys
     fused: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     block_size: int = 0
+    # The whole-layer call's per-step arguments (fused_layer.py), made by the step's first fused layer
+    fused_step: object = None
 
     def mask_for(self, sliding_window: int | None, attention_chunk: int | None = None) -> torch.Tensor:
         """The attention mask of a layer: `mask`, narrowed to each query's window or chunk when it
@@ -123,9 +126,10 @@ def _decode_metadata(batch: AttentionBatch, cols: torch.Tensor) -> SDPAMetadata:
 
 def _fused_rows(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(block tables, each packed row's sequence, the end of each row's keys) for the fused attention,
-    or None where it cannot serve: no kernel, or bidirectional spans (whose windows the torch path
+    or None where it cannot serve: no kernel (or CORECTL_FUSED_KERNELS=0), or bidirectional spans (whose windows the torch path
     measures from the query's position, not its keys' end)."""
-    if fused_library() is None or batch.block_tables.dtype != torch.int32 or batch.bidirectional_spans:
+    if (not envs.fused_kernels_enabled() or fused_library() is None or batch.block_tables.dtype != torch.int32
+            or batch.bidirectional_spans):
         return None
     q_lens, s_lens = batch.query_lens_host, batch.seq_lens_host
     seqs = torch.arange(batch.num_seqs)

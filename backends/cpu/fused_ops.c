@@ -134,3 +134,69 @@ void paged_attention(long T, int Hq, int Hk, int D, const float *q, long ldq, co
         free(scores);
     }
 }
+
+// ---- A whole Llama-family decoder layer in one call (fused_layer.py builds the arguments once) ----
+
+// The grouped int4 GEMM of corectl.quantization.int4_cpu (its own library, passed as a pointer).
+typedef void (*gemm_fn)(int bits, long M, long N, long K, int group, const float *x, long ldx, const uint8_t *w,
+                        const void *sz, float *y, int threads);
+
+typedef struct {
+    const uint8_t *w;
+    const void *sz;
+    long n, k;
+    int group;
+} projection;
+
+typedef struct {
+    projection qkv, o, gate_up, down;
+    const float *norm1, *norm2, *cos, *sin;
+    float eps1, eps2, scale;
+    int hq, hk, d;
+    long window;
+} layer_plan;
+
+typedef struct {
+    long T;
+    const int64_t *positions, *slot_mapping, *seqs, *ends;
+    const int32_t *tables;
+    long ldt, slots;
+    int bs, threads;
+    gemm_fn gemm;
+} step_plan;
+
+static void project(const step_plan *s, const projection *p, const float *x, float *y) {
+    s->gemm(4, s->T, p->n, p->k, p->group, x, p->k, p->w, p->sz, y, s->threads);
+}
+
+// DecoderLayer.forward (corectl.models.llama) by the kernels above: residual (in/out, [T, N]) becomes
+// hidden + residual (hidden itself where `first`: the first layer has no residual yet), out [T, N] the
+// MLP's output. Each step is the function the module path's layer kernels call, so the two agree bitwise.
+void decoder_layer(const layer_plan *L, const step_plan *s, float *cache, const float *hidden, float *residual,
+                   int first, float *out) {
+    const long T = s->T, N = L->o.n, q = (long)L->hq * L->d, kv = (long)L->hk * L->d, inter = L->down.k;
+    float *xn = malloc(sizeof(float) * T * N), *qkv = malloc(sizeof(float) * T * L->qkv.n);
+    float *att = malloc(sizeof(float) * T * q), *gate_up = malloc(sizeof(float) * T * L->gate_up.n);
+    float *act = malloc(sizeof(float) * T * inter);
+    if (first) {
+        for (long i = 0; i < T * N; i++) residual[i] = hidden[i];
+        rms_norm(T, N, hidden, N, NULL, 0, L->norm1, L->eps1, xn, NULL, s->threads);
+    } else {
+        rms_norm(T, N, hidden, N, residual, N, L->norm1, L->eps1, xn, residual, s->threads);
+    }
+    project(s, &L->qkv, xn, qkv);
+    const long ld = L->qkv.n;
+    rotary(T, L->hq, L->hk, L->d, s->positions, qkv, ld, L->d, qkv + q, ld, L->d, L->cos, L->sin, s->threads);
+    paged_attention(T, L->hq, L->hk, L->d, qkv, ld, qkv + q, ld, qkv + q + kv, ld, cache, s->slots, s->slot_mapping,
+                    s->tables, s->ldt, s->bs, s->seqs, s->ends, L->window, L->scale, att, s->threads);
+    project(s, &L->o, att, out);
+    rms_norm(T, N, out, N, residual, N, L->norm2, L->eps2, xn, residual, s->threads);
+    project(s, &L->gate_up, xn, gate_up);
+    silu_and_mul(T, inter, gate_up, L->gate_up.n, act, s->threads);
+    project(s, &L->down, act, out);
+    free(xn);
+    free(qkv);
+    free(att);
+    free(gate_up);
+    free(act);
+}

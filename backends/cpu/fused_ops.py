@@ -2,8 +2,8 @@
 `fused_ops.c`, built like the 4-bit GEMM (corectl.quantization.int4_cpu.build_library) and called
 through ctypes on torch's OpenMP threads.
 
-fp32 only (the CPU platform computes quantized and fp32 checkpoints in fp32): `cpu_layer_kernels`
-is None for other dtypes and where no C compiler exists, and the layers keep their torch code. The
+fp32 only (the CPU platform computes quantized and fp32 checkpoints in fp32; fused_layer.py installs
+them, with the whole-layer call, only then and where a C compiler exists). The
 wrappers check nothing on the hot path beyond what picks the C call: the model runner hands them
 contiguous fp32 rows, positions within the rotary tables and slots within the cache.
 """
@@ -14,7 +14,6 @@ import functools
 from pathlib import Path
 
 import torch
-from corectl.models.kernels import LayerKernels
 from corectl.quantization.int4_cpu import build_library
 
 _SOURCE = Path(__file__).with_name("fused_ops.c")
@@ -24,6 +23,7 @@ _SIGNATURES = {
     "silu_and_mul": [_L, _L, _P, _L, _P, _I],
     "rotary": [_L, _I, _I, _I, _P, _P, _L, _L, _P, _L, _L, _P, _P, _I],
     "paged_attention": [_L, _I, _I, _I, _P, _L, _P, _L, _P, _L, _P, _L, _P, _P, _L, _I, _P, _P, _L, _F, _P, _I],
+    "decoder_layer": [_P, _P, _P, _P, _P, _I, _P],
 }
 
 
@@ -93,15 +93,3 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         block_tables.data_ptr(), block_tables.stride(0), block_size, seqs.data_ptr(), ends.data_ptr(), window or 0,
         scale, out.data_ptr(), torch.get_num_threads())
     return out
-
-
-@functools.lru_cache(maxsize=1)
-def _kernels() -> LayerKernels:
-    return LayerKernels(rms_norm=rms_norm, silu_and_mul=silu_and_mul, rotary_embedding=rotary_embedding)
-
-
-def cpu_layer_kernels(dtype: torch.dtype) -> LayerKernels | None:
-    """The fused kernels for a model computing in `dtype`, or None (its torch code serves)."""
-    if dtype != torch.float32 or fused_library() is None:
-        return None
-    return _kernels()

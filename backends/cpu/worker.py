@@ -8,7 +8,7 @@ from corectl.kv.sizing import DEFAULT_KV_CACHE_GIB, blocks_per_sequence, fixed_k
 from corectl.models.kernels import LayerKernels
 from corectl.worker.worker import ModelInfo, Worker
 
-from .fused_ops import cpu_layer_kernels
+from .fused_layer import cpu_layer_kernels
 from .int8_head import serve_int8_head
 from .prepack import prepack_linears
 

@@ -64,6 +64,10 @@ class LayerKernels:
     # lora=<corectl.lora.experts.ExpertLoRA> (its stacks, and its batch's token_slots and scales;
     # that module says what it computes). None runs the experts' torch path while adapters are on
     fused_moe_lora: Callable[..., torch.Tensor] | None = None
+    # (layer, positions, hidden, residual | None, ctx) -> (hidden, residual) as a llama.DecoderLayer's
+    # forward returns them, or None where the platform has no whole-layer form for this layer or step
+    # (then its modules run): one call for a layer, where per-operator host work dominates (CPU decode)
+    decoder_layer: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
 
 class UsesLayerKernels:

@@ -96,7 +96,7 @@ class GatedMLP(UsesLayerKernels, nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(UsesLayerKernels, nn.Module):
     def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
                  mlp: nn.Module, attention: type[DecoderAttention] = DecoderAttention):
         super().__init__()
@@ -106,6 +106,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, hidden, residual, ctx: ForwardContext):
+        if self.kernels is not None and self.kernels.decoder_layer is not None:
+            fused = self.kernels.decoder_layer(self, positions, hidden, residual, ctx)
+            if fused is not None:
+                return fused
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
