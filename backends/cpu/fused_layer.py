@@ -50,8 +50,8 @@ _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _projection(linear) -> _Projection | None:
-    sz = getattr(linear, "scale_zero", None)
-    if (not isinstance(linear.quant_method, GGUFInt4Method) or linear.quant_method.gemm is not None or sz is None
+    sz, method = getattr(linear, "scale_zero", None), getattr(linear, "quant_method", None)  # None: a prepacked dense layer
+    if (not isinstance(method, GGUFInt4Method) or method.gemm is not None or sz is None
             or sz.dtype != torch.float16 or linear.bias is not None or getattr(linear, "reduce_output", None)):
         return None
     return _Projection(linear.packed_weight.data_ptr(), sz.data_ptr(), linear.out_features, linear.in_features, GROUP)
