@@ -42,7 +42,7 @@ class _LayerPlan(ctypes.Structure):
 
 class _StepPlan(ctypes.Structure):
     _fields_ = [("T", _L), ("positions", _P), ("slot_mapping", _P), ("seqs", _P), ("ends", _P), ("tables", _P),
-                ("ldt", _L), ("slots", _L), ("bs", _I), ("threads", _I), ("gemm", _P)]
+                ("ldt", _L), ("bs", _I), ("threads", _I), ("gemm", _P)]
 
 
 # layer -> its plan's call arguments, or None where the layer has no fused form (decided once)
@@ -75,19 +75,17 @@ def _plan(layer) -> _LayerPlan | None:
                       attn.attn.scale, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.sliding_window or 0)
 
 
-def _step(positions: torch.Tensor, meta, cache: torch.Tensor, layer: DecoderLayer) -> _StepPlan:
-    """The step's arguments, built by its first fused layer and kept on the attention metadata (with
-    the tensors they point into)."""
-    if meta.fused_step is None:
+def _step(positions: torch.Tensor, meta) -> _StepPlan:
+    """The step's arguments, built by its first fused layer and kept on the attention metadata with
+    the tensors they point into (built again for other positions: a drafter may share the metadata)."""
+    if meta.fused_step is None or meta.fused_step[0] is not positions:
         tables, seqs, ends = meta.fused
-        positions = positions.long().contiguous()
-        attn = layer.self_attn
-        slots = cache[0].numel() // (attn.num_kv_heads * attn.head_dim)
+        rows = positions.long().contiguous()
         gemm = ctypes.cast(kernel_library().grouped_gemm, _P).value
-        meta.fused_step = (positions, _StepPlan(
-            positions.shape[0], positions.data_ptr(), meta.slot_mapping.data_ptr(), seqs.data_ptr(), ends.data_ptr(),
-            tables.data_ptr(), tables.stride(0), slots, meta.block_size, torch.get_num_threads(), gemm))
-    return meta.fused_step[1]
+        meta.fused_step = (positions, rows, _StepPlan(
+            rows.shape[0], rows.data_ptr(), meta.slot_mapping.data_ptr(), seqs.data_ptr(), ends.data_ptr(),
+            tables.data_ptr(), tables.stride(0), meta.block_size, torch.get_num_threads(), gemm))
+    return meta.fused_step[2]
 
 
 def decoder_layer(layer, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, ctx):
@@ -105,8 +103,8 @@ def decoder_layer(layer, positions: torch.Tensor, hidden: torch.Tensor, residual
     out = torch.empty_like(hidden)
     first = residual is None
     residual = torch.empty_like(hidden) if first else residual
-    fused_library().decoder_layer(ctypes.byref(plan), ctypes.byref(_step(positions, meta, cache, layer)),
-                                  cache.data_ptr(), hidden.data_ptr(), residual.data_ptr(), first, out.data_ptr())
+    fused_library().decoder_layer(ctypes.byref(plan), ctypes.byref(_step(positions, meta)), cache.data_ptr(),
+                                  cache.numel(), hidden.data_ptr(), residual.data_ptr(), first, out.data_ptr())
     return out, residual
 
 

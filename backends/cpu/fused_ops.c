@@ -160,7 +160,7 @@ typedef struct {
     long T;
     const int64_t *positions, *slot_mapping, *seqs, *ends;
     const int32_t *tables;
-    long ldt, slots;
+    long ldt;
     int bs, threads;
     gemm_fn gemm;
 } step_plan;
@@ -171,10 +171,12 @@ static void project(const step_plan *s, const projection *p, const float *x, flo
 
 // DecoderLayer.forward (corectl.models.llama) by the kernels above: residual (in/out, [T, N]) becomes
 // hidden + residual (hidden itself where `first`: the first layer has no residual yet), out [T, N] the
-// MLP's output. Each step is the function the module path's layer kernels call, so the two agree bitwise.
-void decoder_layer(const layer_plan *L, const step_plan *s, float *cache, const float *hidden, float *residual,
-                   int first, float *out) {
+// MLP's output; the layer's cache holds `cache_size` floats. Each step is the function the module
+// path's layer kernels call, so the two agree bitwise.
+void decoder_layer(const layer_plan *L, const step_plan *s, float *cache, long cache_size, const float *hidden,
+                   float *residual, int first, float *out) {
     const long T = s->T, N = L->o.n, q = (long)L->hq * L->d, kv = (long)L->hk * L->d, inter = L->down.k;
+    const long slots = cache_size / (2 * kv);
     float *xn = malloc(sizeof(float) * T * N), *qkv = malloc(sizeof(float) * T * L->qkv.n);
     float *att = malloc(sizeof(float) * T * q), *gate_up = malloc(sizeof(float) * T * L->gate_up.n);
     float *act = malloc(sizeof(float) * T * inter);
@@ -187,7 +189,7 @@ void decoder_layer(const layer_plan *L, const step_plan *s, float *cache, const 
     project(s, &L->qkv, xn, qkv);
     const long ld = L->qkv.n;
     rotary(T, L->hq, L->hk, L->d, s->positions, qkv, ld, L->d, qkv + q, ld, L->d, L->cos, L->sin, s->threads);
-    paged_attention(T, L->hq, L->hk, L->d, qkv, ld, qkv + q, ld, qkv + q + kv, ld, cache, s->slots, s->slot_mapping,
+    paged_attention(T, L->hq, L->hk, L->d, qkv, ld, qkv + q, ld, qkv + q + kv, ld, cache, slots, s->slot_mapping,
                     s->tables, s->ldt, s->bs, s->seqs, s->ends, L->window, L->scale, att, s->threads);
     project(s, &L->o, att, out);
     rms_norm(T, N, out, N, residual, N, L->norm2, L->eps2, xn, residual, s->threads);

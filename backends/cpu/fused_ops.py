@@ -23,7 +23,7 @@ _SIGNATURES = {
     "silu_and_mul": [_L, _L, _P, _L, _P, _I],
     "rotary": [_L, _I, _I, _I, _P, _P, _L, _L, _P, _L, _L, _P, _P, _I],
     "paged_attention": [_L, _I, _I, _I, _P, _L, _P, _L, _P, _L, _P, _L, _P, _P, _L, _I, _P, _P, _L, _F, _P, _I],
-    "decoder_layer": [_P, _P, _P, _P, _P, _I, _P],
+    "decoder_layer": [_P, _P, _P, _L, _P, _P, _I, _P],
 }
 
 
