@@ -17,9 +17,9 @@ row differently when its valid keys reach the vector tail of the key length, and
 queries holds a single row (a GEMV). So every step pads its key length to a multiple of KEY_ALIGN
 under an explicit mask (also for one fresh prompt, which an `is_causal` call would otherwise serve
 on its own K/V), and pads the query rows of a prefill to an even count, never one row left over.
-A decode row in a step that also prefills (chunked prefill beside decodes) still takes the padded
-path instead of the grouped one, and soft-capped or sink layers spell the math out with matmuls:
-neither is covered.
+On that torch path a decode row in a step that also prefills (chunked prefill beside decodes) takes
+the padded path instead of the grouped one, and soft-capped or sink layers spell the math out with
+matmuls: neither is covered.
 
 fp32 layers without soft-capping, sinks or chunks, in steps without bidirectional spans, skip all
 of that where the C kernels build (`fused_ops.paged_attention`: the cache writes and every query

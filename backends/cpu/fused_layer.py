@@ -89,7 +89,8 @@ def _step(positions: torch.Tensor, meta) -> _StepPlan:
 
 
 def decoder_layer(layer, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, ctx):
-    """(MLP output, new residual) of `layer` as `DecoderLayer.forward` computes them, or None."""
+    """(MLP output, new residual) of `layer` as `DecoderLayer.forward` computes them, or None. A
+    residual passed in becomes the new one in place (the layers hand it only to the next layer)."""
     plan = _plans.get(layer, False)
     if plan is False:
         plan = _plans[layer] = _plan(layer)
