@@ -126,8 +126,8 @@ def _decode_metadata(batch: AttentionBatch, cols: torch.Tensor) -> SDPAMetadata:
 
 def _fused_rows(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(block tables, each packed row's sequence, the end of each row's keys) for the fused attention,
-    or None where it cannot serve: no kernel (or CORECTL_FUSED_KERNELS=0), or bidirectional spans (whose windows the torch path
-    measures from the query's position, not its keys' end)."""
+    or None where it cannot serve: no kernel (or CORECTL_FUSED_KERNELS=0), or bidirectional spans
+    (whose windows the torch path measures from the query's position, not its keys' end)."""
     if (not envs.fused_kernels_enabled() or fused_library() is None or batch.block_tables.dtype != torch.int32
             or batch.bidirectional_spans):
         return None

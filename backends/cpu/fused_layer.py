@@ -50,7 +50,8 @@ _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _projection(linear) -> _Projection | None:
-    sz, method = getattr(linear, "scale_zero", None), getattr(linear, "quant_method", None)  # None: a prepacked dense layer
+    # No quant_method: a prepacked dense layer
+    sz, method = getattr(linear, "scale_zero", None), getattr(linear, "quant_method", None)
     if (not isinstance(method, GGUFInt4Method) or method.gemm is not None or sz is None
             or sz.dtype != torch.float16 or linear.bias is not None or getattr(linear, "reduce_output", None)):
         return None

@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 from corectl import LLM, SamplingParams
+from corectl.attention import AttentionBatch
 from corectl.backends.cpu import fused_layer, fused_ops
 from corectl.backends.cpu.attention import TorchSDPABackend
 from corectl.models.kernels import install_layer_kernels
@@ -31,7 +32,8 @@ def _rows_alone_equal_batched(fn, *batched_inputs):
 
 def test_rms_norm_matches_torch_and_its_rows_stand_alone():
     g = torch.Generator().manual_seed(0)
-    x, residual, weight = torch.randn(5, 200, generator=g), torch.randn(5, 200, generator=g), torch.randn(200, generator=g)
+    x, residual = torch.randn(5, 200, generator=g), torch.randn(5, 200, generator=g)
+    weight = torch.randn(200, generator=g)
     summed = x + residual
     expected = weight * (summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5))
     out, got_sum = fused_ops.rms_norm(x, weight, 1e-5, residual)
@@ -77,8 +79,6 @@ def _attention(window, lens, queries):
     batch_args = dict(query_start_loc=torch.tensor([0, *queries]).cumsum(0).int(), seq_lens=torch.tensor(lens).int(),
                       block_tables=tables, slot_mapping=torch.tensor(slots), query_lens_host=list(queries),
                       seq_lens_host=list(lens), max_query_len=max(queries), max_seq_len=max(lens), block_size=BS)
-    from corectl.attention import AttentionBatch
-
     meta = backend.build_metadata(AttentionBatch(**batch_args))
     q, k, v = (torch.randn(t, n, generator=g) for n in (H * D, HK * D, HK * D))
     return backend.forward(q, k, v, cache, meta, D ** -0.5, sliding_window=window), meta
