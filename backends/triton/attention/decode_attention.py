@@ -8,7 +8,7 @@ step instead of once per row, and each row masks the keys past its own position.
 writes the output directly; with several, each writes a partial output and its log-sum-exp, takes
 a ticket (an atomic count per program group, acq_rel at GPU scope) and the last split of its
 (row group, KV head) to finish combines them and puts the ticket back to 0, so a step is one launch
-(the combine launch this replaces costs a batch-1 step ~8 us a layer). The combine runs the same
+(a combine launch and its PDL wait: 8 us a layer in a batch-1 llama-3.2-3b profile). The combine runs the same
 code as the separate combine kernel, which `CORECTL_DECODE_ONE_LAUNCH=0` launches instead (for
 measurement): both give the same bits.
 
@@ -175,15 +175,24 @@ def _decode_kernel(
         lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(part_lse_ptr + part_rows, lse, mask=m_mask)
         if ONE_LAUNCH:
-            ticket = tickets_ptr + tl.program_id(0) * tl.num_programs(1) + kv_head
-            if last_to_finish(ticket, NUM_SPLITS):
-                # Row by row, as the combine kernel's programs would: the same sums in the same order.
-                for m in range(GROUP * ROWS):
-                    row = tl.program_id(0) * ROWS + m // GROUP
-                    head = kv_head * GROUP + m % GROUP
-                    _combine_row(part_out_ptr, part_lse_ptr, out_ptr + row * stride_ot + head * HEAD_DIM, sinks_ptr,
-                                 row, head, num_heads, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S, HAS_SINKS)
-                tl.store(ticket, 0)
+            _combine_if_last(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, tickets_ptr, kv_head, stride_ot,
+                             num_heads, GROUP, ROWS, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S, HAS_SINKS)
+
+
+@triton.jit
+def _combine_if_last(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, tickets_ptr, kv_head, stride_ot, num_heads,
+                     GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """The last split of this program's (row group, KV head) to finish combines its rows' heads."""
+    ticket = tickets_ptr + tl.program_id(0) * tl.num_programs(1) + kv_head
+    if last_to_finish(ticket, NUM_SPLITS):
+        # Row by row, as the combine kernel's programs would: the same sums in the same order.
+        for m in range(GROUP * ROWS):
+            row = tl.program_id(0) * ROWS + m // GROUP
+            head = kv_head * GROUP + m % GROUP
+            _combine_row(part_out_ptr, part_lse_ptr, out_ptr + row * stride_ot + head * HEAD_DIM, sinks_ptr,
+                         row, head, num_heads, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S, HAS_SINKS)
+        tl.store(ticket, 0)
 
 
 @triton.jit
