@@ -38,10 +38,18 @@ _STARTUP_CALLS = frozenset({"load_model", "profile_num_kv_blocks", "init_kv_cach
 _STEP, _MASK, _FLUSH, _CALL, _STOP = b"S", b"M", b"F", b"C", b"Q"  # engine -> rank
 _OUTPUT, _RESULT, _ERROR = b"O", b"R", b"E"  # rank -> engine
 _STOP_GRACE_S = 5.0
-# What a forkserver imports once for every rank it forks (`PlatformCaps.rank_start_method`).
+# What a forkserver imports once for every rank it forks (`PlatformCaps.rank_start_method`), beside the
+# modules of the model's config class and the platform's worker (`_preload`).
 _FORKSERVER_PRELOAD = ["torch", "corectl.executor.rank"]
 # How long a rank's error waits for a peer's process to be seen ending (the error's likely cause).
 _PEER_EXIT_WAIT_S = 0.5
+
+
+def _preload(spec: WorkerSpec) -> list[str]:
+    """The forkserver's imports: unpickling a rank's spec imports its config class's module, which in
+    transformers pulls in most of the library (1.3 s of CPU a rank on a 2-core machine), and the rank
+    builds the platform's worker; imported once in the server, every fork has them."""
+    return [*_FORKSERVER_PRELOAD, type(spec.source.hf_config).__module__, spec.platform.worker_cls().__module__]
 
 
 class MultiprocExecutor(RemoteRanksExecutor):
@@ -50,7 +58,7 @@ class MultiprocExecutor(RemoteRanksExecutor):
         method = spec.platform.capabilities().rank_start_method
         ctx = multiprocessing.get_context(method)
         if method == "forkserver":
-            ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+            ctx.set_forkserver_preload(_preload(spec))
         world_size = spec.config.world_size
         self._names = [rank_name(spec.config, rank) for rank in range(world_size)]
         self._output_rank = output_rank(spec.config)
