@@ -47,6 +47,17 @@ typedef struct {
     float *step, *sums;
 } acts;
 
+static acts new_acts(long M, long K, int groups) {
+    return (acts){malloc(sizeof(int16_t) * M * K), malloc(sizeof(float) * M * groups),
+                  malloc(sizeof(float) * M * groups)};
+}
+
+static void free_acts(acts *a) {
+    free(a->i);
+    free(a->step);
+    free(a->sums);
+}
+
 static void quantize_row(long K, int group, const float *x, const acts *a, long m) {
     for (long g0 = 0; g0 < K; g0 += group) {
         __m512 amax = _mm512_setzero_ps();
@@ -159,14 +170,23 @@ void grouped_gemm(int bits, long M, long N, long K, int group, const float *x, l
                   const _Float16 *sz, float *y, int threads) {
     const int groups = (int)(K / group);
     const long tiles = N / L, tile_bytes = K * L * bits / 8, tile_sz = (long)groups * 2 * L;
-    acts a = {malloc(sizeof *a.i * M * K), malloc(sizeof *a.step * M * groups), malloc(sizeof *a.sums * M * groups)};
     const long blocks = (M + MB - 1) / MB;
     const long per_task = tiles_for(M < MB ? (int)M : MB), spans = (tiles + per_task - 1) / per_task;
+    // One block of rows (decode): each thread quantizes the rows itself (a few hundred inputs, by the
+    // same function, so the same codes), which spares the barrier between quantizing and multiplying:
+    // on 2 cores shared with other work every barrier waits for the other thread to be scheduled.
+    const int own = M <= MB;
+    acts shared = own ? (acts){0} : new_acts(M, K, groups);
 #pragma omp parallel num_threads(threads)
     {
+        acts a = own ? new_acts(M, K, groups) : shared;
+        if (own) {
+            for (long m = 0; m < M; m++) quantize_row(K, group, x + m * ldx, &a, m);
+        } else {
 #pragma omp for schedule(static)
-        for (long m = 0; m < M; m++) quantize_row(K, group, x + m * ldx, &a, m);
-#pragma omp for schedule(static)
+            for (long m = 0; m < M; m++) quantize_row(K, group, x + m * ldx, &a, m);
+        }
+#pragma omp for schedule(static) nowait
         for (long i = 0; i < spans * blocks; i++) {
             const long t0 = (i % spans) * per_task, m0 = (i / spans) * MB;
             const int rows = M - m0 < MB ? (int)(M - m0) : MB;
@@ -174,10 +194,9 @@ void grouped_gemm(int bits, long M, long N, long K, int group, const float *x, l
             block_rows(rows, span, bits, groups, group, &a, m0, K, w + t0 * tile_bytes, tile_bytes,
                        sz + t0 * tile_sz, tile_sz, y + m0 * N + t0 * L, N);
         }
+        if (own) free_acts(&a);
     }
-    free(a.i);
-    free(a.step);
-    free(a.sums);
+    if (!own) free_acts(&shared);
 }
 
 #else
