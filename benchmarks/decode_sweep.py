@@ -33,12 +33,10 @@ def main() -> None:
                                    store_new_tokens=True, spare_blocks=0)
         cache = batch.kv_cache if dtype == "bf16" else batch.kv_cache.to(torch.float8_e4m3fn)
         splits = choose_decode_splits(len(lens), kv_heads, max_len, batch.q.device)
-        tickets = torch.zeros(len(lens) * kv_heads, dtype=torch.int32, device="cuda")  # persistent, as the backend's
 
         def run(cfg):
             return paged_decode_attention(batch.q, cache, batch.block_tables, batch.seq_lens, 128 ** -0.5,
-                                          max_seq_len=max_len, num_splits=splits, check_indices=False, config=cfg,
-                                          tickets=tickets)
+                                          max_seq_len=max_len, num_splits=splits, check_indices=False, config=cfg)
 
         ref = run(DecodeConfig()).float()
         for cfg in CONFIGS:

@@ -73,7 +73,6 @@ variant() {  # the switches of one stage: engine options into ENGINE, environmen
       ray) ray_site || { echo "ray not importable"; return 1; }
            ENGINE+=(-tp 2 --distributed-executor-backend ray); export RAY_AUTH_MODE=disabled ;;
       nopdl) export CORECTL_PDL=0 ;;                                        # programmatic dependent launch off
-      twolaunch) export CORECTL_DECODE_ONE_LAUNCH=0 ;;                      # split decode attention: combine in a second launch
       accurate) export CORECTL_FP8_FAST_ACCUM=0 ;;                          # FP8 GEMMs without fast accumulation
       profile) PROFILE=1 ;;                                                 # torch.profiler + cProfile summary
       eagerverify) export CORECTL_GRAPH_VERIFY=0 ;;                         # verify steps outside the decode graphs

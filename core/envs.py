@@ -38,12 +38,6 @@ def pdl_enabled() -> bool:
     return _switch("CORECTL_PDL", True)
 
 
-def decode_one_launch() -> bool:
-    """CORECTL_DECODE_ONE_LAUNCH=0: a split decode attention combines its splits in a second launch
-    instead of in its last split program (for measurement; the outputs are the same bits)."""
-    return _switch("CORECTL_DECODE_ONE_LAUNCH", True)
-
-
 def custom_allreduce_enabled() -> bool:
     """Tensor-parallel ranks sum small messages with their platform's own all-reduce where it has one
     (`Platform.device_communicator`: one-shot over NVLink on CUDA); CORECTL_CUSTOM_ALLREDUCE=0 keeps

@@ -41,42 +41,23 @@ def _random_decode_inputs(seq_lens, width, num_blocks, block_size, generator):
     return tables, torch.tensor(seq_lens, dtype=torch.int32)
 
 
-# llama3-8b's and mistral-7b's attention heads, a bucket's context bound.
-MAX_LEN, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4096, 32, 8, 128, 16
-WIDTH = MAX_LEN // BLOCK_SIZE
-
-
-class _DecodeGraphInputs:
-    """What a captured decode reads, for a bucket of rows: a random bf16 cache of a block table's
-    worth of blocks a row, and the query, table and length tensors each step is copied into."""
-
-    def __init__(self, bucket: int):
-        self.bucket, self.num_blocks = bucket, bucket * WIDTH + 1
-        self.generator = torch.Generator().manual_seed(0)
-        shape = (2, self.num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-        self.kv_cache = torch.randn(shape, device="cuda").to(torch.bfloat16)
-        self.q = torch.zeros(bucket, HEADS * HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-        self.tables = torch.zeros(bucket, WIDTH, dtype=torch.int32, device="cuda")
-        self.seq_lens = torch.zeros(bucket, dtype=torch.int32, device="cuda")
-
-    def next_step(self, lens: list[int], rows: int = 1) -> None:
-        """New lengths (0: padding), distinct random blocks, each group of `rows` on its first row's table."""
-        tables, seq_lens = _random_decode_inputs(lens, WIDTH, self.num_blocks, BLOCK_SIZE, self.generator)
-        self.tables.copy_(tables[::rows].repeat_interleave(rows, 0))
-        self.seq_lens.copy_(seq_lens)
-        self.q.copy_(torch.randn(self.bucket, HEADS * HEAD_DIM, generator=self.generator).to(torch.bfloat16))
-
-
 def test_decode_kernel_replays_in_a_cuda_graph():
     """One capture at a bucket's shape serves every later step: new lengths, new blocks, padding
     rows of length 0, all through the same tensors."""
-    bucket, scale = 16, HEAD_DIM ** -0.5
-    x = _DecodeGraphInputs(bucket)
-    out = torch.empty_like(x.q)
-    splits = choose_decode_splits(bucket, KV_HEADS, MAX_LEN, x.q.device)
+    bucket, max_len, heads, kv_heads, head_dim, block_size = 16, 4096, 32, 8, 128, 16
+    width = max_len // block_size
+    num_blocks = bucket * width + 1
+    device, scale = torch.device("cuda"), head_dim ** -0.5
+    generator = torch.Generator().manual_seed(0)
+    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, device=device).to(torch.bfloat16)
+    q = torch.zeros(bucket, heads * head_dim, dtype=torch.bfloat16, device=device)
+    tables = torch.zeros(bucket, width, dtype=torch.int32, device=device)
+    seq_lens = torch.zeros(bucket, dtype=torch.int32, device=device)
+    out = torch.empty_like(q)
+    splits = choose_decode_splits(bucket, kv_heads, max_len, device)
 
     def decode():
-        paged_decode_attention(x.q, x.kv_cache, x.tables, x.seq_lens, scale, max_seq_len=MAX_LEN, num_splits=splits,
+        paged_decode_attention(q, kv_cache, tables, seq_lens, scale, max_seq_len=max_len, num_splits=splits,
                                out=out, check_indices=False)
 
     decode()
@@ -85,49 +66,20 @@ def test_decode_kernel_replays_in_a_cuda_graph():
     with torch.cuda.graph(graph):
         decode()
     for num_seqs in (bucket, 9, 1):
-        lens = torch.randint(1, MAX_LEN + 1, (num_seqs,), generator=x.generator).tolist()
-        lens[0] = MAX_LEN
-        x.next_step(lens + [0] * (bucket - num_seqs))
+        lens = torch.randint(1, max_len + 1, (num_seqs,), generator=generator).tolist()
+        lens[0] = max_len
+        step_tables, step_lens = _random_decode_inputs(lens + [0] * (bucket - num_seqs), width, num_blocks,
+                                                       block_size, generator)
+        tables.copy_(step_tables)
+        seq_lens.copy_(step_lens)
+        q.copy_(torch.randn(bucket, heads * head_dim, generator=generator).to(torch.bfloat16))
         graph.replay()
-        expected = paged_attention_ref(x.q[:num_seqs], x.kv_cache, x.tables[:num_seqs], x.seq_lens[:num_seqs],
-                                       torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda"), scale)
+        expected = paged_attention_ref(q[:num_seqs], kv_cache, tables[:num_seqs], seq_lens[:num_seqs],
+                                       torch.arange(num_seqs + 1, dtype=torch.int32, device=device), scale)
         error = ((out[:num_seqs].float() - expected.float()).norm() / expected.float().norm()).item()
         assert error < REL_TOL, f"{num_seqs} rows: relative error {error:.2e}"
         assert torch.equal(out[num_seqs:], torch.zeros_like(out[num_seqs:]))
 
-
-@pytest.mark.parametrize("bucket,rows,sinks", [(1, 1, False), (4, 4, False), (8, 1, True)])
-def test_one_launch_decode_replays_the_two_launch_bits(bucket, rows, sinks, monkeypatch):
-    """A split decode whose last split programs combine (persistent tickets, as the backend's),
-    captured and replayed over new lengths, blocks and padding rows (row groups of a verify step;
-    sinks with a window), gives the bits of the decode and combine launches, and hands its tickets
-    back zeroed after every replay."""
-    x = _DecodeGraphInputs(bucket)
-    tickets = torch.zeros(1024, dtype=torch.int32, device="cuda")
-    out = torch.empty_like(x.q)
-    splits = choose_decode_splits(bucket // rows, KV_HEADS, MAX_LEN, x.q.device)
-    assert splits > 1
-    extra = {"sinks": torch.randn(HEADS, device="cuda"), "sliding_window": 3000} if sinks else {}
-
-    def decode(**buffers):
-        return paged_decode_attention(x.q, x.kv_cache, x.tables, x.seq_lens, HEAD_DIM ** -0.5, max_seq_len=MAX_LEN,
-                                      num_splits=splits, check_indices=False, rows_per_seq=rows, **extra, **buffers)
-
-    decode(out=out, tickets=tickets)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        decode(out=out, tickets=tickets)
-    for step in range(3):
-        lens = torch.randint(1, MAX_LEN + 1, (bucket,), generator=x.generator)
-        lens[bucket - step:] = 0
-        x.next_step(lens.tolist(), rows)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert not tickets.any()
-        monkeypatch.setenv("CORECTL_DECODE_ONE_LAUNCH", "0")
-        assert torch.equal(out, decode())
-        monkeypatch.delenv("CORECTL_DECODE_ONE_LAUNCH")
 
 # (N, K) of the layers the rule was read off (llama3-8b, qwen3-0.6b) and of shapes it was not
 # (qwen3-14b's qkv and down, gemma-2-9b's o and LM head, llama-3.2-3b's gate_up).

@@ -26,9 +26,9 @@ from ..checks import FP8_KV_DTYPE, check_packed_heads, require
 from .decode_attention import choose_decode_splits, paged_decode_attention
 from .kv_cache_store import store_kvcache
 from .latent_attention import paged_latent_attention
-from .prefill_attention import paged_prefill_attention
 
-SPLIT_TICKETS = 1 << 14
+LATENT_TICKETS = 1 << 14
+from .prefill_attention import paged_prefill_attention
 
 
 @dataclass
@@ -71,11 +71,10 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  block_size: int):
         super().__init__(num_heads, num_kv_heads, head_dim, dtype, device, block_size)
-        # Split decodes (attention and MLA) count their finished splits here and leave it zeroed (the
-        # kernels' tickets), so a step, and its CUDA graph, zeroes nothing per layer; made here, never
-        # inside a capture. A decode splits only grids of fewer programs than the GPU has SMs, and an MLA
-        # step of more than 16k rows x head blocks zeroes its own.
-        self.split_tickets = torch.zeros(SPLIT_TICKETS, dtype=torch.int32, device=device)
+        # Split MLA decodes count their finished splits here and leave it zeroed (`paged_latent_attention`'s
+        # tickets), so a step, and its CUDA graph, zeroes nothing per layer; made here, never inside a
+        # capture. A step of more than 16k decode rows x head blocks zeroes its own.
+        self.latent_tickets = torch.zeros(LATENT_TICKETS, dtype=torch.int32, device=device)
 
     def build_metadata(self, batch: AttentionBatch, check_indices: bool = True) -> TritonAttentionMetadata:
         require(batch.block_size == self.block_size,
@@ -115,7 +114,7 @@ class TritonAttentionBackend(AttentionBackend):
                 q, kv_cache, meta.block_tables, meta.seq_lens, scale,
                 max_seq_len=meta.max_seq_len, num_splits=meta.num_splits, check_indices=check,
                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                attention_chunk=attention_chunk, rows_per_seq=meta.rows_per_seq, tickets=self.split_tickets,
+                attention_chunk=attention_chunk, rows_per_seq=meta.rows_per_seq,
             )
         else:
             out = paged_prefill_attention(
@@ -138,7 +137,7 @@ class TritonAttentionBackend(AttentionBackend):
         out = paged_latent_attention(
             q, kv_cache, meta.block_tables, meta.seq_lens, None if meta.is_pure_decode else meta.query_start_loc,
             scale, rank=value_dim, max_seq_len=meta.max_seq_len, num_splits=meta.num_splits, check_indices=check,
-            tickets=self.split_tickets)
+            tickets=self.latent_tickets)
         meta.check_indices = False
         return out
 

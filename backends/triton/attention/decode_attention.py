@@ -5,12 +5,8 @@ read once per KV head, and walks one contiguous partition of the context. A veri
 speculative decoding (k + 1 rows a request, in a CUDA graph) runs as groups of rows sharing a block
 table (`rows_per_seq`): one program holds every row's heads, so a request's K/V is read once per
 step instead of once per row, and each row masks the keys past its own position. With one split it
-writes the output directly; with several, each writes a partial output and its log-sum-exp, takes
-a ticket (an atomic count per program group, acq_rel at GPU scope) and the last split of its
-(row group, KV head) to finish combines them and puts the ticket back to 0, so a step is one launch
-(a combine launch and its PDL wait: 8 us a layer in a batch-1 llama-3.2-3b profile). The combine runs the same
-code as the separate combine kernel, which `CORECTL_DECODE_ONE_LAUNCH=0` launches instead (for
-measurement): both give the same bits.
+writes the output directly; with several, each writes a partial output and its log-sum-exp and a
+second kernel combines them.
 
 CUDA-graph contract: the launch depends on host values only through `num_splits` (a grid
 dimension and compile-time constant) and the tensor shapes. Sequence lengths and block tables are
@@ -23,12 +19,7 @@ of which is masked at the window's edge; a layer's window is a kernel argument f
 so a captured graph replays it like the scale.
 
 Sinks (gpt-oss: a logit per head joining the softmax's denominator) fold into the softmax state
-once per head: by the decode kernel with one split, by the combine with several.
-
-Tickets: `tickets` int32 zeros, one per (row group, KV head) of the grid, which every launch leaves
-zeroed; the attention backend owns one buffer for all layers and steps (a graph replays its
-address), sized past any grid that splits (`decode_num_splits` splits only grids of fewer programs
-than the GPU has SMs). A launch given none, or too few, zeroes its own.
+once per head: by the decode kernel with one split, by the combine kernel with several.
 """
 from __future__ import annotations
 
@@ -38,7 +29,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from corectl import envs
 
 from ..checks import (
     attention_output,
@@ -99,12 +89,12 @@ def decode_config(cache_dtype: torch.dtype, splits: int, num_seqs: int) -> Decod
 # The block-table width changes every eager step (see the prefill kernel); a layer's window is fixed.
 @triton.jit(do_not_specialize=["stride_table", "window"])
 def _decode_kernel(
-    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, tickets_ptr, sinks_ptr, qk_scale,
-    v_scale, window, stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table, num_heads,
+    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, qk_scale, v_scale,
+    window, stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table, num_heads,
     GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    CHUNKED: tl.constexpr, ONE_LAUNCH: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    CHUNKED: tl.constexpr, PDL: tl.constexpr,
 ):
     grid_dependency(PDL)
     kv_head = tl.program_id(1)
@@ -174,34 +164,6 @@ def _decode_kernel(
         tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(part_lse_ptr + part_rows, lse, mask=m_mask)
-        if ONE_LAUNCH:
-            _combine_if_last(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, tickets_ptr, kv_head, stride_ot,
-                             num_heads, GROUP, ROWS, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S, HAS_SINKS)
-
-
-@triton.jit
-def _combine_if_last(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, tickets_ptr, kv_head, stride_ot, num_heads,
-                     GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr):
-    """The last split of this program's (row group, KV head) to finish combines its rows' heads."""
-    ticket = tickets_ptr + tl.program_id(0) * tl.num_programs(1) + kv_head
-    if last_to_finish(ticket, NUM_SPLITS):
-        # Row by row, as the combine kernel's programs would: the same sums in the same order.
-        for m in range(GROUP * ROWS):
-            row = tl.program_id(0) * ROWS + m // GROUP
-            head = kv_head * GROUP + m % GROUP
-            _combine_row(part_out_ptr, part_lse_ptr, out_ptr + row * stride_ot + head * HEAD_DIM, sinks_ptr,
-                         row, head, num_heads, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S, HAS_SINKS)
-        tl.store(ticket, 0)
-
-
-@triton.jit
-def last_to_finish(ticket, NUM_SPLITS: tl.constexpr):
-    """Whether this program is the last of the NUM_SPLITS counting on `ticket` to get here: every
-    thread's stores precede its count (a barrier, then a release at GPU scope), and the last one's
-    acquire sees the others'. The caller puts the ticket back to 0 after combining."""
-    tl.debug_barrier()
-    return tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1
 
 
 @triton.jit
@@ -213,21 +175,12 @@ def _combine_splits_kernel(
     grid_dependency(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    _combine_row(part_out_ptr, part_lse_ptr, out_ptr + seq * stride_ot + head * HEAD_DIM, sinks_ptr, seq, head,
-                 num_heads, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S, HAS_SINKS)
-
-
-@triton.jit
-def _combine_row(part_out_ptr, part_lse_ptr, dst, sinks_ptr, seq, head, num_heads, HEAD_DIM: tl.constexpr,
-                 BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr):
-    """One (row, head)'s splits weighted by their log-sum-exps into `dst`. Loads bypass L1: in one
-    launch, other SMs wrote the partials."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < NUM_SPLITS
     d_mask = offs_d < HEAD_DIM
     row0 = (seq * num_heads + head) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + row0 + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+    lse = tl.load(part_lse_ptr + row0 + offs_s, mask=s_mask, other=float("-inf"))
     top = tl.max(lse, 0)
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head).to(tl.float32) * _LOG2E
@@ -235,12 +188,12 @@ def _combine_row(part_out_ptr, part_lse_ptr, dst, sinks_ptr, seq, head, num_head
     top = tl.where(top == float("-inf"), 0.0, top)
     weight = tl.exp2(lse - top)
     parts = tl.load(part_out_ptr + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     total = tl.sum(weight, 0)
     if HAS_SINKS:
         total += tl.exp2(sink - top)
     out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(dst + offs_d, out.to(dst.dtype.element_ty), mask=d_mask)
+    tl.store(out_ptr + seq * stride_ot + head * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -272,7 +225,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            logits_soft_cap: float | None = None, k_scale: float = 1.0,
                            v_scale: float = 1.0, config: DecodeConfig | None = None,
                            sinks: torch.Tensor | None = None, attention_chunk: int | None = None,
-                           rows_per_seq: int = 1, tickets: torch.Tensor | None = None) -> torch.Tensor:
+                           rows_per_seq: int = 1) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context (the token's own K/V included).
 
     q: [B, num_heads * head_dim]; block_tables: int32 [B, max_blocks]; seq_lens: int32 [B], the
@@ -292,7 +245,6 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     row's; a verify step's tokens of one request, each row's seq_len ending at its own position, a
     padding row's 0), and each group's K/V is read once for all its rows. B must be a multiple of R;
     splits count groups.
-    `tickets`: int32 zeros a split launch counts its finished splits on and leaves zeroed (module doc).
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     check_index("block_tables", block_tables, 2, (torch.int32,))
@@ -325,41 +277,26 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         return out
     _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, num_heads // num_kv_heads, rows_per_seq,
                    splits, local, logits_soft_cap, k_scale, v_scale,
-                   config or decode_config(kv_cache.dtype, splits, num_seqs // rows_per_seq), sinks, tickets)
+                   config or decode_config(kv_cache.dtype, splits, num_seqs // rows_per_seq), sinks)
     return out
 
 
-def split_tickets(tickets: torch.Tensor | None, needed: int, device: torch.device) -> torch.Tensor:
-    """`tickets` when it holds `needed` counts, else zeros of its own (a launch's last splits combine)."""
-    if tickets is None or tickets.numel() < needed:
-        return torch.zeros(needed, dtype=torch.int32, device=device)
-    require(tickets.dtype == torch.int32 and tickets.device == device and tickets.is_contiguous(),
-            f"tickets must be contiguous int32 zeros on {device}, got {tickets.dtype} on {tickets.device}")
-    return tickets
-
-
 def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, rows, splits, local, soft_cap,
-                   k_scale, v_scale, cfg: DecodeConfig, sinks: torch.Tensor | None,
-                   tickets: torch.Tensor | None) -> None:
+                   k_scale, v_scale, cfg: DecodeConfig, sinks: torch.Tensor | None) -> None:
     span, sliding, chunked = local
     num_seqs = q.shape[0]
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     num_heads = num_kv_heads * group
     block_d = head_block(head_dim)
     pdl = pdl_enabled(q.device)
-    one_launch = splits > 1 and envs.decode_one_launch()
     if splits == 1:
         # The partial buffers are compiled out with one split; `out` stands in for their pointers.
         part_out = part_lse = out
     else:
         part_out = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
-    if one_launch:
-        tickets = split_tickets(tickets, num_seqs // rows * num_kv_heads, q.device)
-    block_s = triton.next_power_of_2(splits)
     _decode_kernel[(num_seqs // rows, num_kv_heads, splits)](
-        q, kv_cache, block_tables, seq_lens, out, part_out, part_lse, tickets if one_launch else seq_lens,
-        q if sinks is None else sinks,
+        q, kv_cache, block_tables, seq_lens, out, part_out, part_lse, q if sinks is None else sinks,
         score_scale(scale * k_scale, soft_cap), v_scale,
         span,
         q.stride(0), out.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
@@ -368,12 +305,11 @@ def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, rows,
         BLOCK_D=block_d,
         BLOCK_N=cfg.block_n, BLOCK_SIZE=kv_cache.shape[2], NUM_SPLITS=splits,
         DOT_DTYPE=dot_dtype(q.dtype, q.device), SLIDING=sliding, SOFT_CAP=float(soft_cap or 0.0),
-        HAS_SINKS=sinks is not None, CHUNKED=chunked, ONE_LAUNCH=one_launch, BLOCK_S=block_s, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        HAS_SINKS=sinks is not None, CHUNKED=chunked, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
-    if splits > 1 and not one_launch:
+    if splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, q if sinks is None else sinks, out.stride(0), num_heads,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=block_s,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
             HAS_SINKS=sinks is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )

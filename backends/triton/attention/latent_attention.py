@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ..checks import check_float, check_index, check_range, check_same_device, require
-from .decode_attention import MAX_SPLITS, _combine_splits_kernel, choose_decode_splits, last_to_finish, split_tickets
+from .decode_attention import MAX_SPLITS, _combine_splits_kernel, choose_decode_splits
 from .prefill_attention import query_tile
 from .paged_softmax import LOG2E, dot_dtype, head_block
 
@@ -171,9 +171,11 @@ def _latent_kernel(
             # combine never reads its output.
             tl.store(part_out_ptr + (first_row + split)[:, None] * RANK + offs_r[None, :], out,
                      mask=row_mask & (l_i > 0.0)[:, None])
-            # The last of the splits to finish combines them, and the ticket goes back to 0.
+            # The last of the splits to finish combines them: every thread's stores precede the
+            # ticket (barrier, then a release at GPU scope), and the ticket goes back to 0.
+            tl.debug_barrier()
             ticket = tickets_ptr + tile * tl.num_programs(1) + tl.program_id(1)
-            if last_to_finish(ticket, NUM_SPLITS):
+            if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
                 _combine_splits(part_out_ptr, part_lse_ptr, dst, first_row, m_mask, offs_r, r_mask, RANK,
                                 NUM_SPLITS, BLOCK_M, BLOCK_R)
                 tl.store(ticket, 0)
@@ -275,7 +277,11 @@ def _split_buffers(q: torch.Tensor, rank: int, splits: int, head_blocks: int, ti
     part_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
     if not fused:
         return part_out, part_lse, part_lse
-    return part_out, part_lse, split_tickets(tickets, num_tokens * head_blocks, q.device)
+    if tickets is None or tickets.numel() < num_tokens * head_blocks:
+        return part_out, part_lse, torch.zeros(num_tokens * head_blocks, dtype=torch.int32, device=q.device)
+    require(tickets.dtype == torch.int32 and tickets.device == q.device and tickets.is_contiguous(),
+            f"tickets must be contiguous int32 zeros on {q.device}, got {tickets.dtype} on {tickets.device}")
+    return part_out, part_lse, tickets
 
 
 def launch_latent(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, rank, splits, cfg: LatentConfig,

@@ -137,12 +137,9 @@ def bench_w6(shapes: Shapes) -> list[tuple[str, float, float]]:
 def _time_decode(do_bench, batch, kv_cache, scale: float, max_len: int, splits: int, **masking) -> float:
     from ..attention.decode_attention import paged_decode_attention
 
-    # Persistent, as the backend's: a launch given none zeroes its own (a memset the step does not pay).
-    tickets = torch.zeros(batch.q.shape[0] * kv_cache.shape[3], dtype=torch.int32, device=kv_cache.device)
-
     def decode():
         paged_decode_attention(batch.q, kv_cache, batch.block_tables, batch.seq_lens, scale, max_seq_len=max_len,
-                               num_splits=splits, check_indices=False, tickets=tickets, **masking)
+                               num_splits=splits, check_indices=False, **masking)
 
     return do_bench(decode, warmup=50, rep=300, return_mode="median")
 
