@@ -76,7 +76,6 @@ variant() {  # the switches of one stage: engine options into ENGINE, environmen
       accurate) export CORECTL_FP8_FAST_ACCUM=0 ;;                          # FP8 GEMMs without fast accumulation
       profile) PROFILE=1 ;;                                                 # torch.profiler + cProfile summary
       eagerverify) export CORECTL_GRAPH_VERIFY=0 ;;                         # verify steps outside the decode graphs
-      bf16logits) export CORECTL_LOGITS_FP32_GEMM=0 ;;                      # the LM head's GEMM writes bf16, then converts
       cublaslt) export TORCH_BLAS_PREFER_CUBLASLT=1 ;;                      # torch's dense GEMMs by cuBLASLt (W11's 320 rows)
       unsorted) export CORECTL_LORA_SORTED=0 ;;                             # LoRA decode steps keep the gathered kernels
       unstacked) export CORECTL_LORA_STACKED=0 ;;                           # LoRA A apart from the base weight (batch-1 shrink launch)

@@ -57,12 +57,6 @@ def graph_verify_enabled() -> bool:
     return _switch("CORECTL_GRAPH_VERIFY", True)
 
 
-def logits_fp32_gemm() -> bool:
-    """An LM head whose step goes to cuBLAS on CUDA (verify and prefill rows) writes fp32 logits
-    directly; CORECTL_LOGITS_FP32_GEMM=0 writes the model dtype and converts (for measurement)."""
-    return _switch("CORECTL_LOGITS_FP32_GEMM", True)
-
-
 def lora_sorted_enabled() -> bool:
     """Decode steps of over 16 tokens, and prefill and mixed steps, run the LoRA kernels on tiles of
     tokens sorted by adapter (corectl.lora.layers); CORECTL_LORA_SORTED=0 keeps the per-token gathered

@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from .. import envs
 from ..attention import ForwardContext
 from ..distributed import get_pp
 from ..loaders.packing import load_packed_weights
@@ -32,19 +31,6 @@ from .sliding_window import layer_sliding_windows
 
 def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def fp32_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The LM head's logits over this rank's vocabulary, in fp32. Where a bf16/fp16 step's rows go to
-    cuBLAS on CUDA (a verify step's k + 1 rows a request, a prefill's last rows), cuBLAS writes its
-    fp32 accumulators out: the logits are the unrounded products, and the model-dtype logits'
-    conversion (0.13 ms a step at 320 rows x 128k vocabulary on an H100) is gone.
-    CORECTL_LOGITS_FP32_GEMM=0 rounds and converts, as the GEMV path of decode-sized steps does."""
-    if (isinstance(head, ParallelLMHead) and hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
-            and envs.logits_fp32_gemm()):
-        out = head.dense_kernel(hidden, head.weight, None)
-        return torch.mm(hidden, head.weight.t(), out_dtype=torch.float32) if out is None else out.float()
-    return head(hidden).float()
 
 
 class DecoderAttention(nn.Module):
@@ -198,7 +184,7 @@ class LlamaForCausalLM(CausalLM):
         return self.model(input_ids, positions, ctx, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return gather_logits(fp32_logits(self.lm_head, hidden), self.config.vocab_size)
+        return gather_logits(self.lm_head(hidden).float(), self.config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_packed_weights(self, weights, self.skips_weight)

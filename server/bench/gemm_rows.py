@@ -2,8 +2,8 @@
 k = 4 at batch 64 runs 320 rows (2.5 x 128), and a poor cuBLAS choice for that shape would show as
 320 rows costing more per row than 256 or 384. Each projection of the first decoder layer and the LM
 head is timed at each row count as torch chooses (what the engine runs), with cuBLAS and with
-cuBLASLt (`torch.backends.cuda.preferred_blas_library`), and the LM head also writing fp32 directly (`torch.mm(out_dtype=)`,
-what `corectl.models.llama.fp32_logits` does on a verify step). The layer's element-wise kernels
+cuBLASLt (`torch.backends.cuda.preferred_blas_library`), and the LM head also writing fp32 directly
+(`torch.mm(out_dtype=)`, against the engine's bf16 logits converted after). The layer's element-wise kernels
 (RMSNorm with the residual add, SiLU-and-mul, rotary) follow at the same row counts with the bytes
 they move per microsecond (repeated on the same tensors, so an L2-resident input reads faster than
 from memory, as it does right after the GEMM that wrote it)."""
