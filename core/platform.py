@@ -50,8 +50,8 @@ class PlatformCaps:
     quantization_kernels: tuple[str, ...] = ()
     # How the `mp` executor starts rank processes (`corectl.executor.multiproc`): "spawn" (a fresh
     # interpreter each, for device runtimes that must not be initialised before a fork) or
-    # "forkserver" (forked from one server process that imported torch and corectl once, so a rank
-    # skips ~4 s of imports; for platforms without such a runtime).
+    # "forkserver" (forked from one server process that imported torch, corectl and the model's config
+    # class once, so a rank skips ~4 s of imports; for platforms without such a runtime).
     rank_start_method: str = "spawn"
     # The worker honours `EngineConfig.batch_invariant` (every kernel of the step computes a row the
     # same way whatever the batch); the engine refuses the flag on a platform without it.
