@@ -58,8 +58,7 @@ def dense_step_bytes(cfg: dict, context: float, weight_bytes: float) -> float:
     """`step_bytes` of a dense config: q, k, v, o and the gated MLP's three matrices a layer, their
     scales (FP8) and biases, the layer's norms (Gemma's four), the LM head in bf16, the KV cache."""
     h, layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
-    q, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim") or h // q
+    q, kv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim(cfg)
     weights = h * (q + 2 * kv) * d + q * d * h + 3 * inter * h
     rows = (q + 2 * kv) * d + h + 2 * inter + h  # an fp32 scale each under FP8
     scales = rows * FP32 if weight_bytes < BF16 else 0
@@ -69,11 +68,15 @@ def dense_step_bytes(cfg: dict, context: float, weight_bytes: float) -> float:
     return layers * layer + kv_bytes(cfg, context) + cfg["vocab_size"] * h * BF16 + 2 * h * BF16
 
 
+def head_dim(cfg: dict) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
 def kv_bytes(cfg: dict, context: float) -> float:
     """The bf16 KV cache a step reads: every layer's keys and values at `context` tokens, a
     sliding-window layer's at most its window (gpt-oss and Gemma 2 alternate sliding and global
     layers, sliding first; Mistral slides on every layer)."""
-    kv, d = cfg["num_key_value_heads"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv, d = cfg["num_key_value_heads"], head_dim(cfg)
     window = cfg.get("sliding_window")
     alternating = cfg["model_type"] in ("gpt_oss", "gemma2")
     total = 0.0

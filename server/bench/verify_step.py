@@ -51,7 +51,8 @@ def run_verify_step(args: argparse.Namespace) -> int:
     runner = llm.engine.executor.worker.runner
     vocab = llm.engine.info.vocab_size
     block_size = llm.engine.info.block_size
-    for batch in (int(b) for b in args.batch_sizes.split(",")):
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    for batch in batches:
         # A profile adds 10 steps of each kind (5 under each profiler), which need their blocks too.
         num_pairs = args.num_warmup_steps + args.num_steps + (10 if args.profile else 0)
         steps = _SyntheticSteps(runner, batch, args.context_len, block_size, vocab, args.num_speculative_tokens,
@@ -75,8 +76,7 @@ def run_verify_step(args: argparse.Namespace) -> int:
 
         print(f"== the engine with speculation {args.speculative_config}, {args.engine_steps} steps a window\n"
               + HEADER)
-        windows = {batch: measure_engine_steps(llm, batch, args.context_len, args.engine_steps)
-                   for batch in (int(b) for b in args.batch_sizes.split(","))}
+        windows = {batch: measure_engine_steps(llm, batch, args.context_len, args.engine_steps) for batch in batches}
         print("\n".join(w.row(batch) for batch, w in windows.items()))
         print("\n".join(w.parts_line(batch) for batch, w in windows.items()))
     if args.gemm_rows:
