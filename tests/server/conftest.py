@@ -9,10 +9,12 @@ from support.server import API_KEY, SMALL_ENGINE, ServerProcess
 
 @pytest.fixture(scope="session")
 def server():
-    """One server for the read-mostly API tests: the default model, an API key, 32 sequences, and
-    async scheduling, as on GPUs (the lifecycle tests' servers keep the CPU's synchronous loop)."""
-    proc = ServerProcess(*SMALL_ENGINE, "--api-key", API_KEY, "--max-num-seqs", "32",
-                         "--async-scheduling").wait_ready()
+    """One server for the read-mostly API tests: the default model, an API key, 32 sequences,
+    async scheduling, as on GPUs (the lifecycle tests' servers keep the CPU's synchronous loop), and a
+    Responses store of two entries (test_responses_api shows eviction after a third; no other test
+    stores responses here)."""
+    proc = ServerProcess(*SMALL_ENGINE, "--api-key", API_KEY, "--max-num-seqs", "32", "--async-scheduling",
+                         "--responses-store-max-entries", "2").wait_ready()
     yield proc
     assert proc.stop() == 0
 

@@ -9,7 +9,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from support.server import API_KEY, SMALL_ENGINE, ServerProcess
+from support.server import API_KEY
 
 pytest_plugins = ["support.server_a_fixtures"]  # tools_server
 
@@ -21,16 +21,10 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 
 
 @pytest.fixture(scope="module")
-def responses_server():
-    """A server with a store of two responses, so eviction shows after a third."""
-    proc = ServerProcess(*SMALL_ENGINE, "--api-key", API_KEY, "--responses-store-max-entries", "2").wait_ready()
-    yield proc
-    assert proc.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def client(responses_server):
-    return openai.OpenAI(base_url=responses_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+def client(server):
+    """The shared server (tests/server/conftest.py): its store holds two responses, so eviction shows
+    after a third."""
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -148,14 +142,14 @@ def test_store_false_unknown_and_evicted_ids_are_clear_errors(client):
     assert client.responses.retrieve(kept[2]).id == kept[2]
 
 
-def test_bad_input_is_a_400_and_the_server_stays_up(responses_server, client):
+def test_bad_input_is_a_400_and_the_server_stays_up(server, client):
     bad = [({"input": [{"type": "input_image", "role": "user"}]}, "input"),
            ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
            ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
            ({"input": "x", "tool_choice": "required"}, "tool_choice"),
            ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format")]
     for body, param in bad:
-        r = httpx.post(responses_server.url + "/v1/responses", json=body,
+        r = httpx.post(server.url + "/v1/responses", json=body,
                        headers={"Authorization": f"Bearer {API_KEY}"})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     assert client.responses.create(input="Hi", **GREEDY).output_text
