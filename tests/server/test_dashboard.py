@@ -150,10 +150,28 @@ def wait_in_page(page, function: str, arg=None) -> None:
 
 def chromium_path() -> str:
     pytest.importorskip("playwright.sync_api", reason="the browser test needs the test extra (playwright)")
+    await_chromium_install()
     path = shutil.which("chromium")
     if path is None:
         pytest.skip("the browser test needs Debian's chromium: apt-get install -y chromium")
     return path
+
+
+def await_chromium_install(timeout_s: float = 600) -> None:
+    """.ci/run installs chromium while the tests run and names, in $CORECTL_CHROMIUM_INSTALL_STATUS, the
+    file that receives the install's exit status and log: wait for it. A failed install fails this
+    test (CI must run it), where a machine without the variable and without chromium skips it."""
+    status_file = os.environ.get("CORECTL_CHROMIUM_INSTALL_STATUS")
+    if not status_file:
+        return
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(status_file):
+        if time.monotonic() > deadline:
+            pytest.fail(f"chromium's install did not finish within {timeout_s:g} s ({status_file})")
+        time.sleep(1)
+    status, log = Path(status_file).read_text().split(maxsplit=1)
+    if status != "0":
+        pytest.fail(f"chromium's install failed (exit {status}):\n{Path(log.strip()).read_text()[-3000:]}")
 
 
 @pytest.fixture
