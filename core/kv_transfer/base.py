@@ -114,6 +114,9 @@ class KVCacheAccess:
         caches = self.kv_caches()
         device = caches[0].device
         index = torch.tensor(block_ids, dtype=torch.int64, device=device)
+        if blocks.device == device and device.type != "cpu":
+            # Received on a transfer's own stream: its memory waits for these copies before reuse.
+            blocks.record_stream(torch.get_device_module(device).current_stream(device))
         blocks = blocks.to(device, non_blocking=True)
         for layer, cache in enumerate(caches):
             cache.index_copy_(1, index, blocks[layer].to(cache.dtype))

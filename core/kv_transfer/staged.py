@@ -25,6 +25,7 @@ import torch
 from ..step_messages import KVBlockTransfer, KVTransferReport
 from .base import KVCacheAccess, KVConnectorWorker
 from .config import KVTransferConfig
+from .timing import PhaseTimes, TransferStamps
 
 logger = logging.getLogger("corectl.kv_transfer")
 # How long an idle step waits for a load under way to arrive before it reports (no busy loop).
@@ -67,6 +68,10 @@ class StagedTransferWorker(KVConnectorWorker):
         self._arrived: queue.Queue[tuple[KVBlockTransfer, torch.Tensor | None]] = queue.Queue()
         # Loads under way by request id; a cancelled one is dropped here, so what it fetches is thrown away.
         self._pending: dict[str, KVBlockTransfer] = {}
+        # Each load's and save's phases, by request id while under way.
+        self._load_stamps: dict[str, TransferStamps] = {}
+        self.load_times = PhaseTimes("load", ("queued", "fetch", "to step", "write"), moving="fetch")
+        self.save_times = PhaseTimes("save", ("queued", "gather", "publish"), moving="publish")
 
     @abc.abstractmethod
     def publish(self, transfer_id: str, blocks: torch.Tensor) -> None:
@@ -82,19 +87,22 @@ class StagedTransferWorker(KVConnectorWorker):
     def cancel(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
             self._pending.pop(req_id, None)
+            self._load_stamps.pop(req_id, None)
 
     def load(self, loads: list[KVBlockTransfer]) -> None:
         for transfer in loads:
             self._pending[transfer.req_id] = transfer
+            self._load_stamps[transfer.req_id] = TransferStamps(transfer.transfer_id)
             self._loads_lane.put(lambda transfer=transfer: self._fetch_one(transfer))
 
     def save(self, saves: list[KVBlockTransfer]) -> None:
         for transfer in saves:
+            stamps = TransferStamps(transfer.transfer_id)
             blocks = self.access.gather(transfer.block_ids)
             # An empty fetch marks where the gather ends in the device's order.
             fetch = self.access.fetch_to_host([] if self.publishes_device_blocks else [blocks])
-            self._saves_lane.put(lambda transfer=transfer, fetch=fetch, blocks=blocks:
-                                 self._publish_one(transfer, fetch, blocks))
+            self._saves_lane.put(lambda transfer=transfer, fetch=fetch, blocks=blocks, stamps=stamps:
+                                 self._publish_one(transfer, fetch, blocks, stamps))
 
     def saves_published(self, timeout: float) -> bool:
         """Whether every save handed over so far is fetchable (published on the save thread) within
@@ -102,6 +110,9 @@ class StagedTransferWorker(KVConnectorWorker):
         return self._saves_lane.drain(timeout)
 
     def _fetch_one(self, transfer: KVBlockTransfer) -> None:
+        stamps = self._load_stamps.get(transfer.req_id)
+        if stamps is not None:
+            stamps.stamp()
         try:
             blocks = self.fetch(transfer)
             expected = (*self.access.block_shape()[:2], len(transfer.block_ids), *self.access.block_shape()[2:])
@@ -112,15 +123,23 @@ class StagedTransferWorker(KVConnectorWorker):
             logger.warning("KV load of request %s (transfer %s) failed, recomputing its prompt: %s",
                            transfer.req_id, transfer.transfer_id, exc)
             blocks = None
+        if stamps is not None:
+            stamps.stamp()
         self._arrived.put((transfer, blocks))
 
-    def _publish_one(self, transfer: KVBlockTransfer, fetch, device_blocks: torch.Tensor) -> None:
+    def _publish_one(self, transfer: KVBlockTransfer, fetch, device_blocks: torch.Tensor,
+                     stamps: TransferStamps) -> None:
+        stamps.stamp()
         fetch.wait()
+        stamps.stamp()
         blocks = device_blocks if self.publishes_device_blocks else fetch.tensors[0]
         try:
             self.publish(transfer.transfer_id, blocks)
         except Exception as exc:  # the decode instance then fails its load and recomputes
             logger.warning("KV save of request %s (transfer %s) failed: %s", transfer.req_id, transfer.transfer_id, exc)
+            return
+        stamps.num_bytes = blocks.numel() * blocks.element_size()
+        self.save_times.finish(stamps)
 
     def finished(self, idle: bool) -> KVTransferReport:
         report = KVTransferReport(loaded=[], failed={})
@@ -136,12 +155,16 @@ class StagedTransferWorker(KVConnectorWorker):
             if self._pending.get(transfer.req_id) is not transfer:
                 continue  # cancelled: its blocks may already belong to another request
             del self._pending[transfer.req_id]
+            stamps = self._load_stamps.pop(transfer.req_id)
             if blocks is None:
                 report.failed[transfer.req_id] = list(transfer.block_ids)
                 continue
+            stamps.stamp()
             self.access.scatter(transfer.block_ids, blocks)
             report.loaded.append(transfer.req_id)
-            report.bytes_loaded += blocks.numel() * blocks.element_size()
+            stamps.num_bytes = blocks.numel() * blocks.element_size()
+            report.bytes_loaded += stamps.num_bytes
+            self.load_times.finish(stamps)
         return report
 
     def close(self) -> None:

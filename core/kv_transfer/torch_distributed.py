@@ -1,10 +1,11 @@
 """`TorchDistributedConnector`: blocks sent point-to-point between a prefill and a decode instance.
 
-The two instances form a two-rank torch.distributed group of their own (the producer is rank 0 and
-hosts the rendezvous, the consumer rank 1), with the platform's backend: gloo on CPUs, NCCL on
-GPUs (the blocks then travel device to device, sent from the gathered copy without a host
-stage). The rendezvous is `kv_connector_extra_config.rendezvous` (`tcp://HOST:PORT`), else
-vLLM's `kv_ip`:`kv_port`.
+The two instances form two-rank torch.distributed groups of their own (the producer is rank 0 and
+hosts the rendezvous, the consumer rank 1): a gloo group carries the asks and answers' headers, and
+the blocks travel on the platform's backend: gloo on CPUs, NCCL on GPUs (device to device, sent
+from the gathered copy without a host stage, on a stream of their own so they wait for neither
+instance's forward passes). The rendezvous is `kv_connector_extra_config.rendezvous`
+(`tcp://HOST:PORT`), else vLLM's `kv_ip`:`kv_port`.
 
 The consumer asks for blocks (a transfer id, the first block, how many) and the producer answers
 with a header and the blocks, or "not here" when nothing was saved under that id within
@@ -15,6 +16,7 @@ group, so a restarted producer is found again. A producer serves one consumer.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import threading
@@ -31,12 +33,15 @@ from .base import KVCacheAccess
 from .config import MAX_TRANSFER_ID, KVTransferConfig
 from .disaggregated import DisaggregatedConnector
 from .staged import StagedTransferWorker
+from .timing import PhaseTimes, TransferStamps
 
 logger = logging.getLogger("corectl.kv_transfer")
 _REQUEST, _HEADER, _PAYLOAD = 1, 2, 3
 _ID_WORDS = MAX_TRANSFER_ID // 8
 # A header: found (1/0), the element size, then the blocks' six dimensions.
 _HEADER_LEN = 8
+# How often a consumer looks whether NCCL finished receiving (the thread sleeps between looks).
+_POLL_S = 0.0002
 # Set at interpreter exit: a producer whose consumer went away then stops instead of waiting again
 # (a group still forming while the process exits aborts it).
 _exiting = threading.Event()
@@ -79,21 +84,27 @@ class TorchDistributedWorker(StagedTransferWorker):
         # NCCL moves device memory (the gathered blocks are sent from where they are); gloo host memory.
         self.device = cache.device if access.distributed_backend == "nccl" else None
         self.publishes_device_blocks = self.device is not None
+        # NCCL sends and receives run on this stream: on the default one they would queue behind the
+        # forward passes already launched (the blocks they move are complete when they start).
+        self._stream = None if self.device is None else torch.get_device_module(self.device).Stream(self.device)
         self._closed = False
-        self._group = None
+        self._groups = None
         self._store = None
+        self.serve_times = PhaseTimes("serve", ("wait for save", "send"), moving="send")
         # Producer: blocks by transfer id, with when they were saved.
         self._saved: dict[str, tuple[torch.Tensor, float]] = {}
         self._cond = threading.Condition()
         if config.kv_role == "kv_producer":
             threading.Thread(target=self._serve_forever, name="corectl-kv-serve", daemon=True).start()
 
-    def _join(self, rank: int):
-        """A fresh two-rank group (blocks until the peer joins or the timeout passes)."""
+    def _join(self, rank: int) -> tuple:
+        """Fresh two-rank groups, (asks and headers, blocks); blocks until the peer joins or the
+        timeout passes."""
         self._store = dist.TCPStore(self.host, self.port, 2, rank == 0, timeout=self.timeout, wait_for_workers=False)
+        control = dist.ProcessGroupGloo(dist.PrefixStore("control", self._store), rank, 2, self.timeout)
         if self.device is None:
-            return dist.ProcessGroupGloo(self._store, rank, 2, self.timeout)
-        return dist.ProcessGroupNCCL(self._store, rank, 2)
+            return control, control
+        return control, dist.ProcessGroupNCCL(dist.PrefixStore("blocks", self._store), rank, 2)
 
     # -- producer ---------------------------------------------------------------------------
 
@@ -126,9 +137,9 @@ class TorchDistributedWorker(StagedTransferWorker):
     def _serve_forever(self) -> None:
         while not (self._closed or _exiting.is_set()):
             try:
-                group = self._join(0)
+                groups = self._join(0)
                 while not self._closed:
-                    self._serve_one(group)
+                    self._serve_one(*groups)
             except Exception as exc:  # the consumer went away: wait for the next one
                 if not (self._closed or _exiting.is_set()):
                     logger.warning("KV transfer group with the consumer ended (%s); waiting for it again", exc)
@@ -136,45 +147,70 @@ class TorchDistributedWorker(StagedTransferWorker):
             finally:
                 self._store = None
 
-    def _serve_one(self, group) -> None:
+    def _serve_one(self, control, data) -> None:
         request = torch.zeros(2 + _ID_WORDS, dtype=torch.int64)
-        group.recv([request], 1, _REQUEST).wait()
+        control.recv([request], 1, _REQUEST).wait()
         transfer_id, first, count = _decode_request(request)
+        stamps = TransferStamps(transfer_id)
         blocks = self._take(transfer_id)
         if blocks is None or blocks.shape[2] < first + count:
-            group.send([self._tensor([0] * _HEADER_LEN, torch.int64)], 1, _HEADER).wait()
+            control.send([torch.zeros(_HEADER_LEN, dtype=torch.int64)], 1, _HEADER).wait()
             return
-        part = blocks[:, :, first:first + count].contiguous()
-        group.send([self._tensor([1, part.element_size(), *part.shape], torch.int64)], 1, _HEADER).wait()
-        group.send([part.view(-1).view(torch.uint8)], 1, _PAYLOAD).wait()
+        stamps.stamp()
+        with self._on_stream(blocks):
+            part = blocks[:, :, first:first + count].contiguous()
+            control.send([torch.tensor([1, part.element_size(), *part.shape])], 1, _HEADER).wait()
+            # NCCL: queued on the stream (the group keeps `part` alive until it is sent); gloo: sent.
+            data.send([part.view(-1).view(torch.uint8)], 1, _PAYLOAD).wait()
+        stamps.num_bytes = part.numel() * part.element_size()
+        self.serve_times.finish(stamps)
 
-    def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+    def _on_stream(self, blocks: torch.Tensor | None = None):
+        """Run the NCCL work on this connector's stream; `blocks` (made on the default stream) are
+        read there, so their memory must not be reused before that stream is done with them."""
+        if self._stream is None:
+            return contextlib.nullcontext()
+        if blocks is not None:
+            blocks.record_stream(self._stream)
+        return torch.get_device_module(self.device).stream(self._stream)
 
     # -- consumer ---------------------------------------------------------------------------
 
     def fetch(self, transfer: KVBlockTransfer) -> torch.Tensor:
         try:
-            if self._group is None:
-                self._group = self._join(1)
-            return self._ask(self._group, transfer)
+            if self._groups is None:
+                self._groups = self._join(1)
+            return self._ask(*self._groups, transfer)
         except (RuntimeError, ValueError, dist.DistBackendError) as exc:
-            self._group = self._store = None  # the next load joins a new group
+            self._groups = self._store = None  # the next load joins new groups
             raise RuntimeError(f"the producer at {self.host}:{self.port} did not answer: {exc}") from exc
 
-    def _ask(self, group, transfer: KVBlockTransfer) -> torch.Tensor:
-        request = _encode_request(transfer)
-        group.send([request if self.device is None else request.to(self.device)], 0, _REQUEST).wait()
-        header = self._tensor([0] * _HEADER_LEN, torch.int64)
-        group.recv([header], 0, _HEADER).wait()
+    def _ask(self, control, data, transfer: KVBlockTransfer) -> torch.Tensor:
+        control.send([_encode_request(transfer)], 0, _REQUEST).wait()
+        header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+        control.recv([header], 0, _HEADER).wait()
         found, element_size, *shape = header.tolist()
         if not found:
             raise LookupError(f"the producer holds no blocks under {transfer.transfer_id!r}")
         if element_size != torch.empty((), dtype=self.dtype).element_size():
             raise ValueError(f"the producer's K/V has {element_size}-byte elements, this instance's another size")
-        payload = torch.empty(element_size * int(torch.tensor(shape).prod()), dtype=torch.uint8, device=self.device)
-        group.recv([payload], 0, _PAYLOAD).wait()
+        with self._on_stream():
+            payload = torch.empty(element_size * int(torch.tensor(shape).prod()), dtype=torch.uint8,
+                                  device=self.device)
+            work = data.recv([payload], 0, _PAYLOAD)
+            if self._stream is not None:
+                self._until_done(work)
+            work.wait()  # gloo: receives; NCCL: raises what the transport reported
         return payload.view(self.dtype).view(shape)
+
+    def _until_done(self, work) -> None:
+        """Block this thread until NCCL's `work` is done: its `wait` only orders streams, and the
+        engine's thread reads the blocks next. A producer that stops sending fails the load."""
+        deadline = time.monotonic() + self.load_timeout_s
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the blocks did not arrive within {self.load_timeout_s} s")
+            time.sleep(_POLL_S)
 
     def close(self) -> None:
         self._closed = True

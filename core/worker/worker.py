@@ -266,7 +266,7 @@ class Worker(abc.ABC):
                 # This rank's layers, read at each use: sleep mode replaces the tensors.
                 lambda: [cache for cache in self.runner.kv_caches if cache.numel()], self.config.block_size,
                 lambda tensors: self.runner.fetch_to_host(tensors), self.platform.capabilities().pinned_memory,
-                self.platform.distributed_backend))
+                self.platform.distributed_backend()))
         if self.runner.drafter is not None:
             # As many blocks as the target's and one per sequence slot: the draft never runs out first.
             draft, num_draft_blocks = self._draft_info, num_blocks + self.config.max_num_seqs

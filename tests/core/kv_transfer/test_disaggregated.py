@@ -207,7 +207,7 @@ def test_producer_killed_mid_load_recomputes(reference):
         engine.step()
         connector = engine.executor.worker.kv_connector
         deadline = time.monotonic() + 60
-        while connector._group is None and time.monotonic() < deadline:
+        while connector._groups is None and time.monotonic() < deadline:
             engine.step()
         time.sleep(0.5)  # the request for the blocks is on its way
         producer.kill()
