@@ -97,6 +97,12 @@ def test_consumer_decodes_the_transferred_prompt(pair, reference, request):
     _assert_all_blocks_free(producer, consumer)
 
 
+def test_connector_sees_the_platforms_backend(torch_pair):
+    """The backend's name picks the blocks' transport (NCCL device to device on GPUs): the worker
+    once passed the platform's method instead, and GPU transfers fell back to gloo through host memory."""
+    assert all(llm.engine.executor.worker.kv_connector.access.distributed_backend == "gloo" for llm in torch_pair)
+
+
 def test_saves_past_the_producers_cap_are_dropped_and_recomputed(torch_pair, reference, monkeypatch):
     """A producer holds at most `max_saved_bytes` of saves nobody fetched yet: past it the oldest
     go (only the newest save is kept under a 1-byte cap), and the decode instance recomputes those
