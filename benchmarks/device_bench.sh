@@ -215,7 +215,7 @@ stage_w12() {  # disaggregated prefill/decode (two GPUs): W5's online load with 
   # ITL p99, TTFT and output throughput of each.
   local args=(--endpoint /v1/completions --prompt-token-ids --vocab-size 128000 --input-len 4096 --output-len 128
               --ignore-eos --seed 0 --num-prompts 256 --max-concurrency 64)
-  local kv='{"kv_connector": "TorchDistributedConnector", "kv_role": "%s", "kv_connector_extra_config": {"rendezvous": "tcp://127.0.0.1:29620"}}'
+  local kv='{"kv_connector": "TorchDistributedConnector", "kv_role": "%s", "kv_connector_extra_config": {"rendezvous": "tcp://127.0.0.1:29620", "max_saved_bytes": 4294967296}}'
   local base=$TAG prefill decode proxy gpus
   IFS=, read -ra gpus <<< "${CUDA_VISIBLE_DEVICES:-0,1}"  # the instances' GPUs: the first two of this run's
   ENGINE+=(--max-model-len 8192)
@@ -233,6 +233,10 @@ stage_w12() {  # disaggregated prefill/decode (two GPUs): W5's online load with 
   corectl bench serve --base-url http://127.0.0.1:8034 "${args[@]}" --save-result "$RES/${base}_pd.json" \
     | grep -E "Mean|P99|Median|throughput"
   curl -s http://127.0.0.1:8033/metrics | grep -E "^vllm:(prompt_tokens_by_source|kv_transfer_bytes|kv_load_failures)"
+  # Where a transfer's time went (corectl.kv_transfer's summaries, every 64 transfers): the last of each kind.
+  for side in prefill decode; do
+    grep -h "timing over" "$RES/${base}_${side}_server.log" | grep -oE "KV [a-z]+ timing[^\"]*" | tac | sort -u -k2,2
+  done
   kill -TERM $proxy; wait $proxy
   SERVER=$prefill stop_server; SERVER=$decode stop_server
 }
