@@ -5,16 +5,24 @@ Four layers of packed experts (1.7 GB, far past L2) are run in turn from one CUD
 layer's experts come from HBM as in a forward. `expert GB/s` is the packed bytes of the experts a
 layer's tokens touch (17/32 byte a weight, plus biases) over its time: at batch 1 this is the
 figure to hold against the copy bandwidth. `TFLOP/s` counts the routed pairs' GEMMs.
+
+`--sweep` then times the pairs path at 1, 2 and 4 tokens with each candidate launch of one kernel
+(the other at its rule's `pair_config`): column block x stages, the groups a step following the
+rule's one vector a thread. The rows name the rule's own choice `*`.
 """
+import argparse
+
 import torch
 import triton
 from corectl.backends.triton.bench.fp8 import graph_us
 from corectl.backends.triton.moe.fused_moe import topk_softmax
-from corectl.backends.triton.moe.mxfp4_moe import Mxfp4Stack, mxfp4_moe
+from corectl.backends.triton.moe.mxfp4_moe import GROUP, Mxfp4Stack, PairConfig, mxfp4_moe, pair_config
 
 HIDDEN, EXPERTS, INTER, TOP_K = 2880, 32, 2880, 4
 LAYERS = 4
 TOKENS = (1, 2, 4, 16, 64, 256, 2048, 8192)
+SWEEP_TOKENS = (1, 2, 4)
+EXPERT_BYTES = 3 * INTER * HIDDEN * 17 / 32 + (2 * INTER + HIDDEN) * 2
 
 
 def stack(rows: int, k: int) -> Mxfp4Stack:
@@ -23,25 +31,62 @@ def stack(rows: int, k: int) -> Mxfp4Stack:
     return Mxfp4Stack(blocks, scales, torch.randn(EXPERTS, rows, device="cuda", dtype=torch.bfloat16) / 8)
 
 
-def main() -> None:
-    torch.manual_seed(0)
-    layers = [(stack(2 * INTER, HIDDEN), stack(HIDDEN, INTER)) for _ in range(LAYERS)]
-    expert_bytes = 3 * INTER * HIDDEN * 17 / 32 + (2 * INTER + HIDDEN) * 2
-    print(f"triton {triton.__version__}; gpt-oss-20b layer: {EXPERTS} experts, top {TOP_K}, "
-          f"{expert_bytes / 1e6:.1f} MB an expert")
+def routed(tokens: int):
+    hidden = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    weights, ids = topk_softmax(torch.randn(tokens, EXPERTS, device="cuda"), TOP_K, True)
+    return hidden, weights, ids
+
+
+def layer_us(layers, hidden, weights, ids, **kwargs) -> float:
+    calls = [lambda gate_up=gate_up, down=down: mxfp4_moe(hidden, gate_up, down, weights, ids, 1.702, 7.0,
+                                                          check_indices=False, **kwargs)
+             for gate_up, down in layers]
+    return graph_us(calls)
+
+
+def table(layers) -> None:
     print(" tokens  path     us/layer  experts read  expert GB/s  TFLOP/s")
     for tokens in TOKENS:
-        hidden = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
-        weights, ids = topk_softmax(torch.randn(tokens, EXPERTS, device="cuda"), TOP_K, True)
+        hidden, weights, ids = routed(tokens)
         touched = ids.unique().numel()
         path = "pairs" if tokens * TOP_K <= EXPERTS // 2 else "sorted"
-        calls = [lambda gate_up=gate_up, down=down: mxfp4_moe(hidden, gate_up, down, weights, ids, 1.702, 7.0,
-                                                              check_indices=False)
-                 for gate_up, down in layers]
-        us = graph_us(calls)
+        us = layer_us(layers, hidden, weights, ids)
         flops = 2 * tokens * TOP_K * 3 * INTER * HIDDEN
-        print(f"{tokens:7d}  {path:7s} {us:9.1f}  {touched:12d}  {touched * expert_bytes / us / 1e3:11.0f}  "
+        print(f"{tokens:7d}  {path:7s} {us:9.1f}  {touched:12d}  {touched * EXPERT_BYTES / us / 1e3:11.0f}  "
               f"{flops / us / 1e6:7.1f}", flush=True)
+
+
+def candidates(rows: int, k: int) -> list[PairConfig]:
+    return [PairConfig(block_n, min(128 // block_n, triton.next_power_of_2(k // GROUP)), 4, stages)
+            for block_n in (4, 8, 16, 32) if rows % block_n == 0 for stages in (1, 2, 3)]
+
+
+def sweep(layers) -> None:
+    print("kernel    tokens  block_n groups stages  us/layer (both kernels)")
+    device = torch.device("cuda")
+    for tokens in SWEEP_TOKENS:
+        hidden, weights, ids = routed(tokens)
+        rule = (pair_config(INTER, tokens * TOP_K, HIDDEN, device), pair_config(HIDDEN, tokens, INTER, device))
+        for kernel, rows, k in (("gate_up", INTER, HIDDEN), ("down", HIDDEN, INTER)):
+            for cfg in candidates(rows, k):
+                configs = (cfg, rule[1]) if kernel == "gate_up" else (rule[0], cfg)
+                us = layer_us(layers, hidden, weights, ids, path="pairs", pair_configs=configs)
+                mark = "*" if cfg in rule else " "
+                print(f"{kernel:8s} {tokens:7d}  {cfg.block_n:7d} {cfg.groups:6d} {cfg.num_stages:6d}  {us:9.1f} "
+                      f"{mark}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="time each candidate pairs launch at 1-4 tokens")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    layers = [(stack(2 * INTER, HIDDEN), stack(HIDDEN, INTER)) for _ in range(LAYERS)]
+    print(f"triton {triton.__version__}; gpt-oss-20b layer: {EXPERTS} experts, top {TOP_K}, "
+          f"{EXPERT_BYTES / 1e6:.1f} MB an expert")
+    table(layers)
+    if args.sweep:
+        sweep(layers)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from corectl import LLM, SamplingParams  # noqa: E402
-from corectl.backends.triton.moe.mxfp4_moe import Mxfp4Stack, mxfp4_moe, routed_mxfp4_moe  # noqa: E402
+from corectl.backends.triton.moe.mxfp4_moe import Mxfp4Stack, PairConfig, mxfp4_moe, routed_mxfp4_moe  # noqa: E402
 from corectl.models.gpt_oss import clamped_swiglu  # noqa: E402
 from corectl.models.moe import fused_moe_torch, select_experts  # noqa: E402
 from corectl.quantization.mxfp4 import mxfp4_dequantize  # noqa: E402
@@ -49,8 +49,8 @@ def reference(hidden, weights, ids) -> torch.Tensor:
                                                                                      limit=LIMIT))
 
 
-@pytest.mark.parametrize(("num_tokens", "path"), [(1, "pairs"), (4, "pairs"), (1, "sorted"), (64, "sorted"),
-                                                  (1000, "sorted")])
+@pytest.mark.parametrize(("num_tokens", "path"), [(1, "pairs"), (2, "pairs"), (4, "pairs"), (1, "sorted"),
+                                                  (64, "sorted"), (1000, "sorted")])
 def test_kernel_matches_dequantize_then_torch_at_gpt_oss_20b_sizes(num_tokens, path):
     gate_up, down, _ = layer()
     torch.manual_seed(num_tokens)
@@ -61,6 +61,19 @@ def test_kernel_matches_dequantize_then_torch_at_gpt_oss_20b_sizes(num_tokens, p
     error = relative_error(out, ref)
     print(f"{num_tokens} tokens, {path} path: bf16 relative error {error:.2e}")
     assert out.dtype == torch.bfloat16 and error < REL_TOL
+
+
+@pytest.mark.parametrize(("block_n", "num_stages"), [(4, 1), (8, 2), (16, 3), (32, 2)])
+def test_every_pairs_launch_of_the_sweep(block_n, num_stages):
+    """The pairs kernels at each column block the benchmark's sweep tries (groups by the rule: one
+    16-byte vector a thread), both on the same launch, against the reference at 1 token."""
+    gate_up, down, _ = layer()
+    torch.manual_seed(5)
+    hidden = torch.randn(1, HIDDEN, device="cuda").to(torch.bfloat16)
+    weights, ids = select_experts(torch.randn(1, EXPERTS, device="cuda"), TOP_K, renormalize=True)
+    cfg = PairConfig(block_n, 128 // block_n, 4, num_stages)
+    out = mxfp4_moe(hidden, gate_up, down, weights, ids, ALPHA, LIMIT, path="pairs", pair_configs=(cfg, cfg))
+    assert relative_error(out, reference(hidden, weights, ids)) < REL_TOL
 
 
 @pytest.mark.parametrize("num_tokens", [1, 8])

@@ -8,15 +8,23 @@ bytes, decodes its low codes (the even inputs) and high codes (the odd inputs) s
 multiplies them with the even and odd activations (split in registers after one contiguous load):
 the interleaved weight row is never assembled. A weight costs 4.25 bits of memory traffic.
 
-Decoding is bit moves only (`_e2m1_tiny`: a code's bits placed in an fp32 are the value times
-2^-126, exactly, magnitude 1 as fp32's subnormal 2^-127), so the decode GEMVs stay near memory
-speed: their loop is about 14 instructions a byte on sm_90 (two shifts and a LOP3 a nibble, a
-multiply-add each, a byte extract), where a decode through selects took 22. The 2^126 comes back
-with the group's scale: 2^(s - 65) (`_e8m0_high`) times the 2^64 the activations are shifted by
-(`X_SHIFT`). The GEMVs scale each group's sum once; the sorted path scales the decoded tile (and
-shifts fp16 tiles rather than fp16 activations, which 2^64 would overflow).
-Limits of that split: scales past 2^65 (e8m0 > 192; none in checkpoints) read as inf, and groups
-whose scaled terms fall below fp32's range (values under 2^-149 after scaling) add nothing.
+The sorted path decodes with bit moves (`_e2m1_tiny`: a code's bits placed in an fp32 are the value
+times 2^-126, exactly, magnitude 1 as fp32's subnormal 2^-127): two shifts and a LOP3 a code. The
+2^126 comes back with the group's scale: 2^(s - 65) (`_e8m0_high`) times the 2^64 the activations
+are shifted by (`X_SHIFT`); it scales the decoded tile (and shifts fp16 tiles rather than fp16
+activations, which 2^64 would overflow). Limits of that split: scales past 2^65 (e8m0 > 192; none in
+checkpoints) read as inf, and groups whose scaled terms fall below fp32's range add nothing.
+
+The pairs path's GEMVs are bound by the integer pipe that decodes, not by the multiply-adds (an
+H100 SM issues 64 integer operations a clock against 128 fp32 ones: at 4 integer operations a code
+they reached 1.2 TB/s). They read a group's 16 bytes as four int32 words (one 16-byte vector a
+thread) and build each code's fp32 with byte permutes (`_word_sums`): one `prmt` looks up four
+codes' magnitudes as bytes (16 |value| from the 8-entry table LUT_HI:LUT_LO), a second places a
+code's byte under its sign byte, giving the subnormal fp32 16 |value| * 2^-133 exactly; with the
+masks that split out the sign bytes, about 2 integer operations a code (10 instructions a byte on
+sm_90 for gate/up, 14 before). The activations carry X_SHIFT so the products stay normal; each
+group's sum takes 2^(s - 62) (`_e8m0_pairs`; scales past 2^62 read as inf). The interpreter, which
+runs no PTX, emulates the permutes with shifts (`_lookup`, `_code`: the same table and selectors).
 
 gpt-oss's experts add a bias to both projections and gate with the clamped SwiGLU
 (`corectl.models.gpt_oss.clamped_swiglu`): the gate/up kernels add their rows' biases to the fp32
@@ -25,7 +33,8 @@ sums, then apply it; the down kernels add the expert's bias before the routing w
 The two paths and their routing are fused_moe.py's (`topk_softmax`, `sort_by_expert`):
 - pairs (small decode batches): `_mx_pair_gate_up_kernel` per (pair, column block) and
   `_mx_pair_down_kernel` per (token, column block), GEMVs streaming the packed rows along K
-  (the structure of moe_pairs.py), fp32 accumulators per row and group;
+  (the structure of moe_pairs.py), fp32 accumulators per row and group, launched by a rule of the
+  shape (`pair_config`; `benchmarks/mxfp4_moe_bench.py --sweep` times its candidates);
 - sorted (prefill and larger batches): `_mx_moe_gemm_kernel`, tensor-core dots of bf16 activations
   with the decoded weight tiles, fp32 accumulation.
 Nothing reads back to the host, so decode steps capture in CUDA graphs. The reference is
@@ -38,6 +47,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from ..attention.paged_softmax import dot_dtype
 from ..checks import check_float, check_index, check_range, check_same_device, require
@@ -85,28 +95,110 @@ def _clamped_swiglu(gate, up, alpha, limit):
     return (up + 1) * (gate * tl.sigmoid(gate * alpha))
 
 
+# The pairs path's decode (module doc): e2m1 magnitude -> 16 |value|, a byte each, looked up four
+# codes at a time by one byte permute of this table (bytes 0-7 of LUT_HI:LUT_LO).
+LUT_LO = tl.constexpr(0x18100800)
+LUT_HI = tl.constexpr(0x60403020)
+
+
 @triton.jit
-def _even_odd(row_ptr, groups, g_ok, factor):
-    """The inputs of `groups` ([GROUPS] indices) of an activation row as fp32 times `factor`, split
-    into the even and odd ones ([GROUPS, 16] each) in registers after one contiguous load."""
+def _lookup(magnitudes, NATIVE: tl.constexpr):
+    """16 |value| of the low four codes of `magnitudes` (codes without their sign bits), a byte
+    each: PTX's byte permute (`prmt.b32`) of the table by those codes; the interpreter, which runs
+    no PTX, reads the same table bytes with shifts."""
+    lut_lo = tl.full(magnitudes.shape, LUT_LO, tl.int32)
+    lut_hi = tl.full(magnitudes.shape, LUT_HI, tl.int32)
+    if NATIVE:
+        return libdevice.byte_perm(lut_lo, lut_hi, magnitudes)
+    out = tl.zeros_like(magnitudes)
+    for n in tl.static_range(4):
+        index = (magnitudes >> (4 * n)) & 7
+        out |= ((tl.where(index < 4, lut_lo, lut_hi) >> (8 * (index & 3))) & 0xFF) << (8 * n)
+    return out
+
+
+@triton.jit
+def _code(k, signs, SELECT: tl.constexpr, NATIVE: tl.constexpr):
+    """A code's fp32 from the byte permute of its looked-up byte (source bytes 0-3: `k`) and sign
+    byte (4-7: `signs`) by SELECT: byte 3 its sign, byte 2 its 16 |value|, bytes 0-1 a zero byte of
+    `signs` (selectors of 3 bits: no sign replication)."""
+    if NATIVE:
+        out = libdevice.byte_perm(k, signs, tl.full(k.shape, SELECT, tl.int32))
+    else:
+        out = tl.zeros_like(k)
+        for n in tl.static_range(4):
+            if (SELECT >> (4 * n)) & 7 < 4:
+                out |= ((k >> (8 * ((SELECT >> (4 * n)) & 3))) & 0xFF) << (8 * n)
+            else:
+                out |= ((signs >> (8 * ((SELECT >> (4 * n)) & 3))) & 0xFF) << (8 * n)
+    return out.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _word_sums(words, x, NATIVE: tl.constexpr):
+    """[BLOCK_N, GROUPS, 4] packed words (8 codes each, input 8w + j in nibble j) -> their dot
+    products with x ([GROUPS, 4, 2, 2, 2]: input 32g + 8w + j at [g, w, j's bits]) summed over
+    each group, times 2^-129: a code's fp32 is the subnormal 16 |value| * 2^-133 with its sign."""
+    magnitudes = words & 0x77777777
+    k_lo = _lookup(magnitudes, NATIVE)
+    k_hi = _lookup(magnitudes >> 16, NATIVE)
+    # Sign bytes (0x80 or 0): even codes' from the low nibbles, odd codes' from the high ones, the
+    # two of codes 0-3 in bytes 0-1 (bytes 2-3 zero) and of codes 4-7 in bytes 2-3.
+    shifted = words << 4
+    even_lo, even_hi = shifted & 0x8080, shifted & -0x7F800000
+    odd_lo, odd_hi = words & 0x8080, words & -0x7F800000
+    x_even, x_odd = tl.split(x)
+    x0, x4 = tl.split(tl.split(x_even)[0])
+    x2, x6 = tl.split(tl.split(x_even)[1])
+    x1, x5 = tl.split(tl.split(x_odd)[0])
+    x3, x7 = tl.split(tl.split(x_odd)[1])
+    acc = _code(k_lo, even_lo, 0x4066, NATIVE) * x0[None]
+    acc += _code(k_lo, odd_lo, 0x4166, NATIVE) * x1[None]
+    acc += _code(k_lo, even_lo, 0x5266, NATIVE) * x2[None]
+    acc += _code(k_lo, odd_lo, 0x5366, NATIVE) * x3[None]
+    acc += _code(k_hi, even_hi, 0x6044, NATIVE) * x4[None]
+    acc += _code(k_hi, odd_hi, 0x6144, NATIVE) * x5[None]
+    acc += _code(k_hi, even_hi, 0x7244, NATIVE) * x6[None]
+    acc += _code(k_hi, odd_hi, 0x7344, NATIVE) * x7[None]
+    return tl.sum(acc, 2)
+
+
+@triton.jit
+def _e8m0_pairs(scales):
+    """e8m0 scales (uint8) -> 2^(s - 62) in fp32 (2^(s - 127) times the 2^129 of `_word_sums`'
+    codes over the X_SHIFT of the activations); past 189 (scales over 2^62) inf."""
+    return ((tl.minimum(scales.to(tl.int32), 190) + 65) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_groups(row_ptr, groups, g_ok, factor):
+    """The inputs of `groups` ([GROUPS] indices) of an activation row as fp32 times `factor`,
+    [GROUPS, 4, 2, 2, 2] in `_word_sums`' order, from one contiguous load."""
     x = tl.load(row_ptr + groups[:, None] * 32 + tl.arange(0, 32)[None, :], mask=g_ok[:, None], other=0.0)
-    return tl.split(tl.reshape(x.to(tl.float32) * factor, (groups.shape[0], 16, 2)))
+    return tl.reshape(x.to(tl.float32) * factor, (groups.shape[0], 4, 2, 2, 2))
 
 
 @triton.jit
-def _mx_group_sums(byte_ptrs, scale_ptrs, byte_mask, scale_mask, x_even, x_odd):
-    """[BLOCK_N, GROUPS] dot products of packed rows with the even and odd inputs (times X_SHIFT),
-    each group's sum scaled once: the true products."""
-    packed = tl.load(byte_ptrs, mask=byte_mask, other=0, eviction_policy="evict_first").to(tl.int32)
-    scale = _e8m0_high(tl.load(scale_ptrs, mask=scale_mask, other=0, eviction_policy="evict_first"))
-    lo, hi = _e2m1_tiny(packed)
-    return tl.sum(lo * x_even[None, :, :] + hi * x_odd[None, :, :], 2) * scale
+def _mx_group_sums(word_ptrs, scale_ptrs, word_mask, scale_mask, x, NATIVE: tl.constexpr):
+    """[BLOCK_N, GROUPS] true group dot products of packed rows (`_word_sums` scaled)."""
+    words = tl.load(word_ptrs, mask=word_mask, other=0, eviction_policy="evict_first")
+    scale = _e8m0_pairs(tl.load(scale_ptrs, mask=scale_mask, other=0, eviction_policy="evict_first"))
+    return _word_sums(words, x, NATIVE) * scale
 
 
 @triton.jit
-def _mx_pair_gate_up_kernel(x_ptr, blocks_ptr, scales_ptr, bias_ptr, ids_ptr, out_ptr, N, K, top_k,
-                            stride_xm, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_om,
-                            alpha, limit, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr):
+def _word_offsets(offs_n, stride_wn, groups):
+    """[BLOCK_N, GROUPS, 4] word offsets of rows' groups: a group's four words are 16 aligned
+    bytes (rows are K / 8 words, K a multiple of 32), one vector load a thread."""
+    offs = offs_n[:, None, None] * stride_wn + groups[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+    return tl.max_contiguous(tl.multiple_of(offs, (1, 1, 4)), (1, 1, 4))
+
+
+@triton.jit
+def _mx_pair_gate_up_kernel(x_ptr, words_ptr, scales_ptr, bias_ptr, ids_ptr, out_ptr, N, K, top_k,
+                            stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_bias, stride_om,
+                            alpha, limit, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr,
+                            NATIVE: tl.constexpr):
     """out[pair, n] = clamped_swiglu(gate[e] @ x + gate_bias, up[e] @ x + up_bias) for columns
     [pid_n * BLOCK_N, +BLOCK_N) of N, x the pair's token row, e its expert."""
     pair = tl.program_id(0).to(tl.int64)
@@ -114,21 +206,21 @@ def _mx_pair_gate_up_kernel(x_ptr, blocks_ptr, scales_ptr, bias_ptr, ids_ptr, ou
     x_row = x_ptr + (pair // top_k) * stride_xm
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    g, j = tl.arange(0, GROUPS), tl.arange(0, 16)
-    gate_bytes = blocks_ptr + expert * stride_be + offs_n[:, None, None] * stride_bn + g[None, :, None] * 16 + j
+    g = tl.arange(0, GROUPS)
+    gate_words = words_ptr + expert * stride_we + _word_offsets(offs_n, stride_wn, g)
     gate_scales = scales_ptr + expert * stride_se + offs_n[:, None] * stride_sn + g[None, :]
     acc_gate = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
     num_groups = K // 32
     for g0 in tl.range(0, num_groups, GROUPS, num_stages=NUM_STAGES):
         g_ok = g0 + g < num_groups
-        x_even, x_odd = _even_odd(x_row, g0 + g, g_ok, X_SHIFT)
-        byte_mask = n_ok[:, None, None] & g_ok[None, :, None]
+        x = _x_groups(x_row, g0 + g, g_ok, X_SHIFT)
+        word_mask = n_ok[:, None, None] & g_ok[None, :, None]
         scale_mask = n_ok[:, None] & g_ok[None, :]
-        step_bytes, step_scales = gate_bytes + g0 * 16, gate_scales + g0
-        acc_gate += _mx_group_sums(step_bytes, step_scales, byte_mask, scale_mask, x_even, x_odd)
-        acc_up += _mx_group_sums(step_bytes + N * stride_bn, step_scales + N * stride_sn, byte_mask, scale_mask,
-                                 x_even, x_odd)
+        step_words, step_scales = gate_words + g0 * 4, gate_scales + g0
+        acc_gate += _mx_group_sums(step_words, step_scales, word_mask, scale_mask, x, NATIVE)
+        acc_up += _mx_group_sums(step_words + N * stride_wn, step_scales + N * stride_sn, word_mask, scale_mask, x,
+                                 NATIVE)
     bias_row = bias_ptr + expert * stride_bias + offs_n
     gate = tl.sum(acc_gate, 1) + tl.load(bias_row, mask=n_ok, other=0.0).to(tl.float32)
     up = tl.sum(acc_up, 1) + tl.load(bias_row + N, mask=n_ok, other=0.0).to(tl.float32)
@@ -137,32 +229,33 @@ def _mx_pair_gate_up_kernel(x_ptr, blocks_ptr, scales_ptr, bias_ptr, ids_ptr, ou
 
 
 @triton.jit
-def _mx_pair_down_kernel(act_ptr, blocks_ptr, scales_ptr, bias_ptr, ids_ptr, pair_weight_ptr, out_ptr, N, K,
-                         stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_om,
+def _mx_pair_down_kernel(act_ptr, words_ptr, scales_ptr, bias_ptr, ids_ptr, pair_weight_ptr, out_ptr, N, K,
+                         stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_bias, stride_om,
                          TOP_K: tl.constexpr, BLOCK_TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                         GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr):
+                         GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr):
     """out[token, n] = sum over the token's k pairs, in slot order, of weight * (down[e] @ act[pair]
     + down_bias[e]). One flat loop over slot and K, as moe_pairs' down kernel (its doc says why)."""
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     slots, experts, coeffs = token_routes(ids_ptr, pair_weight_ptr, token, TOP_K, BLOCK_TOP_K)
-    g, j = tl.arange(0, GROUPS), tl.arange(0, 16)
+    g = tl.arange(0, GROUPS)
+    row_words = _word_offsets(offs_n, stride_wn, g)
     num_groups = K // 32
     g_steps = tl.cdiv(num_groups, GROUPS)
     acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
     for step in tl.range(0, TOP_K * g_steps, num_stages=NUM_STAGES):
         slot = step // g_steps
         expert = tl.sum(tl.where(slots == slot, experts, 0))
-        groups = (step - slot * g_steps) * GROUPS + g
-        g_ok = groups < num_groups
-        # The routing weight scales the activations, not the [BLOCK_N, GROUPS, 16] products.
+        g0 = (step - slot * g_steps) * GROUPS
+        g_ok = g0 + g < num_groups
+        # The routing weight scales the activations, not the [BLOCK_N, GROUPS, 4] products.
         coeff = tl.sum(tl.where(slots == slot, coeffs, 0.0)) * X_SHIFT
-        x_even, x_odd = _even_odd(act_ptr + (token * TOP_K + slot) * stride_am, groups, g_ok, coeff)
-        rows = offs_n[:, None, None] * stride_bn + groups[None, :, None] * 16 + j
-        scale_rows = offs_n[:, None] * stride_sn + groups[None, :]
-        acc += _mx_group_sums(blocks_ptr + expert * stride_be + rows, scales_ptr + expert * stride_se + scale_rows,
-                              n_ok[:, None, None] & g_ok[None, :, None], n_ok[:, None] & g_ok[None, :], x_even, x_odd)
+        x = _x_groups(act_ptr + (token * TOP_K + slot) * stride_am, g0 + g, g_ok, coeff)
+        scale_rows = offs_n[:, None] * stride_sn + (g0 + g)[None, :]
+        acc += _mx_group_sums(words_ptr + expert * stride_we + row_words + g0 * 4,
+                              scales_ptr + expert * stride_se + scale_rows,
+                              n_ok[:, None, None] & g_ok[None, :, None], n_ok[:, None] & g_ok[None, :], x, NATIVE)
     out = tl.sum(acc, 1)
     for slot in tl.static_range(TOP_K):
         expert = tl.sum(tl.where(slots == slot, experts, 0))
@@ -279,37 +372,54 @@ def _check_inputs(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_weights, t
         check_range("topk_ids", topk_ids, 0, num_experts)
 
 
-def _pair_config(rows: int, programs: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_N, GROUPS, num_warps, num_stages): column blocks narrowed until the grid reaches
-    moe_pairs' target, then as many groups a step as keep about 2 KB of bytes in flight a program
-    and stage (moe_pairs' tuned 16-bit configs stream 2-4 KB), on 2 warps for narrow blocks (as
-    those configs run their narrowest); small tiles under the interpreter."""
+class PairConfig(NamedTuple):
+    block_n: int
+    groups: int
+    num_warps: int
+    num_stages: int
+
+
+def pair_config(rows: int, programs: int, k: int, device: torch.device) -> PairConfig:
+    """A pairs kernel's launch from its shape: column blocks narrowed (down to 4 rows) until the
+    grid reaches moe_pairs' TARGET_PROGRAMS, then as many groups a step as give each of the 4 warps'
+    threads one 16-byte vector of a projection's words (BLOCK_N x GROUPS = 128), 2 stages of loads
+    ahead. The interpreter pays per operation, not per element: there, tiles as large as the tests'
+    small matrices (fewer programs and steps)."""
     if device.type == "cpu":
-        return 32, 2, 4, 1
+        return PairConfig(min(64, triton.next_power_of_2(rows)), min(2, triton.next_power_of_2(k // GROUP)), 4, 1)
     block_n = 32
     while block_n > 4 and programs * triton.cdiv(rows, block_n) < TARGET_PROGRAMS:
         block_n //= 2
-    groups = min(max(8, 2048 // (block_n * GROUP // 2)), 32, triton.next_power_of_2(k // GROUP))
-    return block_n, groups, 2 if block_n <= 8 else 4, 3
+    return PairConfig(block_n, min(128 // block_n, triton.next_power_of_2(k // GROUP)), 4, 2)
 
 
-def _by_pair(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_weights, topk_ids, alpha, limit) -> torch.Tensor:
+def _words(stack: Mxfp4Stack) -> torch.Tensor:
+    """The blocks as int32 words [E, N, K / 32, 4]: a group's 16 bytes are four words."""
+    return stack.blocks.view(torch.int32)
+
+
+def _by_pair(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_weights, topk_ids, alpha, limit,
+             configs: tuple[PairConfig, PairConfig] | None = None) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
     hidden_size, inter = hidden.shape[1], gate_up.blocks.shape[1] // 2
+    native = hidden.device.type == "cuda"
+    up_cfg, down_cfg = configs or (pair_config(inter, num_tokens * top_k, hidden_size, hidden.device),
+                                   pair_config(hidden_size, num_tokens, inter, hidden.device))
     activated = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
-    block_n, groups, warps, stages = _pair_config(inter, num_tokens * top_k, hidden_size, hidden.device)
-    _mx_pair_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, block_n))](
-        hidden, gate_up.blocks, gate_up.scales, gate_up.bias, topk_ids, activated, inter, hidden_size, top_k,
-        hidden.stride(0), *_strides(gate_up), activated.stride(0), alpha, limit,
-        BLOCK_N=block_n, GROUPS=groups, NUM_STAGES=stages, num_warps=warps,
+    words = _words(gate_up)
+    _mx_pair_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, up_cfg.block_n))](
+        hidden, words, gate_up.scales, gate_up.bias, topk_ids, activated, inter, hidden_size, top_k,
+        hidden.stride(0), words.stride(0), words.stride(1), *_strides(gate_up)[2:], activated.stride(0), alpha,
+        limit, BLOCK_N=up_cfg.block_n, GROUPS=up_cfg.groups, NUM_STAGES=up_cfg.num_stages, NATIVE=native,
+        num_warps=up_cfg.num_warps,
     )
     out = torch.empty_like(hidden)
-    block_n, groups, warps, stages = _pair_config(hidden_size, num_tokens, inter, hidden.device)
-    _mx_pair_down_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
-        activated, down.blocks, down.scales, down.bias, topk_ids, topk_weights, out, hidden_size, inter,
-        activated.stride(0), *_strides(down), out.stride(0), TOP_K=top_k,
-        BLOCK_TOP_K=triton.next_power_of_2(top_k), BLOCK_N=block_n, GROUPS=groups, NUM_STAGES=stages,
-        num_warps=warps,
+    words = _words(down)
+    _mx_pair_down_kernel[(num_tokens, triton.cdiv(hidden_size, down_cfg.block_n))](
+        activated, words, down.scales, down.bias, topk_ids, topk_weights, out, hidden_size, inter,
+        activated.stride(0), words.stride(0), words.stride(1), *_strides(down)[2:], out.stride(0), TOP_K=top_k,
+        BLOCK_TOP_K=triton.next_power_of_2(top_k), BLOCK_N=down_cfg.block_n, GROUPS=down_cfg.groups,
+        NUM_STAGES=down_cfg.num_stages, NATIVE=native, num_warps=down_cfg.num_warps,
     )
     return out
 
@@ -354,11 +464,12 @@ def _sorted(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_weights, topk_id
 
 def mxfp4_moe(hidden: torch.Tensor, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, alpha: float, limit: float, *, check_indices: bool = True,
-              path: str | None = None) -> torch.Tensor:
+              path: str | None = None, pair_configs: tuple[PairConfig, PairConfig] | None = None) -> torch.Tensor:
     """hidden [T, H] (bf16, or fp32); gate_up: packed [E, 2I, H] (gate rows, then up rows) with
     bias [E, 2I]; down: packed [E, H, I] with bias [E, H]; topk_weights [T, k] fp32, topk_ids
     [T, k] -> [T, H] in hidden's dtype: sum_j w[t, j] * (down_j @ clamped_swiglu(gate_up_j @ x_t +
-    b_j) + c_j). `check_indices` and `path` as in `fused_moe.fused_moe`."""
+    b_j) + c_j). `check_indices` and `path` as in `fused_moe.fused_moe`; `pair_configs` (gate/up,
+    down) overrides `pair_config` on the pairs path (the benchmark's sweep)."""
     _check_inputs(hidden, gate_up, down, topk_weights, topk_ids, check_indices)
     num_tokens, top_k = topk_ids.shape
     if num_tokens * top_k == 0:
@@ -366,8 +477,9 @@ def mxfp4_moe(hidden: torch.Tensor, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_
     if path is None:
         path = "pairs" if num_tokens * top_k <= gate_up.blocks.shape[0] // 2 else "sorted"
     require(path in ("pairs", "sorted"), f"path must be 'pairs' or 'sorted', got {path!r}")
-    run = _by_pair if path == "pairs" else _sorted
-    return run(hidden, gate_up, down, topk_weights, topk_ids, float(alpha), float(limit))
+    if path == "pairs":
+        return _by_pair(hidden, gate_up, down, topk_weights, topk_ids, float(alpha), float(limit), pair_configs)
+    return _sorted(hidden, gate_up, down, topk_weights, topk_ids, float(alpha), float(limit))
 
 
 def routed_mxfp4_moe(hidden: torch.Tensor, router_logits: torch.Tensor, gate_up: tuple, down: tuple,
