@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -32,7 +33,10 @@ class Upstreams:
     def __init__(self, prefill: list[str], decode: list[str], timeout: float):
         self.prefill = RoundRobin(prefill)
         self.decode = RoundRobin(decode)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
+        # No cap on connections: each client request holds one at a time, and httpx's default of 100
+        # would queue requests past that concurrency here instead of on the instances.
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
 
 
 def _headers(request: Request) -> dict[str, str]:
@@ -73,16 +77,20 @@ async def _relay(upstreams: Upstreams, path: str, request: Request) -> Response 
     body = await _json_body(request)
     headers = _headers(request)
     transfer_id = None
+    started = time.monotonic()
     if disaggregates(body):
         transfer_id, refusal = await _prefill(upstreams, path, body, headers)
         if refusal is not None:
             return refusal
+    prefilled = time.monotonic()
     url = upstreams.decode.pick() + path
     upstream = upstreams.client.build_request("POST", url, json=decode_body(body, transfer_id), headers=headers)
     try:
         answer = await upstreams.client.send(upstream, stream=True)
     except httpx.HTTPError as exc:
         raise APIError(502, f"the decode instance did not answer: {exc}", code="bad_gateway") from None
+    logger.debug("transfer %s: prefill answered after %.1f ms, decode's headers %.1f ms later", transfer_id,
+                 (prefilled - started) * 1e3, (time.monotonic() - prefilled) * 1e3)
     media_type = answer.headers.get("content-type", "application/json")
     if not body.get("stream") or answer.status_code != 200:
         content = await answer.aread()
