@@ -129,14 +129,3 @@ def test_taken_port_fails_before_the_engine_starts(failed_starts):
     assert f"corectl: error: port: cannot listen on 127.0.0.1:{port}" in out.stderr
     assert "engine" not in out.stdout + out.stderr.replace("corectl: error", "")
 
-
-def test_engine_in_process_flag_serves_and_stops():
-    server = ServerProcess(*SMALL_ENGINE, "--engine-in-process").wait_ready()
-    try:
-        with pytest.raises(LookupError):
-            server.engine_pid()
-        out = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True},
-                         timeout=60).json()
-        assert out["usage"]["completion_tokens"] == 3
-    finally:
-        assert server.stop() == 0

@@ -121,7 +121,9 @@ def test_a_streamed_request_with_several_samples_is_one_root_span(traced):
 
 
 def test_the_flag_exports_spans_over_otlp(monkeypatch):
-    """`corectl serve --otlp-traces-endpoint` sends the span to a collector (here a bare HTTP one)."""
+    """`corectl serve --otlp-traces-endpoint` sends the span to a collector (here a bare HTTP one). The
+    engine runs in the server's process (`--engine-in-process`), and this test also checks that flag:
+    no engine child process, requests served, a clean stop (one server start for both)."""
     received: list[bytes] = []
 
     class Collector(http.server.BaseHTTPRequestHandler):
@@ -139,8 +141,11 @@ def test_the_flag_exports_spans_over_otlp(monkeypatch):
     endpoint = f"http://127.0.0.1:{collector.server_address[1]}/v1/traces"
     server = ServerProcess(*SMALL_ENGINE, "--engine-in-process", "--otlp-traces-endpoint", endpoint).wait_ready()
     try:
+        with pytest.raises(LookupError):
+            server.engine_pid()
         out = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "ignore_eos": True},
                          headers={"traceparent": TRACEPARENT}, timeout=60).json()
+        assert out["usage"]["completion_tokens"] == 2
     finally:
         assert server.stop() == 0  # shutdown flushes the batch
         collector.shutdown()
