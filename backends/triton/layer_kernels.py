@@ -48,12 +48,13 @@ def _routed_fused_moe_lora(hidden, gate_up, down, router_logits, top_k, renormal
                           down_scale=down_scale)
 
 
-def _router_logits(hidden, weight):
+def _router_logits(hidden, weight, bias=None):
     # Decode-sized steps take the GEMV: cuBLAS's smallest kernel spends ~5 us on a 0.5 MB router
-    # (H100, Qwen3-30B-A3B), most of a step's per-layer budget for it.
+    # (H100, Qwen3-30B-A3B), most of a step's per-layer budget for it (gpt-oss's biased one: a
+    # split-K GEMM and its reduce, 6 us).
     if hidden.shape[0] <= MAX_M:
-        return dense_gemv(hidden, weight)
-    return F.linear(hidden, weight)
+        return dense_gemv(hidden, weight, bias)
+    return F.linear(hidden, weight, bias)
 
 
 def _dense_linear(x, weight, bias, gated):

@@ -29,6 +29,7 @@ from torch import nn
 from ..distributed import get_tp
 from ..loaders.packing import load_packed_weights
 from ..quantization.mxfp4 import Mxfp4MoEMethod
+from .kernels import UsesLayerKernels
 from .llama import LlamaForCausalLM
 from .moe import TORCH_EXPERTS_BLOCKER, FusedMoE, fused_moe_torch, select_experts
 
@@ -97,14 +98,16 @@ class GptOssExperts(FusedMoE):
             raise ValueError(f"experts.{name}: expected {shape}, checkpoint has {tuple(loaded.shape)}")
 
 
-class GptOssMoE(nn.Module):
+class GptOssMoE(UsesLayerKernels, nn.Module):
     def __init__(self, config):
         super().__init__()
         self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=True)
         self.experts = GptOssExperts(config)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.experts(hidden, self.router(hidden))
+        router = self.kernels.router_logits if self.kernels is not None else None
+        logits = self.router(hidden) if router is None else router(hidden, self.router.weight, self.router.bias)
+        return self.experts(hidden, logits)
 
 
 class GptOssForCausalLM(LlamaForCausalLM):

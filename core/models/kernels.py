@@ -37,10 +37,10 @@ class LayerKernels:
     # down_scale=None) -> [T, H]: `fused_moe` with the routing chosen by the model (DeepSeek's grouped,
     # scaled top-k), read on the device only. None runs the torch path
     fused_moe_routed: Callable[..., torch.Tensor] | None = None
-    # (hidden [T, H], weight [E, H]) -> hidden @ weight.T [T, E] in hidden's dtype: a mixture-of-experts
-    # router's logits (small E: decode steps are mostly launch latency, which a GEMV kernel cuts).
-    # None runs F.linear
-    router_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # (hidden [T, H], weight [E, H], bias [E] | None = None) -> hidden @ weight.T + bias [T, E] in
+    # hidden's dtype: a mixture-of-experts router's logits (small E: decode steps are mostly launch
+    # latency, which a GEMV kernel cuts). None runs F.linear
+    router_logits: Callable[..., torch.Tensor] | None = None
     # (x [T, K], weight [N, K], bias [N] | None, gated) -> x @ weight.T + bias [T, N], or None where the
     # platform has nothing faster than F.linear for this shape and batch; gated: x is [T, 2K] (gate |
     # up) and silu(gate) * up takes its place. An unquantized linear layer's GEMM (decode-sized

@@ -109,16 +109,17 @@ def test_fused_kernels_can_be_switched_off(monkeypatch):
 @pytest.mark.parametrize("num_tokens", [1, 5, 9])
 def test_router_logits_take_the_gemv_at_decode_sizes_and_f_linear_above(num_tokens, monkeypatch):
     """Up to 8 tokens the router's logits come from the unscaled GEMV, above that from F.linear;
-    both equal the router's linear layer."""
+    both equal the router's linear layer, with its bias (gpt-oss's) and without."""
     from corectl.backends.triton import layer_kernels
 
     gemv_calls = []
     real_gemv = layer_kernels.dense_gemv
-    monkeypatch.setattr(layer_kernels, "dense_gemv", lambda x, w: gemv_calls.append(1) or real_gemv(x, w))
-    hidden, weight = torch.randn(num_tokens, 64), torch.randn(16, 64)
+    monkeypatch.setattr(layer_kernels, "dense_gemv", lambda x, w, b: gemv_calls.append(1) or real_gemv(x, w, b))
+    hidden, weight, bias = torch.randn(num_tokens, 64), torch.randn(16, 64), torch.randn(16)
     router = triton_layer_kernels().router_logits
     torch.testing.assert_close(router(hidden, weight), hidden @ weight.t(), rtol=1e-5, atol=1e-5)
-    assert bool(gemv_calls) == (num_tokens <= 8)
+    torch.testing.assert_close(router(hidden, weight, bias), hidden @ weight.t() + bias, rtol=1e-5, atol=1e-5)
+    assert len(gemv_calls) == (2 if num_tokens <= 8 else 0)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 9])
