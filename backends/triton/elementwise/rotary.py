@@ -42,8 +42,9 @@ def _rotary_kernel(
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_R: tl.constexpr, HAS_NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    grid_dependency(PDL)
     token = tl.program_id(0).to(tl.int64)
+    # Positions and the cos/sin caches are written before the step (not by the kernel before this
+    # one, the q/k projection): their two dependent loads run while that kernel still does.
     pos = tl.load(pos_ptr + token).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < HALF
@@ -53,6 +54,7 @@ def _rotary_kernel(
     cos2 = tl.load(cos_row + HALF, mask=r_mask, other=0.0).to(tl.float32)
     sin1 = tl.load(sin_row, mask=r_mask, other=0.0).to(tl.float32)
     sin2 = tl.load(sin_row + HALF, mask=r_mask, other=0.0).to(tl.float32)
+    grid_dependency(PDL)
     _rotate_heads(q_ptr + token * stride_qt, stride_qh, q_w_ptr, eps, cos1, cos2, sin1, sin2, offs_r, r_mask,
                   NUM_Q_HEADS, BLOCK_QH, HALF, HAS_NORM)
     _rotate_heads(k_ptr + token * stride_kt, stride_kh, k_w_ptr, eps, cos1, cos2, sin1, sin2, offs_r, r_mask,
