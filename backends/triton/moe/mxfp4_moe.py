@@ -37,7 +37,8 @@ The two paths and their routing are fused_moe.py's (`topk_softmax`, `sort_by_exp
   shape (`pair_config`; `benchmarks/mxfp4_moe_bench.py --sweep` times its candidates);
 - sorted (prefill and larger batches): `_mx_moe_gemm_kernel`, tensor-core dots of bf16 activations
   with the decoded weight tiles, fp32 accumulation.
-Nothing reads back to the host, so decode steps capture in CUDA graphs. The reference is
+Nothing reads back to the host, so decode steps capture in CUDA graphs; the pairs kernels launch
+with PDL (`corectl.backends.triton.pdl`), waiting for the kernel before them first thing. The reference is
 dequantize-then-torch (`corectl.quantization.mxfp4.mxfp4_dequantize`, `fused_moe_torch`).
 """
 from __future__ import annotations
@@ -51,6 +52,7 @@ from triton.language.extra.cuda import libdevice
 
 from ..attention.paged_softmax import dot_dtype
 from ..checks import check_float, check_index, check_range, check_same_device, require
+from ..pdl import grid_dependency, pdl_enabled
 from .fused_moe import sort_by_expert, topk_softmax
 from .moe_pairs import TARGET_PROGRAMS, token_routes
 
@@ -198,9 +200,10 @@ def _word_offsets(offs_n, stride_wn, groups):
 def _mx_pair_gate_up_kernel(x_ptr, words_ptr, scales_ptr, bias_ptr, ids_ptr, out_ptr, N, K, top_k,
                             stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_bias, stride_om,
                             alpha, limit, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr,
-                            NATIVE: tl.constexpr):
+                            NATIVE: tl.constexpr, PDL: tl.constexpr):
     """out[pair, n] = clamped_swiglu(gate[e] @ x + gate_bias, up[e] @ x + up_bias) for columns
     [pid_n * BLOCK_N, +BLOCK_N) of N, x the pair's token row, e its expert."""
+    grid_dependency(PDL)
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     x_row = x_ptr + (pair // top_k) * stride_xm
@@ -232,9 +235,11 @@ def _mx_pair_gate_up_kernel(x_ptr, words_ptr, scales_ptr, bias_ptr, ids_ptr, out
 def _mx_pair_down_kernel(act_ptr, words_ptr, scales_ptr, bias_ptr, ids_ptr, pair_weight_ptr, out_ptr, N, K,
                          stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_bias, stride_om,
                          TOP_K: tl.constexpr, BLOCK_TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                         GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr):
+                         GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr,
+                         PDL: tl.constexpr):
     """out[token, n] = sum over the token's k pairs, in slot order, of weight * (down[e] @ act[pair]
     + down_bias[e]). One flat loop over slot and K, as moe_pairs' down kernel (its doc says why)."""
+    grid_dependency(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -402,7 +407,7 @@ def _by_pair(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_weights, topk_i
              configs: tuple[PairConfig, PairConfig] | None = None) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
     hidden_size, inter = hidden.shape[1], gate_up.blocks.shape[1] // 2
-    native = hidden.device.type == "cuda"
+    native, pdl = hidden.device.type == "cuda", pdl_enabled(hidden.device)
     up_cfg, down_cfg = configs or (pair_config(inter, num_tokens * top_k, hidden_size, hidden.device),
                                    pair_config(hidden_size, num_tokens, inter, hidden.device))
     activated = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
@@ -411,7 +416,7 @@ def _by_pair(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_weights, topk_i
         hidden, words, gate_up.scales, gate_up.bias, topk_ids, activated, inter, hidden_size, top_k,
         hidden.stride(0), words.stride(0), words.stride(1), *_strides(gate_up)[2:], activated.stride(0), alpha,
         limit, BLOCK_N=up_cfg.block_n, GROUPS=up_cfg.groups, NUM_STAGES=up_cfg.num_stages, NATIVE=native,
-        num_warps=up_cfg.num_warps,
+        PDL=pdl, num_warps=up_cfg.num_warps, launch_pdl=pdl,
     )
     out = torch.empty_like(hidden)
     words = _words(down)
@@ -419,7 +424,7 @@ def _by_pair(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_weights, topk_i
         activated, words, down.scales, down.bias, topk_ids, topk_weights, out, hidden_size, inter,
         activated.stride(0), words.stride(0), words.stride(1), *_strides(down)[2:], out.stride(0), TOP_K=top_k,
         BLOCK_TOP_K=triton.next_power_of_2(top_k), BLOCK_N=down_cfg.block_n, GROUPS=down_cfg.groups,
-        NUM_STAGES=down_cfg.num_stages, NATIVE=native, num_warps=down_cfg.num_warps,
+        NUM_STAGES=down_cfg.num_stages, NATIVE=native, PDL=pdl, num_warps=down_cfg.num_warps, launch_pdl=pdl,
     )
     return out
 
