@@ -26,6 +26,7 @@ from ..attention import ForwardContext
 from ..distributed import get_tp
 from .base import CausalLM, check_tensor_parallel
 from .layers import RMSNorm, RotaryEmbedding
+from .kernels import UsesLayerKernels
 from .llama import GatedMLP
 from .mla import MLAttention, latent_cache_layout
 from .moe import TORCH_EXPERTS_BLOCKER, FusedMoE, fused_moe_torch, load_moe_weights
@@ -113,7 +114,7 @@ class RouterFp32(nn.Module):
         return F.linear(hidden.float(), self.weight.float())
 
 
-class DeepseekMoE(nn.Module):
+class DeepseekMoE(UsesLayerKernels, nn.Module):
     def __init__(self, config, correction: bool):
         super().__init__()
         self.gate = RouterFp32(config.hidden_size, config.n_routed_experts)
@@ -122,7 +123,11 @@ class DeepseekMoE(nn.Module):
         self.shared_experts = GatedMLP(SimpleNamespace(hidden_size=config.hidden_size, intermediate_size=width))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.experts(hidden, self.gate(hidden)) + self.shared_experts(hidden)
+        router = self.kernels.router_logits if self.kernels is not None else None
+        # The installed router kernel (decode sizes: one GEMV launch, where cuBLAS's fp32 GEMV is a
+        # dot and a reduce) on the same fp32 operands as the router's own linear.
+        logits = self.gate(hidden) if router is None else router(hidden.float(), self.gate.weight.float())
+        return self.experts(hidden, logits) + self.shared_experts(hidden)
 
 
 class DeepseekLayer(nn.Module):
