@@ -104,7 +104,8 @@ class TorchDistributedWorker(StagedTransferWorker):
         control = dist.ProcessGroupGloo(dist.PrefixStore("control", self._store), rank, 2, self.timeout)
         if self.device is None:
             return control, control
-        return control, dist.ProcessGroupNCCL(dist.PrefixStore("blocks", self._store), rank, 2)
+        return control, dist.ProcessGroupNCCL(dist.PrefixStore("blocks", self._store), rank, 2,
+                                              dist.ProcessGroupNCCL.Options())
 
     # -- producer ---------------------------------------------------------------------------
 
