@@ -65,11 +65,9 @@ class StagedTransferWorker(KVConnectorWorker):
         super().__init__(config, access)
         self._loads_lane = _Lane("corectl-kv-load")
         self._saves_lane = _Lane("corectl-kv-save")
-        self._arrived: queue.Queue[tuple[KVBlockTransfer, torch.Tensor | None]] = queue.Queue()
+        self._arrived: queue.Queue[tuple[KVBlockTransfer, torch.Tensor | None, TransferStamps]] = queue.Queue()
         # Loads under way by request id; a cancelled one is dropped here, so what it fetches is thrown away.
         self._pending: dict[str, KVBlockTransfer] = {}
-        # Each load's and save's phases, by request id while under way.
-        self._load_stamps: dict[str, TransferStamps] = {}
         self.load_times = PhaseTimes("load", ("queued", "fetch", "to step", "write"), moving="fetch")
         self.save_times = PhaseTimes("save", ("queued", "gather", "publish"), moving="publish")
 
@@ -87,13 +85,12 @@ class StagedTransferWorker(KVConnectorWorker):
     def cancel(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
             self._pending.pop(req_id, None)
-            self._load_stamps.pop(req_id, None)
 
     def load(self, loads: list[KVBlockTransfer]) -> None:
         for transfer in loads:
             self._pending[transfer.req_id] = transfer
-            self._load_stamps[transfer.req_id] = TransferStamps(transfer.transfer_id)
-            self._loads_lane.put(lambda transfer=transfer: self._fetch_one(transfer))
+            stamps = TransferStamps(transfer.transfer_id)
+            self._loads_lane.put(lambda transfer=transfer, stamps=stamps: self._fetch_one(transfer, stamps))
 
     def save(self, saves: list[KVBlockTransfer]) -> None:
         for transfer in saves:
@@ -109,10 +106,8 @@ class StagedTransferWorker(KVConnectorWorker):
         `timeout` seconds: a producer's saves trail its requests' ends."""
         return self._saves_lane.drain(timeout)
 
-    def _fetch_one(self, transfer: KVBlockTransfer) -> None:
-        stamps = self._load_stamps.get(transfer.req_id)
-        if stamps is not None:
-            stamps.stamp()
+    def _fetch_one(self, transfer: KVBlockTransfer, stamps: TransferStamps) -> None:
+        stamps.stamp()
         try:
             blocks = self.fetch(transfer)
             expected = (*self.access.block_shape()[:2], len(transfer.block_ids), *self.access.block_shape()[2:])
@@ -123,9 +118,8 @@ class StagedTransferWorker(KVConnectorWorker):
             logger.warning("KV load of request %s (transfer %s) failed, recomputing its prompt: %s",
                            transfer.req_id, transfer.transfer_id, exc)
             blocks = None
-        if stamps is not None:
-            stamps.stamp()
-        self._arrived.put((transfer, blocks))
+        stamps.stamp()
+        self._arrived.put((transfer, blocks, stamps))
 
     def _publish_one(self, transfer: KVBlockTransfer, fetch, device_blocks: torch.Tensor,
                      stamps: TransferStamps) -> None:
@@ -151,11 +145,10 @@ class StagedTransferWorker(KVConnectorWorker):
                 pass
         while not self._arrived.empty():
             arrived.append(self._arrived.get_nowait())
-        for transfer, blocks in arrived:
+        for transfer, blocks, stamps in arrived:
             if self._pending.get(transfer.req_id) is not transfer:
                 continue  # cancelled: its blocks may already belong to another request
             del self._pending[transfer.req_id]
-            stamps = self._load_stamps.pop(transfer.req_id)
             if blocks is None:
                 report.failed[transfer.req_id] = list(transfer.block_ids)
                 continue

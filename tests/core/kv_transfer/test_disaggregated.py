@@ -5,7 +5,9 @@ token (its counters say so), a load that cannot happen (no producer, nothing sav
 recomputing with the same tokens, and every block must return to both pools."""
 from __future__ import annotations
 
+import logging
 import random
+import re
 import subprocess
 import sys
 import time
@@ -101,6 +103,18 @@ def test_connector_sees_the_platforms_backend(torch_pair):
     """The backend's name picks the blocks' transport (NCCL device to device on GPUs): the worker
     once passed the platform's method instead, and GPU transfers fell back to gloo through host memory."""
     assert all(llm.engine.executor.worker.kv_connector.access.distributed_backend == "gloo" for llm in torch_pair)
+
+
+def test_transfers_log_where_their_time_goes(shm_pair, reference, monkeypatch, caplog):
+    """Each direction sums up its transfers' phases at INFO (every SUMMARY_EVERY transfers)."""
+    from corectl.kv_transfer import timing
+
+    monkeypatch.setattr(timing, "SUMMARY_EVERY", len(PROMPTS))
+    with caplog.at_level(logging.INFO, logger="corectl.kv_transfer"):
+        assert _disaggregate(*shm_pair, "timed") == reference
+    summaries = " ".join(r.getMessage() for r in caplog.records if "timing over" in r.getMessage())
+    assert re.search(r"KV save timing over \d+ transfers \(ms median/p90\): queued [\d.]+/[\d.]+, gather", summaries)
+    assert re.search(r"KV load timing over \d+ transfers .*fetch at [\d.]+ GB/s", summaries)
 
 
 def test_saves_past_the_producers_cap_are_dropped_and_recomputed(torch_pair, reference, monkeypatch):
