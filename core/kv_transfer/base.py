@@ -106,20 +106,28 @@ class KVCacheAccess:
         """The blocks' K/V over every layer: `[layers, parts, len(block_ids), block_size, heads, dim]`
         (parts: 2, keys and values, or 1, a latent cache's one row: `corectl.attention`)."""
         caches = self.kv_caches()
-        index = torch.tensor(block_ids, dtype=torch.int64, device=caches[0].device)
+        index = self._index(block_ids, caches[0].device)
         return torch.stack([cache.index_select(1, index) for cache in caches])
 
     def scatter(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Write `blocks` (as `gather` returns them, on any device) into the given blocks."""
         caches = self.kv_caches()
         device = caches[0].device
-        index = torch.tensor(block_ids, dtype=torch.int64, device=device)
+        index = self._index(block_ids, device)
         if blocks.device == device and device.type != "cpu":
             # Received on a transfer's own stream: its memory waits for these copies before reuse.
             blocks.record_stream(torch.get_device_module(device).current_stream(device))
         blocks = blocks.to(device, non_blocking=True)
         for layer, cache in enumerate(caches):
             cache.index_copy_(1, index, blocks[layer].to(cache.dtype))
+
+    def _index(self, block_ids: list[int], device: torch.device) -> torch.Tensor:
+        """`block_ids` on `device`. From pinned memory the copy does not wait for the step in flight
+        (a pageable one synchronizes the stream, and the engine's thread would idle until it ends)."""
+        index = torch.tensor(block_ids, dtype=torch.int64)
+        if device.type == "cpu":
+            return index
+        return (index.pin_memory() if self.pinned_memory else index).to(device, non_blocking=True)
 
     def block_shape(self) -> tuple[int, ...]:
         """One gathered block's shape over every layer (`gather` of one block, without its count)."""
