@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -45,8 +44,7 @@ time.sleep(300)
 def test_nccl_transfers_give_the_producers_tokens():
     url = f"tcp://127.0.0.1:{free_port()}"
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible.split(",")[1],
-           "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible.split(",")[1]}
     producer = subprocess.Popen([sys.executable, "-c", _PRODUCER, json.dumps(ENGINE), json.dumps(PROMPTS), url,
                                  str(MAX_TOKENS)], stdout=subprocess.PIPE, text=True, env=env)
     try:
