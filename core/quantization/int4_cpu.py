@@ -22,6 +22,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -49,6 +50,11 @@ def _cpu_identity() -> str:
     return "|".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
 
 
+def _local_includes(source: Path) -> list[Path]:
+    """The files beside `source` that it includes (`#include "name"`): part of what a build is keyed by."""
+    return [source.with_name(name) for name in re.findall(r'^#include "([^"]+)"', source.read_text(), re.MULTILINE)]
+
+
 def build_library(source: Path, arch: str = "native") -> ctypes.CDLL | None:
     """The C file `source` built for `-march=arch` into the cache folder (once per source, compiler,
     flags and CPU) and loaded, or None where it cannot be built (no C compiler, or it failed)."""
@@ -57,7 +63,7 @@ def build_library(source: Path, arch: str = "native") -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler (cc): %s is not built, torch's operators serve instead", source.name)
         return None
-    code = source.read_bytes()
+    code = source.read_bytes() + b"".join(path.read_bytes() for path in _local_includes(source))
     key = hashlib.sha256(code + " ".join((compiler, *flags, _cpu_identity())).encode()).hexdigest()[:16]
     target = envs.cache_dir() / "cpu_kernels" / f"{source.stem}-{key}.so"
     if not target.exists():
@@ -97,12 +103,12 @@ def _tiled(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: 
     and scales and mins [N, K/g]."""
     n, k = codes.shape
     tiles = n // TILE
-    if kernel_library().grouped_layout() == 1:  # vpdpwssd's pairs: 32 bytes per 4 (4-bit) or 2 inputs
+    if kernel_library().grouped_layout() == 1:  # vpdpbusd's quads: 64 bytes per 8 (4-bit) or 4 inputs
         if bits == 4:
-            quads = codes.to(torch.uint8).view(tiles, TILE, k // 4, 2, 2)  # [.., c, half, t]: input 4c + 2 half + t
-            packed = (quads[..., 0, :] | (quads[..., 1, :] << 4)).permute(0, 2, 1, 3)
-        else:
-            packed = codes.to(torch.int8).view(tiles, TILE, k // 2, 2).permute(0, 2, 1, 3).view(torch.uint8)
+            octets = codes.to(torch.uint8).view(tiles, TILE, k // 8, 2, 4)  # [.., c, half, t]: input 8c + 4 half + t
+            packed = (octets[..., 0, :] | (octets[..., 1, :] << 4)).permute(0, 2, 1, 3)
+        else:  # unsigned, q + 128 (the kernel takes the offset back out of its integer sums)
+            packed = (codes.to(torch.int16) + 128).to(torch.uint8).view(tiles, TILE, k // 4, 4).permute(0, 2, 1, 3)
     elif bits == 4:
         pairs = codes.to(torch.uint8).view(tiles, TILE, k // 2, 2)
         packed = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2)

@@ -12,19 +12,25 @@
 //
 // Two inner loops, chosen by what -march=native offers:
 // - AVX512-VNNI (integer dot products, `grouped_layout() == 1`): each row's group of inputs becomes
-//   int16 codes i with one fp32 step a = max|x| / 32767 (RNE; closer to x than bf16's 8 bits), and
-//   y = sum_g a_g (s_g D_g + z_g S_g) with D_g = sum_k i_k q_k (vpdpwssd, exact int32) and S_g = sum_k i_k.
-//   The codes are never converted to floats (an and and a shift per 64 4-bit weights), the integer
-//   dot products are exact in any order, and the fp32 epilogue per group is the same for every row.
+//   int16 codes c with one fp32 step a = max|x| / 32639 (RNE; closer to x than bf16's 8 bits), and
+//   y = sum_g a_g (s_g D_g + z_g S_g) with D_g = sum_k c_k q_k (exact int32) and S_g = sum_k c_k.
+//   The codes are split into two int8 halves, c = 256 h + l (32639 = 127 * 257 keeps both in
+//   [-128, 127]), so that D = 256 sum h q + sum l q comes from byte dot products: vpdpbusd (16 outputs
+//   by 4 inputs of one row an instruction) and, on CPUs with AMX and blocks of 12-16 rows, tdpbsud
+//   (int4_cpu_amx.c: 16 rows by 16 outputs by 32 inputs an instruction). Both give the same exact
+//   integers and combine groups by the same fp32 epilogue in the same order, so a row's bits do not
+//   depend on which one ran it. int8 activations alone (llama.cpp's Q8 ones) would halve the byte
+//   products but moved SmolLM2's logits by 0.19 on average (docs/performance.md, "C2 ...").
 // - otherwise (AVX2 and others, `grouped_layout() == 0`): each group is dequantized once per row
 //   block, w = q * s + z in fp32, and multiply-added in input order on fp32 activations.
 //
 // Layout: outputs in tiles of L = 16; the group's scale and min as 2 x L fp16 per (tile, group),
-// scales first. Codes per tile, int16 loop: 32 bytes per 4 inputs 4c..4c+3 (4 bits: byte 2n+t holds
-// input 4c+t of output n in its low nibble, 4c+2+t in its high one) or per 2 inputs (int8: byte 2n+t
-// is input 2p+t of output n), so that bytes widened to 16-bit words are vpdpwssd's pairs. fp32 loop:
-// 4-bit codes as L bytes per pair of inputs (low nibble: input 2j, high nibble: input 2j+1), int8
-// codes as L bytes per input.
+// scales first. Codes per tile, integer loops: 64 bytes per 8 inputs 8c..8c+7 (4 bits: byte 4n+t
+// holds input 8c+t of output n in its low nibble, 8c+4+t in its high one) or per 4 inputs (int8 q as
+// unsigned q + 128: byte 4n+t is input 4p+t of output n), so that each 32-bit lane n holds the four
+// codes of output n that vpdpbusd multiplies by four activation bytes; those 64 bytes are also a row
+// of AMX's B tile. fp32 loop: 4-bit codes as L bytes per pair of inputs (low nibble: input 2j, high
+// nibble: input 2j+1), int8 codes as L bytes per input.
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -36,24 +42,28 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
-#define MB 8    // rows a block of the AVX-512 loop shares each unpacked weight chunk with
-#define QMAX 32767.0f
+#define MB 8          // rows a block of the VNNI loop shares each unpacked weight chunk with
+#define QMAX 32639.0f // 127 * 257: both int8 halves of every code lie in [-128, 127]
+#define OFFSET 128    // int8 weights are stored as q + 128: the unsigned side of vpdpbusd and tdpbsud
+#define AHEAD 16      // groups of codes prefetched ahead of the one being multiplied
 
 int grouped_layout(void) { return 1; }
 
-// One GEMM call's activations: per row, int16 codes, and per group its fp32 step and the sum of its codes (exact).
+// One GEMM call's activations: per row, the int8 halves of its int16 codes, and per group its fp32
+// step and the sum of its codes.
 typedef struct {
-    int16_t *i;
-    float *step, *sums;
+    int8_t *h, *l;
+    float *step;
+    int32_t *sums;
 } acts;
 
 static acts new_acts(long M, long K, int groups) {
-    return (acts){malloc(sizeof(int16_t) * M * K), malloc(sizeof(float) * M * groups),
-                  malloc(sizeof(float) * M * groups)};
+    int8_t *codes = malloc(2 * M * K);
+    return (acts){codes, codes + M * K, malloc(sizeof(float) * M * groups), malloc(sizeof(int32_t) * M * groups)};
 }
 
 static void free_acts(acts *a) {
-    free(a->i);
+    free(a->h);
     free(a->step);
     free(a->sums);
 }
@@ -73,32 +83,57 @@ static void quantize_row(long K, int group, const float *x, const acts *a, long 
         const __m512 inv = _mm512_set1_ps(finite && top > 0 ? QMAX / top : 0.0f);
         __m512i sum = _mm512_setzero_si512();
         for (int k = 0; k < group; k += 16) {
-            const long at = m * K + g0 + k;
-            __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + g0 + k), inv));
-            sum = _mm512_add_epi32(sum, i);
-            _mm256_storeu_si256((__m256i *)(a->i + at), _mm512_cvtsepi32_epi16(i));
+            const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + g0 + k), inv));
+            const __m512i l = _mm512_srai_epi32(_mm512_slli_epi32(c, 24), 24);  // the low byte, signed
+            const __m512i h = _mm512_srai_epi32(_mm512_sub_epi32(c, l), 8);
+            sum = _mm512_add_epi32(sum, c);
+            _mm_storeu_si128((__m128i *)(a->h + m * K + g0 + k), _mm512_cvtepi32_epi8(h));
+            _mm_storeu_si128((__m128i *)(a->l + m * K + g0 + k), _mm512_cvtepi32_epi8(l));
         }
         const long at = m * (K / group) + g0 / group;
         a->step[at] = finite ? top / QMAX : NAN;
-        a->sums[at] = (float)_mm512_reduce_add_epi32(sum);
+        a->sums[at] = _mm512_reduce_add_epi32(sum);
     }
 }
 
-// A group's share of L outputs of one row, added to acc: step (s D + z S).
-static inline __attribute__((always_inline)) __m512 group_out(__m512 s, __m512 z, __m512i d, float sum,
-                                                              float step, __m512 acc) {
-    __m512 v = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(d), _mm512_mul_ps(z, _mm512_set1_ps(sum)));
+// A group's share of L outputs of one row, added to acc: step (s D + z S), D = 256 dh + dl the exact
+// integer dot product of the codes (int8 weights: less the offset's share, OFFSET S, still in integers).
+static inline __attribute__((always_inline)) __m512 group_out(int bits, __m512 s, __m512 z, __m512i dh,
+                                                              __m512i dl, int32_t sum, float step, __m512 acc) {
+    __m512i d = _mm512_add_epi32(_mm512_slli_epi32(dh, 8), dl);
+    if (bits == 8) d = _mm512_sub_epi32(d, _mm512_set1_epi32(OFFSET * sum));
+    __m512 v = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(d), _mm512_mul_ps(z, _mm512_set1_ps((float)sum)));
     return _mm512_fmadd_ps(_mm512_set1_ps(step), v, acc);
 }
 
-static inline __attribute__((always_inline)) __m256i bytes32(const uint8_t *p) {
-    return _mm256_loadu_si256((const __m256i *)p);
+// Group g's scales and mins of one tile's L outputs.
+static inline __attribute__((always_inline)) void scale_min(const _Float16 *tile, int g, __m512 *s, __m512 *z) {
+    *s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + (long)g * 2 * L)));
+    *z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + (long)g * 2 * L + L)));
 }
 
-static inline __attribute__((always_inline)) __m512i pair_of(const int16_t *p) {
+static inline __attribute__((always_inline)) void prefetch_group(const uint8_t *codes, long bytes) {
+    for (long i = 0; i < bytes; i += 64) _mm_prefetch((const char *)codes + i, _MM_HINT_T0);
+}
+
+static inline __attribute__((always_inline)) __m512i quad_of(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, sizeof v);
     return _mm512_set1_epi32(v);
+}
+
+static inline __attribute__((always_inline)) __m512i low_nibbles(__m512i b) {
+    return _mm512_and_si512(b, _mm512_set1_epi8(15));
+}
+
+static inline __attribute__((always_inline)) __m512i high_nibbles(__m512i b) {
+    return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(15));
+}
+
+// Codes b (16 outputs x 4 inputs) times both halves of the four activation codes at p.
+static inline __attribute__((always_inline)) void dot4(__m512i *dh, __m512i *dl, __m512i b, const acts *a, long p) {
+    *dh = _mm512_dpbusd_epi32(*dh, b, quad_of(a->h + p));
+    *dl = _mm512_dpbusd_epi32(*dl, b, quad_of(a->l + p));
 }
 
 // R rows (from row m0) by T tiles of L outputs (constants in each instantiation, so the accumulators
@@ -106,43 +141,36 @@ static inline __attribute__((always_inline)) __m512i pair_of(const int16_t *p) {
 static inline __attribute__((always_inline)) void block(
         int R, int T, int bits, int groups, int group, const acts *a, long m0, long K, const uint8_t *w,
         long tile_bytes, const _Float16 *sz, long tile_sz, float *y, long ldy) {
+    const long per_group = (long)group * L * bits / 8;
     __m512 acc[MB];
     for (int i = 0; i < R * T; i++) acc[i] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi16(15);
-    const int16_t *x = a->i + m0 * K;
     for (int g = 0; g < groups; g++) {
-        __m512i d[MB];
-        for (int i = 0; i < R * T; i++) d[i] = _mm512_setzero_si512();
-        const int16_t *xg = x + (long)g * group;
-        if (bits == 4) {
-            const uint8_t *wg = w + (long)g * group * 8;
-            for (int c = 0; c < group / 4; c++) {
-                for (int t = 0; t < T; t++) {
-                    __m512i b = _mm512_cvtepu8_epi16(bytes32(wg + t * tile_bytes + c * 32));
-                    __m512i lo = _mm512_and_si512(b, low), hi = _mm512_srli_epi16(b, 4);
-                    for (int r = 0; r < R; r++) {
-                        d[r * T + t] = _mm512_dpwssd_epi32(d[r * T + t], lo, pair_of(xg + r * K + 4 * c));
-                        d[r * T + t] = _mm512_dpwssd_epi32(d[r * T + t], hi, pair_of(xg + r * K + 4 * c + 2));
+        __m512i dh[MB], dl[MB];
+        for (int i = 0; i < R * T; i++) dh[i] = dl[i] = _mm512_setzero_si512();
+        const uint8_t *wg = w + g * per_group;
+        for (int t = 0; t < T; t++) prefetch_group(wg + t * tile_bytes + AHEAD * per_group, per_group);
+        for (int c = 0; c < group * bits / 32; c++) {  // 64 bytes of codes: 8 (4-bit) or 4 inputs
+            for (int t = 0; t < T; t++) {
+                const __m512i b = _mm512_loadu_si512(wg + t * tile_bytes + c * 64);
+                for (int r = 0; r < R; r++) {
+                    const long x = (m0 + r) * K + (long)g * group;
+                    __m512i *hr = &dh[r * T + t], *lr = &dl[r * T + t];
+                    if (bits == 4) {
+                        dot4(hr, lr, low_nibbles(b), a, x + 8 * c);
+                        dot4(hr, lr, high_nibbles(b), a, x + 8 * c + 4);
+                    } else {
+                        dot4(hr, lr, b, a, x + 4 * c);
                     }
-                }
-            }
-        } else {
-            const uint8_t *wg = w + (long)g * group * L;
-            for (int p = 0; p < group / 2; p++) {
-                for (int t = 0; t < T; t++) {
-                    __m512i b = _mm512_cvtepi8_epi16(bytes32(wg + t * tile_bytes + p * 32));
-                    for (int r = 0; r < R; r++)
-                        d[r * T + t] = _mm512_dpwssd_epi32(d[r * T + t], b, pair_of(xg + r * K + 2 * p));
                 }
             }
         }
         for (int t = 0; t < T; t++) {
-            const _Float16 *st = sz + t * tile_sz + (long)g * 2 * L;
-            __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)st));
-            __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + L)));
+            __m512 s, z;
+            scale_min(sz + t * tile_sz, g, &s, &z);
             for (int r = 0; r < R; r++) {
                 const long at = (m0 + r) * groups + g;
-                acc[r * T + t] = group_out(s, z, d[r * T + t], a->sums[at], a->step[at], acc[r * T + t]);
+                acc[r * T + t] = group_out(bits, s, z, dh[r * T + t], dl[r * T + t], a->sums[at], a->step[at],
+                                           acc[r * T + t]);
             }
         }
     }
@@ -150,13 +178,13 @@ static inline __attribute__((always_inline)) void block(
         for (int t = 0; t < T; t++) _mm512_storeu_ps(y + r * ldy + t * L, acc[r * T + t]);
 }
 
-// Tiles a block of R rows takes at once: enough independent accumulators to hide vpdpwssd's latency.
+// Tiles a block of R rows takes at once: enough independent accumulators to hide vpdpbusd's latency.
 static int tiles_for(int rows) { return rows <= 2 ? 4 : rows <= 4 ? 2 : 1; }
 
 #define BLOCK(R, T) \
     case R * 8 + T: block(R, T, bits, groups, group, a, m0, K, w, tile_bytes, sz, tile_sz, y, ldy); break;
 
-static void block_rows(int rows, int tiles, int bits, int groups, int group, const acts *a, long m0, long K,
+static void vnni_block(int rows, int tiles, int bits, int groups, int group, const acts *a, long m0, long K,
                        const uint8_t *w, long tile_bytes, const _Float16 *sz, long tile_sz, float *y, long ldy) {
     switch (rows * 8 + tiles) {
         BLOCK(1, 1) BLOCK(1, 2) BLOCK(1, 3) BLOCK(1, 4) BLOCK(2, 1) BLOCK(2, 2) BLOCK(2, 3) BLOCK(2, 4)
@@ -165,21 +193,53 @@ static void block_rows(int rows, int tiles, int bits, int groups, int group, con
     }
 }
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include "int4_cpu_amx.c"
+#else
+// No AMX: every block runs the VNNI loop.
+#define RB MB
+typedef int amx_state;
+static int amx_usable(long rows) { return (void)rows, 0; }
+static int amx_rows(amx_state *state, int R, int T, int bits, int groups, int group, const acts *a, long m0,
+                    long K, const uint8_t *w, long tile_bytes, const _Float16 *sz, long tile_sz, float *y,
+                    long ldy) {
+    return 0;
+}
+static void amx_done(amx_state *state) { (void)state; }
+#endif
+
+// rows (from m0) by `span` tiles: by AMX where it serves, else in blocks the VNNI loop takes at once.
+static void rows_by_tiles(int rows, int span, amx_state *amx, int bits, int groups, int group, const acts *a,
+                          long m0, long K, const uint8_t *w, long tile_bytes, const _Float16 *sz, long tile_sz,
+                          float *y, long ldy) {
+    if (amx_rows(amx, rows, span, bits, groups, group, a, m0, K, w, tile_bytes, sz, tile_sz, y, ldy)) return;
+    for (long r0 = 0; r0 < rows; r0 += MB) {
+        const int r = rows - r0 < MB ? rows - r0 : MB, per = tiles_for(r);
+        for (int t0 = 0; t0 < span; t0 += per)
+            vnni_block(r, span - t0 < per ? span - t0 : per, bits, groups, group, a, m0 + r0, K,
+                       w + t0 * tile_bytes, tile_bytes, sz + t0 * tile_sz, tile_sz, y + r0 * ldy + t0 * L, ldy);
+    }
+}
+
 // x [M, K] fp32 (rows `ldx` apart), y [M, N] fp32; N a multiple of L, K of group, group of 16.
 void grouped_gemm(int bits, long M, long N, long K, int group, const float *x, long ldx, const uint8_t *w,
                   const _Float16 *sz, float *y, int threads) {
     const int groups = (int)(K / group);
     const long tiles = N / L, tile_bytes = K * L * bits / 8, tile_sz = (long)groups * 2 * L;
-    const long blocks = (M + MB - 1) / MB;
-    const long per_task = tiles_for(M < MB ? (int)M : MB), spans = (tiles + per_task - 1) / per_task;
-    // One block of rows (decode): each thread quantizes the rows itself (a few hundred inputs, by the
+    // Row blocks of RB rows (AMX's tile height where AMX serves, else the VNNI loop's MB), by spans of tiles.
+    const int amx = amx_usable(M), rb = amx ? RB : MB;
+    const long blocks = (M + rb - 1) / rb;
+    const long per_task = amx ? 1 : tiles_for(M < MB ? (int)M : MB);
+    const long spans = (tiles + per_task - 1) / per_task;
+    // One block of rows (decode): each thread quantizes the rows itself (a few thousand inputs, by the
     // same function, so the same codes), which spares the barrier between quantizing and multiplying:
     // on 2 cores shared with other work every barrier waits for the other thread to be scheduled.
-    const int own = M <= MB;
+    const int own = M <= rb;
     acts shared = own ? (acts){0} : new_acts(M, K, groups);
 #pragma omp parallel num_threads(threads)
     {
         acts a = own ? new_acts(M, K, groups) : shared;
+        amx_state tiles_state = {0};
         if (own) {
             for (long m = 0; m < M; m++) quantize_row(K, group, x + m * ldx, &a, m);
         } else {
@@ -188,16 +248,19 @@ void grouped_gemm(int bits, long M, long N, long K, int group, const float *x, l
         }
 #pragma omp for schedule(static) nowait
         for (long i = 0; i < spans * blocks; i++) {
-            const long t0 = (i % spans) * per_task, m0 = (i / spans) * MB;
-            const int rows = M - m0 < MB ? (int)(M - m0) : MB;
+            // A span's row blocks one after another: its codes are read from memory once.
+            const long t0 = (i / blocks) * per_task, m0 = (i % blocks) * rb;
+            const int rows = M - m0 < rb ? (int)(M - m0) : rb;
             const int span = tiles - t0 < per_task ? (int)(tiles - t0) : (int)per_task;
-            block_rows(rows, span, bits, groups, group, &a, m0, K, w + t0 * tile_bytes, tile_bytes,
-                       sz + t0 * tile_sz, tile_sz, y + m0 * N + t0 * L, N);
+            rows_by_tiles(rows, span, &tiles_state, bits, groups, group, &a, m0, K, w + t0 * tile_bytes,
+                          tile_bytes, sz + t0 * tile_sz, tile_sz, y + m0 * N + t0 * L, N);
         }
+        amx_done(&tiles_state);
         if (own) free_acts(&a);
     }
     if (!own) free_acts(&shared);
 }
+
 
 #else
 #define MB 16

@@ -131,10 +131,12 @@ def test_grouped_gemm_rows_do_not_depend_on_the_batch(bits, arch, monkeypatch):
         gemm = lambda x: int4_cpu.int8_linear(x, packed, scale_zero, 32)  # noqa: E731
     x = torch.randn(40, k, generator=g)
     batched = gemm(x)
+    # Rows alone (the VNNI loop) equal rows in blocks of 16 and 13 (AMX where the CPU has it) and of 8.
     assert torch.equal(torch.cat([gemm(row[None]) for row in x]), batched)
     assert torch.equal(gemm(x[3:20]), batched[3:20])
+    assert torch.equal(gemm(x[:13]), batched[:13])
     weight = (codes.view(n, k // 32, 32) * scales[..., None] + mins[..., None]).view(n, k)
-    # int16 activations (AVX512-VNNI) give ~2e-5 here, fp32 ones (AVX2) less; bf16 ones would give ~2e-3
+    # int16 activations (AVX512-VNNI, AMX) give ~2e-5 here, fp32 ones (AVX2) less; bf16 ones would give ~2e-3
     assert_close(batched, (x.double() @ weight.double().t()).float(), 2e-4, norm="max")
     x[5, 77] = float("nan")  # a NaN input reaches every output of its row and no other row
     poisoned = gemm(x)
