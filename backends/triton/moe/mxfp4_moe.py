@@ -18,13 +18,13 @@ checkpoints) read as inf, and groups whose scaled terms fall below fp32's range 
 The pairs path's GEMVs are bound by the integer pipe that decodes, not by the multiply-adds (an
 H100 SM issues 64 integer operations a clock against 128 fp32 ones: at 4 integer operations a code
 they reached 1.2 TB/s). They read a group's 16 bytes as four int32 words (one 16-byte vector a
-thread) and build each code's fp32 with byte permutes (`_word_sums`): one `prmt` looks up four
-codes' magnitudes as bytes (16 |value| from the 8-entry table LUT_HI:LUT_LO), a second places a
-code's byte under its sign byte, giving the subnormal fp32 16 |value| * 2^-133 exactly; with the
-masks that split out the sign bytes, about 2 integer operations a code (10 instructions a byte on
-sm_90 for gate/up, 14 before). The activations carry X_SHIFT so the products stay normal; each
-group's sum takes 2^(s - 62) (`_e8m0_pairs`; scales past 2^62 read as inf). The interpreter, which
-runs no PTX, emulates the permutes with shifts (`_lookup`, `_code`: the same table and selectors).
+thread) and build each code's fp32 with byte permutes (mxfp4_decode.py's `decode_words`): one `prmt`
+looks up four codes' magnitudes as bytes (16 |value| from the 8-entry table LUT_HI:LUT_LO), one a
+code places its byte under its sign byte, giving the subnormal fp32 16 |value| * 2^-133 exactly;
+15 integer operations a word of 8 codes (9 instructions a byte on sm_90 for gate/up, 14 before).
+The activations carry X_SHIFT so the products stay normal; each group's sum takes 2^(s - 62)
+(`_e8m0_pairs`; scales past 2^62 read as inf). The interpreter, which runs no PTX, takes the same
+steps in Triton (the same table and selectors).
 
 gpt-oss's experts add a bias to both projections and gate with the clamped SwiGLU
 (`corectl.models.gpt_oss.clamped_swiglu`): the gate/up kernels add their rows' biases to the fp32
@@ -48,12 +48,12 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import libdevice
 
 from ..attention.paged_softmax import dot_dtype
 from ..checks import check_float, check_index, check_range, check_same_device, require
 from ..pdl import grid_dependency, pdl_enabled
 from .fused_moe import sort_by_expert, topk_softmax
+from .mxfp4_decode import decode_words
 from .moe_pairs import TARGET_PROGRAMS, token_routes
 
 GROUP = 32
@@ -97,71 +97,25 @@ def _clamped_swiglu(gate, up, alpha, limit):
     return (up + 1) * (gate * tl.sigmoid(gate * alpha))
 
 
-# The pairs path's decode (module doc): e2m1 magnitude -> 16 |value|, a byte each, looked up four
-# codes at a time by one byte permute of this table (bytes 0-7 of LUT_HI:LUT_LO).
-LUT_LO = tl.constexpr(0x18100800)
-LUT_HI = tl.constexpr(0x60403020)
-
-
-@triton.jit
-def _lookup(magnitudes, NATIVE: tl.constexpr):
-    """16 |value| of the low four codes of `magnitudes` (codes without their sign bits), a byte
-    each: PTX's byte permute (`prmt.b32`) of the table by those codes; the interpreter, which runs
-    no PTX, reads the same table bytes with shifts."""
-    lut_lo = tl.full(magnitudes.shape, LUT_LO, tl.int32)
-    lut_hi = tl.full(magnitudes.shape, LUT_HI, tl.int32)
-    if NATIVE:
-        return libdevice.byte_perm(lut_lo, lut_hi, magnitudes)
-    out = tl.zeros_like(magnitudes)
-    for n in tl.static_range(4):
-        index = (magnitudes >> (4 * n)) & 7
-        out |= ((tl.where(index < 4, lut_lo, lut_hi) >> (8 * (index & 3))) & 0xFF) << (8 * n)
-    return out
-
-
-@triton.jit
-def _code(k, signs, SELECT: tl.constexpr, NATIVE: tl.constexpr):
-    """A code's fp32 from the byte permute of its looked-up byte (source bytes 0-3: `k`) and sign
-    byte (4-7: `signs`) by SELECT: byte 3 its sign, byte 2 its 16 |value|, bytes 0-1 a zero byte of
-    `signs` (selectors of 3 bits: no sign replication)."""
-    if NATIVE:
-        out = libdevice.byte_perm(k, signs, tl.full(k.shape, SELECT, tl.int32))
-    else:
-        out = tl.zeros_like(k)
-        for n in tl.static_range(4):
-            if (SELECT >> (4 * n)) & 7 < 4:
-                out |= ((k >> (8 * ((SELECT >> (4 * n)) & 3))) & 0xFF) << (8 * n)
-            else:
-                out |= ((signs >> (8 * ((SELECT >> (4 * n)) & 3))) & 0xFF) << (8 * n)
-    return out.to(tl.float32, bitcast=True)
-
-
 @triton.jit
 def _word_sums(words, x, NATIVE: tl.constexpr):
-    """[BLOCK_N, GROUPS, 4] packed words (8 codes each, input 8w + j in nibble j) -> their dot
-    products with x ([GROUPS, 4, 2, 2, 2]: input 32g + 8w + j at [g, w, j's bits]) summed over
-    each group, times 2^-129: a code's fp32 is the subnormal 16 |value| * 2^-133 with its sign."""
-    magnitudes = words & 0x77777777
-    k_lo = _lookup(magnitudes, NATIVE)
-    k_hi = _lookup(magnitudes >> 16, NATIVE)
-    # Sign bytes (0x80 or 0): even codes' from the low nibbles, odd codes' from the high ones, the
-    # two of codes 0-3 in bytes 0-1 (bytes 2-3 zero) and of codes 4-7 in bytes 2-3.
-    shifted = words << 4
-    even_lo, even_hi = shifted & 0x8080, shifted & -0x7F800000
-    odd_lo, odd_hi = words & 0x8080, words & -0x7F800000
+    """[BLOCK_N, GROUPS, 4] packed words -> their dot products with x ([GROUPS, 4, 2, 2, 2]: input
+    32g + 8w + j at [g, w, j's bits]) summed over each group, times 2^-129 (`decode_words`)."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = decode_words(words, NATIVE)
     x_even, x_odd = tl.split(x)
     x0, x4 = tl.split(tl.split(x_even)[0])
     x2, x6 = tl.split(tl.split(x_even)[1])
     x1, x5 = tl.split(tl.split(x_odd)[0])
     x3, x7 = tl.split(tl.split(x_odd)[1])
-    acc = _code(k_lo, even_lo, 0x4066, NATIVE) * x0[None]
-    acc += _code(k_lo, odd_lo, 0x4166, NATIVE) * x1[None]
-    acc += _code(k_lo, even_lo, 0x5266, NATIVE) * x2[None]
-    acc += _code(k_lo, odd_lo, 0x5366, NATIVE) * x3[None]
-    acc += _code(k_hi, even_hi, 0x6044, NATIVE) * x4[None]
-    acc += _code(k_hi, odd_hi, 0x6144, NATIVE) * x5[None]
-    acc += _code(k_hi, even_hi, 0x7244, NATIVE) * x6[None]
-    acc += _code(k_hi, odd_hi, 0x7344, NATIVE) * x7[None]
+    # One multiply-add chain (a sum tree would add a multiply and an add for each of half the codes).
+    acc = v0 * x0[None]
+    acc += v1 * x1[None]
+    acc += v2 * x2[None]
+    acc += v3 * x3[None]
+    acc += v4 * x4[None]
+    acc += v5 * x5[None]
+    acc += v6 * x6[None]
+    acc += v7 * x7[None]
     return tl.sum(acc, 2)
 
 
