@@ -7,8 +7,8 @@ layer's tokens touch (17/32 byte a weight, plus biases) over its time: at batch 
 figure to hold against the copy bandwidth. `TFLOP/s` counts the routed pairs' GEMMs.
 
 `--sweep` then times the pairs path at 1, 2 and 4 tokens with each candidate launch of one kernel
-(the other at its rule's `pair_config`): column block x stages, the groups a step following the
-rule's one vector a thread. The rows name the rule's own choice `*`.
+(the other at its rule's `pair_config`): column block x groups a step (one or two 16-byte vectors a
+thread) x stages. `*` marks the rule's own choice.
 """
 import argparse
 
@@ -57,8 +57,10 @@ def table(layers) -> None:
 
 
 def candidates(rows: int, k: int) -> list[PairConfig]:
-    return [PairConfig(block_n, min(128 // block_n, triton.next_power_of_2(k // GROUP)), 4, stages)
-            for block_n in (4, 8, 16, 32) if rows % block_n == 0 for stages in (1, 2, 3)]
+    """Column blocks of 4-32 rows, one or two 16-byte vectors a thread and projection, 1-3 stages."""
+    groups_cap = triton.next_power_of_2(k // GROUP)
+    return [PairConfig(block_n, min(vectors * 128 // block_n, groups_cap), 4, stages)
+            for block_n in (4, 8, 16, 32) if rows % block_n == 0 for vectors in (1, 2) for stages in (1, 2, 3)]
 
 
 def sweep(layers) -> None:
