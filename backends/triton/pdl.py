@@ -6,7 +6,9 @@ waiting when it ends, instead of paying a launch after it (about a microsecond b
 repeated by ten kernels a layer in a batch-1 step). The waiting is explicit: every kernel here
 calls `grid_dependency` before its first load or store (the step's buffers, caches and partial
 sums are written and read by the kernels around it; graph memory pools reuse them across layers),
-which waits for the previous kernel to finish and flush, then lets the next kernel launch.
+which waits for the previous kernel to finish and flush, then lets the next kernel launch. Only
+reads of what no kernel of the step writes (parameters, the rotary caches, the step's positions)
+come before it, so their latency overlaps the kernel before (rms_norm.py, rotary.py).
 Without PDL the same call compiles to nothing, so the interpreter and other GPUs run the kernels
 unchanged. Kernels that do not wait (torch's, cuBLAS's) are launched without PDL and keep the
 stream's ordinary ordering, so mixing them is safe.

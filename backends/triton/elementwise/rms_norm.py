@@ -19,10 +19,13 @@ def _rms_norm_kernel(
     stride_x, stride_res, stride_out, stride_res_out,
     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):
-    grid_dependency(PDL)
-    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    # The weight is a parameter, written by no kernel of the step: read while the kernel before
+    # this one still runs, not after the row's reduction.
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    grid_dependency(PDL)
+    row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         summed = x + tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
@@ -30,7 +33,6 @@ def _rms_norm_kernel(
         tl.store(res_out_ptr + row * stride_res_out + offs, rounded, mask=mask)
         x = rounded.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_out + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
