@@ -114,7 +114,8 @@ class KVCacheAccess:
         caches = self.kv_caches()
         device = caches[0].device
         index = self._index(block_ids, device)
-        if blocks.device == device and device.type != "cpu":
+        accelerator = torch.accelerator.current_accelerator()
+        if blocks.device == device and accelerator is not None and device.type == accelerator.type:
             # Received on a transfer's own stream: its memory waits for these copies before reuse.
             blocks.record_stream(torch.get_device_module(device).current_stream(device))
         blocks = blocks.to(device, non_blocking=True)
@@ -125,8 +126,6 @@ class KVCacheAccess:
         """`block_ids` on `device`. From pinned memory the copy does not wait for the step in flight
         (a pageable one synchronizes the stream, and the engine's thread would idle until it ends)."""
         index = torch.tensor(block_ids, dtype=torch.int64)
-        if device.type == "cpu":
-            return index
         return (index.pin_memory() if self.pinned_memory else index).to(device, non_blocking=True)
 
     def block_shape(self) -> tuple[int, ...]:
