@@ -221,31 +221,47 @@ stage_w13mb() {  # W1 at PP = 2 with one micro-batch a stage (2) against one mor
   done
 }
 stage_w12() {  # disaggregated prefill/decode (two GPUs): W5's online load with 4,096-token prompts at c64, DP = 2
-  # against one prefill (GPU 0) and one decode instance (GPU 1) behind `corectl proxy`, blocks over NCCL;
-  # ITL p99, TTFT and output throughput of each.
+  # against one prefill (GPU 0) and one decode instance (GPU 1) behind `corectl proxy`, blocks over NCCL, then
+  # the same pair with conditional disaggregation (the proxy's --max-prefill-queue ${W12_PREFILL_QUEUE:-4}: a prompt
+  # finding the prefill instance that busy is computed by the decode instance, in steps of at most
+  # ${W12_DECODE_CHUNK:-512} tokens); ITL p99, TTFT and output throughput of each.
   local args=(--endpoint /v1/completions --prompt-token-ids --vocab-size 128000 --input-len 4096 --output-len 128
               --ignore-eos --seed 0 --num-prompts 256 --max-concurrency 64)
-  local kv='{"kv_connector": "TorchDistributedConnector", "kv_role": "%s", "kv_connector_extra_config": {"rendezvous": "tcp://127.0.0.1:29620", "max_saved_bytes": 4294967296}}'
-  local base=$TAG prefill decode proxy gpus
-  IFS=, read -ra gpus <<< "${CUDA_VISIBLE_DEVICES:-0,1}"  # the instances' GPUs: the first two of this run's
+  local base=$TAG
   ENGINE+=(--max-model-len 8192)
   TAG=${base}_dp2 serve 8031 llama3-8b -dp 2
   corectl bench serve --base-url http://127.0.0.1:8031 "${args[@]}" --save-result "$RES/${base}_dp2.json" \
     | grep -E "Mean|P99|Median|throughput"
   stop_server
-  CUDA_VISIBLE_DEVICES=${gpus[0]} TAG=${base}_prefill serve 8032 llama3-8b --kv-transfer-config "$(printf "$kv" kv_producer)"
+  echo "== 1 prefill + 1 decode"
+  w12_pair "$base" pd "${args[@]}"
+  echo "== 1 prefill + 1 decode, --max-prefill-queue ${W12_PREFILL_QUEUE:-4}"
+  w12_pair "$base" pdq "${args[@]}"
+}
+w12_pair() {  # BASE KIND BENCH_ARGS...: a prefill and a decode instance behind the proxy (KIND pdq: conditional)
+  local base=$1 kind=$2 prefill decode proxy gpus proxy_flags=() decode_flags=()
+  shift 2
+  local kv='{"kv_connector": "TorchDistributedConnector", "kv_role": "%s", "kv_connector_extra_config": {"rendezvous": "tcp://127.0.0.1:%s", "max_saved_bytes": 4294967296}}'
+  local port=$((29620 + ${#kind}))  # a rendezvous of each pair's own
+  [ "$kind" = pdq ] && { proxy_flags=(--max-prefill-queue "${W12_PREFILL_QUEUE:-4}")
+                         decode_flags=(--max-num-batched-tokens "${W12_DECODE_CHUNK:-512}"); }
+  IFS=, read -ra gpus <<< "${CUDA_VISIBLE_DEVICES:-0,1}"  # the instances' GPUs: the first two of this run's
+  CUDA_VISIBLE_DEVICES=${gpus[0]} TAG=${base}_${kind}_prefill serve 8032 llama3-8b \
+    --kv-transfer-config "$(printf "$kv" kv_producer $port)"
   prefill=$SERVER
-  CUDA_VISIBLE_DEVICES=${gpus[1]} TAG=${base}_decode serve 8033 llama3-8b --kv-transfer-config "$(printf "$kv" kv_consumer)"
+  CUDA_VISIBLE_DEVICES=${gpus[1]} TAG=${base}_${kind}_decode serve 8033 llama3-8b \
+    --kv-transfer-config "$(printf "$kv" kv_consumer $port)" "${decode_flags[@]}"
   decode=$SERVER
-  corectl proxy --prefill http://127.0.0.1:8032 --decode http://127.0.0.1:8033 --port 8034 > "$RES/${base}_proxy.log" 2>&1 &
+  corectl proxy --prefill http://127.0.0.1:8032 --decode http://127.0.0.1:8033 --port 8034 "${proxy_flags[@]}" \
+    > "$RES/${base}_${kind}_proxy.log" 2>&1 &
   proxy=$!
   for _ in $(seq 60); do curl -sf http://127.0.0.1:8034/health >/dev/null && break; sleep 1; done
-  corectl bench serve --base-url http://127.0.0.1:8034 "${args[@]}" --save-result "$RES/${base}_pd.json" \
+  corectl bench serve --base-url http://127.0.0.1:8034 "$@" --save-result "$RES/${base}_$kind.json" \
     | grep -E "Mean|P99|Median|throughput"
   curl -s http://127.0.0.1:8033/metrics | grep -E "^vllm:(prompt_tokens_by_source|kv_transfer_bytes|kv_load_failures)"
   # Where a transfer's time went (corectl.kv_transfer's summaries, every 64 transfers): the last of each kind.
   for side in prefill decode; do
-    grep -h "timing over" "$RES/${base}_${side}_server.log" | grep -oE "KV [a-z]+ timing[^\"]*" | tac | sort -u -k2,2
+    grep -h "timing over" "$RES/${base}_${kind}_${side}_server.log" | grep -oE "KV [a-z]+ timing[^\"]*" | tac | sort -u -k2,2
   done
   kill -TERM $proxy; wait $proxy
   SERVER=$prefill stop_server; SERVER=$decode stop_server

@@ -28,6 +28,10 @@ def register(sub) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="S",
                         help="seconds an instance may take to answer (default: 600)")
+    parser.add_argument("--max-prefill-queue", type=int, default=None, metavar="N",
+                        help="conditional disaggregation: a prompt arriving while every prefill instance has N "
+                             "prompts in flight goes to a decode instance whole, which computes it "
+                             "(default: every prompt waits for a prefill instance)")
     parser.set_defaults(handler=run)
 
 
@@ -47,7 +51,10 @@ def run(args: argparse.Namespace) -> int:
     _check_urls("decode", args.decode)
     if not args.timeout > 0:
         raise ConfigError("timeout", f"must be a positive number of seconds, got {args.timeout}")
+    if args.max_prefill_queue is not None and args.max_prefill_queue < 1:
+        raise ConfigError("max_prefill_queue", f"must be at least 1, got {args.max_prefill_queue}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_proxy_app(args.prefill, args.decode, args.timeout), host=args.host, port=args.port,
+    uvicorn.run(create_proxy_app(args.prefill, args.decode, args.timeout, args.max_prefill_queue),
+                host=args.host, port=args.port,
                 log_config=None, access_log=False)
     return 0

@@ -2,6 +2,9 @@
 to a prefill instance, then a decode instance (`routing.py`); `/v1/models` and `/health` answer
 from the decode instances.
 
+With `max_prefill_queue`, a prompt that finds every prefill instance that busy skips them
+(`routing.PrefillInstances`): the decode instance computes it.
+
 A prefill half that fails for the server's sake (the instance is down, times out or answers 5xx)
 is logged and skipped: the decode instance then computes the prompt itself, and the client sees a
 slower answer, never an error. A prefill half refused for the request's sake (4xx) is the answer:
@@ -21,7 +24,7 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.response import Stream
 
 from ..http.errors import APIError, EXCEPTION_HANDLERS
-from .routing import RoundRobin, decode_body, disaggregates, new_transfer_id, prefill_body
+from .routing import PrefillInstances, RoundRobin, decode_body, disaggregates, new_transfer_id, prefill_body
 
 logger = logging.getLogger("corectl.proxy")
 _FORWARDED_HEADERS = ("authorization", "x-request-id")
@@ -30,8 +33,8 @@ _FORWARDED_HEADERS = ("authorization", "x-request-id")
 class Upstreams:
     """The instances behind the proxy and the one HTTP client that reaches them."""
 
-    def __init__(self, prefill: list[str], decode: list[str], timeout: float):
-        self.prefill = RoundRobin(prefill)
+    def __init__(self, prefill: list[str], decode: list[str], timeout: float, max_prefill_queue: int | None = None):
+        self.prefill = PrefillInstances(prefill, max_prefill_queue)
         self.decode = RoundRobin(decode)
         # No cap on connections: each client request holds one at a time, and httpx's default of 100
         # would queue requests past that concurrency here instead of on the instances.
@@ -58,12 +61,18 @@ async def _prefill(upstreams: Upstreams, path: str, body: dict[str, Any], header
     """Run the prefill half: the transfer id to decode from (None: it failed, recompute), or the
     4xx answer that ends the request."""
     transfer_id = new_transfer_id()
-    url = upstreams.prefill.pick()
+    url = upstreams.prefill.acquire()
+    if url is None:
+        logger.debug("every prefill instance has %d prompts in flight; the decode instance computes this one",
+                     upstreams.prefill.max_queue)
+        return None, None
     try:
         answer = await upstreams.client.post(url + path, json=prefill_body(body, transfer_id), headers=headers)
     except httpx.HTTPError as exc:
         logger.warning("prefill instance %s failed (%s); the decode instance computes the prompt", url, exc)
         return None, None
+    finally:
+        upstreams.prefill.release(url)
     if 400 <= answer.status_code < 500:
         return None, Response(answer.content, status_code=answer.status_code, media_type="application/json")
     if answer.status_code >= 500:
@@ -107,8 +116,9 @@ async def _chunks(answer: httpx.Response) -> AsyncIterator[bytes]:
         await answer.aclose()
 
 
-def create_proxy_app(prefill: list[str], decode: list[str], timeout: float = 600.0) -> Litestar:
-    upstreams = Upstreams(prefill, decode, timeout)
+def create_proxy_app(prefill: list[str], decode: list[str], timeout: float = 600.0,
+                     max_prefill_queue: int | None = None) -> Litestar:
+    upstreams = Upstreams(prefill, decode, timeout, max_prefill_queue)
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request) -> Response | Stream:

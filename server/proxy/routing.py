@@ -8,6 +8,11 @@ connector saves the prompt's blocks under ID. The decode instance gets the clien
 from them, answering the client (streamed or not) exactly as one instance would. Requests that
 make several sequences from one prompt (n, best_of, beam search) skip the prefill instance: the
 decode instance serves them whole.
+
+Conditional disaggregation (`--max-prefill-queue N`): a prompt goes to the prefill instance with
+the fewest prefill halves in flight, unless every one has N: then the decode instance computes it
+itself (in its own chunked-prefill steps), so a prompt-heavy load keeps both GPUs busy instead of
+queueing behind the prefill instances.
 """
 from __future__ import annotations
 
@@ -27,6 +32,29 @@ class RoundRobin:
 
     def pick(self) -> str:
         return next(self._next)
+
+
+class PrefillInstances:
+    """The prefill instances and how many prefill halves each has in flight (one event loop: no lock)."""
+
+    def __init__(self, urls: list[str], max_queue: int | None):
+        self.in_flight = {url.rstrip("/"): 0 for url in urls}
+        self.max_queue = max_queue
+        self._turn = itertools.count()
+
+    def acquire(self) -> str | None:
+        """The least busy instance (ties taken in turn), counted in flight until `release`; None
+        when each already has `max_queue` prefill halves in flight."""
+        urls = list(self.in_flight)
+        start = next(self._turn) % len(urls)
+        url = min(urls[start:] + urls[:start], key=self.in_flight.__getitem__)
+        if self.max_queue is not None and self.in_flight[url] >= self.max_queue:
+            return None
+        self.in_flight[url] += 1
+        return url
+
+    def release(self, url: str) -> None:
+        self.in_flight[url] -= 1
 
 
 def disaggregates(body: dict[str, Any]) -> bool:
