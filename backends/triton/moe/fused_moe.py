@@ -96,20 +96,18 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
-def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
-                         TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
-    """One token: softmax over its router logits (fp32), the top k largest first (ties to the lower
-    expert), renormalised to sum to 1 when RENORMALIZE.
+def topk_route(logits_row, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """(slot lanes [BLOCK_K], weights, expert ids) of one token's router logits row: softmax over
+    them (fp32), the top k largest first (ties to the lower expert), renormalised to sum to 1 when
+    RENORMALIZE; lanes past k hold 0.
 
     Each pick is one max over int64 keys, probability bits high and the inverted lane low: the
     bits of non-negative floats order like the floats, so one reduction yields both the value and
-    (ties to the lower lane) its expert, where argmax and max would take two. Decode launches this
-    once per MoE layer per step, so its latency is what counts."""
-    token = tl.program_id(0).to(tl.int64)
+    (ties to the lower lane) its expert, where argmax and max would take two."""
     lanes = tl.arange(0, BLOCK_E)
     valid = lanes < num_experts
-    logits = tl.load(logits_ptr + token * stride_l + lanes, mask=valid, other=float("-inf")).to(tl.float32)
+    logits = tl.load(logits_row + lanes, mask=valid, other=float("-inf")).to(tl.float32)
     probs = tl.exp(logits - tl.max(logits, 0))
     probs = probs / tl.sum(probs, 0)
     keys = (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - lanes)
@@ -125,6 +123,18 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l
         keys = tl.where(lanes == lane, -1, keys)
     if RENORMALIZE:
         chosen = chosen / tl.sum(chosen, 0)
+    return slots, chosen, chosen_ids
+
+
+@triton.jit
+def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
+                         TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    """One token's `topk_route`. Decode launches this once per MoE layer per step, so its latency
+    is what counts."""
+    token = tl.program_id(0).to(tl.int64)
+    slots, chosen, chosen_ids = topk_route(logits_ptr + token * stride_l, num_experts, TOP_K, RENORMALIZE, BLOCK_E,
+                                           BLOCK_K)
     tl.store(weights_ptr + token * TOP_K + slots, chosen, mask=slots < TOP_K)
     tl.store(ids_ptr + token * TOP_K + slots, chosen_ids, mask=slots < TOP_K)
 

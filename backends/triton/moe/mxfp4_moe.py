@@ -52,7 +52,7 @@ import triton.language as tl
 from ..attention.paged_softmax import dot_dtype
 from ..checks import check_float, check_index, check_range, check_same_device, require
 from ..pdl import grid_dependency, pdl_enabled
-from .fused_moe import sort_by_expert, topk_softmax
+from .fused_moe import sort_by_expert, topk_route, topk_softmax
 from .mxfp4_decode import decode_words
 from .moe_pairs import TARGET_PROGRAMS, token_routes
 
@@ -151,16 +151,34 @@ def _word_offsets(offs_n, stride_wn, groups):
 
 
 @triton.jit
-def _mx_pair_gate_up_kernel(x_ptr, words_ptr, scales_ptr, bias_ptr, ids_ptr, out_ptr, N, K, top_k,
-                            stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_bias, stride_om,
-                            alpha, limit, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr,
+def _routes(ids_ptr, weights_ptr, logits_ptr, stride_l, num_experts, token, TOP_K: tl.constexpr,
+            BLOCK_TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr, FROM_LOGITS: tl.constexpr):
+    """(slot lanes, expert ids, routing weights) of a token: as given, or (FROM_LOGITS) the top-k of
+    its router logits taken here (`topk_route`: every program of the token picks the same), which
+    saves decode the routing kernel's launch."""
+    if FROM_LOGITS:
+        slots, coeffs, experts = topk_route(logits_ptr + token * stride_l, num_experts, TOP_K, RENORMALIZE, BLOCK_E,
+                                            BLOCK_TOP_K)
+        return slots, experts.to(tl.int64), coeffs
+    return token_routes(ids_ptr, weights_ptr, token, TOP_K, BLOCK_TOP_K)
+
+
+@triton.jit
+def _mx_pair_gate_up_kernel(x_ptr, words_ptr, scales_ptr, bias_ptr, ids_ptr, weights_ptr, logits_ptr, out_ptr, N, K,
+                            stride_l, num_experts, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_bias,
+                            stride_om, alpha, limit, TOP_K: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
+                            BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr, FROM_LOGITS: tl.constexpr,
+                            BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr,
                             NATIVE: tl.constexpr, PDL: tl.constexpr):
     """out[pair, n] = clamped_swiglu(gate[e] @ x + gate_bias, up[e] @ x + up_bias) for columns
     [pid_n * BLOCK_N, +BLOCK_N) of N, x the pair's token row, e its expert."""
     grid_dependency(PDL)
     pair = tl.program_id(0).to(tl.int64)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    x_row = x_ptr + (pair // top_k) * stride_xm
+    token = pair // TOP_K
+    slots, experts, _ = _routes(ids_ptr, weights_ptr, logits_ptr, stride_l, num_experts, token, TOP_K, BLOCK_TOP_K,
+                                BLOCK_E, RENORMALIZE, FROM_LOGITS)
+    expert = tl.sum(tl.where(slots == pair - token * TOP_K, experts, 0))
+    x_row = x_ptr + token * stride_xm
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     g = tl.arange(0, GROUPS)
@@ -186,18 +204,19 @@ def _mx_pair_gate_up_kernel(x_ptr, words_ptr, scales_ptr, bias_ptr, ids_ptr, out
 
 
 @triton.jit
-def _mx_pair_down_kernel(act_ptr, words_ptr, scales_ptr, bias_ptr, ids_ptr, pair_weight_ptr, out_ptr, N, K,
-                         stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_bias, stride_om,
-                         TOP_K: tl.constexpr, BLOCK_TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                         GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr,
-                         PDL: tl.constexpr):
+def _mx_pair_down_kernel(act_ptr, words_ptr, scales_ptr, bias_ptr, ids_ptr, weights_ptr, logits_ptr, out_ptr, N, K,
+                         stride_l, num_experts, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_bias,
+                         stride_om, TOP_K: tl.constexpr, BLOCK_TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                         RENORMALIZE: tl.constexpr, FROM_LOGITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
     """out[token, n] = sum over the token's k pairs, in slot order, of weight * (down[e] @ act[pair]
     + down_bias[e]). One flat loop over slot and K, as moe_pairs' down kernel (its doc says why)."""
     grid_dependency(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    slots, experts, coeffs = token_routes(ids_ptr, pair_weight_ptr, token, TOP_K, BLOCK_TOP_K)
+    slots, experts, coeffs = _routes(ids_ptr, weights_ptr, logits_ptr, stride_l, num_experts, token, TOP_K,
+                                     BLOCK_TOP_K, BLOCK_E, RENORMALIZE, FROM_LOGITS)
     g = tl.arange(0, GROUPS)
     row_words = _word_offsets(offs_n, stride_wn, g)
     num_groups = K // 32
@@ -307,7 +326,7 @@ def _check_stack(name: str, stack: Mxfp4Stack, num_experts: int | None, rows: in
             f"{name}_bias must be [{e}, {rows}] contiguous in its last dimension, got {list(bias.shape)}")
 
 
-def _check_inputs(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_weights, topk_ids, check_indices) -> None:
+def _check_experts(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack) -> None:
     check_float("hidden", hidden, 2)
     require(hidden.stride(1) == 1, "hidden must be contiguous in its last dimension")
     hidden_size = hidden.shape[1]
@@ -318,11 +337,16 @@ def _check_inputs(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_weights, t
     require(inter % GROUP == 0, f"the experts' intermediate rows ({inter}) must be a multiple of {GROUP}")
     _check_stack("gate_up", gate_up, None, 2 * inter, hidden_size)
     _check_stack("down", down, num_experts, hidden_size, inter)
+    check_same_device(hidden=hidden, gate_up_blocks=gate_up.blocks, gate_up_scales=gate_up.scales,
+                      gate_up_bias=gate_up.bias, down_blocks=down.blocks, down_scales=down.scales, down_bias=down.bias)
+
+
+def _check_inputs(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_weights, topk_ids, check_indices) -> None:
+    _check_experts(hidden, gate_up, down)
+    num_experts = gate_up.blocks.shape[0]
     check_float("topk_weights", topk_weights, 2)
     check_index("topk_ids", topk_ids, 2, (torch.int32, torch.int64))
-    check_same_device(hidden=hidden, gate_up_blocks=gate_up.blocks, gate_up_scales=gate_up.scales,
-                      gate_up_bias=gate_up.bias, down_blocks=down.blocks, down_scales=down.scales,
-                      down_bias=down.bias, topk_weights=topk_weights, topk_ids=topk_ids)
+    check_same_device(hidden=hidden, topk_weights=topk_weights, topk_ids=topk_ids)
     require(topk_weights.dtype == torch.float32 and topk_ids.shape == topk_weights.shape
             and topk_ids.shape[0] == hidden.shape[0] and topk_weights.is_contiguous() and topk_ids.is_contiguous(),
             f"topk_weights (float32) and topk_ids must both be contiguous [T, k] with T = {hidden.shape[0]}, "
@@ -357,28 +381,52 @@ def _words(stack: Mxfp4Stack) -> torch.Tensor:
     return stack.blocks.view(torch.int32)
 
 
-def _by_pair(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_weights, topk_ids, alpha, limit,
+class _Routing(NamedTuple):
+    """A pairs launch's routing: the top-k as given, or the router's logits, which the kernels
+    route themselves (`_routes`)."""
+
+    top_k: int
+    topk_weights: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    renormalize: bool = True
+
+    def args(self) -> tuple:
+        """(ids, weights, logits, logits' row stride, experts): unused pointers stand in as another."""
+        if self.logits is None:
+            return self.topk_ids, self.topk_weights, self.topk_ids, 0, 0
+        return self.logits, self.logits, self.logits, self.logits.stride(0), self.logits.shape[1]
+
+    def meta(self) -> dict:
+        num_experts = 1 if self.logits is None else self.logits.shape[1]
+        return dict(TOP_K=self.top_k, BLOCK_TOP_K=triton.next_power_of_2(self.top_k),
+                    BLOCK_E=triton.next_power_of_2(num_experts), RENORMALIZE=self.renormalize,
+                    FROM_LOGITS=self.logits is not None)
+
+
+def _by_pair(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, routing: _Routing, alpha, limit,
              configs: tuple[PairConfig, PairConfig] | None = None) -> torch.Tensor:
-    num_tokens, top_k = topk_ids.shape
+    num_tokens, top_k = hidden.shape[0], routing.top_k
     hidden_size, inter = hidden.shape[1], gate_up.blocks.shape[1] // 2
     native, pdl = hidden.device.type == "cuda", pdl_enabled(hidden.device)
     up_cfg, down_cfg = configs or (pair_config(inter, num_tokens * top_k, hidden_size, hidden.device),
                                    pair_config(hidden_size, num_tokens, inter, hidden.device))
+    ids, weights, logits, stride_l, num_experts = routing.args()
     activated = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
     words = _words(gate_up)
     _mx_pair_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, up_cfg.block_n))](
-        hidden, words, gate_up.scales, gate_up.bias, topk_ids, activated, inter, hidden_size, top_k,
-        hidden.stride(0), words.stride(0), words.stride(1), *_strides(gate_up)[2:], activated.stride(0), alpha,
-        limit, BLOCK_N=up_cfg.block_n, GROUPS=up_cfg.groups, NUM_STAGES=up_cfg.num_stages, NATIVE=native,
-        PDL=pdl, num_warps=up_cfg.num_warps, launch_pdl=pdl,
+        hidden, words, gate_up.scales, gate_up.bias, ids, weights, logits, activated, inter, hidden_size, stride_l,
+        num_experts, hidden.stride(0), words.stride(0), words.stride(1), *_strides(gate_up)[2:], activated.stride(0),
+        alpha, limit, **routing.meta(), BLOCK_N=up_cfg.block_n, GROUPS=up_cfg.groups, NUM_STAGES=up_cfg.num_stages,
+        NATIVE=native, PDL=pdl, num_warps=up_cfg.num_warps, launch_pdl=pdl,
     )
     out = torch.empty_like(hidden)
     words = _words(down)
     _mx_pair_down_kernel[(num_tokens, triton.cdiv(hidden_size, down_cfg.block_n))](
-        activated, words, down.scales, down.bias, topk_ids, topk_weights, out, hidden_size, inter,
-        activated.stride(0), words.stride(0), words.stride(1), *_strides(down)[2:], out.stride(0), TOP_K=top_k,
-        BLOCK_TOP_K=triton.next_power_of_2(top_k), BLOCK_N=down_cfg.block_n, GROUPS=down_cfg.groups,
-        NUM_STAGES=down_cfg.num_stages, NATIVE=native, PDL=pdl, num_warps=down_cfg.num_warps, launch_pdl=pdl,
+        activated, words, down.scales, down.bias, ids, weights, logits, out, hidden_size, inter, stride_l,
+        num_experts, activated.stride(0), words.stride(0), words.stride(1), *_strides(down)[2:], out.stride(0),
+        **routing.meta(), BLOCK_N=down_cfg.block_n, GROUPS=down_cfg.groups, NUM_STAGES=down_cfg.num_stages,
+        NATIVE=native, PDL=pdl, num_warps=down_cfg.num_warps, launch_pdl=pdl,
     )
     return out
 
@@ -437,15 +485,28 @@ def mxfp4_moe(hidden: torch.Tensor, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_
         path = "pairs" if num_tokens * top_k <= gate_up.blocks.shape[0] // 2 else "sorted"
     require(path in ("pairs", "sorted"), f"path must be 'pairs' or 'sorted', got {path!r}")
     if path == "pairs":
-        return _by_pair(hidden, gate_up, down, topk_weights, topk_ids, float(alpha), float(limit), pair_configs)
+        return _by_pair(hidden, gate_up, down, _Routing(top_k, topk_weights, topk_ids), float(alpha), float(limit),
+                        pair_configs)
     return _sorted(hidden, gate_up, down, topk_weights, topk_ids, float(alpha), float(limit))
 
 
 def routed_mxfp4_moe(hidden: torch.Tensor, router_logits: torch.Tensor, gate_up: tuple, down: tuple,
                      top_k: int, renormalize: bool, alpha: float, limit: float) -> torch.Tensor:
     """The `mxfp4_moe` kernel a worker hands `corectl.quantization.mxfp4` (gate_up and down as
-    (blocks, scales, bias) tuples): routing (`topk_softmax`) then `mxfp4_moe`. Expert ids come from
-    that top-k (always in range): not read back to check."""
+    (blocks, scales, bias) tuples): routing (`topk_softmax`) then `mxfp4_moe`, or for decode
+    batches the pairs path routing inside its kernels (one launch fewer). Expert ids come from that
+    top-k (always in range): not read back to check."""
+    gate_up, down = Mxfp4Stack(*gate_up), Mxfp4Stack(*down)
+    check_float("router_logits", router_logits, 2)
+    num_tokens, num_experts = router_logits.shape
+    require(num_tokens == hidden.shape[0] and num_experts == gate_up.blocks.shape[0] and 0 < top_k <= num_experts
+            and router_logits.stride(1) == 1,
+            f"router_logits must be [T={hidden.shape[0]}, E={gate_up.blocks.shape[0]}] contiguous in its last "
+            f"dimension with top_k in [1, E], got {list(router_logits.shape)} and top_k {top_k}")
+    if 0 < num_tokens * top_k <= num_experts // 2:
+        _check_experts(hidden, gate_up, down)
+        check_same_device(hidden=hidden, router_logits=router_logits)
+        return _by_pair(hidden, gate_up, down, _Routing(top_k, logits=router_logits, renormalize=renormalize),
+                        float(alpha), float(limit))
     topk_weights, topk_ids = topk_softmax(router_logits, top_k, renormalize)
-    return mxfp4_moe(hidden, Mxfp4Stack(*gate_up), Mxfp4Stack(*down), topk_weights, topk_ids, alpha, limit,
-                     check_indices=False)
+    return mxfp4_moe(hidden, gate_up, down, topk_weights, topk_ids, alpha, limit, check_indices=False)

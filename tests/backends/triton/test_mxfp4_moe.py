@@ -82,12 +82,21 @@ def test_16_bit_activations(dtype, assert_close):
     assert_close(out, reference(hidden.float(), gate_up, down, weights, ids), 2e-2)
 
 
-def test_routed_entry_point_routes_like_select_experts(assert_close):
-    """The kernel the worker provides: gpt-oss's router softmax over the top k, then the experts."""
-    hidden, gate_up, down, _, _ = experts(3, 8, 64, 32, 4)
-    logits = torch.randn(3, 8)
-    weights, ids = select_experts(logits, 4, renormalize=True)
-    out = routed_mxfp4_moe(hidden, logits, tuple(gate_up), tuple(down), 4, True, ALPHA, LIMIT)
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k"), [(3, 8, 4), (2, 16, 4)])
+def test_routed_entry_point_routes_like_select_experts(num_tokens, num_experts, top_k, assert_close, monkeypatch):
+    """The kernel the worker provides: gpt-oss's router softmax over the top k, then the experts
+    (3 tokens: topk_softmax, then the sorted path; 2 of 16 experts: the pairs kernels route, with
+    no routing launch)."""
+    from corectl.backends.triton.moe import mxfp4_moe as module
+
+    routings = []
+    real_topk = module.topk_softmax
+    monkeypatch.setattr(module, "topk_softmax", lambda *args: routings.append(1) or real_topk(*args))
+    hidden, gate_up, down, _, _ = experts(num_tokens, num_experts, 64, 32, top_k)
+    logits = torch.randn(num_tokens, num_experts)
+    weights, ids = select_experts(logits, top_k, renormalize=True)
+    out = routed_mxfp4_moe(hidden, logits, tuple(gate_up), tuple(down), top_k, True, ALPHA, LIMIT)
+    assert bool(routings) == (num_tokens * top_k > num_experts // 2)
     assert_close(out, reference(hidden, gate_up, down, weights, ids))
 
 
