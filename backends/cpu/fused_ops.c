@@ -9,7 +9,7 @@
 // for attention, that sequence's own context): a request's tokens do not depend on what else is in
 // the batch, nor on the thread count. Rotary and SiLU * up round every product and sum as torch's
 // expressions do (no contraction into FMAs), so rotary is bitwise torch's; RMSNorm sums the squares
-// in another order than torch's mean (a few ulps).
+// in another order than torch's mean, and SiLU's and softmax's exp is a polynomial (a few ulps).
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
