@@ -15,30 +15,26 @@ are shifted by (`X_SHIFT`); it scales the decoded tile (and shifts fp16 tiles ra
 activations, which 2^64 would overflow). Limits of that split: scales past 2^65 (e8m0 > 192; none in
 checkpoints) read as inf, and groups whose scaled terms fall below fp32's range add nothing.
 
-The pairs path's GEMVs are bound by the integer pipe that decodes, not by the multiply-adds (an
-H100 SM issues 64 integer operations a clock against 128 fp32 ones: at 4 integer operations a code
-they reached 1.2 TB/s). They read a group's 16 bytes as four int32 words (one 16-byte vector a
-thread) and build each code's fp32 with byte permutes (mxfp4_decode.py's `decode_words`): one `prmt`
-looks up four codes' magnitudes as bytes (16 |value| from the 8-entry table LUT_HI:LUT_LO), one a
-code places its byte under its sign byte, giving the subnormal fp32 16 |value| * 2^-133 exactly;
-15 integer operations a word of 8 codes (9 instructions a byte on sm_90 for gate/up, 14 before).
-The activations carry X_SHIFT so the products stay normal; each group's sum takes 2^(s - 62)
-(`_e8m0_pairs`; scales past 2^62 read as inf). The interpreter, which runs no PTX, takes the same
-steps in Triton (the same table and selectors).
+The pairs path's GEMVs were bound by the integer pipe decoding (an H100 SM issues 64 integer ops a
+clock against 128 fp32 ones; at 4 a code they read 1.2 TB/s). They read a group's 16 bytes as four
+int32 words (a 16-byte vector a thread) and build each code's fp32 with byte permutes
+(`mxfp4_decode.decode_words`: 15 integer ops a word of 8 codes; 9 instructions a byte on sm_90 for
+gate/up, 14 before), the subnormal 16 |value| * 2^-133; the activations carry X_SHIFT so products
+stay normal, and each group's sum takes 2^(s - 62) (`_e8m0_pairs`; scales past 2^62 read as inf).
 
 gpt-oss's experts add a bias to both projections and gate with the clamped SwiGLU
 (`corectl.models.gpt_oss.clamped_swiglu`): the gate/up kernels add their rows' biases to the fp32
 sums, then apply it; the down kernels add the expert's bias before the routing weight.
 
-The two paths and their routing are fused_moe.py's (`topk_softmax`, `sort_by_expert`):
-- pairs (small decode batches): `_mx_pair_gate_up_kernel` per (pair, column block) and
-  `_mx_pair_down_kernel` per (token, column block), GEMVs streaming the packed rows along K
-  (the structure of moe_pairs.py), fp32 accumulators per row and group, launched by a rule of the
-  shape (`pair_config`; `benchmarks/mxfp4_moe_bench.py --sweep` times its candidates);
+Routing and the sorted path's sort are fused_moe.py's (`topk_route`/`topk_softmax`, `sort_by_expert`):
+- pairs (decode batches): `_mx_pair_gate_up_kernel` per (pair, column block), `_mx_pair_down_kernel`
+  per (token, column block), GEMVs streaming the packed rows along K (moe_pairs.py's structure), fp32
+  accumulators per row and group, launched by a rule of the shape (`pair_config`;
+  `benchmarks/mxfp4_moe_bench.py --sweep` times its candidates), with PDL; from router logits
+  (`routed_mxfp4_moe`) they take the top-k themselves, with no routing launch;
 - sorted (prefill and larger batches): `_mx_moe_gemm_kernel`, tensor-core dots of bf16 activations
   with the decoded weight tiles, fp32 accumulation.
-Nothing reads back to the host, so decode steps capture in CUDA graphs; the pairs kernels launch
-with PDL (`corectl.backends.triton.pdl`), waiting for the kernel before them first thing. The reference is
+Nothing reads back to the host, so decode steps capture in CUDA graphs. The reference is
 dequantize-then-torch (`corectl.quantization.mxfp4.mxfp4_dequantize`, `fused_moe_torch`).
 """
 from __future__ import annotations
