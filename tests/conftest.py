@@ -110,6 +110,17 @@ def llm_fp32():
     return LLM(dtype="float32", max_model_len=1024, kv_cache_memory_gib=0.25, max_num_seqs=32)
 
 
+@pytest.fixture(scope="session")
+def llm_int4():
+    """One engine on the embedded model's default CPU path (its GGUF 4-bit weights through the int4
+    kernel), for tests that compare corectl with corectl (speculation on and off, batched and alone,
+    a server and this process): a decode step costs a fifth of fp32's CPU. The kernel is row-invariant,
+    so a prompt gets the same tokens alone and batched. Numerics against transformers stay on `llm_fp32`."""
+    from corectl import LLM
+
+    return LLM(max_model_len=1024, kv_cache_memory_gib=0.25, max_num_seqs=32)
+
+
 @pytest.fixture
 def cpu_with_fp8_reference(monkeypatch):
     """The CPU platform listing the FP8 torch reference kernel (dequantize math), which no

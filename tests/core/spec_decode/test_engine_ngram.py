@@ -2,7 +2,9 @@
 against the engine without it (alone, in a mixed batch, from the prefix cache, through
 preemption), stops and max_tokens inside a draft, penalties / min_tokens / logprobs, seeded
 sampling with n > 1, constrained requests (JSON schema, regex) that speculate, token-exact and
-valid; and a draft model (the target itself)."""
+valid; and a draft model (the target itself). Both sides run the default 4-bit path (plumbing, corectl
+against corectl), except the draft model test: its draft is the dense HF folder, the same weights as an
+fp32 target only."""
 from __future__ import annotations
 
 import json
@@ -19,8 +21,7 @@ COPY = [{"role": "user", "content": "Copy this sentence word for word: The quick
 
 @pytest.fixture(scope="module")
 def spec_llm():
-    return LLM(dtype="float32", max_model_len=1024, kv_cache_memory_gib=0.25, max_num_seqs=32,
-               speculative_config=NGRAM)
+    return LLM(max_model_len=1024, kv_cache_memory_gib=0.25, max_num_seqs=32, speculative_config=NGRAM)
 
 
 def _tokens(llm, prompts, params):
@@ -31,13 +32,13 @@ def _accepted(llm) -> int:
     return llm.engine.scheduler.make_stats().spec_decode_num_accepted_tokens
 
 
-def test_greedy_is_token_exact_alone_batched_and_from_the_prefix_cache(llm_fp32, spec_llm):
+def test_greedy_is_token_exact_alone_batched_and_from_the_prefix_cache(llm_int4, spec_llm):
     tok = spec_llm.get_tokenizer()
     copy = tok.encode_chat(COPY)
     others = [tok.encode(f"Story number {i}: once upon a time" + " and then" * i) for i in range(5)]
     params = [SamplingParams(temperature=0.0, max_tokens=28)] + [
         SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(5)]
-    reference = _tokens(llm_fp32, [copy] + others, params)
+    reference = _tokens(llm_int4, [copy] + others, params)
     accepted_before = _accepted(spec_llm)
     assert _tokens(spec_llm, [copy], params[0]) == reference[:1]
     assert _accepted(spec_llm) > accepted_before, "the copy prompt must have been sped up by accepted drafts"
@@ -50,9 +51,9 @@ def test_greedy_is_token_exact_alone_batched_and_from_the_prefix_cache(llm_fp32,
     assert sum(stats.spec_decode_num_accepted_tokens_per_pos) == stats.spec_decode_num_accepted_tokens
 
 
-def test_max_tokens_and_stop_tokens_inside_a_draft(llm_fp32, spec_llm):
+def test_max_tokens_and_stop_tokens_inside_a_draft(llm_int4, spec_llm):
     copy = spec_llm.get_tokenizer().encode_chat(COPY)
-    full = _tokens(llm_fp32, [copy], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
+    full = _tokens(llm_int4, [copy], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
     # One batch (each request drafts on its own; batched greedy output is token-exact, see above).
     lengths, stop = (1, 2, 7, 13), full[9]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
@@ -63,11 +64,11 @@ def test_max_tokens_and_stop_tokens_inside_a_draft(llm_fp32, spec_llm):
     assert stopped.token_ids == full[: full.index(stop) + 1] and stopped.finish_reason == "stop"
 
 
-def test_penalties_min_tokens_and_logprobs_match_plain_decoding(llm_fp32, spec_llm):
+def test_penalties_min_tokens_and_logprobs_match_plain_decoding(llm_int4, spec_llm):
     copy = spec_llm.get_tokenizer().encode_chat(COPY)
     params = SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.05, frequency_penalty=0.2,
                             min_tokens=20, logprobs=2)
-    plain = llm_fp32.generate([copy], params, use_tqdm=False)[0].outputs[0]
+    plain = llm_int4.generate([copy], params, use_tqdm=False)[0].outputs[0]
     spec = spec_llm.generate([copy], params, use_tqdm=False)[0].outputs[0]
     assert spec.token_ids == plain.token_ids
     assert len(spec.logprobs) == len(spec.token_ids)
@@ -87,7 +88,7 @@ def test_seeded_sampling_with_n_is_reproducible(spec_llm):
     assert len(set(map(tuple, first))) > 1
 
 
-def test_constrained_requests_speculate_and_stay_token_exact(llm_fp32, spec_llm):
+def test_constrained_requests_speculate_and_stay_token_exact(llm_int4, spec_llm):
     tok = spec_llm.get_tokenizer()
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"]}
@@ -102,7 +103,7 @@ def test_constrained_requests_speculate_and_stay_token_exact(llm_fp32, spec_llm)
                                                          "555-867-5309"}])
     prompts, params = [person, phone, tok.encode_chat(COPY)], [json_params, phone_params,
                                                                 SamplingParams(temperature=0.0, max_tokens=24)]
-    reference = _tokens(llm_fp32, prompts, params)
+    reference = _tokens(llm_int4, prompts, params)
     accepted_before = _accepted(spec_llm)
     alone = _tokens(spec_llm, prompts[:2], params[:2])
     assert alone == reference[:2]
@@ -114,19 +115,19 @@ def test_constrained_requests_speculate_and_stay_token_exact(llm_fp32, spec_llm)
     assert re.fullmatch(r"[0-9]{3}-[0-9]{3}-[0-9]{4}", outputs[1].outputs[0].text)
     assert spec_llm.engine.scheduler.make_stats().kv_cache_usage == 0.0
     # Async scheduling: the masks of a step are filled after the step before is read, with drafts.
-    overlapped = LLM(dtype="float32", max_model_len=512, kv_cache_memory_gib=0.05, async_scheduling=True,
+    overlapped = LLM(max_model_len=512, kv_cache_memory_gib=0.05, async_scheduling=True,
                      speculative_config=NGRAM)
     assert overlapped.engine.async_scheduling and _tokens(overlapped, prompts, params) == reference
     assert _accepted(overlapped) > 0
 
 
-def test_preemption_resumes_with_identical_output(llm_fp32):
-    tok = llm_fp32.get_tokenizer()
+def test_preemption_resumes_with_identical_output(llm_int4):
+    tok = llm_int4.get_tokenizer()
     # 8 requests of 48 tokens (3 blocks each) in a cache of 18 blocks: some must be preempted and resumed.
     prompts = [tok.encode(f"Count from 1 to 30, number {i}: 1, 2, 3, 4, 5,") for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    reference = _tokens(llm_fp32, prompts, params)
-    small = LLM(dtype="float32", max_model_len=64, kv_cache_memory_gib=0.0125, enable_prefix_caching=False,
+    reference = _tokens(llm_int4, prompts, params)
+    small = LLM(max_model_len=64, kv_cache_memory_gib=0.0125, enable_prefix_caching=False,
                 speculative_config=NGRAM)
     assert small.engine.info.num_kv_blocks < 8 * 3
     assert _tokens(small, prompts, params) == reference
