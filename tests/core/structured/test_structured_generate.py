@@ -1,5 +1,6 @@
 """Grammar-constrained generation end to end: the real engine, scheduler, worker and sampler on the
-embedded SmolLM2 (fp32) and on a random-weight Qwen3 whose logits are wider than its tokenizer."""
+embedded SmolLM2 (its default 4-bit CPU path: the tests check the constraints and compare the engine
+with itself) and on a random-weight Qwen3 (fp32) whose logits are wider than its tokenizer."""
 import json
 import re
 
@@ -69,11 +70,11 @@ def check_constrained(outputs):
 
 
 @pytest.fixture(scope="module")
-def constrained_outputs(llm_fp32):
+def constrained_outputs(llm_int4):
     """The constrained batch on the shared engine, synchronous: checked once, and the reference the
     async engine must reproduce."""
-    prompts, params = constrained_batch(llm_fp32)
-    return llm_fp32.generate(prompts, params, use_tqdm=False)
+    prompts, params = constrained_batch(llm_int4)
+    return llm_int4.generate(prompts, params, use_tqdm=False)
 
 
 @pytest.mark.slow
@@ -82,33 +83,32 @@ def test_every_kind_of_constraint_holds(constrained_outputs):
 
 
 @pytest.mark.slow
-def test_free_requests_get_the_same_tokens_beside_constrained_ones(llm_fp32):
-    free = [chat(llm_fp32, q) for q in CHAT_PROMPTS[:4]]
-    alone = llm_fp32.generate(free, greedy(max_tokens=24), use_tqdm=False)
-    prompts, params = constrained_batch(llm_fp32)
-    mixed = llm_fp32.generate(prompts + free, params + [greedy(max_tokens=24)] * len(free), use_tqdm=False)
+def test_free_requests_get_the_same_tokens_beside_constrained_ones(llm_int4):
+    free = [chat(llm_int4, q) for q in CHAT_PROMPTS[:4]]
+    alone = llm_int4.generate(free, greedy(max_tokens=24), use_tqdm=False)
+    prompts, params = constrained_batch(llm_int4)
+    mixed = llm_int4.generate(prompts + free, params + [greedy(max_tokens=24)] * len(free), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in mixed[len(prompts):]] == [o.outputs[0].token_ids for o in alone]
     check_constrained(mixed[:len(prompts)])
 
 
 @pytest.mark.slow
-def test_async_scheduling_and_preemption_keep_the_constrained_outputs(llm_fp32, constrained_outputs):
-    prompts, params = constrained_batch(llm_fp32)
+def test_async_scheduling_and_preemption_keep_the_constrained_outputs(llm_int4, constrained_outputs):
+    prompts, params = constrained_batch(llm_int4)
     expected = [o.outputs[0].token_ids for o in constrained_outputs]
-    llm = LLM(dtype="float32", async_scheduling=True, max_model_len=256, kv_cache_memory_gib=0.012,
-              max_num_batched_tokens=64)
+    llm = LLM(async_scheduling=True, max_model_len=256, kv_cache_memory_gib=0.012, max_num_batched_tokens=64)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert llm.engine.scheduler.make_stats().num_preemptions > 0
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_sampling_features_compose_with_a_grammar(llm_fp32):
+def test_sampling_features_compose_with_a_grammar(llm_int4):
     schema, question = SCHEMAS["enum"]
     spec = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     sampled = SamplingParams(n=3, temperature=1.0, seed=7, presence_penalty=1.0, repetition_penalty=1.3,
                              logprobs=3, min_tokens=30, max_tokens=60, structured_outputs=spec)
-    (out,) = llm_fp32.generate(chat(llm_fp32, question), sampled, use_tqdm=False)
+    (out,) = llm_int4.generate(chat(llm_int4, question), sampled, use_tqdm=False)
     for sample in out.outputs:
         # min_tokens cannot outlast the grammar: the object ends when the grammar does.
         assert sample.finish_reason == "stop" and len(sample.token_ids) < 30
@@ -116,18 +116,18 @@ def test_sampling_features_compose_with_a_grammar(llm_fp32):
         chosen = [next(iter(position.values())).logprob for position in sample.logprobs]
         assert all(lp > float("-inf") for lp in chosen)
     cut = greedy(StructuredOutputsParams(regex=PHONE), stop=["-"])
-    (out,) = llm_fp32.generate(chat(llm_fp32, "Give me a phone number."), cut, use_tqdm=False)
+    (out,) = llm_int4.generate(chat(llm_int4, "Give me a phone number."), cut, use_tqdm=False)
     assert re.fullmatch(r"\d{3}", out.outputs[0].text) and out.outputs[0].finish_reason == "stop"
 
 
-def test_bad_grammars_are_refused_before_the_engine_naming_the_field(llm_fp32):
+def test_bad_grammars_are_refused_before_the_engine_naming_the_field(llm_int4):
     for spec, param in [(StructuredOutputsParams(json={"type": "objectx"}), "structured_outputs.json"),
                         (StructuredOutputsParams(regex="(abc"), "structured_outputs.regex"),
                         (StructuredOutputsParams(grammar="root ::= "), "structured_outputs.grammar")]:
         with pytest.raises(InvalidRequestError) as err:
-            llm_fp32.generate("Hi", greedy(spec), use_tqdm=False)
+            llm_int4.generate("Hi", greedy(spec), use_tqdm=False)
         assert err.value.param == param
-    assert not llm_fp32.engine.has_unfinished_requests()
+    assert not llm_int4.engine.has_unfinished_requests()
 
 
 @pytest.fixture(scope="module")
