@@ -7,8 +7,8 @@ layer's tokens touch (17/32 byte a weight, plus biases) over its time: at batch 
 figure to hold against the copy bandwidth. `TFLOP/s` counts the routed pairs' GEMMs.
 
 `--sweep` then times the pairs path at 1, 2 and 4 tokens with each candidate launch of one kernel
-(the other at its rule's `pair_config`): column block x groups a step (one or two 16-byte vectors a
-thread) x stages. `*` marks the rule's own choice.
+(the other at its rule's `pair_config`): column block, groups a step, warps and stages, one line a
+kernel and token count. `*` marks the rule's own choice.
 """
 import argparse
 
@@ -57,25 +57,30 @@ def table(layers) -> None:
 
 
 def candidates(rows: int, k: int) -> list[PairConfig]:
-    """Column blocks of 4-32 rows, one or two 16-byte vectors a thread and projection, 1-3 stages."""
-    groups_cap = triton.next_power_of_2(k // GROUP)
-    return [PairConfig(block_n, min(vectors * 128 // block_n, groups_cap), 4, stages)
-            for block_n in (4, 8, 16, 32) if rows % block_n == 0 for vectors in (1, 2) for stages in (1, 2, 3)]
+    """Column blocks of 4-32 rows on 4 warps (one 16-byte vector a thread and projection; 2-4 stages,
+    and two vectors at 3), and 1-warp programs of 4 and 8 rows (3-4 stages)."""
+    cap = triton.next_power_of_2(k // GROUP)
+    four = [PairConfig(bn, min(128 // bn, cap), 4, st) for bn in (4, 8, 16, 32) for st in (2, 3, 4)]
+    wide = [PairConfig(bn, min(256 // bn, cap), 4, 3) for bn in (8, 16)]
+    single = [PairConfig(bn, min(32 // bn, cap), 1, st) for bn in (4, 8) for st in (3, 4)]
+    return [cfg for cfg in four + wide + single if rows % cfg.block_n == 0]
 
 
 def sweep(layers) -> None:
-    print("kernel    tokens  block_n groups stages  us/layer (both kernels)")
+    """One line a kernel and token count: block_n/groups/warps/stages:us a layer (both kernels), the
+    rule's pick starred."""
     device = torch.device("cuda")
     for tokens in SWEEP_TOKENS:
         hidden, weights, ids = routed(tokens)
         rule = (pair_config(INTER, tokens * TOP_K, HIDDEN, device), pair_config(HIDDEN, tokens, INTER, device))
         for kernel, rows, k in (("gate_up", INTER, HIDDEN), ("down", HIDDEN, INTER)):
+            cells = []
             for cfg in candidates(rows, k):
                 configs = (cfg, rule[1]) if kernel == "gate_up" else (rule[0], cfg)
                 us = layer_us(layers, hidden, weights, ids, path="pairs", pair_configs=configs)
-                mark = "*" if cfg in rule else " "
-                print(f"{kernel:8s} {tokens:7d}  {cfg.block_n:7d} {cfg.groups:6d} {cfg.num_stages:6d}  {us:9.1f} "
-                      f"{mark}", flush=True)
+                star = "*" if cfg in rule else ""
+                cells.append(f"{cfg.block_n}/{cfg.groups}/{cfg.num_warps}/{cfg.num_stages}:{us:.1f}{star}")
+            print(f"sweep {kernel} tokens={tokens}: " + " ".join(cells), flush=True)
 
 
 def main() -> None:

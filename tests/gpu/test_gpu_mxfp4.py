@@ -63,15 +63,17 @@ def test_kernel_matches_dequantize_then_torch_at_gpt_oss_20b_sizes(num_tokens, p
     assert out.dtype == torch.bfloat16 and error < REL_TOL
 
 
-@pytest.mark.parametrize(("block_n", "vectors", "num_stages"), [(4, 1, 1), (8, 2, 2), (16, 1, 3), (32, 2, 2)])
-def test_every_pairs_launch_of_the_sweep(block_n, vectors, num_stages):
-    """The pairs kernels at each column block the benchmark's sweep tries (one or two 16-byte
-    vectors a thread), both on the same launch, against the reference at 1 token."""
+@pytest.mark.parametrize("launch", [(4, 32, 4, 2), (8, 32, 4, 3), (16, 8, 4, 4), (32, 4, 4, 3), (4, 8, 1, 3),
+                                    (8, 4, 1, 4)])
+def test_every_kind_of_pairs_launch_of_the_sweep(launch):
+    """The pairs kernels on each kind of launch the benchmark's sweep tries (column blocks of 4-32
+    rows, one or two 16-byte vectors a thread, 4 warps or 1, 2-4 stages), both on the same launch,
+    against the reference at 1 token."""
     gate_up, down, _ = layer()
     torch.manual_seed(5)
     hidden = torch.randn(1, HIDDEN, device="cuda").to(torch.bfloat16)
     weights, ids = select_experts(torch.randn(1, EXPERTS, device="cuda"), TOP_K, renormalize=True)
-    cfg = PairConfig(block_n, vectors * 128 // block_n, 4, num_stages)
+    cfg = PairConfig(*launch)
     out = mxfp4_moe(hidden, gate_up, down, weights, ids, ALPHA, LIMIT, path="pairs", pair_configs=(cfg, cfg))
     assert relative_error(out, reference(hidden, weights, ids)) < REL_TOL
 
