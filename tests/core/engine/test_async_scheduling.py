@@ -141,11 +141,10 @@ def _summary(outputs):
     return exact, values
 
 
-def test_engine_outputs_match_the_synchronous_loop_with_preemption(llm_fp32):
+def test_engine_outputs_match_the_synchronous_loop_with_preemption(llm_int4):
     prompts = [f"Story number {i}: once upon a time" + " and then" * i for i in range(12)]
-    expected, expected_values = _summary(llm_fp32.generate(prompts, _params(), use_tqdm=False))
-    llm = LLM(dtype="float32", async_scheduling=True, max_model_len=256, kv_cache_memory_gib=0.012,
-              max_num_batched_tokens=64)
+    expected, expected_values = _summary(llm_int4.generate(prompts, _params(), use_tqdm=False))
+    llm = LLM(async_scheduling=True, max_model_len=256, kv_cache_memory_gib=0.012, max_num_batched_tokens=64)
     assert llm.engine.async_scheduling
     outputs = llm.generate(prompts, _params(), use_tqdm=False)
     stats = llm.engine.scheduler.make_stats()
@@ -156,10 +155,10 @@ def test_engine_outputs_match_the_synchronous_loop_with_preemption(llm_fp32):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_async_scheduling_defaults_follow_the_platform(llm_fp32):
+def test_async_scheduling_defaults_follow_the_platform(llm_int4):
     from corectl.backends.cuda.platform import gpu_caps
 
-    assert not llm_fp32.engine.async_scheduling
+    assert not llm_int4.engine.async_scheduling
     assert gpu_caps((9, 0)).async_output
 
 

@@ -15,7 +15,7 @@ from corectl.engine.messages import EngineCoreRequest
 from corectl.errors import InvalidRequestError, QueueFullError
 
 # Small engines: a short context and KV cache start faster, and these tests generate a few tokens.
-SMALL = dict(dtype="float32", max_model_len=256, kv_cache_memory_gib=0.02)
+SMALL = dict(max_model_len=256, kv_cache_memory_gib=0.02)
 FEW = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
 
@@ -28,28 +28,28 @@ def _split_character_token(tokenizer) -> int:
     raise AssertionError("the tokenizer spells every probe character with one token")
 
 
-def test_last_token_inside_a_character_still_reaches_the_text(llm_fp32):
-    tok = llm_fp32.get_tokenizer()
+def test_last_token_inside_a_character_still_reaches_the_text(llm_int4):
+    tok = llm_int4.get_tokenizer()
     token = _split_character_token(tok)
     params = SamplingParams(temperature=0.0, max_tokens=1, logit_bias={token: 100.0})
-    out = llm_fp32.generate([tok.encode("Smile:")], params, use_tqdm=False)[0].outputs[0]
+    out = llm_int4.generate([tok.encode("Smile:")], params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == [token] and out.finish_reason == "length"
     # The detokenizer holds the partial character back; the finished output must still carry it.
     assert out.text == tok.decode([token]) == "\ufffd"
 
 
 @pytest.mark.parametrize("field", ["logit_bias", "stop_token_ids"])
-def test_out_of_vocab_ids_are_refused_before_the_step(llm_fp32, field):
-    vocab = llm_fp32.engine.info.vocab_size
+def test_out_of_vocab_ids_are_refused_before_the_step(llm_int4, field):
+    vocab = llm_int4.engine.info.vocab_size
     value = {vocab + 3: 1.0} if field == "logit_bias" else [vocab + 3]
-    prompt = llm_fp32.get_tokenizer().encode("Hello there")
+    prompt = llm_int4.get_tokenizer().encode("Hello there")
     bad = SamplingParams(temperature=0.0, max_tokens=2, **{field: value})
     with pytest.raises(InvalidRequestError) as err:
-        llm_fp32.generate([prompt, prompt], [FEW, bad], use_tqdm=False)
+        llm_int4.generate([prompt, prompt], [FEW, bad], use_tqdm=False)
     assert err.value.param == field and str(vocab + 3) in str(err.value)
     # Nothing of the refused batch stays in the engine: the next batch runs as if it never came.
-    assert not llm_fp32.engine.has_unfinished_requests()
-    assert len(llm_fp32.generate([prompt], FEW, use_tqdm=False)[0].outputs[0].token_ids) == 2
+    assert not llm_int4.engine.has_unfinished_requests()
+    assert len(llm_int4.generate([prompt], FEW, use_tqdm=False)[0].outputs[0].token_ids) == 2
 
 
 def _core_request(request_id: str, prompt: list[int]) -> EngineCoreRequest:
@@ -122,9 +122,9 @@ async def _burst(client: EngineClient, count: int) -> list[str]:
     return outcomes
 
 
-def test_a_grammar_without_a_tokenizer_is_refused_at_intake(llm_fp32):
+def test_a_grammar_without_a_tokenizer_is_refused_at_intake(llm_int4):
     """Intake is the one check: the scheduler takes every grammar that reaches it."""
-    info = dataclasses.replace(llm_fp32.engine.info, tokenizer_dir=None, structured_outputs_backend=None)
+    info = dataclasses.replace(llm_int4.engine.info, tokenizer_dir=None, structured_outputs_backend=None)
     params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
     with pytest.raises(InvalidRequestError, match="grammar") as err:
         check_request(["grammar-1"], [5, 6, 7], params, info, lambda request_id: False)
