@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from support.server import API_KEY, SMALL_ENGINE, ServerProcess
+from support.server import API_KEY, SMALL_ENGINE, SMALL_ENGINE_FP32, ServerProcess
 
 
 @pytest.fixture(scope="session")
@@ -50,8 +50,9 @@ def keyless_server():
 @pytest.fixture(scope="session")
 def pooling_server():
     """The default model served as a pooling model (LAST pooling, normalised; Matryoshka truncation
-    allowed through --hf-overrides), for /v1/embeddings."""
-    proc = ServerProcess(*SMALL_ENGINE, "--api-key", API_KEY, "--runner", "pooling",
+    allowed through --hf-overrides), for /v1/embeddings. In fp32: test_embeddings compares its vectors
+    with transformers' fp32 model."""
+    proc = ServerProcess(*SMALL_ENGINE_FP32, "--api-key", API_KEY, "--runner", "pooling",
                          "--hf-overrides", '{"is_matryoshka": true}').wait_ready()
     yield proc
     assert proc.stop() == 0

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from support.models import build_random_checkpoint
-from support.server import SMALL_ENGINE, ServerProcess, await_health, free_port
+from support.server import SMALL_ENGINE_FP32, ServerProcess, await_health, free_port
 
 PROMPT = "The capital of France is a city where"
 MESSAGES = [{"role": "user", "content": "Name three colors of the rainbow, please."}]
@@ -47,7 +47,7 @@ def cluster(tmp_path_factory, default_model_dir):
     model = build_random_checkpoint("llama", tmp_path_factory.mktemp("pd-model"), default_model_dir)
     shm = tmp_path_factory.mktemp("pd-kv")
     # The engine in each server's own process: two fewer processes to start on a busy machine.
-    common = [str(model), *SMALL_ENGINE, "--served-model-name", "m", "--engine-in-process", "--kv-transfer-config"]
+    common = [str(model), *SMALL_ENGINE_FP32, "--served-model-name", "m", "--engine-in-process", "--kv-transfer-config"]
     prefill = ServerProcess(*common, _kv_config("kv_producer", shm))
     decode = ServerProcess(*common, _kv_config("kv_consumer", shm))
     prefill.wait_ready(), decode.wait_ready()

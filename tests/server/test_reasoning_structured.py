@@ -12,7 +12,7 @@ import json
 import jsonschema
 import pytest
 from support.models import build_random_checkpoint, save_think_tokenizer
-from support.server import SMALL_ENGINE, ServerProcess
+from support.server import SMALL_ENGINE_FP32, ServerProcess
 
 MODEL = "think"
 HELLO, END = 19556, 49153
@@ -36,7 +36,7 @@ def think_server(tmp_path_factory, default_model_dir):
                                     vocab_size=49280, initializer_range=0.02)
     template = tmp_path_factory.mktemp("template") / "think.jinja"
     template.write_text(TEMPLATE)
-    proc = ServerProcess(str(model), *SMALL_ENGINE, "--served-model-name", MODEL, "--chat-template", str(template),
+    proc = ServerProcess(str(model), *SMALL_ENGINE_FP32, "--served-model-name", MODEL, "--chat-template", str(template),
                          "--reasoning-parser", "deepseek_r1").wait_ready()
     yield proc
     assert proc.stop() == 0

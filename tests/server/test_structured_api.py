@@ -1,7 +1,7 @@
 """Structured outputs, tool calls and reasoning through the OpenAI API and the official `openai` SDK,
-against a real `corectl serve` of the embedded SmolLM2 (fp32) with the ChatML tools template of
-examples/, the hermes tool parser and the deepseek_r1 reasoning parser (under which an unconstrained
-answer is all reasoning: the template would have opened <think>)."""
+against a real `corectl serve` of the embedded SmolLM2 (its default 4-bit CPU path) with the ChatML tools
+template of examples/, the hermes tool parser and the deepseek_r1 reasoning parser (under which an
+unconstrained answer is all reasoning: the template would have opened <think>)."""
 from __future__ import annotations
 
 import json

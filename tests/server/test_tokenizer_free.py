@@ -6,7 +6,7 @@ import json
 
 import httpx
 import pytest
-from support.server import SMALL_ENGINE, ServerProcess
+from support.server import SMALL_ENGINE_FP32, ServerProcess
 from support.server_a_cli import cli_runs
 
 PROMPT = [5, 17, 42, 99, 3, 250]
@@ -14,7 +14,7 @@ PROMPT = [5, 17, 42, 99, 3, 250]
 
 @pytest.fixture(scope="module")
 def tiny():
-    proc = ServerProcess("llama-tiny", "--load-format", "dummy", *SMALL_ENGINE).wait_ready()
+    proc = ServerProcess("llama-tiny", "--load-format", "dummy", *SMALL_ENGINE_FP32).wait_ready()
     yield proc
     assert proc.stop() == 0
 

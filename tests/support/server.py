@@ -14,8 +14,13 @@ from pathlib import Path
 import httpx
 
 API_KEY = "token-abc123"
-# Small context and cache so the engine starts in seconds on 2 CPU cores.
-SMALL_ENGINE = ["--max-model-len", "512", "--kv-cache-memory", "0.05", "--dtype", "float32"]
+# Small context and cache so the engine starts in seconds on 2 CPU cores. The embedded model's servers
+# run its default CPU path (GGUF 4-bit weights, the int4 kernel): a decode step costs a fifth of fp32's
+# CPU, and the tests on them compare corectl with corectl (an in-process reference: `llm_int4`).
+SMALL_ENGINE = ["--max-model-len", "512", "--kv-cache-memory", "0.05"]
+# Checkpoints (random-weight HF folders) keep fp32, not their config's dtype: their servers are compared
+# with `LLM(..., dtype="float32")` in this process (`assert_serves_like_one_device`).
+SMALL_ENGINE_FP32 = [*SMALL_ENGINE, "--dtype", "float32"]
 PARITY_PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3,"]
 
 
@@ -112,7 +117,7 @@ def rank_processes(server: ServerProcess) -> list[int]:
 
 
 def assert_serves_like_one_device(server: ServerProcess, checkpoint: Path) -> None:
-    """Greedy completions of a server of `checkpoint` (served as "tiny", SMALL_ENGINE) equal those of one
+    """Greedy completions of a server of `checkpoint` (served as "tiny", SMALL_ENGINE_FP32) equal those of one
     device in this process."""
     import openai
     from corectl import LLM, SamplingParams

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 from support.models import build_random_checkpoint
-from support.server import SMALL_ENGINE, rank_processes, running_server
+from support.server import SMALL_ENGINE_FP32, rank_processes, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def server(tmp_path, default_model_dir):
     checkpoint = build_random_checkpoint("qwen2", tmp_path / "qwen2", default_model_dir)
-    with running_server(str(checkpoint), "-tp", "2", "--served-model-name", "tiny", *SMALL_ENGINE) as process:
+    with running_server(str(checkpoint), "-tp", "2", "--served-model-name", "tiny", *SMALL_ENGINE_FP32) as process:
         yield process
 
 

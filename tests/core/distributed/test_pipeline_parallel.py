@@ -18,7 +18,7 @@ from support.models import build_random_checkpoint
 from support.ray_cluster import local_ray_cluster
 from support.scheduling import make_req, make_scheduler, sample_all
 from support.server import (
-    SMALL_ENGINE,
+    SMALL_ENGINE_FP32,
     assert_rank_death_ends_the_stream,
     assert_serves_like_one_device,
     rank_processes,
@@ -161,7 +161,7 @@ def test_the_scheduler_fills_one_micro_batch_per_stage():
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    with running_server(str(checkpoint), "-pp", "2", "--served-model-name", "tiny", *SMALL_ENGINE) as process:
+    with running_server(str(checkpoint), "-pp", "2", "--served-model-name", "tiny", *SMALL_ENGINE_FP32) as process:
         yield process
 
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support.models import build_random_checkpoint
-from support.server import SMALL_ENGINE, ServerProcess, alive, descendants, running_server
+from support.server import SMALL_ENGINE_FP32, ServerProcess, alive, descendants, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ DOCUMENT = " ".join(f"Clause {i}: the tenant keeps the garden tidy and pays on t
 def server(tmp_path_factory, default_model_dir):
     # Routing and the engines' lifetimes do not depend on the weights: a small random model starts fastest.
     checkpoint = build_random_checkpoint("qwen2", tmp_path_factory.mktemp("serve-dp") / "qwen2", default_model_dir)
-    with running_server(str(checkpoint), "-dp", "2", "--served-model-name", "smol", *SMALL_ENGINE) as process:
+    with running_server(str(checkpoint), "-dp", "2", "--served-model-name", "smol", *SMALL_ENGINE_FP32) as process:
         yield process
 
 

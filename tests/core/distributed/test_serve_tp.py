@@ -7,7 +7,7 @@ import time
 import pytest
 from support.models import build_random_checkpoint
 from support.server import (
-    SMALL_ENGINE,
+    SMALL_ENGINE_FP32,
     alive,
     assert_rank_death_ends_the_stream,
     assert_serves_like_one_device,
@@ -28,7 +28,7 @@ def checkpoint(tmp_path_factory, default_model_dir):
 def server(checkpoint):
     """One server for the module: the parity test only reads from it, the rank-death test ends it
     (it runs last, in file order)."""
-    with running_server(str(checkpoint), "-tp", "2", "--served-model-name", "tiny", *SMALL_ENGINE) as process:
+    with running_server(str(checkpoint), "-tp", "2", "--served-model-name", "tiny", *SMALL_ENGINE_FP32) as process:
         yield process
 
 
