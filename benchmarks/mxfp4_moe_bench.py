@@ -57,12 +57,12 @@ def table(layers) -> None:
 
 
 def candidates(rows: int, k: int) -> list[PairConfig]:
-    """Column blocks of 4-32 rows on 4 warps (one 16-byte vector a thread and projection; 2-4 stages,
-    and two vectors at 3), and 1-warp programs of 4 and 8 rows (3-4 stages)."""
+    """Column blocks of 4-32 rows on 4 warps, one 16-byte vector a thread and projection (3, 5 and 8
+    stages) or two (3 and 5), and 1-warp programs of 4 and 8 rows (5 and 8 stages)."""
     cap = triton.next_power_of_2(k // GROUP)
-    four = [PairConfig(bn, min(128 // bn, cap), 4, st) for bn in (4, 8, 16, 32) for st in (2, 3, 4)]
-    wide = [PairConfig(bn, min(256 // bn, cap), 4, 3) for bn in (8, 16)]
-    single = [PairConfig(bn, min(32 // bn, cap), 1, st) for bn in (4, 8) for st in (3, 4)]
+    four = [PairConfig(bn, min(128 // bn, cap), 4, st) for bn in (4, 8, 16, 32) for st in (3, 5, 8)]
+    wide = [PairConfig(bn, min(256 // bn, cap), 4, st) for bn in (8, 16) for st in (3, 5)]
+    single = [PairConfig(bn, min(32 // bn, cap), 1, st) for bn in (4, 8) for st in (5, 8)]
     return [cfg for cfg in four + wide + single if rows % cfg.block_n == 0]
 
 
@@ -72,7 +72,8 @@ def sweep(layers) -> None:
     device = torch.device("cuda")
     for tokens in SWEEP_TOKENS:
         hidden, weights, ids = routed(tokens)
-        rule = (pair_config(INTER, tokens * TOP_K, HIDDEN, device), pair_config(HIDDEN, tokens, INTER, device))
+        rule = (pair_config(INTER, tokens * TOP_K, HIDDEN, device, projections=2),
+                pair_config(HIDDEN, tokens, INTER, device))
         for kernel, rows, k in (("gate_up", INTER, HIDDEN), ("down", HIDDEN, INTER)):
             cells = []
             for cfg in candidates(rows, k):

@@ -358,19 +358,29 @@ class PairConfig(NamedTuple):
     num_stages: int
 
 
-def pair_config(rows: int, programs: int, k: int, device: torch.device) -> PairConfig:
+# Packed weight bytes each pairs program keeps in flight: moe_pairs' tuned bf16 launches (~2.5 TB/s on
+# an H100) keep ~90 KB a SM in flight, ~16 KB a program at their ~6 programs a SM; at 4 KB a step the
+# MXFP4 GEMVs had one or two steps in flight (22-44 KB a SM) and read 1.1-1.2 TB/s on an H100 and on
+# an H200 alike, however few instructions their decode took: bound by loads in flight.
+IN_FLIGHT = 16 * 1024
+MAX_STAGES = 8
+
+
+def pair_config(rows: int, programs: int, k: int, device: torch.device, projections: int = 1) -> PairConfig:
     """A pairs kernel's launch from its shape: column blocks narrowed (down to 4 rows) until the
     grid reaches moe_pairs' TARGET_PROGRAMS, then as many groups a step as give each of the 4 warps'
-    threads one 16-byte vector of a projection's words (BLOCK_N x GROUPS = 128), 3 stages (these
-    GEMVs wait on memory more than they compute: at 4 tokens on an H200, 3 stages took 164 us a
-    layer where 2 took 181 and 1 took 200). The interpreter pays per operation, not per element:
-    there, tiles as large as the tests' small matrices (fewer programs and steps)."""
+    threads one 16-byte vector of each of the `projections` it reads (BLOCK_N x GROUPS = 128), and
+    stages enough that IN_FLIGHT bytes of them are loading while one step computes (shared memory,
+    not registers). The interpreter pays per operation, not per element: there, tiles as large as
+    the tests' small matrices (fewer programs and steps)."""
     if device.type == "cpu":
         return PairConfig(min(64, triton.next_power_of_2(rows)), min(2, triton.next_power_of_2(k // GROUP)), 4, 1)
     block_n = 32
     while block_n > 4 and programs * triton.cdiv(rows, block_n) < TARGET_PROGRAMS:
         block_n //= 2
-    return PairConfig(block_n, min(128 // block_n, triton.next_power_of_2(k // GROUP)), 4, 3)
+    groups = min(128 // block_n, triton.next_power_of_2(k // GROUP))
+    step_bytes = block_n * groups * GROUP // 2 * projections
+    return PairConfig(block_n, groups, 4, min(MAX_STAGES, 1 + triton.cdiv(IN_FLIGHT, step_bytes)))
 
 
 def _words(stack: Mxfp4Stack) -> torch.Tensor:
@@ -406,7 +416,7 @@ def _by_pair(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, routing: _Routing, a
     num_tokens, top_k = hidden.shape[0], routing.top_k
     hidden_size, inter = hidden.shape[1], gate_up.blocks.shape[1] // 2
     native, pdl = hidden.device.type == "cuda", pdl_enabled(hidden.device)
-    up_cfg, down_cfg = configs or (pair_config(inter, num_tokens * top_k, hidden_size, hidden.device),
+    up_cfg, down_cfg = configs or (pair_config(inter, num_tokens * top_k, hidden_size, hidden.device, projections=2),
                                    pair_config(hidden_size, num_tokens, inter, hidden.device))
     ids, weights, logits, stride_l, num_experts = routing.args()
     activated = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
