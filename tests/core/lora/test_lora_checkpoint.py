@@ -109,9 +109,9 @@ def test_embedding_weights_named(copy_of, shape):
         load(folder, shape)
 
 
-def test_engine_refuses_adapters_without_enable_lora(llm_fp32, adapters):
+def test_engine_refuses_adapters_without_enable_lora(llm_int4, adapters):
     with pytest.raises(InvalidRequestError, match="runs without LoRA: start it with enable_lora=True"):
-        llm_fp32.generate("hi", SamplingParams(max_tokens=1), lora_request=LoRARequest("a", 1, str(adapters["r8"][0])))
+        llm_int4.generate("hi", SamplingParams(max_tokens=1), lora_request=LoRARequest("a", 1, str(adapters["r8"][0])))
 
 
 def test_one_id_names_one_adapter(lora_base, adapters):

@@ -68,8 +68,8 @@ def test_dummy_step_inside_the_worst_case_encoding_runs_the_tower_once_and_leaks
     assert not any(item.hash in cache for item in encoded.images)
 
 
-def test_a_text_only_model_encodes_nothing(llm_fp32):
-    worker = llm_fp32.engine.executor.worker
+def test_a_text_only_model_encodes_nothing(llm_int4):
+    worker = llm_int4.engine.executor.worker
     assert worker.runner.multimodal is None
     with worker.worst_case_encoding() as encoded:
         assert encoded is None

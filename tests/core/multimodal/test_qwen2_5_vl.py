@@ -143,8 +143,8 @@ def test_graph_positions_are_the_eager_steps_positions_wherever_a_graph_may_repl
         assert ((used if used.ndim == 2 else used[None]) == rows).all()
 
 
-def test_text_only_model_refuses_images(llm_fp32):
+def test_text_only_model_refuses_images(llm_int4):
     from corectl.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="reads no images"):
-        llm_fp32.chat(_user(random_image(8, 8, 0), "Hi"), SamplingParams(max_tokens=1), use_tqdm=False)
+        llm_int4.chat(_user(random_image(8, 8, 0), "Hi"), SamplingParams(max_tokens=1), use_tqdm=False)

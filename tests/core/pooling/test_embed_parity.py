@@ -125,7 +125,7 @@ def test_matryoshka_dimensions(qwen3):
     assert info.value.param == "dimensions"
 
 
-def test_pooling_and_generation_refuse_each_other(qwen3, llm_fp32):
+def test_pooling_and_generation_refuse_each_other(qwen3, llm_int4):
     folder, _ = qwen3
     pooling = LLM(str(folder), runner="pooling", dtype="float32", kv_cache_memory_gib=0.05)
     with pytest.raises(InvalidRequestError, match="pooling model"):
@@ -137,7 +137,7 @@ def test_pooling_and_generation_refuse_each_other(qwen3, llm_fp32):
     assert info.value.code == "context_length_exceeded"
     assert len(pooling.embed([[5] * 512], use_tqdm=False)[0].outputs.embedding) == 64  # the whole context
     with pytest.raises(InvalidRequestError, match="makes no embeddings"):
-        llm_fp32.embed("hello", use_tqdm=False)
+        llm_int4.embed("hello", use_tqdm=False)
 
 
 @pytest.mark.slow

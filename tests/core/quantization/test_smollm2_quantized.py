@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 from corectl import LLM, SamplingParams
 from corectl.backends.cpu.platform import CPUPlatform
 from support.models import CHAT_PROMPTS
@@ -14,28 +13,22 @@ from support.quant_checkpoints import NEW_TOKENS, greedy_divergences
 ENGINE = {"max_model_len": 1024, "kv_cache_memory_gib": 0.25, "max_num_seqs": 32}
 
 
-@pytest.fixture(scope="module")
-def llm_4bit():
-    llm = LLM(**ENGINE)
-    assert llm.engine.info.quantization == "gguf (Q4_1 int4 layers via cpu_int4pack)"
-    return llm
-
-
 def _chat_prompts(llm):
     tok = llm.get_tokenizer()
     return [tok.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
 
 
-def test_default_cpu_model_is_served_from_4bit_weights(llm_4bit):
-    layer = llm_4bit.engine.executor.worker.runner.model.model.layers[0].self_attn.qkv_proj
+def test_default_cpu_model_is_served_from_4bit_weights(llm_int4):
+    assert llm_int4.engine.info.quantization == "gguf (Q4_1 int4 layers via cpu_int4pack)"
+    layer = llm_int4.engine.executor.worker.runner.model.model.layers[0].self_attn.qkv_proj
     assert layer.packed_weight.dtype.itemsize == 1 and not hasattr(layer, "weight")
-    out = llm_4bit.chat([{"role": "user", "content": "What is the capital of France?"}],
+    out = llm_int4.chat([{"role": "user", "content": "What is the capital of France?"}],
                         SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
 
 
-def test_4bit_greedy_tokens_match_the_dequantized_path(llm_4bit, llm_fp32):
-    divergences = greedy_divergences(llm_4bit, llm_fp32, _chat_prompts(llm_fp32))
+def test_4bit_greedy_tokens_match_the_dequantized_path(llm_int4, llm_fp32):
+    divergences = greedy_divergences(llm_int4, llm_fp32, _chat_prompts(llm_fp32))
     print(f"SmolLM2 Q4_1 via int4pack vs fp32: {len(divergences)} of {len(CHAT_PROMPTS)} prompts diverge "
           f"within {NEW_TOKENS} tokens, all at near-ties: {divergences}")
 

@@ -14,15 +14,15 @@ def _params(seed: int | None) -> SamplingParams:
     return SamplingParams(temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True)
 
 
-def test_seeded_request_is_the_same_alone_batched_and_after_a_cache_hit(llm_fp32):
-    cold = llm_fp32.generate([PROMPT], _params(7))[0].outputs[0].token_ids  # a cache miss
-    warm = llm_fp32.generate([PROMPT], _params(7))[0].outputs[0].token_ids  # a prefix-cache hit
+def test_seeded_request_is_the_same_alone_batched_and_after_a_cache_hit(llm_int4):
+    cold = llm_int4.generate([PROMPT], _params(7))[0].outputs[0].token_ids  # a cache miss
+    warm = llm_int4.generate([PROMPT], _params(7))[0].outputs[0].token_ids  # a prefix-cache hit
     mixed = [_params(None if i % 2 else 100 + i) for i in range(15)]
-    batch = llm_fp32.generate(OTHERS[:8] + [PROMPT] + OTHERS[8:], mixed[:8] + [_params(7)] + mixed[8:])
+    batch = llm_int4.generate(OTHERS[:8] + [PROMPT] + OTHERS[8:], mixed[:8] + [_params(7)] + mixed[8:])
     batched = batch[8].outputs[0].token_ids
     assert cold == warm == batched
     # The seed matters: another seed gives another sample.
-    assert llm_fp32.generate([PROMPT], _params(8))[0].outputs[0].token_ids != cold
+    assert llm_int4.generate([PROMPT], _params(8))[0].outputs[0].token_ids != cold
 
 
 def test_position_seeds_are_distinct_and_stable():

@@ -65,8 +65,8 @@ def test_bad_word_prefix_ending_in_an_unread_token_is_checked_on_device():
     assert torch.isinf(edited[1, 11]) and torch.isfinite(edited[1, 5])  # output 3, 9 -> ban 11
 
 
-def test_bad_words_tokenized_bare_and_after_a_space(llm_fp32):
-    tokenizer = llm_fp32.tokenizer
+def test_bad_words_tokenized_bare_and_after_a_space(llm_int4):
+    tokenizer = llm_int4.tokenizer
     words = bad_words_token_ids(["hello", "once upon"], tokenizer)
     assert tokenizer.encode("hello", add_special_tokens=False) in words
     assert tokenizer.encode(" hello", add_special_tokens=False) in words
@@ -80,13 +80,13 @@ def test_truncate_prompt_tokens_keeps_the_tail():
     assert prepare_request("text", [1, 2], params, None)[:2] == ("text", [1, 2])
 
 
-def test_bad_words_keep_a_greedy_generation_off_a_word(llm_fp32):
+def test_bad_words_keep_a_greedy_generation_off_a_word(llm_int4):
     """Through the engine: the greedy continuation's first word, once banned, never appears."""
     prompt = "The capital of France is"
-    free = llm_fp32.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0]
+    free = llm_int4.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0]
     word = free.text.split()[0]
-    banned = llm_fp32.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, bad_words=[word]))[0]
+    banned = llm_int4.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, bad_words=[word]))[0]
     assert word not in banned.outputs[0].text.split()
-    allowed = llm_fp32.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4,
+    allowed = llm_int4.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4,
                                                          allowed_token_ids=[11, 12]))[0]
     assert set(allowed.outputs[0].token_ids) <= {11, 12}

@@ -42,8 +42,8 @@ def test_union_length_counts_overlapping_intervals_once():
     assert union_length([]) == 0.0
 
 
-def test_edit_text_prompts_hold_a_passage_and_acceptance_figures_follow_vllm(llm_fp32):
-    prompts = edit_text_prompts(llm_fp32.get_tokenizer(), 2)
+def test_edit_text_prompts_hold_a_passage_and_acceptance_figures_follow_vllm(llm_int4):
+    prompts = edit_text_prompts(llm_int4.get_tokenizer(), 2)
     assert prompts[0] != prompts[1] and all(300 <= len(p) <= 400 for p in prompts)
     before = SchedulerStats(spec_decode_num_drafts=2, spec_decode_num_draft_tokens=8,
                             spec_decode_num_accepted_tokens=5, spec_decode_num_accepted_tokens_per_pos=[2, 2, 1, 0])

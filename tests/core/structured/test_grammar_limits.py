@@ -70,16 +70,16 @@ def test_a_mask_that_empties_marks_the_request_and_allows_every_token(default_mo
     assert manager.dead_end(req) is None
 
 
-def test_the_engine_ends_a_dead_end_request_with_the_reason_and_no_token(llm_fp32):
-    (a,) = llm_fp32.get_tokenizer().encode("a", add_special_tokens=False)
+def test_the_engine_ends_a_dead_end_request_with_the_reason_and_no_token(llm_int4):
+    (a,) = llm_int4.get_tokenizer().encode("a", add_special_tokens=False)
     params = SamplingParams(temperature=0.0, max_tokens=8, logit_bias={a: 100.0},
                             structured_outputs=StructuredOutputsParams(grammar=DEAD_END_AFTER_A))
-    dead, free = llm_fp32.generate(["Say something.", "Say something."],
+    dead, free = llm_int4.generate(["Say something.", "Say something."],
                                    [params, SamplingParams(temperature=0.0, max_tokens=3)], use_tqdm=False)
     assert dead.outputs[0].finish_reason == "abort" and dead.outputs[0].token_ids == [a]
     assert "admits no string that continues this output" in dead.outputs[0].error
     assert free.outputs[0].finish_reason == "length" and free.outputs[0].error is None
-    assert not llm_fp32.engine.has_unfinished_requests()
+    assert not llm_int4.engine.has_unfinished_requests()
 
 
 def test_cost_counts_the_text_and_its_bounds():
