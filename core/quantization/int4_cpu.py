@@ -1,14 +1,16 @@
 """Groups of integer weights on CPUs: affine int4 (kernel "cpu_int4pack": AWQ, GPTQ, GGUF's Q4 types)
 and exact int8 groups (a GGUF Q8_0 head, `pack_int8`).
 
-The GEMM is `int4_cpu_kernel.c`, built once per machine with the host's C compiler (`cc -O3
--march=native -fopenmp`, about a second) into the cache folder and called through ctypes on torch's
-OpenMP threads. It takes fp32 activations and fp16 scales and mins, shares each unpacked weight tile
-among a block of rows, and computes every output element by the same operations whatever the number
-of rows: a request's greedy tokens do not depend on what else is in its batch. With AVX512-VNNI it
-multiplies int16 activations (a step per group of inputs) by the integer codes exactly, elsewhere
-fp32 activations by weights dequantized in fp32 (the kernel's header; `grouped_layout()` says which,
-and `_tiled` packs for it). Measured in docs/performance.md (CPU section, issue 30).
+The GEMM is `int4_cpu_kernel.c` (with `int4_cpu_amx.c` included where the CPU has AMX), built once per
+machine with the host's C compiler (`cc -O3 -march=native -fopenmp`, a few seconds) into the cache
+folder and called through ctypes on torch's OpenMP threads. It takes fp32 activations and fp16 scales
+and mins, shares each unpacked weight tile among a block of rows, and computes every output element by
+the same operations whatever the number of rows: a request's greedy tokens do not depend on what else
+is in its batch. With AVX512-VNNI it multiplies int16 activation codes (a step per group of inputs,
+taken as two int8 halves) by the integer codes exactly, by vpdpbusd, and by AMX's tdpbsud for blocks of
+12-16 rows; elsewhere fp32 activations by weights dequantized in fp32 (the kernel's header;
+`grouped_layout()` says which, and `_tiled` packs for it). Measured in docs/performance.md (CPU
+section, issue 30).
 
 Where no C compiler is found (a slim container), int4 layers run torch's kernel instead: bf16
 activations and a bf16 (scale, zero at code 8) pair per group; `int4_linear` tells the two layouts
