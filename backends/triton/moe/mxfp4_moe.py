@@ -94,15 +94,10 @@ def _clamped_swiglu(gate, up, alpha, limit):
 
 
 @triton.jit
-def _word_sums(words, x, NATIVE: tl.constexpr):
-    """[BLOCK_N, GROUPS, 4] packed words -> their dot products with x ([GROUPS, 4, 2, 2, 2]: input
-    32g + 8w + j at [g, w, j's bits]) summed over each group, times 2^-129 (`decode_words`)."""
+def _word_sums(words, x0, x1, x2, x3, x4, x5, x6, x7, NATIVE: tl.constexpr):
+    """[BLOCK_N, GROUPS, 4] packed words -> their dot products with the activations (x_j
+    [GROUPS, 4]: input 32g + 8w + j) summed over each group, times 2^-129 (`decode_words`)."""
     v0, v1, v2, v3, v4, v5, v6, v7 = decode_words(words, NATIVE)
-    x_even, x_odd = tl.split(x)
-    x0, x4 = tl.split(tl.split(x_even)[0])
-    x2, x6 = tl.split(tl.split(x_even)[1])
-    x1, x5 = tl.split(tl.split(x_odd)[0])
-    x3, x7 = tl.split(tl.split(x_odd)[1])
     # One multiply-add chain (a sum tree would add a multiply and an add for each of half the codes).
     acc = v0 * x0[None]
     acc += v1 * x1[None]
@@ -125,17 +120,38 @@ def _e8m0_pairs(scales):
 @triton.jit
 def _x_groups(row_ptr, groups, g_ok, factor):
     """The inputs of `groups` ([GROUPS] indices) of an activation row as fp32 times `factor`,
-    [GROUPS, 4, 2, 2, 2] in `_word_sums`' order, from one contiguous load."""
+    split in registers after one contiguous load into `_word_sums`' x_0 ... x_7 ([GROUPS, 4])."""
     x = tl.load(row_ptr + groups[:, None] * 32 + tl.arange(0, 32)[None, :], mask=g_ok[:, None], other=0.0)
-    return tl.reshape(x.to(tl.float32) * factor, (groups.shape[0], 4, 2, 2, 2))
+    x_even, x_odd = tl.split(tl.reshape(x.to(tl.float32) * factor, (groups.shape[0], 4, 2, 2, 2)))
+    x0, x4 = tl.split(tl.split(x_even)[0])
+    x2, x6 = tl.split(tl.split(x_even)[1])
+    x1, x5 = tl.split(tl.split(x_odd)[0])
+    x3, x7 = tl.split(tl.split(x_odd)[1])
+    return x0, x1, x2, x3, x4, x5, x6, x7
 
 
 @triton.jit
-def _mx_group_sums(word_ptrs, scale_ptrs, word_mask, scale_mask, x, NATIVE: tl.constexpr):
+def _x_planes(row_ptr, plane, groups, g_ok):
+    """x_0 ... x_7 of `groups` from a row stored code-major (`_mx_pair_gate_up_kernel`'s output:
+    input 32g + 8w + j at j * plane + 4g + w): eight loads in the words' own layout, no exchange
+    of activations between threads a step."""
+    offs = groups[:, None] * 4 + tl.arange(0, 4)[None, :]
+    mask = g_ok[:, None]
+    return (tl.load(row_ptr + offs, mask=mask, other=0.0), tl.load(row_ptr + plane + offs, mask=mask, other=0.0),
+            tl.load(row_ptr + 2 * plane + offs, mask=mask, other=0.0),
+            tl.load(row_ptr + 3 * plane + offs, mask=mask, other=0.0),
+            tl.load(row_ptr + 4 * plane + offs, mask=mask, other=0.0),
+            tl.load(row_ptr + 5 * plane + offs, mask=mask, other=0.0),
+            tl.load(row_ptr + 6 * plane + offs, mask=mask, other=0.0),
+            tl.load(row_ptr + 7 * plane + offs, mask=mask, other=0.0))
+
+
+@triton.jit
+def _mx_group_sums(word_ptrs, scale_ptrs, word_mask, scale_mask, x0, x1, x2, x3, x4, x5, x6, x7, NATIVE: tl.constexpr):
     """[BLOCK_N, GROUPS] true group dot products of packed rows (`_word_sums` scaled)."""
     words = tl.load(word_ptrs, mask=word_mask, other=0, eviction_policy="evict_first")
     scale = _e8m0_pairs(tl.load(scale_ptrs, mask=scale_mask, other=0, eviction_policy="evict_first"))
-    return _word_sums(words, x, NATIVE) * scale
+    return _word_sums(words, x0, x1, x2, x3, x4, x5, x6, x7, NATIVE) * scale
 
 
 @triton.jit
@@ -166,13 +182,14 @@ def _mx_pair_gate_up_kernel(x_ptr, words_ptr, scales_ptr, bias_ptr, ids_ptr, wei
                             BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr, FROM_LOGITS: tl.constexpr,
                             BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr,
                             NATIVE: tl.constexpr, PDL: tl.constexpr):
-    """out[pair, n] = clamped_swiglu(gate[e] @ x + gate_bias, up[e] @ x + up_bias) for columns
-    [pid_n * BLOCK_N, +BLOCK_N) of N, x the pair's token row, e its expert."""
+    """out[pair] = clamped_swiglu(gate[e] @ x + gate_bias, up[e] @ x + up_bias) times the pair's
+    routing weight and X_SHIFT, in fp32, code-major (`_x_planes`), for columns [pid_n * BLOCK_N,
+    +BLOCK_N) of N; x the pair's token row, e its expert."""
     grid_dependency(PDL)
     pair = tl.program_id(0).to(tl.int64)
     token = pair // TOP_K
-    slots, experts, _ = _routes(ids_ptr, weights_ptr, logits_ptr, stride_l, num_experts, token, TOP_K, BLOCK_TOP_K,
-                                BLOCK_E, RENORMALIZE, FROM_LOGITS)
+    slots, experts, coeffs = _routes(ids_ptr, weights_ptr, logits_ptr, stride_l, num_experts, token, TOP_K,
+                                     BLOCK_TOP_K, BLOCK_E, RENORMALIZE, FROM_LOGITS)
     expert = tl.sum(tl.where(slots == pair - token * TOP_K, experts, 0))
     x_row = x_ptr + token * stride_xm
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -185,18 +202,22 @@ def _mx_pair_gate_up_kernel(x_ptr, words_ptr, scales_ptr, bias_ptr, ids_ptr, wei
     num_groups = K // 32
     for g0 in tl.range(0, num_groups, GROUPS, num_stages=NUM_STAGES):
         g_ok = g0 + g < num_groups
-        x = _x_groups(x_row, g0 + g, g_ok, X_SHIFT)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_groups(x_row, g0 + g, g_ok, X_SHIFT)
         word_mask = n_ok[:, None, None] & g_ok[None, :, None]
         scale_mask = n_ok[:, None] & g_ok[None, :]
         step_words, step_scales = gate_words + g0 * 4, gate_scales + g0
-        acc_gate += _mx_group_sums(step_words, step_scales, word_mask, scale_mask, x, NATIVE)
-        acc_up += _mx_group_sums(step_words + N * stride_wn, step_scales + N * stride_sn, word_mask, scale_mask, x,
-                                 NATIVE)
+        acc_gate += _mx_group_sums(step_words, step_scales, word_mask, scale_mask, x0, x1, x2, x3, x4, x5, x6, x7,
+                                   NATIVE)
+        acc_up += _mx_group_sums(step_words + N * stride_wn, step_scales + N * stride_sn, word_mask, scale_mask,
+                                 x0, x1, x2, x3, x4, x5, x6, x7, NATIVE)
     bias_row = bias_ptr + expert * stride_bias + offs_n
     gate = tl.sum(acc_gate, 1) + tl.load(bias_row, mask=n_ok, other=0.0).to(tl.float32)
     up = tl.sum(acc_up, 1) + tl.load(bias_row + N, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + pair * stride_om + offs_n, _clamped_swiglu(gate, up, alpha, limit).to(out_ptr.dtype.element_ty),
-             mask=n_ok)
+    # For the down kernel: fp32 times the pair's routing weight and X_SHIFT, stored code-major
+    # (`_x_planes`).
+    coeff = tl.sum(tl.where(slots == pair - token * TOP_K, coeffs, 0.0)) * X_SHIFT
+    tl.store(out_ptr + pair * stride_om + (offs_n % 8) * (N // 8) + offs_n // 8,
+             _clamped_swiglu(gate, up, alpha, limit) * coeff, mask=n_ok)
 
 
 @triton.jit
@@ -205,8 +226,9 @@ def _mx_pair_down_kernel(act_ptr, words_ptr, scales_ptr, bias_ptr, ids_ptr, weig
                          stride_om, TOP_K: tl.constexpr, BLOCK_TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
                          RENORMALIZE: tl.constexpr, FROM_LOGITS: tl.constexpr, BLOCK_N: tl.constexpr,
                          GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
-    """out[token, n] = sum over the token's k pairs, in slot order, of weight * (down[e] @ act[pair]
-    + down_bias[e]). One flat loop over slot and K, as moe_pairs' down kernel (its doc says why)."""
+    """out[token, n] = sum over the token's k pairs, in slot order, of down[e] @ act[pair] + weight *
+    down_bias[e], act the gate/up kernel's (weighted). One flat loop over slot and K, as moe_pairs'
+    down kernel (its doc says why)."""
     grid_dependency(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -223,13 +245,13 @@ def _mx_pair_down_kernel(act_ptr, words_ptr, scales_ptr, bias_ptr, ids_ptr, weig
         expert = tl.sum(tl.where(slots == slot, experts, 0))
         g0 = (step - slot * g_steps) * GROUPS
         g_ok = g0 + g < num_groups
-        # The routing weight scales the activations, not the [BLOCK_N, GROUPS, 4] products.
-        coeff = tl.sum(tl.where(slots == slot, coeffs, 0.0)) * X_SHIFT
-        x = _x_groups(act_ptr + (token * TOP_K + slot) * stride_am, g0 + g, g_ok, coeff)
+        # The activations come with the routing weight (and X_SHIFT) in them: a slot's products are
+        # weighted already.
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(act_ptr + (token * TOP_K + slot) * stride_am, K // 8, g0 + g, g_ok)
         scale_rows = offs_n[:, None] * stride_sn + (g0 + g)[None, :]
         acc += _mx_group_sums(words_ptr + expert * stride_we + row_words + g0 * 4,
-                              scales_ptr + expert * stride_se + scale_rows,
-                              n_ok[:, None, None] & g_ok[None, :, None], n_ok[:, None] & g_ok[None, :], x, NATIVE)
+                              scales_ptr + expert * stride_se + scale_rows, n_ok[:, None, None] & g_ok[None, :, None],
+                              n_ok[:, None] & g_ok[None, :], x0, x1, x2, x3, x4, x5, x6, x7, NATIVE)
     out = tl.sum(acc, 1)
     for slot in tl.static_range(TOP_K):
         expert = tl.sum(tl.where(slots == slot, experts, 0))
@@ -419,7 +441,7 @@ def _by_pair(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, routing: _Routing, a
     up_cfg, down_cfg = configs or (pair_config(inter, num_tokens * top_k, hidden_size, hidden.device, projections=2),
                                    pair_config(hidden_size, num_tokens, inter, hidden.device))
     ids, weights, logits, stride_l, num_experts = routing.args()
-    activated = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
+    activated = torch.empty(num_tokens * top_k, inter, dtype=torch.float32, device=hidden.device)
     words = _words(gate_up)
     _mx_pair_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, up_cfg.block_n))](
         hidden, words, gate_up.scales, gate_up.bias, ids, weights, logits, activated, inter, hidden_size, stride_l,
