@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -28,10 +29,10 @@ def _kv_config(role: str, folder) -> str:
 
 
 class ProxyProcess:
-    def __init__(self, prefill: str, decode: str):
+    def __init__(self, prefill: str, decode: str, *flags: str):
         self.url = f"http://127.0.0.1:{free_port()}"
         self.proc = subprocess.Popen([sys.executable, "-m", "corectl.server.cli", "proxy", "--prefill", prefill,
-                                      "--decode", decode, "--port", self.url.rsplit(":", 1)[1]],
+                                      "--decode", decode, "--port", self.url.rsplit(":", 1)[1], *flags],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         problem = await_health(self.url, self.proc, 60)
         if problem:
@@ -93,6 +94,25 @@ def test_proxy_answers_as_one_instance(cluster):
     assert _metric(decode.url, "kv_load_failures_total") == 0
     assert _metric(decode.url, "kv_cache_usage_perc") == 0
     assert _metric(prefill.url, "kv_transfer_bytes_total", 'direction="save"') > 0
+
+
+def test_a_busy_prefill_instance_leaves_prompts_to_the_decode_instance(cluster):
+    """--max-prefill-queue 1: of requests arriving together, the first takes the prefill instance and
+    the others find it full, so the decode instance computes their prompts; every answer is the same."""
+    prefill, decode, _ = cluster
+    want_text = _completion(prefill.url)
+    computed = _metric(decode.url, "prompt_tokens_by_source_total", 'source="local_compute"')
+    proxy = ProxyProcess(prefill.url, decode.url, "--max-prefill-queue", "1")
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: _completion(proxy.url), range(4)))
+    finally:
+        proxy.stop()
+    assert answers == [want_text] * 4
+    # A transferred prompt adds one computed token (its last); a prompt computed here adds all of its own.
+    assert _metric(decode.url, "prompt_tokens_by_source_total", 'source="local_compute"') - computed > 4 + 2
+    assert _metric(decode.url, "kv_load_failures_total") == 0
+    assert _metric(decode.url, "kv_cache_usage_perc") == 0
 
 
 def test_dead_prefill_instance_costs_time_not_answers(cluster):
