@@ -16,7 +16,8 @@ import torch
 import triton
 from corectl.backends.triton.bench.fp8 import graph_us
 from corectl.backends.triton.moe.fused_moe import topk_softmax
-from corectl.backends.triton.moe.mxfp4_moe import GROUP, Mxfp4Stack, PairConfig, mxfp4_moe, pair_config
+from corectl.backends.triton.moe.mxfp4_moe import GROUP, Mxfp4Stack, PairConfig, mxfp4_moe
+from corectl.backends.triton.moe.mxfp4_pairs import pair_config
 
 HIDDEN, EXPERTS, INTER, TOP_K = 2880, 32, 2880, 4
 LAYERS = 4

@@ -1,13 +1,47 @@
-"""The MXFP4 pairs path's decode (`mxfp4_moe.py`'s module doc says why): packed int32 words of e2m1
-codes to their fp32 values by PTX byte permutes, and the same steps in Triton for the interpreter.
+"""Pieces the MXFP4 MoE paths share (`mxfp4_moe.py`'s module doc): the packed stack, the activations'
+shift, gpt-oss's clamped SwiGLU, and the pairs path's decode of packed int32 words of e2m1 codes to
+their fp32 values by PTX byte permutes (with the same steps in Triton for the interpreter).
 
 A word holds 8 codes, input 8w + j in nibble j (low nibble of a byte first); a code's fp32 is the
 subnormal 16 |value| * 2^-133 with the code's sign, so |value| * 2^-129 exactly.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import torch
 import triton
 import triton.language as tl
+
+GROUP = 32
+
+
+class Mxfp4Stack(NamedTuple):
+    """One packed projection of a layer's experts: blocks [E, N, K / 32, 16], scales [E, N, K / 32]
+    (uint8 both), bias [E, N]."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor
+
+
+# What the activations are multiplied by, so products with decoded (tiny) codes stay normal fp32
+# (mxfp4_moe.py's module doc).
+X_SHIFT = tl.constexpr(2.0 ** 64)
+
+
+@triton.jit
+def clamped_swiglu(gate, up, alpha, limit):
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    return (up + 1) * (gate * tl.sigmoid(gate * alpha))
+
+
+def strides(stack: Mxfp4Stack) -> tuple[int, ...]:
+    """Expert and row strides of the blocks (in bytes) and scales, and the bias's expert stride."""
+    blocks, scales, bias = stack
+    return blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1), bias.stride(0)
+
 
 # e2m1 magnitude -> 16 |value|, a byte each, looked up four codes at a time by one byte permute of
 # this table (bytes 0-7 of LUT_HI:LUT_LO).

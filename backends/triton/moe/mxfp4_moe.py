@@ -20,16 +20,17 @@ clock against 128 fp32 ones; at 4 a code they read 1.2 TB/s). They read a group'
 int32 words (a 16-byte vector a thread) and build each code's fp32 with byte permutes
 (`mxfp4_decode.decode_words`: 15 integer ops a word of 8 codes; 9 instructions a byte on sm_90 for
 gate/up, 14 before), the subnormal 16 |value| * 2^-133; the activations carry X_SHIFT so products
-stay normal, and each group's sum takes 2^(s - 62) (`_e8m0_pairs`; scales past 2^62 read as inf).
+stay normal, and each group's sum takes 2^(s - 62) (`mxfp4_pairs._e8m0_pairs`; scales past 2^62
+read as inf).
 
 gpt-oss's experts add a bias to both projections and gate with the clamped SwiGLU
 (`corectl.models.gpt_oss.clamped_swiglu`): the gate/up kernels add their rows' biases to the fp32
 sums, then apply it; the down kernels add the expert's bias before the routing weight.
 
 Routing and the sorted path's sort are fused_moe.py's (`topk_route`/`topk_softmax`, `sort_by_expert`):
-- pairs (decode batches): `_mx_pair_gate_up_kernel` per (pair, column block), `_mx_pair_down_kernel`
-  per (token, column block), GEMVs streaming the packed rows along K (moe_pairs.py's structure), fp32
-  accumulators per row and group, launched by a rule of the shape (`pair_config`;
+- pairs (decode batches, `mxfp4_pairs.py`): `_mx_pair_gate_up_kernel` per (pair, column block),
+  `_mx_pair_down_kernel` per (token, column block), GEMVs streaming the packed rows along K
+  (moe_pairs.py's structure), fp32 accumulators per row and group, launched by a rule of the shape (`pair_config`;
   `benchmarks/mxfp4_moe_bench.py --sweep` times its candidates), with PDL; from router logits
   (`routed_mxfp4_moe`) they take the top-k themselves, with no routing launch;
 - sorted (prefill and larger batches): `_mx_moe_gemm_kernel`, tensor-core dots of bf16 activations
@@ -39,34 +40,15 @@ dequantize-then-torch (`corectl.quantization.mxfp4.mxfp4_dequantize`, `fused_moe
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from ..attention.paged_softmax import dot_dtype
 from ..checks import check_float, check_index, check_range, check_same_device, require
-from ..pdl import grid_dependency, pdl_enabled
-from .fused_moe import sort_by_expert, topk_route, topk_softmax
-from .mxfp4_decode import decode_words
-from .moe_pairs import TARGET_PROGRAMS, token_routes
-
-GROUP = 32
-
-
-class Mxfp4Stack(NamedTuple):
-    """One packed projection of a layer's experts: blocks [E, N, K / 32, 16], scales [E, N, K / 32]
-    (uint8 both), bias [E, N]."""
-
-    blocks: torch.Tensor
-    scales: torch.Tensor
-    bias: torch.Tensor
-
-
-# 2^(s - 127) * 2^126 = 2^(s - 65) * X_SHIFT (module doc).
-X_SHIFT = tl.constexpr(2.0 ** 64)
-
+from .fused_moe import sort_by_expert, topk_softmax
+from .mxfp4_decode import GROUP, X_SHIFT, Mxfp4Stack, clamped_swiglu, strides
+from .mxfp4_pairs import PairConfig, Routing, by_pair
 
 @triton.jit
 def _e2m1_tiny(packed):
@@ -84,180 +66,6 @@ def _e8m0_high(scales):
     """e8m0 scales (uint8) -> 2^(s - 65) in fp32: the exponent field s + 62. Past 192 (scales over
     2^65, which no checkpoint has) it is inf."""
     return ((tl.minimum(scales.to(tl.int32), 193) + 62) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _clamped_swiglu(gate, up, alpha, limit):
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    return (up + 1) * (gate * tl.sigmoid(gate * alpha))
-
-
-@triton.jit
-def _word_sums(words, x0, x1, x2, x3, x4, x5, x6, x7, NATIVE: tl.constexpr):
-    """[BLOCK_N, GROUPS, 4] packed words -> their dot products with the activations (x_j
-    [GROUPS, 4]: input 32g + 8w + j) summed over each group, times 2^-129 (`decode_words`)."""
-    v0, v1, v2, v3, v4, v5, v6, v7 = decode_words(words, NATIVE)
-    # One multiply-add chain (a sum tree would add a multiply and an add for each of half the codes).
-    acc = v0 * x0[None]
-    acc += v1 * x1[None]
-    acc += v2 * x2[None]
-    acc += v3 * x3[None]
-    acc += v4 * x4[None]
-    acc += v5 * x5[None]
-    acc += v6 * x6[None]
-    acc += v7 * x7[None]
-    return tl.sum(acc, 2)
-
-
-@triton.jit
-def _e8m0_pairs(scales):
-    """e8m0 scales (uint8) -> 2^(s - 62) in fp32 (2^(s - 127) times the 2^129 of `_word_sums`'
-    codes over the X_SHIFT of the activations); past 189 (scales over 2^62) inf."""
-    return ((tl.minimum(scales.to(tl.int32), 190) + 65) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _x_groups(row_ptr, groups, g_ok, factor):
-    """The inputs of `groups` ([GROUPS] indices) of an activation row as fp32 times `factor`,
-    split in registers after one contiguous load into `_word_sums`' x_0 ... x_7 ([GROUPS, 4])."""
-    x = tl.load(row_ptr + groups[:, None] * 32 + tl.arange(0, 32)[None, :], mask=g_ok[:, None], other=0.0)
-    x_even, x_odd = tl.split(tl.reshape(x.to(tl.float32) * factor, (groups.shape[0], 4, 2, 2, 2)))
-    x0, x4 = tl.split(tl.split(x_even)[0])
-    x2, x6 = tl.split(tl.split(x_even)[1])
-    x1, x5 = tl.split(tl.split(x_odd)[0])
-    x3, x7 = tl.split(tl.split(x_odd)[1])
-    return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
-def _x_planes(row_ptr, plane, groups, g_ok):
-    """x_0 ... x_7 of `groups` from a row stored code-major (`_mx_pair_gate_up_kernel`'s output:
-    input 32g + 8w + j at j * plane + 4g + w): eight loads in the words' own layout, no exchange
-    of activations between threads a step."""
-    offs = groups[:, None] * 4 + tl.arange(0, 4)[None, :]
-    mask = g_ok[:, None]
-    return (tl.load(row_ptr + offs, mask=mask, other=0.0), tl.load(row_ptr + plane + offs, mask=mask, other=0.0),
-            tl.load(row_ptr + 2 * plane + offs, mask=mask, other=0.0),
-            tl.load(row_ptr + 3 * plane + offs, mask=mask, other=0.0),
-            tl.load(row_ptr + 4 * plane + offs, mask=mask, other=0.0),
-            tl.load(row_ptr + 5 * plane + offs, mask=mask, other=0.0),
-            tl.load(row_ptr + 6 * plane + offs, mask=mask, other=0.0),
-            tl.load(row_ptr + 7 * plane + offs, mask=mask, other=0.0))
-
-
-@triton.jit
-def _mx_group_sums(word_ptrs, scale_ptrs, word_mask, scale_mask, x0, x1, x2, x3, x4, x5, x6, x7, NATIVE: tl.constexpr):
-    """[BLOCK_N, GROUPS] true group dot products of packed rows (`_word_sums` scaled)."""
-    words = tl.load(word_ptrs, mask=word_mask, other=0, eviction_policy="evict_first")
-    scale = _e8m0_pairs(tl.load(scale_ptrs, mask=scale_mask, other=0, eviction_policy="evict_first"))
-    return _word_sums(words, x0, x1, x2, x3, x4, x5, x6, x7, NATIVE) * scale
-
-
-@triton.jit
-def _word_offsets(offs_n, stride_wn, groups):
-    """[BLOCK_N, GROUPS, 4] word offsets of rows' groups: a group's four words are 16 aligned
-    bytes (rows are K / 8 words, K a multiple of 32), one vector load a thread."""
-    offs = offs_n[:, None, None] * stride_wn + groups[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
-    return tl.max_contiguous(tl.multiple_of(offs, (1, 1, 4)), (1, 1, 4))
-
-
-@triton.jit
-def _routes(ids_ptr, weights_ptr, logits_ptr, stride_l, num_experts, token, TOP_K: tl.constexpr,
-            BLOCK_TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr, FROM_LOGITS: tl.constexpr):
-    """(slot lanes, expert ids, routing weights) of a token: as given, or (FROM_LOGITS) the top-k of
-    its router logits taken here (`topk_route`: every program of the token picks the same), which
-    saves decode the routing kernel's launch."""
-    if FROM_LOGITS:
-        slots, coeffs, experts = topk_route(logits_ptr + token * stride_l, num_experts, TOP_K, RENORMALIZE, BLOCK_E,
-                                            BLOCK_TOP_K)
-        return slots, experts.to(tl.int64), coeffs
-    return token_routes(ids_ptr, weights_ptr, token, TOP_K, BLOCK_TOP_K)
-
-
-@triton.jit
-def _mx_pair_gate_up_kernel(x_ptr, words_ptr, scales_ptr, bias_ptr, ids_ptr, weights_ptr, logits_ptr, out_ptr, N, K,
-                            stride_l, num_experts, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_bias,
-                            stride_om, alpha, limit, TOP_K: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
-                            BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr, FROM_LOGITS: tl.constexpr,
-                            BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr,
-                            NATIVE: tl.constexpr, PDL: tl.constexpr):
-    """out[pair] = clamped_swiglu(gate[e] @ x + gate_bias, up[e] @ x + up_bias) times the pair's
-    routing weight and X_SHIFT, in fp32, code-major (`_x_planes`), for columns [pid_n * BLOCK_N,
-    +BLOCK_N) of N; x the pair's token row, e its expert."""
-    grid_dependency(PDL)
-    pair = tl.program_id(0).to(tl.int64)
-    token = pair // TOP_K
-    slots, experts, coeffs = _routes(ids_ptr, weights_ptr, logits_ptr, stride_l, num_experts, token, TOP_K,
-                                     BLOCK_TOP_K, BLOCK_E, RENORMALIZE, FROM_LOGITS)
-    expert = tl.sum(tl.where(slots == pair - token * TOP_K, experts, 0))
-    x_row = x_ptr + token * stride_xm
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    g = tl.arange(0, GROUPS)
-    gate_words = words_ptr + expert * stride_we + _word_offsets(offs_n, stride_wn, g)
-    gate_scales = scales_ptr + expert * stride_se + offs_n[:, None] * stride_sn + g[None, :]
-    acc_gate = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-    num_groups = K // 32
-    for g0 in tl.range(0, num_groups, GROUPS, num_stages=NUM_STAGES):
-        g_ok = g0 + g < num_groups
-        x0, x1, x2, x3, x4, x5, x6, x7 = _x_groups(x_row, g0 + g, g_ok, X_SHIFT)
-        word_mask = n_ok[:, None, None] & g_ok[None, :, None]
-        scale_mask = n_ok[:, None] & g_ok[None, :]
-        step_words, step_scales = gate_words + g0 * 4, gate_scales + g0
-        acc_gate += _mx_group_sums(step_words, step_scales, word_mask, scale_mask, x0, x1, x2, x3, x4, x5, x6, x7,
-                                   NATIVE)
-        acc_up += _mx_group_sums(step_words + N * stride_wn, step_scales + N * stride_sn, word_mask, scale_mask,
-                                 x0, x1, x2, x3, x4, x5, x6, x7, NATIVE)
-    bias_row = bias_ptr + expert * stride_bias + offs_n
-    gate = tl.sum(acc_gate, 1) + tl.load(bias_row, mask=n_ok, other=0.0).to(tl.float32)
-    up = tl.sum(acc_up, 1) + tl.load(bias_row + N, mask=n_ok, other=0.0).to(tl.float32)
-    # For the down kernel: fp32 times the pair's routing weight and X_SHIFT, stored code-major
-    # (`_x_planes`).
-    coeff = tl.sum(tl.where(slots == pair - token * TOP_K, coeffs, 0.0)) * X_SHIFT
-    tl.store(out_ptr + pair * stride_om + (offs_n % 8) * (N // 8) + offs_n // 8,
-             _clamped_swiglu(gate, up, alpha, limit) * coeff, mask=n_ok)
-
-
-@triton.jit
-def _mx_pair_down_kernel(act_ptr, words_ptr, scales_ptr, bias_ptr, ids_ptr, weights_ptr, logits_ptr, out_ptr, N, K,
-                         stride_l, num_experts, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_bias,
-                         stride_om, TOP_K: tl.constexpr, BLOCK_TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                         RENORMALIZE: tl.constexpr, FROM_LOGITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                         GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
-    """out[token, n] = sum over the token's k pairs, in slot order, of down[e] @ act[pair] + weight *
-    down_bias[e], act the gate/up kernel's (weighted). One flat loop over slot and K, as moe_pairs'
-    down kernel (its doc says why)."""
-    grid_dependency(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    slots, experts, coeffs = _routes(ids_ptr, weights_ptr, logits_ptr, stride_l, num_experts, token, TOP_K,
-                                     BLOCK_TOP_K, BLOCK_E, RENORMALIZE, FROM_LOGITS)
-    g = tl.arange(0, GROUPS)
-    row_words = _word_offsets(offs_n, stride_wn, g)
-    num_groups = K // 32
-    g_steps = tl.cdiv(num_groups, GROUPS)
-    acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-    for step in tl.range(0, TOP_K * g_steps, num_stages=NUM_STAGES):
-        slot = step // g_steps
-        expert = tl.sum(tl.where(slots == slot, experts, 0))
-        g0 = (step - slot * g_steps) * GROUPS
-        g_ok = g0 + g < num_groups
-        # The activations come with the routing weight (and X_SHIFT) in them: a slot's products are
-        # weighted already.
-        x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(act_ptr + (token * TOP_K + slot) * stride_am, K // 8, g0 + g, g_ok)
-        scale_rows = offs_n[:, None] * stride_sn + (g0 + g)[None, :]
-        acc += _mx_group_sums(words_ptr + expert * stride_we + row_words + g0 * 4,
-                              scales_ptr + expert * stride_se + scale_rows, n_ok[:, None, None] & g_ok[None, :, None],
-                              n_ok[:, None] & g_ok[None, :], x0, x1, x2, x3, x4, x5, x6, x7, NATIVE)
-    out = tl.sum(acc, 1)
-    for slot in tl.static_range(TOP_K):
-        expert = tl.sum(tl.where(slots == slot, experts, 0))
-        bias = tl.load(bias_ptr + expert * stride_bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        out += tl.sum(tl.where(slots == slot, coeffs, 0.0)) * bias
-    tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -322,7 +130,7 @@ def _mx_moe_gemm_kernel(
     acc += tl.load(bias_row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
         acc_up += tl.load(bias_row + N, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        acc = _clamped_swiglu(acc, acc_up, alpha, limit)
+        acc = clamped_swiglu(acc, acc_up, alpha, limit)
     if WEIGHTED:
         acc *= tl.load(pair_weight_ptr + pairs, mask=row_ok, other=0.0)[:, None]
     out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -373,99 +181,6 @@ def _check_inputs(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_weights, t
         check_range("topk_ids", topk_ids, 0, num_experts)
 
 
-class PairConfig(NamedTuple):
-    block_n: int
-    groups: int
-    num_warps: int
-    num_stages: int
-
-
-# Packed weight bytes each pairs program keeps in flight: moe_pairs' tuned bf16 launches (~2.5 TB/s on
-# an H100) keep ~90 KB a SM in flight, ~16 KB a program at their ~6 programs a SM; at 4 KB a step the
-# MXFP4 GEMVs had one or two steps in flight (22-44 KB a SM) and read 1.1-1.2 TB/s on an H100 and on
-# an H200 alike, however few instructions their decode took: bound by loads in flight.
-IN_FLIGHT = 16 * 1024
-MAX_STAGES = 8
-
-
-def pair_config(rows: int, programs: int, k: int, device: torch.device, projections: int = 1) -> PairConfig:
-    """A pairs kernel's launch from its shape: column blocks narrowed (down to 4 rows) until the
-    grid reaches moe_pairs' TARGET_PROGRAMS, then as many groups a step as give each of the 4 warps'
-    threads one 16-byte vector of each of the `projections` it reads (BLOCK_N x GROUPS = 128), and
-    stages enough that IN_FLIGHT bytes of them are loading while one step computes (shared memory,
-    not registers). The interpreter pays per operation, not per element: there, tiles as large as
-    the tests' small matrices (fewer programs and steps)."""
-    if device.type == "cpu":
-        return PairConfig(min(64, triton.next_power_of_2(rows)), min(2, triton.next_power_of_2(k // GROUP)), 4, 1)
-    block_n = 32
-    while block_n > 4 and programs * triton.cdiv(rows, block_n) < TARGET_PROGRAMS:
-        block_n //= 2
-    groups = min(128 // block_n, triton.next_power_of_2(k // GROUP))
-    step_bytes = block_n * groups * GROUP // 2 * projections
-    return PairConfig(block_n, groups, 4, min(MAX_STAGES, 1 + triton.cdiv(IN_FLIGHT, step_bytes)))
-
-
-def _words(stack: Mxfp4Stack) -> torch.Tensor:
-    """The blocks as int32 words [E, N, K / 32, 4]: a group's 16 bytes are four words."""
-    return stack.blocks.view(torch.int32)
-
-
-class _Routing(NamedTuple):
-    """A pairs launch's routing: the top-k as given, or the router's logits, which the kernels
-    route themselves (`_routes`)."""
-
-    top_k: int
-    topk_weights: torch.Tensor | None = None
-    topk_ids: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    renormalize: bool = True
-
-    def args(self) -> tuple:
-        """(ids, weights, logits, logits' row stride, experts): unused pointers stand in as another."""
-        if self.logits is None:
-            return self.topk_ids, self.topk_weights, self.topk_ids, 0, 0
-        return self.logits, self.logits, self.logits, self.logits.stride(0), self.logits.shape[1]
-
-    def meta(self) -> dict:
-        num_experts = 1 if self.logits is None else self.logits.shape[1]
-        return dict(TOP_K=self.top_k, BLOCK_TOP_K=triton.next_power_of_2(self.top_k),
-                    BLOCK_E=triton.next_power_of_2(num_experts), RENORMALIZE=self.renormalize,
-                    FROM_LOGITS=self.logits is not None)
-
-
-def _by_pair(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, routing: _Routing, alpha, limit,
-             configs: tuple[PairConfig, PairConfig] | None = None) -> torch.Tensor:
-    num_tokens, top_k = hidden.shape[0], routing.top_k
-    hidden_size, inter = hidden.shape[1], gate_up.blocks.shape[1] // 2
-    native, pdl = hidden.device.type == "cuda", pdl_enabled(hidden.device)
-    up_cfg, down_cfg = configs or (pair_config(inter, num_tokens * top_k, hidden_size, hidden.device, projections=2),
-                                   pair_config(hidden_size, num_tokens, inter, hidden.device))
-    ids, weights, logits, stride_l, num_experts = routing.args()
-    activated = torch.empty(num_tokens * top_k, inter, dtype=torch.float32, device=hidden.device)
-    words = _words(gate_up)
-    _mx_pair_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, up_cfg.block_n))](
-        hidden, words, gate_up.scales, gate_up.bias, ids, weights, logits, activated, inter, hidden_size, stride_l,
-        num_experts, hidden.stride(0), words.stride(0), words.stride(1), *_strides(gate_up)[2:], activated.stride(0),
-        alpha, limit, **routing.meta(), BLOCK_N=up_cfg.block_n, GROUPS=up_cfg.groups, NUM_STAGES=up_cfg.num_stages,
-        NATIVE=native, PDL=pdl, num_warps=up_cfg.num_warps, launch_pdl=pdl,
-    )
-    out = torch.empty_like(hidden)
-    words = _words(down)
-    _mx_pair_down_kernel[(num_tokens, triton.cdiv(hidden_size, down_cfg.block_n))](
-        activated, words, down.scales, down.bias, ids, weights, logits, out, hidden_size, inter, stride_l,
-        num_experts, activated.stride(0), words.stride(0), words.stride(1), *_strides(down)[2:], out.stride(0),
-        **routing.meta(), BLOCK_N=down_cfg.block_n, GROUPS=down_cfg.groups, NUM_STAGES=down_cfg.num_stages,
-        NATIVE=native, PDL=pdl, num_warps=down_cfg.num_warps, launch_pdl=pdl,
-    )
-    return out
-
-
-def _strides(stack: Mxfp4Stack) -> tuple[int, ...]:
-    """Expert and row strides of the blocks (in bytes) and scales, and the bias's expert stride."""
-    blocks, scales, bias = stack
-    return blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1), bias.stride(0)
-
-
 def _gemm_tiles(n: int, device: torch.device) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) of the sorted path. The interpreter pays per operation, not per element:
     there, tiles as wide as the tests' small matrices (fewer programs and K steps)."""
@@ -481,7 +196,7 @@ def _expert_gemm(a, stack: Mxfp4Stack, routing, a_rows_per_pair, topk_weights, a
     out = torch.empty(routing.num_pairs, n, dtype=a.dtype, device=a.device)
     _mx_moe_gemm_kernel[(routing.sorted_pairs.numel() // routing.block_m, triton.cdiv(n, block_n))](
         a, stack.blocks, stack.scales, stack.bias, out, topk_weights, routing.sorted_pairs, routing.block_expert,
-        routing.num_padded, routing.num_pairs, n, k, a_rows_per_pair, a.stride(0), *_strides(stack), out.stride(0),
+        routing.num_padded, routing.num_pairs, n, k, a_rows_per_pair, a.stride(0), *strides(stack), out.stride(0),
         alpha, limit, BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, WEIGHTED=not gated,
         DOT_DTYPE=dot_dtype(a.dtype, a.device), num_warps=4, num_stages=3,
         # fp16 activations would overflow at 2^64: their weight tiles take the shift (a multiply more).
@@ -514,7 +229,7 @@ def mxfp4_moe(hidden: torch.Tensor, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_
         path = "pairs" if num_tokens * top_k <= gate_up.blocks.shape[0] // 2 else "sorted"
     require(path in ("pairs", "sorted"), f"path must be 'pairs' or 'sorted', got {path!r}")
     if path == "pairs":
-        return _by_pair(hidden, gate_up, down, _Routing(top_k, topk_weights, topk_ids), float(alpha), float(limit),
+        return by_pair(hidden, gate_up, down, Routing(top_k, topk_weights, topk_ids), float(alpha), float(limit),
                         pair_configs)
     return _sorted(hidden, gate_up, down, topk_weights, topk_ids, float(alpha), float(limit))
 
@@ -535,7 +250,7 @@ def routed_mxfp4_moe(hidden: torch.Tensor, router_logits: torch.Tensor, gate_up:
     if 0 < num_tokens * top_k <= num_experts // 2:
         _check_experts(hidden, gate_up, down)
         check_same_device(hidden=hidden, router_logits=router_logits)
-        return _by_pair(hidden, gate_up, down, _Routing(top_k, logits=router_logits, renormalize=renormalize),
+        return by_pair(hidden, gate_up, down, Routing(top_k, logits=router_logits, renormalize=renormalize),
                         float(alpha), float(limit))
     topk_weights, topk_ids = topk_softmax(router_logits, top_k, renormalize)
     return mxfp4_moe(hidden, gate_up, down, topk_weights, topk_ids, alpha, limit, check_indices=False)
