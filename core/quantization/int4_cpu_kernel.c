@@ -20,7 +20,7 @@
 //   (int4_cpu_amx.c: 16 rows by 16 outputs by 32 inputs an instruction). Both give the same exact
 //   integers and combine groups by the same fp32 epilogue in the same order, so a row's bits do not
 //   depend on which one ran it. int8 activations alone (llama.cpp's Q8 ones) would halve the byte
-//   products but moved SmolLM2's logits by 0.19 on average (docs/performance.md, "C2 ...").
+//   products but moved SmolLM2's logits by 0.19 on average (docs/performance.md, "C2 at 16 rows").
 // - otherwise (AVX2 and others, `grouped_layout() == 0`): each group is dequantized once per row
 //   block, w = q * s + z in fp32, and multiply-added in input order on fp32 activations.
 //
