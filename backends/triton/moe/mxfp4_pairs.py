@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..gemm.gemv_configs import device_sms
 from ..pdl import grid_dependency, pdl_enabled
 from .fused_moe import topk_route
 from .moe_pairs import TARGET_PROGRAMS, token_routes
@@ -196,15 +197,20 @@ class PairConfig(NamedTuple):
 # an H200 alike, however few instructions their decode took: bound by loads in flight.
 IN_FLIGHT = 16 * 1024
 MAX_STAGES = 8
+# Shared memory the staged loads of one wave's programs may take a SM (Hopper has 228 KB): more
+# stages than fit would leave programs for a second wave.
+SMEM_BUDGET = 200 * 1024
 
 
-def pair_config(rows: int, programs: int, k: int, device: torch.device, projections: int = 1) -> PairConfig:
+def pair_config(rows: int, programs: int, k: int, device: torch.device, projections: int = 1,
+                x_itemsize: int = 4) -> PairConfig:
     """A pairs kernel's launch from its shape: column blocks narrowed (down to 4 rows) until the
     grid reaches moe_pairs' TARGET_PROGRAMS, then as many groups a step as give each of the 4 warps'
     threads one 16-byte vector of each of the `projections` it reads (BLOCK_N x GROUPS = 128), and
     stages enough that IN_FLIGHT bytes of them are loading while one step computes (shared memory,
-    not registers). The interpreter pays per operation, not per element: there, tiles as large as
-    the tests' small matrices (fewer programs and steps)."""
+    not registers), as many as the grid's programs a SM can stage within SMEM_BUDGET (a step stages
+    its words and its activations, `x_itemsize` bytes each). The interpreter pays per operation, not
+    per element: there, tiles as large as the tests' small matrices (fewer programs and steps)."""
     if device.type == "cpu":
         return PairConfig(min(64, triton.next_power_of_2(rows)), min(2, triton.next_power_of_2(k // GROUP)), 4, 1)
     block_n = 32
@@ -212,7 +218,9 @@ def pair_config(rows: int, programs: int, k: int, device: torch.device, projecti
         block_n //= 2
     groups = min(128 // block_n, triton.next_power_of_2(k // GROUP))
     step_bytes = block_n * groups * GROUP // 2 * projections
-    return PairConfig(block_n, groups, 4, min(MAX_STAGES, 1 + triton.cdiv(IN_FLIGHT, step_bytes)))
+    per_sm = triton.cdiv(programs * triton.cdiv(rows, block_n), device_sms(device))
+    staged = SMEM_BUDGET // per_sm // (step_bytes + groups * GROUP * x_itemsize)
+    return PairConfig(block_n, groups, 4, max(2, min(MAX_STAGES, 1 + triton.cdiv(IN_FLIGHT, step_bytes), staged)))
 
 
 def _words(stack: Mxfp4Stack) -> torch.Tensor:
@@ -248,7 +256,8 @@ def by_pair(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, routing: Routing, alp
     num_tokens, top_k = hidden.shape[0], routing.top_k
     hidden_size, inter = hidden.shape[1], gate_up.blocks.shape[1] // 2
     native, pdl = hidden.device.type == "cuda", pdl_enabled(hidden.device)
-    up_cfg, down_cfg = configs or (pair_config(inter, num_tokens * top_k, hidden_size, hidden.device, projections=2),
+    up_cfg, down_cfg = configs or (pair_config(inter, num_tokens * top_k, hidden_size, hidden.device, projections=2,
+                                               x_itemsize=hidden.element_size()),
                                    pair_config(hidden_size, num_tokens, inter, hidden.device))
     ids, weights, logits, stride_l, num_experts = routing.args()
     activated = torch.empty(num_tokens * top_k, inter, dtype=torch.float32, device=hidden.device)
