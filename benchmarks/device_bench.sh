@@ -233,10 +233,11 @@ stage_w12() {  # disaggregated prefill/decode (two GPUs): W5's online load with 
   corectl bench serve --base-url http://127.0.0.1:8031 "${args[@]}" --save-result "$RES/${base}_dp2.json" \
     | grep -E "Mean|P99|Median|throughput"
   stop_server
-  echo "== 1 prefill + 1 decode"
-  w12_pair "$base" pd "${args[@]}"
-  echo "== 1 prefill + 1 decode, --max-prefill-queue ${W12_PREFILL_QUEUE:-4}"
-  w12_pair "$base" pdq "${args[@]}"
+  local kind
+  for kind in ${W12_PAIRS:-pd pdq}; do  # W12_PAIRS=pdq: the conditional pair alone
+    echo "== 1 prefill + 1 decode ($kind)"
+    w12_pair "$base" "$kind" "${args[@]}"
+  done
 }
 w12_pair() {  # BASE KIND BENCH_ARGS...: a prefill and a decode instance behind the proxy (KIND pdq: conditional)
   local base=$1 kind=$2 prefill decode proxy gpus proxy_flags=() decode_flags=()
@@ -252,8 +253,9 @@ w12_pair() {  # BASE KIND BENCH_ARGS...: a prefill and a decode instance behind 
   CUDA_VISIBLE_DEVICES=${gpus[1]} TAG=${base}_${kind}_decode serve 8033 llama3-8b \
     --kv-transfer-config "$(printf "$kv" kv_consumer $port)" "${decode_flags[@]}"
   decode=$SERVER
-  corectl proxy --prefill http://127.0.0.1:8032 --decode http://127.0.0.1:8033 --port 8034 "${proxy_flags[@]}" \
-    > "$RES/${base}_${kind}_proxy.log" 2>&1 &
+  # Not through the corectl() function: $! must be the proxy's own process for the kill below.
+  python3 -m corectl.server.cli proxy --prefill http://127.0.0.1:8032 --decode http://127.0.0.1:8033 --port 8034 \
+    "${proxy_flags[@]}" > "$RES/${base}_${kind}_proxy.log" 2>&1 &
   proxy=$!
   for _ in $(seq 60); do curl -sf http://127.0.0.1:8034/health >/dev/null && break; sleep 1; done
   corectl bench serve --base-url http://127.0.0.1:8034 "$@" --save-result "$RES/${base}_$kind.json" \
