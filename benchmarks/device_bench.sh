@@ -210,16 +210,6 @@ stage_w13() {  # pipeline parallelism (two GPUs): W1's workload and W2's batch-1
       --save-result "$RES/${TAG}_w2${size// /}.json" | grep TPOT
   done
 }
-stage_w13mb() {  # W1 at PP = 2 with one micro-batch a stage (2) against one more (3, CORECTL_PP_MICRO_BATCHES), alternating
-  local pass mb
-  for pass in 1 2; do
-    for mb in 2 3; do
-      echo "== pass $pass: llama3-8b -pp 2, $mb micro-batches"
-      CORECTL_PP_MICRO_BATCHES=$mb bench throughput --model llama3-8b --num-prompts 256 --input-len 512 --output-len 128 -pp 2 \
-        --save-result "$RES/${TAG}_pp2_mb${mb}_$pass.json" | grep Throughput
-    done
-  done
-}
 stage_w12() {  # disaggregated prefill/decode (two GPUs): W5's online load with 4,096-token prompts at c64, DP = 2
   # against one prefill (GPU 0) and one decode instance (GPU 1) behind `corectl proxy`, blocks over NCCL, then
   # the same pair with conditional disaggregation (the proxy's --max-prefill-queue ${W12_PREFILL_QUEUE:-4}: a prompt

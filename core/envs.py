@@ -45,18 +45,6 @@ def custom_allreduce_enabled() -> bool:
     return _switch("CORECTL_CUSTOM_ALLREDUCE", True)
 
 
-def pipeline_micro_batches(stages: int) -> int:
-    """Micro-batches in flight under pipeline parallelism: CORECTL_PP_MICRO_BATCHES, else one a stage.
-    One more than the stages keeps a step queued at the first stage while the host handles the
-    oldest step's outputs (for measurement: `docs/distributed.md`, W13)."""
-    value = os.environ.get("CORECTL_PP_MICRO_BATCHES", "")
-    if not value:
-        return stages
-    if not value.isdigit() or int(value) < stages:
-        raise ValueError(f"CORECTL_PP_MICRO_BATCHES={value!r}: a whole number of at least the {stages} stages")
-    return int(value)
-
-
 def fp8_fast_accum() -> bool:
     """CORECTL_FP8_FAST_ACCUM=0 makes the FP8 W8A8 GEMMs (`torch._scaled_mm`) promote their partial
     sums to fp32 periodically instead of accumulating in the tensor cores' own precision."""

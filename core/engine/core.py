@@ -20,7 +20,6 @@ import logging
 import time
 from collections import deque
 
-from .. import envs
 from ..config import EngineConfig
 from ..discovery import (
     resolve_attention_backend,
@@ -311,7 +310,7 @@ def steps_in_flight(config: EngineConfig, async_scheduling: bool) -> int:
     async, and one fewer than the pipeline stages (at least one) with stages, whatever the
     scheduling: the step launched next makes a micro-batch per stage."""
     if config.pipeline_parallel_size > 1:
-        return max(1, envs.pipeline_micro_batches(config.pipeline_parallel_size) - 1)
+        return max(1, config.pipeline_parallel_size - 1)
     return 1 if async_scheduling else 0
 
 

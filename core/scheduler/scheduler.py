@@ -22,8 +22,7 @@ on resume). A request whose tokens in flight will end it by length is not schedu
 
 Pipeline parallelism (`pipeline_stages` > 1): a step never takes a request that an earlier step in
 flight holds, and takes at most its share of the requests (`ceil(min(running + waiting,
-max_num_seqs) / micro-batches)`, one micro-batch a stage unless `CORECTL_PP_MICRO_BATCHES`
-says more), so the steps in flight are micro-batches of different requests that
+max_num_seqs) / stages)`), so the steps in flight are micro-batches of different requests that
 fill the stages. Each continuing request's tokens travel with its step (`new_token_ids`): the
 stages before the last never see the ids the last one samples.
 
@@ -36,7 +35,6 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from .. import envs
 from ..config import EngineConfig
 from ..engine.messages import EngineCoreOutput, SchedulerStats
 from ..errors import ConfigError, QueueFullError
@@ -125,9 +123,8 @@ class Scheduler:
         spec = config.speculative_config
         # Speculative decoding (n-gram drafts; see corectl/spec_decode/scheduling.py).
         self.drafts = None if spec is None or self.pooling else DraftPlanner(spec, max_model_len)
-        # Pipeline parallelism: micro-batches in flight (one a stage by default), each of other requests.
+        # Pipeline parallelism: as many micro-batches in flight as stages, each of other requests.
         self.pipeline_stages = config.pipeline_parallel_size
-        self.micro_batches = envs.pipeline_micro_batches(self.pipeline_stages)
         # Which images the worker's encoder cache holds (corectl/multimodal/cache_manager.py).
         self.encoder_cache = EncoderCacheManager(ENCODER_CACHE_ROWS)
 
@@ -219,7 +216,7 @@ class Scheduler:
         if self.pipeline_stages == 1:
             return None
         active = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
-        return max(1, -(-active // self.micro_batches))
+        return max(1, -(-active // self.pipeline_stages))
 
     def _schedule_running(self, plan: StepPlan) -> None:
         index = 0
