@@ -95,8 +95,10 @@ def _routes(ids_ptr, weights_ptr, logits_ptr, stride_l, num_experts, token, TOP_
     if FROM_LOGITS:
         slots, coeffs, experts = topk_route(logits_ptr + token * stride_l, num_experts, TOP_K, RENORMALIZE, BLOCK_E,
                                             BLOCK_TOP_K)
-        return slots, experts.to(tl.int64), coeffs
-    return token_routes(ids_ptr, weights_ptr, token, TOP_K, BLOCK_TOP_K)
+        experts = experts.to(tl.int64)
+    else:
+        slots, experts, coeffs = token_routes(ids_ptr, weights_ptr, token, TOP_K, BLOCK_TOP_K)
+    return slots, experts, coeffs.to(tl.float32)
 
 
 @triton.jit
