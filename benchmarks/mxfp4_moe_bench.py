@@ -73,8 +73,7 @@ def sweep(layers) -> None:
     device = torch.device("cuda")
     for tokens in SWEEP_TOKENS:
         hidden, weights, ids = routed(tokens)
-        rule = (pair_config(INTER, tokens * TOP_K, HIDDEN, device, projections=2, x_itemsize=2),
-                pair_config(HIDDEN, tokens, INTER, device))
+        rule = (pair_config(INTER, tokens * TOP_K, HIDDEN, device), pair_config(HIDDEN, tokens, INTER, device))
         for kernel, rows, k in (("gate_up", INTER, HIDDEN), ("down", HIDDEN, INTER)):
             cells = []
             for cfg in candidates(rows, k):

@@ -13,7 +13,7 @@ import triton.language as tl
 from ..gemm.gemv_configs import device_sms
 from ..pdl import grid_dependency, pdl_enabled
 from .fused_moe import topk_route
-from .moe_pairs import TARGET_PROGRAMS, token_routes
+from .moe_pairs import token_routes
 from .mxfp4_decode import GROUP, X_SHIFT, Mxfp4Stack, clamped_swiglu, decode_words, strides
 
 
@@ -193,36 +193,27 @@ class PairConfig(NamedTuple):
     num_stages: int
 
 
-# Packed weight bytes each pairs program keeps in flight: moe_pairs' tuned bf16 launches (~2.5 TB/s on
-# an H100) keep ~90 KB a SM in flight, ~16 KB a program at their ~6 programs a SM; at 4 KB a step the
-# MXFP4 GEMVs had one or two steps in flight (22-44 KB a SM) and read 1.1-1.2 TB/s on an H100 and on
-# an H200 alike, however few instructions their decode took: bound by loads in flight.
-IN_FLIGHT = 16 * 1024
-MAX_STAGES = 8
-# Shared memory the staged loads of one wave's programs may take a SM (Hopper has 228 KB): more
-# stages than fit would leave programs for a second wave.
-SMEM_BUDGET = 200 * 1024
+# Programs a SM the pairs launch aims for: short programs (a few K steps each), many of them, read
+# the experts fastest. An H100's sweep (2026-11-27, call 4; us a layer, both kernels): at 1 token
+# gate/up in 4-row blocks (2,880 programs) 47.3 against 53.6 in 16-row ones (720) and 62 in 32-row
+# ones; at 2 tokens 8-row blocks (2,880) 87.6 against 93.6-101.8; the down kernel best in 4-row
+# blocks at 1, 2 and 4 tokens (the narrowest it takes); at 4 tokens on an H200, gate/up in 16-row
+# blocks (2,880) 164 against 166-209 for the others. Stages 1-3 moved the 1-2 token ones under 5%.
+PROGRAMS_PER_SM = 21
 
 
-def pair_config(rows: int, programs: int, k: int, device: torch.device, projections: int = 1,
-                x_itemsize: int = 4) -> PairConfig:
+def pair_config(rows: int, programs: int, k: int, device: torch.device) -> PairConfig:
     """A pairs kernel's launch from its shape: column blocks narrowed (down to 4 rows) until the
-    grid reaches moe_pairs' TARGET_PROGRAMS, then as many groups a step as give each of the 4 warps'
-    threads one 16-byte vector of each of the `projections` it reads (BLOCK_N x GROUPS = 128), and
-    stages enough that IN_FLIGHT bytes of them are loading while one step computes (shared memory,
-    not registers), as many as the grid's programs a SM can stage within SMEM_BUDGET (a step stages
-    its words and its activations, `x_itemsize` bytes each). The interpreter pays per operation, not
-    per element: there, tiles as large as the tests' small matrices (fewer programs and steps)."""
+    grid reaches PROGRAMS_PER_SM programs a SM, then as many groups a step as give each of the 4
+    warps' threads one 16-byte vector of a projection's words (BLOCK_N x GROUPS = 128), 3 stages.
+    The interpreter pays per operation, not per element: there, tiles as large as the tests' small
+    matrices (fewer programs and steps)."""
     if device.type == "cpu":
         return PairConfig(min(64, triton.next_power_of_2(rows)), min(2, triton.next_power_of_2(k // GROUP)), 4, 1)
     block_n = 32
-    while block_n > 4 and programs * triton.cdiv(rows, block_n) < TARGET_PROGRAMS:
+    while block_n > 4 and programs * triton.cdiv(rows, block_n) < PROGRAMS_PER_SM * device_sms(device):
         block_n //= 2
-    groups = min(128 // block_n, triton.next_power_of_2(k // GROUP))
-    step_bytes = block_n * groups * GROUP // 2 * projections
-    per_sm = triton.cdiv(programs * triton.cdiv(rows, block_n), device_sms(device))
-    staged = SMEM_BUDGET // per_sm // (step_bytes + groups * GROUP * x_itemsize)
-    return PairConfig(block_n, groups, 4, max(2, min(MAX_STAGES, 1 + triton.cdiv(IN_FLIGHT, step_bytes), staged)))
+    return PairConfig(block_n, min(128 // block_n, triton.next_power_of_2(k // GROUP)), 4, 3)
 
 
 def _words(stack: Mxfp4Stack) -> torch.Tensor:
@@ -258,8 +249,7 @@ def by_pair(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, routing: Routing, alp
     num_tokens, top_k = hidden.shape[0], routing.top_k
     hidden_size, inter = hidden.shape[1], gate_up.blocks.shape[1] // 2
     native, pdl = hidden.device.type == "cuda", pdl_enabled(hidden.device)
-    up_cfg, down_cfg = configs or (pair_config(inter, num_tokens * top_k, hidden_size, hidden.device, projections=2,
-                                               x_itemsize=hidden.element_size()),
+    up_cfg, down_cfg = configs or (pair_config(inter, num_tokens * top_k, hidden_size, hidden.device),
                                    pair_config(hidden_size, num_tokens, inter, hidden.device))
     ids, weights, logits, stride_l, num_experts = routing.args()
     activated = torch.empty(num_tokens * top_k, inter, dtype=torch.float32, device=hidden.device)
