@@ -21,6 +21,7 @@ import datetime
 import logging
 import threading
 import time
+from collections import OrderedDict
 from urllib.parse import urlparse
 
 import torch
@@ -38,8 +39,11 @@ from .timing import PhaseTimes, TransferStamps
 logger = logging.getLogger("corectl.kv_transfer")
 _REQUEST, _HEADER, _PAYLOAD = 1, 2, 3
 _ID_WORDS = MAX_TRANSFER_ID // 8
-# A header: found (1/0), the element size, then the blocks' six dimensions.
+# A header: found (1; 0 never saved; _DROPPED dropped unfetched), the element size, the blocks' six dimensions.
 _HEADER_LEN = 8
+# Ids of saves dropped unfetched that a producer remembers, so a consumer asking for one learns at once.
+_GONE_IDS = 4096
+_DROPPED = -1
 # How often a consumer looks whether NCCL finished receiving (the thread sleeps between looks).
 _POLL_S = 0.0002
 # Set at interpreter exit: a producer whose consumer went away then stops instead of waiting again
@@ -93,6 +97,9 @@ class TorchDistributedWorker(StagedTransferWorker):
         self.serve_times = PhaseTimes("serve", ("wait for save", "send"), moving="send")
         # Producer: blocks by transfer id, with when they were saved.
         self._saved: dict[str, tuple[torch.Tensor, float]] = {}
+        # Producer: ids dropped unfetched (past the cap or the TTL): asked for, they fail at once
+        # instead of holding the one serving thread (and every transfer behind it) for load_timeout_s.
+        self._gone: OrderedDict[str, None] = OrderedDict()
         self._cond = threading.Condition()
         if config.kv_role == "kv_producer":
             threading.Thread(target=self._serve_forever, name="corectl-kv-serve", daemon=True).start()
@@ -114,7 +121,7 @@ class TorchDistributedWorker(StagedTransferWorker):
         now = time.monotonic()
         with self._cond:
             for stale in [key for key, (_, saved) in self._saved.items() if now - saved > self.ttl_s]:
-                del self._saved[stale]
+                self._forget(stale)
             self._saved[transfer_id] = (blocks, now)
             self._drop_oldest_past_cap()
             self._cond.notify_all()
@@ -124,16 +131,26 @@ class TorchDistributedWorker(StagedTransferWorker):
         held = sum(t.numel() * t.element_size() for t, _ in self._saved.values())
         while held > self.max_saved_bytes and len(self._saved) > 1:
             transfer_id, (dropped, _) = next(iter(self._saved.items()))
-            del self._saved[transfer_id]
+            self._forget(transfer_id)
             held -= dropped.numel() * dropped.element_size()
             logger.warning("KV transfer %s dropped unfetched: saves held past max_saved_bytes=%d (the decode "
                            "instance recomputes that prompt)", transfer_id, self.max_saved_bytes)
 
-    def _take(self, transfer_id: str) -> torch.Tensor | None:
+    def _forget(self, transfer_id: str) -> None:
+        """Drop a save unfetched (the caller holds `_cond`), remembering its id."""
+        del self._saved[transfer_id]
+        self._gone[transfer_id] = None
+        if len(self._gone) > _GONE_IDS:
+            self._gone.popitem(last=False)
+
+    def _take(self, transfer_id: str) -> torch.Tensor | bool:
+        """The blocks saved under `transfer_id`, waiting up to load_timeout_s for them; False if they
+        were dropped unfetched, True if they never came."""
         with self._cond:
-            self._cond.wait_for(lambda: transfer_id in self._saved, timeout=self.load_timeout_s)
+            self._cond.wait_for(lambda: transfer_id in self._saved or transfer_id in self._gone,
+                                timeout=self.load_timeout_s)
             entry = self._saved.pop(transfer_id, None)
-        return None if entry is None else entry[0]
+            return entry[0] if entry is not None else transfer_id not in self._gone
 
     def _serve_forever(self) -> None:
         while not (self._closed or _exiting.is_set()):
@@ -154,8 +171,10 @@ class TorchDistributedWorker(StagedTransferWorker):
         transfer_id, first, count = _decode_request(request)
         stamps = TransferStamps(transfer_id)
         blocks = self._take(transfer_id)
-        if blocks is None or blocks.shape[2] < first + count:
-            control.send([torch.zeros(_HEADER_LEN, dtype=torch.int64)], 1, _HEADER).wait()
+        if not isinstance(blocks, torch.Tensor) or blocks.shape[2] < first + count:
+            missing = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+            missing[0] = _DROPPED if blocks is False else 0
+            control.send([missing], 1, _HEADER).wait()
             return
         stamps.stamp()
         with self._on_stream(blocks):
@@ -191,6 +210,9 @@ class TorchDistributedWorker(StagedTransferWorker):
         header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
         control.recv([header], 0, _HEADER).wait()
         found, element_size, *shape = header.tolist()
+        if found == _DROPPED:
+            raise LookupError(f"the producer dropped the blocks of {transfer.transfer_id!r} unfetched "
+                              "(held past max_saved_bytes or ttl_s)")
         if not found:
             raise LookupError(f"the producer holds no blocks under {transfer.transfer_id!r}")
         if element_size != torch.empty((), dtype=self.dtype).element_size():

@@ -117,16 +117,19 @@ def test_transfers_log_where_their_time_goes(shm_pair, reference, monkeypatch, c
     assert re.search(r"KV load timing over \d+ transfers .*fetch at [\d.]+ GB/s", summaries)
 
 
-def test_saves_past_the_producers_cap_are_dropped_and_recomputed(torch_pair, reference, monkeypatch):
+def test_saves_past_the_producers_cap_are_dropped_and_recomputed(torch_pair, reference, monkeypatch, caplog):
     """A producer holds at most `max_saved_bytes` of saves nobody fetched yet: past it the oldest
     go (only the newest save is kept under a 1-byte cap), and the decode instance recomputes those
-    prompts with the same tokens."""
+    prompts with the same tokens. Asked for a dropped save, the producer says so at once (its one
+    serving thread does not wait load_timeout_s for blocks that will not come)."""
     producer, consumer = torch_pair
     worker = producer.engine.executor.worker.kv_connector
     monkeypatch.setattr(worker, "max_saved_bytes", 1)
-    monkeypatch.setattr(worker, "load_timeout_s", 0.3)
+    monkeypatch.setattr(worker, "load_timeout_s", 600.0)
     before = consumer.engine.scheduler.make_stats()
-    assert _disaggregate(producer, consumer, "capped") == reference
+    with caplog.at_level(logging.WARNING, logger="corectl.kv_transfer"):
+        assert _disaggregate(producer, consumer, "capped") == reference
+    assert sum("dropped the blocks of" in r.getMessage() for r in caplog.records) == len(PROMPTS) - 1
     stats = consumer.engine.scheduler.make_stats()
     assert stats.kv_load_failures - before.kv_load_failures == len(PROMPTS) - 1
     # The newest prompt arrived (past what an earlier test left in the consumer's prefix cache).
