@@ -106,3 +106,45 @@ def test_bad_shapes_are_refused():
         mxfp4_moe(hidden, gate_up, down._replace(blocks=down.blocks[:, :32].contiguous()), weights, ids, ALPHA, LIMIT)
     with pytest.raises(ValueError, match="gate_up_scales must be a contiguous 3-dimensional uint8"):
         mxfp4_moe(hidden, gate_up._replace(scales=gate_up.scales.float()), down, weights, ids, ALPHA, LIMIT)
+
+
+_COMPILE_FOR_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import torch
+from corectl.backends.triton.moe import mxfp4_pairs as pairs
+pairs.device_sms = lambda device: 132
+for routed in (True, False):
+    ids, weights = ("*bf16", "*bf16") if routed else ("*i32", "*fp32")
+    routing = dict(ids_ptr=ids, weights_ptr=weights, logits_ptr="*bf16", out_ptr=None, N="i32", K="i32", stride_l="i32",
+                   num_experts="i32")
+    for kernel, x, out, rows, programs in ((pairs._mx_pair_gate_up_kernel, "x_ptr", "*fp32", 2880, 4),
+                                           (pairs._mx_pair_down_kernel, "act_ptr", "*bf16", 2880, 1)):
+        cfg = pairs.pair_config(rows, programs, 2880, torch.device("cuda"))
+        meta = dict(TOP_K=4, BLOCK_TOP_K=4, BLOCK_E=32, RENORMALIZE=True, FROM_LOGITS=routed, BLOCK_N=cfg.block_n,
+                    GROUPS=cfg.groups, NUM_STAGES=cfg.num_stages, NATIVE=True, PDL=True)
+        names = kernel.arg_names
+        types = {x: "*bf16" if x == "x_ptr" else "*fp32", "words_ptr": "*i32", "scales_ptr": "*u8", "bias_ptr": "*bf16",
+                 **routing, "out_ptr": out, "alpha": "fp32", "limit": "fp32"}
+        signature = {name: "constexpr" if name in meta else types.get(name, "i32") for name in names}
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=meta),
+                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps))
+        assert compiled.asm["cubin"]
+print("compiled")
+"""
+
+
+def test_pairs_kernels_compile_for_sm90_with_their_ptx():
+    """The pairs kernels' GPU form, which the interpreter never runs (the inline-PTX decode, PDL,
+    routing from bf16 logits or from given ids and weights), through Triton's front end and ptxas
+    for an H100 at the rule's 1-token launch: a kernel that does not compile fails here, not on the
+    device."""
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
