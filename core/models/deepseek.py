@@ -123,10 +123,9 @@ class DeepseekMoE(UsesLayerKernels, nn.Module):
         self.shared_experts = GatedMLP(SimpleNamespace(hidden_size=config.hidden_size, intermediate_size=width))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        router = self.kernels.router_logits if self.kernels is not None else None
-        # The installed router kernel (decode sizes: one GEMV launch, where cuBLAS's fp32 GEMV is a
-        # dot and a reduce) on the same fp32 operands as the router's own linear.
-        logits = self.gate(hidden) if router is None else router(hidden.float(), self.gate.weight.float())
+        # fp32 operands, as the router's own linear takes (decode sizes: one GEMV launch, where
+        # cuBLAS's fp32 GEMV is a dot and a reduce).
+        logits = self.router_forward(self.gate, hidden, dtype=torch.float32)
         return self.experts(hidden, logits) + self.shared_experts(hidden)
 
 

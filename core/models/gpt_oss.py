@@ -105,9 +105,7 @@ class GptOssMoE(UsesLayerKernels, nn.Module):
         self.experts = GptOssExperts(config)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        router = self.kernels.router_logits if self.kernels is not None else None
-        logits = self.router(hidden) if router is None else router(hidden, self.router.weight, self.router.bias)
-        return self.experts(hidden, logits)
+        return self.experts(hidden, self.router_forward(self.router, hidden))
 
 
 class GptOssForCausalLM(LlamaForCausalLM):

@@ -84,6 +84,21 @@ class UsesLayerKernels:
             return None
         return kernels.dense_linear(x, weight, bias, gated)
 
+    def router_forward(self, router: torch.nn.Module, hidden: torch.Tensor,
+                       dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A mixture-of-experts router's logits: the installed `router_logits` on the router's own
+        weight and bias (both operands in `dtype` when given), or the router module itself where no
+        kernel is installed or a platform swapped the module for its own GEMM (the CPU's prepacked
+        linear keeps no `weight`)."""
+        kernel = self.kernels.router_logits if self.kernels is not None else None
+        weight = getattr(router, "weight", None)
+        if kernel is None or weight is None:
+            return router(hidden)
+        if dtype is not None:
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = getattr(router, "bias", None)
+        return kernel(hidden, weight) if bias is None else kernel(hidden, weight, bias)
+
     def dense_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T + bias: the installed `dense_linear` where it takes the shape, else F.linear."""
         out = self.dense_kernel(x, weight, bias)

@@ -253,12 +253,7 @@ class SparseMoeBlock(UsesLayerKernels, nn.Module):
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, top_k, renormalize)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        router = self.kernels.router_logits if self.kernels is not None else None
-        # A platform that swapped the router's module (the CPU's prepacked linear, which keeps no
-        # `weight`) keeps that module's GEMM.
-        weight = getattr(self.gate, "weight", None)
-        logits = self.gate(hidden) if router is None or weight is None else router(hidden, weight)
-        return self.experts(hidden, logits)
+        return self.experts(hidden, self.router_forward(self.gate, hidden))
 
 
 def load_moe_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
