@@ -29,6 +29,10 @@ class TransferStamps:
     def stamp(self) -> None:
         self.times.append(time.monotonic())
 
+    def spans(self) -> list[float]:
+        """Seconds between consecutive stamps: one per phase."""
+        return [b - a for a, b in zip(self.times, self.times[1:])]
+
 
 class PhaseTimes:
     """The finished transfers of one direction: `phases` names the intervals between their stamps;
@@ -43,10 +47,9 @@ class PhaseTimes:
 
     def finish(self, stamps: TransferStamps) -> None:
         stamps.stamp()
-        spans = [b - a for a, b in zip(stamps.times, stamps.times[1:])]
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("KV %s %s: %s, %d bytes", self.direction, stamps.transfer_id,
-                         ", ".join(f"{name} {span * 1e3:.1f} ms" for name, span in zip(self.phases, spans)),
+                         ", ".join(f"{name} {span * 1e3:.1f} ms" for name, span in zip(self.phases, stamps.spans())),
                          stamps.num_bytes)
         with self._lock:
             self._window.append(stamps)
@@ -56,7 +59,7 @@ class PhaseTimes:
         self._summarize(window)
 
     def _summarize(self, window: list[TransferStamps]) -> None:
-        spans = [[b - a for a, b in zip(s.times, s.times[1:])] for s in window]
+        spans = [s.spans() for s in window]
         parts = []
         for i, name in enumerate(self.phases):
             column = [row[i] for row in spans if len(row) > i]

@@ -60,12 +60,12 @@ async def _prefill(upstreams: Upstreams, path: str, body: dict[str, Any], header
                    ) -> tuple[str | None, Response | None]:
     """Run the prefill half: the transfer id to decode from (None: it failed, recompute), or the
     4xx answer that ends the request."""
-    transfer_id = new_transfer_id()
     url = upstreams.prefill.acquire()
     if url is None:
         logger.debug("every prefill instance has %d prompts in flight; the decode instance computes this one",
                      upstreams.prefill.max_queue)
         return None, None
+    transfer_id = new_transfer_id()
     try:
         answer = await upstreams.client.post(url + path, json=prefill_body(body, transfer_id), headers=headers)
     except httpx.HTTPError as exc:
