@@ -233,8 +233,8 @@ w12_pair() {  # BASE KIND BENCH_ARGS...: a prefill and a decode instance behind 
   local base=$1 kind=$2 prefill decode proxy gpus proxy_flags=() decode_flags=()
   shift 2
   local kv='{"kv_connector": "TorchDistributedConnector", "kv_role": "%s", "kv_connector_extra_config": {"rendezvous": "tcp://127.0.0.1:%s", "max_saved_bytes": 4294967296}}'
-  local port=$((29620 + ${#kind}))  # a rendezvous of each pair's own
-  [ "$kind" = pdq ] && { proxy_flags=(--max-prefill-queue "${W12_PREFILL_QUEUE:-4}")
+  local port=29620  # each pair its own rendezvous port
+  [ "$kind" = pdq ] && { port=29621; proxy_flags=(--max-prefill-queue "${W12_PREFILL_QUEUE:-4}")
                          decode_flags=(--max-num-batched-tokens "${W12_DECODE_CHUNK:-512}"); }
   IFS=, read -ra gpus <<< "${CUDA_VISIBLE_DEVICES:-0,1}"  # the instances' GPUs: the first two of this run's
   CUDA_VISIBLE_DEVICES=${gpus[0]} TAG=${base}_${kind}_prefill serve 8032 llama3-8b \
