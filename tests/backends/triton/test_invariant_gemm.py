@@ -2,6 +2,7 @@
 bits alone and in batches of other sizes (and close to torch's fp32 product), and the prefill
 attention kernel with fixed tiles gives a row the same bits whether it is a decode row, part of a
 cold prefill, or a prefill after a cached prefix, in any batch."""
+import numpy as np
 import pytest
 import torch
 from corectl.attention import AttentionBatch
@@ -13,6 +14,24 @@ from corectl.backends.triton.gemm.invariant import invariant_config, invariant_l
 from corectl.backends.triton.layer_kernels import batch_invariant_layer_kernels
 
 SCALE = 0.3
+
+
+@pytest.fixture(autouse=True)
+def row_invariant_interpreter_dot(monkeypatch):
+    """The interpreter's `tl.dot` is one `np.matmul` per tile, and on some CPUs OpenBLAS gives a row
+    other bits at another position in the tile (an AMD EPYC's AVX-512 sgemm does; an Intel Xeon's
+    does not). A GPU's MMA computes every row of a tile alike, which is what these tests rely on:
+    here each row of a tile is multiplied on its own, the same way wherever it sits."""
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+    original = InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.ndim != 2 or a.dtype.primitive_bitwidth == 8:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        rows = [np.matmul(row[None, :], b.data, dtype=d.data.dtype) for row in a.data]
+        return TensorHandle(np.concatenate(rows) + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(InterpreterBuilder, "create_dot", create_dot)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
