@@ -96,7 +96,7 @@ class AttentionBackend(abc.ABC):
     #: The `EngineConfig.kv_cache_dtype` values this backend reads and writes; the engine refuses
     #: others at startup (`check_kv_cache_dtype`). "auto" caches hold the model's dtype;
     #: "fp8"/"fp8_e4m3" caches hold torch.float8_e4m3fn (values divided by a per-tensor scale,
-    #: 1.0 unless calibrated).
+    #: 1.0 unless calibrated); "float16" caches hold torch.float16 whatever the model's dtype.
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
     #: Whether `forward` takes `sinks` (learned per-head logits joining each softmax's denominator,
     #: gpt-oss). The model's `Attention` layer refuses a backend without them, by name, and passes

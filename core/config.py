@@ -15,8 +15,8 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 POLICIES = ("fcfs", "priority")
 EXECUTOR_BACKENDS = ("mp", "ray")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
-# vLLM's names: "fp8" is e4m3 with per-tensor scales.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# vLLM's names: "fp8" is e4m3 with per-tensor scales; "float16" is IEEE fp16 (the CPU's fused attention).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "float16")
 # vLLM's allowed --max-lora-rank values.
 LORA_RANKS = (8, 16, 32, 64, 128, 256)
 
@@ -47,7 +47,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_num_batched_tokens: token budget per scheduler step (chunked prefill splits longer prompts).
     kv_cache_dtype: "auto" stores K/V in the model's dtype; "fp8" (or "fp8_e4m3") in FP8 e4m3 with a
         per-tensor scale per layer (1.0 without calibrated scales), half the bytes of bf16, so the
-        cache holds twice the tokens; the attention backend must support it (`triton` does).
+        cache holds twice the tokens; the attention backend must support it (`triton` does);
+        "float16" in IEEE fp16, half the bytes of fp32 (`torch_sdpa` on CPUs, whose fused attention
+        widens each row to fp32 as it reads it; docs/performance.md, CPU section).
     async_scheduling: schedule and launch step N+1 before step N's sampled ids reach the host, so
         host work overlaps the device; None turns it on where the platform's device runs
         asynchronously (GPUs). Outputs are the same either way.

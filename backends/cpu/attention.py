@@ -26,6 +26,11 @@ of that where the C kernels build (`fused_ops.paged_attention`: the cache writes
 row's attention in one call, each row by the same operations whether it decodes or prefills, alone
 or batched); the torch path below serves the rest and is what the fused one was checked against.
 
+`--kv-cache-dtype float16` keeps K and V in fp16 whatever the model's dtype: half an fp32 cache's bytes
+(twice the tokens in the same memory, half the reads of a decode step). The fused attention rounds
+each new row to fp16 as it writes it and widens rows back to fp32 as it reads them; the torch path
+casts the same way around its writes and gathers.
+
 Sliding-window layers narrow the step's mask to each query's window (built once per step and
 window); soft-capped layers (Gemma 2) and layers with attention sinks (gpt-oss: a per-head logit
 joins the softmax's denominator) spell the attention out, since SDPA can do neither. Chunked
@@ -46,7 +51,7 @@ import torch.nn.functional as F
 from corectl import envs
 from corectl.attention import AttentionBackend, AttentionBatch, query_key_ends
 
-from .fused_ops import fused_library, paged_attention
+from .fused_ops import KV_DTYPES, fused_library, paged_attention
 
 # Key lengths are padded to a multiple of this (a multiple of every vector width of the CPU kernels).
 KEY_ALIGN = 64
@@ -193,6 +198,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
 
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
+    kv_cache_dtypes = ("auto", "float16")
     supports_sinks = True
     supports_chunked_attention = True
 
@@ -208,13 +214,13 @@ class TorchSDPABackend(AttentionBackend):
                 attention_chunk: int | None = None) -> torch.Tensor:
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         if (meta.fused is not None and logits_soft_cap is None and sinks is None and attention_chunk is None
-                and q.dtype == kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()):
+                and q.dtype == torch.float32 and kv_cache.dtype in KV_DTYPES and kv_cache.is_contiguous()):
             tables, seqs, ends = meta.fused
             return paged_attention(q, k, v, kv_cache, meta.slot_mapping, tables, meta.block_size, seqs, ends,
                                    h, hk, d, sliding_window, scale)
         per_head = None if sinks is None else sinks.view(h, 1, 1)
-        k = k.view(-1, hk, d)
-        v = v.view(-1, hk, d)
+        k = k.view(-1, hk, d).to(kv_cache.dtype)
+        v = v.view(-1, hk, d).to(kv_cache.dtype)
         key_cache, value_cache = kv_cache[0].view(-1, hk, d), kv_cache[1].view(-1, hk, d)
         key_cache.index_copy_(0, meta.slot_mapping, k)
         value_cache.index_copy_(0, meta.slot_mapping, v)
@@ -226,7 +232,7 @@ class TorchSDPABackend(AttentionBackend):
         if meta.kv_index is None:
             meta.kv_index = torch.cat((meta.key_index, meta.key_index + rows.shape[0] // 2))
         # One gather along dim 0 for both (index_select along dim 1 of [2, slots] is ~20% slower).
-        pages = rows.index_select(0, meta.kv_index).view(2, b, meta.max_seq_len, hk, d)
+        pages = rows.index_select(0, meta.kv_index).view(2, b, meta.max_seq_len, hk, d).to(q.dtype)
         keys, values = pages[0].transpose(1, 2), pages[1].transpose(1, 2)
         if meta.query_index is None:
             grouped = q.view(b, hk, h // hk, d)
@@ -242,8 +248,8 @@ class TorchSDPABackend(AttentionBackend):
         # One gathered row per context position serves every head as key, its first value_dim numbers as value.
         h, d, b = self.num_heads, self.head_dim, meta.num_seqs
         cache = kv_cache.view(-1, d)
-        cache.index_copy_(0, meta.slot_mapping, rows)
-        keys = cache.index_select(0, meta.key_index).view(b, 1, meta.max_seq_len, d)
+        cache.index_copy_(0, meta.slot_mapping, rows.to(cache.dtype))
+        keys = cache.index_select(0, meta.key_index).view(b, 1, meta.max_seq_len, d).to(q.dtype)
         values = keys[..., :value_dim]
         if meta.query_index is None:
             return _attend(q.view(b, 1, h, d), keys, values, meta.mask, scale, None).view(b, h, value_dim)

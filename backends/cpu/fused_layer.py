@@ -99,14 +99,14 @@ def decoder_layer(layer, positions: torch.Tensor, hidden: torch.Tensor, residual
     if plan is None or getattr(meta, "fused", None) is None:
         return None
     cache = ctx.kv_caches[layer.self_attn.attn.layer_idx]
-    if (cache.dtype != torch.float32 or not cache.is_contiguous() or hidden.dtype != torch.float32
+    if (cache.dtype not in fused_ops.KV_DTYPES or not cache.is_contiguous() or hidden.dtype != torch.float32
             or not hidden.is_contiguous() or not (residual is None or residual.is_contiguous())):
         return None
     out = torch.empty_like(hidden)
     first = residual is None
     residual = torch.empty_like(hidden) if first else residual
     fused_library().decoder_layer(ctypes.byref(plan), ctypes.byref(_step(positions, meta)), cache.data_ptr(),
-                                  cache.numel(), hidden.data_ptr(), residual.data_ptr(), first, out.data_ptr())
+                                  cache.numel(), cache.dtype == torch.float16, hidden.data_ptr(), residual.data_ptr(), first, out.data_ptr())
     return out, residual
 
 

@@ -11,6 +11,9 @@
 // expressions do (no contraction into FMAs), so rotary is bitwise torch's; RMSNorm sums the squares
 // in another order than torch's mean, and SiLU's and softmax's exp is a polynomial (a few ulps).
 #include <math.h>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,18 +22,35 @@
 // Row counts below this run on the calling thread: a parallel region costs more than the rows.
 #define PARALLEL_ROWS 64
 
-// sum_i a[i] b[i] in 16 lanes (lane i % 16), then the lanes in order: one order whatever the
-// pointers' alignment (a compiler's own vector reduction may peel to align, which would make a row's
-// sum depend on where its data sits, i.e. on the batch).
-static inline float dot(const float *a, const float *b, long n) {
+// sum_i a[i] b[i] in 16 lanes (lane i % 16), then the lanes pairwise (l + 8, l + 4, l + 2, l + 1): one
+// order whatever the pointers' alignment (a compiler's own vector reduction may peel to align, which
+// would make a row's sum depend on where its data sits, i.e. on the batch), and four steps of adds
+// rather than 15 dependent ones (at 16 rows, attention computes ~400,000 dot products a step). The
+// AVX-512 form is the same sums (a masked tail adds +0 to the lanes the C form leaves alone).
+static inline float NOFMA dot(const float *a, const float *b, long n) {
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    long i = 0;
+    for (; i + 16 <= n; i += 16) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)));
+    if (i < n) {
+        const __mmask16 tail = (__mmask16)((1u << (n - i)) - 1);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, a + i), _mm512_maskz_loadu_ps(tail, b + i)));
+    }
+    const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(acc),
+                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
+    __m128 quarters = _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+    quarters = _mm_add_ps(quarters, _mm_movehl_ps(quarters, quarters));
+    return _mm_cvtss_f32(_mm_add_ss(quarters, _mm_movehdup_ps(quarters)));
+#else
     float lanes[16] = {0};
     long i = 0;
     for (; i + 16 <= n; i += 16)
         for (int l = 0; l < 16; l++) lanes[l] += a[i + l] * b[i + l];
     for (; i < n; i++) lanes[i % 16] += a[i] * b[i];
-    float total = 0.0f;
-    for (int l = 0; l < 16; l++) total += lanes[l];
-    return total;
+    for (int width = 8; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
+    return lanes[0];
+#endif
 }
 
 // e^x within ~2 ulp (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n from the exponent
@@ -105,73 +125,202 @@ void NOFMA rotary(long T, int Hq, int Hk, int D, const int64_t *positions, float
     }
 }
 
-// One query head of one row over its sequence's keys [first, len): softmax(scale q.K) V,
-// keys in position order. Rows of the cache: slot * Hk + kv head, keys then values (`values` apart).
-// Keys ahead of the one being scored whose key and value rows are fetched now: at 16 sequences the
-// cache is tens of MB, so each row would otherwise be a wait on memory, twice (scores, then values).
-#define ROWS_AHEAD 4
+// ---- Paged attention over an fp32 or fp16 cache ----
 
-static inline void prefetch_row(const float *row, int D) {
-    for (int i = 0; i < D; i += 16) __builtin_prefetch(row + i);
+// fp16 <-> fp32 by their bits (the F16C instructions below where the CPU has them): fp16 -> fp32 is
+// exact, fp32 -> fp16 rounds to nearest even, as vcvtps2ph does, so every path gives the same bits.
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    if (exp == 0) {  // zero or subnormal: man * 2^-24, exact
+        const float f = (float)man * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    const uint32_t bits = sign | (exp == 31 ? 0x7f800000 | man << 13 : (exp + 112) << 23 | man << 13);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
 }
 
-static void NOFMA attend_row(const float *q, int D, int Hk, int kvh, const int32_t *table, int bs, long first,
-                             long len, const float *cache, long values, float scale, float *scores, float *out) {
-    float top = -INFINITY;
-    for (long j = first; j < len; j++) {
-        if (j + ROWS_AHEAD < len) {
-            const long ahead = j + ROWS_AHEAD, row = ((long)table[ahead / bs] * bs + ahead % bs) * Hk + kvh;
-            prefetch_row(cache + row * D, D);
-            prefetch_row(cache + values + row * D, D);
+static inline uint16_t float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint16_t sign = (x >> 16) & 0x8000;
+    x &= 0x7fffffff;
+    if (x > 0x7f800000) return sign | 0x7e00;                 // NaN
+    if (x >= 0x47800000) return sign | 0x7c00;                // >= 65536 (and inf): inf
+    if (x < 0x38800000) {                                     // below 2^-14: a subnormal's count of 2^-24
+        float a;
+        memcpy(&a, &x, sizeof a);
+        return sign | (uint16_t)nearbyintf(a * 16777216.0f);
+    }
+    return sign | (uint16_t)((x + 0xfff + ((x >> 13) & 1) - 0x38000000) >> 13);  // 65520 and up carry to inf
+}
+
+static inline void widen(const uint16_t *restrict h, float *restrict f, long n) {
+    long i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(f + i, _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(h + i))));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const void *)(h + i))));
+#endif
+    for (; i < n; i++) f[i] = half_to_float(h[i]);
+}
+
+static void narrow(const float *restrict f, uint16_t *restrict h, long n) {
+    long i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((void *)(h + i), _mm512_cvtps_ph(_mm512_loadu_ps(f + i), _MM_FROUND_TO_NEAREST_INT));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((void *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(f + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) h[i] = float_to_half(f[i]);
+}
+
+// Where a sequence's keys [first, len) of KV head kvh sit in the cache [2, slots, Hk, D]: key j is slot
+// table[j / bs] * bs + j % bs. Taken block by block (a division per key was a third of attention's time).
+static void key_offsets(const int32_t *table, int bs, int Hk, int kvh, int D, long first, long len, long *at) {
+    long block = first / bs, in_block = first % bs;
+    for (long j = 0; j < len - first; j++) {
+        at[j] = (((long)table[block] * bs + in_block) * Hk + kvh) * D;
+        if (++in_block == bs) in_block = 0, block++;
+    }
+}
+
+// One work item's view of a layer's cache of fp32 or fp16 (`half`) numbers: its keys' rows at[j], each
+// key's value row `values` numbers further.
+typedef struct {
+    const void *cache;
+    const long *at;
+    long values;
+    int D, half;
+} kv_rows;
+
+// Row `offset` as fp32: in the cache itself, or widened into buf from fp16.
+static inline const float *kv_row(const kv_rows *c, long offset, float *buf) {
+    if (!c->half) return (const float *)c->cache + offset;
+    widen((const uint16_t *)c->cache + offset, buf, c->D);
+    return buf;
+}
+
+// Keys ahead of the one being scored whose key and value rows are fetched now: at 16 sequences the
+// cache is tens of MB, so each row would otherwise be a wait on memory, twice (scores, then values).
+#define ROWS_AHEAD 8
+
+// always_inline: gcc finds a function of prefetches alone "pure" and drops the calls it does not inline.
+static inline __attribute__((always_inline)) void prefetch_rows(const kv_rows *c, long offset) {
+    const int size = c->half ? 2 : 4;
+    const char *key = (const char *)c->cache + offset * size, *value = key + c->values * size;
+    for (int i = 0; i < c->D * size; i += 64) {
+        __builtin_prefetch(key + i);
+        __builtin_prefetch(value + i);
+    }
+}
+
+// out (n heads, D apart) = sum_j scores[h * L + j] V_j, each number's sum over the keys in order.
+// With AVX-512, 16 numbers of up to 4 heads at a time in registers over all the keys: summed in
+// memory, each key's sums waited on the previous key's stores (the same sums either way).
+static void NOFMA weigh_values(const kv_rows *c, int n, long L, const float *scores, float *buf, float *out) {
+    const int D = c->D;
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {
+        for (int i = 0; i < D; i += 16)
+            for (int h0 = 0; h0 < n; h0 += 4) {
+                __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+                for (long j = 0; j < L; j++) {
+                    const long at = c->at[j] + c->values + i;
+                    const __m512 v = c->half ? _mm512_cvtph_ps(_mm256_loadu_si256((const void *)((const uint16_t *)c->cache + at)))
+                                             : _mm512_loadu_ps((const float *)c->cache + at);
+                    for (int h = 0; h < 4 && h0 + h < n; h++)
+                        acc[h] = _mm512_add_ps(acc[h], _mm512_mul_ps(_mm512_set1_ps(scores[(h0 + h) * L + j]), v));
+                }
+                for (int h = 0; h < 4 && h0 + h < n; h++) _mm512_storeu_ps(out + (h0 + h) * D + i, acc[h]);
+            }
+        return;
+    }
+#endif
+    for (long i = 0; i < n * D; i++) out[i] = 0.0f;
+    for (long j = 0; j < L; j++) {
+        const float *restrict value = kv_row(c, c->at[j] + c->values, buf);
+        for (int h = 0; h < n; h++) {
+            const float p = scores[h * L + j];
+            float *restrict o = out + h * D;
+            for (int i = 0; i < D; i++) o[i] += p * value[i];
         }
-        const long row = ((long)table[j / bs] * bs + j % bs) * Hk + kvh;
-        const float *key = cache + row * D;
-        scores[j - first] = dot(q, key, D) * scale;
-        top = scores[j - first] > top ? scores[j - first] : top;
     }
-    for (long j = 0; j < len - first; j++) scores[j] = exp_poly(scores[j] - top);
-    float total = 0.0f;
-    for (int i = 0; i < D; i++) out[i] = 0.0f;
-    for (long j = first; j < len; j++) {
-        const float p = scores[j - first];
-        total += p;
-        const float *value = cache + values + (((long)table[j / bs] * bs + j % bs) * Hk + kvh) * D;
-        for (int i = 0; i < D; i++) out[i] += p * value[i];
+}
+
+// The n query heads of one row that share the KV rows c (q and out: heads D apart), over its L keys:
+// each head's softmax(scale q.K) V, keys in position order. Each K and V row is read (and widened)
+// once for the n heads; a head's numbers come from the same operations whatever n is.
+// scores: n * L floats; buf: D.
+static void NOFMA attend_heads(const float *q, int n, const kv_rows *c, long L, float scale, float *scores,
+                               float *buf, float *out) {
+    const int D = c->D;
+    for (long j = 0; j < L; j++) {
+        if (j + ROWS_AHEAD < L) prefetch_rows(c, c->at[j + ROWS_AHEAD]);
+        const float *key = kv_row(c, c->at[j], buf);
+        for (int h = 0; h < n; h++) scores[h * L + j] = dot(q + h * D, key, D) * scale;
     }
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;  // no keys (a padding row): zeros
-    for (int i = 0; i < D; i++) out[i] *= inv;
+    for (int h = 0; h < n; h++) {
+        float *s = scores + h * L, top = -INFINITY;
+        for (long j = 0; j < L; j++) top = s[j] > top ? s[j] : top;
+        for (long j = 0; j < L; j++) s[j] = exp_poly(s[j] - top);
+    }
+    weigh_values(c, n, L, scores, buf, out);
+    for (int h = 0; h < n; h++) {
+        float total = 0.0f;
+        for (long j = 0; j < L; j++) total += scores[h * L + j];
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;  // no keys (a padding row): zeros
+        for (int i = 0; i < D; i++) out[h * D + i] *= inv;
+    }
 }
 
 // Paged causal attention for T packed query rows: writes the rows' new keys and values k, v
-// [T, Hk * D] into the cache [2, slots, Hk, D] at `slot_mapping` (-1: a padding row, not written),
-// then each query head of row t of q [T, Hq * D] attends over positions [first, ends[t]) of sequence
-// seqs[t] (first = ends[t] - window where a window is set, else 0). Every row, decode or prefill, alone
-// or batched, goes through the same `attend_row`: a prompt's last row computed in a decode step after
-// a prefix-cache hit equals that row computed in the whole prompt's prefill.
+// [T, Hk * D] into the cache [2, slots, Hk, D] (fp16 where `half`, else fp32) at `slot_mapping` (-1: a
+// padding row, not written), then each query head of row t of q [T, Hq * D] attends over positions
+// [first, ends[t]) of sequence seqs[t] (first = ends[t] - window where a window is set, else 0). Every
+// row, decode or prefill, alone or batched, goes through the same `attend_heads`: a prompt's last row
+// computed in a decode step after a prefix-cache hit equals that row computed in the whole prompt's
+// prefill. A work item is a row's query heads of one KV head, or one query head where rows are too
+// few to share out among the threads so (a long batch-1 decode).
 void paged_attention(long T, int Hq, int Hk, int D, const float *q, long ldq, const float *k, long ldk,
-                     const float *v, long ldv, float *cache, long slots, const int64_t *slot_mapping,
+                     const float *v, long ldv, void *cache, int half, long slots, const int64_t *slot_mapping,
                      const int32_t *tables, long ldt, int bs, const int64_t *seqs, const int64_t *ends, long window,
                      float scale, float *out, int threads) {
     const long values = slots * Hk * D, kv = (long)Hk * D;
     long most = 0;
     for (long t = 0; t < T; t++) most = ends[t] > most ? ends[t] : most;
-    for (long t = 0; t < T; t++)
-        for (long i = 0; i < kv && slot_mapping[t] >= 0; i++) {
-            cache[slot_mapping[t] * kv + i] = k[t * ldk + i];
-            cache[values + slot_mapping[t] * kv + i] = v[t * ldv + i];
+    for (long t = 0; t < T; t++) {
+        const long at = slot_mapping[t] * kv;
+        if (slot_mapping[t] < 0) continue;
+        if (half) {
+            narrow(k + t * ldk, (uint16_t *)cache + at, kv);
+            narrow(v + t * ldv, (uint16_t *)cache + values + at, kv);
+        } else {
+            memcpy((float *)cache + at, k + t * ldk, sizeof(float) * kv);
+            memcpy((float *)cache + values + at, v + t * ldv, sizeof(float) * kv);
         }
-#pragma omp parallel num_threads(threads) if (T * Hq * most >= 4096)
+    }
+    const int parallel = threads > 1 && T * Hq * most >= 4096, group = Hq / Hk;
+    const int n = !parallel || T * Hk >= 4 * threads ? group : 1;
+#pragma omp parallel num_threads(threads) if (parallel)
     {
-        float *scores = malloc(sizeof *scores * (most > 0 ? most : 1));
+        float *scores = malloc(sizeof *scores * (n * most + D + 1));
+        long *at = malloc(sizeof *at * (most + 1));
 #pragma omp for schedule(static)
-        for (long i = 0; i < T * Hq; i++) {
-            const long t = i / Hq, end = ends[t];
-            const int h = (int)(i % Hq);
+        for (long i = 0; i < T * Hq / n; i++) {
+            const long t = i / (Hq / n), end = ends[t];
+            const int h = (int)(i % (Hq / n)) * n;
             const long first = window > 0 && end > window ? end - window : 0;
-            attend_row(q + t * ldq + (long)h * D, D, Hk, h / (Hq / Hk), tables + seqs[t] * ldt, bs, first, end,
-                       cache, values, scale, scores, out + t * (long)Hq * D + (long)h * D);
+            key_offsets(tables + seqs[t] * ldt, bs, Hk, h / group, D, first, end, at);
+            const kv_rows c = {cache, at, values, D, half};
+            attend_heads(q + t * ldq + (long)h * D, n, &c, end - first, scale, scores, scores + n * most,
+                         out + t * (long)Hq * D + (long)h * D);
         }
         free(scores);
+        free(at);
     }
 }
 
@@ -211,10 +360,10 @@ static void project(const step_plan *s, const projection *p, const float *x, flo
 
 // DecoderLayer.forward (corectl.models.llama) by the kernels above: residual (in/out, [T, N]) becomes
 // hidden + residual (hidden itself where `first`: the first layer has no residual yet), out [T, N] the
-// MLP's output; the layer's cache holds `cache_size` floats. Each step is the function the module
+// MLP's output; the layer's cache holds `cache_size` numbers, fp16 where `half`. Each step is the function the module
 // path's layer kernels call, so the two agree bitwise.
-void decoder_layer(const layer_plan *L, const step_plan *s, float *cache, long cache_size, const float *hidden,
-                   float *residual, int first, float *out) {
+void decoder_layer(const layer_plan *L, const step_plan *s, void *cache, long cache_size, int half,
+                   const float *hidden, float *residual, int first, float *out) {
     const long T = s->T, N = L->o.n, q = (long)L->hq * L->d, kv = (long)L->hk * L->d, inter = L->down.k;
     const long slots = cache_size / (2 * kv);
     float *xn = malloc(sizeof(float) * T * N), *qkv = malloc(sizeof(float) * T * L->qkv.n);
@@ -229,7 +378,7 @@ void decoder_layer(const layer_plan *L, const step_plan *s, float *cache, long c
     project(s, &L->qkv, xn, qkv);
     const long ld = L->qkv.n;
     rotary(T, L->hq, L->hk, L->d, s->positions, qkv, ld, L->d, qkv + q, ld, L->d, L->cos, L->sin, s->threads);
-    paged_attention(T, L->hq, L->hk, L->d, qkv, ld, qkv + q, ld, qkv + q + kv, ld, cache, slots, s->slot_mapping,
+    paged_attention(T, L->hq, L->hk, L->d, qkv, ld, qkv + q, ld, qkv + q + kv, ld, cache, half, slots, s->slot_mapping,
                     s->tables, s->ldt, s->bs, s->seqs, s->ends, L->window, L->scale, att, s->threads);
     project(s, &L->o, att, out);
     rms_norm(T, N, out, N, residual, N, L->norm2, L->eps2, xn, residual, s->threads);

@@ -17,13 +17,15 @@ import torch
 from corectl.quantization.int4_cpu import build_library
 
 _SOURCE = Path(__file__).with_name("fused_ops.c")
+# The KV cache dtypes the fused attention reads and writes: fp16 caches are widened to fp32 as read.
+KV_DTYPES = (torch.float32, torch.float16)
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "rms_norm": [_L, _L, _P, _L, _P, _L, _P, _F, _P, _P, _I],
     "silu_and_mul": [_L, _L, _P, _L, _P, _I],
     "rotary": [_L, _I, _I, _I, _P, _P, _L, _L, _P, _L, _L, _P, _P, _I],
-    "paged_attention": [_L, _I, _I, _I, _P, _L, _P, _L, _P, _L, _P, _L, _P, _P, _L, _I, _P, _P, _L, _F, _P, _I],
-    "decoder_layer": [_P, _P, _P, _L, _P, _P, _I, _P],
+    "paged_attention": [_L, _I, _I, _I, _P, _L, _P, _L, _P, _L, _P, _I, _L, _P, _P, _L, _I, _P, _P, _L, _F, _P, _I],
+    "decoder_layer": [_P, _P, _P, _L, _I, _P, _P, _I, _P],
 }
 
 
@@ -80,16 +82,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                     ends: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, window: int | None,
                     scale: float) -> torch.Tensor:
     """Causal attention of the packed rows q [T, Hq * D] over the paged cache [2, blocks, block_size,
-    Hk, D], into which this step's k, v [T, Hk * D] are written at slot_mapping first; row t sees
-    positions [0, ends[t]) (the last `window` of them where set) of sequence seqs[t] (both int64);
-    block_tables int32."""
+    Hk, D] (fp32, or fp16: `KV_DTYPES`), into which this step's k, v [T, Hk * D] are written at
+    slot_mapping first; row t sees positions [0, ends[t]) (the last `window` of them where set) of
+    sequence seqs[t] (both int64); block_tables int32."""
     t = q.shape[0]
     q, k, v = (x.reshape(t, -1) for x in (q, k, v))
     q, k, v = (x if x.stride(1) == 1 else x.contiguous() for x in (q, k, v))
     out = torch.empty(t, num_heads * head_dim)
     fused_library().paged_attention(
         t, num_heads, num_kv_heads, head_dim, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
-        v.stride(0), kv_cache.data_ptr(), kv_cache[0].numel() // (num_kv_heads * head_dim), slot_mapping.data_ptr(),
+        v.stride(0), kv_cache.data_ptr(), kv_cache.dtype == torch.float16,
+        kv_cache[0].numel() // (num_kv_heads * head_dim), slot_mapping.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), block_size, seqs.data_ptr(), ends.data_ptr(), window or 0,
         scale, out.data_ptr(), torch.get_num_threads())
     return out

@@ -46,8 +46,8 @@ from .pooler import Pooler
 from .sleep import OffloadedTensors, SleepState, release_device_memory
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# The KV tensors' dtype under `--kv-cache-dtype fp8` (one byte per element).
-_FP8_KV = "float8_e4m3fn"
+# The KV tensors' dtype under each `--kv-cache-dtype` but "auto" (the model's dtype).
+_KV_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "float16": "float16"}
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class ModelInfo:
     # The window every attention layer keeps to (tokens), None when some layer attends to the
     # whole context: the KV manager frees blocks before a request's window only when set.
     sliding_window: int | None = None
-    # The KV tensors' dtype name when it is not `dtype` (an FP8 cache), else None.
+    # The KV tensors' dtype name when `--kv-cache-dtype` sets one (an FP8 or fp16 cache), else None.
     kv_cache_dtype: str | None = None
     # This rank's pipeline stage holds layers first_layer .. first_layer + num_layers - 1.
     first_layer: int = 0
@@ -74,7 +74,7 @@ class ModelInfo:
     kv_parts: int = 2
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        itemsize = 1 if self.kv_cache_dtype == _FP8_KV else torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
+        itemsize = getattr(torch, self.kv_cache_dtype).itemsize if self.kv_cache_dtype else _DTYPES[self.dtype].itemsize
         return self.kv_parts * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
@@ -256,7 +256,7 @@ class Worker(abc.ABC):
         info = self.model_info
         shape = self.runner.backend.kv_cache_shape(num_blocks, self.config.block_size, info.num_kv_heads, info.head_dim,
                                                    info.kv_parts)
-        dtype = torch.float8_e4m3fn if info.kv_cache_dtype == _FP8_KV else self.torch_dtype
+        dtype = getattr(torch, info.kv_cache_dtype) if info.kv_cache_dtype else self.torch_dtype
         # Layers index the list: earlier pipeline stages' layers get an empty placeholder.
         caches = [torch.empty(0, dtype=dtype, device=self.device)] * info.first_layer
         caches += [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(info.num_layers)]
@@ -412,7 +412,7 @@ def _model_info(hf, model: torch.nn.Module, dtype: str, kv_cache_dtype: str = "a
         num_params=sum(p.numel() for p in model.parameters()),
         sliding_window=uniform_sliding_window(model),
         bidirectional_image_tokens=getattr(model, "bidirectional_image_tokens", None),
-        kv_cache_dtype=None if kv_cache_dtype == "auto" else _FP8_KV,
+        kv_cache_dtype=_KV_DTYPES.get(kv_cache_dtype),
     )
 
 

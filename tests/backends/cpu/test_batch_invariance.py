@@ -64,12 +64,12 @@ def test_greedy_tokens_alone_equal_batched_and_after_a_prefix_hit(llm_default):
 H, HK, D, BS = 6, 2, 16, 4
 
 
-def _attention(backend, seqs):
+def _attention(backend, seqs, kv_dtype):
     """Attention outputs per sequence for `seqs` = [(keys [S, HK, D], values, queries [Q, H * D], cached)],
-    each in blocks of its own, the cached prefix written to the cache first."""
+    each in blocks of its own, the cached prefix written to the cache (of `kv_dtype`) first."""
     width = max(-(-len(k) // BS) for k, _, _, _ in seqs)
     tables = torch.arange(len(seqs) * width, dtype=torch.int32).view(len(seqs), width)
-    cache = torch.zeros(backend.kv_cache_shape(len(seqs) * width, BS, HK, D))
+    cache = torch.zeros(backend.kv_cache_shape(len(seqs) * width, BS, HK, D), dtype=kv_dtype)
     slots = []
     for i, (keys, values, _, cached) in enumerate(seqs):
         seq_slots = [int(tables[i, p // BS]) * BS + p % BS for p in range(len(keys))]
@@ -94,16 +94,18 @@ def _seq(length, queries, cached, seed):
             torch.randn(queries, H * D, generator=g), cached)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["fp32-cache", "fp16-cache"])
 @pytest.mark.parametrize("queries,cached", [(1, 36), (37, 0), (21, 16)], ids=["decode", "prefill", "prefix-hit"])
-def test_attention_rows_do_not_depend_on_the_batch(queries, cached):
+def test_attention_rows_do_not_depend_on_the_batch(queries, cached, kv_dtype):
     backend = TorchSDPABackend(H, HK, D, torch.float32, torch.device("cpu"), BS)
     target = _seq(37, queries, cached, seed=0)
-    alone = _attention(backend, [target])[0]
+    alone = _attention(backend, [target], kv_dtype)[0]
     others = [_seq(100, 1 if queries == 1 else 30, 99 if queries == 1 else 70, seed=1),
               _seq(5, 1 if queries == 1 else 5, 4 if queries == 1 else 0, seed=2)]
-    assert torch.equal(_attention(backend, [others[0], target, others[1]])[1], alone)
+    assert torch.equal(_attention(backend, [others[0], target, others[1]], kv_dtype)[1], alone)
     if cached:  # the same prompt's last rows computed whole, without the cache hit
-        whole = _attention(backend, [(*target[:2], torch.cat([_seq(37, cached, 0, seed=3)[2], target[2]]), 0)])[0]
+        prompt = torch.cat([_seq(37, cached, 0, seed=3)[2], target[2]])
+        whole = _attention(backend, [(*target[:2], prompt, 0)], kv_dtype)[0]
         assert torch.equal(whole[cached:], alone)
 
 

@@ -66,34 +66,62 @@ def test_rotary_is_torchs_bitwise_in_place(head_stride):
 H, HK, D, BS = 6, 2, 16, 4
 
 
-def _attention(window, lens, queries):
+def _attention(window, lens, queries, kv_dtype=torch.float32, d=D):
     """Outputs of one step over sequences of `lens` keys with `queries` new rows each, through the
-    backend (the fused kernel unless CORECTL_FUSED_KERNELS=0)."""
+    backend (the fused kernel unless CORECTL_FUSED_KERNELS=0), over a cache of `kv_dtype`."""
     g = torch.Generator().manual_seed(3)
-    backend = TorchSDPABackend(H, HK, D, torch.float32, torch.device("cpu"), BS)
+    backend = TorchSDPABackend(H, HK, d, torch.float32, torch.device("cpu"), BS)
     width = max(-(-n // BS) for n in lens)
     tables = torch.arange(len(lens) * width, dtype=torch.int32).flip(0).view(len(lens), width)
-    cache = torch.randn(backend.kv_cache_shape(len(lens) * width, BS, HK, D), generator=g)
+    cache = torch.randn(backend.kv_cache_shape(len(lens) * width, BS, HK, d), generator=g).to(kv_dtype)
     slots = [int(tables[i, p // BS]) * BS + p % BS for i, n in enumerate(lens) for p in range(n - queries[i], n)]
     t = sum(queries)
     batch_args = dict(query_start_loc=torch.tensor([0, *queries]).cumsum(0).int(), seq_lens=torch.tensor(lens).int(),
                       block_tables=tables, slot_mapping=torch.tensor(slots), query_lens_host=list(queries),
                       seq_lens_host=list(lens), max_query_len=max(queries), max_seq_len=max(lens), block_size=BS)
     meta = backend.build_metadata(AttentionBatch(**batch_args))
-    q, k, v = (torch.randn(t, n, generator=g) for n in (H * D, HK * D, HK * D))
-    return backend.forward(q, k, v, cache, meta, D ** -0.5, sliding_window=window), meta
+    q, k, v = (torch.randn(t, n, generator=g) for n in (H * d, HK * d, HK * d))
+    return backend.forward(q, k, v, cache, meta, d ** -0.5, sliding_window=window), meta
 
 
+# 24: head dims off the kernel's 16-number vectors (its tail and its portable value loop)
+@pytest.mark.parametrize("d", [D, 24])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["fp32-cache", "fp16-cache"])
 @pytest.mark.parametrize("queries", [(1, 1, 1), (5, 1, 3)], ids=["decode", "mixed"])
 @pytest.mark.parametrize("window", [None, 7])
-def test_paged_attention_matches_the_torch_path(queries, window, monkeypatch):
+def test_paged_attention_matches_the_torch_path(queries, window, kv_dtype, d, monkeypatch):
+    """An fp16 cache: both paths round the new K/V rows to fp16 the same way and read the same numbers."""
     lens = (37, 9, 100)
-    fused, meta = _attention(window, lens, queries)
+    fused, meta = _attention(window, lens, queries, kv_dtype, d)
     assert meta.fused is not None
     monkeypatch.setenv("CORECTL_FUSED_KERNELS", "0")
-    reference, meta = _attention(window, lens, queries)
+    reference, meta = _attention(window, lens, queries, kv_dtype, d)
     assert meta.fused is None
     assert_close(fused, reference, 2e-6, norm="max")
+
+
+def test_an_fp16_cache_stays_near_the_fp32_one():
+    """fp16 keeps 11 significant bits of each K/V number (relative error <= 2^-11); over unit-normal
+    K/V the outputs move by well under 1e-2 of their largest."""
+    lens, queries = (37, 9, 100), (5, 1, 3)
+    half, _ = _attention(None, lens, queries, torch.float16)
+    full, _ = _attention(None, lens, queries, torch.float32)
+    assert_close(half, full, 2e-3, norm="max")
+    assert not torch.equal(half, full)
+
+
+def test_attention_rows_are_the_same_for_any_thread_count():
+    """One long decode row and two threads: the kernel then shares out single query heads instead of
+    a KV head's group of them, by the same operations per head."""
+    lens, queries, previous = (1500,), (1,), torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = _attention(None, lens, queries, torch.float16)
+        torch.set_num_threads(2)
+        two, _ = _attention(None, lens, queries, torch.float16)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(one, two)
 
 
 VOCAB = 256

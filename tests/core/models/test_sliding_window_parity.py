@@ -160,5 +160,5 @@ def test_fp8_kv_cache_through_the_triton_backend(tmp_path, default_model_dir):
 
 def test_fp8_kv_cache_is_refused_by_the_cpu_backend(tmp_path, default_model_dir):
     _checkpoint("mistral", tmp_path / "m", default_model_dir)
-    with pytest.raises(ConfigError, match="'torch_sdpa' attention backend stores only auto KV caches"):
+    with pytest.raises(ConfigError, match="'torch_sdpa' attention backend stores only auto, float16 KV caches"):
         LLM(str(tmp_path / "m"), dtype="float32", kv_cache_memory_gib=0.02, kv_cache_dtype="fp8")
