@@ -195,12 +195,13 @@ typedef struct {
     const long *at;
     long values;
     int D, half;
+    int width;  // numbers read at at[j]: the D of each KV head the item's query heads use, adjacent
 } kv_rows;
 
-// Row `offset` as fp32: in the cache itself, or widened into buf from fp16.
+// `width` numbers from `offset` as fp32: in the cache itself, or widened into buf from fp16.
 static inline const float *kv_row(const kv_rows *c, long offset, float *buf) {
     if (!c->half) return (const float *)c->cache + offset;
-    widen((const uint16_t *)c->cache + offset, buf, c->D);
+    widen((const uint16_t *)c->cache + offset, buf, c->width);
     return buf;
 }
 
@@ -212,31 +213,36 @@ static inline const float *kv_row(const kv_rows *c, long offset, float *buf) {
 static inline __attribute__((always_inline)) void prefetch_rows(const kv_rows *c, long offset) {
     const int size = c->half ? 2 : 4;
     const char *key = (const char *)c->cache + offset * size, *value = key + c->values * size;
-    for (int i = 0; i < c->D * size; i += 64) {
+    for (int i = 0; i < c->width * size; i += 64) {
         __builtin_prefetch(key + i);
         __builtin_prefetch(value + i);
     }
 }
 
-// out (n heads, D apart) = sum_j scores[h * L + j] V_j, each number's sum over the keys in order.
-// With AVX-512, 16 numbers of up to 4 heads at a time in registers over all the keys: summed in
-// memory, each key's sums waited on the previous key's stores (the same sums either way).
-static void NOFMA weigh_values(const kv_rows *c, int n, long L, const float *scores, float *buf, float *out) {
+// out (n heads, D apart) = sum_j scores[h * L + j] V_j (head h reading KV head h / G of the item's),
+// each number's sum over the keys in order. With AVX-512, 16 numbers of up to 4 heads of a KV head at
+// a time in registers over all the keys: summed in memory, each key's sums waited on the previous
+// key's stores (the same sums either way).
+static void NOFMA weigh_values(const kv_rows *c, int n, int G, long L, const float *scores, float *buf, float *out) {
     const int D = c->D;
 #if defined(__AVX512F__)
     if (D % 16 == 0) {
-        for (int i = 0; i < D; i += 16)
-            for (int h0 = 0; h0 < n; h0 += 4) {
+        for (int h0 = 0, heads; h0 < n; h0 += heads) {
+            heads = n - h0 < 4 ? n - h0 : 4;
+            heads = heads < G - h0 % G ? heads : G - h0 % G;  // within one KV head
+            const long part = c->values + (long)(h0 / G) * D;
+            for (int i = 0; i < D; i += 16) {
                 __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
                 for (long j = 0; j < L; j++) {
-                    const long at = c->at[j] + c->values + i;
+                    const long at = c->at[j] + part + i;
                     const __m512 v = c->half ? _mm512_cvtph_ps(_mm256_loadu_si256((const void *)((const uint16_t *)c->cache + at)))
                                              : _mm512_loadu_ps((const float *)c->cache + at);
-                    for (int h = 0; h < 4 && h0 + h < n; h++)
+                    for (int h = 0; h < heads; h++)
                         acc[h] = _mm512_add_ps(acc[h], _mm512_mul_ps(_mm512_set1_ps(scores[(h0 + h) * L + j]), v));
                 }
-                for (int h = 0; h < 4 && h0 + h < n; h++) _mm512_storeu_ps(out + (h0 + h) * D + i, acc[h]);
+                for (int h = 0; h < heads; h++) _mm512_storeu_ps(out + (h0 + h) * D + i, acc[h]);
             }
+        }
         return;
     }
 #endif
@@ -246,29 +252,30 @@ static void NOFMA weigh_values(const kv_rows *c, int n, long L, const float *sco
         for (int h = 0; h < n; h++) {
             const float p = scores[h * L + j];
             float *restrict o = out + h * D;
-            for (int i = 0; i < D; i++) o[i] += p * value[i];
+            const float *restrict vh = value + (h / G) * D;
+            for (int i = 0; i < D; i++) o[i] += p * vh[i];
         }
     }
 }
 
-// The n query heads of one row that share the KV rows c (q and out: heads D apart), over its L keys:
-// each head's softmax(scale q.K) V, keys in position order. Each K and V row is read (and widened)
-// once for the n heads; a head's numbers come from the same operations whatever n is.
-// scores: n * L floats; buf: D.
-static void NOFMA attend_heads(const float *q, int n, const kv_rows *c, long L, float scale, float *scores,
+// n query heads of one row (q and out: heads D apart), head h reading KV head h / G of c's rows, over
+// the row's L keys: each head's softmax(scale q.K) V, keys in position order. Each K and V row is read
+// (and widened) once for the n heads; a head's numbers come from the same operations whatever n is.
+// scores: n * L floats; buf: c->width.
+static void NOFMA attend_heads(const float *q, int n, int G, const kv_rows *c, long L, float scale, float *scores,
                                float *buf, float *out) {
     const int D = c->D;
     for (long j = 0; j < L; j++) {
         if (j + ROWS_AHEAD < L) prefetch_rows(c, c->at[j + ROWS_AHEAD]);
         const float *key = kv_row(c, c->at[j], buf);
-        for (int h = 0; h < n; h++) scores[h * L + j] = dot(q + h * D, key, D) * scale;
+        for (int h = 0; h < n; h++) scores[h * L + j] = dot(q + h * D, key + (h / G) * D, D) * scale;
     }
     for (int h = 0; h < n; h++) {
         float *s = scores + h * L, top = -INFINITY;
         for (long j = 0; j < L; j++) top = s[j] > top ? s[j] : top;
         for (long j = 0; j < L; j++) s[j] = exp_poly(s[j] - top);
     }
-    weigh_values(c, n, L, scores, buf, out);
+    weigh_values(c, n, G, L, scores, buf, out);
     for (int h = 0; h < n; h++) {
         float total = 0.0f;
         for (long j = 0; j < L; j++) total += scores[h * L + j];
@@ -303,11 +310,13 @@ void paged_attention(long T, int Hq, int Hk, int D, const float *q, long ldq, co
             memcpy((float *)cache + values + at, v + t * ldv, sizeof(float) * kv);
         }
     }
+    // A work item: all of a row's query heads (one pass over its keys' whole cache rows), or, where
+    // rows are too few to share out among the threads so, one query head (a long batch-1 decode).
     const int parallel = threads > 1 && T * Hq * most >= 4096, group = Hq / Hk;
-    const int n = !parallel || T * Hk >= 4 * threads ? group : 1;
+    const int n = !parallel || T >= 2 * threads ? Hq : 1;
 #pragma omp parallel num_threads(threads) if (parallel)
     {
-        float *scores = malloc(sizeof *scores * (n * most + D + 1));
+        float *scores = malloc(sizeof *scores * (n * most + kv + 1));
         long *at = malloc(sizeof *at * (most + 1));
 #pragma omp for schedule(static)
         for (long i = 0; i < T * Hq / n; i++) {
@@ -315,8 +324,8 @@ void paged_attention(long T, int Hq, int Hk, int D, const float *q, long ldq, co
             const int h = (int)(i % (Hq / n)) * n;
             const long first = window > 0 && end > window ? end - window : 0;
             key_offsets(tables + seqs[t] * ldt, bs, Hk, h / group, D, first, end, at);
-            const kv_rows c = {cache, at, values, D, half};
-            attend_heads(q + t * ldq + (long)h * D, n, &c, end - first, scale, scores, scores + n * most,
+            const kv_rows c = {cache, at, values, D, half, n == 1 ? D : (int)kv};
+            attend_heads(q + t * ldq + (long)h * D, n, group, &c, end - first, scale, scores, scores + n * most,
                          out + t * (long)Hq * D + (long)h * D);
         }
         free(scores);
