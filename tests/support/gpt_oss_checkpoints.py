@@ -11,9 +11,9 @@ from .arch_parity import save_random_model
 from .new_arch_configs import gpt_oss_config, randomise_sinks
 
 
-def gpt_oss_checkpoint(folder: Path, tokenizer_dir: Path):
-    """The transformers model of `gpt_oss_config()` with large random sinks and biases, saved."""
-    hf_model = save_random_model(gpt_oss_config(), folder, tokenizer_dir, seed=6)
+def gpt_oss_checkpoint(folder: Path, tokenizer_dir: Path, **config):
+    """The transformers model of `gpt_oss_config(**config)` with large random sinks and biases, saved."""
+    hf_model = save_random_model(gpt_oss_config(**config), folder, tokenizer_dir, seed=6)
     randomise_sinks(hf_model)
     hf_model.save_pretrained(folder)
     return hf_model
@@ -33,13 +33,13 @@ def quantize_mxfp4(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, (exponent + 127).to(torch.uint8)
 
 
-def mxfp4_checkpoint(folder: Path, tokenizer_dir: Path):
-    """`gpt_oss_checkpoint` with its experts quantized to MXFP4, and the transformers model whose
-    experts are what its own MXFP4 dequantizer (`convert_moe_packed_tensors`) gives of them."""
+def mxfp4_checkpoint(folder: Path, tokenizer_dir: Path, **config):
+    """`gpt_oss_checkpoint(**config)` with its experts quantized to MXFP4, and the transformers model
+    whose experts are what its own MXFP4 dequantizer (`convert_moe_packed_tensors`) gives of them."""
     from safetensors.torch import save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    hf_model = gpt_oss_checkpoint(folder, tokenizer_dir)
+    hf_model = gpt_oss_checkpoint(folder, tokenizer_dir, **config)
     state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
     for i, layer in enumerate(hf_model.model.layers):
         experts = layer.mlp.experts
