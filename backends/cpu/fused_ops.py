@@ -29,9 +29,11 @@ _SIGNATURES = {
 }
 
 
-@functools.lru_cache(maxsize=1)
-def fused_library() -> ctypes.CDLL | None:
-    lib = build_library(_SOURCE)
+@functools.lru_cache(maxsize=None)
+def fused_library(arch: str = "native") -> ctypes.CDLL | None:
+    """The kernels built for `-march=arch` (the host's CPU; tests build older ones for the loops other
+    CPUs run), or None where they cannot be built."""
+    lib = build_library(_SOURCE, arch)
     if lib is None:
         return None
     for name, argtypes in _SIGNATURES.items():

@@ -6,6 +6,7 @@ bit for bit, as the per-operator kernels, and the greedy tokens of the torch lay
 from __future__ import annotations
 
 import dataclasses
+import platform
 
 import pytest
 import torch
@@ -108,6 +109,19 @@ def test_an_fp16_cache_stays_near_the_fp32_one():
     full, _ = _attention(None, lens, queries, torch.float32)
     assert_close(half, full, 2e-3, norm="max")
     assert not torch.equal(half, full)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 levels")
+@pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64"], ids=["avx2-f16c", "no-f16c"])
+def test_attention_on_other_cpus_gives_this_cpus_bits(arch, monkeypatch):
+    """The loops other CPUs build (AVX2 with F16C, or the portable fp16 conversions and sums) round
+    and sum as this CPU's do (AVX-512 where it has it): the same bits, head dims on and off 16."""
+    cases = [(kv_dtype, d) for kv_dtype in (torch.float32, torch.float16) for d in (D, 24)]
+    native = [_attention(None, (37, 9, 100), (5, 1, 3), kv_dtype, d)[0] for kv_dtype, d in cases]
+    lib = fused_ops.fused_library(arch)
+    monkeypatch.setattr(fused_ops, "fused_library", lambda: lib)
+    for (kv_dtype, d), expected in zip(cases, native):
+        assert torch.equal(_attention(None, (37, 9, 100), (5, 1, 3), kv_dtype, d)[0], expected)
 
 
 def test_attention_rows_are_the_same_for_any_thread_count():
