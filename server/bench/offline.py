@@ -34,7 +34,10 @@ def register_throughput(sub) -> None:
                    help="random token ids, or 'edit-text': passages the answer repeats with small edits (greedy, "
                    "EOS ends it; --output-len caps it), speculative decoding's case")
     p.add_argument("--spec-compare-base", action="store_true",
-                   help="with --speculative-config: also time the same prompts without speculation, in this run")
+                   help="with --speculative-config: also time the workload without speculation (an engine of its "
+                   "own, warmed up), in this run, over --passes passes that alternate which side goes first")
+    p.add_argument("--passes", type=_at_least_one, default=3,
+                   help="with --spec-compare-base: passes of both sides, each on prompts of its own (default 3)")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.0,
@@ -61,6 +64,13 @@ def register_latency(sub) -> None:
     add_lora_bench_args(p)
     add_engine_args(p)
     p.set_defaults(handler=run_latency)
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _add_profile_arg(p) -> None:
@@ -93,11 +103,16 @@ def run_throughput(args: argparse.Namespace) -> int:
     in_lens = _lengths(rng, args, args.num_prompts, args.input_len)
     out_lens = _lengths(rng, args, args.num_prompts, args.output_len)
     if args.dataset == "edit-text":
-        prompts, warmup = (edit_text_prompts(llm.get_tokenizer(), args.num_prompts, seed) for seed in (0, 1))
+        def prompts_for(seed: int) -> list[list[int]]:
+            return edit_text_prompts(llm.get_tokenizer(), args.num_prompts, seed)
+
         params = [SamplingParams(temperature=0.0, max_tokens=n) for n in out_lens]
     else:
-        prompts, warmup = (_random_prompts(r, in_lens, _prompt_vocab(llm)) for r in (rng, random.Random(1)))
+        def prompts_for(seed: int) -> list[list[int]]:
+            return _random_prompts(rng if seed == 0 else random.Random(seed), in_lens, _prompt_vocab(llm))
+
         params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n, seed=None) for n in out_lens]
+    prompts, warmup = prompts_for(0), prompts_for(1)
     loras = round_robin(bench_loras(args, llm), len(prompts))
     # Warm-up: the same workload on other prompts (no prefix-cache hits for the timed run), so the
     # Triton kernels' first-use compilation for every shape this workload meets stays out of the timing.
@@ -111,9 +126,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     if result["speculative"] is not None:
         print(format_acceptance(result["speculative"]))
     if args.spec_compare_base and llm.config.speculative_config is not None:
-        result["base"] = _timed_without_speculation(args, warmup, prompts, params)
-        print(f"Without speculation: {result['base']['output_tokens_per_s']:.2f} output tokens/s; with it "
-              f"{result['output_tokens_per_s'] / result['base']['output_tokens_per_s']:.3f}x")
+        result["passes"] = _compare_without_speculation(args, llm, warmup, params, prompts_for)
     if loras and args.lora_compare_base:
         base = _timed_throughput(llm, _random_prompts(random.Random(3), in_lens, _prompt_vocab(llm)), params, None)
         result["base"] = base
@@ -129,11 +142,26 @@ def run_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
-def _timed_without_speculation(args, warmup, prompts, params) -> dict:
-    """The same workload on an engine like the benchmarked one but without speculative decoding."""
+def _compare_without_speculation(args, llm, warmup, params, prompts_for) -> list[dict]:
+    """`args.passes` passes of the workload on `llm` and on an engine like it without speculative
+    decoding (warmed up like it), both sides on fresh prompts of the pass (seeds 2, 3, ...: no
+    prefix-cache hits), the side going first alternating: a machine whose speed drifts favours
+    neither side, and every pass is printed."""
     base = llm_from_config(config_from_args(args).replace(speculative_config=None))
     base.generate(warmup, params, use_tqdm=False)
-    return _timed_throughput(base, prompts, params, None)
+    passes = []
+    for i in range(args.passes):
+        sides = [("speculative", llm), ("base", base)][::-1 if i % 2 else 1]
+        prompts = prompts_for(2 + i)
+        rates = {name: _timed_throughput(engine, prompts, params, None)["output_tokens_per_s"] for name, engine in sides}
+        ratio = rates["speculative"] / rates["base"]
+        passes.append({**rates, "first": sides[0][0], "ratio": ratio})
+        print(f"Pass {i + 1} ({sides[0][0]} first): {rates['speculative']:.2f} output tokens/s with speculation, "
+              f"{rates['base']:.2f} without: {ratio:.3f}x")
+    ratios = [p["ratio"] for p in passes]
+    print(f"With speculation against without, {len(ratios)} passes: median {statistics.median(ratios):.3f}x "
+          f"(min {min(ratios):.3f}x, max {max(ratios):.3f}x)")
+    return passes
 
 
 def _timed_throughput(llm, prompts, params, loras) -> dict:

@@ -2,6 +2,7 @@
 dataset (SmolLM2's tokenizer) and the acceptance figures `bench throughput` prints."""
 from __future__ import annotations
 
+import json
 import re
 
 from corectl.engine.messages import SchedulerStats
@@ -55,3 +56,22 @@ def test_edit_text_prompts_hold_a_passage_and_acceptance_figures_follow_vllm(llm
     assert figures["acceptance_by_position"] == [1.0, 0.8, 0.7, 0.5]
     assert "acceptance rate 0.750 (30/40 draft tokens), mean accepted length 4.00" in format_acceptance(figures)
     assert acceptance(after, after) is None
+
+
+def test_throughput_compares_with_and_without_speculation_in_alternating_passes(isolated_env, capsys, tmp_path):
+    saved = tmp_path / "c3.json"
+    code = main(["bench", "throughput", "--model", "llama-tiny", "--load-format", "dummy", "--platform", "cpu",
+                 "--kv-cache-memory", "0.01", "--num-prompts", "2", "--input-len", "8", "--output-len", "6",
+                 "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+                 "--spec-compare-base", "--passes", "2", "--save-result", str(saved)])
+    assert code == 0
+    out = capsys.readouterr().out
+    lines = re.findall(r"^Pass (\d) \((\w+) first\): ([\d.]+) output tokens/s with speculation, ([\d.]+) without: "
+                       r"([\d.]+)x$", out, re.MULTILINE)
+    assert [(n, first) for n, first, *_ in lines] == [("1", "speculative"), ("2", "base")]
+    assert all(float(spec) > 0 and float(base) > 0 for _, _, spec, base, _ in lines)
+    assert re.search(r"^With speculation against without, 2 passes: median [\d.]+x \(min [\d.]+x, max [\d.]+x\)$",
+                     out, re.MULTILINE)
+    passes = json.loads(saved.read_text())["passes"]
+    assert [p["first"] for p in passes] == ["speculative", "base"]
+    assert all(abs(p["ratio"] - p["speculative"] / p["base"]) < 1e-9 for p in passes)
