@@ -106,7 +106,8 @@ def decoder_layer(layer, positions: torch.Tensor, hidden: torch.Tensor, residual
     first = residual is None
     residual = torch.empty_like(hidden) if first else residual
     fused_library().decoder_layer(ctypes.byref(plan), ctypes.byref(_step(positions, meta)), cache.data_ptr(),
-                                  cache.numel(), cache.dtype == torch.float16, hidden.data_ptr(), residual.data_ptr(), first, out.data_ptr())
+                                  cache.numel(), cache.dtype == torch.float16, hidden.data_ptr(), residual.data_ptr(),
+                                  first, out.data_ptr())
     return out, residual
 
 

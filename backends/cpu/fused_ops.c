@@ -31,7 +31,8 @@ static inline float NOFMA dot(const float *a, const float *b, long n) {
 #if defined(__AVX512F__)
     __m512 acc = _mm512_setzero_ps();
     long i = 0;
-    for (; i + 16 <= n; i += 16) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)));
+    for (; i + 16 <= n; i += 16)
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)));
     if (i < n) {
         const __mmask16 tail = (__mmask16)((1u << (n - i)) - 1);
         acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, a + i), _mm512_maskz_loadu_ps(tail, b + i)));
@@ -219,6 +220,14 @@ static inline __attribute__((always_inline)) void prefetch_rows(const kv_rows *c
     }
 }
 
+#if defined(__AVX512F__)
+// 16 numbers of the cache from `offset` as fp32.
+static inline __m512 load16(const kv_rows *c, long offset) {
+    if (c->half) return _mm512_cvtph_ps(_mm256_loadu_si256((const void *)((const uint16_t *)c->cache + offset)));
+    return _mm512_loadu_ps((const float *)c->cache + offset);
+}
+#endif
+
 // out (n heads, D apart) = sum_j scores[h * L + j] V_j (head h reading KV head h / G of the item's),
 // each number's sum over the keys in order. With AVX-512, 16 numbers of up to 4 heads of a KV head at
 // a time in registers over all the keys: summed in memory, each key's sums waited on the previous
@@ -234,9 +243,7 @@ static void NOFMA weigh_values(const kv_rows *c, int n, int G, long L, const flo
             for (int i = 0; i < D; i += 16) {
                 __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
                 for (long j = 0; j < L; j++) {
-                    const long at = c->at[j] + part + i;
-                    const __m512 v = c->half ? _mm512_cvtph_ps(_mm256_loadu_si256((const void *)((const uint16_t *)c->cache + at)))
-                                             : _mm512_loadu_ps((const float *)c->cache + at);
+                    const __m512 v = load16(c, c->at[j] + part + i);
                     for (int h = 0; h < heads; h++)
                         acc[h] = _mm512_add_ps(acc[h], _mm512_mul_ps(_mm512_set1_ps(scores[(h0 + h) * L + j]), v));
                 }
