@@ -67,8 +67,9 @@ ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] 
                             "limits); a request's mm_processor_kwargs override them", {"type": json.loads}),
     "seed": ("--seed", _MODEL, "seed for dummy weights and unseeded sampling", {"type": int}),
     "block_size": ("--block-size", _CACHE, "tokens per KV block", {"type": int, "choices": BLOCK_SIZES}),
-    "kv_cache_dtype": ("--kv-cache-dtype", _CACHE, "KV cache storage: 'auto' (the model's dtype) or 'fp8' (e4m3 "
-                       "with per-tensor scales: twice the tokens; needs the triton attention backend)",
+    "kv_cache_dtype": ("--kv-cache-dtype", _CACHE, "KV cache storage: 'auto' (the model's dtype), 'fp8' (e4m3 "
+                       "with per-tensor scales: twice bf16's tokens; the triton attention backend) or 'float16' "
+                       "(twice fp32's tokens; the CPU's torch_sdpa backend)",
                        {"choices": KV_CACHE_DTYPES}),
     "kv_cache_memory_gib": ("--kv-cache-memory", _CACHE, "KV cache size in GiB (CPU)", {"type": float}),
     "gpu_memory_utilization": ("--gpu-memory-utilization", _CACHE, "fraction of GPU memory to use", {"type": float}),
