@@ -28,14 +28,21 @@ class SleepControl:
         return self.level > 0
 
     def observe(self, batch: EngineCoreOutputs) -> None:
-        """Called with every batch of outputs the engine sends."""
+        """Called with every batch of outputs the engine sends (one a step): waiters are woken only
+        when the sleep state moved, so a step of a server that is not going to sleep makes no event."""
+        if (batch.sleep_level, batch.controls_done) == (self.level, self._done) and not batch.control_errors:
+            return
         self.level, self._done = batch.sleep_level, batch.controls_done
         self._errors.update(batch.control_errors)
-        self._changed.set()
-        self._changed = anyio.Event()
+        self._wake()
 
     def engine_stopped(self) -> None:
+        self._wake()
+
+    def _wake(self) -> None:
         self._changed.set()
+        # The event's own class: `anyio.Event()` looks the async backend up each time.
+        self._changed = type(self._changed)()
 
     async def sleep(self, level: int) -> None:
         self.requested = True
