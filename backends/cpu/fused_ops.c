@@ -297,8 +297,7 @@ static void NOFMA attend_heads(const float *q, int n, int G, const kv_rows *c, l
 // [first, ends[t]) of sequence seqs[t] (first = ends[t] - window where a window is set, else 0). Every
 // row, decode or prefill, alone or batched, goes through the same `attend_heads`: a prompt's last row
 // computed in a decode step after a prefix-cache hit equals that row computed in the whole prompt's
-// prefill. A work item is a row's query heads of one KV head, or one query head where rows are too
-// few to share out among the threads so (a long batch-1 decode).
+// prefill.
 void paged_attention(long T, int Hq, int Hk, int D, const float *q, long ldq, const float *k, long ldk,
                      const float *v, long ldv, void *cache, int half, long slots, const int64_t *slot_mapping,
                      const int32_t *tables, long ldt, int bs, const int64_t *seqs, const int64_t *ends, long window,
@@ -307,8 +306,8 @@ void paged_attention(long T, int Hq, int Hk, int D, const float *q, long ldq, co
     long most = 0;
     for (long t = 0; t < T; t++) most = ends[t] > most ? ends[t] : most;
     for (long t = 0; t < T; t++) {
-        const long at = slot_mapping[t] * kv;
         if (slot_mapping[t] < 0) continue;
+        const long at = slot_mapping[t] * kv;
         if (half) {
             narrow(k + t * ldk, (uint16_t *)cache + at, kv);
             narrow(v + t * ldv, (uint16_t *)cache + values + at, kv);
