@@ -66,6 +66,7 @@ variant() {  # the switches of one stage: engine options into ENGINE, environmen
       sync) ENGINE+=(--no-async-scheduling) ;;
       tp2) ENGINE+=(-tp 2) ;;
       tp4) ENGINE+=(-tp 4) ;;
+      nopad) export CORECTL_GEMM_ROW_PADDING=0 ;;                           # every cuBLAS GEMM at its own row count (no timed padding)
       noar) export CORECTL_CUSTOM_ALLREDUCE=0 ;;                            # NCCL for every TP all-reduce (no one-shot)
       pp2) ENGINE+=(-pp 2) ;;                                               # two pipeline stages
       dp2) ENGINE+=(-dp 2) ;;

@@ -57,6 +57,13 @@ def graph_verify_enabled() -> bool:
     return _switch("CORECTL_GRAPH_VERIFY", True)
 
 
+def gemm_row_padding_enabled() -> bool:
+    """GPU workers time each unquantized GEMM's row count against zero-padded ones while CUDA graphs
+    are captured and run the faster (corectl.backends.triton.gemm.padded_rows);
+    CORECTL_GEMM_ROW_PADDING=0 runs every GEMM at its own row count (for measurement)."""
+    return _switch("CORECTL_GEMM_ROW_PADDING", True)
+
+
 def lora_sorted_enabled() -> bool:
     """Decode steps of over 16 tokens, and prefill and mixed steps, run the LoRA kernels on tiles of
     tokens sorted by adapter (corectl.lora.layers); CORECTL_LORA_SORTED=0 keeps the per-token gathered

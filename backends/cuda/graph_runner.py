@@ -42,6 +42,8 @@ from corectl.worker.inflight import HostFetch
 from corectl.worker.model_runner import ModelRunner, StepInputs, logits_index
 from corectl.worker.request_states import HostStep
 
+from ..triton.gemm import padded_rows
+
 logger = logging.getLogger("corectl.cuda")
 
 # vLLM's default capture limit: past it a graph saves little launch time next to the step's work.
@@ -276,8 +278,10 @@ class CUDAGraphModelRunner(ModelRunner):
         if self.stage is not None:
             inter = static.intermediate
             args += (None if inter is None else IntermediateTensors(inter.hidden[:size], inter.residual[:size]),)
-        # Once eagerly first: compiles the kernels and sets up cuBLAS outside the capture.
-        self.model(*args)
+        # Once eagerly first: compiles the kernels, sets up cuBLAS outside the capture and times its
+        # GEMMs' row counts against padded ones (padded_rows), which the capture then records.
+        with padded_rows.tuning():
+            self.model(*args)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):

@@ -11,6 +11,7 @@ from .elementwise.activation import silu_and_mul
 from .elementwise.rms_norm import rms_norm
 from .elementwise.rotary import qk_norm_rotary, rotary_embedding
 from .gemm.fp8_gemv import dense_gemv
+from .gemm import padded_rows
 from .gemm.gemv_configs import MAX_M, dense_decode_config
 from .gemm.invariant import invariant_linear
 from .lora import lora_expand, lora_shrink
@@ -58,12 +59,15 @@ def _router_logits(hidden, weight, bias=None):
 
 
 def _dense_linear(x, weight, bias, gated):
-    # The GEMV where its rule (gemv_configs) has it ahead of cuBLAS for this size and batch; the
-    # rest returns None and runs F.linear.
+    # The GEMV where its rule (gemv_configs) has it ahead of cuBLAS for this size and batch; cuBLAS on
+    # zero-padded rows where graph capture timed that faster (padded_rows); the rest returns None and
+    # runs F.linear.
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
         return None
     cfg = dense_decode_config(x.shape[0], *weight.shape, gated, x.device)
-    if cfg is None or x.stride(1) != 1 or weight.stride(1) != 1:
+    if cfg is None:
+        return None if gated else padded_rows.linear(x, weight, bias)
+    if x.stride(1) != 1 or weight.stride(1) != 1:
         return None
     return dense_gemv(x, weight, bias, cfg, gated)
 
