@@ -11,11 +11,16 @@ one leaves them at the first block without valid K/V, so the request recomputes 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from ..kv import KVCacheManager, PrefixHit
 from ..kv_transfer.base import KVConnectorScheduler
 from ..request import Request
 from ..step_messages import KVTransferReport
+from .request_queue import RequestQueue
+
+# Waiting requests looked at, once a step's token budget is spent, for loads to start.
+LOOKAHEAD = 64
 
 
 class KVLoads:
@@ -44,6 +49,30 @@ class KVLoads:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
         self._parked[req.request_id] = (req, hit.num_tokens + external)
+
+    def start_ahead(self, waiting: RequestQueue, eligible: Callable[[Request], bool]) -> list[Request]:
+        """Start the asynchronous loads of waiting requests once the step's token budget is spent:
+        a load needs blocks, not tokens, and the producer holds a finished prefill's blocks only so
+        long (up to its `max_saved_bytes`), so a load queued behind prompts that this instance
+        computes itself could find them dropped and recompute its own prompt. Looks at most
+        LOOKAHEAD requests ahead and stops at the first whose blocks do not fit; returns those
+        passed over, in order, for the caller to put back in front."""
+        passed: list[Request] = []
+        for _ in range(min(len(waiting), LOOKAHEAD)):
+            req = waiting.pop()
+            if not eligible(req):
+                passed.append(req)
+                continue
+            hit = self.kv.lookup_prefix(req)
+            external, load_async = self.external_tokens(req, hit)
+            if not load_async:
+                passed.append(req)
+                continue
+            if self.kv.allocate(req, external, hit) is None:
+                passed.append(req)
+                break
+            self.allocated(req, hit, external, True)
+        return passed
 
     @property
     def num_parked(self) -> int:

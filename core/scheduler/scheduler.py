@@ -350,9 +350,17 @@ class Scheduler:
             if load_async:
                 continue
             self._start(req, hit.num_tokens + external, num_tokens, plan)
+        if plan.full and self.kv_loads is not None and len(self.running) < self.config.max_num_seqs:
+            skipped += self.kv_loads.start_ahead(self.waiting, self._may_load_ahead)
         self.waiting.prepend(skipped)
         if self.adapters is not None:
             self.adapters.end()
+
+    def _may_load_ahead(self, req: Request) -> bool:
+        # A request held back in the loop above stays back; one with an adapter starts its load in
+        # its turn (admitting it counts the adapter into this step).
+        return not (self.in_flight.holds(req) or self.kv.holds_blocks(req) or self._sibling_prefilling(req)
+                    or req.lora_request is not None)
 
     def _sibling_prefilling(self, req: Request) -> bool:
         """Whether another sample of the same request is still filling prompt blocks it could share.

@@ -137,6 +137,42 @@ def test_saves_past_the_producers_cap_are_dropped_and_recomputed(torch_pair, ref
     _assert_all_blocks_free(producer, consumer)
 
 
+def test_loads_start_while_computed_prompts_take_the_budget(shm_pair, monkeypatch):
+    """A decode instance that also computes prompts (conditional disaggregation: `corectl proxy
+    --max-prefill-queue`) starts the loads queued behind them in the same step, since a load needs
+    blocks, not tokens: held back, they could find the producer's saves dropped."""
+    producer, consumer = shm_pair
+    rng = random.Random(7)
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in (40, 56)]
+    ids = [f"ahead-{i}" for i in range(len(prompts))]
+    producer.generate([{"prompt_token_ids": p} for p in prompts],
+                      [_greedy(1, {"do_remote_decode": True, "transfer_id": i}) for i in ids], use_tqdm=False)
+    assert producer.engine.executor.worker.kv_connector.saves_published(timeout=30)
+    engine = consumer.engine
+    # One step computes 32 prompt tokens: the local prompt (70 tokens) takes them all.
+    monkeypatch.setattr(engine.scheduler.config, "max_num_batched_tokens", 32)
+    now = time.monotonic()
+    engine.add_requests([EngineCoreRequest("computed", PROMPTS[2][::-1], _greedy(MAX_TOKENS), now)]
+                        + [EngineCoreRequest(i, p, _greedy(MAX_TOKENS, {"do_remote_prefill": True, "transfer_id": i}), now)
+                           for i, p in zip(ids, prompts)])
+    before = engine.scheduler.make_stats()
+    steps = [engine.step()]
+    assert not engine.scheduler.waiting
+    deadline = time.monotonic() + 30
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        steps.append(engine.step())
+    outputs: dict[str, list[int]] = {}
+    for out in (out for step in steps for out in step.outputs):
+        outputs.setdefault(out.req_id, []).extend(out.new_token_ids)
+    stats = engine.scheduler.make_stats()
+    assert stats.kv_load_failures == before.kv_load_failures
+    assert stats.prompt_tokens_transferred - before.prompt_tokens_transferred == sum(len(p) - 1 for p in prompts)
+    expected = producer.generate([{"prompt_token_ids": p} for p in prompts], [_greedy(MAX_TOKENS)] * len(prompts),
+                                 use_tqdm=False)
+    assert [outputs[i] for i in ids] == [list(o.outputs[0].token_ids) for o in expected]
+    _assert_all_blocks_free(producer, consumer)
+
+
 def test_nothing_to_load_recomputes_the_prompt(shm_pair, reference):
     """The prefill instance died before saving: the decode instance's load times out and it
     recomputes the prompt itself, with the same tokens."""
