@@ -7,7 +7,7 @@ import json
 
 import pytest
 from support.server import SMALL_ENGINE
-from support.server_a_cli import CliRun, cli_runs
+from support.server_a_cli import cli_runs
 
 CHAT = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 3, "temperature": 0}
 LINES = [
@@ -23,38 +23,38 @@ LINES = [
 ]
 
 
-def run_batch_args(tmp_path, lines: list[str]) -> list[str]:
-    source = tmp_path / "in.jsonl"
+# The resumed run's input: the first batch's first three lines again, and a new one.
+EXTRA = {"custom_id": "chat-2", "method": "POST", "url": "/v1/chat/completions", "body": CHAT}
+
+
+def run_batch_args(folder, name: str, lines: list[str]) -> list[str]:
+    source = folder / f"{name}.jsonl"
     source.write_text("\n".join(lines) + "\n")
-    return ["run-batch", "-i", str(source), "-o", str(tmp_path / "out.jsonl"), "--no-progress", *SMALL_ENGINE]
-
-
-def run_batch(tmp_path, lines: list[str]) -> CliRun:
-    [done] = cli_runs(run_batch_args(tmp_path, lines))
-    return done
+    return ["run-batch", "-i", str(source), "-o", str(folder / "out.jsonl"), "--no-progress", *SMALL_ENGINE]
 
 
 @pytest.fixture(scope="module")
-def first_batch(tmp_path_factory):
-    """The first batch, and a run-batch whose input is missing, in one interpreter (one import of torch
-    and corectl for both)."""
+def batches(tmp_path_factory):
+    """The first batch, a run-batch whose input is missing, and the first batch resumed on the same
+    output, in one interpreter (one import of torch and corectl for the three: ~3 s of CPU each)."""
     folder = tmp_path_factory.mktemp("run-batch")
     lines = [json.dumps(line) for line in LINES] + ["not json"]
     missing = tmp_path_factory.mktemp("missing")
-    done, missing_run = cli_runs(run_batch_args(folder, lines), ["run-batch", "-i", str(missing / "none"),
-                                                                 "-o", str(missing / "out.jsonl")])
-    return folder, lines, done, missing_run
+    runs = cli_runs(run_batch_args(folder, "in", lines),
+                    ["run-batch", "-i", str(missing / "none"), "-o", str(missing / "out.jsonl")],
+                    run_batch_args(folder, "resume", lines[:3] + [json.dumps(EXTRA)]))
+    return folder, lines, runs
 
 
-def results(tmp_path) -> dict[str, dict]:
-    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    return {line["custom_id"]: line for line in out}
+def results(lines: list[str]) -> dict[str, dict]:
+    return {line["custom_id"]: line for line in map(json.loads, lines)}
 
 
-def test_run_batch_end_to_end_and_resume(first_batch):
-    tmp_path, lines, proc, _ = first_batch
+def test_run_batch_end_to_end_and_resume(batches):
+    folder, lines, (proc, _, resumed) = batches
     assert proc.returncode == 0, proc.stderr
-    out = results(tmp_path)
+    written = (folder / "out.jsonl").read_text().splitlines()
+    out = results(written[:len(lines)])  # the first run's lines; the resumed run appends its own
     assert set(out) == {line["custom_id"] for line in LINES} | {None}
     for custom_id in ("chat", "completion", "responses"):
         line = out[custom_id]
@@ -71,17 +71,14 @@ def test_run_batch_end_to_end_and_resume(first_batch):
     assert "not JSON" in out[None]["error"]["message"]
     # Resumed: the lines already written are skipped, a new one runs, nothing is written twice.
     first_chat = out["chat"]
-    extra = {"custom_id": "chat-2", "method": "POST", "url": "/v1/chat/completions", "body": CHAT}
-    proc = run_batch(tmp_path, lines[:3] + [json.dumps(extra)])
-    assert proc.returncode == 0, proc.stderr
-    written = (tmp_path / "out.jsonl").read_text().splitlines()
+    assert resumed.returncode == 0, resumed.stderr
     assert len(written) == len(LINES) + 2
-    again = results(tmp_path)
+    again = results(written)
     assert again["chat"] == first_chat
     assert again["chat-2"]["response"]["body"]["choices"][0]["message"]["content"] == \
         first_chat["response"]["body"]["choices"][0]["message"]["content"]
 
 
-def test_missing_input_is_one_line_and_exit_2(first_batch):
-    proc = first_batch[3]
+def test_missing_input_is_one_line_and_exit_2(batches):
+    proc = batches[2][1]
     assert proc.returncode == 2 and "cannot read" in proc.stderr and proc.stderr.count("\n") == 1
