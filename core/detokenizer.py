@@ -50,7 +50,10 @@ class IncrementalDetokenizer:
         """Add generated ids; returns the text they finalised (possibly empty)."""
         pieces = []
         for token_id in token_ids:
-            piece = self._step(token_id)
+            try:
+                piece = self._stream.step(self._backend, token_id)
+            except Exception as exc:
+                piece = self._restart(exc, token_id)
             if self._added is not None:
                 piece = self._spaced(token_id, piece)
             if piece is None:
@@ -79,17 +82,15 @@ class IncrementalDetokenizer:
         self._held_ids = []
         return text[len(base):] if text.startswith(base) else text
 
-    def _step(self, token_id: int) -> str | None:
-        try:
-            return self._stream.step(self._backend, token_id)
-        except Exception as exc:
-            if _INVALID_PREFIX not in str(exc):
-                raise
-            # Byte-fallback decoders write one U+FFFD per stray byte, so a window the stream re-decodes
-            # can stop extending the text it already sent (vLLM #17448): restart from this token.
-            self._stream = DecodeStream(skip_special_tokens=self._skip_special)
-            self._held_ids = []
-            return self._stream.step(self._backend, token_id)
+    def _restart(self, exc: Exception, token_id: int) -> str | None:
+        """`token_id`'s piece after the stream refused it with `exc`."""
+        if _INVALID_PREFIX not in str(exc):
+            raise exc
+        # Byte-fallback decoders write one U+FFFD per stray byte, so a window the stream re-decodes
+        # can stop extending the text it already sent (vLLM #17448): restart from this token.
+        self._stream = DecodeStream(skip_special_tokens=self._skip_special)
+        self._held_ids = []
+        return self._stream.step(self._backend, token_id)
 
     def _prompt_tail(self, prompt_token_ids: list[int]) -> list[int]:
         """The shortest prompt tail that decodes to whole characters at both ends, or [] if none does

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 
@@ -96,6 +96,7 @@ class EngineClient:
         self._collectors: dict[str, _OutputCollector] = {}
         self._dead: BaseException | None = None
         self.sleep_mode = SleepControl(transport)
+        self._step_observers: list[Callable[[list[RequestOutput | EmbeddingRequestOutput]], None]] = []
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -197,6 +198,11 @@ class EngineClient:
         await self._abort_quietly(request_id)
         return True
 
+    def observe_steps(self, observe: Callable[[list[RequestOutput | EmbeddingRequestOutput]], None]) -> None:
+        """Call `observe(outputs)` with each engine step's outputs (deltas) as they arrive, before their
+        consumers get them: what is counted per step costs once a step, not once per request."""
+        self._step_observers.append(observe)
+
     @property
     def num_live_requests(self) -> int:
         return len(self._processor.trackers)
@@ -237,6 +243,8 @@ class EngineClient:
                     self.snapshot = batch.snapshot
                 outputs, to_abort = self._processor.process_outputs(batch.outputs)
                 self.activity.observe(outputs, batch.stats)
+                for observe in self._step_observers:
+                    observe(outputs)
                 for out in outputs:
                     collector = self._collectors.get(out.request_id)
                     if collector is not None:

@@ -48,7 +48,8 @@ class _NoText:
 
 
 class _Sample:
-    """One of the `n` sequences of a request."""
+    """One of the `n` sequences of a request. With `stream_deltas`, `text`, `token_ids` and `logprobs`
+    hold what arrived since its last output, which takes them; otherwise everything so far."""
 
     def __init__(self, index: int, tokenizer: Tokenizer | None, prompt_ids: list[int], params: SamplingParams):
         self.index = index
@@ -63,12 +64,6 @@ class _Sample:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
-        self.sent_text = 0
-        self.sent_tokens = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass
@@ -84,10 +79,14 @@ class RequestTracker:
     # An embedding request's options, and its finished vector once it has arrived.
     pooling: PoolingParams | None = None
     embedding: list[float] | None = None
+    unfinished: int = field(init=False)  # samples without a finish reason yet
+
+    def __post_init__(self):
+        self.unfinished = len(self.samples)
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.samples)
+        return self.unfinished == 0
 
 
 def _child_ids(request_id: str, n: int) -> list[str]:
@@ -206,7 +205,7 @@ class OutputProcessor:
 
     def _apply(self, tracker: RequestTracker, sample: _Sample, out: EngineCoreOutput, now: float) -> bool:
         """Returns True when a stop string finished the sample (the engine must abort it)."""
-        if sample.finished:
+        if sample.finish_reason is not None:
             return False
         if out.prompt_logprobs is not None and tracker.prompt_logprobs is not None and sample.index == 0:
             tracker.prompt_logprobs.extend(self._decode_logprobs(out.prompt_logprobs))
@@ -232,12 +231,14 @@ class OutputProcessor:
         sample.text += text
         if hit is not None:
             sample.finish_reason, sample.stop_reason = "stop", hit
+            tracker.unfinished -= 1
             return out.finish_reason is None
         if out.finish_reason is not None:
             sample.text += sample.stop.flush()
             sample.finish_reason = out.finish_reason
             sample.stop_reason = out.stop_reason
             sample.error = out.error
+            tracker.unfinished -= 1
         return False
 
     def _decode_logprobs(self, lists: LogprobsLists) -> list[PositionLogprobs]:
@@ -274,8 +275,9 @@ class OutputProcessor:
         if not self.stream_deltas:
             return CompletionOutput(s.index, s.text, list(s.token_ids), s.cumulative_logprob,
                                     s.logprobs, s.finish_reason, s.stop_reason, s.error)
-        text, tokens = s.text[s.sent_text:], s.token_ids[s.sent_tokens:]
-        logprobs = None if s.logprobs is None else s.logprobs[s.sent_tokens:]
-        s.sent_text, s.sent_tokens = len(s.text), len(s.token_ids)
+        text, tokens, logprobs = s.text, s.token_ids, s.logprobs
+        s.text, s.token_ids = "", []
+        if logprobs is not None:
+            s.logprobs = []
         return CompletionOutput(s.index, text, tokens, s.cumulative_logprob, logprobs, s.finish_reason, s.stop_reason,
                                 s.error)

@@ -133,6 +133,7 @@ async def _engine_lifespan(app: Litestar) -> AsyncIterator[None]:
                 server.metrics = ServerMetrics(server.model_name, client.info.max_model_len, lambda: client.engine_stats,
                                                engine.max_loras if engine.enable_lora else None,
                                                server.settings.metrics_prefix, _cache_config(client.info, engine))
+                client.observe_steps(server.metrics.count_generated)
                 server.sampling_defaults = generation_defaults(server.settings.generation_config, client.info.model_dir)
                 _log_ready(server)
                 stop = anyio.Event()

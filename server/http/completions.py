@@ -58,16 +58,20 @@ class _Choice:
 class _Choices:
     """Every choice of a request, created from each prompt's first output (echo needs the prompt)."""
 
-    def __init__(self, body: CompletionRequest, tokenizer: Tokenizer | None, n: int):
+    def __init__(self, body: CompletionRequest, tokenizer: Tokenizer | None, n: int, head: dict):
+        """`head`: the id, created and model fields of the request's chunks."""
         self.body = body
         self.tokenizer = tokenizer
         self.n = n
+        self.head = head
         self.choices: dict[int, _Choice] = {}
+        self._text_frames: dict[int, sse.TextFrames] = {}
+        self._echo_only = body.echo_only
 
     def visible(self, out: RequestOutput) -> RequestOutput:
         """`out` as the client sees it: for echo_only, without the token generated only to score the
         prompt, and ending for `length` as OpenAI's max_tokens 0 does."""
-        if self.body.echo_only:
+        if self._echo_only:
             for sample in out.outputs:
                 sample.text, sample.token_ids, sample.logprobs = "", [], []
                 if sample.finish_reason is not None:
@@ -89,6 +93,22 @@ class _Choices:
         return [piece for sample, piece in zip(out.outputs, self.pieces(prompt_index, out))
                 if piece.text or piece.finish_reason is not None or (show_tokens and sample.token_ids)
                 or (piece.logprobs is not None and piece.logprobs.tokens)]
+
+    def text_frame(self, prompt_index: int, out: RequestOutput, continuous_usage: bool) -> bytes | None:
+        """The chunk of a delta that brings one choice new text and nothing else (most of a stream),
+        spliced into that choice's pre-encoded frame; None when the delta needs `stream_pieces`: a
+        choice's first piece (echo, prompt ids), its end, several samples, logprobs, token ids or usage."""
+        if len(out.outputs) != 1 or continuous_usage or self.body.logprobs is not None or self.body.return_token_ids:
+            return None
+        sample = out.outputs[0]
+        index = prompt_index * self.n + sample.index
+        if not sample.text or sample.finish_reason is not None or index not in self.choices:
+            return None
+        frames = self._text_frames.get(index)
+        if frames is None:
+            frames = self._text_frames[index] = sse.TextFrames(
+                lambda text: CompletionResponse(**self.head, choices=[CompletionChoice(index=index, text=text)]))
+        return frames.frame(sample.text)
 
     def _create(self, index: int, out: RequestOutput) -> _Choice:
         echo, echo_logprobs = "", None
@@ -160,7 +180,7 @@ class CompletionsController(Controller):
                                     data.constraint_field, data.keep_best)
             await group.start(request.receive)
         head = group.response_head()
-        choices = _Choices(data, server.engine.tokenizer, group.n)
+        choices = _Choices(data, server.engine.tokenizer, group.n, head)
         return await group.respond(request.receive, data.stream,
                                    lambda: _chunks(group, choices, head, data.include_usage, data.continuous_usage),
                                    lambda: _collect(group, choices, head))
@@ -194,6 +214,10 @@ async def _chunks(group: GenerationGroup, choices: _Choices, head: dict, include
     async for prompt_index, out in group.merged():
         out = choices.visible(out)
         usage.add(prompt_index, out)
+        text_frame = choices.text_frame(prompt_index, out, continuous_usage)
+        if text_frame is not None:
+            yield text_frame
+            continue
         pieces = choices.stream_pieces(prompt_index, out)
         if pieces:
             yield sse.frame(CompletionResponse(**head, choices=pieces, usage=usage.usage() if continuous_usage else None))

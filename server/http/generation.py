@@ -34,11 +34,14 @@ request_log = structlog.get_logger("corectl.requests")
 
 
 class Generation:
-    """One prompt's request in the engine, with its metrics and its log line."""
+    """One prompt's request in the engine, with its metrics and its log line; `index` is the prompt's
+    place in its HTTP request."""
 
-    def __init__(self, server: ServerState, prompt: str | list[int], params: SamplingParams, request_id: str,
-                 priority: int, lora_request: LoRARequest | None = None, grammar_field: str | None = None):
+    def __init__(self, server: ServerState, index: int, prompt: str | list[int], params: SamplingParams,
+                 request_id: str, priority: int, lora_request: LoRARequest | None = None,
+                 grammar_field: str | None = None):
         self.server = server
+        self.index = index
         self._grammar_field = grammar_field
         self.request_id = request_id
         self.prompt = prompt
@@ -60,15 +63,16 @@ class Generation:
             raise
         self.first = self._observe(first)
 
-    async def deltas(self) -> AsyncIterator[RequestOutput]:
-        """Every output delta, the first included."""
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(index, delta) for every output delta, the first included."""
         if self.first is None:
             raise RuntimeError("start() the generation first")
-        yield self.first
+        index = self.index
+        yield index, self.first
         if self.first.finished:
             return
         async for out in self._outputs:
-            yield self._observe(out)
+            yield index, self._observe(out)
 
     async def aclose(self) -> None:
         await self._outputs.aclose()
@@ -76,17 +80,12 @@ class Generation:
             self._record("aborted")
 
     def _observe(self, out: RequestOutput) -> RequestOutput:
-        metrics = self.server.metrics
-        if self._last is None and metrics is not None:
-            metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+        if self._last is None and self.server.metrics is not None:
+            self.server.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
         self._last = out
-        generated = 0
         for sample in out.outputs:
-            generated += len(sample.token_ids)
             if sample.finish_reason is not None:
                 self._finish_reasons[sample.index] = sample.finish_reason
-        if metrics is not None and generated:
-            metrics.generation_tokens.inc(generated)
         if out.finished:
             self._record("finished")
             if "abort" in self._finish_reasons:
@@ -166,7 +165,8 @@ class GenerationGroup:
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                self.generations.append(Generation(server, prompt, params, rid, priority, lora_request, grammar_field))
+                self.generations.append(Generation(server, i, prompt, params, rid, priority, lora_request,
+                                                   grammar_field))
         except BaseException:
             server.end_request()
             raise
@@ -215,35 +215,34 @@ class GenerationGroup:
         deltas once it finished, holding only its best samples)."""
         if self._keep_best is not None:
             return self._best_first()
-        if len(self.generations) == 1:  # one generator less between the engine and the stream, per token
-            return self._one()
         return self._arrivals()
 
-    async def _one(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        async for out in self.generations[0].deltas():
-            yield 0, out
+    def _arrivals(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        if len(self.generations) == 1:  # no generator between the engine's deltas and the stream, per token
+            return self.generations[0].deltas()
+        return self._interleaved()
 
     async def _best_first(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         held: dict[int, list[RequestOutput]] = {}
-        async for index, out in (self._one() if len(self.generations) == 1 else self._arrivals()):
+        async for index, out in self._arrivals():
             held.setdefault(index, []).append(out)
             if out.finished:
                 for kept in _best_samples(held.pop(index), self._keep_best):
                     yield index, kept
 
-    async def _arrivals(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _interleaved(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         send, receive = anyio.create_memory_object_stream[tuple[int, RequestOutput] | Exception](math.inf)
 
-        async def pump(index: int, generation: Generation) -> None:
+        async def pump(generation: Generation) -> None:
             try:
-                async for out in generation.deltas():
-                    send.send_nowait((index, out))
+                async for item in generation.deltas():
+                    send.send_nowait(item)
             except Exception as exc:
                 send.send_nowait(exc)
 
         async with anyio.create_task_group() as tg:
-            for index, generation in enumerate(self.generations):
-                tg.start_soon(pump, index, generation)
+            for generation in self.generations:
+                tg.start_soon(pump, generation)
             remaining = len(self.generations)
             while remaining:
                 item = await receive.receive()
@@ -304,17 +303,17 @@ class UsageCounter:
     """Exact token usage of a request, counted from the deltas as they pass."""
 
     def __init__(self):
-        self._prompt_tokens: dict[int, int] = {}
-        self._cached_tokens: dict[int, int] = {}
+        self._latest: dict[int, RequestOutput] = {}  # each prompt's latest delta: its prompt and cached tokens
         self.completion_tokens = 0
 
     def add(self, prompt_index: int, out: RequestOutput) -> None:
-        self._prompt_tokens[prompt_index] = len(out.prompt_token_ids)
-        self._cached_tokens[prompt_index] = out.num_cached_tokens
-        self.completion_tokens += sum(len(sample.token_ids) for sample in out.outputs)
+        self._latest[prompt_index] = out
+        samples = out.outputs
+        self.completion_tokens += (len(samples[0].token_ids) if len(samples) == 1
+                                   else sum(len(sample.token_ids) for sample in samples))
 
     def usage(self) -> Usage:
-        prompt = sum(self._prompt_tokens.values())
-        cached = sum(self._cached_tokens.values())
+        prompt = sum(len(out.prompt_token_ids) for out in self._latest.values())
+        cached = sum(out.num_cached_tokens for out in self._latest.values())
         return Usage(prompt, self.completion_tokens, prompt + self.completion_tokens,
                      PromptTokensDetails(cached) if cached else None)

@@ -9,12 +9,14 @@ request tracker as outputs arrive and cover the whole server.
 """
 from __future__ import annotations
 
+import bisect
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections import Counter as Tally
+from collections.abc import Callable, Iterable, Sequence
 
 from corectl.engine.messages import ITERATION_TOKENS_BUCKETS, SchedulerStats
-from corectl.outputs import RequestMetrics
+from corectl.outputs import EmbeddingRequestOutput, RequestMetrics, RequestOutput
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -32,6 +34,24 @@ _N_BUCKETS = [1, 2, 5, 10, 20]
 DEFAULT_PREFIX = "vllm:"
 _LABELS = ["model_name"]
 _ENGINE_LABELS = ["model_name", "engine"]
+
+
+def observe_all(histograms: Sequence[Histogram], values: list[float]) -> None:
+    """`observe(v)` in each of `histograms` (children with the same buckets) for every v in `values`,
+    with one lock-taking increment per bucket hit and one for the sum where `observe` takes two per
+    value: a request's inter-token gaps are one value per token. It adds to the value objects that
+    prometheus_client's Histogram keeps per bucket (`_buckets`, not cumulative: a value counts in the
+    first bucket whose bound is >= it) and for the sum (`_sum`), the same objects multiprocess mode
+    writes to its files; tests/server/test_stream_metrics.py checks the exposition against `observe`."""
+    if not values:
+        return
+    bounds = histograms[0]._upper_bounds
+    hits = Tally(bisect.bisect_left(bounds, value) for value in values)
+    total = sum(values)
+    for histogram in histograms:
+        histogram._sum.inc(total)
+        for index, count in hits.items():
+            histogram._buckets[index].inc(count)
 
 
 def token_buckets(max_value: int) -> list[float]:
@@ -193,6 +213,17 @@ class ServerMetrics:
         self._lora_requests = Counter(prefix + "lora_requests", "Requests admitted per LoRA adapter.",
                                       _LABELS + ["lora_name"], registry=reg)
 
+    def count_generated(self, outputs: list[RequestOutput | EmbeddingRequestOutput]) -> None:
+        """One engine step's outputs (deltas): their new tokens in one increment (per step, as vLLM
+        counts them, rather than one lock-taking increment per token of every stream)."""
+        tokens = 0
+        for out in outputs:
+            if isinstance(out, RequestOutput):
+                for sample in out.outputs:
+                    tokens += len(sample.token_ids)
+        if tokens:
+            self.generation_tokens.inc(tokens)
+
     def observe_params(self, n: int, max_tokens: int | None) -> None:
         """A generation request's n and max_tokens (unset: the context's length), as it starts."""
         self.params_n.observe(n)
@@ -223,9 +254,7 @@ class ServerMetrics:
             self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
         self._observe_phases(metrics)
         times = metrics.token_times
-        for earlier, later in zip(times, times[1:]):
-            self.itl.observe(later - earlier)
-            self.tpot.observe(later - earlier)
+        observe_all((self.itl, self.tpot), [later - earlier for earlier, later in zip(times, times[1:])])
         self.e2e.observe((metrics.finished_time or now) - metrics.arrival_time)
 
     def _observe_phases(self, metrics: RequestMetrics) -> None:
