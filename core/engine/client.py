@@ -10,6 +10,7 @@ the consumer stops iterating (client disconnect, cancellation), the request is a
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -34,11 +35,15 @@ from .transport import EngineTransport
 
 
 class _OutputCollector:
-    """A one-slot mailbox per request that merges deltas the consumer has not picked up yet."""
+    """A one-slot mailbox per request that merges deltas the consumer has not picked up yet.
+
+    The consumer waits on a bare asyncio future, made only when the slot is empty: it waits once per
+    token of every stream, and an `anyio.Event` (which wraps asyncio's Event, which wraps a future)
+    cost 2.4 us a wake-up against 1.0 us for the future (AMD EPYC, 64 waiters woken per step)."""
 
     def __init__(self):
         self._undelivered: RequestOutput | BaseException | None = None
-        self._ready = anyio.Event()
+        self._waiter: asyncio.Future | None = None
         self.finished = False  # the consumer has the request's last output
 
     def put(self, item: RequestOutput | BaseException) -> None:
@@ -46,14 +51,15 @@ class _OutputCollector:
             _merge_into(self._undelivered, item)
         elif not isinstance(self._undelivered, BaseException):
             self._undelivered = item
-        self._ready.set()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():  # done: woken already, or its consumer was cancelled
+            waiter.set_result(None)
 
     async def get(self) -> RequestOutput:
-        await self._ready.wait()
+        if self._undelivered is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
         item, self._undelivered = self._undelivered, None
-        # The backend's own class: `anyio.Event()` looks the backend up each time, which costs
-        # several times the event itself, once per token of every stream.
-        self._ready = type(self._ready)()
         if isinstance(item, BaseException):
             raise item
         self.finished = item.finished

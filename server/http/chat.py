@@ -167,7 +167,7 @@ async def _collect(group: GenerationGroup, head: dict, top_n: int | None,
 
 async def _chunks(group: GenerationGroup, head: dict, top_n: int | None, include_usage: bool,
                   texts: dict[int, ChoiceText], echo: str, continuous_usage: bool) -> AsyncIterator[bytes]:
-    usage = UsageCounter()
+    usage = UsageCounter() if include_usage or continuous_usage else None
     # OpenAI's first chunk of each choice carries the role and no content (the echoed text with echo).
     yield sse.frame(ChatCompletionChunk(**head, choices=[
         ChatChunkChoice(index=i, delta=ChatDelta(role=ROLE, content=echo)) for i in range(group.n)]))
@@ -176,7 +176,8 @@ async def _chunks(group: GenerationGroup, head: dict, top_n: int | None, include
         ChatChunkChoice(index=i, delta=ChatDelta(content=content))])) for i in range(group.n)}
     plain_only = top_n is None and not continuous_usage
     async for _, out in group.merged():
-        usage.add(0, out)
+        if usage is not None:
+            usage.add(0, out)
         choices = []
         for s in out.outputs:
             text = texts[s.index]

@@ -67,6 +67,8 @@ class _Choices:
         self.choices: dict[int, _Choice] = {}
         self._text_frames: dict[int, sse.TextFrames] = {}
         self._echo_only = body.echo_only
+        # Chunks that carry more than text (logprobs, token ids, usage) are never spliced.
+        self._splice = body.logprobs is None and not body.return_token_ids and not body.continuous_usage
 
     def visible(self, out: RequestOutput) -> RequestOutput:
         """`out` as the client sees it: for echo_only, without the token generated only to score the
@@ -94,11 +96,11 @@ class _Choices:
                 if piece.text or piece.finish_reason is not None or (show_tokens and sample.token_ids)
                 or (piece.logprobs is not None and piece.logprobs.tokens)]
 
-    def text_frame(self, prompt_index: int, out: RequestOutput, continuous_usage: bool) -> bytes | None:
+    def text_frame(self, prompt_index: int, out: RequestOutput) -> bytes | None:
         """The chunk of a delta that brings one choice new text and nothing else (most of a stream),
         spliced into that choice's pre-encoded frame; None when the delta needs `stream_pieces`: a
         choice's first piece (echo, prompt ids), its end, several samples, logprobs, token ids or usage."""
-        if len(out.outputs) != 1 or continuous_usage or self.body.logprobs is not None or self.body.return_token_ids:
+        if not self._splice or len(out.outputs) != 1:
             return None
         sample = out.outputs[0]
         index = prompt_index * self.n + sample.index
@@ -210,11 +212,12 @@ async def _collect(group: GenerationGroup, choices: _Choices, head: dict) -> Com
 
 async def _chunks(group: GenerationGroup, choices: _Choices, head: dict, include_usage: bool,
                   continuous_usage: bool) -> AsyncIterator[bytes]:
-    usage = UsageCounter()
+    usage = UsageCounter() if include_usage or continuous_usage else None
     async for prompt_index, out in group.merged():
         out = choices.visible(out)
-        usage.add(prompt_index, out)
-        text_frame = choices.text_frame(prompt_index, out, continuous_usage)
+        if usage is not None:
+            usage.add(prompt_index, out)
+        text_frame = choices.text_frame(prompt_index, out)
         if text_frame is not None:
             yield text_frame
             continue

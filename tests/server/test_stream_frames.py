@@ -31,30 +31,30 @@ def _general(choices: _Choices, out: RequestOutput) -> bytes:
 
 def test_text_frames_are_the_general_paths_bytes():
     spliced, general = _choices(), _choices()
-    assert spliced.text_frame(0, _delta("First"), False) is None  # a choice's first piece: general path
+    assert spliced.text_frame(0, _delta("First")) is None  # a choice's first piece: general path
     _general(spliced, _delta("First"))
     _general(general, _delta("First"))
     for text in TEXTS:
-        frame = spliced.text_frame(0, _delta(text), False)
+        frame = spliced.text_frame(0, _delta(text))
         assert frame == _general(general, _delta(text))
         assert msgspec.json.decode(frame[len(b"data: "):])["choices"][0]["text"] == text
 
 
-@pytest.mark.parametrize("fields, continuous_usage", [({"logprobs": 1}, False), ({"return_token_ids": True}, False),
-                                                       ({}, True)])
-def test_deltas_with_more_than_text_take_the_general_path(fields, continuous_usage):
+@pytest.mark.parametrize("fields", [{"logprobs": 1}, {"return_token_ids": True},
+                                    {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}])
+def test_deltas_with_more_than_text_take_the_general_path(fields):
     choices = _choices(**fields)
     choices.stream_pieces(0, _delta("First"))
-    assert choices.text_frame(0, _delta("x"), continuous_usage) is None
+    assert choices.text_frame(0, _delta("x")) is None
 
 
 def test_the_echo_goes_with_the_first_piece_then_text_splices():
     spliced, general = _choices(echo=True), _choices(echo=True)
-    assert spliced.text_frame(0, _delta("First"), False) is None
+    assert spliced.text_frame(0, _delta("First")) is None
     first = _general(spliced, _delta("First"))
     assert first == _general(general, _delta("First"))
     assert msgspec.json.decode(first[len(b"data: "):])["choices"][0]["text"] == "SayFirst"
-    assert spliced.text_frame(0, _delta(" more"), False) == _general(general, _delta(" more"))
+    assert spliced.text_frame(0, _delta(" more")) == _general(general, _delta(" more"))
 
 
 def test_an_end_an_empty_delta_and_several_samples_take_the_general_path():
@@ -62,8 +62,8 @@ def test_an_end_an_empty_delta_and_several_samples_take_the_general_path():
     two = RequestOutput(request_id="cmpl-1", prompt="Say", prompt_token_ids=[1], finished=False,
                         outputs=[CompletionOutput(0, "a", [7]), CompletionOutput(1, "b", [8])])
     choices.stream_pieces(0, two)
-    assert choices.text_frame(0, two, False) is None
+    assert choices.text_frame(0, two) is None
     single = _choices()
     single.stream_pieces(0, _delta("First"))
-    assert single.text_frame(0, _delta("", None), False) is None
-    assert single.text_frame(0, _delta("end", "length"), False) is None
+    assert single.text_frame(0, _delta("", None)) is None
+    assert single.text_frame(0, _delta("end", "length")) is None
