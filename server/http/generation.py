@@ -2,8 +2,8 @@
 
 A request is "started" once every prompt produced its first output, so validation errors (context
 length, queue full, bad token ids) become HTTP errors before any response byte is sent. While a
-request waits for the engine, a client that disconnects aborts it; once streaming, Litestar's
-`Stream` cancels the iterator on disconnect, which closes the generators, which abort the request
+request waits for the engine, a client that disconnects aborts it; once streaming, the response
+(`sse.EventStream`) cancels its sending on disconnect and closes the group, which aborts the request
 (its KV blocks are freed within one engine step).
 """
 from __future__ import annotations
@@ -21,7 +21,6 @@ from corectl.lora.request import LoRARequest
 from corectl.outputs import RequestMetrics, RequestOutput
 from corectl.sampling_params import SamplingParams
 from litestar import Response
-from litestar.response import Stream
 
 from . import sse
 from .constraints import errors_name, named_for
@@ -176,11 +175,11 @@ class GenerationGroup:
         return dict(id=self.request_id, created=int(time.time()), model=self.model_name)
 
     async def respond(self, receive: Callable, stream: bool, chunks: Callable[[], AsyncIterator[bytes]],
-                      collect: Callable[[], Awaitable[T]]) -> Response | Stream:
+                      collect: Callable[[], Awaitable[T]]) -> Response:
         """The route's answer: an SSE stream of `chunks()` ending in [DONE], or `collect()`'s body once
         every sample finished; either way the group is closed (its requests aborted) when it ends."""
         if stream:
-            return Stream(sse.with_done(chunks(), self.aclose), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+            return sse.EventStream(chunks(), self.aclose)
         try:
             return Response(await until_disconnected(receive, collect))
         finally:
@@ -278,7 +277,7 @@ async def until_disconnected(receive: Callable, work: Callable[[], Awaitable[T]]
     outcome: list[tuple[bool, object]] = []
     scope = anyio.CancelScope()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_cancel_on_disconnect, receive, scope)
+        tg.start_soon(sse.cancel_on_disconnect, receive, scope)
         with scope:
             try:
                 outcome.append((True, await work()))
@@ -291,12 +290,6 @@ async def until_disconnected(receive: Callable, work: Callable[[], Awaitable[T]]
     if not ok:
         raise value  # type: ignore[misc]
     return value  # type: ignore[return-value]
-
-
-async def _cancel_on_disconnect(receive: Callable, scope: anyio.CancelScope) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    scope.cancel()
 
 
 class UsageCounter:
