@@ -199,7 +199,10 @@ def _bind_ports(settings, count: int) -> list[socket.socket]:
 
 def _bind(settings, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # Named TCP, asyncio turns Nagle off on each accepted connection, as for the sockets it binds itself
+    # (it checks the protocol, which socket() leaves 0): with Nagle on, a response written in two parts
+    # waited for the client's delayed ACK, 40 ms on every keep-alive request.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

@@ -75,6 +75,40 @@ def test_serve_takes_the_online_token_budget_and_offline_keeps_its_own():
     assert generate.max_num_batched_tokens == EngineConfig().max_num_batched_tokens == 2048
 
 
+def test_serve_sockets_accept_connections_without_nagle():
+    """asyncio (uvicorn's loop) accepts on the sockets `serve` binds with Nagle off, as on a socket it binds
+    itself: a keep-alive response written in two parts must not wait for the client's delayed ACK."""
+    import asyncio
+    import socket
+
+    from corectl.server.cli.main import build_parser
+    from corectl.server.cli.serve import _bind, _bind_port, settings_from_args
+
+    def settings():
+        return settings_from_args(build_parser().parse_args(["serve", "--port", "0"]))
+
+    # One API process's socket, and one as each of --api-server-count's (the port shared, SO_REUSEPORT).
+    socks = [_bind_port(settings()), _bind(settings(), reuse_port=True)]
+
+    async def nodelay_of_accepted(sock: socket.socket) -> int:
+        accepted = asyncio.get_running_loop().create_future()
+
+        class Record(asyncio.Protocol):
+            def connection_made(self, transport):
+                sock = transport.get_extra_info("socket")
+                accepted.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        server = await asyncio.get_running_loop().create_server(Record, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+            nodelay = await asyncio.wait_for(accepted, 10)
+            writer.close()
+        return nodelay
+
+    assert all(asyncio.run(nodelay_of_accepted(sock)) for sock in socks)
+
+
 def test_bench_grammar_times_each_part_of_a_constrained_step(cli):
     done = cli["bench-grammar"]
     assert done.returncode == 0, done.stderr
