@@ -195,6 +195,9 @@ class GenerationGroup:
             raise
 
     async def _start_all(self) -> None:
+        if len(self.generations) == 1:  # most requests: no task group and task of its own
+            await self.generations[0].start()
+            return
         errors: list[Exception] = []
 
         async def start(generation: Generation) -> None:
