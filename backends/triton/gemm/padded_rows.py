@@ -65,9 +65,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     key = (m, weight.shape[0], weight.shape[1], x.dtype, bias is not None, x.device.index)
     rows = _decisions.get(key)
     if rows is None:
-        if not _tuning or torch.cuda.is_current_stream_capturing() or len(candidates(m)) == 1:
+        counts = candidates(m)
+        if not _tuning or torch.cuda.is_current_stream_capturing() or len(counts) == 1:
             return None
-        times = _times(x, weight, bias)
+        times = _times(x, weight, bias, counts)
         rows = _decisions[key] = choose(times)
         if rows != m:
             logger.info("GEMM of %d x %d weights: %d rows run padded to %d (%.4f ms against %.4f)",
@@ -77,11 +78,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return F.linear(F.pad(x, (0, 0, 0, rows - m)), weight, bias)[:m]
 
 
-def _times(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> dict[int, float]:
+def _times(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counts: list[int]) -> dict[int, float]:
     # Each candidate's best of three rounds, the candidates interleaved within a round so that clock
     # and power drift fall on all of them alike; a warm-up run before each (a shape's first call sets
     # up cuBLAS).
-    operands = {rows: torch.randn(rows, x.shape[1], dtype=x.dtype, device=x.device) for rows in candidates(x.shape[0])}
+    operands = {rows: torch.randn(rows, x.shape[1], dtype=x.dtype, device=x.device) for rows in counts}
     best = dict.fromkeys(operands, float("inf"))
     for _ in range(_ROUNDS):
         for rows, a in operands.items():
