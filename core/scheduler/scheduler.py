@@ -357,8 +357,10 @@ class Scheduler:
             self.adapters.end()
 
     def _may_load_ahead(self, req: Request) -> bool:
-        # A request held back in the loop above stays back; one with an adapter starts its load in
-        # its turn (admitting it counts the adapter into this step).
+        # Held back as in the loop above: a request whose step is in flight, or whose sibling fills
+        # blocks it could share; also one holding blocks already (its load is under way or settled)
+        # and one with an adapter, which loads in its turn (admitting it counts the adapter into this
+        # step). A grammar still compiling does not hold its load back: the load only needs blocks.
         return not (self.in_flight.holds(req) or self.kv.holds_blocks(req) or self._sibling_prefilling(req)
                     or req.lora_request is not None)
 
