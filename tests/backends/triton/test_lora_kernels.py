@@ -5,6 +5,7 @@ import torch
 from corectl.backends.triton.lora import lora_expand, lora_shrink
 from corectl.backends.triton.lora.config import SortedConfig
 from corectl.lora.punica import LoRASegments, expand_reference, shrink_reference, sorted_tiles
+from support.close import BF16_STEP
 
 DTYPES = [torch.float32, torch.bfloat16]
 # Sorted tiles of a decode step (16 rows), of W10's decode tile (32) and of a mixed step's (64 rows:
@@ -109,11 +110,14 @@ def _expand_case(form: str, rank: int, widths: list[int], dtype: torch.dtype):
     return (parts, b, scales, slots, segments, out), expected
 
 
-def _check_expand(out, before, expected, slots, dtype, assert_close):
+def _check_expand(out, before, expected, slots, dtype, assert_close, rank):
     assert torch.equal(out[:, :8], before[:, :8]) and torch.equal(out[:, -8:], before[:, -8:])
     assert torch.equal(out[slots < 0], before[slots < 0])
     if dtype == torch.float32:
-        assert_close(out, expected)
+        # The kernel sums the rank's products in another order than the reference's matmul: fp32
+        # noise grows with the rank, and against the largest output (elementwise it may be a cancelled
+        # sum's whole value). A wrong slice, slot or scale is off by whole units.
+        assert_close(out, expected, tol=rank * 2.0 ** -24, norm="max")
     else:
         # Base output and delta are each bf16-sized: where they cancel, the sum keeps their absolute step.
         step = 2.0 ** -7 * expected.float().abs().max().item()
@@ -129,7 +133,7 @@ def test_expand_adds_every_slice(dtype, form, rank, assert_close):
     (parts, b, scales, slots, segments, out), expected = _expand_case(form, rank, [24, 8, 16], dtype)
     before = out.clone()
     lora_expand(parts, b, scales, slots, segments, out[:, 8:56], [24, 8, 16], check_indices=True)
-    _check_expand(out, before, expected, slots, dtype, assert_close)
+    _check_expand(out, before, expected, slots, dtype, assert_close, rank)
 
 
 def test_sorted_expand_program_covers_several_output_blocks(assert_close):
@@ -139,7 +143,7 @@ def test_sorted_expand_program_covers_several_output_blocks(assert_close):
     before = out.clone()
     lora_expand(parts, b, scales, slots, segments, out[:, 8:144], [40, 72, 24], check_indices=True,
                 config=SortedConfig(192, 8, 10))
-    _check_expand(out, before, expected, slots, torch.float32, assert_close)
+    _check_expand(out, before, expected, slots, torch.float32, assert_close, 16)
 
 
 def test_launchers_name_bad_arguments():
@@ -249,9 +253,11 @@ def test_batch_one_stacked_layers_match_torch_path(monkeypatch, assert_close):
         expected_qkv, expected_down = (qkv(x), down(activation)) if slot >= 0 else (qkv.base(x), down.base(activation))
         qkv.kernels = down.kernels = triton_layer_kernels()
         assert qkv._stacked_forward(x, gated=False) is not None
-        # A few bf16 roundings apart (x @ A.T is rounded before the expand, as in PEFT's bf16 layers).
-        assert_close(qkv(x), expected_qkv, tol=2e-2, norm="max")
-        assert_close(down.forward_gated(gate_up), expected_down, tol=2e-2, norm="max")
+        # Four bf16 roundings apart: silu, its product with up, x @ A.T (rounded before the expand, as
+        # in PEFT's bf16 layers) and the output. The interpreter truncates, so all four may shrink the
+        # value the same way (a GPU's round-to-nearest ones mostly cancel: tests/gpu checks those).
+        assert_close(qkv(x), expected_qkv, tol=4 * BF16_STEP, norm="max")
+        assert_close(down.forward_gated(gate_up), expected_down, tol=4 * BF16_STEP, norm="max")
 
 
 def test_step_with_segments_runs_on_the_tiles_written():
