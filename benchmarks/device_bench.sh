@@ -40,9 +40,6 @@ setup() {
   export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=/tmp/site
   [ "${CORECTL_BENCH_READY:-0}" = 1 ] && return  # device_lanes.sh installed it once for every lane
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  if compgen -G ".whl/uv/*.whl" >/dev/null; then  # uvloop and httptools, for the `uv` switch alone
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-uv .whl/uv/*.whl || exit 1
-  fi
   python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$RES/install.log" 2>&1 \
     || { cat "$RES/install.log"; exit 1; }
   if compgen -G ".bench/base/corectl-*.whl" >/dev/null; then
@@ -84,8 +81,6 @@ variant() {  # the switches of one stage: engine options into ENGINE, environmen
       segprefill) export CORECTL_LORA_PREFILL_TILE=0 ;;                     # LoRA prefill/mixed steps in the segment form (no sorted tiles)
       eager) ENGINE+=(--enforce-eager) ;;                                   # no CUDA graphs at all
       inv) ENGINE+=(--batch-invariant) ;;                                   # batch-invariant kernels
-      uv) [ -d /tmp/site-uv ] || { echo "uv needs .whl/uv/ (uvloop, httptools)"; return 1; }
-          export PYTHONPATH=/tmp/site-uv:$PYTHONPATH ;;                     # uvicorn picks uvloop and httptools
       *) echo "unknown switch '$switch' (stage variant '$1')"; return 1 ;;
     esac
   done
