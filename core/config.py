@@ -96,6 +96,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_offload_bytes: bytes of host memory (pinned where the platform pins) that keep prefix-cache
         blocks the device evicts, brought back on a later hit instead of recomputed (vLLM's
         `--kv-offloading-size`, in GiB there); None: no host tier.
+    stream_interval: a streamed request's output goes to its consumer once this many new tokens
+        have gathered (vLLM's and SGLang's `--stream-interval`): the first token and the last
+        output go at once. 1 (the default) sends every step's; more trades smoothness for less
+        API-process work per token (one delta, SSE event and socket write per N tokens).
     enable_sleep_mode: the engine may sleep (`EngineCore.sleep`, corectl.worker.sleep): free its KV
         cache and offload (level 1) or drop (level 2) its weights until woken up.
     quantization: the quantization method (`corectl.quantization`; vLLM's names: fp8, awq, gptq,
@@ -130,6 +134,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     max_queued_requests: int | None = None
+    stream_interval: int = 1
     platform: str = "auto"
     attention_backend: str | None = None
     seed: int = 0
@@ -181,6 +186,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ConfigError("quantization", f"must be a method name or 'none', got {self.quantization!r}")
         if self.max_queued_requests is not None:
             self._check_positive("max_queued_requests")
+        self._check_positive("stream_interval")
         if self.num_threads is not None:
             self._check_positive("num_threads")
         self._check_positive("tensor_parallel_size")

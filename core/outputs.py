@@ -45,7 +45,10 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_cached_tokens: int = 0
+    # When each step's tokens arrived (one entry a step and sample that got tokens), and how many of
+    # them came with the latest delta (several steps' where a stream interval held them back).
     token_times: list[float] = field(default_factory=list)
+    delta_token_times: int = 0
 
 
 @dataclass

@@ -97,7 +97,8 @@ class EngineClient:
         self._num_sent = 0
         self._num_received = 0
         self._loras: dict[int, LoRARequest] = {}  # adapters checked so far, by id
-        self._processor = OutputProcessor(self.info, tokenizer, stream_deltas=True, known_loras=self._loras)
+        self._processor = OutputProcessor(self.info, tokenizer, stream_deltas=True, known_loras=self._loras,
+                                          stream_interval=config.stream_interval)
         self._grammars = GrammarIntake(self.info)
         self._collectors: dict[str, _OutputCollector] = {}
         self._dead: BaseException | None = None

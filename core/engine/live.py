@@ -96,7 +96,7 @@ class RecentActivity:
     def observe(self, outputs: Iterable[RequestOutput], stats: SchedulerStats, now: float | None = None) -> None:
         """One engine step as the client delivered it: its (delta) outputs and the stats after it.
 
-        The output processor appended one token time per sample that got tokens in this step."""
+        Each output's `metrics.delta_token_times` says how many token times it brought."""
         bucket = self._bucket(time.monotonic() if now is None else now)
         bucket.stats = stats
         ttft, itl = bucket.ttft, bucket.itl
@@ -104,21 +104,18 @@ class RecentActivity:
             if isinstance(out, EmbeddingRequestOutput):
                 continue  # no tokens: an embedding has no TTFT or ITL
             samples, metrics = out.outputs, out.metrics
-            if len(samples) == 1:  # the common case, kept cheap: this runs for every delta
-                num_tokens = len(samples[0].token_ids)
-                appended = 1 if num_tokens else 0
-            else:
-                num_tokens = sum(len(sample.token_ids) for sample in samples)
-                appended = sum(1 for sample in samples if sample.token_ids)
-            if not appended or metrics is None:
+            if metrics is None or not metrics.delta_token_times:
                 continue
-            bucket.output_tokens += num_tokens
+            # The common case kept cheap: this runs for every delta.
+            bucket.output_tokens += len(samples[0].token_ids) if len(samples) == 1 else sum(
+                len(sample.token_ids) for sample in samples)
             times = metrics.token_times
             end = len(times)
-            if end == appended:
+            start = end - metrics.delta_token_times
+            if start == 0:
                 first = _bin(times[0] - metrics.arrival_time)
                 ttft[first] = ttft.get(first, 0) + 1
-            for i in range(max(end - appended, 1), end):
+            for i in range(max(start, 1), end):
                 gap = _bin(times[i] - times[i - 1])
                 itl[gap] = itl.get(gap, 0) + 1
 

@@ -80,6 +80,9 @@ class RequestTracker:
     pooling: PoolingParams | None = None
     embedding: list[float] | None = None
     unfinished: int = field(init=False)  # samples without a finish reason yet
+    held: int = 0  # new tokens not delivered yet (a stream interval above 1 holds them)
+    delivered: bool = False
+    times_delivered: int = 0  # of metrics.token_times, those earlier deltas brought
 
     def __post_init__(self):
         self.unfinished = len(self.samples)
@@ -110,16 +113,20 @@ def _update_metrics(metrics: RequestMetrics, out: EngineCoreOutput, now: float) 
 
 class OutputProcessor:
     def __init__(self, info: EngineInfo, tokenizer: Tokenizer | None, stream_deltas: bool,
-                 final_only: bool = False, known_loras: dict[int, LoRARequest] | None = None):
+                 final_only: bool = False, known_loras: dict[int, LoRARequest] | None = None,
+                 stream_interval: int = 1):
         """`info`: the engine's limits, which intake checks against. `stream_deltas`: outputs carry
         what is new since the last one (servers); otherwise the whole text so far. `final_only`: emit
         a request's output only once it has finished (offline batches), which saves copying every
         request's tokens on every step. `known_loras`: the LoRA adapters checked so far, by id,
-        shared by the processors of one engine (an id names one adapter for good)."""
+        shared by the processors of one engine (an id names one adapter for good).
+        `stream_interval` (deltas only): a request's delta is delivered once it holds this many new
+        tokens, besides its first and its last (`EngineConfig.stream_interval`)."""
         self.info = info
         self.tokenizer = tokenizer
         self.stream_deltas = stream_deltas
         self.final_only = final_only
+        self.stream_interval = stream_interval
         self.trackers: dict[str, RequestTracker] = {}
         self._children: dict[str, tuple[RequestTracker, int]] = {}
         self._loras = {} if known_loras is None else known_loras
@@ -192,16 +199,25 @@ class OutputProcessor:
             tracker, index = entry
             if self._apply(tracker, tracker.samples[index], out, now):
                 to_abort.append(out.req_id)
+            tracker.held += len(out.new_token_ids)
             touched[tracker.request_id] = tracker
         results = []
+        interval = self.stream_interval
         for tracker in touched.values():
             finished = tracker.finished
-            if finished or not self.final_only:
-                results.append(self._make_output(tracker))
+            if finished or not self.final_only and (interval == 1 or not tracker.delivered or tracker.held >= interval):
+                self._deliver(tracker, results)
             if finished:
                 tracker.metrics.finished_time = now
                 self.abort_request(tracker.request_id)
         return results, to_abort
+
+    def _deliver(self, tracker: RequestTracker, results: list) -> None:
+        metrics = tracker.metrics
+        metrics.delta_token_times = len(metrics.token_times) - tracker.times_delivered
+        tracker.times_delivered = len(metrics.token_times)
+        tracker.held, tracker.delivered = 0, True
+        results.append(self._make_output(tracker))
 
     def _apply(self, tracker: RequestTracker, sample: _Sample, out: EngineCoreOutput, now: float) -> bool:
         """Returns True when a stop string finished the sample (the engine must abort it)."""

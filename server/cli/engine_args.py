@@ -80,6 +80,9 @@ ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] 
     "scheduling_policy": ("--scheduling-policy", _CACHE, "queue order", {"choices": POLICIES}),
     "max_queued_requests": ("--max-queued-requests", _CACHE, "reject (429) beyond this many waiting requests",
                             {"type": int}),
+    "stream_interval": ("--stream-interval", _CACHE, "tokens gathered before a stream gets them (the first "
+                        "token and the end go at once): 1 sends every token, more costs the API process "
+                        "less per token", {"type": int}),
     "platform": ("--platform", _PLATFORM, "auto, cpu, cuda, rocm or a plugin's platform", {}),
     "attention_backend": ("--attention-backend", _PLATFORM, "attention backend (default: the platform's)", {}),
     "enforce_eager": ("--enforce-eager", _PLATFORM, "disable CUDA graphs", {"action": "store_true"}),

@@ -18,15 +18,17 @@ BIN = 0.13  # latency bins are 2 ** (1/6) wide: a percentile lies within 6% of i
 
 
 class Stream:
-    """One request's deltas as the output processor builds them (token times appended per delta)."""
+    """One request's deltas as the output processor builds them: a token time a step, and the
+    delta says how many steps' times it brings (several where a stream interval held tokens back)."""
 
     def __init__(self, request_id: str, arrival: float):
         self.metrics = RequestMetrics(arrival_time=arrival, num_prompt_tokens=5)
         self.request_id = request_id
 
-    def delta(self, now: float, num_tokens: int = 1) -> RequestOutput:
-        self.metrics.token_times.append(now)
-        self.metrics.first_token_time = self.metrics.first_token_time or now
+    def delta(self, now: float, num_tokens: int = 1, step_times: tuple[float, ...] = ()) -> RequestOutput:
+        self.metrics.token_times.extend((*step_times, now))
+        self.metrics.delta_token_times = len(step_times) + 1
+        self.metrics.first_token_time = self.metrics.first_token_time or (step_times or (now,))[0]
         self.metrics.num_generation_tokens += num_tokens
         sample = CompletionOutput(0, "", [7] * num_tokens)
         return RequestOutput(self.request_id, None, [1] * 5, [sample], False, metrics=self.metrics)
@@ -51,6 +53,20 @@ def test_ttft_itl_and_throughput_follow_the_arrivals():
     assert summary.output_tokens_per_s == pytest.approx((1 + 1 + 40 * 3) / 10)
     assert [p.output_tokens_per_s for p in summary.points] == [1 / 2, 46 / 2, 48 / 2, 27 / 2]
     assert [p.ttft_p50 is not None for p in summary.points] == [True, True, False, False]
+
+
+def test_a_delta_of_several_steps_counts_each_gap():
+    """With a stream interval a delta brings several steps' tokens: TTFT from its first step's
+    time, and one ITL gap per step."""
+    activity = RecentActivity(window_s=60, bucket_s=2, rate_window_s=10)
+    held = Stream("held", 100.0)
+    activity.observe([held.delta(100.5)], stats(), now=100.5)
+    activity.observe([held.delta(101.0, 3, step_times=(100.75, 100.875))], stats(), now=101.0)
+    summary = activity.summary(now=102.0)
+    assert summary.ttft_p50 == pytest.approx(0.5, rel=BIN)
+    # Gaps 0.25, 0.125 and 0.125: one per step, none lost to the delta that carried three.
+    assert summary.itl_p50 == pytest.approx(0.125, rel=BIN) and summary.itl_p99 == pytest.approx(0.25, rel=BIN)
+    assert [p.output_tokens_per_s for p in summary.points] == [4 / 2]  # every token, in its 2 s bucket
 
 
 def test_rates_come_from_counter_deltas_and_old_buckets_leave_the_window():
