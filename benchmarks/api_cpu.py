@@ -1,11 +1,12 @@
 """F1's CPU stand-in: the API process's CPU per streamed token and per request, this tree against
 another revision, served side by side on this machine and measured in alternating passes.
 
-    python benchmarks/api_cpu.py [--base REV] [--with NAME=DIR ...] [--passes 3] [--workload stream|request|both]
+    python benchmarks/api_cpu.py [--base REV] [--with NAME=DIR ...] [--flags NAME="--stream-interval 4" ...]
+                                 [--passes 3] [--workload stream|request|both]
 
 Each tree runs `corectl serve` (the embedded SmolLM2 on the CPU, one engine thread); the API process
 is the serve process itself (its engine is a child). `--with NAME=DIR` adds a server of this tree
-with DIR ahead on PYTHONPATH (e.g. uvloop and httptools installed there with `pip --target`). After a warm-up and a quiet spell that gives
+with DIR ahead on PYTHONPATH, `--flags NAME=FLAGS` one of this tree with more `serve` flags. After a warm-up and a quiet spell that gives
 each API process's idle CPU rate (uvicorn's tick, the engine and health watches), every pass reads
 the process's utime + stime from /proc around one `corectl bench serve` and prints the CPU per
 streamed token (stream: 64 streams of 400 tokens, every engine step carries a token of each) or per
@@ -56,14 +57,14 @@ def cpu_seconds(pid: int) -> float:
 
 
 class Server:
-    def __init__(self, name: str, port: int, pythonpath: Path | None, log: Path):
+    def __init__(self, name: str, port: int, pythonpath: Path | None, log: Path, flags: tuple[str, ...] = ()):
         env = dict(os.environ)
         if pythonpath is not None:
             env["PYTHONPATH"] = f"{pythonpath}:{env.get('PYTHONPATH', '')}"
         self.name, self.url = name, f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "corectl.server.cli.main", "serve", "--max-model-len", "2048",
-             "--kv-cache-memory", "1.0", "--max-num-seqs", "64", "--num-threads", "1", "--port", str(port)],
+             "--kv-cache-memory", "1.0", "--max-num-seqs", "64", "--num-threads", "1", "--port", str(port), *flags],
             env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tempfile.gettempdir())
 
     def wait(self) -> None:
@@ -91,6 +92,8 @@ def main() -> None:
     parser.add_argument("--base", help="the revision to compare with (default: this tree alone)")
     parser.add_argument("--with", dest="variants", action="append", default=[], metavar="NAME=DIR",
                         help="also serve this tree with DIR ahead on PYTHONPATH")
+    parser.add_argument("--flags", dest="flag_variants", action="append", default=[], metavar="NAME=FLAGS",
+                        help="also serve this tree with these serve flags")
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--workload", choices=[*WORKLOADS, "both"], default="both")
     parser.add_argument("--idle-seconds", type=float, default=30.0)
@@ -102,6 +105,9 @@ def main() -> None:
     for index, variant in enumerate(args.variants):
         name, path = variant.split("=", 1)
         servers.append(Server(name, 8133 + index, Path(path), scratch / f"{name}.log"))
+    for index, variant in enumerate(args.flag_variants):
+        name, flags = variant.split("=", 1)
+        servers.append(Server(name, 8143 + index, None, scratch / f"{name}.log", tuple(flags.split())))
     try:
         run(servers, args)
     finally:
