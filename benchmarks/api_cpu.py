@@ -10,7 +10,7 @@ with DIR ahead on PYTHONPATH, `--flags NAME=FLAGS` one of this tree with more `s
 each API process's idle CPU rate (uvicorn's tick, the engine and health watches), every pass reads
 the process's utime + stime from /proc around one `corectl bench serve` and prints the CPU per
 streamed token (stream: 64 streams of 400 tokens, every engine step carries a token of each) or per
-request (request: 256 requests of 1,024 prompt ids sharing a 1,000-id prefix, 2 tokens each),
+request (request: 1,024 requests of 1,024 prompt ids sharing a 1,000-id prefix, 2 tokens each),
 raw and less the idle rate over the pass's wall time. The engine's speed on a CPU is far below an
 H100's, so the per-token figure carries more per-second work than F1's; compare trees, not machines.
 """
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = {
     "stream": (64 * 400, ["--num-prompts", "64", "--max-concurrency", "64", "--input-len", "32",
                           "--output-len", "400"]),
-    "request": (256, ["--num-prompts", "256", "--max-concurrency", "64", "--prompt-token-ids",
+    "request": (1024, ["--num-prompts", "1024", "--max-concurrency", "64", "--prompt-token-ids",
                       "--dataset", "prefix_repetition", "--prefix-len", "1000", "--num-prefixes", "1",
                       "--input-len", "24", "--output-len", "2"]),
 }
