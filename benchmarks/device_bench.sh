@@ -68,6 +68,7 @@ variant() {  # the switches of one stage: engine options into ENGINE, environmen
       pp2) ENGINE+=(-pp 2) ;;                                               # two pipeline stages
       dp2) ENGINE+=(-dp 2) ;;
       asc[0-9]*) SERVE_ARGS="${SERVE_ARGS:-} --api-server-count ${switch#asc}" ;;  # API processes (F1)
+      si[0-9]*) SERVE_ARGS="${SERVE_ARGS:-} --stream-interval ${switch#si}" ;;     # tokens per streamed delta (F1)
       ray) ray_site || { echo "ray not importable"; return 1; }
            ENGINE+=(-tp 2 --distributed-executor-backend ray); export RAY_AUTH_MODE=disabled ;;
       nopdl) export CORECTL_PDL=0 ;;                                        # programmatic dependent launch off
