@@ -109,6 +109,38 @@ def test_serve_sockets_accept_connections_without_nagle():
     assert all(asyncio.run(nodelay_of_accepted(sock)) for sock in socks)
 
 
+
+def test_api_server_freezes_its_startup_heap():
+    """Once uvicorn has started (lifespan done, sockets bound) the API process's objects so far are
+    frozen out of the garbage collector's passes, which then walk only what requests make."""
+    import asyncio
+    import gc
+    import socket
+
+    import uvicorn
+    from corectl.server.cli.api_process import _Server
+
+    async def app(scope, receive, send):
+        return None
+
+    async def frozen_once_started(server: _Server, sock: socket.socket) -> int:
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        frozen = gc.get_freeze_count()
+        server.should_exit = True
+        await serving
+        return frozen
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        try:
+            server = _Server(uvicorn.Config(app, lifespan="off", log_config=None), state=None)
+            assert asyncio.run(frozen_once_started(server, sock)) > 0
+        finally:
+            gc.unfreeze()  # this test process is no API process: give the collector its objects back
+
 def test_bench_grammar_times_each_part_of_a_constrained_step(cli):
     done = cli["bench-grammar"]
     assert done.returncode == 0, done.stderr
