@@ -24,8 +24,19 @@ def test_deltas_gather_the_interval_and_lose_nothing():
             # One token time a step, each delta saying how many steps it brought.
             assert len(times) == 10 and deltas[-1].metrics.delta_token_times == 1
             assert deltas[-1].metrics.num_generation_tokens == 10
+            await _stop_string_ends_a_held_stream(client, "".join(out.outputs[0].text for out in deltas))
 
     anyio.run(main)
+
+
+async def _stop_string_ends_a_held_stream(client: EngineClient, full: str) -> None:
+    """A stop string that completes while tokens are held ends the stream at once, cut before it."""
+    stop = full.strip()[4:7]
+    assert len(stop) == 3 and stop in full
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, stop=[stop])
+    deltas = [out async for out in client.generate("Count from one to ten:", params, "stopped")]
+    assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == "stop"
+    assert "".join(out.outputs[0].text for out in deltas) == full[:full.index(stop)]
 
 
 def test_interval_must_be_positive():
