@@ -69,6 +69,8 @@ variant() {  # the switches of one stage: engine options into ENGINE, environmen
       dp2) ENGINE+=(-dp 2) ;;
       asc[0-9]*) SERVE_ARGS="${SERVE_ARGS:-} --api-server-count ${switch#asc}" ;;  # API processes (F1)
       si[0-9]*) SERVE_ARGS="${SERVE_ARGS:-} --stream-interval ${switch#si}" ;;     # tokens per streamed delta (F1)
+      nouv) for m in uvloop httptools; do mkdir -p "/tmp/nouv/$m"; echo 'raise ImportError("hidden")' > "/tmp/nouv/$m/__init__.py"; done
+            export PYTHONPATH=/tmp/nouv:$PYTHONPATH ;;                       # uvicorn on asyncio and h11 (uvloop, httptools hidden)
       ray) ray_site || { echo "ray not importable"; return 1; }
            ENGINE+=(-tp 2 --distributed-executor-backend ray); export RAY_AUTH_MODE=disabled ;;
       nopdl) export CORECTL_PDL=0 ;;                                        # programmatic dependent launch off
