@@ -51,6 +51,12 @@ class RequestMetrics:
     delta_token_times: int = 0
 
 
+def num_token_ids(samples: list) -> int:
+    """The token ids of `samples` (anything with `token_ids`) together."""
+    # The common case kept cheap: a stream counts every delta, several times.
+    return len(samples[0].token_ids) if len(samples) == 1 else sum(len(s.token_ids) for s in samples)
+
+
 @dataclass
 class RequestOutput:
     """One user request. In streaming (delta) mode each output carries only what is new since the
@@ -64,6 +70,11 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """The token ids this output carries over its samples (a delta's: the new ones)."""
+        return num_token_ids(self.outputs)
 
 
 @dataclass

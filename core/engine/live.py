@@ -103,12 +103,10 @@ class RecentActivity:
         for out in outputs:
             if isinstance(out, EmbeddingRequestOutput):
                 continue  # no tokens: an embedding has no TTFT or ITL
-            samples, metrics = out.outputs, out.metrics
+            metrics = out.metrics
             if metrics is None or not metrics.delta_token_times:
                 continue
-            # The common case kept cheap: this runs for every delta.
-            bucket.output_tokens += len(samples[0].token_ids) if len(samples) == 1 else sum(
-                len(sample.token_ids) for sample in samples)
+            bucket.output_tokens += out.num_tokens
             times = metrics.token_times
             end = len(times)
             start = end - metrics.delta_token_times

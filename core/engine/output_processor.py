@@ -22,6 +22,7 @@ from ..outputs import (
     PositionLogprobs,
     RequestMetrics,
     RequestOutput,
+    num_token_ids,
 )
 from ..pooling import PoolingParams, finish_embedding, vector_from_bytes
 from ..sampling_params import SamplingParams
@@ -80,7 +81,6 @@ class RequestTracker:
     pooling: PoolingParams | None = None
     embedding: list[float] | None = None
     unfinished: int = field(init=False)  # samples without a finish reason yet
-    held: int = 0  # new tokens not delivered yet (a stream interval above 1 holds them)
     delivered: bool = False
     times_delivered: int = 0  # of metrics.token_times, those earlier deltas brought
 
@@ -90,6 +90,11 @@ class RequestTracker:
     @property
     def finished(self) -> bool:
         return self.unfinished == 0
+
+    @property
+    def held(self) -> int:
+        """Delta mode: the new tokens not delivered yet (a stream interval above 1 holds them)."""
+        return num_token_ids(self.samples)
 
 
 def _child_ids(request_id: str, n: int) -> list[str]:
@@ -126,7 +131,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.stream_deltas = stream_deltas
         self.final_only = final_only
-        self.stream_interval = stream_interval
+        self.stream_interval = stream_interval if stream_deltas else 1
         self.trackers: dict[str, RequestTracker] = {}
         self._children: dict[str, tuple[RequestTracker, int]] = {}
         self._loras = {} if known_loras is None else known_loras
@@ -199,7 +204,6 @@ class OutputProcessor:
             tracker, index = entry
             if self._apply(tracker, tracker.samples[index], out, now):
                 to_abort.append(out.req_id)
-            tracker.held += len(out.new_token_ids)
             touched[tracker.request_id] = tracker
         results = []
         interval = self.stream_interval
@@ -216,7 +220,7 @@ class OutputProcessor:
         metrics = tracker.metrics
         metrics.delta_token_times = len(metrics.token_times) - tracker.times_delivered
         tracker.times_delivered = len(metrics.token_times)
-        tracker.held, tracker.delivered = 0, True
+        tracker.delivered = True
         results.append(self._make_output(tracker))
 
     def _apply(self, tracker: RequestTracker, sample: _Sample, out: EngineCoreOutput, now: float) -> bool:

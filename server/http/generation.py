@@ -304,9 +304,7 @@ class UsageCounter:
 
     def add(self, prompt_index: int, out: RequestOutput) -> None:
         self._latest[prompt_index] = out
-        samples = out.outputs
-        self.completion_tokens += (len(samples[0].token_ids) if len(samples) == 1
-                                   else sum(len(sample.token_ids) for sample in samples))
+        self.completion_tokens += out.num_tokens
 
     def usage(self) -> Usage:
         prompt = sum(len(out.prompt_token_ids) for out in self._latest.values())

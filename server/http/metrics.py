@@ -216,11 +216,7 @@ class ServerMetrics:
     def count_generated(self, outputs: list[RequestOutput | EmbeddingRequestOutput]) -> None:
         """One engine step's outputs (deltas): their new tokens in one increment (per step, as vLLM
         counts them, rather than one lock-taking increment per token of every stream)."""
-        tokens = 0
-        for out in outputs:
-            if isinstance(out, RequestOutput):
-                for sample in out.outputs:
-                    tokens += len(sample.token_ids)
+        tokens = sum(out.num_tokens for out in outputs if isinstance(out, RequestOutput))
         if tokens:
             self.generation_tokens.inc(tokens)
 
