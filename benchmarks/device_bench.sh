@@ -34,6 +34,7 @@ VARIANT=
 SWEEP=
 TAG=
 NPROF=0
+SPY=
 
 setup() {
   mkdir -p "$OUT" "$RES"
@@ -63,6 +64,7 @@ variant() {  # the switches of one stage: engine options into ENGINE, environmen
       sync) ENGINE+=(--no-async-scheduling) ;;
       tp2) ENGINE+=(-tp 2) ;;
       tp4) ENGINE+=(-tp 4) ;;
+      nopw) export CORECTL_PIECEWISE_GRAPHS=0 ;;                           # prefill and mixed steps eager (no piecewise graphs)
       nopad) export CORECTL_GEMM_ROW_PADDING=0 ;;                           # every cuBLAS GEMM at its own row count (no timed padding)
       noar) export CORECTL_CUSTOM_ALLREDUCE=0 ;;                            # NCCL for every TP all-reduce (no one-shot)
       pp2) ENGINE+=(-pp 2) ;;                                               # two pipeline stages
@@ -76,6 +78,7 @@ variant() {  # the switches of one stage: engine options into ENGINE, environmen
       nopdl) export CORECTL_PDL=0 ;;                                        # programmatic dependent launch off
       accurate) export CORECTL_FP8_FAST_ACCUM=0 ;;                          # FP8 GEMMs without fast accumulation
       profile) PROFILE=1 ;;                                                 # torch.profiler + cProfile summary
+      spy) SPY=1 ;;                                                         # py-spy samples of each bench run (.whl holds py-spy)
       eagerverify) export CORECTL_GRAPH_VERIFY=0 ;;                         # verify steps outside the decode graphs
       cublaslt) export TORCH_BLAS_PREFER_CUBLASLT=1 ;;                      # torch's dense GEMMs by cuBLASLt (W11's 320 rows)
       unsorted) export CORECTL_LORA_SORTED=0 ;;                             # LoRA decode steps keep the gathered kernels
@@ -101,7 +104,10 @@ bench() {  # corectl bench MODE ...: the engine options of every GPU workload, t
     grep -A24 "operators by" "$file" | cut -c1-70,100-200 | tail -20; grep -E "Self CUDA time total|Wall time" "$file"
     return
   fi
-  corectl bench "$mode" "$@" --platform cuda --load-format dummy --seed 0 --max-num-seqs 256 \
+  local run=(python3 -m corectl.server.cli)
+  [ -n "$SPY" ] && run=(/tmp/site/bin/py-spy record -o "$RES/${TAG}_spy$((++NPROF)).txt" -f raw --threads --idle
+                        -r 100 --subprocesses -- "${run[@]}")
+  "${run[@]}" bench "$mode" "$@" --platform cuda --load-format dummy --seed 0 --max-num-seqs 256 \
     --max-num-batched-tokens 8192 "${ENGINE[@]}"
 }
 
@@ -293,8 +299,16 @@ stage_w9() {
   local round=0
   for mode in none json none json; do
     [ $mode = none ] && round=$((round + 1))
+    # w9:profile samples the server's processes (API and engine) for 20 s of each second-round pass.
+    local spy=
+    if [ -n "$PROFILE" ] && [ $round = 2 ]; then
+      { sleep 8; /tmp/site/bin/py-spy record --pid "$SERVER" --subprocesses --idle --threads --nonblocking \
+          -r 200 -d 20 -f raw -o "$RES/${TAG}_${mode}_spy.txt" > "$RES/${TAG}_${mode}_spy.log" 2>&1; } &
+      spy=$!
+    fi
     corectl bench serve "${args[@]}" --num-prompts 256 --structured-output $mode \
       --save-result "$RES/${TAG}_${mode}_$round.json" > "$RES/${TAG}_${mode}_$round.txt" 2>&1
+    [ -n "$spy" ] && wait "$spy"
     echo "structured-output $mode: $(grep -iE 'output token throughput|failed' "$RES/${TAG}_${mode}_$round.txt" | tr '\n' ' ')"
   done
   stop_server

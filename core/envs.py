@@ -57,6 +57,13 @@ def graph_verify_enabled() -> bool:
     return _switch("CORECTL_GRAPH_VERIFY", True)
 
 
+def piecewise_graphs_enabled() -> bool:
+    """CUDA workers replay steps that are not pure decodes (prefill chunks, mixed steps) in graphs
+    cut at each attention call (corectl.backends.cuda.piecewise); CORECTL_PIECEWISE_GRAPHS=0 runs
+    them eagerly (for measurement)."""
+    return _switch("CORECTL_PIECEWISE_GRAPHS", True)
+
+
 def gemm_row_padding_enabled() -> bool:
     """GPU workers time each unquantized GEMM's row count against zero-padded ones while CUDA graphs
     are captured and run the faster (corectl.backends.triton.gemm.padded_rows);

@@ -19,7 +19,8 @@ MAX_GRAPH_BATCH rows (CORECTL_GRAPH_VERIFY=0 keeps verify steps eager). Graphs a
 (rows a request, requests) and captured largest first into one memory pool, so the smaller graphs
 reuse the largest one's activation memory (one graph runs at a time). Every graph reads the first rows of one set
 of static input buffers sized for the largest bucket, and keeps the output tensor its capture
-produced. Prefill, mixed and larger steps run eagerly.
+produced. Other steps of up to 2,048 tokens (prefill chunks, mixed steps) replay piecewise graphs
+cut at each attention call (`piecewise.py`), where the runner allows them; larger ones run eagerly.
 
 Pipeline stages capture their own graphs: a stage after the first reads the previous stage's
 activations from static buffers too (received into them before the replay), and one before the
@@ -37,12 +38,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from corectl.attention import AttentionBatch, ForwardContext
+from corectl.distributed import get_tp
 from corectl.models.pipeline import IntermediateTensors
 from corectl.worker.inflight import HostFetch
 from corectl.worker.model_runner import ModelRunner, StepInputs, logits_index
 from corectl.worker.request_states import HostStep
 
 from ..triton.gemm import padded_rows
+from .piecewise import PiecewiseGraphs, piecewise_token_counts
 
 logger = logging.getLogger("corectl.cuda")
 
@@ -223,16 +226,19 @@ class CUDAGraphModelRunner(ModelRunner):
         # Rows a request -> captured request counts (`choose_graph`).
         self._graph_sizes: dict[int, list[int]] = {}
         self._static: _StaticDecodeInputs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
 
     def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         super().set_kv_caches(kv_caches)
         # Captured launches hold the previous caches' addresses.
-        self.graphs, self._graph_sizes = {}, {}
+        self.graphs, self._graph_sizes, self.piecewise = {}, {}, None
 
     @torch.inference_mode()
-    def capture_graphs(self, max_num_seqs: int, max_model_len: int, rows_per_seq: int = 1) -> None:
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, rows_per_seq: int = 1,
+                       piecewise_tokens: int = 0) -> None:
         """Capture decode graphs for every bucket up to `max_num_seqs` (the KV caches must be set),
-        and with `rows_per_seq` > 1 (k + 1) verify graphs of that many rows a request."""
+        with `rows_per_seq` > 1 (k + 1) verify graphs of that many rows a request, and with
+        `piecewise_tokens` piecewise graphs for other steps of up to that many tokens."""
         if not self.backend.supports_graph_capture:
             logger.warning("attention backend %r cannot be captured in CUDA graphs; decoding eagerly",
                            self.backend.name)
@@ -262,6 +268,34 @@ class CUDAGraphModelRunner(ModelRunner):
         self.graphs, self._graph_sizes = graphs, sizes
         logger.info("captured %d CUDA graphs (up to %d rows) in %.1f s using %.2f GiB", len(keys), max_rows,
                     time.monotonic() - started, (free_before - torch.cuda.mem_get_info()[0]) / 2**30)
+        if piecewise_tokens and self._piecewise_blocker() is None:
+            self._capture_piecewise(piecewise_token_counts(piecewise_tokens), pool)
+        elif piecewise_tokens:
+            logger.info("prefill and mixed steps run eagerly: %s", self._piecewise_blocker())
+
+    def _piecewise_blocker(self) -> str | None:
+        """Why steps that are not pure decodes cannot replay piecewise graphs here; None if they can."""
+        if self.stage is not None:
+            return "pipeline stages send activations between pieces"
+        if get_tp().world_size > 1:
+            return "tensor-parallel ranks would each replay pieces around eager attention (not measured yet)"
+        for name, part in (("LoRA", self.lora), ("speculative decoding", self.drafter),
+                           ("a multimodal model", self.multimodal), ("pooling", self.pooler)):
+            if part is not None:
+                return f"{name} sets per-step state the pieces would capture"
+        return None
+
+    def _capture_piecewise(self, counts: list[int], pool) -> None:
+        if not counts:
+            return
+        started, free_before = time.monotonic(), torch.cuda.mem_get_info()[0]
+        piecewise = PiecewiseGraphs(counts, self.device)
+        piecewise.capture(self.model, self.backend, self.kv_caches, self.block_size, pool)
+        self.piecewise = piecewise
+        pieces = sum(len(g.graphs) for g in piecewise.graphs.values())
+        logger.info("captured piecewise graphs for %d token counts (%d to %d; %d pieces) in %.1f s using %.2f GiB",
+                    len(counts), counts[0], counts[-1], pieces, time.monotonic() - started,
+                    (free_before - torch.cuda.mem_get_info()[0]) / 2**30)
 
     def _static_intermediate(self, max_batch: int) -> IntermediateTensors | None:
         if self.stage is None or self.stage.is_first:
@@ -329,6 +363,9 @@ class CUDAGraphModelRunner(ModelRunner):
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor | None:
         if not isinstance(inputs, _GraphStepInputs):
+            if self.piecewise is not None and self.piecewise.bucket(inputs.host.num_tokens) is not None:
+                metadata = self.backend.build_metadata(inputs.attn, check_indices=False)
+                return self.piecewise.run(self.backend, metadata, inputs.input_ids, inputs.positions)
             return super().run_model(inputs)
         graph, stage = inputs.graph, self.stage
         if stage is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from corectl.envs import graph_verify_enabled
+from corectl.envs import graph_verify_enabled, piecewise_graphs_enabled
 from corectl.errors import ConfigError
 from corectl.kv.sizing import blocks_per_sequence, profile_num_seqs, profiled_kv_blocks
 from corectl.models.kernels import LayerKernels
@@ -132,7 +132,8 @@ class CUDAWorker(Worker):
         spec = self.config.speculative_config
         # Verify steps of k + 1 rows a request replay the graphs only when asked (see graph_runner).
         rows_per_seq = 1 + spec.num_speculative_tokens if spec is not None and graph_verify_enabled() else 1
-        self.runner.capture_graphs(self.config.max_num_seqs, self.max_model_len, rows_per_seq)
+        piecewise = self.config.max_num_batched_tokens if piecewise_graphs_enabled() else 0
+        self.runner.capture_graphs(self.config.max_num_seqs, self.max_model_len, rows_per_seq, piecewise)
 
 
 def warmup_prefill_shapes(max_num_batched_tokens: int, max_model_len: int) -> list[tuple[int, int]]:

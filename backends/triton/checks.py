@@ -20,21 +20,26 @@ def require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+# The checks run on every launch, eager steps launch hundreds of kernels, and a message is an
+# f-string built before `require` is called: each check tests first and words its error only on
+# failure.
 def check_float(name: str, t: torch.Tensor, ndim: int) -> None:
+    if isinstance(t, torch.Tensor) and t.dim() == ndim and t.dtype in FLOAT_DTYPES and (t.stride(-1) == 1 or t.numel() == 0):
+        return
     require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
     require(t.dim() == ndim, f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
     require(t.dtype in FLOAT_DTYPES, f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
-    require(t.numel() == 0 or t.stride(-1) == 1,
-            f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+    raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
 
 
 def check_index(name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    if isinstance(t, torch.Tensor) and t.dim() == ndim and t.dtype in dtypes and (t.stride(-1) == 1 or t.numel() == 0):
+        return
     require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
     require(t.dim() == ndim, f"{name} must have {ndim} dimension(s), got shape {tuple(t.shape)}")
     names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
     require(t.dtype in dtypes, f"{name} must be {names}, got {t.dtype}")
-    require(t.numel() == 0 or t.stride(-1) == 1,
-            f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+    raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:
@@ -72,17 +77,17 @@ def check_packed_heads(name: str, t: torch.Tensor, num_tokens: int, num_heads: i
     """`t` is [num_tokens, num_heads * head_dim] with rows at any stride (e.g. a slice of a qkv output)."""
     check_float(name, t, 2)
     expected = (num_tokens, num_heads * head_dim)
-    require(tuple(t.shape) == expected,
-            f"{name} must be [num_tokens, num_heads * head_dim] = {list(expected)}, got {list(t.shape)}")
+    if tuple(t.shape) != expected:
+        raise ValueError(f"{name} must be [num_tokens, num_heads * head_dim] = {list(expected)}, got {list(t.shape)}")
 
 
 def attention_output(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     """The attention kernels' output: a new tensor shaped like q, or a caller's `out` checked to match."""
     if out is None:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    require(out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1,
-            f"out must be {q.dtype} of shape {tuple(q.shape)}, contiguous in its last dimension; "
-            f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    if not (out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1):
+        raise ValueError(f"out must be {q.dtype} of shape {tuple(q.shape)}, contiguous in its last dimension; "
+                         f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
     return out
 
 

@@ -42,16 +42,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     check_float("x", x, 2)
     check_float("weight", weight, 1)
     num_rows, width = x.shape
-    require(weight.shape[0] == width, f"weight has {weight.shape[0]} elements but rows of x have {width}")
-    require(weight.dtype == x.dtype, f"weight and x must share a dtype, got {weight.dtype} and {x.dtype}")
+    if weight.shape[0] != width or weight.dtype != x.dtype:
+        require(weight.shape[0] == width, f"weight has {weight.shape[0]} elements but rows of x have {width}")
+        raise ValueError(f"weight and x must share a dtype, got {weight.dtype} and {x.dtype}")
     out = torch.empty((num_rows, width), dtype=x.dtype, device=x.device)
     if residual is None:
         check_same_device(x=x, weight=weight)
         res_in = res_out = out
     else:
         check_float("residual", residual, 2)
-        require(residual.shape == x.shape and residual.dtype == x.dtype,
-                f"residual must be {x.dtype} {tuple(x.shape)}, got {residual.dtype} {tuple(residual.shape)}")
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"residual must be {x.dtype} {tuple(x.shape)}, got {residual.dtype} {tuple(residual.shape)}")
         check_same_device(x=x, weight=weight, residual=residual)
         res_in, res_out = residual, torch.empty_like(out)
     if num_rows:

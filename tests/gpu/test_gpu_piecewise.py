@@ -1,0 +1,81 @@
+"""Piecewise CUDA graphs: prefill chunks and mixed steps replay graphs cut at each attention call and
+give the tokens that eager execution of those steps gives (CORECTL_PIECEWISE_GRAPHS=0)."""
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA or ROCm GPU", allow_module_level=True)
+
+from corectl import SamplingParams  # noqa: E402
+from corectl.backends.cuda.piecewise import PiecewiseGraphs, non_owning_view  # noqa: E402
+from support.gpu import MAX_TOKENS, PROMPT_LENGTHS, compare_greedy, generate, random_prompts  # noqa: E402
+
+TIE_TOLERANCE = {"float32": 0.0, "bfloat16": 0.25}
+
+
+@pytest.fixture
+def piecewise_steps(monkeypatch) -> list[tuple[int, int]]:
+    """(tokens, captured count) of every piecewise replay from here on."""
+    steps: list[tuple[int, int]] = []
+    run = PiecewiseGraphs.run
+
+    def watched(self, backend, metadata, input_ids, positions):
+        steps.append((input_ids.shape[0], self.bucket(input_ids.shape[0])))
+        return run(self, backend, metadata, input_ids, positions)
+
+    monkeypatch.setattr(PiecewiseGraphs, "run", watched)
+    return steps
+
+
+def _greedy(checkpoint, dtype, **options):
+    # Four sequences at a time over 13 prompts of different lengths and budgets: requests end at
+    # different steps, so prompts join running decodes (mixed steps); a small token budget chunks
+    # the long prompts.
+    prompts = random_prompts(PROMPT_LENGTHS, seed=4)
+    prompts += [prompts[1][:-3], prompts[5]]  # prefix-cache hits: the recomputed last block beside decodes
+    params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=5, ignore_eos=True)
+              for n in MAX_TOKENS + [9, 14]]
+    return generate(checkpoint, prompts, params, dtype=dtype, max_num_seqs=4, max_num_batched_tokens=192,
+                    **options)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mixed_steps_replay_pieces_with_eager_tokens(dtype, checkpoint, piecewise_steps, monkeypatch):
+    monkeypatch.setenv("CORECTL_PIECEWISE_GRAPHS", "0")
+    eager = _greedy(checkpoint, dtype)
+    assert not piecewise_steps
+    monkeypatch.delenv("CORECTL_PIECEWISE_GRAPHS")
+    pieces = _greedy(checkpoint, dtype)
+    counts = {bucket for _, bucket in piecewise_steps}
+    assert len(piecewise_steps) > 10 and len(counts) > 3, piecewise_steps
+    assert any(n < bucket for n, bucket in piecewise_steps), "some steps must replay with padding rows"
+    for reference, candidate in zip(eager, pieces):
+        expected, got = reference.outputs[0], candidate.outputs[0]
+
+        def expected_logprob(pos, token, expected=expected):
+            entry = expected.logprobs[pos].get(token)
+            return None if entry is None else entry.logprob
+
+        chosen = [next(iter(position.values())).logprob for position in got.logprobs]
+        matched, _ = compare_greedy(expected.token_ids, got.token_ids, expected_logprob, chosen, TIE_TOLERANCE[dtype])
+        if dtype == "float32":
+            assert matched == len(expected.token_ids)
+
+
+def test_enforce_eager_captures_no_pieces(checkpoint, piecewise_steps):
+    _greedy(checkpoint, "bfloat16", enforce_eager=True)
+    assert not piecewise_steps
+
+
+def test_a_non_owning_view_shares_memory_without_holding_it():
+    base = torch.arange(4096 * 3, dtype=torch.float32, device="cuda").view(4096, 3)[:, 1:]
+    view = non_owning_view(base)
+    assert view.dtype == base.dtype and view.shape == base.shape and view.stride() == base.stride()
+    assert view.data_ptr() == base.data_ptr() and torch.equal(view, base)
+    view.fill_(7.0)
+    assert torch.all(base == 7.0)
+    bf16 = torch.ones(64, 32, dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(non_owning_view(bf16), bf16)
+    allocated = torch.cuda.memory_allocated()
+    del base
+    assert torch.cuda.memory_allocated() < allocated, "the view must not keep the memory allocated"
