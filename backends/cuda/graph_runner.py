@@ -290,7 +290,15 @@ class CUDAGraphModelRunner(ModelRunner):
             return
         started, free_before = time.monotonic(), torch.cuda.mem_get_info()[0]
         piecewise = PiecewiseGraphs(counts, self.device)
-        piecewise.capture(self.model, self.backend, self.kv_caches, self.block_size, pool)
+        try:
+            piecewise.capture(self.model, self.backend, self.kv_caches, self.block_size, pool)
+        except torch.OutOfMemoryError:
+            del piecewise
+            torch.cuda.empty_cache()
+            logger.warning("no memory left for piecewise graphs up to %d tokens after the KV cache: prefill and "
+                           "mixed steps run eagerly (lower gpu_memory_utilization or max_num_batched_tokens)",
+                           counts[-1])
+            return
         self.piecewise = piecewise
         pieces = sum(len(g.graphs) for g in piecewise.graphs.values())
         logger.info("captured piecewise graphs for %d token counts (%d to %d; %d pieces) in %.1f s using %.2f GiB",

@@ -97,6 +97,14 @@ class _CuttingBackend:
     def end(self) -> None:
         self.graphs[-1].capture_end()
 
+    def abandon(self) -> None:
+        """End a capture that failed part-way (out of memory, say), so the stream runs eagerly again."""
+        if torch.cuda.is_current_stream_capturing():
+            try:
+                self.graphs[-1].capture_end()
+            except RuntimeError:
+                pass  # the capture was already invalidated; ending it is all that was wanted
+
     def _cut(self, method: str, args: tuple, kwargs: dict) -> torch.Tensor:
         self.end()
         result = getattr(self._backend, method)(*args, **kwargs)
@@ -193,7 +201,11 @@ class PiecewiseGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             cutter.begin()
-            output = model(*args, ForwardContext(cutter, metadata, kv_caches))
+            try:
+                output = model(*args, ForwardContext(cutter, metadata, kv_caches))
+            except BaseException:
+                cutter.abandon()
+                raise
             cutter.end()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()

@@ -79,3 +79,25 @@ def test_a_non_owning_view_shares_memory_without_holding_it():
     allocated = torch.cuda.memory_allocated()
     del base
     assert torch.cuda.memory_allocated() < allocated, "the view must not keep the memory allocated"
+
+
+def test_a_capture_out_of_memory_leaves_steps_eager(checkpoint, piecewise_steps, monkeypatch):
+    """Memory running out part-way through the pieces (the KV cache took the rest) ends the open
+    capture, frees the pieces and serves every step as before: mixed steps eagerly, same tokens."""
+    from corectl.backends.cuda import piecewise
+
+    reference = _greedy(checkpoint, "float32")
+    piecewise_steps.clear()
+    cut = piecewise._CuttingBackend._cut
+    calls = []
+
+    def failing(self, method, args, kwargs):
+        calls.append(method)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return cut(self, method, args, kwargs)
+
+    monkeypatch.setattr(piecewise._CuttingBackend, "_cut", failing)
+    outputs = _greedy(checkpoint, "float32")
+    assert len(calls) == 3 and not piecewise_steps
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
