@@ -46,14 +46,7 @@ from ..multimodal.budget import ENCODER_CACHE_ROWS, EncoderBudget
 from ..multimodal.cache_manager import EncoderCacheManager
 from ..request import Request, RequestStatus
 from ..spec_decode.scheduling import DraftPlanner
-from ..step_messages import (
-    CachedRequestData,
-    GrammarBitmask,
-    LogprobsLists,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from ..step_messages import GrammarBitmask, LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from .grammar_steps import GrammarSteps
 from .inflight import StepsInFlight
 from .stats import IterationCounts, lora_stats, spec_decode_stats
@@ -395,30 +388,10 @@ class Scheduler:
 
     def _emit(self, plan: StepPlan) -> SchedulerOutput:
         """Build the step's message (counts before this step), then advance and commit."""
-        new_requests = [
-            NewRequestData(
-                req_id=req.request_id,
-                token_ids=list(req.all_token_ids),
-                num_prompt_tokens=req.num_prompt_tokens,
-                sampling_params=req.sampling_params,
-                block_ids=self.kv.block_ids(req),
-                num_computed_tokens=req.num_computed_tokens,
-                sample_index=req.sample_index,
-                lora_request=req.lora_request,
-                mm_inputs=req.mm_inputs,
-            )
-            for req in plan.new
-        ]
+        new_requests = plan.new_request_data(self.kv)
+        cached = plan.cached_request_data(with_token_ids=self.pipeline_stages > 1)
         running = [req for req, _ in plan.running.values()]
         grammar_bitmask, grammar_pending = self.grammar.for_step(running + plan.new, plan)
-        cached = CachedRequestData(
-            req_ids=list(plan.running),
-            new_block_ids=[ids for _, ids in plan.running.values()],
-            num_computed_tokens=[req.num_computed_tokens for req in running],
-            new_token_ids=[] if self.pipeline_stages == 1 else [
-                req.all_token_ids[req.num_computed_tokens:req.num_computed_tokens + plan.num_scheduled[req.request_id]]
-                for req in running],
-        )
         for req in running + plan.new:
             self.prompt_tokens_computed += max(0, min(req.num_computed_tokens + plan.num_scheduled[req.request_id],
                                                       req.num_prompt_tokens) - req.num_computed_tokens)

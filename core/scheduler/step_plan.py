@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..kv import KVCacheManager
 from ..multimodal.budget import EncoderBudget
 from ..request import Request
+from ..step_messages import CachedRequestData, NewRequestData
 
 
 @dataclass
@@ -39,3 +41,33 @@ class StepPlan:
     def known_tokens(self, req: Request) -> int:
         """The request's tokens this step computes before its drafts."""
         return self.num_scheduled[req.request_id] - len(self.drafts.get(req.request_id, ()))
+
+    def new_request_data(self, kv: KVCacheManager) -> list[NewRequestData]:
+        """What the workers learn of the requests this step starts (counts before this step)."""
+        return [
+            NewRequestData(
+                req_id=req.request_id,
+                token_ids=list(req.all_token_ids),
+                num_prompt_tokens=req.num_prompt_tokens,
+                sampling_params=req.sampling_params,
+                block_ids=kv.block_ids(req),
+                num_computed_tokens=req.num_computed_tokens,
+                sample_index=req.sample_index,
+                lora_request=req.lora_request,
+                mm_inputs=req.mm_inputs,
+            )
+            for req in self.new
+        ]
+
+    def cached_request_data(self, with_token_ids: bool) -> CachedRequestData:
+        """The continuing requests' new blocks and counts; with `with_token_ids` (pipeline stages,
+        which never see the sampled ids) the tokens each computes this step."""
+        running = [req for req, _ in self.running.values()]
+        return CachedRequestData(
+            req_ids=list(self.running),
+            new_block_ids=[ids for _, ids in self.running.values()],
+            num_computed_tokens=[req.num_computed_tokens for req in running],
+            new_token_ids=[] if not with_token_ids else [
+                req.all_token_ids[req.num_computed_tokens:req.num_computed_tokens + self.num_scheduled[req.request_id]]
+                for req in running],
+        )
