@@ -292,12 +292,15 @@ class CUDAGraphModelRunner(ModelRunner):
         piecewise = PiecewiseGraphs(counts, self.device)
         try:
             piecewise.capture(self.model, self.backend, self.kv_caches, self.block_size, pool)
-        except torch.OutOfMemoryError:
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            # Eager steps give the same tokens: a model whose larger steps cannot be captured (a
+            # host read in a code path the decode graphs never take) still serves, only slower.
             del piecewise
             torch.cuda.empty_cache()
-            logger.warning("no memory left for piecewise graphs up to %d tokens after the KV cache: prefill and "
-                           "mixed steps run eagerly (lower gpu_memory_utilization or max_num_batched_tokens)",
-                           counts[-1])
+            hint = (" (lower gpu_memory_utilization or max_num_batched_tokens)"
+                    if isinstance(exc, torch.OutOfMemoryError) else "")
+            logger.warning("piecewise graphs up to %d tokens were not captured (%s): prefill and mixed steps run "
+                           "eagerly%s", counts[-1], str(exc).splitlines()[0] if str(exc) else type(exc).__name__, hint)
             return
         self.piecewise = piecewise
         pieces = sum(len(g.graphs) for g in piecewise.graphs.values())
