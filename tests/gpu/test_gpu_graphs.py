@@ -14,7 +14,7 @@ from support.gpu import (  # noqa: E402
     PROMPT_LENGTHS,
     assert_async_gives_synchronous_tokens,
     assert_launches_never_wait,
-    compare_greedy,
+    compare_greedy_outputs,
     generate,
     random_prompts,
 )
@@ -50,20 +50,7 @@ def test_graphs_decode_the_tokens_eager_execution_does(dtype, checkpoint, replay
     assert not replayed_sizes
     graphs = generate(checkpoint, prompts, params, dtype=dtype, max_num_seqs=16)
     assert {1, 2, 4, 8, 16} <= set(replayed_sizes)
-    worst = 0.0
-    for reference, candidate in zip(eager, graphs):
-        expected, got = reference.outputs[0], candidate.outputs[0]
-
-        def expected_logprob(pos, token, expected=expected):
-            entry = expected.logprobs[pos].get(token)
-            return None if entry is None else entry.logprob
-
-        chosen = [next(iter(position.values())).logprob for position in got.logprobs]
-        matched, error = compare_greedy(expected.token_ids, got.token_ids, expected_logprob, chosen,
-                                        TIE_TOLERANCE[dtype])
-        worst = max(worst, error)
-        if dtype == "float32":
-            assert matched == len(expected.token_ids)
+    worst = compare_greedy_outputs(eager, graphs, TIE_TOLERANCE[dtype], exact=dtype == "float32")
     print(f"{checkpoint.name} {dtype}: max logprob difference graphs vs eager {worst:.2e}")
     assert worst < LOGPROB_TOLERANCE[dtype]
 

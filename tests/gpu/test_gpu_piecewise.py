@@ -8,7 +8,7 @@ if not torch.cuda.is_available():
 
 from corectl import SamplingParams  # noqa: E402
 from corectl.backends.cuda.piecewise import PiecewiseGraphs, non_owning_view  # noqa: E402
-from support.gpu import MAX_TOKENS, PROMPT_LENGTHS, compare_greedy, generate, random_prompts  # noqa: E402
+from support.gpu import MAX_TOKENS, PROMPT_LENGTHS, compare_greedy_outputs, generate, random_prompts  # noqa: E402
 
 TIE_TOLERANCE = {"float32": 0.0, "bfloat16": 0.25}
 
@@ -49,17 +49,7 @@ def test_mixed_steps_replay_pieces_with_eager_tokens(dtype, checkpoint, piecewis
     counts = {bucket for _, bucket in piecewise_steps}
     assert len(piecewise_steps) > 10 and len(counts) > 3, piecewise_steps
     assert any(n < bucket for n, bucket in piecewise_steps), "some steps must replay with padding rows"
-    for reference, candidate in zip(eager, pieces):
-        expected, got = reference.outputs[0], candidate.outputs[0]
-
-        def expected_logprob(pos, token, expected=expected):
-            entry = expected.logprobs[pos].get(token)
-            return None if entry is None else entry.logprob
-
-        chosen = [next(iter(position.values())).logprob for position in got.logprobs]
-        matched, _ = compare_greedy(expected.token_ids, got.token_ids, expected_logprob, chosen, TIE_TOLERANCE[dtype])
-        if dtype == "float32":
-            assert matched == len(expected.token_ids)
+    compare_greedy_outputs(eager, pieces, TIE_TOLERANCE[dtype], exact=dtype == "float32")
 
 
 def test_enforce_eager_captures_no_pieces(checkpoint, piecewise_steps):

@@ -111,6 +111,25 @@ def compare_greedy(expected: list[int], got: list[int], expected_logprob, got_lo
     return min(len(expected), len(got)), max_error
 
 
+def compare_greedy_outputs(reference, candidate, tie_tolerance: float, exact: bool) -> float:
+    """`compare_greedy` over two lists of `RequestOutput`s that asked for logprobs; with `exact` every
+    token must match. Returns the largest logprob error over the matched positions."""
+    worst = 0.0
+    for ref, cand in zip(reference, candidate, strict=True):
+        expected, got = ref.outputs[0], cand.outputs[0]
+
+        def expected_logprob(pos, token, expected=expected):
+            entry = expected.logprobs[pos].get(token)
+            return None if entry is None else entry.logprob
+
+        chosen = [next(iter(position.values())).logprob for position in got.logprobs]
+        matched, error = compare_greedy(expected.token_ids, got.token_ids, expected_logprob, chosen, tie_tolerance)
+        worst = max(worst, error)
+        if exact:
+            assert matched == len(expected.token_ids)
+    return worst
+
+
 def assert_launches_never_wait(checkpoint: Path, enforce_eager: bool) -> None:
     """With async scheduling the host reads a step's ids only in `InflightStep.result()`, after the
     next step is queued; `launch` itself must not synchronize (run on dense and MoE models)."""
