@@ -219,7 +219,8 @@ stage_w12() {  # disaggregated prefill/decode (two GPUs): W5's online load with 
   # against one prefill (GPU 0) and one decode instance (GPU 1) behind `corectl proxy`, blocks over NCCL, then
   # the same pair with conditional disaggregation (the proxy's --max-prefill-queue ${W12_PREFILL_QUEUE:-4}: a prompt
   # finding the prefill instance that busy is computed by the decode instance, in steps of at most
-  # ${W12_DECODE_CHUNK:-512} tokens); ITL p99, TTFT and output throughput of each.
+  # ${W12_DECODE_CHUNK:-512} tokens, at most W12_LOCAL_PREFILLS at once if set); ITL p99, TTFT and output
+  # throughput of each.
   local args=(--endpoint /v1/completions --prompt-token-ids --vocab-size 128000 --input-len 4096 --output-len 128
               --ignore-eos --seed 0 --num-prompts 256 --max-concurrency 64)
   local base=$TAG
@@ -239,7 +240,8 @@ w12_pair() {  # BASE KIND BENCH_ARGS...: a prefill and a decode instance behind 
   shift 2
   local kv='{"kv_connector": "TorchDistributedConnector", "kv_role": "%s", "kv_connector_extra_config": {"rendezvous": "tcp://127.0.0.1:%s", "max_saved_bytes": 4294967296}}'
   local port=29620  # each pair its own rendezvous port
-  [ "$kind" = pdq ] && { port=29621; proxy_flags=(--max-prefill-queue "${W12_PREFILL_QUEUE:-4}")
+  [ "$kind" = pdq ] && { port=29621; proxy_flags=(--max-prefill-queue "${W12_PREFILL_QUEUE:-4}"
+                                                   ${W12_LOCAL_PREFILLS:+--max-local-prefills "$W12_LOCAL_PREFILLS"})
                          decode_flags=(--max-num-batched-tokens "${W12_DECODE_CHUNK:-512}"); }
   IFS=, read -ra gpus <<< "${CUDA_VISIBLE_DEVICES:-0,1}"  # the instances' GPUs: the first two of this run's
   CUDA_VISIBLE_DEVICES=${gpus[0]} TAG=${base}_${kind}_prefill serve 8032 llama3-8b \

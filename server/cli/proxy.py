@@ -32,6 +32,10 @@ def register(sub) -> None:
                         help="conditional disaggregation: a prompt arriving while every prefill instance has N "
                              "prompts in flight goes to a decode instance whole, which computes it "
                              "(default: every prompt waits for a prefill instance)")
+    parser.add_argument("--max-local-prefills", type=int, default=None, metavar="M",
+                        help="with --max-prefill-queue: at most M prompts computed by decode instances at once "
+                             "(until their first token); past both bounds a prompt queues at a prefill instance "
+                             "(default: no bound)")
     parser.set_defaults(handler=run)
 
 
@@ -53,8 +57,15 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("timeout", f"must be a positive number of seconds, got {args.timeout}")
     if args.max_prefill_queue is not None and args.max_prefill_queue < 1:
         raise ConfigError("max_prefill_queue", f"must be at least 1, got {args.max_prefill_queue}")
+    if args.max_local_prefills is not None:
+        if args.max_prefill_queue is None:
+            raise ConfigError("max_local_prefills", "bounds the prompts that --max-prefill-queue sends to decode "
+                                                    "instances; give --max-prefill-queue too")
+        if args.max_local_prefills < 1:
+            raise ConfigError("max_local_prefills", f"must be at least 1, got {args.max_local_prefills}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_proxy_app(args.prefill, args.decode, args.timeout, args.max_prefill_queue),
+    uvicorn.run(create_proxy_app(args.prefill, args.decode, args.timeout, args.max_prefill_queue,
+                                 args.max_local_prefills),
                 host=args.host, port=args.port,
                 log_config=None, access_log=False)
     return 0

@@ -3,7 +3,8 @@ to a prefill instance, then a decode instance (`routing.py`); `/v1/models` and `
 from the decode instances.
 
 With `max_prefill_queue`, a prompt that finds every prefill instance that busy skips them
-(`routing.PrefillInstances`): the decode instance computes it.
+(`routing.PrefillInstances`): the decode instance computes it, counted against `max_local_prefills`
+until its first token is relayed.
 
 A prefill half that fails for the server's sake (the instance is down, times out or answers 5xx)
 is logged and skipped: the decode instance then computes the prompt itself, and the client sees a
@@ -33,8 +34,9 @@ _FORWARDED_HEADERS = ("authorization", "x-request-id")
 class Upstreams:
     """The instances behind the proxy and the one HTTP client that reaches them."""
 
-    def __init__(self, prefill: list[str], decode: list[str], timeout: float, max_prefill_queue: int | None = None):
-        self.prefill = PrefillInstances(prefill, max_prefill_queue)
+    def __init__(self, prefill: list[str], decode: list[str], timeout: float, max_prefill_queue: int | None = None,
+                 max_local_prefills: int | None = None):
+        self.prefill = PrefillInstances(prefill, max_prefill_queue, max_local_prefills)
         self.decode = RoundRobin(decode)
         # No cap on connections: each client request holds one at a time, and httpx's default of 100
         # would queue requests past that concurrency here instead of on the instances.
@@ -56,39 +58,57 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return body
 
 
+class _LocalPrompt:
+    """A prompt a decode instance computes because the prefill instances were full, counted until
+    its first token comes back (a chat stream's first event is the role alone)."""
+
+    def __init__(self, pool: PrefillInstances, events_before_token: int):
+        self._pool, self._left, self._open = pool, events_before_token, True
+
+    def seen(self, chunk: bytes) -> None:
+        self._left -= chunk.count(b"data:")
+        if self._left <= 0:
+            self.release()
+
+    def release(self) -> None:
+        if self._open:
+            self._open = False
+            self._pool.release_local()
+
+
 async def _prefill(upstreams: Upstreams, path: str, body: dict[str, Any], headers: dict[str, str]
-                   ) -> tuple[str | None, Response | None]:
+                   ) -> tuple[str | None, Response | None, _LocalPrompt | None]:
     """Run the prefill half: the transfer id to decode from (None: it failed, recompute), or the
-    4xx answer that ends the request."""
+    4xx answer that ends the request; or skip it, the prompt counted as the decode instance's."""
     url = upstreams.prefill.acquire()
     if url is None:
         logger.debug("every prefill instance has %d prompts in flight; the decode instance computes this one",
                      upstreams.prefill.max_queue)
-        return None, None
+        return None, None, _LocalPrompt(upstreams.prefill, 2 if path.endswith("/chat/completions") else 1)
     transfer_id = new_transfer_id()
     try:
         answer = await upstreams.client.post(url + path, json=prefill_body(body, transfer_id), headers=headers)
     except httpx.HTTPError as exc:
         logger.warning("prefill instance %s failed (%s); the decode instance computes the prompt", url, exc)
-        return None, None
+        return None, None, None
     finally:
         upstreams.prefill.release(url)
     if 400 <= answer.status_code < 500:
-        return None, Response(answer.content, status_code=answer.status_code, media_type="application/json")
+        return None, Response(answer.content, status_code=answer.status_code, media_type="application/json"), None
     if answer.status_code >= 500:
         logger.warning("prefill instance %s answered %d; the decode instance computes the prompt", url,
                        answer.status_code)
-        return None, None
-    return transfer_id, None
+        return None, None, None
+    return transfer_id, None, None
 
 
 async def _relay(upstreams: Upstreams, path: str, request: Request) -> Response | Stream:
     body = await _json_body(request)
     headers = _headers(request)
-    transfer_id = None
+    transfer_id = local = None
     started = time.monotonic()
     if disaggregates(body):
-        transfer_id, refusal = await _prefill(upstreams, path, body, headers)
+        transfer_id, refusal, local = await _prefill(upstreams, path, body, headers)
         if refusal is not None:
             return refusal
     prefilled = time.monotonic()
@@ -97,28 +117,38 @@ async def _relay(upstreams: Upstreams, path: str, request: Request) -> Response 
     try:
         answer = await upstreams.client.send(upstream, stream=True)
     except httpx.HTTPError as exc:
+        if local is not None:
+            local.release()
         raise APIError(502, f"the decode instance did not answer: {exc}", code="bad_gateway") from None
     logger.debug("transfer %s: prefill answered after %.1f ms, decode's headers %.1f ms later", transfer_id,
                  (prefilled - started) * 1e3, (time.monotonic() - prefilled) * 1e3)
     media_type = answer.headers.get("content-type", "application/json")
     if not body.get("stream") or answer.status_code != 200:
-        content = await answer.aread()
-        await answer.aclose()
+        try:
+            content = await answer.aread()
+        finally:
+            await answer.aclose()
+            if local is not None:
+                local.release()
         return Response(content, status_code=answer.status_code, media_type=media_type)
-    return Stream(_chunks(answer), status_code=200, media_type=media_type)
+    return Stream(_chunks(answer, local), status_code=200, media_type=media_type)
 
 
-async def _chunks(answer: httpx.Response) -> AsyncIterator[bytes]:
+async def _chunks(answer: httpx.Response, local: _LocalPrompt | None) -> AsyncIterator[bytes]:
     try:
         async for chunk in answer.aiter_raw():
+            if local is not None:
+                local.seen(chunk)
             yield chunk
     finally:
         await answer.aclose()
+        if local is not None:
+            local.release()
 
 
 def create_proxy_app(prefill: list[str], decode: list[str], timeout: float = 600.0,
-                     max_prefill_queue: int | None = None) -> Litestar:
-    upstreams = Upstreams(prefill, decode, timeout, max_prefill_queue)
+                     max_prefill_queue: int | None = None, max_local_prefills: int | None = None) -> Litestar:
+    upstreams = Upstreams(prefill, decode, timeout, max_prefill_queue, max_local_prefills)
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request) -> Response | Stream:

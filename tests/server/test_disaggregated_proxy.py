@@ -115,6 +115,30 @@ def test_a_busy_prefill_instance_leaves_prompts_to_the_decode_instance(cluster):
     assert _metric(decode.url, "kv_cache_usage_perc") == 0
 
 
+def test_a_local_prefill_bound_queues_the_overflow_at_the_prefill_instance(cluster):
+    """--max-prefill-queue 1 --max-local-prefills 1: of four requests arriving together one takes the
+    prefill instance, one the decode instance (held until its answer, unstreamed), and the other two
+    queue for the prefill instance instead of piling onto the decode instance; then a streamed chat
+    request finds both free again. Every answer is the same."""
+    prefill, decode, _ = cluster
+    want_text = _completion(prefill.url)
+    prompt_tokens = _client(prefill.url).completions.create(model="m", prompt=PROMPT, max_tokens=1).usage.prompt_tokens
+    computed = _metric(decode.url, "prompt_tokens_by_source_total", 'source="local_compute"')
+    proxy = ProxyProcess(prefill.url, decode.url, "--max-prefill-queue", "1", "--max-local-prefills", "1")
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: _completion(proxy.url), range(4)))
+        assert _streamed_chat(proxy.url) == _streamed_chat(prefill.url)
+    finally:
+        proxy.stop()
+    assert answers == [want_text] * 4
+    # A transferred prompt adds one computed token (its last), one computed here all of its own.
+    local = (_metric(decode.url, "prompt_tokens_by_source_total", 'source="local_compute"') - computed - 5)
+    assert 1 <= local / (prompt_tokens - 1) <= 2, local  # without the bound three of the four come here
+    assert _metric(decode.url, "kv_load_failures_total") == 0
+    assert _metric(decode.url, "kv_cache_usage_perc") == 0
+
+
 def test_dead_prefill_instance_costs_time_not_answers(cluster):
     prefill, decode, proxy = cluster
     want_text = _completion(prefill.url)

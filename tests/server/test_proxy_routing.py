@@ -29,6 +29,31 @@ def test_a_full_queue_everywhere_sends_the_prompt_to_the_decode_instance():
     assert pool.acquire() == B and pool.acquire() is None
 
 
+def test_past_both_bounds_a_prompt_queues_at_the_prefill_instance():
+    pool = PrefillInstances([A], max_queue=1, max_local=1)
+    assert pool.acquire() == A
+    assert pool.acquire() is None and pool.local == 1  # the decode instance computes this one
+    assert pool.acquire() == A and pool.in_flight == {A: 2}  # both full: it waits for the prefill instance
+    pool.release_local()
+    assert pool.acquire() is None and pool.local == 1
+
+
+def test_a_local_prompt_counts_until_its_first_token_event():
+    from corectl.server.proxy.app import _LocalPrompt
+
+    pool = PrefillInstances([A], max_queue=1, max_local=2)
+    pool.acquire(), pool.acquire(), pool.acquire()
+    chat, completion = _LocalPrompt(pool, 2), _LocalPrompt(pool, 1)
+    assert pool.local == 2
+    chat.seen(b'data: {"choices": [{"delta": {"role": "assistant"}}]}\n\n')
+    assert pool.local == 2  # the role alone: the prompt may still be computing
+    completion.seen(b'data: {"choices": [{"text": "x"}]}\n\n')
+    chat.seen(b'data: {"choices": [{"delta": {"content": "y"}}]}\n\ndata: {"choices": []}\n\n')
+    assert pool.local == 0
+    chat.release(), completion.release()  # the stream's end releases nothing twice
+    assert pool.local == 0
+
+
 def test_the_two_halves_of_a_request():
     body = {"prompt": "x", "max_tokens": 9, "min_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
     assert prefill_body(body, "t") == {"prompt": "x", "max_tokens": 1,
@@ -42,3 +67,10 @@ def test_the_two_halves_of_a_request():
 def test_a_queue_limit_below_one_is_refused(value, capsys):
     assert main(["proxy", "--prefill", A, "--decode", B, "--max-prefill-queue", value]) == 2
     assert "max_prefill_queue" in capsys.readouterr().err
+
+
+def test_a_local_prefill_bound_needs_the_queue_bound_and_one_at_least(capsys):
+    assert main(["proxy", "--prefill", A, "--decode", B, "--max-local-prefills", "2"]) == 2
+    assert "--max-prefill-queue" in capsys.readouterr().err
+    assert main(["proxy", "--prefill", A, "--decode", B, "--max-prefill-queue", "2", "--max-local-prefills", "0"]) == 2
+    assert "max_local_prefills" in capsys.readouterr().err
