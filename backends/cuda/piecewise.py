@@ -187,19 +187,24 @@ class PiecewiseGraphs:
         return self.counts[i] if i < len(self.counts) else None
 
     def capture(self, model, backend, kv_caches: list[torch.Tensor], block_size: int, pool) -> None:
-        """Capture every count, largest first (the output buffer and the pool are sized by it)."""
+        """Capture every count, largest first (the output buffer and the pool are sized by it), all
+        on one side stream: cuBLAS keeps a workspace per stream, which a stream per count would
+        multiply inside the pool."""
+        stream = torch.cuda.Stream(self.input_ids.device)
         for n in reversed(self.counts):
-            self.graphs[n] = self._capture(n, model, backend, kv_caches, block_size, pool)
+            self.graphs[n] = self._capture(n, model, backend, kv_caches, block_size, pool, stream)
 
-    def _capture(self, n: int, model, backend, kv_caches, block_size: int, pool) -> PiecewiseGraph:
+    def _capture(self, n: int, model, backend, kv_caches, block_size: int, pool,
+                 stream: torch.cuda.Stream) -> PiecewiseGraph:
         metadata = backend.build_metadata(capture_batch(n, block_size, self.input_ids.device), check_indices=False)
         args = (self.input_ids[:n], self.positions[:n])
-        model(*args, ForwardContext(backend, metadata, kv_caches))  # compiles the kernels outside the capture
-        torch.cuda.synchronize()
         cutter = _CuttingBackend(backend, metadata, kv_caches, n, self._out, pool)
-        stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
+            # Once eagerly on the capture stream first: the kernels compile and cuBLAS sets up its
+            # workspace for the stream outside any capture.
+            model(*args, ForwardContext(backend, metadata, kv_caches))
+            torch.cuda.synchronize()
             cutter.begin()
             try:
                 output = model(*args, ForwardContext(cutter, metadata, kv_caches))
