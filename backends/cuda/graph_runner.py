@@ -269,7 +269,7 @@ class CUDAGraphModelRunner(ModelRunner):
         logger.info("captured %d CUDA graphs (up to %d rows) in %.1f s using %.2f GiB", len(keys), max_rows,
                     time.monotonic() - started, (free_before - torch.cuda.mem_get_info()[0]) / 2**30)
         if piecewise_tokens and self._piecewise_blocker() is None:
-            self._capture_piecewise(piecewise_token_counts(piecewise_tokens), pool)
+            self._capture_piecewise(piecewise_token_counts(piecewise_tokens))
         elif piecewise_tokens:
             logger.info("prefill and mixed steps run eagerly: %s", self._piecewise_blocker())
 
@@ -285,13 +285,14 @@ class CUDAGraphModelRunner(ModelRunner):
                 return f"{name} sets per-step state the pieces would capture"
         return None
 
-    def _capture_piecewise(self, counts: list[int], pool) -> None:
+    def _capture_piecewise(self, counts: list[int]) -> None:
         if not counts:
             return
         started, free_before = time.monotonic(), torch.cuda.mem_get_info()[0]
         piecewise = PiecewiseGraphs(counts, self.device)
         try:
-            piecewise.capture(self.model, self.backend, self.kv_caches, self.block_size, pool)
+            # A pool of their own: one capture that fails gives all of it back.
+            piecewise.capture(self.model, self.backend, self.kv_caches, self.block_size, torch.cuda.graph_pool_handle())
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             # Eager steps give the same tokens: a model whose larger steps cannot be captured (a
             # host read in a code path the decode graphs never take) still serves, only slower.

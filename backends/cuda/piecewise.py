@@ -11,7 +11,7 @@ pieces cut at each attention call. Replaying a step replays piece 0, runs layer 
 eagerly with the step's own metadata, replays piece 1, and so on: the host launches one graph and
 one attention call a layer.
 
-Memory. A token count's pieces share the decode graphs' pool and replay in capture order. What a
+Memory. The pieces of every token count share one pool and replay in capture order. What a
 piece hands a later one across a cut (the residual, the hidden states) stays allocated because
 the model's code holds it over the attention call. The query, key and value tensors a call reads
 are kept only as non-owning views, so later pieces may reuse their memory once the call has read
