@@ -292,7 +292,8 @@ class CUDAGraphModelRunner(ModelRunner):
         piecewise = PiecewiseGraphs(counts, self.device)
         try:
             # A pool of their own: one capture that fails gives all of it back.
-            piecewise.capture(self.model, self.backend, self.kv_caches, self.block_size, torch.cuda.graph_pool_handle())
+            pool = torch.cuda.graph_pool_handle()
+            piecewise.capture(self.model, self.backend, self.kv_caches, self.block_size, pool)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             # Eager steps give the same tokens: a model whose larger steps cannot be captured (a
             # host read in a code path the decode graphs never take) still serves, only slower.

@@ -24,7 +24,8 @@ def require(condition: bool, message: str) -> None:
 # f-string built before `require` is called: each check tests first and words its error only on
 # failure.
 def check_float(name: str, t: torch.Tensor, ndim: int) -> None:
-    if isinstance(t, torch.Tensor) and t.dim() == ndim and t.dtype in FLOAT_DTYPES and (t.stride(-1) == 1 or t.numel() == 0):
+    if (isinstance(t, torch.Tensor) and t.dim() == ndim and t.dtype in FLOAT_DTYPES
+            and (t.stride(-1) == 1 or t.numel() == 0)):
         return
     require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
     require(t.dim() == ndim, f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
