@@ -72,9 +72,8 @@ class _CuttingBackend:
     """Stands for the attention backend while a token count is captured: each attention call ends
     the piece being captured, runs eagerly (outside any graph), and starts the next piece."""
 
-    def __init__(self, backend, metadata, kv_caches: list[torch.Tensor], num_tokens: int,
-                 out_buffer: "_OutputBuffer", pool):
-        self._backend, self._metadata, self._num_tokens = backend, metadata, num_tokens
+    def __init__(self, backend, kv_caches: list[torch.Tensor], num_tokens: int, out_buffer: "_OutputBuffer", pool):
+        self._backend, self._num_tokens = backend, num_tokens
         self._kv_ids = {id(kv) for kv in kv_caches}
         self._out_buffer, self._pool = out_buffer, pool
         self.graphs: list[torch.cuda.CUDAGraph] = []
@@ -198,7 +197,7 @@ class PiecewiseGraphs:
                  stream: torch.cuda.Stream) -> PiecewiseGraph:
         metadata = backend.build_metadata(capture_batch(n, block_size, self.input_ids.device), check_indices=False)
         args = (self.input_ids[:n], self.positions[:n])
-        cutter = _CuttingBackend(backend, metadata, kv_caches, n, self._out, pool)
+        cutter = _CuttingBackend(backend, kv_caches, n, self._out, pool)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             # Once eagerly on the capture stream first: the kernels compile and cuBLAS sets up its
