@@ -8,6 +8,7 @@ import msgspec
 from .errors import ConfigError
 from .pooling import POOLING_TYPES, RUNNER_ALIASES, RUNNERS
 from .kv_transfer.config import KVTransferConfig, resolve_kv_transfer_config
+from .compilation import CompilationConfig, resolve_compilation_config
 from .spec_decode.config import SpeculativeConfig, resolve_speculative_config
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -87,6 +88,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         max_cpu_loras: adapters kept loaded in host memory (None: max_loras); max_lora_rank: the
         largest adapter rank served (8, 16, 32, 64, 128 or 256; device slots are sized by it);
         lora_dtype: the adapters' dtype on the device ("auto": the model's).
+    compilation_config: which steps replay CUDA graphs and of which sizes, vLLM's `-O` /
+        `--compilation-config` (a level, a dict or its JSON string; `corectl.compilation`); None:
+        whole-step graphs for decodes, piecewise graphs for other steps. Kept as a
+        `CompilationConfig`; `enforce_eager` overrides it.
     speculative_config: speculative decoding, vLLM's `--speculative-config` (a dict or its JSON
         string, see `corectl.spec_decode.config`); None: off. Checked here and kept as a
         `SpeculativeConfig`.
@@ -139,6 +144,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     attention_backend: str | None = None
     seed: int = 0
     enforce_eager: bool = False
+    compilation_config: CompilationConfig | list[str] | int | str | None = None
     batch_invariant: bool = False
     async_scheduling: bool | None = None
     num_threads: int | None = None
@@ -203,6 +209,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if not self.platform or not isinstance(self.platform, str):
             raise ConfigError("platform", "must be 'auto' or a platform name (see `corectl plugins`)")
         self._check_lora()
+        self.compilation_config = resolve_compilation_config(self.compilation_config)
         self.speculative_config = resolve_speculative_config(self.speculative_config, self.tensor_parallel_size)
         self.kv_transfer_config = resolve_kv_transfer_config(self.kv_transfer_config)
         if self.kv_offload_bytes is not None:

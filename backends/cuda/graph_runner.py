@@ -45,7 +45,7 @@ from corectl.worker.model_runner import ModelRunner, StepInputs, logits_index
 from corectl.worker.request_states import HostStep
 
 from ..triton.gemm import padded_rows
-from .piecewise import PiecewiseGraphs, piecewise_token_counts
+from .piecewise import PiecewiseGraphs
 
 logger = logging.getLogger("corectl.cuda")
 
@@ -234,11 +234,11 @@ class CUDAGraphModelRunner(ModelRunner):
         self.graphs, self._graph_sizes, self.piecewise = {}, {}, None
 
     @torch.inference_mode()
-    def capture_graphs(self, max_num_seqs: int, max_model_len: int, rows_per_seq: int = 1,
-                       piecewise_tokens: int = 0) -> None:
-        """Capture decode graphs for every bucket up to `max_num_seqs` (the KV caches must be set),
-        with `rows_per_seq` > 1 (k + 1) verify graphs of that many rows a request, and with
-        `piecewise_tokens` piecewise graphs for other steps of up to that many tokens."""
+    def capture_graphs(self, max_model_len: int, decode_sizes: list[int], rows_per_seq: int = 1,
+                       piecewise_counts: Sequence[int] = ()) -> None:
+        """Capture decode graphs of `decode_sizes` requests (the KV caches must be set; none: decodes
+        replay the pieces), with `rows_per_seq` > 1 (k + 1) verify graphs of that many rows a
+        request, and piecewise graphs of `piecewise_counts` tokens for the other steps."""
         if not self.backend.supports_graph_capture:
             logger.warning("attention backend %r cannot be captured in CUDA graphs; decoding eagerly",
                            self.backend.name)
@@ -247,17 +247,25 @@ class CUDAGraphModelRunner(ModelRunner):
             reason = getattr(self.model, "graph_capture_blocker", "") or "its forward reads values back to the host"
             logger.warning("%s runs outside CUDA graphs (%s); decoding eagerly", type(self.model).__name__, reason)
             return
+        if decode_sizes:
+            self._capture_decode(max_model_len, decode_sizes, rows_per_seq)
+        if piecewise_counts and self._piecewise_blocker() is None:
+            self._capture_piecewise(list(piecewise_counts))
+        elif piecewise_counts:
+            logger.info("prefill and mixed steps run eagerly: %s", self._piecewise_blocker())
+
+    def _capture_decode(self, max_model_len: int, decode_sizes: list[int], rows_per_seq: int) -> None:
         started, free_before = time.monotonic(), torch.cuda.mem_get_info()[0]
-        sizes = {1: graph_batch_sizes(max_num_seqs)}
+        sizes = {1: decode_sizes}
         if rows_per_seq > 1:
-            sizes[rows_per_seq] = graph_batch_sizes(max_num_seqs, max(1, MAX_GRAPH_BATCH // rows_per_seq))
+            sizes[rows_per_seq] = graph_batch_sizes(decode_sizes[-1], max(1, MAX_GRAPH_BATCH // rows_per_seq))
         keys = sorted(((rows, n) for rows, counts in sizes.items() for n in counts), key=lambda k: -k[0] * k[1])
         max_rows = keys[0][0] * keys[0][1]
         self._static = _StaticDecodeInputs(max_rows, -(-max_model_len // self.block_size), self.device,
                                            self._static_intermediate(max_rows))
         pool = torch.cuda.graph_pool_handle()
         logger.info("capturing %d CUDA graphs (%s requests a graph at 1 row a request%s)", len(keys),
-                    f"{sizes[1][-1]} down to 1",
+                    f"{sizes[1][-1]} down to {sizes[1][0]}",
                     f", {sizes[rows_per_seq][-1]} down to 1 at {rows_per_seq}" if rows_per_seq > 1 else "")
         graphs = {}
         for key in keys:
@@ -268,10 +276,6 @@ class CUDAGraphModelRunner(ModelRunner):
         self.graphs, self._graph_sizes = graphs, sizes
         logger.info("captured %d CUDA graphs (up to %d rows) in %.1f s using %.2f GiB", len(keys), max_rows,
                     time.monotonic() - started, (free_before - torch.cuda.mem_get_info()[0]) / 2**30)
-        if piecewise_tokens and self._piecewise_blocker() is None:
-            self._capture_piecewise(piecewise_token_counts(piecewise_tokens))
-        elif piecewise_tokens:
-            logger.info("prefill and mixed steps run eagerly: %s", self._piecewise_blocker())
 
     def _piecewise_blocker(self) -> str | None:
         """Why steps that are not pure decodes cannot replay piecewise graphs here; None if they can."""

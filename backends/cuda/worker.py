@@ -13,7 +13,8 @@ from corectl.worker.worker import ModelInfo, Worker
 
 from ..triton.layer_kernels import batch_invariant_layer_kernels, triton_layer_kernels
 from .batch_invariant import check_invariant_quantization, make_runner_invariant
-from .graph_runner import CUDAGraphModelRunner
+from .graph_runner import CUDAGraphModelRunner, graph_batch_sizes
+from .piecewise import piecewise_token_counts
 
 logger = logging.getLogger("corectl.cuda")
 
@@ -127,13 +128,16 @@ class CUDAWorker(Worker):
         for num_tokens, num_seqs in warmup_prefill_shapes(self.config.max_num_batched_tokens, self.max_model_len):
             self.run_dummy_step(num_tokens, num_seqs)
         torch.cuda.synchronize()
-        if self.config.enforce_eager:
+        cfg, graphs = self.config, self.config.compilation_config
+        if cfg.enforce_eager or graphs.cudagraph_mode == "NONE":
             return
-        spec = self.config.speculative_config
+        spec = cfg.speculative_config
         # Verify steps of k + 1 rows a request replay the graphs only when asked (see graph_runner).
         rows_per_seq = 1 + spec.num_speculative_tokens if spec is not None and graph_verify_enabled() else 1
-        piecewise = self.config.max_num_batched_tokens if piecewise_graphs_enabled() else 0
-        self.runner.capture_graphs(self.config.max_num_seqs, self.max_model_len, rows_per_seq, piecewise)
+        decode = graphs.sizes(cfg.max_num_seqs, graph_batch_sizes(cfg.max_num_seqs)) if graphs.decode_graphs else []
+        pieces = (graphs.sizes(cfg.max_num_batched_tokens, piecewise_token_counts(cfg.max_num_batched_tokens))
+                  if graphs.piecewise_graphs and piecewise_graphs_enabled() else [])
+        self.runner.capture_graphs(self.max_model_len, decode, rows_per_seq, pieces)
 
 
 def warmup_prefill_shapes(max_num_batched_tokens: int, max_model_len: int) -> list[tuple[int, int]]:

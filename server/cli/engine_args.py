@@ -159,8 +159,24 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                          help=f"{help_text} (default: {default})", **extra)
     groups[_KV].add_argument("--kv-offloading-size", dest="kv_offload_bytes", type=_gib, default=argparse.SUPPRESS,
                              metavar="GIB", help="vLLM's name for --kv-offload-bytes, in GiB")
+    _add_compilation_flags(groups[_PLATFORM])
+
+
+def _add_compilation_flags(group: argparse._ArgumentGroup) -> None:
+    # Repeatable, as vLLM's -O: fragments merge in order (corectl.compilation).
+    group.add_argument("--compilation-config", "-O", dest="compilation_config", action="append", default=None,
+                       metavar="JSON|LEVEL|.KEY=VALUE",
+                       help="vLLM's compilation config: cudagraph_mode (FULL_AND_PIECEWISE, FULL_DECODE_ONLY, "
+                            "FULL, PIECEWISE, NONE), cudagraph_capture_sizes and max_cudagraph_capture_size are "
+                            "honoured; levels (-O3) and compiler keys are accepted and do nothing (default: "
+                            "decode steps in whole graphs, other steps in pieces)")
+    group.add_argument("--cuda-graph-sizes", dest="cuda_graph_sizes", type=int, nargs="+", default=None,
+                       metavar="N", help="vLLM's older name for compilation_config's cudagraph_capture_sizes")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     values = {field: getattr(args, field) for field in ENGINE_FLAGS}
-    return EngineConfig.from_kwargs(model=args.model, **values)
+    fragments = list(args.compilation_config or [])
+    if args.cuda_graph_sizes:
+        fragments.append(json.dumps({"cudagraph_capture_sizes": args.cuda_graph_sizes}))
+    return EngineConfig.from_kwargs(model=args.model, compilation_config=fragments or None, **values)
