@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from .errors import ConfigError
+from .json_option import decode_json_option
 
 FIELD = "compilation_config"
 CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE", "NONE")
@@ -93,11 +94,7 @@ def _fragment(fragment: Any) -> dict[str, Any]:
             return {key: json.loads(raw)}
         except json.JSONDecodeError:
             return {key: raw}
-    if isinstance(fragment, str):
-        try:
-            fragment = json.loads(fragment)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(FIELD, f"not valid JSON ({exc}): {fragment!r}") from None
+    fragment = decode_json_option(FIELD, fragment)
     if not isinstance(fragment, dict):
         raise ConfigError(FIELD, f"expected a JSON object or an optimisation level, got {fragment!r}")
     return {key: val for key, val in fragment.items() if key in _HONOURED}

@@ -15,12 +15,12 @@ the decode instance (load them instead of computing the prompt). `corectl proxy`
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import msgspec
 
 from ..errors import ConfigError, InvalidRequestError
+from ..json_option import decode_json_option
 
 FIELD = "kv_transfer_config"
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -70,11 +70,7 @@ def resolve_kv_transfer_config(value: Any) -> KVTransferConfig | None:
 
 
 def _parse(value: Any) -> KVTransferConfig:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(FIELD, f"not valid JSON ({exc.msg} at character {exc.pos}): {value!r}") from None
+    value = decode_json_option(FIELD, value)
     if not isinstance(value, dict):
         raise ConfigError(FIELD, "must be a JSON object such as {\"kv_connector\": \"SharedMemoryConnector\", "
                                  f"\"kv_role\": \"kv_producer\"}}, got {value!r}")

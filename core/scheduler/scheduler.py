@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 from ..config import EngineConfig
 from ..engine.messages import EngineCoreOutput, SchedulerStats
 from ..errors import ConfigError, QueueFullError
-from ..kv import KVCacheManager, PrefixHit
+from ..kv import KVCacheManager
 from ..kv.sizing import blocks_per_sequence
 from ..kv_transfer.base import KVConnectorScheduler
 from ..lora.admission import AdapterAdmission

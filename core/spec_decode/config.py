@@ -12,12 +12,12 @@ is named; an n-gram config with one lookup bound takes it for both, with none 5 
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import msgspec
 
 from ..errors import ConfigError
+from ..json_option import decode_json_option
 
 FIELD = "speculative_config"
 METHODS = ("ngram", "draft_model", "eagle", "eagle3")
@@ -54,11 +54,7 @@ def _error(message: str) -> ConfigError:
 def _parse(value: Any) -> SpeculativeConfig:
     if isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise _error(f"not valid JSON ({exc.msg} at character {exc.pos}): {value!r}") from None
+    value = decode_json_option(FIELD, value)
     if not isinstance(value, dict):
         raise _error(f"must be a JSON object such as {{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}, "
                      f"got {value!r}")
