@@ -32,6 +32,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("contracts", (
         "corectl.errors", "corectl.envs", "corectl.lazy_exports", "corectl.process_exit", "corectl.sampling_params", "corectl.pooling",
         "corectl.config", "corectl.request", "corectl.outputs", "corectl.attention", "corectl.platform",
+        "corectl.compilation", "corectl.json_option",  # an EngineConfig field; the JSON options' decoder
         "corectl.discovery", "corectl.tokenizer", "corectl.detokenizer", "corectl.step_messages",
         "corectl.lora.request",         # a request's adapter, carried by Request and NewRequestData
         "corectl.spec_decode.config",   # an EngineConfig field
