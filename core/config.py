@@ -88,6 +88,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         max_cpu_loras: adapters kept loaded in host memory (None: max_loras); max_lora_rank: the
         largest adapter rank served (8, 16, 32, 64, 128 or 256; device slots are sized by it);
         lora_dtype: the adapters' dtype on the device ("auto": the model's).
+    disable_custom_all_reduce: tensor-parallel ranks sum every message with the group's collective
+        (NCCL, gloo), not the platform's own all-reduce for small ones (vLLM's flag).
     compilation_config: which steps replay CUDA graphs and of which sizes, vLLM's `-O` /
         `--compilation-config` (a level, a dict or its JSON string; `corectl.compilation`); None:
         whole-step graphs for decodes, piecewise graphs for other steps. Kept as a
@@ -145,6 +147,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     seed: int = 0
     enforce_eager: bool = False
     compilation_config: CompilationConfig | list[str] | int | str | None = None
+    disable_custom_all_reduce: bool = False
     batch_invariant: bool = False
     async_scheduling: bool | None = None
     num_threads: int | None = None

@@ -94,12 +94,13 @@ def init_parallel_state(rank: int, tp_size: int, pp_size: int, backend: str, ini
                            next_rank=rank + tp_size if stage < pp_size - 1 else None, partition=partition)
 
 
-def attach_device_communicator(platform: "Platform") -> None:
+def attach_device_communicator(platform: "Platform", enabled: bool = True) -> None:
     """Ask `platform` for its all-reduce for the stage's small messages; every rank of the group
     calls it together, after `init_parallel_state` (the platform may run collectives on the group).
-    CORECTL_CUSTOM_ALLREDUCE=0 keeps the group's collective for every size (for measurement)."""
+    Not `enabled` (`--disable-custom-all-reduce`) or CORECTL_CUSTOM_ALLREDUCE=0, the group's
+    collective sums every size."""
     global _communicator
-    if _state.world_size > 1 and envs.custom_allreduce_enabled():
+    if _state.world_size > 1 and enabled and envs.custom_allreduce_enabled():
         _communicator = platform.device_communicator(_state)
 
 

@@ -38,7 +38,7 @@ class RankWorker:
                             spec.platform.distributed_backend(), init_method,
                             None if partition is None else
                             parse_layer_partition(partition, config.pipeline_parallel_size, "pipeline_layer_partition"))
-        attach_device_communicator(spec.platform)
+        attach_device_communicator(spec.platform, enabled=not config.disable_custom_all_reduce)
         self.is_output_rank = rank == output_rank(config)
         self.worker = spec.build()
         self._in_flight: StepHandle | None = None

@@ -96,6 +96,9 @@ ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] 
                          "(default: on where the device runs asynchronously)",
                          {"action": argparse.BooleanOptionalAction}),
     "num_threads": ("--num-threads", _PLATFORM, "CPU threads for torch", {"type": int}),
+    "disable_custom_all_reduce": ("--disable-custom-all-reduce", _PARALLEL, "sum tensor-parallel messages of "
+                                  "every size with NCCL (or gloo), not the one-shot all-reduce for small ones",
+                                  {"action": "store_true"}),
     "tensor_parallel_size": (("--tensor-parallel-size", "-tp"), _PARALLEL,
                              "ranks (devices) that split the model; must divide its attention heads", {"type": int}),
     "pipeline_parallel_size": (("--pipeline-parallel-size", "-pp"), _PARALLEL,
@@ -172,11 +175,15 @@ def _add_compilation_flags(group: argparse._ArgumentGroup) -> None:
                             "decode steps in whole graphs, other steps in pieces)")
     group.add_argument("--cuda-graph-sizes", dest="cuda_graph_sizes", type=int, nargs="+", default=None,
                        metavar="N", help="vLLM's older name for compilation_config's cudagraph_capture_sizes")
+    group.add_argument("--max-cudagraph-capture-size", dest="max_cudagraph_capture_size", type=int, default=None,
+                       metavar="N", help="compilation_config's max_cudagraph_capture_size")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     values = {field: getattr(args, field) for field in ENGINE_FLAGS}
     fragments = list(args.compilation_config or [])
-    if args.cuda_graph_sizes:
-        fragments.append(json.dumps({"cudagraph_capture_sizes": args.cuda_graph_sizes}))
+    for key, value in (("cudagraph_capture_sizes", args.cuda_graph_sizes),
+                       ("max_cudagraph_capture_size", args.max_cudagraph_capture_size)):
+        if value is not None:
+            fragments.append(json.dumps({key: value}))
     return EngineConfig.from_kwargs(model=args.model, compilation_config=fragments or None, **values)

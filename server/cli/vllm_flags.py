@@ -39,6 +39,19 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--root-path", default="", metavar="PATH",
                        help="the path prefix a proxy serves this server under (ASGI root_path)")
     group.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
+    group.add_argument("--enable-log-requests", action="store_true",
+                       help="a log line per request (newer vLLM's switch; corectl logs them unless disabled)")
+    group.add_argument("--disable-log-stats", action="store_true",
+                       help="accepted for vLLM scripts: corectl logs no periodic engine stats (they are in "
+                            "/metrics and the dashboard)")
+    group.add_argument("--uvicorn-log-level", default=None,
+                       choices=("critical", "error", "warning", "info", "debug", "trace"),
+                       help="uvicorn's own log level (default: the server's)")
+    group.add_argument("--swap-space", type=float, default=None, metavar="GIB",
+                       help="accepted for vLLM scripts: preempted requests are recomputed, never swapped to host "
+                            "memory (as in vLLM V1)")
+    group.add_argument("--max-seq-len-to-capture", type=int, default=None, metavar="N",
+                       help="accepted for vLLM scripts: CUDA graphs here serve every context length")
     group.add_argument("--metrics-prefix", default="vllm:", choices=("vllm:", "corectl:"),
                        help="prefix of the /metrics series (default vllm:, vLLM's names)")
     _add_media_flags(parser.add_argument_group("images (vision-language models)"))
@@ -96,7 +109,13 @@ def check_vllm_flags(args: argparse.Namespace) -> dict[str, Any]:
     source = check_generation_config(args.generation_config)
     if args.root_path and not args.root_path.startswith("/"):
         raise ConfigError("root_path", f"must start with '/', got {args.root_path!r}")
+    if args.enable_log_requests and args.disable_log_requests:
+        raise ConfigError("enable_log_requests", "--enable-log-requests and --disable-log-requests contradict")
+    for name in ("swap_space", "max_seq_len_to_capture"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            raise ConfigError(name, f"must not be negative, got {getattr(args, name)}")
     return dict(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path,
+                uvicorn_log_level=args.uvicorn_log_level,
                 log_requests=not args.disable_log_requests, metrics_prefix=args.metrics_prefix,
                 max_logprobs=args.max_logprobs, generation_config=source, media=_media_settings(args))
 

@@ -68,6 +68,7 @@ class ServeSettings:
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     root_path: str = ""
+    uvicorn_log_level: str | None = None
     log_requests: bool = True
     metrics_prefix: str = "vllm:"
     max_logprobs: int = 20

@@ -148,3 +148,33 @@ def test_bench_grammar_times_each_part_of_a_constrained_step(cli):
     assert set(result["per_step_ms"]) == {"1/1", "9/1", "1/2", "9/2"} and result["answer_tokens"] > 10
     for times in result["per_step_ms"].values():
         assert set(times) == {"fill", "apply", "accept", "total"} and all(t > 0 for t in times.values())
+
+
+def test_serve_takes_more_of_vllm_launch_flags():
+    """Flags vLLM scripts pass: the ones with a meaning here reach the settings, the others are taken."""
+    from corectl.server.cli.main import build_parser
+    from corectl.server.cli.serve import settings_from_args
+
+    parser = build_parser()
+    settings = settings_from_args(parser.parse_args([
+        "serve", "--swap-space", "4", "--disable-log-stats", "--max-seq-len-to-capture", "8192",
+        "--enable-log-requests", "--uvicorn-log-level", "error", "--disable-custom-all-reduce",
+        "--max-cudagraph-capture-size", "64"]))
+    assert settings.uvicorn_log_level == "error" and settings.log_requests
+    assert settings.engine.disable_custom_all_reduce
+    assert settings.engine.compilation_config.max_cudagraph_capture_size == 64
+    plain = settings_from_args(parser.parse_args(["serve"]))
+    assert plain.uvicorn_log_level is None and not plain.engine.disable_custom_all_reduce
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--enable-log-requests", "--disable-log-requests"], "contradict"),
+    (["--swap-space", "-1"], "swap_space: must not be negative"),
+    (["--max-cudagraph-capture-size", "0"], "max_cudagraph_capture_size must hold positive integers"),
+])
+def test_bad_vllm_flag_values_are_one_line(flags, message, capsys):
+    from corectl.server.cli.main import main
+
+    assert main(["serve", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err

@@ -23,13 +23,17 @@ def vllm_server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dropin")
     (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3}))
     config = folder / "serve.yaml"
+    # Flags vLLM scripts carry that mean nothing here (swap space, graph lengths, stats logging, a
+    # compilation level) beside ones honoured (uvicorn's level, no custom all-reduce).
     config.write_text("served-model-name: smol\nmax-num-seqs: 8\ntrust-remote-code: true\n"
-                      "enable-chunked-prefill: true\n")
+                      "enable-chunked-prefill: true\nswap-space: 4\nmax-seq-len-to-capture: 8192\n"
+                      "disable-log-stats: true\nuvicorn-log-level: warning\ndisable-custom-all-reduce: true\n")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_API_KEY", KEY)
         mp.delenv("CORECTL_API_KEY", raising=False)
         proc = ServerProcess(*SMALL_ENGINE, "--config", str(config), "--generation-config", str(folder),
-                             "--max-logprobs", "5", "--disable-log-requests", "--seed", "0").wait_ready(600)
+                             "--max-logprobs", "5", "--disable-log-requests", "--seed", "0", "-O3",
+                             "--compilation-config", '{"cudagraph_mode": "FULL_AND_PIECEWISE"}').wait_ready(600)
     yield proc
     assert proc.stop() == 0
 
@@ -37,6 +41,13 @@ def vllm_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(vllm_server):
     return openai.OpenAI(base_url=vllm_server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_uvicorn_logs_at_the_level_asked(vllm_server):
+    # uvicorn's own INFO lines (its startup) are gone at --uvicorn-log-level warning; corectl's stay.
+    log = vllm_server.log()
+    assert "Application startup complete" not in log and '"logger": "uvicorn.error"' not in log
+    assert '"logger": "corectl' in log
 
 
 def test_api_key_comes_from_vllm_api_key(vllm_server, client):

@@ -74,6 +74,8 @@ def _rank(rank: int, init_file: str, queue) -> None:
         attach_device_communicator(OneShotCPUPlatform())
         report["switch_off_gives_none"] = parallel_state._communicator is None
         os.environ["CORECTL_CUSTOM_ALLREDUCE"] = "1"
+        attach_device_communicator(OneShotCPUPlatform(), enabled=False)  # --disable-custom-all-reduce
+        report["flag_off_gives_none"] = parallel_state._communicator is None
         attach_device_communicator(OneShotCPUPlatform())
         report["one_shot_sums"] = _sums(rank)
         report["one_shot_taken"] = parallel_state._communicator.taken
@@ -95,7 +97,8 @@ def test_messages_take_the_communicator_up_to_its_limit_and_the_collective_other
         process.join(timeout=30)
     every_sum = {"small": True, "large": True, "unaligned": True}
     for report in reports.values():
-        assert report["cpu_gives_none"] and report["switch_off_gives_none"] and report["destroyed"]
+        assert report["cpu_gives_none"] and report["switch_off_gives_none"] and report["flag_off_gives_none"]
+        assert report["destroyed"]
         assert report["cpu_sums"] == every_sum and report["one_shot_sums"] == every_sum
         # 64 fp32 values (256 bytes) fit; 65 exceed the limit and 63 (252 bytes) are not 16-byte whole.
         assert report["one_shot_taken"] == 1
