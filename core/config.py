@@ -187,6 +187,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             self.pooling_type = self.pooling_type.upper()
             self._check_choice("pooling_type", POOLING_TYPES)
         self._check_choice("kv_cache_dtype", KV_CACHE_DTYPES)
+        if self.structured_outputs_backend == "auto":  # vLLM's default name: the built-in backend
+            self.structured_outputs_backend = "xgrammar"
         self._check_positive("max_num_seqs")
         self._check_positive("max_num_batched_tokens")
         if self.max_model_len is not None:

@@ -15,6 +15,8 @@ from corectl.config import (
     POLICIES,
     EngineConfig,
 )
+from corectl.errors import ConfigError
+from corectl.json_option import decode_json_option
 from corectl.pooling import POOLING_TYPES, RUNNER_ALIASES, RUNNERS
 
 # field -> (flag, help, argparse extras); the field order here is the order in --help.
@@ -96,6 +98,10 @@ ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] 
                          "(default: on where the device runs asynchronously)",
                          {"action": argparse.BooleanOptionalAction}),
     "num_threads": ("--num-threads", _PLATFORM, "CPU threads for torch", {"type": int}),
+    "structured_outputs_backend": ("--structured-outputs-backend", _PLATFORM, "grammar backend for structured "
+                                   "outputs: xgrammar, a plugin's, or 'auto' (xgrammar); vLLM's "
+                                   "--structured-outputs-config '{\"backend\": ...}' and --guided-decoding-backend "
+                                   "name it too", {}),
     "disable_custom_all_reduce": ("--disable-custom-all-reduce", _PARALLEL, "sum tensor-parallel messages of "
                                   "every size with NCCL (or gloo), not the one-shot all-reduce for small ones",
                                   {"action": "store_true"}),
@@ -163,6 +169,38 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     groups[_KV].add_argument("--kv-offloading-size", dest="kv_offload_bytes", type=_gib, default=argparse.SUPPRESS,
                              metavar="GIB", help="vLLM's name for --kv-offload-bytes, in GiB")
     _add_compilation_flags(groups[_PLATFORM])
+    _add_vllm_engine_flags(groups[_PLATFORM])
+
+
+def _add_vllm_engine_flags(group: argparse._ArgumentGroup) -> None:
+    """vLLM's engine flags whose meaning corectl covers another way, or refuses past its default."""
+    group.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                       help="vLLM's structured-outputs config: its 'backend' is honoured")
+    group.add_argument("--guided-decoding-backend", default=None, metavar="NAME",
+                       help="vLLM's older name for the structured-outputs backend")
+    group.add_argument("--tokenizer-mode", default="auto", metavar="auto|hf",
+                       help="vLLM's tokenizer mode: corectl loads the Hugging Face (fast) tokenizer, so auto or hf")
+    group.add_argument("--cpu-offload-gb", type=float, default=0.0, metavar="GIB",
+                       help="vLLM's weight offloading to host memory: not built, so 0 only")
+
+
+def _vllm_engine_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options vLLM's spellings set (`_add_vllm_engine_flags`), checked."""
+    if args.tokenizer_mode not in ("auto", "hf"):
+        raise ConfigError("tokenizer_mode", f"corectl loads Hugging Face tokenizers ('auto' or 'hf'); "
+                                            f"{args.tokenizer_mode!r} is not available")
+    if args.cpu_offload_gb != 0:
+        raise ConfigError("cpu_offload_gb", "weights are not offloaded to host memory here; the model must fit "
+                                            "the devices (see `corectl plan`, or use -tp/-pp or quantization)")
+    backends = [] if args.guided_decoding_backend is None else [args.guided_decoding_backend]
+    if args.structured_outputs_config is not None:
+        config = decode_json_option("structured_outputs_config", args.structured_outputs_config)
+        if not isinstance(config, dict):
+            raise ConfigError("structured_outputs_config", f"must be a JSON object, got {config!r}")
+        backends += [config["backend"]] if "backend" in config else []
+    if len(set(backends)) > 1:
+        raise ConfigError("structured_outputs_config", f"two structured-outputs backends given: {backends}")
+    return {"structured_outputs_backend": backends[0]} if backends else {}
 
 
 def _add_compilation_flags(group: argparse._ArgumentGroup) -> None:
@@ -186,4 +224,5 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                        ("max_cudagraph_capture_size", args.max_cudagraph_capture_size)):
         if value is not None:
             fragments.append(json.dumps({key: value}))
+    values.update(_vllm_engine_values(args))
     return EngineConfig.from_kwargs(model=args.model, compilation_config=fragments or None, **values)

@@ -144,7 +144,8 @@ def settings_from_args(args: argparse.Namespace):
         engine=config, served_model_names=args.served_model_name or [default_served_name(config)],
         host=args.host, port=args.port, api_keys=args.api_key or api_keys_from_env(), allowed_origins=origins,
         log_format=args.log_format, log_prompts=args.log_prompts, max_request_body=args.max_request_body,
-        engine_in_process=args.engine_in_process, engine_hang_timeout=args.engine_hang_timeout,
+        engine_in_process=args.engine_in_process or args.disable_frontend_multiprocessing,
+        engine_hang_timeout=args.engine_hang_timeout,
         shutdown_timeout=args.shutdown_timeout, otlp_traces_endpoint=args.otlp_traces_endpoint,
         embed_chunking=args.embed_chunking, responses_store_max_entries=args.responses_store_max_entries,
         responses_store_max_bytes=args.responses_store_max_bytes,
@@ -170,7 +171,7 @@ def _api_server_count(args: argparse.Namespace, settings) -> int:
     count = args.api_server_count
     if count < 1:
         raise ConfigError("api_server_count", f"must be at least 1, got {count}")
-    if count > 1 and args.engine_in_process:
+    if count > 1 and settings.engine_in_process:
         raise ConfigError("api_server_count", "API processes share an engine process: drop --engine-in-process")
     if count > 1 and settings.lora.updating_allowed:
         raise ConfigError("api_server_count", "adapters loaded at run time would reach one API process only: "

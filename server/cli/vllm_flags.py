@@ -50,6 +50,8 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--swap-space", type=float, default=None, metavar="GIB",
                        help="accepted for vLLM scripts: preempted requests are recomputed, never swapped to host "
                             "memory (as in vLLM V1)")
+    group.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                       help="vLLM's name for --engine-in-process: the engine runs in the server's process")
     group.add_argument("--max-seq-len-to-capture", type=int, default=None, metavar="N",
                        help="accepted for vLLM scripts: CUDA graphs here serve every context length")
     group.add_argument("--metrics-prefix", default="vllm:", choices=("vllm:", "corectl:"),

@@ -178,3 +178,38 @@ def test_bad_vllm_flag_values_are_one_line(flags, message, capsys):
     assert main(["serve", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_vllm_spellings_of_engine_options():
+    """The structured-outputs backend by either of vLLM's spellings ('auto' is the built-in one), the
+    frontend in the engine's process, and the tokenizer modes corectl has."""
+    from corectl.server.cli.main import build_parser
+    from corectl.server.cli.serve import settings_from_args
+
+    parser = build_parser()
+
+    def engine(*flags):
+        return settings_from_args(parser.parse_args(["serve", *flags]))
+
+    assert engine("--guided-decoding-backend", "auto").engine.structured_outputs_backend == "xgrammar"
+    assert engine("--structured-outputs-config", '{"backend": "my-plugin", "disable_any_whitespace": true}'
+                  ).engine.structured_outputs_backend == "my-plugin"
+    assert engine("--structured-outputs-backend", "auto").engine.structured_outputs_backend == "xgrammar"
+    assert engine("--disable-frontend-multiprocessing").engine_in_process
+    assert engine("--tokenizer-mode", "hf", "--cpu-offload-gb", "0").engine.tokenizer is None
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--tokenizer-mode", "mistral"], "tokenizer_mode: corectl loads Hugging Face tokenizers"),
+    (["--cpu-offload-gb", "4"], "cpu_offload_gb: weights are not offloaded"),
+    (["--guided-decoding-backend", "xgrammar", "--structured-outputs-config", '{"backend": "guidance"}'],
+     "two structured-outputs backends"),
+    (["--structured-outputs-config", "[1]"], "structured_outputs_config: must be a JSON object"),
+    (["--disable-frontend-multiprocessing", "--api-server-count", "2"], "API processes share an engine process"),
+])
+def test_vllm_engine_spellings_refuse_what_corectl_lacks(flags, message, capsys):
+    from corectl.server.cli.main import main
+
+    assert main(["serve", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
