@@ -68,6 +68,11 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(http):
             frames += line.startswith("data: ")
             if frames == 3:
                 break
+        # The gauge is the engine's stats of its latest step the API process has read, which may
+        # trail the frames by a step: wait for it while the stream is held open.
+        deadline = time.monotonic() + 10
+        while _metrics(http)["vllm:num_requests_running"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert _metrics(http)["vllm:num_requests_running"] == 1
     after = _wait_idle(http)
     key = "vllm:request_success_total{finished_reason=abort}"
