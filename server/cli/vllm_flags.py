@@ -50,6 +50,12 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--swap-space", type=float, default=None, metavar="GIB",
                        help="accepted for vLLM scripts: preempted requests are recomputed, never swapped to host "
                             "memory (as in vLLM V1)")
+    group.add_argument("--enable-force-include-usage", action="store_true",
+                       help="every stream ends with a usage chunk, as if it asked stream_options.include_usage")
+    group.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="usage always gives prompt_tokens_details.cached_tokens (else only when some were cached)")
+    group.add_argument("--response-role", default="assistant", metavar="ROLE",
+                       help="the role of chat completions' messages")
     group.add_argument("--disable-frontend-multiprocessing", action="store_true",
                        help="vLLM's name for --engine-in-process: the engine runs in the server's process")
     group.add_argument("--max-seq-len-to-capture", type=int, default=None, metavar="N",
@@ -111,13 +117,16 @@ def check_vllm_flags(args: argparse.Namespace) -> dict[str, Any]:
     source = check_generation_config(args.generation_config)
     if args.root_path and not args.root_path.startswith("/"):
         raise ConfigError("root_path", f"must start with '/', got {args.root_path!r}")
+    if not args.response_role.strip():
+        raise ConfigError("response_role", "must not be empty")
     if args.enable_log_requests and args.disable_log_requests:
         raise ConfigError("enable_log_requests", "--enable-log-requests and --disable-log-requests contradict")
     for name in ("swap_space", "max_seq_len_to_capture"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise ConfigError(name, f"must not be negative, got {getattr(args, name)}")
     return dict(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path,
-                uvicorn_log_level=args.uvicorn_log_level,
+                uvicorn_log_level=args.uvicorn_log_level, force_include_usage=args.enable_force_include_usage,
+                prompt_tokens_details=args.enable_prompt_tokens_details, response_role=args.response_role,
                 log_requests=not args.disable_log_requests, metrics_prefix=args.metrics_prefix,
                 max_logprobs=args.max_logprobs, generation_config=source, media=_media_settings(args))
 

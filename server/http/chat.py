@@ -33,8 +33,6 @@ from .tool_parsers.forced import NamedCallParser, RequiredCallsParser
 from .tools import check_tool_choice, template_tools
 from .vllm_fields import check_max_logprobs
 
-ROLE = "assistant"
-
 
 class ChatController(Controller):
     path = "/v1"
@@ -51,8 +49,9 @@ class ChatController(Controller):
         top_n = (data.top_logprobs or 0) if data.logprobs else None
         echo = data.echoed_text()
         return await group.respond(request.receive, data.stream,
-                                   lambda: _chunks(group, head, top_n, data.include_usage, texts, echo,
-                                                   data.continuous_usage),
+                                   lambda: _chunks(group, head, top_n,
+                                                   data.include_usage or server.settings.force_include_usage,
+                                                   texts, echo, data.continuous_usage),
                                    lambda: _collect(group, head, top_n, texts, echo))
 
 
@@ -91,8 +90,9 @@ async def start_chat(data: ChatCompletionRequest, request: Request, server: Serv
         group = GenerationGroup(server, [engine_prompt], reasoning.params, request_id, data.priority,
                                 lora, "tools" if forced else data.constraint_field, data.keep_best)
         await group.start(request.receive)
-    texts = {i: HarmonyText(ROLE) if harmony else
-             ChoiceText(ROLE, reasoning.parser(), _tool_parser(data, tool_choice, server, tokenizer))
+    role = server.settings.response_role
+    texts = {i: HarmonyText(role) if harmony else
+             ChoiceText(role, reasoning.parser(), _tool_parser(data, tool_choice, server, tokenizer))
              for i in range(group.n)}
     return group, texts
 
@@ -135,7 +135,7 @@ def _logprobs(sample: CompletionOutput, top_n: int | None) -> ChatLogprobs | Non
 
 async def _collect(group: GenerationGroup, head: dict, top_n: int | None,
                    texts: dict[int, ChoiceText], echo: str) -> ChatCompletionResponse:
-    usage = UsageCounter()
+    usage = UsageCounter(group.server.settings.prompt_tokens_details)
     generated: dict[int, list[str]] = {}
     logprobs: dict[int, ChatLogprobs | None] = {}
     ends: dict[int, tuple[str | None, int | str | None]] = {}
@@ -167,10 +167,12 @@ async def _collect(group: GenerationGroup, head: dict, top_n: int | None,
 
 async def _chunks(group: GenerationGroup, head: dict, top_n: int | None, include_usage: bool,
                   texts: dict[int, ChoiceText], echo: str, continuous_usage: bool) -> AsyncIterator[bytes]:
-    usage = UsageCounter() if include_usage or continuous_usage else None
+    counts = include_usage or continuous_usage
+    usage = UsageCounter(group.server.settings.prompt_tokens_details) if counts else None
     # OpenAI's first chunk of each choice carries the role and no content (the echoed text with echo).
     yield sse.frame(ChatCompletionChunk(**head, choices=[
-        ChatChunkChoice(index=i, delta=ChatDelta(role=ROLE, content=echo)) for i in range(group.n)]))
+        ChatChunkChoice(index=i, delta=ChatDelta(role=group.server.settings.response_role, content=echo))
+        for i in range(group.n)]))
     # A delta of text alone (most of a stream) is spliced into its choice's pre-encoded frame.
     plain = {i: sse.TextFrames(lambda content, i=i: ChatCompletionChunk(**head, choices=[
         ChatChunkChoice(index=i, delta=ChatDelta(content=content))])) for i in range(group.n)}

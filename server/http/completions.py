@@ -184,12 +184,14 @@ class CompletionsController(Controller):
         head = group.response_head()
         choices = _Choices(data, server.engine.tokenizer, group.n, head)
         return await group.respond(request.receive, data.stream,
-                                   lambda: _chunks(group, choices, head, data.include_usage, data.continuous_usage),
+                                   lambda: _chunks(group, choices, head,
+                                                   data.include_usage or server.settings.force_include_usage,
+                                                   data.continuous_usage),
                                    lambda: _collect(group, choices, head))
 
 
 async def _collect(group: GenerationGroup, choices: _Choices, head: dict) -> CompletionResponse:
-    usage = UsageCounter()
+    usage = UsageCounter(group.server.settings.prompt_tokens_details)
     merged: dict[int, CompletionChoice] = {}
     async for prompt_index, out in group.merged():
         out = choices.visible(out)
@@ -212,7 +214,8 @@ async def _collect(group: GenerationGroup, choices: _Choices, head: dict) -> Com
 
 async def _chunks(group: GenerationGroup, choices: _Choices, head: dict, include_usage: bool,
                   continuous_usage: bool) -> AsyncIterator[bytes]:
-    usage = UsageCounter() if include_usage or continuous_usage else None
+    counts = include_usage or continuous_usage
+    usage = UsageCounter(group.server.settings.prompt_tokens_details) if counts else None
     async for prompt_index, out in group.merged():
         out = choices.visible(out)
         if usage is not None:

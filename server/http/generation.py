@@ -296,11 +296,13 @@ async def until_disconnected(receive: Callable, work: Callable[[], Awaitable[T]]
 
 
 class UsageCounter:
-    """Exact token usage of a request, counted from the deltas as they pass."""
+    """Exact token usage of a request, counted from the deltas as they pass. `prompt_tokens_details`:
+    always give the cached prompt tokens (vLLM's --enable-prompt-tokens-details), else only when some were."""
 
-    def __init__(self):
+    def __init__(self, prompt_tokens_details: bool = False):
         self._latest: dict[int, RequestOutput] = {}  # each prompt's latest delta: its prompt and cached tokens
         self.completion_tokens = 0
+        self._details = prompt_tokens_details
 
     def add(self, prompt_index: int, out: RequestOutput) -> None:
         self._latest[prompt_index] = out
@@ -310,4 +312,4 @@ class UsageCounter:
         prompt = sum(len(out.prompt_token_ids) for out in self._latest.values())
         cached = sum(out.num_cached_tokens for out in self._latest.values())
         return Usage(prompt, self.completion_tokens, prompt + self.completion_tokens,
-                     PromptTokensDetails(cached) if cached else None)
+                     PromptTokensDetails(cached) if cached or self._details else None)

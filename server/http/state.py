@@ -69,6 +69,10 @@ class ServeSettings:
     ssl_certfile: str | None = None
     root_path: str = ""
     uvicorn_log_level: str | None = None
+    # vLLM's --enable-force-include-usage, --enable-prompt-tokens-details, --response-role.
+    force_include_usage: bool = False
+    prompt_tokens_details: bool = False
+    response_role: str = "assistant"
     log_requests: bool = True
     metrics_prefix: str = "vllm:"
     max_logprobs: int = 20

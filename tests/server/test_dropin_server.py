@@ -33,7 +33,9 @@ def vllm_server(tmp_path_factory):
         mp.delenv("CORECTL_API_KEY", raising=False)
         proc = ServerProcess(*SMALL_ENGINE, "--config", str(config), "--generation-config", str(folder),
                              "--max-logprobs", "5", "--disable-log-requests", "--seed", "0", "-O3",
-                             "--compilation-config", '{"cudagraph_mode": "FULL_AND_PIECEWISE"}').wait_ready(600)
+                             "--compilation-config", '{"cudagraph_mode": "FULL_AND_PIECEWISE"}',
+                             "--enable-force-include-usage", "--enable-prompt-tokens-details",
+                             "--response-role", "narrator").wait_ready(600)
     yield proc
     assert proc.stop() == 0
 
@@ -41,6 +43,27 @@ def vllm_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(vllm_server):
     return openai.OpenAI(base_url=vllm_server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_usage_and_role_flags(vllm_server):
+    """--enable-force-include-usage: a stream that did not ask ends with usage; --enable-prompt-tokens-details:
+    usage names the cached prompt tokens even when none were; --response-role names the messages' role."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    # A salt of its own: nothing of the prompt is in the prefix cache.
+    body = {"model": "smol", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2,
+            "cache_salt": "usage-and-role"}
+    answer = httpx.post(vllm_server.url + "/v1/chat/completions", headers=headers, json=body).json()
+    assert answer["choices"][0]["message"]["role"] == "narrator"
+    assert answer["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    with httpx.stream("POST", vllm_server.url + "/v1/chat/completions", headers=headers,
+                      json={**body, "stream": True}) as stream:
+        events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    assert events[0]["choices"][0]["delta"]["role"] == "narrator"
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 2
+    completion = httpx.post(vllm_server.url + "/v1/completions", headers=headers,
+                            json={"model": "smol", "prompt": "hello", "max_tokens": 2, "stream": True})
+    last = [json.loads(line[6:]) for line in completion.text.splitlines() if line.startswith("data: {")][-1]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2
 
 
 def test_uvicorn_logs_at_the_level_asked(vllm_server):
