@@ -13,7 +13,7 @@ from .engine.core import EngineCore
 from .engine.intake import NO_TOKENIZER, encode_prompt, prompt_mm_inputs
 from .engine.output_processor import OutputProcessor
 from .errors import InvalidRequestError
-from .generation_config import check_generation_config, generation_defaults
+from .generation_config import check_generation_config, check_generation_overrides, generation_defaults
 from .lora.request import LoRARequest
 from .multimodal.chat import image_sources, local_image
 from .multimodal.processing import ImageProcessing
@@ -38,13 +38,16 @@ class LLM:
 
     `tokenizer` is None when the engine runs without one (see `EngineConfig.skip_tokenizer_init`).
     `generation_config` ("auto", "vllm" or a folder, as vLLM's) is where `generate` and `chat` called
-    without sampling params take their defaults (`corectl.generation_config`).
+    without sampling params take their defaults (`corectl.generation_config`);
+    `override_generation_config` (vLLM's: the same keys) sets some of them over it.
     """
 
-    def __init__(self, model: str | None = None, generation_config: str = "auto", **engine_args: Any):
+    def __init__(self, model: str | None = None, generation_config: str = "auto",
+                 override_generation_config: dict[str, Any] | str | None = None, **engine_args: Any):
         check_generation_config(generation_config)
+        overrides = check_generation_overrides(override_generation_config)
         self.engine = EngineCore(EngineConfig.from_kwargs(model=model, **engine_args))
-        self._sampling_defaults = generation_defaults(generation_config, str(self.engine.source.model_dir))
+        self._sampling_defaults = generation_defaults(generation_config, str(self.engine.source.model_dir), overrides)
         self.config = self.engine.config
         folder = self.engine.source.tokenizer_dir
         self.tokenizer = None if folder is None else Tokenizer.from_dir(folder, chat_template=self.config.chat_template)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from corectl.errors import ConfigError
-from corectl.generation_config import check_generation_config
+from corectl.generation_config import check_generation_config, check_generation_overrides
 from corectl.sampling_params import MAX_LOGPROBS
 
 from ..http.media.settings import MediaSettings
@@ -32,6 +32,9 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                        help="sampling defaults for fields a request leaves unset: 'auto' from the model's "
                             "generation_config.json, 'vllm' none (vLLM's own), or a folder holding one")
+    group.add_argument("--override-generation-config", default=None, metavar="JSON",
+                       help="sampling defaults set over --generation-config's (its keys: temperature, top_p, "
+                            "top_k, min_p, repetition_penalty, max_new_tokens)")
     group.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS, metavar="N",
                        help=f"most logprobs a request may ask for per token (at most {MAX_LOGPROBS})")
     group.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="serve HTTPS with this private key")
@@ -115,6 +118,7 @@ def check_vllm_flags(args: argparse.Namespace) -> dict[str, Any]:
         if path is not None and not Path(path).is_file():
             raise ConfigError(name, f"{path!r} is not a file")
     source = check_generation_config(args.generation_config)
+    overrides = check_generation_overrides(args.override_generation_config)
     if args.root_path and not args.root_path.startswith("/"):
         raise ConfigError("root_path", f"must start with '/', got {args.root_path!r}")
     if not args.response_role.strip():
@@ -128,7 +132,8 @@ def check_vllm_flags(args: argparse.Namespace) -> dict[str, Any]:
                 uvicorn_log_level=args.uvicorn_log_level, force_include_usage=args.enable_force_include_usage,
                 prompt_tokens_details=args.enable_prompt_tokens_details, response_role=args.response_role,
                 log_requests=not args.disable_log_requests, metrics_prefix=args.metrics_prefix,
-                max_logprobs=args.max_logprobs, generation_config=source, media=_media_settings(args))
+                max_logprobs=args.max_logprobs, generation_config=source, generation_overrides=overrides,
+                media=_media_settings(args))
 
 
 def api_keys_from_env() -> list[str]:

@@ -134,7 +134,8 @@ async def _engine_lifespan(app: Litestar) -> AsyncIterator[None]:
                                                engine.max_loras if engine.enable_lora else None,
                                                server.settings.metrics_prefix, _cache_config(client.info, engine))
                 client.observe_steps(server.metrics.count_generated)
-                server.sampling_defaults = generation_defaults(server.settings.generation_config, client.info.model_dir)
+                server.sampling_defaults = generation_defaults(server.settings.generation_config, client.info.model_dir,
+                                                               server.settings.generation_overrides)
                 _log_ready(server)
                 stop = anyio.Event()
                 tg.start_soon(_watch_engine, server, client, stop)

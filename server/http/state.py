@@ -5,6 +5,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 from corectl.config import EngineConfig
@@ -77,6 +78,7 @@ class ServeSettings:
     metrics_prefix: str = "vllm:"
     max_logprobs: int = 20
     generation_config: str = "auto"
+    generation_overrides: dict[str, Any] = field(default_factory=dict)
     # What image parts may make the server fetch and decode (corectl.server.http.media).
     media: MediaSettings = field(default_factory=MediaSettings)
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from corectl import LLM, SamplingParams
 from corectl.errors import ConfigError
-from corectl.generation_config import generation_defaults
+from corectl.generation_config import check_generation_overrides, generation_defaults
 from support.models import build_random_checkpoint
 
 ENGINE = dict(dtype="float32", max_model_len=64, kv_cache_memory_gib=0.02)
@@ -42,3 +42,25 @@ def test_vllm_and_folder_sources(checkpoint, tmp_path):
     assert generation_defaults("auto", str(tmp_path / "no-such-model")) == {}
     with pytest.raises(ConfigError, match="generation_config"):
         LLM(str(checkpoint), generation_config="nowhere/at/all", **ENGINE)  # refused before the engine loads
+
+
+def test_overrides_set_fields_over_the_source(checkpoint):
+    """vLLM's override_generation_config: its keys over the model's file ("auto") or alone ("vllm")."""
+    llm = LLM(str(checkpoint), override_generation_config={"max_new_tokens": 2, "top_k": 7}, **ENGINE)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.0, 7, 2)
+    assert len(llm.generate([PROMPT], use_tqdm=False)[0].outputs[0].token_ids) == 2
+    assert generation_defaults("vllm", str(checkpoint), {"temperature": 0.25}) == {"temperature": 0.25}
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ('{"temp": 1}', "'temp' is not a sampling default"),
+    ({"temperature": -1}, "temperature must be in"),
+    ({"top_k": "x"}, "top_k must be a number"),
+    ("[1]", "must be a JSON object"),
+    ("{oops", "not valid JSON"),
+])
+def test_bad_overrides_are_refused_before_the_engine_loads(overrides, message):
+    with pytest.raises(ConfigError, match=message) as caught:
+        check_generation_overrides(overrides)
+    assert caught.value.field == "override_generation_config"

@@ -213,3 +213,14 @@ def test_vllm_engine_spellings_refuse_what_corectl_lacks(flags, message, capsys)
     assert main(["serve", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_serve_takes_vllm_generation_config_overrides(capsys):
+    from corectl.server.cli.main import build_parser, main
+    from corectl.server.cli.serve import settings_from_args
+
+    args = build_parser().parse_args(["serve", "--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 9}'])
+    assert settings_from_args(args).generation_overrides == {"temperature": 0.5, "max_tokens": 9}
+    assert main(["serve", "--override-generation-config", '{"temp": 1}']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "override_generation_config: 'temp' is not a sampling default" in err[0]

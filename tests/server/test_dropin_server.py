@@ -35,7 +35,8 @@ def vllm_server(tmp_path_factory):
                              "--max-logprobs", "5", "--disable-log-requests", "--seed", "0", "-O3",
                              "--compilation-config", '{"cudagraph_mode": "FULL_AND_PIECEWISE"}',
                              "--enable-force-include-usage", "--enable-prompt-tokens-details",
-                             "--response-role", "narrator").wait_ready(600)
+                             "--response-role", "narrator",
+                             "--override-generation-config", '{"max_new_tokens": 4}').wait_ready(600)
     yield proc
     assert proc.stop() == 0
 
@@ -92,9 +93,10 @@ def test_x_request_id_is_echoed_and_names_the_response(vllm_server, client):
 
 
 def test_generation_config_sets_unset_max_tokens(client):
+    # The folder's max_new_tokens (3) under --override-generation-config's (4).
     reply = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Tell a story"}],
                                            extra_body={"ignore_eos": True})
-    assert reply.usage.completion_tokens == 3
+    assert reply.usage.completion_tokens == 4
     assert client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Tell a story"}],
                                           max_tokens=5, extra_body={"ignore_eos": True}).usage.completion_tokens == 5
 
