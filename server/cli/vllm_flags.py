@@ -57,6 +57,9 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                        help="every stream ends with a usage chunk, as if it asked stream_options.include_usage")
     group.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="usage always gives prompt_tokens_details.cached_tokens (else only when some were cached)")
+    group.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="logprobs name their tokens \"token_id:<id>\" (a request's return_tokens_as_token_ids "
+                            "decides for itself)")
     group.add_argument("--response-role", default="assistant", metavar="ROLE",
                        help="the role of chat completions' messages")
     group.add_argument("--disable-frontend-multiprocessing", action="store_true",
@@ -131,6 +134,7 @@ def check_vllm_flags(args: argparse.Namespace) -> dict[str, Any]:
     return dict(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path,
                 uvicorn_log_level=args.uvicorn_log_level, force_include_usage=args.enable_force_include_usage,
                 prompt_tokens_details=args.enable_prompt_tokens_details, response_role=args.response_role,
+                return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                 log_requests=not args.disable_log_requests, metrics_prefix=args.metrics_prefix,
                 max_logprobs=args.max_logprobs, generation_config=source, generation_overrides=overrides,
                 media=_media_settings(args))

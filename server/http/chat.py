@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from corectl.outputs import CompletionOutput
 from litestar import Controller, Request, Response, post
@@ -46,13 +47,14 @@ class ChatController(Controller):
                                      server: ServerState) -> Response:
         group, texts = await start_chat(data, request, server, f"chatcmpl-{request_id_for(request, data.request_id)}")
         head = group.response_head()
-        top_n = (data.top_logprobs or 0) if data.logprobs else None
+        asked = (_LogprobsAsked(data.top_logprobs or 0, data.tokens_as_ids(server.settings.return_tokens_as_token_ids))
+                 if data.logprobs else None)
         echo = data.echoed_text()
         return await group.respond(request.receive, data.stream,
-                                   lambda: _chunks(group, head, top_n,
+                                   lambda: _chunks(group, head, asked,
                                                    data.include_usage or server.settings.force_include_usage,
                                                    texts, echo, data.continuous_usage),
-                                   lambda: _collect(group, head, top_n, texts, echo))
+                                   lambda: _collect(group, head, asked, texts, echo))
 
 
 async def start_chat(data: ChatCompletionRequest, request: Request, server: ServerState,
@@ -127,13 +129,21 @@ def _tool_parser(data: ChatCompletionRequest, tool_choice: str, server: ServerSt
     return None
 
 
-def _logprobs(sample: CompletionOutput, top_n: int | None) -> ChatLogprobs | None:
-    if top_n is None:
-        return None
-    return ChatLogprobs(chat_logprobs(sample.logprobs or [], top_n))
+@dataclass(frozen=True)
+class _LogprobsAsked:
+    """A request's logprobs: how many alternatives a token, and whether tokens are named by id."""
+    top_n: int
+    as_ids: bool
+
+    def of(self, sample: CompletionOutput) -> list:
+        return chat_logprobs(sample.logprobs or [], self.top_n, self.as_ids)
 
 
-async def _collect(group: GenerationGroup, head: dict, top_n: int | None,
+def _logprobs(sample: CompletionOutput, asked: _LogprobsAsked | None) -> ChatLogprobs | None:
+    return None if asked is None else ChatLogprobs(asked.of(sample))
+
+
+async def _collect(group: GenerationGroup, head: dict, asked: _LogprobsAsked | None,
                    texts: dict[int, ChoiceText], echo: str) -> ChatCompletionResponse:
     usage = UsageCounter(group.server.settings.prompt_tokens_details)
     generated: dict[int, list[str]] = {}
@@ -145,9 +155,9 @@ async def _collect(group: GenerationGroup, head: dict, top_n: int | None,
         last = out
         for sample in out.outputs:
             generated.setdefault(sample.index, []).append(sample.text)
-            entry = logprobs.setdefault(sample.index, None if top_n is None else ChatLogprobs([]))
+            entry = logprobs.setdefault(sample.index, None if asked is None else ChatLogprobs([]))
             if entry is not None:
-                entry.content += chat_logprobs(sample.logprobs or [], top_n)
+                entry.content += asked.of(sample)
             ends[sample.index] = (sample.finish_reason, sample.stop_reason)
     choices = []
     for index in sorted(generated):
@@ -165,7 +175,7 @@ async def _collect(group: GenerationGroup, head: dict, top_n: int | None,
                                   prompt_logprobs=prompt_logprobs(last.prompt_logprobs if last else None))
 
 
-async def _chunks(group: GenerationGroup, head: dict, top_n: int | None, include_usage: bool,
+async def _chunks(group: GenerationGroup, head: dict, asked: _LogprobsAsked | None, include_usage: bool,
                   texts: dict[int, ChoiceText], echo: str, continuous_usage: bool) -> AsyncIterator[bytes]:
     counts = include_usage or continuous_usage
     usage = UsageCounter(group.server.settings.prompt_tokens_details) if counts else None
@@ -176,7 +186,7 @@ async def _chunks(group: GenerationGroup, head: dict, top_n: int | None, include
     # A delta of text alone (most of a stream) is spliced into its choice's pre-encoded frame.
     plain = {i: sse.TextFrames(lambda content, i=i: ChatCompletionChunk(**head, choices=[
         ChatChunkChoice(index=i, delta=ChatDelta(content=content))])) for i in range(group.n)}
-    plain_only = top_n is None and not continuous_usage
+    plain_only = asked is None and not continuous_usage
     async for _, out in group.merged():
         if usage is not None:
             usage.add(0, out)
@@ -186,12 +196,12 @@ async def _chunks(group: GenerationGroup, head: dict, top_n: int | None, include
             delta = text.feed(s.text, final=s.finish_reason is not None)
             if s.finish_reason is None and (delta.reasoning_content is None and delta.tool_calls is None
                                             and delta.role is None):
-                if delta.content is None and (top_n is None or not s.logprobs):
+                if delta.content is None and (asked is None or not s.logprobs):
                     continue
                 if plain_only:
                     yield plain[s.index].frame(delta.content)
                     continue
-            choices.append(ChatChunkChoice(index=s.index, delta=delta, logprobs=_logprobs(s, top_n),
+            choices.append(ChatChunkChoice(index=s.index, delta=delta, logprobs=_logprobs(s, asked),
                                            finish_reason=text.finish_reason(s.finish_reason),
                                            stop_reason=s.stop_reason))
         if choices:

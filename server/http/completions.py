@@ -25,10 +25,12 @@ class _Choice:
     """One choice (prompt i, sample j) of a completion: turns its output deltas into pieces."""
 
     def __init__(self, index: int, with_logprobs: bool, echo: str, echo_logprobs: CompletionLogprobs | None,
-                 prompt_token_ids: list[int] | None):
-        """`prompt_token_ids` is None unless the request asked for token ids (return_token_ids)."""
+                 prompt_token_ids: list[int] | None, tokens_as_ids: bool = False):
+        """`prompt_token_ids` is None unless the request asked for token ids (return_token_ids);
+        `tokens_as_ids`: logprobs name tokens by id (return_tokens_as_token_ids)."""
         self.index = index
         self.with_logprobs = with_logprobs
+        self.tokens_as_ids = tokens_as_ids
         self.with_token_ids = prompt_token_ids is not None
         self.offset = len(echo)
         self._echo = echo
@@ -38,7 +40,7 @@ class _Choice:
     def piece(self, sample: CompletionOutput) -> CompletionChoice:
         text, logprobs = sample.text, None
         if self.with_logprobs:
-            logprobs, self.offset = completion_logprobs(sample.logprobs or [], self.offset)
+            logprobs, self.offset = completion_logprobs(sample.logprobs or [], self.offset, as_ids=self.tokens_as_ids)
         if self._echo or self._echo_logprobs is not None:
             text = self._echo + text
             if self._echo_logprobs is not None and logprobs is not None:
@@ -58,9 +60,12 @@ class _Choice:
 class _Choices:
     """Every choice of a request, created from each prompt's first output (echo needs the prompt)."""
 
-    def __init__(self, body: CompletionRequest, tokenizer: Tokenizer | None, n: int, head: dict):
-        """`head`: the id, created and model fields of the request's chunks."""
+    def __init__(self, body: CompletionRequest, tokenizer: Tokenizer | None, n: int, head: dict,
+                 tokens_as_ids: bool = False):
+        """`head`: the id, created and model fields of the request's chunks; `tokens_as_ids`: logprobs
+        name tokens by id."""
         self.body = body
+        self.tokens_as_ids = tokens_as_ids
         self.tokenizer = tokenizer
         self.n = n
         self.head = head
@@ -120,9 +125,9 @@ class _Choices:
             if self.body.logprobs is not None and out.prompt_logprobs is not None:
                 unscored = [self.tokenizer.decode([t], skip_special_tokens=False) if p is None else ""
                             for t, p in zip(ids, out.prompt_logprobs)]
-                echo_logprobs, _ = completion_logprobs(out.prompt_logprobs, 0, unscored)
+                echo_logprobs, _ = completion_logprobs(out.prompt_logprobs, 0, unscored, as_ids=self.tokens_as_ids)
         prompt_ids = list(out.prompt_token_ids) if self.body.return_token_ids else None
-        choice = _Choice(index, self.body.logprobs is not None, echo, echo_logprobs, prompt_ids)
+        choice = _Choice(index, self.body.logprobs is not None, echo, echo_logprobs, prompt_ids, self.tokens_as_ids)
         self.choices[index] = choice
         return choice
 
@@ -182,7 +187,8 @@ class CompletionsController(Controller):
                                     data.constraint_field, data.keep_best)
             await group.start(request.receive)
         head = group.response_head()
-        choices = _Choices(data, server.engine.tokenizer, group.n, head)
+        choices = _Choices(data, server.engine.tokenizer, group.n, head,
+                           data.tokens_as_ids(server.settings.return_tokens_as_token_ids))
         return await group.respond(request.receive, data.stream,
                                    lambda: _chunks(group, choices, head,
                                                    data.include_usage or server.settings.force_include_usage,

@@ -16,25 +16,31 @@ def _text(entry) -> str:
     return entry.decoded_token or ""
 
 
+def _name(token_id: int, entry, as_ids: bool) -> str:
+    """How a logprob names its token: its text, or vLLM's "token_id:<id>" (return_tokens_as_token_ids)."""
+    return f"token_id:{token_id}" if as_ids else _text(entry)
+
+
 def completion_logprobs(positions: list[PositionLogprobs | None], offset: int,
-                        unscored: list[str] | None = None) -> tuple[CompletionLogprobs, int]:
+                        unscored: list[str] | None = None, as_ids: bool = False) -> tuple[CompletionLogprobs, int]:
     """OpenAI's completions logprobs for a run of tokens starting at text `offset`.
 
     A None position (the prompt's first token has no logprob) takes its text from `unscored`.
-    Returns the logprobs and the offset after the run.
+    With `as_ids` the tokens are named by id; the offsets still count the text. Returns the
+    logprobs and the offset after the run.
     """
     result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     for i, position in enumerate(positions):
         if position is None:
-            text = unscored[i] if unscored is not None else ""
+            text = name = unscored[i] if unscored is not None else ""
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
         else:
-            chosen = next(iter(position.values()))
-            text = _text(chosen)
+            chosen_id, chosen = next(iter(position.items()))
+            text, name = _text(chosen), _name(chosen_id, chosen, as_ids)
             result.token_logprobs.append(chosen.logprob)
-            result.top_logprobs.append({_text(entry): entry.logprob for entry in position.values()})
-        result.tokens.append(text)
+            result.top_logprobs.append({_name(tid, entry, as_ids): entry.logprob for tid, entry in position.items()})
+        result.tokens.append(name)
         result.text_offset.append(offset)
         offset += len(text)
     return result, offset
@@ -47,14 +53,16 @@ def extend_completion_logprobs(total: CompletionLogprobs, more: CompletionLogpro
     total.text_offset += more.text_offset
 
 
-def chat_logprobs(positions: list[PositionLogprobs], top_n: int) -> list[ChatLogprob]:
-    """OpenAI's chat logprobs: the chosen token, and the `top_n` most likely tokens in rank order."""
+def chat_logprobs(positions: list[PositionLogprobs], top_n: int, as_ids: bool = False) -> list[ChatLogprob]:
+    """OpenAI's chat logprobs: the chosen token, and the `top_n` most likely tokens in rank order;
+    with `as_ids` each token named by id."""
     content = []
     for position in positions:
-        chosen = next(iter(position.values()))
-        ranked = sorted(position.values(), key=lambda entry: entry.rank)[:top_n]
-        top = [TopLogprob(_text(e), e.logprob, list(_text(e).encode("utf-8"))) for e in ranked]
-        token = _text(chosen)
+        chosen_id, chosen = next(iter(position.items()))
+        ranked = sorted(position.items(), key=lambda item: item[1].rank)[:top_n]
+        top = [TopLogprob(_name(tid, e, as_ids), e.logprob, list(_name(tid, e, as_ids).encode("utf-8")))
+               for tid, e in ranked]
+        token = _name(chosen_id, chosen, as_ids)
         content.append(ChatLogprob(token, chosen.logprob, list(token.encode("utf-8")), top))
     return content
 

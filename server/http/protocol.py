@@ -95,6 +95,13 @@ class SamplingFields(RefusedFields, kw_only=True):
     kv_transfer_params: dict[str, Any] | None = None
     # The request's id in logs and responses (an X-Request-Id header takes precedence).
     request_id: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    # vLLM's: logprobs name their tokens "token_id:<id>" instead of their text (as the server's
+    # --return-tokens-as-token-ids does for every request).
+    return_tokens_as_token_ids: bool | None = None
+
+    def tokens_as_ids(self, server_default: bool) -> bool:
+        """Whether logprobs name tokens by id: the request's choice, else the server's."""
+        return server_default if self.return_tokens_as_token_ids is None else self.return_tokens_as_token_ids
 
     @property
     def include_usage(self) -> bool:

@@ -74,6 +74,7 @@ class ServeSettings:
     force_include_usage: bool = False
     prompt_tokens_details: bool = False
     response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False
     log_requests: bool = True
     metrics_prefix: str = "vllm:"
     max_logprobs: int = 20

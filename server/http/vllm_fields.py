@@ -23,7 +23,6 @@ REFUSED_REASONS = {
     "guided_decoding_backend": "the structured-output backend is chosen at start-up (--structured-outputs-backend)",
     "guided_whitespace_pattern": "JSON whitespace is set with structured_outputs.disable_any_whitespace",
     "structural_tag": "send the structural tag as structured_outputs.structural_tag",
-    "return_tokens_as_token_ids": "logprob tokens are returned as text; return_token_ids gives the token ids",
     "include_reasoning": "reasoning is always returned in reasoning_content when a reasoning parser is set",
 }
 
@@ -43,7 +42,6 @@ class RefusedFields(ConstraintFields, kw_only=True):
     vllm_xargs: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
-    return_tokens_as_token_ids: Any = None
 
     def check_refused(self) -> None:
         for name, default in _refused_defaults(type(self)):

@@ -159,12 +159,13 @@ def test_serve_takes_more_of_vllm_launch_flags():
     settings = settings_from_args(parser.parse_args([
         "serve", "--swap-space", "4", "--disable-log-stats", "--max-seq-len-to-capture", "8192",
         "--enable-log-requests", "--uvicorn-log-level", "error", "--disable-custom-all-reduce",
-        "--max-cudagraph-capture-size", "64"]))
-    assert settings.uvicorn_log_level == "error" and settings.log_requests
+        "--max-cudagraph-capture-size", "64", "--return-tokens-as-token-ids"]))
+    assert settings.uvicorn_log_level == "error" and settings.log_requests and settings.return_tokens_as_token_ids
     assert settings.engine.disable_custom_all_reduce
     assert settings.engine.compilation_config.max_cudagraph_capture_size == 64
     plain = settings_from_args(parser.parse_args(["serve"]))
     assert plain.uvicorn_log_level is None and not plain.engine.disable_custom_all_reduce
+    assert not plain.return_tokens_as_token_ids
 
 
 @pytest.mark.parametrize(("flags", "message"), [

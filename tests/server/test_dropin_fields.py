@@ -87,11 +87,12 @@ PROBE_TEMPLATE = (
 OUTPUT = {"model", "prompt", "messages", "input", "echo", "stream", "stream_options", "user", "priority",
           "request_id", "tools", "tool_choice", "parallel_tool_calls", "encoding_format", "dimensions",
           "normalize", "chat_template", "suffix",
-          "mm_processor_kwargs"}  # the image processor's options: test_gemma3_server.py
+          "mm_processor_kwargs",  # the image processor's options: test_gemma3_server.py
+          "return_tokens_as_token_ids"}
 # Values that must be refused, naming the field (the refused fields' non-default values).
 REFUSED_VALUES = {
     "prompt_embeds": "AAAA", "guided_decoding_backend": "outlines",
-    "guided_whitespace_pattern": " ", "logits_processors": ["m.P"], "return_tokens_as_token_ids": True,
+    "guided_whitespace_pattern": " ", "logits_processors": ["m.P"],
     "vllm_xargs": {"a": 1},
     "structural_tag": "{}", "include_reasoning": False,
 }

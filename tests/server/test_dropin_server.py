@@ -67,6 +67,27 @@ def test_usage_and_role_flags(vllm_server):
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2
 
 
+def test_logprobs_name_tokens_by_id_when_asked(client):
+    """return_tokens_as_token_ids: completions and chat logprobs name each token "token_id:<id>", the
+    ids of the tokens generated; text offsets still count the text."""
+    asked = client.completions.create(model="smol", prompt="The sky is", max_tokens=3, logprobs=2, temperature=0,
+                                      extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True,
+                                                  "ignore_eos": True})
+    choice = asked.choices[0]
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in choice.model_extra["token_ids"]]
+    assert all(key.startswith("token_id:") for top in choice.logprobs.top_logprobs for key in top)
+    plain = client.completions.create(model="smol", prompt="The sky is", max_tokens=3, logprobs=2, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0]
+    assert "".join(plain.logprobs.tokens) == plain.text == choice.text
+    assert plain.logprobs.text_offset == choice.logprobs.text_offset
+    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          logprobs=True, top_logprobs=2,
+                                          extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    for entry in chat.choices[0].logprobs.content:
+        assert entry.token.startswith("token_id:") and entry.bytes == list(entry.token.encode())
+        assert all(top.token.startswith("token_id:") for top in entry.top_logprobs)
+
+
 def test_uvicorn_logs_at_the_level_asked(vllm_server):
     # uvicorn's own INFO lines (its startup) are gone at --uvicorn-log-level warning; corectl's stay.
     log = vllm_server.log()
