@@ -88,6 +88,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         max_cpu_loras: adapters kept loaded in host memory (None: max_loras); max_lora_rank: the
         largest adapter rank served (8, 16, 32, 64, 128 or 256; device slots are sized by it);
         lora_dtype: the adapters' dtype on the device ("auto": the model's).
+    num_gpu_blocks_override: KV cache blocks to allocate whatever the memory profile allows (vLLM's,
+        for tests of preemption and capacity; on any device); None: as the profile or
+        `kv_cache_memory_gib` gives.
     disable_custom_all_reduce: tensor-parallel ranks sum every message with the group's collective
         (NCCL, gloo), not the platform's own all-reduce for small ones (vLLM's flag).
     compilation_config: which steps replay CUDA graphs and of which sizes, vLLM's `-O` /
@@ -148,6 +151,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enforce_eager: bool = False
     compilation_config: CompilationConfig | list[str] | int | str | None = None
     disable_custom_all_reduce: bool = False
+    num_gpu_blocks_override: int | None = None
     batch_invariant: bool = False
     async_scheduling: bool | None = None
     num_threads: int | None = None
@@ -217,6 +221,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         self.compilation_config = resolve_compilation_config(self.compilation_config)
         self.speculative_config = resolve_speculative_config(self.speculative_config, self.tensor_parallel_size)
         self.kv_transfer_config = resolve_kv_transfer_config(self.kv_transfer_config)
+        if self.num_gpu_blocks_override is not None:
+            self._check_positive("num_gpu_blocks_override")
         if self.kv_offload_bytes is not None:
             self._check_positive("kv_offload_bytes")
             if self.kv_transfer_config is not None:

@@ -28,6 +28,7 @@ from ..discovery import (
 )
 from ..errors import ConfigError, CorectlError, InvalidRequestError
 from ..executor import StepHandle, WorkerSpec, create_executor
+from ..kv.sizing import blocks_per_sequence
 from ..kv_transfer.factory import check_kv_connector, scheduler_connector
 from ..loaders import ModelSource, resolve_model_source
 from ..lora.shapes import BaseModelShape
@@ -94,7 +95,7 @@ class EngineCore:
             eos_token_id=self.eos_token_id, attention_backend_cls=backend_cls, quantization=quantization,
         ))
         info = self.executor.load_model()
-        num_blocks = self.executor.profile_num_kv_blocks()
+        num_blocks = _kv_blocks(config, self.executor.profile_num_kv_blocks(), self.max_model_len, info.sliding_window)
         self.executor.init_kv_cache(num_blocks)
         self.executor.warmup()
         self.structured = self._structured_outputs(info.vocab_size)
@@ -283,6 +284,21 @@ class EngineCore:
 
     def _complete(self, sched: SchedulerOutput, pending: StepHandle) -> list[EngineCoreOutput]:
         return self.scheduler.update(sched, pending.result())
+
+
+def _kv_blocks(config: EngineConfig, profiled: int, max_model_len: int, sliding_window: int | None) -> int:
+    """The KV blocks to allocate: what the memory allows, or vLLM's `num_gpu_blocks_override`
+    (for tests of preemption and capacity), which must still hold one sequence."""
+    override = config.num_gpu_blocks_override
+    if override is None:
+        return profiled
+    needed = blocks_per_sequence(max_model_len, config.block_size, sliding_window, config.max_num_batched_tokens)
+    if override < needed:
+        raise ConfigError("num_gpu_blocks_override", f"{override} blocks of {config.block_size} tokens hold less than "
+                          f"one sequence of max_model_len={max_model_len} ({needed} blocks)")
+    if override > profiled:
+        logger.warning("num_gpu_blocks_override=%d is more than the %d KV blocks memory allows", override, profiled)
+    return override
 
 
 def _runner_config(config: EngineConfig, pooling: PoolingInfo | None) -> EngineConfig:

@@ -74,6 +74,8 @@ ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] 
                        "(twice fp32's tokens; the CPU's torch_sdpa backend)",
                        {"choices": KV_CACHE_DTYPES}),
     "kv_cache_memory_gib": ("--kv-cache-memory", _CACHE, "KV cache size in GiB (CPU)", {"type": float}),
+    "num_gpu_blocks_override": ("--num-gpu-blocks-override", _CACHE, "KV cache blocks to allocate whatever the "
+                                "memory profile allows (vLLM's; for tests of preemption and capacity)", {"type": int}),
     "gpu_memory_utilization": ("--gpu-memory-utilization", _CACHE, "fraction of GPU memory to use", {"type": float}),
     "max_num_seqs": ("--max-num-seqs", _CACHE, "most sequences in one step", {"type": int}),
     "max_num_batched_tokens": ("--max-num-batched-tokens", _CACHE, "token budget of one step", {"type": int}),
