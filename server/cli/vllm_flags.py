@@ -41,34 +41,38 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ssl-certfile", default=None, metavar="FILE", help="serve HTTPS with this certificate")
     group.add_argument("--root-path", default="", metavar="PATH",
                        help="the path prefix a proxy serves this server under (ASGI root_path)")
-    group.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
-    group.add_argument("--enable-log-requests", action="store_true",
-                       help="a log line per request (newer vLLM's switch; corectl logs them unless disabled)")
-    group.add_argument("--disable-log-stats", action="store_true",
-                       help="accepted for vLLM scripts: corectl logs no periodic engine stats (they are in "
-                            "/metrics and the dashboard)")
     group.add_argument("--uvicorn-log-level", default=None,
                        choices=("critical", "error", "warning", "info", "debug", "trace"),
                        help="uvicorn's own log level (default: the server's)")
     group.add_argument("--swap-space", type=float, default=None, metavar="GIB",
                        help="accepted for vLLM scripts: preempted requests are recomputed, never swapped to host "
                             "memory (as in vLLM V1)")
-    group.add_argument("--enable-force-include-usage", action="store_true",
-                       help="every stream ends with a usage chunk, as if it asked stream_options.include_usage")
-    group.add_argument("--enable-prompt-tokens-details", action="store_true",
-                       help="usage always gives prompt_tokens_details.cached_tokens (else only when some were cached)")
-    group.add_argument("--return-tokens-as-token-ids", action="store_true",
-                       help="logprobs name their tokens \"token_id:<id>\" (a request's return_tokens_as_token_ids "
-                            "decides for itself)")
     group.add_argument("--response-role", default="assistant", metavar="ROLE",
                        help="the role of chat completions' messages")
-    group.add_argument("--disable-frontend-multiprocessing", action="store_true",
-                       help="vLLM's name for --engine-in-process: the engine runs in the server's process")
     group.add_argument("--max-seq-len-to-capture", type=int, default=None, metavar="N",
                        help="accepted for vLLM scripts: CUDA graphs here serve every context length")
     group.add_argument("--metrics-prefix", default="vllm:", choices=("vllm:", "corectl:"),
                        help="prefix of the /metrics series (default vllm:, vLLM's names)")
+    for flag, help_text in _SWITCHES:
+        group.add_argument(flag, action="store_true", help=help_text)
     _add_media_flags(parser.add_argument_group("images (vision-language models)"))
+
+
+# vLLM's on/off flags of the server.
+_SWITCHES = (
+    ("--disable-log-requests", "no log line per request"),
+    ("--enable-log-requests", "a log line per request (newer vLLM's switch; corectl logs them unless disabled)"),
+    ("--disable-log-stats", "accepted for vLLM scripts: corectl logs no periodic engine stats (they are in "
+                            "/metrics and the dashboard)"),
+    ("--enable-force-include-usage", "every stream ends with a usage chunk, as if it asked "
+                                     "stream_options.include_usage"),
+    ("--enable-prompt-tokens-details", "usage always gives prompt_tokens_details.cached_tokens (else only when "
+                                       "some were cached)"),
+    ("--return-tokens-as-token-ids", "logprobs name their tokens \"token_id:<id>\" (a request's "
+                                     "return_tokens_as_token_ids decides for itself)"),
+    ("--disable-frontend-multiprocessing", "vLLM's name for --engine-in-process: the engine runs in the server's "
+                                           "process"),
+)
 
 
 def _add_media_flags(group) -> None:
