@@ -249,10 +249,13 @@ class CUDAGraphModelRunner(ModelRunner):
             return
         if decode_sizes:
             self._capture_decode(max_model_len, decode_sizes, rows_per_seq)
-        if piecewise_counts and self._piecewise_blocker() is None:
+        if not piecewise_counts:
+            return
+        blocker = self._piecewise_blocker()
+        if blocker is None:
             self._capture_piecewise(list(piecewise_counts))
-        elif piecewise_counts:
-            logger.info("prefill and mixed steps run eagerly: %s", self._piecewise_blocker())
+        else:
+            logger.info("prefill and mixed steps run eagerly: %s", blocker)
 
     def _capture_decode(self, max_model_len: int, decode_sizes: list[int], rows_per_seq: int) -> None:
         started, free_before = time.monotonic(), torch.cuda.mem_get_info()[0]
@@ -290,8 +293,6 @@ class CUDAGraphModelRunner(ModelRunner):
         return None
 
     def _capture_piecewise(self, counts: list[int]) -> None:
-        if not counts:
-            return
         started, free_before = time.monotonic(), torch.cuda.mem_get_info()[0]
         piecewise = PiecewiseGraphs(counts, self.device)
         try:
@@ -380,9 +381,10 @@ class CUDAGraphModelRunner(ModelRunner):
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor | None:
         if not isinstance(inputs, _GraphStepInputs):
-            if self.piecewise is not None and self.piecewise.bucket(inputs.host.num_tokens) is not None:
+            bucket = None if self.piecewise is None else self.piecewise.bucket(inputs.host.num_tokens)
+            if bucket is not None:
                 metadata = self.backend.build_metadata(inputs.attn, check_indices=False)
-                return self.piecewise.run(self.backend, metadata, inputs.input_ids, inputs.positions)
+                return self.piecewise.run(bucket, self.backend, metadata, inputs.input_ids, inputs.positions)
             return super().run_model(inputs)
         graph, stage = inputs.graph, self.stage
         if stage is not None:

@@ -140,7 +140,6 @@ class _OutputBuffer:
 @dataclass
 class PiecewiseGraph:
     """The pieces of one token count and the attention calls between them."""
-    num_tokens: int
     graphs: list[torch.cuda.CUDAGraph]
     cuts: list[_Cut]
     metadata: Any             # the capture's, replaced by each step's
@@ -213,15 +212,11 @@ class PiecewiseGraphs:
             cutter.end()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        return PiecewiseGraph(n, cutter.graphs, cutter.cuts, metadata, output)
+        return PiecewiseGraph(cutter.graphs, cutter.cuts, metadata, output)
 
-    def run(self, backend, metadata, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """The step's hidden states from the pieces of the smallest count that holds it; None when
-        none does."""
+    def run(self, bucket: int, backend, metadata, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The step's hidden states from the pieces of `bucket` tokens, the count `bucket()` gave for it."""
         n = input_ids.shape[0]
-        bucket = self.bucket(n)
-        if bucket is None:
-            return None
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         return self.graphs[bucket].replay(backend, metadata, n)

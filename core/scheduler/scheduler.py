@@ -389,8 +389,8 @@ class Scheduler:
     def _emit(self, plan: StepPlan) -> SchedulerOutput:
         """Build the step's message (counts before this step), then advance and commit."""
         new_requests = plan.new_request_data(self.kv)
-        cached = plan.cached_request_data(with_token_ids=self.pipeline_stages > 1)
         running = [req for req, _ in plan.running.values()]
+        cached = plan.cached_request_data(running, with_token_ids=self.pipeline_stages > 1)
         grammar_bitmask, grammar_pending = self.grammar.for_step(running + plan.new, plan)
         for req in running + plan.new:
             self.prompt_tokens_computed += max(0, min(req.num_computed_tokens + plan.num_scheduled[req.request_id],

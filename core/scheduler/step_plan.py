@@ -59,10 +59,9 @@ class StepPlan:
             for req in self.new
         ]
 
-    def cached_request_data(self, with_token_ids: bool) -> CachedRequestData:
-        """The continuing requests' new blocks and counts; with `with_token_ids` (pipeline stages,
-        which never see the sampled ids) the tokens each computes this step."""
-        running = [req for req, _ in self.running.values()]
+    def cached_request_data(self, running: list[Request], with_token_ids: bool) -> CachedRequestData:
+        """The continuing requests' (`running`, in `self.running`'s order) new blocks and counts; with
+        `with_token_ids` (pipeline stages, which never see the sampled ids) the tokens each computes."""
         return CachedRequestData(
             req_ids=list(self.running),
             new_block_ids=[ids for _, ids in self.running.values()],

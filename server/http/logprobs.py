@@ -60,8 +60,8 @@ def chat_logprobs(positions: list[PositionLogprobs], top_n: int, as_ids: bool = 
     for position in positions:
         chosen_id, chosen = next(iter(position.items()))
         ranked = sorted(position.items(), key=lambda item: item[1].rank)[:top_n]
-        top = [TopLogprob(_name(tid, e, as_ids), e.logprob, list(_name(tid, e, as_ids).encode("utf-8")))
-               for tid, e in ranked]
+        names = [_name(tid, e, as_ids) for tid, e in ranked]
+        top = [TopLogprob(name, e.logprob, list(name.encode("utf-8"))) for name, (_, e) in zip(names, ranked)]
         token = _name(chosen_id, chosen, as_ids)
         content.append(ChatLogprob(token, chosen.logprob, list(token.encode("utf-8")), top))
     return content

@@ -19,9 +19,9 @@ def piecewise_steps(monkeypatch) -> list[tuple[int, int]]:
     steps: list[tuple[int, int]] = []
     run = PiecewiseGraphs.run
 
-    def watched(self, backend, metadata, input_ids, positions):
-        steps.append((input_ids.shape[0], self.bucket(input_ids.shape[0])))
-        return run(self, backend, metadata, input_ids, positions)
+    def watched(self, bucket, backend, metadata, input_ids, positions):
+        steps.append((input_ids.shape[0], bucket))
+        return run(self, bucket, backend, metadata, input_ids, positions)
 
     monkeypatch.setattr(PiecewiseGraphs, "run", watched)
     return steps
