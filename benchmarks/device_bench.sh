@@ -68,6 +68,7 @@ variant() {  # the switches of one stage: engine options into ENGINE, environmen
       nopad) export CORECTL_GEMM_ROW_PADDING=0 ;;                           # every cuBLAS GEMM at its own row count (no timed padding)
       noar) export CORECTL_CUSTOM_ALLREDUCE=0 ;;                            # NCCL for every TP all-reduce (no one-shot)
       pp2) ENGINE+=(-pp 2) ;;                                               # two pipeline stages
+      pps[0-9]*) local split=${switch#pps}; ENGINE+=(--pipeline-layer-partition "${split//./,}") ;;  # stage layer counts: pps17.15
       dp2) ENGINE+=(-dp 2) ;;
       asc[0-9]*) SERVE_ARGS="${SERVE_ARGS:-} --api-server-count ${switch#asc}" ;;  # API processes (F1)
       si[0-9]*) SERVE_ARGS="${SERVE_ARGS:-} --stream-interval ${switch#si}" ;;     # tokens per streamed delta (F1)
@@ -217,10 +218,11 @@ stage_w13() {  # pipeline parallelism (two GPUs): W1's workload and W2's batch-1
 }
 stage_w12() {  # disaggregated prefill/decode (two GPUs): W5's online load with 4,096-token prompts at c64, DP = 2
   # against one prefill (GPU 0) and one decode instance (GPU 1) behind `corectl proxy`, blocks over NCCL, then
-  # the same pair with conditional disaggregation (the proxy's --max-prefill-queue ${W12_PREFILL_QUEUE:-4}: a prompt
-  # finding the prefill instance that busy is computed by the decode instance, in steps of at most
-  # ${W12_DECODE_CHUNK:-512} tokens, at most W12_LOCAL_PREFILLS at once if set); ITL p99, TTFT and output
-  # throughput of each.
+  # the same pair with conditional disaggregation: the proxy's --max-prefill-queue Q (a prompt finding the
+  # prefill instance that busy is computed by the decode instance, at most L such prompts at once with
+  # --max-local-prefills, in steps of at most C tokens). W12_PDQ lists the Q:L:C settings to run, each on
+  # fresh instances (default "${W12_PREFILL_QUEUE:-4}:${W12_LOCAL_PREFILLS:-}:${W12_DECODE_CHUNK:-512}"; an
+  # empty L leaves it unbounded). ITL p99, TTFT and output throughput of each.
   local args=(--endpoint /v1/completions --prompt-token-ids --vocab-size 128000 --input-len 4096 --output-len 128
               --ignore-eos --seed 0 --num-prompts 256 --max-concurrency 64)
   local base=$TAG
@@ -229,20 +231,32 @@ stage_w12() {  # disaggregated prefill/decode (two GPUs): W5's online load with 
   corectl bench serve --base-url http://127.0.0.1:8031 "${args[@]}" --save-result "$RES/${base}_dp2.json" \
     | grep -E "Mean|P99|Median|throughput"
   stop_server
-  local kind
+  local kind setting
   for kind in ${W12_PAIRS:-pd pdq}; do  # W12_PAIRS=pdq: the conditional pair alone
-    echo "== 1 prefill + 1 decode ($kind)"
-    w12_pair "$base" "$kind" "${args[@]}"
+    if [ "$kind" = pd ]; then
+      echo "== 1 prefill + 1 decode (pd)"
+      w12_pair "$base" pd "${args[@]}"
+      continue
+    fi
+    for setting in ${W12_PDQ:-${W12_PREFILL_QUEUE:-4}:${W12_LOCAL_PREFILLS:-}:${W12_DECODE_CHUNK:-512}}; do
+      echo "== 1 prefill + 1 decode (pdq, queue:local:chunk $setting)"
+      W12_SETTING=$setting w12_pair "$base" pdq "${args[@]}"
+    done
   done
 }
-w12_pair() {  # BASE KIND BENCH_ARGS...: a prefill and a decode instance behind the proxy (KIND pdq: conditional)
-  local base=$1 kind=$2 prefill decode proxy gpus proxy_flags=() decode_flags=()
+w12_pair() {  # BASE KIND BENCH_ARGS...: a prefill and a decode instance behind the proxy (KIND pdq: conditional,
+  # W12_SETTING=Q:L:C)
+  local base=$1 kind=$2 prefill decode proxy gpus proxy_flags=() decode_flags=() queue local chunk
   shift 2
   local kv='{"kv_connector": "TorchDistributedConnector", "kv_role": "%s", "kv_connector_extra_config": {"rendezvous": "tcp://127.0.0.1:%s", "max_saved_bytes": 4294967296}}'
   local port=29620  # each pair its own rendezvous port
-  [ "$kind" = pdq ] && { port=29621; proxy_flags=(--max-prefill-queue "${W12_PREFILL_QUEUE:-4}"
-                                                   ${W12_LOCAL_PREFILLS:+--max-local-prefills "$W12_LOCAL_PREFILLS"})
-                         decode_flags=(--max-num-batched-tokens "${W12_DECODE_CHUNK:-512}"); }
+  if [ "$kind" = pdq ]; then
+    IFS=: read -r queue local chunk <<< "$W12_SETTING"
+    kind=pdq_q${queue}l${local:-all}c${chunk}
+    W12_PORT=$((${W12_PORT:-29620} + 1)); port=$W12_PORT
+    proxy_flags=(--max-prefill-queue "$queue" ${local:+--max-local-prefills "$local"})
+    decode_flags=(--max-num-batched-tokens "$chunk")
+  fi
   IFS=, read -ra gpus <<< "${CUDA_VISIBLE_DEVICES:-0,1}"  # the instances' GPUs: the first two of this run's
   CUDA_VISIBLE_DEVICES=${gpus[0]} TAG=${base}_${kind}_prefill serve 8032 llama3-8b \
     --kv-transfer-config "$(printf "$kv" kv_producer $port)"

@@ -35,8 +35,13 @@ _INT_TYPESTR = {1: "|i1", 2: "<i2", 4: "<i4", 8: "<i8"}
 
 
 def piecewise_token_counts(max_num_tokens: int) -> list[int]:
-    """The token counts to capture for a step budget of `max_num_tokens`."""
-    return [n for n in PIECEWISE_TOKENS if n <= max_num_tokens]
+    """The token counts to capture for a step budget of `max_num_tokens`. A budget between two of
+    `PIECEWISE_TOKENS` is captured itself, or its fullest steps (those of a decode instance's prompt
+    chunks, say) would run eagerly."""
+    counts = [n for n in PIECEWISE_TOKENS if n <= max_num_tokens]
+    if counts and max_num_tokens < PIECEWISE_TOKENS[-1] and counts[-1] != max_num_tokens:
+        counts.append(max_num_tokens)
+    return counts
 
 
 class _DeviceArray:

@@ -6,8 +6,13 @@ from corectl.backends.cuda.piecewise import PIECEWISE_TOKENS, PiecewiseGraphs, c
 def test_counts_stop_at_the_step_budget():
     assert piecewise_token_counts(8192) == list(PIECEWISE_TOKENS)
     assert piecewise_token_counts(512)[-1] == 512
-    assert piecewise_token_counts(200) == [16, 32, 64, 96, 128, 192]
+    assert piecewise_token_counts(192) == [16, 32, 64, 96, 128, 192]
     assert piecewise_token_counts(8) == []
+
+
+def test_a_budget_between_counts_is_captured_itself():
+    assert piecewise_token_counts(224) == [16, 32, 64, 96, 128, 192, 224]
+    assert piecewise_token_counts(4000) == list(PIECEWISE_TOKENS)
 
 
 def test_a_step_replays_the_smallest_count_that_holds_it():
