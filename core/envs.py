@@ -64,13 +64,6 @@ def piecewise_graphs_enabled() -> bool:
     return _switch("CORECTL_PIECEWISE_GRAPHS", True)
 
 
-def mixed_decode_rows_enabled() -> bool:
-    """The Triton attention backend attends the one-token rows of a mixed step (decodes beside
-    prompt chunks) with the split decode kernel; CORECTL_MIXED_DECODE_ROWS=0 leaves them to the
-    prefill kernel with the prompts (for measurement)."""
-    return _switch("CORECTL_MIXED_DECODE_ROWS", True)
-
-
 def gemm_row_padding_enabled() -> bool:
     """GPU workers time each unquantized GEMM's row count against zero-padded ones while CUDA graphs
     are captured and run the faster (corectl.backends.triton.gemm.padded_rows);

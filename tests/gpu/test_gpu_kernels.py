@@ -121,26 +121,3 @@ def test_dense_decode_gemv_matches_f_linear_where_the_rule_takes_it(n, k, m):
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(captured, linear(x, weight, None, False))
-
-
-def test_mixed_step_decode_rows_split_off_match_the_reference():
-    """A disaggregated decode instance's step at llama3-8b's heads: 16 decodes at 4k keys around a
-    96-token prompt chunk; the decode kernel takes the one-token rows (split), the prefill kernel the
-    chunk, and both write one output."""
-    from corectl.backends.triton.attention.prefill_attention import paged_prefill_attention
-    from corectl.backends.triton.bench.paged_batch import random_paged_batch
-
-    torch.manual_seed(0)
-    query_lens = [1] * 8 + [96] + [1] * 8
-    batch = random_paged_batch([4096] * 17, query_lens, 32, 8, 128, 16, torch.bfloat16, "cuda",
-                               store_new_tokens=True)
-    scale = 128 ** -0.5
-    args = (batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens)
-    out = torch.full_like(batch.q, float("nan"))
-    paged_prefill_attention(*args, batch.query_start_loc, scale, max_query_len=96, out=out, skip_decode_rows=True)
-    paged_decode_attention(*args, scale, max_seq_len=4096, num_splits=choose_decode_splits(16, 8, 4096, out.device),
-                           out=out, query_start_loc=batch.query_start_loc)
-    expected = paged_attention_ref(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
-                                   batch.query_start_loc, scale)
-    error = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
-    assert error < REL_TOL, f"relative error {error:.2e}"

@@ -1,11 +1,7 @@
 """The attention backend of the CUDA and ROCm platforms, built on the shared Triton kernels.
 
 Each layer's forward stores the new K/V into the pages, then attends with the decode kernel
-(pure-decode batches) or the prefill/extend kernel (anything else). In a mixed batch the sequences
-of one new token (decodes beside prompt chunks) go to the decode kernel, split over their context,
-and the prefill kernel skips them: its 16-token query tiles would walk each such row's whole context
-in one program, mostly empty, which on long contexts (a disaggregated decode instance computing a
-prompt beside 64 decodes of 4k tokens) cost more than the step's GEMMs.
+(pure-decode batches) or the prefill/extend kernel (anything else, including mixed batches).
 Latent attention (`forward_latent`, DeepSeek's MLA) stores each token's one row and runs
 `latent_attention`, split over the context when the step is pure decode.
 
@@ -24,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 from corectl.attention import AttentionBackend, AttentionBatch, query_key_ends
-from corectl.envs import mixed_decode_rows_enabled
 from corectl.errors import ConfigError
 
 from ..checks import FP8_KV_DTYPE, check_packed_heads, require
@@ -53,11 +48,6 @@ class TritonAttentionMetadata:
     # [T] int32: each token's first unseen context position, where the batch has bidirectional
     # spans (prefill only: a decode token's span, if any, is itself).
     query_key_end: torch.Tensor | None = None
-    # Mixed steps: how many one-token sequences the decode kernel attends (0: the prefill kernel
-    # takes every row), its split count, and a host bound on those sequences' lengths.
-    mixed_decodes: int = 0
-    mixed_splits: int = 1
-    mixed_max_len: int = 0
     # Validate index tensors on the first layer's forward of the step, then trust them.
     check_indices: bool = True
 
@@ -85,7 +75,6 @@ class TritonAttentionBackend(AttentionBackend):
         # tickets), so a step, and its CUDA graph, zeroes nothing per layer; made here, never inside a
         # capture. A step of more than 16k decode rows x head blocks zeroes its own.
         self.latent_tickets = torch.zeros(LATENT_TICKETS, dtype=torch.int32, device=device)
-        self.split_mixed = mixed_decode_rows_enabled()
 
     def build_metadata(self, batch: AttentionBatch, check_indices: bool = True) -> TritonAttentionMetadata:
         require(batch.block_size == self.block_size,
@@ -97,8 +86,6 @@ class TritonAttentionBackend(AttentionBackend):
         if pure_decode:
             splits = choose_decode_splits(batch.num_seqs // batch.rows_per_seq, self.num_kv_heads,
                                           batch.max_seq_len, self.device)
-        key_ends = None if pure_decode else _key_ends(batch, self.device)
-        decodes, decode_len = (0, 0) if pure_decode or key_ends is not None else self._mixed_decodes(batch)
         return TritonAttentionMetadata(
             slot_mapping=batch.slot_mapping,
             block_tables=batch.block_tables,
@@ -111,19 +98,9 @@ class TritonAttentionBackend(AttentionBackend):
             num_splits=splits,
             fixed_tiles=self.batch_invariant,
             rows_per_seq=batch.rows_per_seq if pure_decode else 1,
-            query_key_end=key_ends,
+            query_key_end=None if pure_decode else _key_ends(batch, self.device),
             check_indices=check_indices,
-            mixed_decodes=decodes,
-            mixed_splits=choose_decode_splits(decodes, self.num_kv_heads, decode_len, self.device) if decodes else 1,
-            mixed_max_len=decode_len,
         )
-
-    def _mixed_decodes(self, batch: AttentionBatch) -> tuple[int, int]:
-        """(one-token sequences, their longest context) of a mixed step, for the decode kernel."""
-        if not self.split_mixed or self.batch_invariant:
-            return 0, 0
-        lens = [s_len for q_len, s_len in zip(batch.query_lens_host, batch.seq_lens_host) if q_len == 1]
-        return len(lens), max(lens, default=0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: TritonAttentionMetadata, scale: float, *, sliding_window: int | None = None,
@@ -140,21 +117,12 @@ class TritonAttentionBackend(AttentionBackend):
                 attention_chunk=attention_chunk, rows_per_seq=meta.rows_per_seq,
             )
         else:
-            mixed = meta.mixed_decodes > 0
             out = paged_prefill_attention(
                 q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
                 max_query_len=meta.max_query_len, check_indices=check,
                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
                 attention_chunk=attention_chunk, query_key_end=meta.query_key_end, fixed_tiles=meta.fixed_tiles,
-                skip_decode_rows=mixed,
             )
-            if mixed:
-                paged_decode_attention(
-                    q, kv_cache, meta.block_tables, meta.seq_lens, scale, max_seq_len=meta.mixed_max_len,
-                    num_splits=meta.mixed_splits, out=out, check_indices=False, sliding_window=sliding_window,
-                    logits_soft_cap=logits_soft_cap, sinks=sinks, attention_chunk=attention_chunk,
-                    query_start_loc=meta.query_start_loc,
-                )
         meta.check_indices = False
         return out
 

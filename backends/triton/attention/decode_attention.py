@@ -8,12 +8,6 @@ step instead of once per row, and each row masks the keys past its own position.
 writes the output directly; with several, each writes a partial output and its log-sum-exp and a
 second kernel combines them.
 
-Mixed steps (`query_start_loc` given): the decode rows of a step that also holds prompt tokens run
-here, where the context is split and the tile holds one row's heads, rather than in the prefill
-kernel's 16-token query tiles, which would walk a long context unsplit with most rows empty. Each
-program finds its sequence's row in the packed queries and leaves sequences of several tokens to
-the prefill kernel (`skip_decode_rows`).
-
 CUDA-graph contract: the launch depends on host values only through `num_splits` (a grid
 dimension and compile-time constant) and the tensor shapes. Sequence lengths and block tables are
 read from tensors, so they may change between replays while `num_splits`, the batch size, the
@@ -95,12 +89,12 @@ def decode_config(cache_dtype: torch.dtype, splits: int, num_seqs: int) -> Decod
 # The block-table width changes every eager step (see the prefill kernel); a layer's window is fixed.
 @triton.jit(do_not_specialize=["stride_table", "window"])
 def _decode_kernel(
-    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr, out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr,
-    qk_scale, v_scale, window, stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table, num_heads,
+    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, qk_scale, v_scale,
+    window, stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table, num_heads,
     GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    CHUNKED: tl.constexpr, MIXED: tl.constexpr, PDL: tl.constexpr,
+    CHUNKED: tl.constexpr, PDL: tl.constexpr,
 ):
     grid_dependency(PDL)
     kv_head = tl.program_id(1)
@@ -112,13 +106,6 @@ def _decode_kernel(
     m_mask = offs_m < GROUP * ROWS
     d_mask = offs_d < HEAD_DIM
     rows = tl.program_id(0) * ROWS + offs_m // GROUP
-    # The packed query (and output) row of each tile row: its sequence's only token in a mixed step.
-    q_rows = rows
-    if MIXED:
-        q_start = tl.load(query_start_ptr + tl.program_id(0))
-        if tl.load(query_start_ptr + tl.program_id(0) + 1) - q_start != 1:
-            return
-        q_rows = rows * 0 + q_start
     heads = kv_head * GROUP + offs_m % GROUP
     row_len = tl.load(seq_lens_ptr + rows, mask=m_mask, other=0)
     real = row_len > 0
@@ -143,7 +130,7 @@ def _decode_kernel(
     hi = tl.minimum(lo + split_len, max_len)
     head_end = tl.where(lo < first_max, tl.minimum(tl.cdiv(first_max, BLOCK_N) * BLOCK_N, hi), lo)
 
-    row_offs = q_rows[:, None] * stride_qt + heads[:, None] * HEAD_DIM + offs_d[None, :]
+    row_offs = rows[:, None] * stride_qt + heads[:, None] * HEAD_DIM + offs_d[None, :]
     row_mask = m_mask[:, None] & d_mask[None, :]
     q = tl.load(q_ptr + row_offs, mask=row_mask, other=0.0).to(DOT_DTYPE)
     q_pos = row_len - 1
@@ -170,7 +157,7 @@ def _decode_kernel(
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc * (v_scale / safe_l)[:, None]
     if NUM_SPLITS == 1:
-        out_offs = q_rows[:, None] * stride_ot + heads[:, None] * HEAD_DIM + offs_d[None, :]
+        out_offs = rows[:, None] * stride_ot + heads[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:
         part_rows = (rows * num_heads + heads) * NUM_SPLITS + split
@@ -181,18 +168,13 @@ def _decode_kernel(
 
 @triton.jit
 def _combine_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, query_start_ptr, stride_ot, num_heads,
+    part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, stride_ot, num_heads,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_SINKS: tl.constexpr, MIXED: tl.constexpr, PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
     grid_dependency(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    out_row = seq
-    if MIXED:
-        out_row = tl.load(query_start_ptr + seq)
-        if tl.load(query_start_ptr + seq + 1) - out_row != 1:
-            return
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < NUM_SPLITS
@@ -211,7 +193,7 @@ def _combine_splits_kernel(
     if HAS_SINKS:
         total += tl.exp2(sink - top)
     out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + out_row * stride_ot + head * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(out_ptr + seq * stride_ot + head * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -243,7 +225,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            logits_soft_cap: float | None = None, k_scale: float = 1.0,
                            v_scale: float = 1.0, config: DecodeConfig | None = None,
                            sinks: torch.Tensor | None = None, attention_chunk: int | None = None,
-                           rows_per_seq: int = 1, query_start_loc: torch.Tensor | None = None) -> torch.Tensor:
+                           rows_per_seq: int = 1) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context (the token's own K/V included).
 
     q: [B, num_heads * head_dim]; block_tables: int32 [B, max_blocks]; seq_lens: int32 [B], the
@@ -263,10 +245,6 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     row's; a verify step's tokens of one request, each row's seq_len ending at its own position, a
     padding row's 0), and each group's K/V is read once for all its rows. B must be a multiple of R;
     splits count groups.
-    `query_start_loc` int32 [B + 1] (a mixed step): q and `out` are the step's T packed rows, and
-    only the rows of sequences of one token are attended and written (the prefill kernel, with
-    `skip_decode_rows`, writes the others into the same `out`); `max_seq_len` bounds those
-    sequences' lengths. Not with `rows_per_seq` > 1.
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     check_index("block_tables", block_tables, 2, (torch.int32,))
@@ -274,16 +252,11 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     num_seqs, table_width = block_tables.shape
     require(seq_lens.shape[0] == num_seqs,
             f"seq_lens has {seq_lens.shape[0]} entries but block_tables has {num_seqs} rows")
-    if query_start_loc is not None:
-        check_index("query_start_loc", query_start_loc, 1, (torch.int32,))
-        require(query_start_loc.shape[0] == num_seqs + 1 and rows_per_seq == 1,
-                f"a mixed step's query_start_loc needs {num_seqs + 1} entries and rows_per_seq 1, got "
-                f"{query_start_loc.shape[0]} and {rows_per_seq}")
     require(q.dim() == 2 and q.shape[1] % (head_dim * num_kv_heads) == 0,
             f"q must be [num_seqs, num_heads * {head_dim}] with num_heads a multiple of {num_kv_heads}, "
             f"got shape {tuple(q.shape)}")
     num_heads = q.shape[1] // head_dim
-    check_packed_heads("q", q, num_seqs if query_start_loc is None else q.shape[0], num_heads, head_dim)
+    check_packed_heads("q", q, num_seqs, num_heads, head_dim)
     check_cache_dtype("q", q, kv_cache)
     check_kv_scales(k_scale, v_scale)
     require(max_seq_len >= 0, f"max_seq_len must be >= 0, got {max_seq_len}")
@@ -296,26 +269,22 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         num_seqs // rows_per_seq, num_kv_heads, max_seq_len, q.device)
     require(1 <= splits <= MAX_SPLITS, f"num_splits must lie in [1, {MAX_SPLITS}], got {splits}")
     out = attention_output(out, q)
-    check_same_device(q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens, out=out,
-                      **({} if query_start_loc is None else {"query_start_loc": query_start_loc}))
+    check_same_device(q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens, out=out)
     if check_indices:
         check_range("block_tables", block_tables, 0, num_blocks)
         check_range("seq_lens", seq_lens, 0, table_width * block_size + 1)
-        if query_start_loc is not None:
-            check_range("query_start_loc", query_start_loc, 0, q.shape[0] + 1)
     if num_seqs == 0:
         return out
     _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, num_heads // num_kv_heads, rows_per_seq,
                    splits, local, logits_soft_cap, k_scale, v_scale,
-                   config or decode_config(kv_cache.dtype, splits, num_seqs // rows_per_seq), sinks, query_start_loc)
+                   config or decode_config(kv_cache.dtype, splits, num_seqs // rows_per_seq), sinks)
     return out
 
 
 def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, rows, splits, local, soft_cap,
-                   k_scale, v_scale, cfg: DecodeConfig, sinks: torch.Tensor | None,
-                   query_start_loc: torch.Tensor | None) -> None:
+                   k_scale, v_scale, cfg: DecodeConfig, sinks: torch.Tensor | None) -> None:
     span, sliding, chunked = local
-    num_seqs = block_tables.shape[0]
+    num_seqs = q.shape[0]
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     num_heads = num_kv_heads * group
     block_d = head_block(head_dim)
@@ -326,10 +295,8 @@ def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, rows,
     else:
         part_out = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
-    mixed = query_start_loc is not None
     _decode_kernel[(num_seqs // rows, num_kv_heads, splits)](
-        q, kv_cache, block_tables, seq_lens, query_start_loc if mixed else seq_lens, out, part_out, part_lse,
-        q if sinks is None else sinks,
+        q, kv_cache, block_tables, seq_lens, out, part_out, part_lse, q if sinks is None else sinks,
         score_scale(scale * k_scale, soft_cap), v_scale,
         span,
         q.stride(0), out.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
@@ -338,13 +305,11 @@ def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, rows,
         BLOCK_D=block_d,
         BLOCK_N=cfg.block_n, BLOCK_SIZE=kv_cache.shape[2], NUM_SPLITS=splits,
         DOT_DTYPE=dot_dtype(q.dtype, q.device), SLIDING=sliding, SOFT_CAP=float(soft_cap or 0.0),
-        HAS_SINKS=sinks is not None, CHUNKED=chunked, MIXED=mixed, PDL=pdl, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, launch_pdl=pdl,
+        HAS_SINKS=sinks is not None, CHUNKED=chunked, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     if splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, q if sinks is None else sinks, query_start_loc if mixed else seq_lens,
-            out.stride(0), num_heads,
+            part_out, part_lse, out, q if sinks is None else sinks, out.stride(0), num_heads,
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-            HAS_SINKS=sinks is not None, MIXED=mixed, PDL=pdl, num_warps=4, launch_pdl=pdl,
+            HAS_SINKS=sinks is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )

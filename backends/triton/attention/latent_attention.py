@@ -310,8 +310,8 @@ def launch_latent(q, kv_cache, block_tables, seq_lens, query_start_loc, out, sca
     )
     if splits > 1 and not fused:
         _combine_splits_kernel[(num_tokens, num_heads)](
-            part_out, part_lse, out, out, out, out.stride(0), num_heads,
+            part_out, part_lse, out, out, out.stride(0), num_heads,
             HEAD_DIM=rank, BLOCK_D=head_block(rank), NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-            HAS_SINKS=False, MIXED=False, PDL=False, num_warps=4,
+            HAS_SINKS=False, PDL=False, num_warps=4,
         )
     return kernel

@@ -78,16 +78,13 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
     SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, CHUNKED: tl.constexpr,
-    BIDIRECTIONAL: tl.constexpr, SKIP_DECODE: tl.constexpr,
+    BIDIRECTIONAL: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq, q_start, q_len, local, prefix = query_tile(query_start_ptr, seq_lens_ptr, num_seqs, tile, BLOCK_Q)
     if local * BLOCK_Q >= q_len:
         return
-    if SKIP_DECODE:
-        if q_len == 1:  # the decode kernel's row (`paged_decode_attention` with query_start_loc)
-            return
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -165,8 +162,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
                             logits_soft_cap: float | None = None, k_scale: float = 1.0,
                             v_scale: float = 1.0, sinks: torch.Tensor | None = None,
                             attention_chunk: int | None = None,
-                            query_key_end: torch.Tensor | None = None, fixed_tiles: bool = False,
-                            skip_decode_rows: bool = False) -> torch.Tensor:
+                            query_key_end: torch.Tensor | None = None, fixed_tiles: bool = False) -> torch.Tensor:
     """Causal attention of T packed new tokens over their sequences' paged context.
 
     q: [T, num_heads * head_dim]; query_start_loc: int32 [B + 1]; seq_lens: int32 [B] (cached
@@ -180,8 +176,6 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     not see, past its own inside a bidirectional span, never past its sequence's end.
     `fixed_tiles`: the query tile depends on the heads per KV head only, never on `max_query_len`,
     so a row's result is the same bits whatever the step's other queries (`--batch-invariant`).
-    `skip_decode_rows`: sequences of one new token are left unwritten in `out`, for
-    `paged_decode_attention(..., query_start_loc=...)` to fill.
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     check_index("block_tables", block_tables, 2, (torch.int32,))
@@ -215,8 +209,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     if num_tokens == 0:
         return out
     _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale,
-                    1 if fixed_tiles else max_query_len, local, logits_soft_cap, k_scale, v_scale, sinks, query_key_end,
-                    skip_decode_rows)
+                    1 if fixed_tiles else max_query_len, local, logits_soft_cap, k_scale, v_scale, sinks, query_key_end)
     return out
 
 
@@ -237,7 +230,7 @@ def _check_prefill_indices(block_tables, seq_lens, query_start_loc, num_blocks, 
 
 
 def _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, scale, max_query_len,
-                    local, soft_cap, k_scale, v_scale, sinks, query_key_end, skip_decode_rows) -> None:
+                    local, soft_cap, k_scale, v_scale, sinks, query_key_end) -> None:
     num_seqs = block_tables.shape[0]
     span, sliding, chunked = local
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
@@ -255,5 +248,5 @@ def _launch_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, out, s
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=head_block(head_dim),
         BLOCK_N=PREFILL_BLOCK_N, BLOCK_SIZE=kv_cache.shape[2], DOT_DTYPE=dot_dtype(q.dtype, q.device),
         SLIDING=sliding, SOFT_CAP=float(soft_cap or 0.0), HAS_SINKS=sinks is not None, CHUNKED=chunked,
-        BIDIRECTIONAL=query_key_end is not None, SKIP_DECODE=skip_decode_rows, num_warps=4, num_stages=2,
+        BIDIRECTIONAL=query_key_end is not None, num_warps=4, num_stages=2,
     )

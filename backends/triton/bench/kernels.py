@@ -8,9 +8,7 @@ Bandwidth counts the bytes that must move (K/V of every context read once, q rea
 and is compared with a measured device-to-device copy (bytes read + written) and with torch SDPA
 over the same K/V stored contiguously. Also timed: the same decode over an FP8 (e4m3) cache, and
 a layer with a 4096-token sliding window at 16k context (Mistral-7B), which should cost what the
-4096-token context does. A mixed step (the 64 decodes beside a 192-token prompt chunk at the same
-context, a disaggregated decode instance's step) is timed both ways: every row through the prefill
-kernel, and the one-token rows through the decode kernel (the backend's default). MLA decode (absorbed DeepSeek MLA over the latent cache, `bench/mla.py`)
+4096-token context does. MLA decode (absorbed DeepSeek MLA over the latent cache, `bench/mla.py`)
 is checked and timed the same way at DeepSeek-V2-Lite's shape, against a copy of the latent bytes.
 """
 from __future__ import annotations
@@ -133,42 +131,7 @@ def bench_w6(shapes: Shapes) -> list[tuple[str, float, float]]:
     rows.append(_bench_sdpa(do_bench, batch, s, scale, moved))
     del batch
     rows.append(_bench_window(do_bench, s, scale, moved))
-    rows += _bench_mixed(do_bench, s, scale)
     return rows
-
-
-def _bench_mixed(do_bench, s: Shapes, scale: float, chunk: int = 192) -> list[tuple[str, float, float]]:
-    """The decodes of W6 beside one `chunk`-token prompt chunk ending at the same context."""
-    from ..attention.decode_attention import choose_decode_splits, paged_decode_attention
-    from ..attention.prefill_attention import paged_prefill_attention
-    from .paged_batch import random_paged_batch
-
-    batch = random_paged_batch([s.context] * (s.num_seqs + 1), [1] * s.num_seqs + [chunk], s.num_heads,
-                               s.num_kv_heads, s.head_dim, s.block_size, DTYPE, "cuda", store_new_tokens=True,
-                               spare_blocks=0)
-    moved = 2 * (s.num_seqs + 1) * s.context * s.num_kv_heads * s.head_dim * batch.q.element_size()
-    out = torch.empty_like(batch.q)
-    args = (batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens)
-    splits = choose_decode_splits(s.num_seqs, s.num_kv_heads, s.context, batch.q.device)
-
-    def prefill_only():
-        paged_prefill_attention(*args, batch.query_start_loc, scale, max_query_len=chunk, out=out,
-                                check_indices=False)
-
-    def split_rows():
-        paged_prefill_attention(*args, batch.query_start_loc, scale, max_query_len=chunk, out=out,
-                                check_indices=False, skip_decode_rows=True)
-        paged_decode_attention(*args, scale, max_seq_len=s.context, num_splits=splits, out=out, check_indices=False,
-                               query_start_loc=batch.query_start_loc)
-
-    label = f"mixed step, {s.num_seqs} decodes + {chunk}-token chunk"
-    return [(f"{label}: prefill kernel only", *_ms_bw(do_bench, prefill_only, moved)),
-            (f"{label}: decode rows split off", *_ms_bw(do_bench, split_rows, moved))]
-
-
-def _ms_bw(do_bench, fn, moved: int) -> tuple[float, float]:
-    ms = do_bench(fn, warmup=50, rep=300, return_mode="median")
-    return ms, moved / ms / 1e9
 
 
 def _time_decode(do_bench, batch, kv_cache, scale: float, max_len: int, splits: int, **masking) -> float:
@@ -235,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {name:<44} {err:9.2e}  {'ok' if err < 1e-2 else 'FAIL'}")
     if timings:
         _print_timings(f"W6 paged decode: batch {W6.num_seqs} x context {W6.context}, "
-                       f"{W6.num_heads} q / {W6.num_kv_heads} kv heads, d {W6.head_dim}, bf16", timings, width=62)
+                       f"{W6.num_heads} q / {W6.num_kv_heads} kv heads, d {W6.head_dim}, bf16", timings)
     if latent_timings:
         s = mla.V2_LITE
         _print_timings(f"MLA decode (latent cache): batch {s.num_seqs} x context {s.context}, {s.num_heads} heads, "

@@ -113,32 +113,3 @@ def test_unsplit_fp8_launches_take_the_measured_tiles():
     assert decode_config(torch.float8_e4m3fn, 1, 64) == FP8_UNSPLIT != DecodeConfig()
     assert decode_config(torch.float8_e4m3fn, 1, 256) == FP8_LARGE_BATCH != FP8_UNSPLIT
     assert decode_config(torch.float8_e4m3fn, 8, 1) == decode_config(torch.bfloat16, 1, 256) == DecodeConfig()
-
-
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_mixed_step_rows_split_between_the_two_kernels(num_splits, assert_close):
-    """A mixed step: the decode kernel (given query_start_loc) writes exactly the rows of one-token
-    sequences, the prefill kernel (skip_decode_rows) exactly the others; together, the reference."""
-    from corectl.backends.triton.attention.prefill_attention import paged_prefill_attention
-
-    query_lens = [1, 5, 1, 1]
-    batch = random_paged_batch([141, 30, 3, 60], query_lens, num_heads=6, num_kv_heads=2, head_dim=16,
-                               block_size=4, dtype=torch.float32, store_new_tokens=True)
-    decode_rows = torch.tensor([0, 6, 7])
-    expected = contiguous_attention_ref(batch, SCALE)
-    out = torch.full(batch.q.shape, float("nan"))
-    paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, SCALE, max_seq_len=141,
-                           num_splits=num_splits, out=out, query_start_loc=batch.query_start_loc)
-    assert_close(out[decode_rows], expected[decode_rows])
-    assert out[1:6].isnan().all()
-    paged_prefill_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                            SCALE, max_query_len=max(query_lens), out=out, skip_decode_rows=True)
-    assert_close(out, expected)
-
-
-def test_mixed_step_refuses_row_groups():
-    batch = random_paged_batch([8, 8], [1, 1], num_heads=2, num_kv_heads=1, head_dim=16, block_size=4,
-                               dtype=torch.float32, store_new_tokens=True)
-    with pytest.raises(ValueError, match="rows_per_seq 1"):
-        paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, SCALE, max_seq_len=8,
-                               rows_per_seq=2, query_start_loc=batch.query_start_loc)

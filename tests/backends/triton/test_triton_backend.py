@@ -90,23 +90,6 @@ def test_steps_match_causal_attention(dtype, assert_close):
         seqs.computed = [c + n for c, n in zip(seqs.computed, counts)]
 
 
-@pytest.mark.parametrize("split_mixed", [True, False])
-def test_mixed_steps_decode_rows_match_either_kernel(split_mixed, assert_close):
-    """Decode rows before and after a prompt chunk: attended by the split decode kernel (the default)
-    or, with the switch off, by the prefill kernel beside the chunk; the same attention either way."""
-    backend = _backend(torch.float32)
-    backend.split_mixed = split_mixed
-    seqs = PagedSequences(torch.float32)
-    for counts, splits in ([[12, 9, 6], 1], [[1, 2, 1], 2], [[1, 1, 2], 3]):
-        meta = backend.build_metadata(seqs.batch(counts))
-        assert meta.mixed_decodes == (counts.count(1) if split_mixed and max(counts) > 1 else 0)
-        meta.mixed_splits = splits
-        q = torch.randn(sum(counts), NUM_HEADS * HEAD_DIM)
-        k, v = seqs.new_kv(counts)
-        assert_close(backend.forward(q, k, v, seqs.kv_cache, meta, SCALE), seqs.reference(q, counts))
-        seqs.computed = [c + n for c, n in zip(seqs.computed, counts)]
-
-
 def test_forward_validates_indices_once_per_step():
     backend = _backend(torch.float32)
     seqs = PagedSequences(torch.float32)
