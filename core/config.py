@@ -18,6 +18,8 @@ EXECUTOR_BACKENDS = ("mp", "ray")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 # vLLM's names: "fp8" is e4m3 with per-tensor scales; "float16" is IEEE fp16 (the CPU's fused attention).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "float16")
+# What sampled logprobs report (vLLM's --logprobs-mode; corectl.sample.logprobs).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # vLLM's allowed --max-lora-rank values.
 LORA_RANKS = (8, 16, 32, 64, 128, 256)
 
@@ -88,6 +90,19 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         max_cpu_loras: adapters kept loaded in host memory (None: max_loras); max_lora_rank: the
         largest adapter rank served (8, 16, 32, 64, 128 or 256; device slots are sized by it);
         lora_dtype: the adapters' dtype on the device ("auto": the model's).
+    kv_cache_memory_bytes: the KV cache's size in bytes on each device (vLLM's), on any platform:
+        GPUs then size it by this instead of `gpu_memory_utilization` (it must fit what the weights
+        and a worst-case step leave). `kv_cache_memory_gib` is the same budget in GiB; give one.
+    long_prefill_token_threshold: a prompt longer than this is "long"; 0 (the default): none is.
+        A step computes at most this many of any one prompt's tokens (vLLM's), so a long prompt
+        leaves room in the step's budget for others.
+    max_num_partial_prefills: prompts computed in chunks at once (vLLM's); more wait until one
+        finishes its prompt. max_long_partial_prefills: of those, long ones (at most
+        max_num_partial_prefills), so short prompts are not all stuck behind long ones.
+    logprobs_mode: what sampled logprobs report (vLLM's `--logprobs-mode`): raw_logprobs (the
+        default: log-softmax of the model's logits), raw_logits, processed_logprobs or
+        processed_logits (after penalties, logit_bias and the other edits, temperature, top-k,
+        top-p and min-p: the distribution the token was drawn from). Prompt logprobs stay raw.
     num_gpu_blocks_override: KV cache blocks to allocate whatever the memory profile allows (vLLM's,
         for tests of preemption and capacity; on any device); None: as the profile or
         `kv_cache_memory_gib` gives.
@@ -152,6 +167,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     compilation_config: CompilationConfig | list[str] | int | str | None = None
     disable_custom_all_reduce: bool = False
     num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    logprobs_mode: str = "raw_logprobs"
     batch_invariant: bool = False
     async_scheduling: bool | None = None
     num_threads: int | None = None
@@ -223,12 +243,46 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         self.kv_transfer_config = resolve_kv_transfer_config(self.kv_transfer_config)
         if self.num_gpu_blocks_override is not None:
             self._check_positive("num_gpu_blocks_override")
+        self._check_kv_budget()
+        self._check_partial_prefills()
+        self._check_choice("logprobs_mode", LOGPROBS_MODES)
         if self.kv_offload_bytes is not None:
             self._check_positive("kv_offload_bytes")
             if self.kv_transfer_config is not None:
                 raise ConfigError("kv_offload_bytes", "the host tier is a KV connector of its own: give either "
                                   "--kv-offload-bytes or --kv-transfer-config, not both")
         self._check_pipeline()
+
+    @property
+    def kv_cache_budget_bytes(self) -> int | None:
+        """The KV cache's size in bytes when one was given (`kv_cache_memory_bytes` or
+        `kv_cache_memory_gib`), else None: a profiling platform sizes it by what is free."""
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        return None if self.kv_cache_memory_gib is None else int(self.kv_cache_memory_gib * (1 << 30))
+
+    @property
+    def kv_cache_budget_field(self) -> str:
+        """The option that set the KV budget, for error messages."""
+        return "kv_cache_memory_bytes" if self.kv_cache_memory_bytes is not None else "kv_cache_memory_gib"
+
+    def _check_kv_budget(self) -> None:
+        if self.kv_cache_memory_bytes is None:
+            return
+        self._check_positive("kv_cache_memory_bytes")
+        if self.kv_cache_memory_gib is not None:
+            raise ConfigError("kv_cache_memory_bytes", "give the KV cache's size once: --kv-cache-memory-bytes or "
+                              "--kv-cache-memory (GiB), not both")
+
+    def _check_partial_prefills(self) -> None:
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold",
+                              f"must be a whole number of tokens >= 0 (0: no threshold), got {self.long_prefill_token_threshold!r}")
+        self._check_positive("max_num_partial_prefills")
+        self._check_positive("max_long_partial_prefills")
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ConfigError("max_long_partial_prefills", f"{self.max_long_partial_prefills} is more than "
+                              f"max_num_partial_prefills={self.max_num_partial_prefills}")
 
     @property
     def world_size(self) -> int:

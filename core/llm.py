@@ -97,7 +97,8 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None, continue_final_message: bool = False,
              tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-             mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             mm_processor_kwargs: dict[str, Any] | None = None,
+             chat_template_content_format: str = "auto") -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
 
         As vLLM's `LLM.chat`: `tools` (OpenAI function specs) reach the template, `chat_template_kwargs`
@@ -106,7 +107,8 @@ class LLM:
         A vision-language model reads image parts too: `{"type": "image_url", "image_url": {"url":
         "data:image/png;base64,..."}}` or `{"type": "image_pil", "image_pil": <PIL.Image>}`;
         `mm_processor_kwargs` set its image processor's options for these images, over the engine's
-        (Gemma 3: `{"do_pan_and_scan": True}`)."""
+        (Gemma 3: `{"do_pan_and_scan": True}`). `chat_template_content_format` is how message content
+        reaches the template, as vLLM's: "auto", "string" or "openai" (`corectl.chat_content.CONTENT_FORMATS`)."""
         if continue_final_message and add_generation_prompt:
             raise InvalidRequestError("continue_final_message continues the last message: pass "
                                       "add_generation_prompt=False with it", param="continue_final_message")
@@ -119,7 +121,8 @@ class LLM:
         prompts = [
             tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tools=tools,
                                           chat_template=chat_template, continue_final_message=continue_final_message,
-                                          template_kwargs=chat_template_kwargs)
+                                          template_kwargs=chat_template_kwargs,
+                                          content_format=chat_template_content_format)
             for conv in conversations
         ]
         params = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompts), "sampling_params")

@@ -336,15 +336,19 @@ def _size(checkpoint: Checkpoint, shape: _Shape, config: EngineConfig, target: T
     activations = _activation_bytes(shape, kv_heads, tp, config.max_num_batched_tokens, num_seqs)
     per_block = per_token * config.block_size
     encoder_cache = 0
+    budget = config.kv_cache_budget_bytes
     if target.profiles_memory:
         non_torch, usable = NON_TORCH_BYTES, int(target.memory_bytes * config.gpu_memory_utilization)
         if serves_images(shape.model_cls, checkpoint.source.model_dir):
             encoder_cache = encoder_cache_bytes(shape.hidden_size, _DTYPES[info.dtype].itemsize)
         blocks = profiled_kv_blocks(target.memory_bytes, config.gpu_memory_utilization,
                                     served + weights.buffer_bytes + activations, non_torch, per_block, encoder_cache)
+        if budget is not None:  # the budget replaces the utilization: all of the device may hold it
+            usable = target.memory_bytes
+            blocks = fixed_kv_blocks(budget, per_block)
     else:
         non_torch, usable = 0, target.memory_bytes
-        blocks = fixed_kv_blocks(config.kv_cache_memory_gib or DEFAULT_KV_CACHE_GIB, per_block)
+        blocks = fixed_kv_blocks(budget or int(DEFAULT_KV_CACHE_GIB * (1 << 30)), per_block)
     plan = Plan(
         model=checkpoint.name, architecture=info.architecture, dtype=target.dtype,
         stored_bytes=checkpoint.stored_bytes, num_params=info.num_params, weight_bytes=weights.served.total,

@@ -18,7 +18,7 @@ import tokenizers
 from transformers import TokenizersBackend
 
 from .errors import ConfigError, InvalidRequestError, ModelNotFoundError
-from .multimodal.inputs import IMAGE_PART_TYPES
+from .chat_content import normalise_messages
 
 # Model types for which AutoTokenizer loads a folder whose tokenizer_config.json names
 # TokenizersBackend as that class itself (tests/core/test_tokenizer_direct_load.py checks it; qwen2 is
@@ -104,7 +104,7 @@ class Tokenizer:
                             tools: list[dict] | None = None, chat_template: str | None = None,
                             continue_final_message: bool = False,
                             template_kwargs: Mapping[str, Any] | None = None,
-                            documents: list[dict[str, str]] | None = None) -> str:
+                            documents: list[dict[str, str]] | None = None, content_format: str = "auto") -> str:
         """Render a conversation to the prompt text the model was trained on.
 
         Message content may be a string or a list of OpenAI text parts. `chat_template` (a Jinja
@@ -113,7 +113,8 @@ class Tokenizer:
         them, as transformers does); `template_kwargs` reach the template as variables (e.g. `enable_thinking`): names
         the renderer sets itself are refused (`reserved_template_kwargs`), and whatever the render
         raises with them, where it renders without them, is their fault (a 400 naming
-        `chat_template_kwargs`); any other failure is the messages'.
+        `chat_template_kwargs`); any other failure is the messages'. `content_format` is one of
+        `corectl.chat_content.CONTENT_FORMATS`.
         """
         if chat_template is None and self.hf.chat_template is None:
             raise InvalidRequestError(
@@ -126,7 +127,7 @@ class Tokenizer:
             raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}: the renderer sets "
                                       "them itself (from the request's own fields or the tokenizer)",
                                       param="chat_template_kwargs")
-        messages = _normalise_messages(messages)
+        messages = normalise_messages(messages, content_format)
         render = functools.partial(self.hf.apply_chat_template, messages, tools=tools, documents=documents,
                                    chat_template=chat_template,
                                    add_generation_prompt=add_generation_prompt,
@@ -156,11 +157,12 @@ class Tokenizer:
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, chat_template: str | None = None,
                     template_kwargs: Mapping[str, Any] | None = None, continue_final_message: bool = False,
-                    documents: list[dict[str, str]] | None = None, add_special_tokens: bool = False) -> list[int]:
+                    documents: list[dict[str, str]] | None = None, add_special_tokens: bool = False,
+                    content_format: str = "auto") -> list[int]:
         """Token ids of the rendered conversation; the template writes its own special tokens
         (`add_special_tokens` adds the tokenizer's on top, as vLLM's field of that name does)."""
         text = self.apply_chat_template(messages, add_generation_prompt, tools, chat_template,
-                                        continue_final_message, template_kwargs, documents)
+                                        continue_final_message, template_kwargs, documents, content_format)
         return self.encode(text, add_special_tokens=add_special_tokens)
 
 
@@ -213,46 +215,3 @@ def _read_template(value: str) -> str:
     if not path.is_file():
         raise ConfigError("chat_template", f"{value!r} is neither a Jinja template nor a readable file")
     return path.read_text(encoding="utf-8")
-
-
-def _normalise_messages(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """Templates concatenate `content` as a string; flatten OpenAI text parts and a null content."""
-    out: list[Mapping[str, Any]] = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise InvalidRequestError(f"messages[{i}] must be an object with 'role' and 'content'",
-                                      param="messages")
-        content = message.get("content")
-        out.append(message if isinstance(content, str) else {**message, "content": _content(content, i)})
-    return out
-
-
-def _content(content: Any, index: int) -> str | list[dict[str, str]]:
-    """Text parts joined into one string; with images, the parts as a list in which each image is
-    `{"type": "image"}`, which a vision-language model's template renders as its image placeholder."""
-    if not isinstance(content, list) or not any(_kind(part) in IMAGE_PART_TYPES for part in content):
-        return _content_text(content, index)
-    return [{"type": "image"} if _kind(part) in IMAGE_PART_TYPES else {"type": "text", "text": _part_text(part, index)}
-            for part in content]
-
-
-def _kind(part: Any) -> str | None:
-    return part.get("type") if isinstance(part, Mapping) else None
-
-
-def _content_text(content: Any, index: int) -> str:
-    if content is None:
-        return ""
-    if not isinstance(content, list):
-        raise InvalidRequestError(f"messages[{index}].content must be a string or a list of text parts",
-                                  param="messages")
-    # Parts are separate paragraphs of one message, as vLLM renders them.
-    return "\n".join(_part_text(part, index) for part in content)
-
-
-def _part_text(part: Any, index: int) -> str:
-    if _kind(part) != "text" or not isinstance(part.get("text"), str):
-        raise InvalidRequestError(
-            f"messages[{index}].content: parts are text ({{'type': 'text', 'text': ...}}) or images "
-            f"({{'type': 'image_url', ...}}), got {_kind(part)!r}", param="messages")
-    return part["text"]

@@ -34,6 +34,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         "corectl.config", "corectl.request", "corectl.outputs", "corectl.attention", "corectl.platform",
         "corectl.compilation", "corectl.json_option",  # an EngineConfig field; the JSON options' decoder
         "corectl.discovery", "corectl.tokenizer", "corectl.detokenizer", "corectl.step_messages",
+        "corectl.chat_content",         # how message content reaches the tokenizer's chat template
         "corectl.lora.request",         # a request's adapter, carried by Request and NewRequestData
         "corectl.spec_decode.config",   # an EngineConfig field
         "corectl.kv_transfer.config",   # EngineConfig.kv_transfer_config, SamplingParams.kv_transfer_params

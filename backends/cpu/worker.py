@@ -31,16 +31,16 @@ class CPUWorker(Worker):
         return cpu_layer_kernels(self.torch_dtype)
 
     def profile_num_kv_blocks(self) -> int:
-        budget_gib = self.config.kv_cache_memory_gib or DEFAULT_KV_CACHE_GIB
+        budget = self.config.kv_cache_budget_bytes or int(DEFAULT_KV_CACHE_GIB * (1 << 30))
         per_block = self.model_info.kv_bytes_per_block(self.config.block_size)
-        num_blocks = fixed_kv_blocks(budget_gib, per_block)
+        num_blocks = fixed_kv_blocks(budget, per_block)
         needed = blocks_per_sequence(self.max_model_len, self.config.block_size, self.model_info.sliding_window,
                                      self.config.max_num_batched_tokens)
         if num_blocks < needed:
             raise ConfigError(
-                "kv_cache_memory_gib",
-                f"{budget_gib} GiB holds {num_blocks * self.config.block_size} tokens, fewer than one "
+                self.config.kv_cache_budget_field,
+                f"{budget / (1 << 30):.3f} GiB holds {num_blocks * self.config.block_size} tokens, fewer than one "
                 f"sequence of max_model_len={self.max_model_len}; raise it to at least "
-                f"{needed * per_block / (1 << 30):.3f} GiB or lower max_model_len",
+                f"{needed * per_block / (1 << 30):.3f} GiB ({needed * per_block} bytes) or lower max_model_len",
             )
         return num_blocks

@@ -38,7 +38,8 @@ class CUDAWorker(Worker):
     def profile_num_kv_blocks(self) -> int:
         """Memory left for the KV cache after weights, a worst-case step's activations (a
         vision-language model's: with its largest encoder batch), non-torch allocations and the
-        encoder cache, within `gpu_memory_utilization` of the device."""
+        encoder cache, within `gpu_memory_utilization` of the device; or the explicit budget
+        (`--kv-cache-memory-bytes`, `--kv-cache-memory`) where it fits."""
         cfg = self.config
         peak, reserved = self._profile_peak()
         free, total = torch.cuda.mem_get_info()
@@ -47,7 +48,9 @@ class CUDAWorker(Worker):
         num_blocks = profiled_kv_blocks(total, cfg.gpu_memory_utilization, peak, non_torch, per_block, reserved)
         window = self.model_info.sliding_window
         needed = blocks_per_sequence(self.max_model_len, cfg.block_size, window, cfg.max_num_batched_tokens)
-        if num_blocks < needed:
+        if cfg.kv_cache_budget_bytes is not None:
+            num_blocks = self._budget_blocks(total, peak, non_torch, reserved, per_block, needed)
+        elif num_blocks < needed:
             raise ConfigError(
                 "gpu_memory_utilization",
                 f"the model needs {(peak + reserved) / 2**30:.2f} GiB for weights, activations and its encoder "
@@ -65,6 +68,23 @@ class CUDAWorker(Worker):
             note = f" (sliding window of {window} tokens on every layer: {per_seq} blocks per sequence)"
         logger.info("KV cache: %d blocks = %d tokens (%.2f GiB); max concurrency at %d tokens: %.1fx%s",
                     num_blocks, tokens, num_blocks * per_block / 2**30, self.max_model_len, concurrency, note)
+        return num_blocks
+
+    def _budget_blocks(self, total: int, peak: int, non_torch: int, reserved: int, per_block: int, needed: int) -> int:
+        """The blocks of an explicit KV budget (`kv_cache_budget_bytes`, which sets aside
+        `gpu_memory_utilization`), refused when it holds less than one sequence or more than the
+        device has left after the weights and a worst-case step."""
+        cfg = self.config
+        budget, field = cfg.kv_cache_budget_bytes, cfg.kv_cache_budget_field
+        room = profiled_kv_blocks(total, 1.0, peak, non_torch, per_block, reserved)
+        num_blocks = budget // per_block
+        if num_blocks < needed:
+            raise ConfigError(field, f"{budget / 2**30:.3f} GiB holds {num_blocks * cfg.block_size} KV tokens, fewer "
+                              f"than one sequence of max_model_len={self.max_model_len} ({needed * per_block} bytes)")
+        if num_blocks > room:
+            raise ConfigError(field, f"{budget / 2**30:.3f} GiB of KV cache does not fit: the weights, a worst-case "
+                              f"step and other allocations leave {max(room, 0) * per_block / 2**30:.3f} GiB of this "
+                              f"{total / 2**30:.1f} GiB device")
         return num_blocks
 
     def _profile_peak(self) -> tuple[int, int]:

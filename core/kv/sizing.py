@@ -20,9 +20,9 @@ def blocks_per_sequence(max_model_len: int, block_size: int, sliding_window: int
     return min(full, -(-(sliding_window + chunk_tokens - 2) // block_size) + 1)
 
 
-def fixed_kv_blocks(budget_gib: float, bytes_per_block: int) -> int:
-    """Blocks in a KV budget given in GiB (platforms that do not profile memory)."""
-    return int(budget_gib * (1 << 30)) // bytes_per_block
+def fixed_kv_blocks(budget_bytes: int, bytes_per_block: int) -> int:
+    """Blocks in a KV budget given in bytes (`EngineConfig.kv_cache_budget_bytes`)."""
+    return budget_bytes // bytes_per_block
 
 
 def profiled_kv_blocks(total_bytes: float, utilization: float, peak_bytes: float, non_torch_bytes: float,

@@ -8,6 +8,15 @@ import torch
 from ..step_messages import LogprobsLists
 
 
+def reported_values(logits: torch.Tensor, mode: str) -> torch.Tensor:
+    """The values a `corectl.config.LOGPROBS_MODES` mode reports for fp32 `logits` [N, V], in a
+    tensor of their own (sampling goes on to change `logits` in place): log-softmax values for the
+    *_logprobs modes, the logits themselves for *_logits. Raw modes pass the model's logits, processed
+    ones those a row samples from (after logit_bias, min_tokens, penalties, allowed/bad words and, on
+    random rows, temperature and top-k/top-p/min-p: a masked token at -inf)."""
+    return logits.log_softmax(dim=-1) if mode.endswith("_logprobs") else logits.clone()
+
+
 @dataclass(frozen=True, slots=True)
 class LogprobsTensors:
     """Row i: column 0 is the chosen token, columns 1.. the K most likely tokens; `ranks[i]` is

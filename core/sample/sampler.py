@@ -2,7 +2,8 @@
 
 logit_bias -> min_tokens suppression -> penalties -> allowed_token_ids -> bad_words; greedy rows take the argmax of those logits,
 random rows go on through temperature, top-k, top-p, min-p and the platform's draw. Logprobs
-come from the raw logits (vLLM V1's default), before any of it.
+come from the raw logits (vLLM V1's default), before any of it, or, by the sampler's
+`logprobs_mode`, from the logits each row samples from (`LOGPROBS_MODES`).
 """
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .logprobs import LogprobsTensors, gather_logprobs
+from ..config import LOGPROBS_MODES
+from .logprobs import LogprobsTensors, gather_logprobs, reported_values
 from .metadata import SamplingMetadata
 from .penalties import apply_penalties
-from .random_sampling import DRAWS, RandomParams, sample_random, temper_and_truncate
+from .random_sampling import DRAWS, draw_tokens, temper_and_truncate
 from .token_edits import add_logit_bias, suppress_tokens
 from .token_masks import ban_bad_words, keep_allowed_tokens
 
@@ -52,31 +54,39 @@ def target_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     return logits
 
 
-def _sample(logits: torch.Tensor, params: RandomParams, draw: str) -> torch.Tensor:
-    if params.greedy_rows is None:
-        return sample_random(logits, params, draw)
-    greedy = logits.argmax(dim=-1)
-    return torch.where(params.greedy_rows, greedy, sample_random(logits, params, draw))
-
-
 class Sampler:
     """Stateless; per-request state (generators, token histories) arrives in `SamplingMetadata`.
-    `draw` is how random rows draw their token (`PlatformCaps.sampling_draw`, one of `DRAWS`)."""
+    `draw` is how random rows draw their token (`PlatformCaps.sampling_draw`, one of `DRAWS`);
+    `logprobs_mode` what sampled logprobs report (one of `LOGPROBS_MODES`)."""
 
-    def __init__(self, draw: str = "exponential_race"):
+    def __init__(self, draw: str = "exponential_race", logprobs_mode: str = "raw_logprobs"):
         if draw not in DRAWS:
             raise ValueError(f"unknown sampling draw {draw!r}; expected one of {', '.join(DRAWS)}")
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"unknown logprobs mode {logprobs_mode!r}; expected one of {', '.join(LOGPROBS_MODES)}")
         self.draw = draw
+        self.logprobs_mode = logprobs_mode
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample from fp32 `logits` [B, V]. `logits` may be modified in place."""
-        raw_logprobs = None if meta.max_num_logprobs is None else logits.log_softmax(dim=-1)
+        wanted = meta.max_num_logprobs is not None
+        raw = self.logprobs_mode.startswith("raw_")
+        reported = reported_values(logits, self.logprobs_mode) if wanted and raw else None
         if meta.edits_logits:
             logits = edit_logits(logits, meta)
         if meta.random is None:
             sampled = logits.argmax(dim=-1)
         else:
-            sampled = _sample(logits, meta.random, self.draw)
-        if raw_logprobs is None:
+            # Greedy rows keep temperature 1 and no truncation (RandomParams), so their argmax stands.
+            greedy = None if meta.random.greedy_rows is None else logits.argmax(dim=-1)
+            temper_and_truncate(logits, meta.random)
+            if wanted and not raw:
+                reported = reported_values(logits, self.logprobs_mode)
+            sampled = draw_tokens(logits, meta.random.generators, self.draw)
+            if greedy is not None:
+                sampled = torch.where(meta.random.greedy_rows, greedy, sampled)
+        if not wanted:
             return SamplerOutput(sampled, None)
-        return SamplerOutput(sampled, gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs))
+        if reported is None:
+            reported = reported_values(logits, self.logprobs_mode)
+        return SamplerOutput(sampled, gather_logprobs(reported, sampled, meta.max_num_logprobs))

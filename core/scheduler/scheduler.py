@@ -52,6 +52,7 @@ from .inflight import StepsInFlight
 from .stats import IterationCounts, lora_stats, spec_decode_stats
 from .kv_loads import KVLoads
 from .prompt_logprobs import PromptLogprobsBuffer, logprobs_rows
+from .prefill_limits import PrefillLimits
 from .request_queue import create_request_queue
 from .step_plan import StepPlan
 
@@ -120,6 +121,7 @@ class Scheduler:
         self.pipeline_stages = config.pipeline_parallel_size
         # Which images the worker's encoder cache holds (corectl/multimodal/cache_manager.py).
         self.encoder_cache = EncoderCacheManager(ENCODER_CACHE_ROWS)
+        self.prefills = PrefillLimits(config, max_model_len)
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -219,9 +221,9 @@ class Scheduler:
                     or (self.pipeline_stages > 1 and self.in_flight.holds(req))):
                 index += 1
                 continue
-            num_tokens = min(req.num_tokens + self.in_flight.num_tokens(req) - req.num_computed_tokens, plan.budget)
-            num_tokens = self._fit_images(req, req.num_computed_tokens, num_tokens, plan)
-            if num_tokens == 0:
+            wanted = req.num_tokens + self.in_flight.num_tokens(req) - req.num_computed_tokens
+            num_tokens = self._chunk(req, req.num_computed_tokens, wanted, plan)
+            if num_tokens == 0 or not self.prefills.admits(req, num_tokens < wanted, plan):
                 index += 1
                 continue
             drafts = self._drafts_for(req, num_tokens, plan.budget)
@@ -245,9 +247,11 @@ class Scheduler:
                 plan.drafts[req.request_id] = drafts
             index += 1
 
-    def _fit_images(self, req: Request, num_computed: int, num_tokens: int, plan: StepPlan) -> int:
-        """The part of a chunk whose images the worker's encoder cache holds, or the step's encoder
-        budget (the token budget) and the cache have room to encode."""
+    def _chunk(self, req: Request, num_computed: int, wanted: int, plan: StepPlan) -> int:
+        """The tokens of the `wanted` ones from `num_computed` on that `req` computes this step: within
+        the budget, the prefill threshold and, for images, what the encoder cache holds or the step's
+        encoder budget (the token budget) and the cache have room to encode."""
+        num_tokens = self.prefills.cap(req, min(wanted, plan.budget))
         if not req.mm_inputs:
             return num_tokens
         return plan.encoder.fit(req, num_computed, num_tokens)
@@ -319,8 +323,11 @@ class Scheduler:
                 continue
             if self.kv.holds_blocks(req):
                 # Its blocks were allocated for a KV load that has since finished or failed.
-                num_tokens = self._fit_images(req, req.num_computed_tokens,
-                                              min(req.num_tokens - req.num_computed_tokens, plan.budget), plan)
+                wanted = req.num_tokens - req.num_computed_tokens
+                num_tokens = self._chunk(req, req.num_computed_tokens, wanted, plan)
+                if num_tokens and not self.prefills.admits(req, num_tokens < wanted, plan):
+                    skipped.append(self.waiting.pop())
+                    continue
                 if num_tokens == 0 or self.kv.allocate(req, num_tokens) is None:
                     break
                 self.waiting.pop()
@@ -328,11 +335,14 @@ class Scheduler:
                 continue
             hit = self.kv.lookup_prefix(req)
             external, load_async = (0, False) if self.kv_loads is None else self.kv_loads.external_tokens(req, hit)
-            num_tokens = 0 if load_async else min(req.num_tokens - hit.num_tokens - external, plan.budget)
+            wanted = req.num_tokens - hit.num_tokens - external
+            num_tokens = 0 if load_async else self._chunk(req, hit.num_tokens + external, wanted, plan)
             if not load_async:
-                num_tokens = self._fit_images(req, hit.num_tokens + external, num_tokens, plan)
                 if num_tokens == 0:
                     break  # no encoder room left this step: the image waits for the next
+                if not self.prefills.admits(req, num_tokens < wanted, plan):
+                    skipped.append(self.waiting.pop())
+                    continue
             if self.config.encoder_only and num_tokens < req.num_tokens:
                 break  # an encoder's prompt runs whole: it waits for a step with room for all of it
             if self.kv.allocate(req, external + num_tokens, hit) is None:

@@ -23,6 +23,9 @@ class StepPlan:
     preempted: bool = False
     # Draft tokens of speculating requests, the last of their scheduled tokens.
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    # Prompts this step leaves unfinished, and how many of them are long (`PrefillLimits`).
+    partial_prefills: int = 0
+    long_partial_prefills: int = 0
 
     @property
     def full(self) -> bool:

@@ -5,7 +5,8 @@ min-p: `corectl.sample.sampler.target_logits`), then rejection sampling (`reject
 Row j of a request stands where its drafts d_0..d_{j-1} have been accepted, so its penalty and
 min_tokens history is the request's output followed by those drafts: each row sees exactly the
 history it would have had without speculation. A rejected draft never enters any history the
-host keeps. Logprobs come from the raw logits of each emitted position, as without speculation.
+host keeps. Logprobs come from each emitted position's raw or processed logits (the sampler's
+`logprobs_mode`), as without speculation.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sample.logprobs import LogprobsTensors, gather_logprobs
+from ..sample.logprobs import LogprobsTensors, gather_logprobs, reported_values
 from ..sample.metadata import SamplingMetadata
 from ..sample.sampler import target_logits
 from ..sampling_params import SamplingParams
@@ -50,17 +51,21 @@ def expand_rows(params: Sequence[SamplingParams], prompts: Sequence[Sequence[int
     return rows
 
 
-def verify(logits: torch.Tensor, meta: SamplingMetadata, layout: VerifyLayout,
-           draw: str) -> tuple[Verified, LogprobsTensors | None]:
+def verify(logits: torch.Tensor, meta: SamplingMetadata, layout: VerifyLayout, draw: str,
+           logprobs_mode: str = "raw_logprobs") -> tuple[Verified, LogprobsTensors | None]:
     """Verify a step's drafts from the target's fp32 `logits` `[T, V]` (modified in place);
-    `meta` holds one row per flat row (`expand_rows`); `draw` is the sampler's."""
-    raw_logprobs = None if meta.max_num_logprobs is None else logits.log_softmax(dim=-1)
+    `meta` holds one row per flat row (`expand_rows`); `draw` and `logprobs_mode` are the sampler's."""
+    wanted = meta.max_num_logprobs is not None
+    raw = logprobs_mode.startswith("raw_")
+    reported = reported_values(logits, logprobs_mode) if wanted and raw else None
     processed = target_logits(logits, meta)
+    if wanted and not raw:
+        reported = reported_values(processed, logprobs_mode)
     random = meta.random
     verified = rejection_sample(
         processed, layout, greedy_rows=None if random is None else random.greedy_rows, all_greedy=random is None,
         generators={} if random is None else random.generators, draw=draw,
     )
-    if raw_logprobs is None:
+    if reported is None:
         return verified, None
-    return verified, gather_logprobs(raw_logprobs, verified.row_token_ids, meta.max_num_logprobs)
+    return verified, gather_logprobs(reported, verified.row_token_ids, meta.max_num_logprobs)

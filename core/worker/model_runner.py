@@ -57,10 +57,11 @@ def logits_index(host: HostStep) -> np.ndarray | None:
 
 class ModelRunner:
     """`caps` are the platform's: how the sampler draws and whether host data bound for the device
-    can be staged in pinned memory."""
+    can be staged in pinned memory; `logprobs_mode` what sampled logprobs report (`--logprobs-mode`)."""
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, device: torch.device,
-                 block_size: int, vocab_size: int, eos_token_id: int | None, caps: PlatformCaps):
+                 block_size: int, vocab_size: int, eos_token_id: int | None, caps: PlatformCaps, *,
+                 logprobs_mode: str = "raw_logprobs"):
         self.model = model
         self.backend = backend
         self.device = device
@@ -68,7 +69,7 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
-        self.sampler = Sampler(caps.sampling_draw)
+        self.sampler = Sampler(caps.sampling_draw, logprobs_mode)
         self.states = RequestStates(device)
         self.kv_caches: list[torch.Tensor] = []
         # The latest launched step's sampled ids on the device, and each request's row in them.
@@ -273,7 +274,7 @@ class ModelRunner:
         states = [self.states[r] for r in host.sample_req_ids]
         layout = VerifyLayout.build(host.sample_drafts, self.target)
         verified, logprobs = verify(logits, self._sampling_metadata(states, host.sample_drafts), layout,
-                                    self.sampler.draw)
+                                    self.sampler.draw, self.sampler.logprobs_mode)
         self.states.expect_sampled(states)
         self._last_sampled = (verified.token_ids[:, 0], {r: i for i, r in enumerate(host.sample_req_ids)})
         tensors, num_logprobs = [verified.token_ids, verified.num_emitted], None

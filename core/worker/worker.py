@@ -166,7 +166,8 @@ class Worker(abc.ABC):
             info.num_heads, info.num_kv_heads, info.head_dim, self.torch_dtype, self.device, self.config.block_size
         )
         self.runner = self.runner_cls(model, backend, self.device, self.config.block_size,
-                                      hf.vocab_size, self.eos_token_id, self.platform.capabilities())
+                                      hf.vocab_size, self.eos_token_id, self.platform.capabilities(),
+                                      logprobs_mode=self.config.logprobs_mode)
         self.runner.lora = lora
         if get_pp().world_size > 1:
             self.runner.stage = PipelineStage(hf.hidden_size, self.torch_dtype, self.device)

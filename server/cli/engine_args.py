@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 from typing import Any
 
 from corectl.config import (
@@ -11,6 +13,7 @@ from corectl.config import (
     EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    LOGPROBS_MODES,
     LORA_RANKS,
     POLICIES,
     EngineConfig,
@@ -40,6 +43,29 @@ def byte_count(text: str) -> int:
     return int(float(number) * _BYTE_UNITS[unit])
 
 
+_READABLE = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's human-readable integers: 25.6k = 25,600 (k, m, g, t: powers of 1000), 32K = 32,768
+    (K, M, G, T: powers of 1024, whole numbers only), or a plain integer."""
+    match = _READABLE.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r} (use e.g. 4096, 32k or 8G)")
+    number, suffix = match.groups()
+    if not suffix:
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+        return int(number)
+    power = "kmgt".index(suffix.lower()) + 1
+    if suffix.isupper():
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"{text!r}: binary suffixes ({suffix}) take whole numbers; use "
+                                             f"{suffix.lower()} for a decimal one")
+        return int(number) * 1024 ** power
+    return int(float(number) * 1000 ** power)
+
+
 def _gib(text: str) -> int:
     return int(float(text) * 2**30)
 
@@ -61,7 +87,8 @@ ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] 
                      "given; see `corectl plugins`)", {}),
     "dtype": ("--dtype", _MODEL, "compute dtype ('auto': the platform's best for this model; vLLM's 'half' and "
               "'float' too)", {"choices": DTYPES, "type": lambda value: _DTYPE_ALIASES.get(value, value)}),
-    "max_model_len": ("--max-model-len", _MODEL, "context length (default: the model's)", {"type": int}),
+    "max_model_len": ("--max-model-len", _MODEL, "context length (default: the model's); 32k = 32,000, "
+                      "32K = 32,768", {"type": human_readable_int}),
     "chat_template": ("--chat-template", _MODEL, "chat template (Jinja string or .jinja file) overriding the model's", {}),
     "hf_overrides": ("--hf-overrides", _MODEL, "JSON object merged into the model config", {"type": json.loads}),
     "mm_processor_kwargs": ("--mm-processor-kwargs", _MODEL, "JSON object of image-processor options for every "
@@ -73,12 +100,28 @@ ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] 
                        "with per-tensor scales: twice bf16's tokens; the triton attention backend) or 'float16' "
                        "(twice fp32's tokens; the CPU's torch_sdpa backend)",
                        {"choices": KV_CACHE_DTYPES}),
-    "kv_cache_memory_gib": ("--kv-cache-memory", _CACHE, "KV cache size in GiB (CPU)", {"type": float}),
+    "kv_cache_memory_gib": ("--kv-cache-memory", _CACHE, "KV cache size in GiB (on GPUs instead of "
+                            "--gpu-memory-utilization; CPU default 2)", {"type": float}),
+    "kv_cache_memory_bytes": ("--kv-cache-memory-bytes", _CACHE, "KV cache size in bytes per device, vLLM's "
+                              "(8G = 8 GiB, 8g = 8e9; on GPUs instead of --gpu-memory-utilization)",
+                              {"type": human_readable_int}),
     "num_gpu_blocks_override": ("--num-gpu-blocks-override", _CACHE, "KV cache blocks to allocate whatever the "
                                 "memory profile allows (vLLM's; for tests of preemption and capacity)", {"type": int}),
     "gpu_memory_utilization": ("--gpu-memory-utilization", _CACHE, "fraction of GPU memory to use", {"type": float}),
     "max_num_seqs": ("--max-num-seqs", _CACHE, "most sequences in one step", {"type": int}),
-    "max_num_batched_tokens": ("--max-num-batched-tokens", _CACHE, "token budget of one step", {"type": int}),
+    "max_num_batched_tokens": ("--max-num-batched-tokens", _CACHE, "token budget of one step (8k, 8K too)",
+                               {"type": human_readable_int}),
+    "long_prefill_token_threshold": ("--long-prefill-token-threshold", _CACHE, "most tokens of one prompt a step "
+                                     "computes, and the length over which a prompt is long (0: none)",
+                                     {"type": human_readable_int}),
+    "max_num_partial_prefills": ("--max-num-partial-prefills", _CACHE, "prompts computed in chunks at once "
+                                 "(above 1: the rest wait; the threshold defaults to 4%% of the context)",
+                                 {"type": int}),
+    "max_long_partial_prefills": ("--max-long-partial-prefills", _CACHE, "of those, prompts over the threshold "
+                                  "(fewer lets short prompts pass long ones)", {"type": int}),
+    "logprobs_mode": ("--logprobs-mode", _CACHE, "what sampled logprobs report: raw_logprobs (default), "
+                      "raw_logits, processed_logprobs or processed_logits (after penalties, temperature and "
+                      "top-k/p: the distribution sampled from)", {"choices": LOGPROBS_MODES}),
     "enable_prefix_caching": ("--enable-prefix-caching", _CACHE, "reuse KV blocks of shared prefixes",
                               {"action": argparse.BooleanOptionalAction}),
     "scheduling_policy": ("--scheduling-policy", _CACHE, "queue order", {"choices": POLICIES}),
@@ -184,6 +227,12 @@ def _add_vllm_engine_flags(group: argparse._ArgumentGroup) -> None:
                        help="vLLM's tokenizer mode: corectl loads the Hugging Face (fast) tokenizer, so auto or hf")
     group.add_argument("--cpu-offload-gb", type=float, default=0.0, metavar="GIB",
                        help="vLLM's weight offloading to host memory: not built, so 0 only")
+    group.add_argument("--model-impl", default="auto", metavar="auto|vllm",
+                       help="vLLM's choice of model code: corectl runs its own implementation of each "
+                            "architecture (`corectl plugins`), so auto or vllm")
+    group.add_argument("--hf-token", nargs="?", const=True, default=None, metavar="TOKEN",
+                       help="Hugging Face token for gated or private repos (HF_TOKEN for this command's "
+                            "processes); bare, the one `huggingface-cli login` stored, as without the flag")
 
 
 def _vllm_engine_values(args: argparse.Namespace) -> dict[str, Any]:
@@ -191,6 +240,9 @@ def _vllm_engine_values(args: argparse.Namespace) -> dict[str, Any]:
     if args.tokenizer_mode not in ("auto", "hf"):
         raise ConfigError("tokenizer_mode", f"corectl loads Hugging Face tokenizers ('auto' or 'hf'); "
                                             f"{args.tokenizer_mode!r} is not available")
+    if args.model_impl not in ("auto", "vllm"):
+        raise ConfigError("model_impl", f"corectl runs its own implementation of each architecture it serves "
+                                        f"(`corectl plugins` lists them); {args.model_impl!r} is not available")
     if args.cpu_offload_gb != 0:
         raise ConfigError("cpu_offload_gb", "weights are not offloaded to host memory here; the model must fit "
                                             "the devices (see `corectl plan`, or use -tp/-pp or quantization)")
@@ -227,4 +279,15 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         if value is not None:
             fragments.append(json.dumps({key: value}))
     values.update(_vllm_engine_values(args))
+    _export_hf_token(args.hf_token)
     return EngineConfig.from_kwargs(model=args.model, compilation_config=fragments or None, **values)
+
+
+def _export_hf_token(token: str | bool | None) -> None:
+    """vLLM's --hf-token: every download (the model, its tokenizer, adapters) runs in this process or
+    its children, which read HF_TOKEN; bare (True) leaves huggingface_hub its stored login."""
+    if not isinstance(token, str):
+        return
+    if not token.strip():
+        raise ConfigError("hf_token", "must not be empty")
+    os.environ["HF_TOKEN"] = token

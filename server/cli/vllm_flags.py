@@ -15,6 +15,7 @@ from typing import Any
 from corectl.errors import ConfigError
 from corectl.generation_config import check_generation_config, check_generation_overrides
 from corectl.sampling_params import MAX_LOGPROBS
+from corectl.chat_content import CONTENT_FORMATS
 
 from ..http.media.settings import MediaSettings
 
@@ -51,6 +52,10 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                        help="the role of chat completions' messages")
     group.add_argument("--max-seq-len-to-capture", type=int, default=None, metavar="N",
                        help="accepted for vLLM scripts: CUDA graphs here serve every context length")
+    group.add_argument("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS,
+                       help="how message content reaches the chat template: 'string' (text parts joined), "
+                            "'openai' (the list of parts, for templates that loop over them) or 'auto' (a "
+                            "string unless images need the list)")
     group.add_argument("--metrics-prefix", default="vllm:", choices=("vllm:", "corectl:"),
                        help="prefix of the /metrics series (default vllm:, vLLM's names)")
     for flag, help_text in _SWITCHES:
@@ -138,6 +143,7 @@ def check_vllm_flags(args: argparse.Namespace) -> dict[str, Any]:
     return dict(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path,
                 uvicorn_log_level=args.uvicorn_log_level, force_include_usage=args.enable_force_include_usage,
                 prompt_tokens_details=args.enable_prompt_tokens_details, response_role=args.response_role,
+                chat_template_content_format=args.chat_template_content_format,
                 return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                 log_requests=not args.disable_log_requests, metrics_prefix=args.metrics_prefix,
                 max_logprobs=args.max_logprobs, generation_config=source, generation_overrides=overrides,

@@ -80,7 +80,7 @@ async def start_chat(data: ChatCompletionRequest, request: Request, server: Serv
     if harmony:
         prompt, params = harmony_prompt(data, tool_choice, params, tokenizer, tools)
     else:
-        prompt = chat_prompt(data, tokenizer, tools)
+        prompt = chat_prompt(data, tokenizer, tools, server.settings.chat_template_content_format)
     reasoning = ChatReasoning(None if harmony else server.reasoning_parser, tokenizer, prompt, params)
     forced = tool_choice in ("required", "named")
     if data.use_beam_search:
@@ -111,12 +111,13 @@ def _beam_group(data: ChatCompletionRequest, server: ServerState, prompt: list[i
         ids, skip_special_tokens=params.skip_special_tokens))
 
 
-def chat_prompt(data: ChatCompletionRequest, tokenizer, tools: list[dict] | None) -> list[int]:
+def chat_prompt(data: ChatCompletionRequest, tokenizer, tools: list[dict] | None, content_format: str) -> list[int]:
     """The request's messages rendered with the template and every template field it sets."""
     return tokenizer.encode_chat(message_dicts(data.messages), add_generation_prompt=data.add_generation_prompt,
                                  tools=tools, template_kwargs=data.template_kwargs(),
                                  continue_final_message=data.continue_final_message, documents=data.documents,
-                                 chat_template=data.chat_template, add_special_tokens=data.add_special_tokens)
+                                 chat_template=data.chat_template, add_special_tokens=data.add_special_tokens,
+                                 content_format=content_format)
 
 
 def _tool_parser(data: ChatCompletionRequest, tool_choice: str, server: ServerState, tokenizer) -> ToolParser | None:

@@ -12,6 +12,14 @@ from .responses import (
 )
 
 
+# JSON has no -inf, which a token masked out has under --logprobs-mode processed_*: vLLM's floor.
+LOGPROB_FLOOR = -9999.0
+
+
+def _value(entry) -> float:
+    return max(entry.logprob, LOGPROB_FLOOR)
+
+
 def _text(entry) -> str:
     return entry.decoded_token or ""
 
@@ -38,8 +46,8 @@ def completion_logprobs(positions: list[PositionLogprobs | None], offset: int,
         else:
             chosen_id, chosen = next(iter(position.items()))
             text, name = _text(chosen), _name(chosen_id, chosen, as_ids)
-            result.token_logprobs.append(chosen.logprob)
-            result.top_logprobs.append({_name(tid, entry, as_ids): entry.logprob for tid, entry in position.items()})
+            result.token_logprobs.append(_value(chosen))
+            result.top_logprobs.append({_name(tid, entry, as_ids): _value(entry) for tid, entry in position.items()})
         result.tokens.append(name)
         result.text_offset.append(offset)
         offset += len(text)
@@ -61,9 +69,9 @@ def chat_logprobs(positions: list[PositionLogprobs], top_n: int, as_ids: bool = 
         chosen_id, chosen = next(iter(position.items()))
         ranked = sorted(position.items(), key=lambda item: item[1].rank)[:top_n]
         names = [_name(tid, e, as_ids) for tid, e in ranked]
-        top = [TopLogprob(name, e.logprob, list(name.encode("utf-8"))) for name, (_, e) in zip(names, ranked)]
+        top = [TopLogprob(name, _value(e), list(name.encode("utf-8"))) for name, (_, e) in zip(names, ranked)]
         token = _name(chosen_id, chosen, as_ids)
-        content.append(ChatLogprob(token, chosen.logprob, list(token.encode("utf-8")), top))
+        content.append(ChatLogprob(token, _value(chosen), list(token.encode("utf-8")), top))
     return content
 
 
@@ -71,5 +79,5 @@ def prompt_logprobs(positions: list[PositionLogprobs | None] | None) -> PromptLo
     """vLLM's `prompt_logprobs`: per prompt position None or {token id: {logprob, rank, decoded_token}}."""
     if positions is None:
         return None
-    return [None if p is None else {tid: PromptLogprob(e.logprob, e.rank, e.decoded_token) for tid, e in p.items()}
+    return [None if p is None else {tid: PromptLogprob(_value(e), e.rank, e.decoded_token) for tid, e in p.items()}
             for p in positions]

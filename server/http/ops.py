@@ -59,7 +59,8 @@ class TokenizerController(Controller):
             tools = template_tools(data.tools) if data.tools else None
             messages = message_dicts(data.messages)
             images = server.media.check(messages, server.engine.info)
-            tokens = tokenizer.encode_chat(messages, add_generation_prompt=data.add_generation_prompt, tools=tools)
+            tokens = tokenizer.encode_chat(messages, add_generation_prompt=data.add_generation_prompt, tools=tools,
+                                           content_format=server.settings.chat_template_content_format)
             # Each image counts as the placeholder tokens the model gives it.
             prompt = await server.media.prompt(images, tokens, server.engine.info, data.mm_processor_kwargs)
             tokens = prompt["prompt_token_ids"] if images else tokens

@@ -98,6 +98,36 @@ def test_text_parts_render_like_a_string(tok):
     assert "<|im_start|>assistant\n<|im_end|>" in tok.apply_chat_template(null, add_generation_prompt=False)
 
 
+# Renders a string content as S:<text>, a list of parts as P:<text> (or P:<image>) per part.
+PARTS_TEMPLATE = ("{% for m in messages %}{% if m.content is string %}S:{{ m.content }}{% else %}"
+                  "{% for p in m.content %}P:{{ p.text if p.type == 'text' else '<image>' }}{% endfor %}"
+                  "{% endif %};{% endfor %}")
+
+
+@pytest.mark.parametrize("content_format, expected", [
+    ("auto", "S:first\nsecond;S:plain;S:;"),
+    ("string", "S:first\nsecond;S:plain;S:;"),
+    ("openai", "P:firstP:second;P:plain;;"),
+])
+def test_content_formats_give_templates_strings_or_parts(tok, content_format, expected):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]},
+                {"role": "assistant", "content": "plain"}, {"role": "user", "content": None}]
+    assert tok.apply_chat_template(messages, add_generation_prompt=False, chat_template=PARTS_TEMPLATE,
+                                   content_format=content_format) == expected
+
+
+def test_images_need_a_content_format_that_carries_parts(tok):
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}},
+                                          {"type": "text", "text": "what is it?"}]}]
+    for content_format in ("auto", "openai"):
+        assert tok.apply_chat_template(image, add_generation_prompt=False, chat_template=PARTS_TEMPLATE,
+                                       content_format=content_format) == "P:<image>P:what is it?;"
+    with pytest.raises(InvalidRequestError, match="--chat-template-content-format auto or openai"):
+        tok.apply_chat_template(image, chat_template=PARTS_TEMPLATE, content_format="string")
+    with pytest.raises(ConfigError, match="chat_template_content_format"):
+        tok.apply_chat_template(image, chat_template=PARTS_TEMPLATE, content_format="parts")
+
+
 @pytest.mark.parametrize("content", [
     [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}, {"type": "input_audio"}],
     [{"type": "text"}],

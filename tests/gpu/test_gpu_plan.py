@@ -64,3 +64,18 @@ def test_plan_agrees_with_the_measured_kv_capacity(options):
     assert abs(plan.num_kv_blocks - on_empty_device) <= 0.1 * on_empty_device
     assert info["kv_capacity_tokens"] == info["num_kv_blocks"] * plan.block_size
     assert plan.max_concurrency == pytest.approx(on_empty_device * plan.block_size / info["max_model_len"], rel=0.1)
+
+
+def test_an_explicit_kv_budget_sets_the_cache_and_the_plan():
+    """--kv-cache-memory-bytes on a GPU: the cache is that many bytes whatever gpu_memory_utilization
+    says (the plan too), and a budget past what the device has left is one clear error."""
+    args = {"model": "qwen3-0.6b", "load_format": "dummy", "enforce_eager": True, "gpu_memory_utilization": 0.2,
+            "kv_cache_memory_bytes": 3 * 2**30}
+    plan = plan_deployment(EngineConfig(**args))
+    block_bytes = plan.block_size * plan.kv_bytes_per_token
+    assert plan.num_kv_blocks == 3 * 2**30 // block_bytes and plan.problem is None
+    assert _measured(args)["num_kv_blocks"] == plan.num_kv_blocks
+    too_big = {**args, "kv_cache_memory_bytes": 2 * torch.cuda.get_device_properties(0).total_memory}
+    done = subprocess.run([sys.executable, "-c", _MEASURE, json.dumps(too_big)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode != 0 and "kv_cache_memory_bytes" in done.stderr and "does not fit" in done.stderr

@@ -168,6 +168,40 @@ def test_serve_takes_more_of_vllm_launch_flags():
     assert not plain.return_tokens_as_token_ids
 
 
+def test_serve_takes_vllm_scheduling_sampling_and_loading_flags(monkeypatch):
+    from corectl.server.cli.main import build_parser
+    from corectl.server.cli.serve import settings_from_args
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    settings = settings_from_args(build_parser().parse_args([
+        "serve", "--max-model-len", "2k", "--max-num-batched-tokens", "8K", "--long-prefill-token-threshold", "1k",
+        "--max-num-partial-prefills", "4", "--max-long-partial-prefills", "2", "--kv-cache-memory-bytes", "2G",
+        "--logprobs-mode", "processed_logits", "--chat-template-content-format", "openai", "--model-impl", "vllm",
+        "--hf-token", "hf_abc"]))
+    engine = settings.engine
+    assert (engine.max_model_len, engine.max_num_batched_tokens, engine.long_prefill_token_threshold) == (2000, 8192, 1000)
+    assert (engine.max_num_partial_prefills, engine.max_long_partial_prefills) == (4, 2)
+    assert engine.kv_cache_budget_bytes == 2 * 2**30 and engine.logprobs_mode == "processed_logits"
+    assert settings.chat_template_content_format == "openai"
+    import os
+
+    assert os.environ["HF_TOKEN"] == "hf_abc"
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--model-impl", "transformers"], "model_impl: corectl runs its own implementation"),
+    (["--kv-cache-memory-bytes", "1G", "--kv-cache-memory", "1"], "kv_cache_memory_bytes: give the KV cache's size once"),
+    (["--max-num-partial-prefills", "2", "--max-long-partial-prefills", "3"], "max_long_partial_prefills: 3 is more"),
+    (["--hf-token", " "], "hf_token: must not be empty"),
+])
+def test_vllm_loading_and_scheduling_flags_refuse_in_one_line(flags, message, capsys):
+    from corectl.server.cli.main import main
+
+    assert main(["serve", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--enable-log-requests", "--disable-log-requests"], "contradict"),
     (["--swap-space", "-1"], "swap_space: must not be negative"),

@@ -185,14 +185,14 @@ def test_chat_field_is_implemented_or_refused(field, tokenizer):
             base["add_generation_prompt"] = False
         request = _chat({**base, **extra})
         request.check_supported()
-        rendered = chat_prompt(request, tokenizer, None)
-        assert rendered != chat_prompt(_chat(base), tokenizer, None), f"{field} did not reach the template"
+        rendered = chat_prompt(request, tokenizer, None, "auto")
+        assert rendered != chat_prompt(_chat(base), tokenizer, None, "auto"), f"{field} did not reach the template"
     elif field == "add_special_tokens":
         request = _chat({field: True, "chat_template": PROBE_TEMPLATE})
         text = tokenizer.apply_chat_template([m for m in ({"role": "user", "content": "hi"},
                                                           {"role": "assistant", "content": "partial"})],
                                              chat_template=PROBE_TEMPLATE)
-        assert chat_prompt(request, tokenizer, None) == tokenizer.encode(text, add_special_tokens=True)
+        assert chat_prompt(request, tokenizer, None, "auto") == tokenizer.encode(text, add_special_tokens=True)
     else:
         assert field in OUTPUT, f"{field} is neither implemented nor refused"
 

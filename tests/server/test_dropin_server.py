@@ -6,6 +6,7 @@ launch path is the one a vLLM script takes.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -35,7 +36,9 @@ def vllm_server(tmp_path_factory):
                              "--max-logprobs", "5", "--disable-log-requests", "--seed", "0", "-O3",
                              "--compilation-config", '{"cudagraph_mode": "FULL_AND_PIECEWISE"}',
                              "--enable-force-include-usage", "--enable-prompt-tokens-details",
-                             "--response-role", "narrator",
+                             "--response-role", "narrator", "--logprobs-mode", "processed_logprobs",
+                             "--chat-template-content-format", "string", "--long-prefill-token-threshold", "32",
+                             "--max-num-partial-prefills", "2", "--model-impl", "auto",
                              "--override-generation-config", '{"max_new_tokens": 4}').wait_ready(600)
     yield proc
     assert proc.stop() == 0
@@ -86,6 +89,19 @@ def test_logprobs_name_tokens_by_id_when_asked(client):
     for entry in chat.choices[0].logprobs.content:
         assert entry.token.startswith("token_id:") and entry.bytes == list(entry.token.encode())
         assert all(top.token.startswith("token_id:") for top in entry.top_logprobs)
+
+
+def test_processed_logprobs_give_masked_tokens_vllms_floor(client):
+    """--logprobs-mode processed_logprobs: the distribution drawn from (top_k 2) sums to one over its two
+    tokens; a token it masks is -inf there, which JSON cannot carry: -9999.0, as vLLM sends."""
+    # A prompt of its own (LONG_PROMPT's blocks must stay out of the prefix cache), over the 32-token threshold.
+    prompt = "Rivers run down from the mountains to the sea, and the sea rises into clouds again. " * 3
+    choice = client.completions.create(model="smol", prompt=prompt, max_tokens=3, logprobs=3, temperature=0.7,
+                                       seed=3, extra_body={"top_k": 2, "ignore_eos": True}).choices[0]
+    for top in choice.logprobs.top_logprobs:
+        ranked = sorted(top.values(), reverse=True)
+        assert sum(math.exp(v) for v in ranked[:2]) == pytest.approx(1.0, abs=1e-3)
+        assert ranked[2:] == [-9999.0] * (len(ranked) - 2) and len(ranked) == 3
 
 
 def test_uvicorn_logs_at_the_level_asked(vllm_server):

@@ -294,6 +294,51 @@ def test_logprobs_ranks_and_top_k_come_from_the_raw_logits(device):
     assert [len(row) for row in lists.logprobs] == [1, 4, 1]
 
 
+def _processed_reference(logits: torch.Tensor) -> torch.Tensor:
+    """The logits each row of `_MODE_PARAMS` samples from, by hand: row 0 greedy with a repetition
+    penalty over its history [0..4]; row 1 tempered by 1.5 and cut to its 10 best; row 2 tempered by 0.8."""
+    expected = logits.clone()
+    seen = torch.tensor([0, 1, 2, 3, 4])
+    row = expected[0, seen]
+    expected[0, seen] = torch.where(row > 0, row / 2.0, row * 2.0)
+    expected[1] /= 1.5
+    expected[1, expected[1] < expected[1].topk(10).values[-1]] = float("-inf")
+    expected[2] /= 0.8
+    return expected
+
+
+_MODE_PARAMS = [
+    SamplingParams(temperature=0.0, logprobs=0, repetition_penalty=2.0),
+    SamplingParams(temperature=1.5, top_k=10, logprobs=3, seed=9),
+    SamplingParams(temperature=0.8, logprobs=2),
+]
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_modes_report_raw_or_processed_values(mode, device):
+    logits = randn(3, 50, seed=5, scale=2.0)
+    meta = build(_MODE_PARAMS, device=device, prompts=[[0, 1, 2]] * 3, outputs=[[3, 4]] * 3,
+                 generators=[None, seeded(9, device), seeded(4, device)], vocab=50)
+    out = Sampler(logprobs_mode=mode)(logits.clone().to(device), meta)
+    chosen = out.sampled_token_ids.cpu()
+    values = logits if mode.startswith("raw_") else _processed_reference(logits)
+    expected = values.log_softmax(dim=-1) if mode.endswith("_logprobs") else values
+    lists = out.logprobs.to_lists([0, 3, 2])
+    torch.testing.assert_close(torch.tensor([row[0] for row in lists.logprobs]),
+                               expected.gather(1, chosen[:, None]).squeeze(1))
+    top = expected.topk(3, dim=-1)
+    assert lists.token_ids[1][1:] == top.indices[1].tolist()
+    torch.testing.assert_close(torch.tensor(lists.logprobs[1][1:]), top.values[1])
+    if mode.startswith("processed_"):
+        assert torch.isinf(expected[1]).sum() == 40  # top-k's cut shows as -inf in what is reported
+    assert lists.ranks == [1 + int((expected[i] > expected[i, chosen[i]]).sum()) for i in range(3)]
+
+
+def test_an_unknown_logprobs_mode_is_refused():
+    with pytest.raises(ValueError, match="logprobs mode"):
+        Sampler(logprobs_mode="logits")
+
+
 def test_prompt_logprobs_match_log_softmax(device):
     logits = randn(5, 30, seed=6)
     targets = torch.tensor([3, 0, 29, 7, 7])
