@@ -24,6 +24,7 @@ def serve_api(settings, sock: socket.socket, engine_links=None, index: int | Non
     config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, log_config=None,
                             access_log=False, lifespan="on", timeout_graceful_shutdown=settings.shutdown_timeout,
                             ssl_keyfile=settings.ssl_keyfile, ssl_certfile=settings.ssl_certfile,
+                            ssl_ca_certs=settings.ssl_ca_certs, ssl_cert_reqs=settings.ssl_cert_reqs,
                             root_path=settings.root_path, log_level=settings.uvicorn_log_level)
     server = _Server(config, state)
     state.request_exit = server.request_exit

@@ -60,7 +60,33 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                        help="prefix of the /metrics series (default vllm:, vLLM's names)")
     for flag, help_text in _SWITCHES:
         group.add_argument(flag, action="store_true", help=help_text)
+    _add_http_flags(group)
+    for flag, (_, help_text) in _REFUSED_SWITCHES.items():
+        group.add_argument(flag, action="store_true", help=help_text)
+    for flag, (kind, value, help_text) in _PINNED.items():
+        group.add_argument(flag, type=kind, default=value, help=f"{help_text} (only {value})")
     _add_media_flags(parser.add_argument_group("images (vision-language models)"))
+
+
+def _add_http_flags(group) -> None:
+    """vLLM's HTTP-side flags: CORS details, client certificates, the docs page, request log lines."""
+    group.add_argument("--allow-credentials", action="store_true",
+                       help="CORS: let browsers send credentials (with --allowed-origins)")
+    group.add_argument("--allowed-methods", type=json.loads, default=["*"], metavar="JSON",
+                       help='CORS: the methods allowed, a JSON list (default ["*"])')
+    group.add_argument("--allowed-headers", type=json.loads, default=["*"], metavar="JSON",
+                       help='CORS: the request headers allowed, a JSON list (default ["*"])')
+    group.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                       help="HTTPS: CA certificates to verify client certificates against")
+    group.add_argument("--ssl-cert-reqs", type=int, default=0, metavar="N",
+                       help="HTTPS: whether client certificates are needed (Python's ssl.CERT_*: 0 none, "
+                            "1 optional, 2 required)")
+    group.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                       help="request log lines keep at most N characters (or token ids) of each prompt and output")
+    group.add_argument("--enable-log-outputs", action="store_true",
+                       help="request log lines carry the outputs' text too (with --log-prompts, the prompts')")
+    group.add_argument("--disable-fastapi-docs", action="store_true",
+                       help="serve no API docs page (/docs) and no OpenAPI schema")
 
 
 # vLLM's on/off flags of the server.
@@ -77,7 +103,34 @@ _SWITCHES = (
                                      "return_tokens_as_token_ids decides for itself)"),
     ("--disable-frontend-multiprocessing", "vLLM's name for --engine-in-process: the engine runs in the server's "
                                            "process"),
+    ("--disable-uvicorn-access-log", "accepted for vLLM scripts: uvicorn's access log is always off (each request "
+                                     "has corectl's log line instead)"),
+    ("--enable-request-id-headers", "accepted for vLLM scripts: responses always carry X-Request-Id"),
+    ("--enable-server-load-tracking", "accepted for vLLM scripts: GET /load always reports the requests in flight"),
+    ("--disable-cascade-attn", "accepted for vLLM scripts: corectl has no cascade attention"),
 )
+
+# vLLM's switches for what corectl does not have: each refused with what to do instead.
+_REFUSED_SWITCHES = {
+    "--enable-expert-parallel": ("enable_expert_parallel", "expert parallelism is not built: MoE experts are split "
+                                 "by tensor parallelism (each rank holds a slice of every expert); drop the flag"),
+    "--enable-eplb": ("enable_eplb", "expert load balancing needs expert parallelism, which is not built; drop the "
+                      "flag"),
+    "--disable-sliding-window": ("disable_sliding_window", "sliding-window layers always attend within their "
+                                 "window here; drop the flag"),
+    "--calculate-kv-scales": ("calculate_kv_scales", "FP8 KV caches use scales of 1.0 (no calibration); drop the "
+                              "flag"),
+    "--enable-prompt-embeds": ("enable_prompt_embeds", "prompts are text or token ids here; embeddings as prompts "
+                               "are not taken"),
+}
+# vLLM V0's scheduler flags, still in launch scripts: taken at the one value that means what corectl
+# does, refused at any other.
+_PINNED = {
+    "--preemption-mode": (str, "recompute", "how preempted requests resume: recomputed"),
+    "--num-scheduler-steps": (int, 1, "steps scheduled at a time: one (async scheduling overlaps them)"),
+    "--num-lookahead-slots": (int, 0, "KV slots reserved ahead (speculation allocates its own)"),
+    "--scheduler-delay-factor": (float, 0.0, "delay before scheduling a prompt"),
+}
 
 
 def _add_media_flags(group) -> None:
@@ -137,9 +190,10 @@ def check_vllm_flags(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError("response_role", "must not be empty")
     if args.enable_log_requests and args.disable_log_requests:
         raise ConfigError("enable_log_requests", "--enable-log-requests and --disable-log-requests contradict")
-    for name in ("swap_space", "max_seq_len_to_capture"):
+    for name in ("swap_space", "max_seq_len_to_capture", "max_log_len"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise ConfigError(name, f"must not be negative, got {getattr(args, name)}")
+    _check_unbuilt(args)
     return dict(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path,
                 uvicorn_log_level=args.uvicorn_log_level, force_include_usage=args.enable_force_include_usage,
                 prompt_tokens_details=args.enable_prompt_tokens_details, response_role=args.response_role,
@@ -147,7 +201,34 @@ def check_vllm_flags(args: argparse.Namespace) -> dict[str, Any]:
                 return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                 log_requests=not args.disable_log_requests, metrics_prefix=args.metrics_prefix,
                 max_logprobs=args.max_logprobs, generation_config=source, generation_overrides=overrides,
-                media=_media_settings(args))
+                media=_media_settings(args), **_http_settings(args))
+
+
+def _check_unbuilt(args: argparse.Namespace) -> None:
+    for field, message in _REFUSED_SWITCHES.values():
+        if getattr(args, field):
+            raise ConfigError(field, message)
+    for flag, (_, value, _) in _PINNED.items():
+        field = flag.removeprefix("--").replace("-", "_")
+        if getattr(args, field) != value:
+            raise ConfigError(field, f"only {value!r} here, got {getattr(args, field)!r}")
+
+
+def _http_settings(args: argparse.Namespace) -> dict[str, Any]:
+    for name in ("allowed_methods", "allowed_headers"):
+        value = getattr(args, name)
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise ConfigError(name, f'must be a JSON list of strings, like ["*"], got {value!r}')
+    if args.ssl_ca_certs is not None and not Path(args.ssl_ca_certs).is_file():
+        raise ConfigError("ssl_ca_certs", f"{args.ssl_ca_certs!r} is not a file")
+    if args.ssl_cert_reqs not in (0, 1, 2):
+        raise ConfigError("ssl_cert_reqs", f"must be 0 (none), 1 (optional) or 2 (required), got {args.ssl_cert_reqs}")
+    if (args.ssl_ca_certs is not None or args.ssl_cert_reqs) and args.ssl_certfile is None:
+        raise ConfigError("ssl_ca_certs", "client certificates need HTTPS: give --ssl-keyfile and --ssl-certfile")
+    return dict(cors_credentials=args.allow_credentials, cors_methods=args.allowed_methods,
+                cors_headers=args.allowed_headers, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+                max_log_len=args.max_log_len, log_outputs=args.enable_log_outputs,
+                api_docs=not args.disable_fastapi_docs)
 
 
 def api_keys_from_env() -> list[str]:

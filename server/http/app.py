@@ -50,7 +50,8 @@ def create_app(server: ServerState) -> Litestar:
     settings = server.settings
     cors = None
     if settings.allowed_origins:
-        cors = CORSConfig(allow_origins=settings.allowed_origins, allow_methods=["*"], allow_headers=["*"])
+        cors = CORSConfig(allow_origins=settings.allowed_origins, allow_methods=settings.cors_methods,
+                          allow_headers=settings.cors_headers, allow_credentials=settings.cors_credentials)
     tracer = _tracer(server)
     return Litestar(
         route_handlers=[CompletionsController, ChatController, EmbeddingsController, ModelsController,
@@ -67,7 +68,7 @@ def create_app(server: ServerState) -> Litestar:
         before_request=_require_json_body,
         request_max_body_size=settings.max_request_body,
         openapi_config=OpenAPIConfig(title="corectl", version=corectl.__version__, path="/docs",
-                                     render_plugins=[SwaggerRenderPlugin(path="/")]),
+                                     render_plugins=[SwaggerRenderPlugin(path="/")]) if settings.api_docs else None,
         state=State({"server": server}),
         logging_config=None,
     )

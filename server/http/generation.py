@@ -50,6 +50,8 @@ class Generation:
         self._outputs = server.engine.generate(prompt, params, request_id, priority, lora_request)
         self._finish_reasons: list[str | None] = [None] * params.n
         self._last: RequestOutput | None = None
+        # Each sample's text so far, for --enable-log-outputs (the outputs arrive as deltas).
+        self._texts: list[list[str]] | None = [[] for _ in range(params.n)] if server.settings.log_outputs else None
         self._ended = False
         self._started = False
 
@@ -83,6 +85,8 @@ class Generation:
             self.server.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
         self._last = out
         for sample in out.outputs:
+            if self._texts is not None:
+                self._texts[sample.index].append(sample.text)
             if sample.finish_reason is not None:
                 self._finish_reasons[sample.index] = sample.finish_reason
         if out.finished:
@@ -109,12 +113,15 @@ class Generation:
         if self.server.tracer is not None and timing is not None:
             self.server.tracer.emit(self._trace_parent, self.request_id, self.server.model_name, self._params,
                                     timing, reasons, now)
-        record_request(self.server, self.request_id, status, reasons, timing, self.prompt, now)
+        texts = None if self._texts is None else ["".join(parts) for parts in self._texts]
+        record_request(self.server, self.request_id, status, reasons, timing, self.prompt, now, texts)
 
 
 def record_request(server: ServerState, request_id: str, status: str, reasons: list[str],
-                   timing: RequestMetrics | None, prompt: str | list[int], now: float) -> None:
-    """The metrics and the log line of one engine request that ended (a generation or an embedding)."""
+                   timing: RequestMetrics | None, prompt: str | list[int], now: float,
+                   outputs: list[str] | None = None) -> None:
+    """The metrics and the log line of one engine request that ended (a generation or an embedding);
+    `outputs`: a generation's texts, logged with --enable-log-outputs."""
     if server.metrics is not None and timing is not None:
         server.metrics.observe_finished(timing, reasons, now)
     fields = dict(request_id=request_id, status=status, finish_reasons=reasons)
@@ -128,10 +135,18 @@ def record_request(server: ServerState, request_id: str, status: str, reasons: l
             ttft_s=_seconds(timing.first_token_time, timing.arrival_time),
             total_s=_seconds(timing.finished_time or now, timing.arrival_time),
         )
-    if server.settings.log_prompts:
-        fields["prompt"] = prompt
-    if server.settings.log_requests:
+    settings = server.settings
+    if settings.log_prompts:
+        fields["prompt"] = _clipped(prompt, settings.max_log_len)
+    if settings.log_outputs and outputs is not None:
+        fields["outputs"] = [_clipped(text, settings.max_log_len) for text in outputs]
+    if settings.log_requests:
         request_log.info("request " + status, **fields)
+
+
+def _clipped(value: str | list[int], limit: int | None) -> str | list[int]:
+    """vLLM's --max-log-len: the first `limit` characters or token ids."""
+    return value if limit is None else value[:limit]
 
 
 def _seconds(later: float | None, earlier: float) -> float | None:

@@ -68,6 +68,18 @@ class ServeSettings:
     responses_store_max_bytes: int = 64 * 1024 * 1024
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
+    # vLLM's --ssl-ca-certs and --ssl-cert-reqs (client certificates).
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
+    # CORS beyond the origins: vLLM's --allow-credentials, --allowed-methods, --allowed-headers.
+    cors_credentials: bool = False
+    cors_methods: list[str] = field(default_factory=lambda: ["*"])
+    cors_headers: list[str] = field(default_factory=lambda: ["*"])
+    # Request log lines: vLLM's --max-log-len (characters or ids of each prompt and output) and
+    # --enable-log-outputs; the /docs page and schema unless --disable-fastapi-docs.
+    max_log_len: int | None = None
+    log_outputs: bool = False
+    api_docs: bool = True
     root_path: str = ""
     uvicorn_log_level: str | None = None
     # vLLM's --enable-force-include-usage, --enable-prompt-tokens-details, --response-role.

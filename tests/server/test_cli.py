@@ -193,6 +193,12 @@ def test_serve_takes_vllm_scheduling_sampling_and_loading_flags(monkeypatch):
     (["--kv-cache-memory-bytes", "1G", "--kv-cache-memory", "1"], "kv_cache_memory_bytes: give the KV cache's size once"),
     (["--max-num-partial-prefills", "2", "--max-long-partial-prefills", "3"], "max_long_partial_prefills: 3 is more"),
     (["--hf-token", " "], "hf_token: must not be empty"),
+    (["--enable-expert-parallel"], "enable_expert_parallel: expert parallelism is not built"),
+    (["--calculate-kv-scales"], "calculate_kv_scales: FP8 KV caches use scales of 1.0"),
+    (["--preemption-mode", "swap"], "preemption_mode: only 'recompute' here, got 'swap'"),
+    (["--num-scheduler-steps", "8"], "num_scheduler_steps: only 1 here, got 8"),
+    (["--allowed-methods", '"GET"'], "allowed_methods: must be a JSON list of strings"),
+    (["--ssl-cert-reqs", "2"], "ssl_ca_certs: client certificates need HTTPS"),
 ])
 def test_vllm_loading_and_scheduling_flags_refuse_in_one_line(flags, message, capsys):
     from corectl.server.cli.main import main
