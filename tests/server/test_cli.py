@@ -188,39 +188,6 @@ def test_serve_takes_vllm_scheduling_sampling_and_loading_flags(monkeypatch):
     assert os.environ["HF_TOKEN"] == "hf_abc"
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--model-impl", "transformers"], "model_impl: corectl runs its own implementation"),
-    (["--kv-cache-memory-bytes", "1G", "--kv-cache-memory", "1"], "kv_cache_memory_bytes: give the KV cache's size once"),
-    (["--max-num-partial-prefills", "2", "--max-long-partial-prefills", "3"], "max_long_partial_prefills: 3 is more"),
-    (["--hf-token", " "], "hf_token: must not be empty"),
-    (["--enable-expert-parallel"], "enable_expert_parallel: expert parallelism is not built"),
-    (["--calculate-kv-scales"], "calculate_kv_scales: FP8 KV caches use scales of 1.0"),
-    (["--preemption-mode", "swap"], "preemption_mode: only 'recompute' here, got 'swap'"),
-    (["--num-scheduler-steps", "8"], "num_scheduler_steps: only 1 here, got 8"),
-    (["--allowed-methods", '"GET"'], "allowed_methods: must be a JSON list of strings"),
-    (["--ssl-cert-reqs", "2"], "ssl_ca_certs: client certificates need HTTPS"),
-])
-def test_vllm_loading_and_scheduling_flags_refuse_in_one_line(flags, message, capsys):
-    from corectl.server.cli.main import main
-
-    assert main(["serve", *flags]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and message in err[0], err
-
-
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--enable-log-requests", "--disable-log-requests"], "contradict"),
-    (["--swap-space", "-1"], "swap_space: must not be negative"),
-    (["--max-cudagraph-capture-size", "0"], "max_cudagraph_capture_size must hold positive integers"),
-])
-def test_bad_vllm_flag_values_are_one_line(flags, message, capsys):
-    from corectl.server.cli.main import main
-
-    assert main(["serve", *flags]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and message in err[0], err
-
-
 def test_vllm_spellings_of_engine_options():
     """The structured-outputs backend by either of vLLM's spellings ('auto' is the built-in one), the
     frontend in the engine's process, and the tokenizer modes corectl has."""
@@ -241,14 +208,27 @@ def test_vllm_spellings_of_engine_options():
 
 
 @pytest.mark.parametrize(("flags", "message"), [
+    (["--enable-log-requests", "--disable-log-requests"], "contradict"),
+    (["--swap-space", "-1"], "swap_space: must not be negative"),
+    (["--max-cudagraph-capture-size", "0"], "max_cudagraph_capture_size must hold positive integers"),
     (["--tokenizer-mode", "mistral"], "tokenizer_mode: corectl loads Hugging Face tokenizers"),
     (["--cpu-offload-gb", "4"], "cpu_offload_gb: weights are not offloaded"),
     (["--guided-decoding-backend", "xgrammar", "--structured-outputs-config", '{"backend": "guidance"}'],
      "two structured-outputs backends"),
     (["--structured-outputs-config", "[1]"], "structured_outputs_config: must be a JSON object"),
     (["--disable-frontend-multiprocessing", "--api-server-count", "2"], "API processes share an engine process"),
+    (["--model-impl", "transformers"], "model_impl: corectl runs its own implementation"),
+    (["--kv-cache-memory-bytes", "1G", "--kv-cache-memory", "1"], "kv_cache_memory_bytes: give the KV cache's size once"),
+    (["--max-num-partial-prefills", "2", "--max-long-partial-prefills", "3"], "max_long_partial_prefills: 3 is more"),
+    (["--hf-token", " "], "hf_token: must not be empty"),
+    (["--enable-expert-parallel"], "enable_expert_parallel: expert parallelism is not built"),
+    (["--calculate-kv-scales"], "calculate_kv_scales: FP8 KV caches use scales of 1.0"),
+    (["--preemption-mode", "swap"], "preemption_mode: only 'recompute' here, got 'swap'"),
+    (["--num-scheduler-steps", "8"], "num_scheduler_steps: only 1 here, got 8"),
+    (["--allowed-methods", '"GET"'], "allowed_methods: must be a JSON list of strings"),
+    (["--ssl-cert-reqs", "2"], "ssl_ca_certs: client certificates need HTTPS"),
 ])
-def test_vllm_engine_spellings_refuse_what_corectl_lacks(flags, message, capsys):
+def test_bad_or_unbuilt_vllm_flags_are_one_line_each(flags, message, capsys):
     from corectl.server.cli.main import main
 
     assert main(["serve", *flags]) == 2
