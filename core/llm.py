@@ -148,6 +148,9 @@ class LLM:
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: the `params.beam_width` best sequences of each prompt by
         cumulative logprob (`corectl.beam_search`); each sequence's `text` is the prompt's and its own."""
+        if self.config.logprobs_mode.endswith("_logits"):
+            raise InvalidRequestError(f"beam search ranks sequences by their logprobs, which this engine does not "
+                                      f"report (logprobs_mode={self.config.logprobs_mode!r} reports logits)")
         encoded = [encode_prompt(self.tokenizer, p)[1] for p in _as_prompt_list(prompts)]
         decode = None if self.tokenizer is None else self.tokenizer.decode
 

@@ -81,9 +81,10 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class Target:
-    """The device a plan is for. With `profiles_memory` (GPUs) the KV cache gets what is left of
-    `memory_bytes * gpu_memory_utilization`; otherwise (CPU) it gets `kv_cache_memory_gib`, and
-    everything must fit in `memory_bytes`. Quantization binds to `quantization_kernels`, those of
+    """The device a plan is for. The KV cache gets the explicit budget where one is given
+    (`EngineConfig.kv_cache_budget_bytes`), everything fitting in `memory_bytes`; otherwise, with
+    `profiles_memory` (GPUs), what is left of `memory_bytes * gpu_memory_utilization`, and on a CPU
+    the default budget. Quantization binds to `quantization_kernels`, those of
     `platform`'s device (`PlatformCaps`)."""
 
     name: str
@@ -392,16 +393,15 @@ def _remedies(plan: Plan, checkpoint: Checkpoint, shape: _Shape, config: EngineC
     remedies = []
     if plan.block_size <= plan.kv_tokens < plan.max_model_len and plan.kv_cache_bytes <= room:
         remedies.append(f"--max-model-len {plan.kv_tokens}")
-    if target.profiles_memory:
+    budget = config.kv_cache_budget_bytes
+    if target.profiles_memory and budget is None:
         utilization = math.ceil((plan.fixed_bytes + needed_kv) / plan.device_memory_bytes * 100) / 100
         if config.gpu_memory_utilization < utilization <= 1.0:
             remedies.append(f"--gpu-memory-utilization {utilization:.2f}")
     elif needed_kv <= room:
-        if plan.num_kv_blocks < plan.min_kv_blocks:  # the budget is too small: the least holding one sequence
-            gib = math.ceil(needed_kv / GIB * 1000) / 1000
-        else:  # the budget is too large for the memory: the most that fits
-            gib = math.floor(room / GIB * 1000) / 1000
-        remedies.append(f"--kv-cache-memory {gib:g}")
+        # The budget is too small: the least holding one sequence; too large: the most that fits.
+        fitting = needed_kv if plan.num_kv_blocks < plan.min_kv_blocks else room
+        remedies.append(_budget_flag(fitting, config, rounding_up=fitting == needed_kv))
     if plan.quantization is None and _fits_with_fp8(checkpoint, config, target):
         remedies.append("--quantization fp8")
     for tp in (n for n in TP_SIZES if n > plan.tensor_parallel_size):
@@ -412,6 +412,14 @@ def _remedies(plan: Plan, checkpoint: Checkpoint, shape: _Shape, config: EngineC
         except ConfigError:
             continue
     return remedies
+
+
+def _budget_flag(nbytes: int, config: EngineConfig, rounding_up: bool) -> str:
+    """The KV budget flag the config used (GiB by default), set to `nbytes`."""
+    if config.kv_cache_memory_bytes is not None:
+        return f"--kv-cache-memory-bytes {nbytes}"
+    rounded = (math.ceil if rounding_up else math.floor)(nbytes / GIB * 1000) / 1000
+    return f"--kv-cache-memory {rounded:g}"
 
 
 def _fits_with_fp8(checkpoint: Checkpoint, config: EngineConfig, target: Target) -> bool:

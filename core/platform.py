@@ -37,11 +37,11 @@ class PlatformCaps:
     async_output: bool = False
     # How the sampler draws a random row's token: "exponential_race" (vocabulary-sized noise in
     # one parallel pass, for GPUs) or "inverse_cdf" (one number per row and a search, for CPUs),
-    # handed to the runner's `Sampler` (`corectl.sample.random_sampling.sample_random`).
+    # handed to the runner's `Sampler` (`corectl.sample.random_sampling.draw_tokens`).
     sampling_draw: str = "exponential_race"
-    # The worker sizes the KV cache from the device's memory (`gpu_memory_utilization` of it, less
-    # the weights and a profiled step's peak), not from `kv_cache_memory_gib`: `corectl plan`
-    # (`corectl.planning`) sizes it the same way.
+    # Without an explicit KV budget (`kv_cache_budget_bytes`) the worker sizes the KV cache from the
+    # device's memory (`gpu_memory_utilization` of it, less the weights and a profiled step's peak),
+    # not from a fixed default: `corectl plan` (`corectl.planning`) sizes it the same way.
     profiles_memory: bool = False
     # Kernel names quantization methods may bind to (`corectl.quantization`): "cpu_int4pack" (torch's
     # packed int4 GEMM on CPUs), "fp8_scaled_mm" (torch._scaled_mm, FP8 tensor cores), "w4a16" and

@@ -19,6 +19,10 @@ from .piecewise import piecewise_token_counts
 logger = logging.getLogger("corectl.cuda")
 
 
+# An explicit KV budget past this share of what the device has left draws a warning.
+_BUDGET_HEADROOM = 0.95
+
+
 class CUDAWorker(Worker):
     runner_cls = CUDAGraphModelRunner
 
@@ -85,6 +89,9 @@ class CUDAWorker(Worker):
             raise ConfigError(field, f"{budget / 2**30:.3f} GiB of KV cache does not fit: the weights, a worst-case "
                               f"step and other allocations leave {max(room, 0) * per_block / 2**30:.3f} GiB of this "
                               f"{total / 2**30:.1f} GiB device")
+        if num_blocks > _BUDGET_HEADROOM * room:
+            logger.warning("%s leaves %.2f GiB of this device free; CUDA graphs and the sampler's buffers may not "
+                           "fit in it", field, (room - num_blocks) * per_block / 2**30)
         return num_blocks
 
     def _profile_peak(self) -> tuple[int, int]:

@@ -33,6 +33,13 @@ class PrefillLimits:
             return self.threshold
         return num_tokens
 
+    def occupy(self, req: Request, plan: StepPlan) -> None:
+        """Count in `plan` a running prompt left unfinished that this step does not schedule (another
+        micro-batch holds it, or its images wait): it keeps its place among the partial prefills."""
+        if self.max_partial > 1:
+            plan.partial_prefills += 1
+            plan.long_partial_prefills += req.num_prompt_tokens > self.threshold
+
     def admits(self, req: Request, partial: bool, plan: StepPlan) -> bool:
         """Whether `req` may run this step with a chunk that leaves its prompt unfinished (`partial`);
         counts it in `plan` when it may."""

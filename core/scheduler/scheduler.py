@@ -217,12 +217,19 @@ class Scheduler:
         index = 0
         while index < len(self.running) and not plan.full:
             req = self.running[index]
-            if (self._ends_by_length(req) or self._awaits_pooled(req) or self._awaits_verdict(req)
-                    or (self.pipeline_stages > 1 and self.in_flight.holds(req))):
+            if self._ends_by_length(req) or self._awaits_pooled(req) or self._awaits_verdict(req):
+                index += 1
+                continue
+            if self.pipeline_stages > 1 and self.in_flight.holds(req):
+                # Another micro-batch holds it; a prompt it leaves unfinished still counts.
+                if req.num_computed_tokens < req.num_tokens:
+                    self.prefills.occupy(req, plan)
                 index += 1
                 continue
             wanted = req.num_tokens + self.in_flight.num_tokens(req) - req.num_computed_tokens
             num_tokens = self._chunk(req, req.num_computed_tokens, wanted, plan)
+            if num_tokens == 0:  # its images wait for encoder room: its prompt stays unfinished
+                self.prefills.occupy(req, plan)
             if num_tokens == 0 or not self.prefills.admits(req, num_tokens < wanted, plan):
                 index += 1
                 continue

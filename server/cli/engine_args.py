@@ -43,12 +43,14 @@ def byte_count(text: str) -> int:
     return int(float(number) * _BYTE_UNITS[unit])
 
 
-_READABLE = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
+_READABLE = re.compile(r"(-?\d+(?:\.\d+)?)([kmgtKMGT]?)")
 
 
 def human_readable_int(text: str) -> int:
     """vLLM's human-readable integers: 25.6k = 25,600 (k, m, g, t: powers of 1000), 32K = 32,768
-    (K, M, G, T: powers of 1024, whole numbers only), or a plain integer."""
+    (K, M, G, T: powers of 1024, whole numbers only), or a plain integer (its sign left for the
+    option to judge). Unlike `byte_count` (--kv-offload-bytes: K, M, G decimal, Ki, Mi, Gi binary),
+    the case of the letter picks the base, as in vLLM."""
     match = _READABLE.fullmatch(text.strip())
     if match is None:
         raise argparse.ArgumentTypeError(f"not a number: {text!r} (use e.g. 4096, 32k or 8G)")
@@ -63,7 +65,7 @@ def human_readable_int(text: str) -> int:
             raise argparse.ArgumentTypeError(f"{text!r}: binary suffixes ({suffix}) take whole numbers; use "
                                              f"{suffix.lower()} for a decimal one")
         return int(number) * 1024 ** power
-    return int(float(number) * 1000 ** power)
+    return round(float(number) * 1000 ** power)
 
 
 def _gib(text: str) -> int:
@@ -103,7 +105,8 @@ ENGINE_FLAGS: dict[str, tuple[str | tuple[str, ...], str, str, dict[str, Any]]] 
     "kv_cache_memory_gib": ("--kv-cache-memory", _CACHE, "KV cache size in GiB (on GPUs instead of "
                             "--gpu-memory-utilization; CPU default 2)", {"type": float}),
     "kv_cache_memory_bytes": ("--kv-cache-memory-bytes", _CACHE, "KV cache size in bytes per device, vLLM's "
-                              "(8G = 8 GiB, 8g = 8e9; on GPUs instead of --gpu-memory-utilization)",
+                              "(8G = 8 GiB, 8g = 8e9, as vLLM reads them; on GPUs instead of "
+                              "--gpu-memory-utilization)",
                               {"type": human_readable_int}),
     "num_gpu_blocks_override": ("--num-gpu-blocks-override", _CACHE, "KV cache blocks to allocate whatever the "
                                 "memory profile allows (vLLM's; for tests of preemption and capacity)", {"type": int}),

@@ -16,7 +16,7 @@ from corectl.errors import ConfigError
 from ..http.logs import LOG_FORMATS
 from .api_process import serve_api
 from .engine_args import add_engine_args, config_from_args
-from .vllm_flags import add_vllm_flags, api_keys_from_env, check_vllm_flags
+from .vllm_flags import add_vllm_flags, allowed_origins, api_keys_from_env, check_vllm_flags
 
 logger = logging.getLogger("corectl.server")
 
@@ -39,7 +39,8 @@ def register(sub) -> None:
     group.add_argument("--api-key", action="append", default=None, metavar="KEY",
                        help="require 'Authorization: Bearer KEY' on the API routes (repeatable)")
     group.add_argument("--allowed-origins", default="", metavar="ORIGINS",
-                       help="comma-separated CORS origins, or '*' (default: none, no CORS headers)")
+                       help="CORS origins: comma-separated, or vLLM's JSON list ('[\"*\"]'), '*' for any "
+                            "(default: none, no CORS headers)")
     group.add_argument("--max-request-body", type=int, default=10 * 1024 * 1024, metavar="BYTES",
                        help="larger request bodies get 413 (default: 10 MiB)")
     group.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
@@ -139,7 +140,10 @@ def settings_from_args(args: argparse.Namespace):
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ConfigError("tool_call_parser", "--enable-auto-tool-choice needs --tool-call-parser to say how "
                           "the model writes its calls")
-    origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
+    origins = allowed_origins(args.allowed_origins)
+    if args.allow_credentials and (not origins or "*" in origins):
+        raise ConfigError("allow_credentials", "credentialed CORS requests need the origins listed in "
+                          "--allowed-origins (browsers refuse credentials with none or with '*')")
     return ServeSettings(
         engine=config, served_model_names=args.served_model_name or [default_served_name(config)],
         host=args.host, port=args.port, api_keys=args.api_key or api_keys_from_env(), allowed_origins=origins,

@@ -223,12 +223,27 @@ def _http_settings(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError("ssl_ca_certs", f"{args.ssl_ca_certs!r} is not a file")
     if args.ssl_cert_reqs not in (0, 1, 2):
         raise ConfigError("ssl_cert_reqs", f"must be 0 (none), 1 (optional) or 2 (required), got {args.ssl_cert_reqs}")
-    if (args.ssl_ca_certs is not None or args.ssl_cert_reqs) and args.ssl_certfile is None:
+    if args.ssl_cert_reqs and args.ssl_ca_certs is None:
+        raise ConfigError("ssl_cert_reqs", "verifying client certificates needs the CAs that sign them: --ssl-ca-certs")
+    if args.ssl_ca_certs is not None and args.ssl_certfile is None:
         raise ConfigError("ssl_ca_certs", "client certificates need HTTPS: give --ssl-keyfile and --ssl-certfile")
     return dict(cors_credentials=args.allow_credentials, cors_methods=args.allowed_methods,
                 cors_headers=args.allowed_headers, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
                 max_log_len=args.max_log_len, log_outputs=args.enable_log_outputs,
                 api_docs=not args.disable_fastapi_docs)
+
+
+def allowed_origins(text: str) -> list[str]:
+    """--allowed-origins: comma-separated origins, or vLLM's JSON list of them."""
+    if text.lstrip().startswith("["):
+        try:
+            origins = json.loads(text)
+        except ValueError:
+            origins = None
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise ConfigError("allowed_origins", f"must be a JSON list of origins, got {text!r}")
+        return [o.strip() for o in origins if o.strip()]
+    return [o.strip() for o in text.split(",") if o.strip()]
 
 
 def api_keys_from_env() -> list[str]:

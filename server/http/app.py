@@ -207,7 +207,7 @@ def _log_ready(server: ServerState) -> None:
         "%s %s; %s", ", ".join(settings.served_model_names), info.architecture, info.platform,
         info.device, info.dtype, info.kv_capacity_tokens, info.kv_capacity_tokens / info.max_model_len,
         info.max_model_len, "engine" if engines == 1 else f"{engines} data-parallel engines", where,
-        f"API at {settings.url}/v1, docs at {settings.url}/docs",
+        f"API at {settings.url}/v1" + (f", docs at {settings.url}/docs" if settings.api_docs else ""),
     )
 
 

@@ -32,7 +32,7 @@ from .state import ServerState
 from .tool_parsers.base import ToolParser
 from .tool_parsers.forced import NamedCallParser, RequiredCallsParser
 from .tools import check_tool_choice, template_tools
-from .vllm_fields import check_max_logprobs
+from .vllm_fields import check_max_logprobs, check_ranking
 
 
 class ChatController(Controller):
@@ -84,6 +84,7 @@ async def start_chat(data: ChatCompletionRequest, request: Request, server: Serv
     reasoning = ChatReasoning(None if harmony else server.reasoning_parser, tokenizer, prompt, params)
     forced = tool_choice in ("required", "named")
     if data.use_beam_search:
+        check_ranking("use_beam_search", server.settings.engine.logprobs_mode)
         if images:
             raise APIError(400, "use_beam_search does not take images", "use_beam_search")
         group = _beam_group(data, server, prompt, params, request_id, lora, forced)

@@ -18,7 +18,7 @@ from .protocol import CompletionRequest
 from .request_id import request_id_for
 from .responses import CompletionChoice, CompletionLogprobs, CompletionResponse
 from .state import ServerState
-from .vllm_fields import check_max_logprobs
+from .vllm_fields import check_max_logprobs, check_ranking
 
 
 class _Choice:
@@ -180,6 +180,8 @@ class CompletionsController(Controller):
         params = data.sampling_params(server.sampling_defaults)
         check_max_logprobs(params, server.settings.max_logprobs, "logprobs")
         request_id = f"cmpl-{request_id_for(request, data.request_id)}"
+        if data.use_beam_search or data.keep_best is not None:
+            check_ranking("use_beam_search" if data.use_beam_search else "best_of", server.settings.engine.logprobs_mode)
         if data.use_beam_search:
             group = _beam_group(data, server, request_id, lora, params.max_tokens or 16)
         else:

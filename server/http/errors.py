@@ -116,7 +116,7 @@ def _http_message(exc: HTTPException) -> str:
     if exc.status_code == 413:
         return "the request body is larger than this server accepts (see --max-request-body)"
     if exc.status_code == 404:
-        return "no such route; see /docs for the API"
+        return "no such route; /docs lists the API's (unless the server runs with --disable-fastapi-docs)"
     return str(exc.detail)
 
 

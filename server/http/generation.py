@@ -51,7 +51,8 @@ class Generation:
         self._finish_reasons: list[str | None] = [None] * params.n
         self._last: RequestOutput | None = None
         # Each sample's text so far, for --enable-log-outputs (the outputs arrive as deltas).
-        self._texts: list[list[str]] | None = [[] for _ in range(params.n)] if server.settings.log_outputs else None
+        logged = server.settings.log_outputs and server.settings.log_requests
+        self._texts: list[list[str]] | None = [[] for _ in range(params.n)] if logged else None
         self._ended = False
         self._started = False
 

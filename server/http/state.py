@@ -86,7 +86,7 @@ class ServeSettings:
     force_include_usage: bool = False
     prompt_tokens_details: bool = False
     response_role: str = "assistant"
-    # vLLM's --chat-template-content-format (corectl.tokenizer.CONTENT_FORMATS).
+    # vLLM's --chat-template-content-format (corectl.chat_content.CONTENT_FORMATS).
     chat_template_content_format: str = "auto"
     return_tokens_as_token_ids: bool = False
     log_requests: bool = True

@@ -34,6 +34,14 @@ def check_max_logprobs(params: SamplingParams, limit: int, logprobs_field: str) 
             raise APIError(400, f"{field} must be at most {limit} on this server (--max-logprobs), got {value}", field)
 
 
+def check_ranking(field: str, logprobs_mode: str) -> None:
+    """Beam search and best_of rank samples by cumulative logprob, which a server whose
+    --logprobs-mode reports logits does not have."""
+    if logprobs_mode.endswith("_logits"):
+        raise APIError(400, f"{field} ranks samples by their logprobs, which this server does not report "
+                       f"(--logprobs-mode {logprobs_mode} reports logits)", field)
+
+
 class RefusedFields(ConstraintFields, kw_only=True):
     """The refused fields completions and chat requests share, at their vLLM defaults (each request
     declares its own others); `check_refused` checks every field named in REFUSED_REASONS."""

@@ -226,7 +226,10 @@ def test_vllm_spellings_of_engine_options():
     (["--preemption-mode", "swap"], "preemption_mode: only 'recompute' here, got 'swap'"),
     (["--num-scheduler-steps", "8"], "num_scheduler_steps: only 1 here, got 8"),
     (["--allowed-methods", '"GET"'], "allowed_methods: must be a JSON list of strings"),
-    (["--ssl-cert-reqs", "2"], "ssl_ca_certs: client certificates need HTTPS"),
+    (["--ssl-cert-reqs", "2"], "ssl_cert_reqs: verifying client certificates needs the CAs"),
+    (["--ssl-ca-certs", "/etc/hostname"], "ssl_ca_certs: client certificates need HTTPS"),
+    (["--allow-credentials", "--allowed-origins", '["*"]'], "allow_credentials: credentialed CORS requests"),
+    (["--allowed-origins", "[1]"], "allowed_origins: must be a JSON list of origins"),
 ])
 def test_bad_or_unbuilt_vllm_flags_are_one_line_each(flags, message, capsys):
     from corectl.server.cli.main import main

@@ -44,13 +44,13 @@ def test_bad_budgets_are_refused(options, message):
 
 @pytest.mark.parametrize("text, value", [
     ("4096", 4096), ("1k", 1000), ("1K", 1024), ("25.6k", 25_600), ("8G", 8 * 2**30), ("8g", 8 * 10**9),
-    (" 2M ", 2 * 2**20), ("1t", 10**12),
+    (" 2M ", 2 * 2**20), ("1t", 10**12), ("1.005k", 1005), ("-1", -1),
 ])
 def test_human_readable_integers_read_as_vllm_reads_them(text, value):
     assert human_readable_int(text) == value
 
 
-@pytest.mark.parametrize("text", ["1.5K", "2.5", "eight", "8GB", "-1", ""])
+@pytest.mark.parametrize("text", ["1.5K", "2.5", "eight", "8GB", "k", ""])
 def test_other_spellings_are_refused(text):
     with pytest.raises(argparse.ArgumentTypeError):
         human_readable_int(text)

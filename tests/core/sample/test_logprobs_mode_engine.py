@@ -48,3 +48,19 @@ def test_top_k_cut_shows_as_minus_infinity(processed):
         ranked = sorted(position.values(), key=lambda e: e.rank)
         assert sum(math.exp(e.logprob) for e in ranked[:3]) == pytest.approx(1.0, abs=1e-4)
         assert all(e.logprob == -math.inf for e in ranked[3:5])
+
+
+def test_logits_modes_refuse_what_ranks_samples_by_logprob():
+    from corectl.beam_search import BeamSearchParams
+    from corectl.errors import InvalidRequestError
+    from corectl.server.http.errors import APIError
+    from corectl.server.http.vllm_fields import check_ranking
+
+    llm = LLM(max_model_len=256, kv_cache_memory_gib=0.05, logprobs_mode="raw_logits")
+    with pytest.raises(InvalidRequestError, match="reports logits"):
+        llm.beam_search(["Once upon a time"], BeamSearchParams(beam_width=2, max_tokens=2))
+    out = _one(llm, llm.get_tokenizer().encode("Once"), SamplingParams(temperature=0.0, max_tokens=2, logprobs=1))
+    assert out.logprobs[0][out.token_ids[0]].logprob > 0  # a raw logit, which no logprob can be
+    with pytest.raises(APIError, match="best_of ranks samples by their logprobs"):
+        check_ranking("best_of", "processed_logits")
+    check_ranking("best_of", "processed_logprobs")

@@ -79,3 +79,16 @@ def test_limited_runs_give_the_same_tokens_and_free_every_block(options):
 def test_bad_limits_are_refused(options, field):
     with pytest.raises(ConfigError, match=field):
         make_scheduler(**options)
+
+
+def test_a_prompt_another_micro_batch_holds_keeps_its_place():
+    """Pipeline parallelism: while L0's chunk is in flight in one micro-batch, the next may not start a
+    second long prompt beside it."""
+    sched = make_scheduler(max_model_len=128, max_num_batched_tokens=64, long_prefill_token_threshold=16,
+                           max_num_partial_prefills=2, max_long_partial_prefills=1, pipeline_parallel_size=2)
+    for rid, prompt in (("L0", range(60)), ("L1", range(100, 160)), ("S", range(200, 210))):
+        sched.add_request(make_req(rid, prompt))
+    first = sched.schedule()
+    assert first.num_scheduled_tokens == {"L0": 16, "S": 10}
+    second = sched.schedule()
+    assert "L1" not in second.num_scheduled_tokens
