@@ -36,7 +36,7 @@ def load_hf_config(source: Path, overrides: dict[str, Any] | None) -> tuple[Pret
     if not isinstance(config_dict, dict):
         raise ConfigError("model", f"the config at {source} holds a JSON {type(config_dict).__name__}, "
                                    "not an object of model settings")
-    config_dict = {**config_dict, **(overrides or {})}
+    config_dict = _with_overrides(config_dict, overrides or {})
     model_type = config_dict.get("model_type")
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise ConfigError(
@@ -51,6 +51,29 @@ def load_hf_config(source: Path, overrides: dict[str, Any] | None) -> tuple[Pret
                                    f"{type(exc).__name__}: {exc}") from exc
     lift_text_config(config)
     return config, checkpoint_dtype(config_dict)
+
+
+# Rope keys of older configs (and vLLM's --rope-theta/--rope-scaling), which transformers folds into
+# `rope_parameters` only where the file has none.
+_OLD_ROPE_KEYS = ("rope_theta", "rope_scaling")
+
+
+def _with_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """The config with `overrides` on top. An override of `rope_theta` or `rope_scaling` on a config
+    that already states `rope_parameters` (a flat dict, not per layer type) goes into them, where it
+    would otherwise be ignored."""
+    merged = {**config, **overrides}
+    rope = merged.get("rope_parameters")
+    old = {key: overrides[key] for key in _OLD_ROPE_KEYS if key in overrides}
+    if not old or "rope_parameters" in overrides or not isinstance(rope, dict) or "rope_theta" not in rope:
+        return merged
+    scaling = dict(old.get("rope_scaling") or {})
+    if "type" in scaling:  # the oldest spelling of rope_type
+        scaling.setdefault("rope_type", scaling.pop("type"))
+    folded = {**rope, **scaling, **({"rope_theta": old["rope_theta"]} if "rope_theta" in old else {})}
+    # Left beside rope_parameters, transformers would rebuild them from these keys alone.
+    rest = {key: value for key, value in merged.items() if key not in old}
+    return {**rest, "rope_parameters": folded}
 
 
 # What the engine reads off a config to size the KV cache, the context and the vocabulary.

@@ -233,6 +233,13 @@ def _add_vllm_engine_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--model-impl", default="auto", metavar="auto|vllm",
                        help="vLLM's choice of model code: corectl runs its own implementation of each "
                             "architecture (`corectl plugins`), so auto or vllm")
+    group.add_argument("--rope-scaling", type=json.loads, default=None, metavar="JSON",
+                       help="vLLM's older flag: the config's rope_scaling (as --hf-overrides '{\"rope_scaling\": ...}')")
+    group.add_argument("--rope-theta", type=float, default=None, metavar="THETA",
+                       help="vLLM's older flag: the config's rope_theta")
+    group.add_argument("--pooler-config", "--override-pooler-config", dest="pooler_config", type=json.loads,
+                       default=None, metavar="JSON",
+                       help="vLLM's pooler config: its pooling_type and normalize set --pooling-type and --normalize")
     group.add_argument("--hf-token", nargs="?", const=True, default=None, metavar="TOKEN",
                        help="Hugging Face token for gated or private repos (HF_TOKEN for this command's "
                             "processes); bare, the one `huggingface-cli login` stored, as without the flag")
@@ -249,6 +256,7 @@ def _vllm_engine_values(args: argparse.Namespace) -> dict[str, Any]:
     if args.cpu_offload_gb != 0:
         raise ConfigError("cpu_offload_gb", "weights are not offloaded to host memory here; the model must fit "
                                             "the devices (see `corectl plan`, or use -tp/-pp or quantization)")
+    values = {**_rope_overrides(args), **_pooler_values(args)}
     backends = [] if args.guided_decoding_backend is None else [args.guided_decoding_backend]
     if args.structured_outputs_config is not None:
         config = decode_json_option("structured_outputs_config", args.structured_outputs_config)
@@ -257,7 +265,38 @@ def _vllm_engine_values(args: argparse.Namespace) -> dict[str, Any]:
         backends += [config["backend"]] if "backend" in config else []
     if len(set(backends)) > 1:
         raise ConfigError("structured_outputs_config", f"two structured-outputs backends given: {backends}")
-    return {"structured_outputs_backend": backends[0]} if backends else {}
+    return {**values, "structured_outputs_backend": backends[0]} if backends else values
+
+
+def _rope_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's --rope-scaling and --rope-theta, merged into --hf-overrides (which win where both set a key)."""
+    rope = {key: value for key, value in (("rope_scaling", args.rope_scaling), ("rope_theta", args.rope_theta))
+            if value is not None}
+    if not rope:
+        return {}
+    if args.rope_scaling is not None and not isinstance(args.rope_scaling, dict):
+        raise ConfigError("rope_scaling", f"must be a JSON object, got {args.rope_scaling!r}")
+    return {"hf_overrides": {**rope, **(args.hf_overrides or {})}}
+
+
+# vLLM's pooler-config keys corectl's engine options cover.
+_POOLER_KEYS = {"pooling_type": "pooling_type", "normalize": "normalize"}
+
+
+def _pooler_values(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's --pooler-config: its pooling_type and normalize (those flags, when given too, must agree)."""
+    config = args.pooler_config
+    if config is None:
+        return {}
+    if not isinstance(config, dict) or set(config) - set(_POOLER_KEYS):
+        raise ConfigError("pooler_config", f"takes pooling_type and normalize here, got {config!r}")
+    values = {_POOLER_KEYS[key]: (value.upper() if key == "pooling_type" and isinstance(value, str) else value)
+              for key, value in config.items()}
+    for field, value in values.items():
+        flag = getattr(args, field)
+        if flag is not None and flag != value:
+            raise ConfigError("pooler_config", f"sets {field}={value!r}, but --{field.replace('_', '-')} gives {flag!r}")
+    return values
 
 
 def _add_compilation_flags(group: argparse._ArgumentGroup) -> None:

@@ -108,6 +108,12 @@ _SWITCHES = (
     ("--enable-request-id-headers", "accepted for vLLM scripts: responses always carry X-Request-Id"),
     ("--enable-server-load-tracking", "accepted for vLLM scripts: GET /load always reports the requests in flight"),
     ("--disable-cascade-attn", "accepted for vLLM scripts: corectl has no cascade attention"),
+    ("--exclude-tools-when-tool-choice-none", "accepted for vLLM scripts: tool_choice 'none' always leaves the "
+                                              "tools out of the prompt"),
+    ("--trust-request-chat-template", "accepted for vLLM scripts: a request's chat_template always renders, in "
+                                      "transformers' sandboxed Jinja environment"),
+    ("--guided-decoding-disable-fallback", "accepted for vLLM scripts: the structured-outputs backend has no "
+                                           "fallback to disable"),
 )
 
 # vLLM's switches for what corectl does not have: each refused with what to do instead.

@@ -177,12 +177,16 @@ def test_serve_takes_vllm_scheduling_sampling_and_loading_flags(monkeypatch):
         "serve", "--max-model-len", "2k", "--max-num-batched-tokens", "8K", "--long-prefill-token-threshold", "1k",
         "--max-num-partial-prefills", "4", "--max-long-partial-prefills", "2", "--kv-cache-memory-bytes", "2G",
         "--logprobs-mode", "processed_logits", "--chat-template-content-format", "openai", "--model-impl", "vllm",
-        "--hf-token", "hf_abc"]))
+        "--hf-token", "hf_abc", "--rope-theta", "500000", "--rope-scaling", '{"rope_type": "dynamic", "factor": 2.0}',
+        "--hf-overrides", '{"rope_theta": 250000}', "--pooler-config", '{"pooling_type": "mean", "normalize": false}',
+        "--exclude-tools-when-tool-choice-none", "--trust-request-chat-template"]))
     engine = settings.engine
     assert (engine.max_model_len, engine.max_num_batched_tokens, engine.long_prefill_token_threshold) == (2000, 8192, 1000)
     assert (engine.max_num_partial_prefills, engine.max_long_partial_prefills) == (4, 2)
     assert engine.kv_cache_budget_bytes == 2 * 2**30 and engine.logprobs_mode == "processed_logits"
     assert settings.chat_template_content_format == "openai"
+    assert engine.hf_overrides == {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "rope_theta": 250000}
+    assert (engine.pooling_type, engine.normalize) == ("MEAN", False)
     import os
 
     assert os.environ["HF_TOKEN"] == "hf_abc"
@@ -230,6 +234,9 @@ def test_vllm_spellings_of_engine_options():
     (["--ssl-ca-certs", "/etc/hostname"], "ssl_ca_certs: client certificates need HTTPS"),
     (["--allow-credentials", "--allowed-origins", '["*"]'], "allow_credentials: credentialed CORS requests"),
     (["--allowed-origins", "[1]"], "allowed_origins: must be a JSON list of origins"),
+    (["--pooler-config", '{"pooling_type": "CLS"}', "--pooling-type", "MEAN"], "pooler_config: sets pooling_type"),
+    (["--pooler-config", '{"softmax": true}'], "pooler_config: takes pooling_type and normalize"),
+    (["--rope-scaling", "2"], "rope_scaling: must be a JSON object"),
 ])
 def test_bad_or_unbuilt_vllm_flags_are_one_line_each(flags, message, capsys):
     from corectl.server.cli.main import main

@@ -457,3 +457,20 @@ def test_incomplete_checkpoint_names_missing_parameters(qwen2_checkpoint):
     receiver = Receiver({**{n: t.shape for n, t in state.items()}, "model.extra.weight": torch.Size([3])})
     with pytest.raises(ConfigError, match=r"1 parameters .*model\.extra\.weight"):
         source.load_weights(receiver)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ({"rope_theta": 250000.0}, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 64, "rope_theta": 250000.0}),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}, "rope_theta": 1e6},
+     {"rope_type": "dynamic", "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 64, "rope_theta": 1e6}),
+])
+def test_rope_overrides_reach_a_config_that_states_rope_parameters(tmp_path, overrides, expected):
+    """vLLM's --rope-theta / --rope-scaling (older configs' keys) on a checkpoint whose config already
+    holds `rope_parameters`, which transformers would keep as they are: the overrides go into them."""
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+    AutoConfig.for_model("llama", **TINY, rope_parameters=rope).save_pretrained(tmp_path)
+    source = resolve_model_source(EngineConfig(model=str(tmp_path), load_format="dummy", hf_overrides=overrides))
+    assert source.hf_config.rope_parameters == expected
