@@ -151,6 +151,8 @@ def _add_media_flags(group) -> None:
                        help="let image URLs name any host (public addresses only, unless the next flag)")
     group.add_argument("--allow-private-media-addresses", action="store_true",
                        help="let image URLs reach loopback, private and link-local addresses")
+    group.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                       help="let file:///... image URLs read files under DIR (and only there; trusted clients only)")
     group.add_argument("--media-fetch-timeout", type=float, default=media.fetch_timeout, metavar="SECONDS",
                        help="longest fetch of one image URL, redirects included")
     group.add_argument("--max-image-bytes", type=int, default=media.max_bytes, metavar="N",
@@ -168,11 +170,15 @@ def _media_settings(args: argparse.Namespace) -> MediaSettings:
     for name in ("media_fetch_timeout", "max_image_bytes", "max_image_pixels"):
         if getattr(args, name) <= 0:
             raise ConfigError(name, f"must be positive, got {getattr(args, name)}")
+    local = args.allowed_local_media_path
+    if local is not None and not Path(local).is_dir():
+        raise ConfigError("allowed_local_media_path", f"{local!r} is not a directory")
     return MediaSettings(max_images=limits.get("image", MediaSettings.max_images),
                          allowed_domains=tuple(d.lower().lstrip(".") for d in args.allowed_media_domains),
                          allow_any_domain=args.allow_any_media_domain,
                          allow_private=args.allow_private_media_addresses, max_bytes=args.max_image_bytes,
-                         max_pixels=args.max_image_pixels, fetch_timeout=args.media_fetch_timeout)
+                         max_pixels=args.max_image_pixels, fetch_timeout=args.media_fetch_timeout,
+                         local_media_path=None if local is None else str(Path(local).resolve()))
 
 
 def check_vllm_flags(args: argparse.Namespace) -> dict[str, Any]:

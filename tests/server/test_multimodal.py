@@ -39,10 +39,18 @@ def _image_message(*urls: str, text: str = "What is this?") -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def vlm_server(qwen2_5_vl_dir):
+def media_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("media")
+    (folder / "cat.png").write_bytes(png_bytes(random_image(100, 70, 1)))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def vlm_server(qwen2_5_vl_dir, media_dir):
     proc = ServerProcess(str(qwen2_5_vl_dir), "--api-key", API_KEY, "--dtype", "float32", "--kv-cache-memory", "0.02",
                          "--max-model-len", "256", "--limit-mm-per-prompt", '{"image": 2}',
                          "--allow-any-media-domain", "--max-image-pixels", "1000000",
+                         "--allowed-local-media-path", str(media_dir),
                          "--served-model-name", "m").wait_ready()
     yield proc
     assert proc.stop() == 0
@@ -75,7 +83,8 @@ def test_a_data_url_image_through_the_openai_client_and_tokenize_counts_its_toke
     (data_url(b"hello", "text/plain"), "unsupported_media_type"),
     (data_url(_huge_png_header(10000, 10000)), "image_too_large"),
     ("http://127.0.0.1:9/cat.png", "media_address_not_allowed"),
-    ("file:///etc/passwd", "invalid_image_url"),
+    ("file:///etc/passwd", "media_path_not_allowed"),
+    ("file://otherhost/cat.png", "invalid_image_url"),
 ])
 def test_bad_images_are_400s_naming_the_limit(vlm_http, url, code):
     expect_error(_chat(vlm_http, _image_message(url)), 400, "messages", code)
@@ -135,3 +144,20 @@ def test_every_redirect_hop_and_the_byte_limit_are_checked():
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_file_urls_read_only_under_the_allowed_directory(vlm_http, media_dir, tmp_path):
+    """--allowed-local-media-path: a file there is the same image as its data URL; a path that leaves
+    the directory (.. or a symbolic link out of it) is refused like a missing file."""
+    local = vlm_http.post("/tokenize", json={"messages": _image_message((media_dir / "cat.png").as_uri())})
+    inline = vlm_http.post("/tokenize", json={"messages": _image_message(
+        data_url((media_dir / "cat.png").read_bytes()))})
+    assert local.status_code == 200 and local.json()["tokens"] == inline.json()["tokens"]
+    assert _chat(vlm_http, _image_message((media_dir / "cat.png").as_uri())).status_code == 200
+    outside = tmp_path / "secret.png"
+    outside.write_bytes((media_dir / "cat.png").read_bytes())
+    (media_dir / "link.png").symlink_to(outside)
+    for url in (f"file://{media_dir}/../{outside.parent.name}/secret.png", (media_dir / "link.png").as_uri(),
+                (media_dir / "missing.png").as_uri()):
+        answer = _chat(vlm_http, _image_message(url))
+        assert answer.status_code == 400 and answer.json()["error"]["code"] == "media_path_not_allowed", url

@@ -15,6 +15,7 @@ from corectl.multimodal.processing import ImageProcessing, decode_image
 from ..errors import APIError
 from .address_guard import guarded_client
 from .fetch import fetch_image
+from .local_files import read_local_image
 from .settings import MediaSettings
 
 # Images decoded and preprocessed at once across all requests (each holds a decoded image).
@@ -66,6 +67,8 @@ class MediaIntake:
                            "invalid_image_url")
         if source.startswith("data:"):
             data = data_url_bytes(source, self.settings.max_bytes)
+        elif source.startswith("file:"):
+            data = await anyio.to_thread.run_sync(read_local_image, source, self.settings, limiter=self._limiter)
         else:
             data = await fetch_image(client, source, self.settings)
         return await anyio.to_thread.run_sync(decode_image, data, self.settings.max_pixels, limiter=self._limiter)

@@ -12,7 +12,8 @@ class MediaSettings:
     default) refuses every URL unless `allow_any_domain`. `allow_private` lets URLs reach loopback,
     private, link-local and other non-public addresses (off: every address a host resolves to, at
     every redirect hop, must be public). `max_images`: images per prompt (vLLM's
-    --limit-mm-per-prompt '{"image": N}')."""
+    --limit-mm-per-prompt '{"image": N}'). `local_media_path`: the directory whose files `file:`
+    URLs may name (vLLM's --allowed-local-media-path); None refuses them."""
 
     max_images: int = 4
     allowed_domains: tuple[str, ...] = ()
@@ -22,3 +23,4 @@ class MediaSettings:
     max_pixels: int = DEFAULT_MAX_PIXELS
     fetch_timeout: float = 10.0
     max_redirects: int = 3
+    local_media_path: str | None = None
