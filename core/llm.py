@@ -64,6 +64,11 @@ class LLM:
         """Bring back the weights and the KV cache (or only the `tags` named: "weights", "kv_cache")."""
         self.engine.wake_up(tags)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's `LLM.reset_prefix_cache`): the next prompts compute
+        their prefixes again."""
+        self.engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: SamplingParams with the model's generation-config defaults (vLLM's own without)."""
         return SamplingParams(**self._sampling_defaults)

@@ -52,6 +52,7 @@ from .messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineInfo,
+    ResetPrefixCache,
     SleepEngine,
 )
 
@@ -242,17 +243,27 @@ class EngineCore:
                                  controls_done=self._controls_done, control_errors=errors)
 
     def _run_controls(self) -> None:
-        """Sleep or wake up, in the order asked; each failure is reported with its number."""
+        """Sleep, wake up or reset the prefix cache, in the order asked; each failure is reported
+        with its number."""
         for control in self._controls:
             self._controls_done += 1
             try:
                 if isinstance(control, SleepEngine):
                     self.sleep(control.level)
+                elif isinstance(control, ResetPrefixCache):
+                    self.reset_prefix_cache()
                 else:
                     self.wake_up(control.tags)
             except CorectlError as exc:
                 self._control_errors.append((self._controls_done, str(exc)))
         self._controls.clear()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix of the device's KV cache; no request may be running (the
+        controls wait for that)."""
+        if self.has_unfinished_requests():
+            raise InvalidRequestError("the prefix cache can only be reset while no request runs")
+        self.scheduler.kv.reset_prefix_cache()
 
     def sleep(self, level: int) -> None:
         """Free the KV cache (its cached prefixes with it) and offload (1) or drop (2) the weights;

@@ -196,7 +196,12 @@ class WakeEngine(msgspec.Struct, tag="wake", array_like=True):
     tags: list[str] | None = None
 
 
-EngineControl = SleepEngine | WakeEngine
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True):
+    """Forget every cached prefix once no request runs (vLLM's /reset_prefix_cache: benchmarks'
+    passes then start cold)."""
+
+
+EngineControl = SleepEngine | WakeEngine | ResetPrefixCache
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):
@@ -221,5 +226,5 @@ class EngineStep(msgspec.Struct, tag="step", array_like=True):
     num_messages_applied: int
 
 
-ClientMessage = AddRequests | AbortRequests | SleepEngine | WakeEngine | ShutdownEngine
+ClientMessage = AddRequests | AbortRequests | SleepEngine | WakeEngine | ResetPrefixCache | ShutdownEngine
 EngineMessage = EngineReady | EngineFailed | EngineStep

@@ -1,5 +1,6 @@
-"""The client's side of sleep mode: send `SleepEngine` / `WakeEngine` and wait until the engine core
-reports them done (`EngineCoreOutputs.controls_done`), raising the error of one that failed.
+"""The client's side of the engine's controls (sleep mode, and resetting the prefix cache): send
+`SleepEngine` / `WakeEngine` / `ResetPrefixCache` and wait until the engine core reports them done
+(`EngineCoreOutputs.controls_done`), raising the error of one that failed.
 
 `requested` turns true as soon as a sleep is asked for, so the server refuses new generation
 requests from then on (503) while the running ones finish; the engine sleeps once they have.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import anyio
 
 from ..errors import EngineDeadError, InvalidRequestError
-from .messages import EngineControl, EngineCoreOutputs, SleepEngine, WakeEngine
+from .messages import EngineControl, EngineCoreOutputs, ResetPrefixCache, SleepEngine, WakeEngine
 from .transport import EngineTransport
 
 
@@ -56,6 +57,10 @@ class SleepControl:
         await self._run(WakeEngine(tags))
         self.requested = self.is_sleeping
 
+    async def reset_prefix_cache(self) -> None:
+        """Once the running requests have finished, forget every cached prefix."""
+        await self._run(ResetPrefixCache())
+
     async def _run(self, message: EngineControl) -> None:
         self._sent += 1
         number = self._sent
@@ -66,4 +71,5 @@ class SleepControl:
             await self._changed.wait()
         error = self._errors.pop(number, None)
         if error is not None:
-            raise InvalidRequestError(error, param="level" if isinstance(message, SleepEngine) else "tags")
+            param = {SleepEngine: "level", WakeEngine: "tags"}.get(type(message))
+            raise InvalidRequestError(error, param=param)

@@ -1,5 +1,7 @@
 """Sleep mode over HTTP, as vLLM serves it (with `--enable-sleep-mode`): `POST /sleep?level=1|2`,
-`POST /wake_up` (optionally `?tags=weights&tags=kv_cache`, one part at a time) and `GET /is_sleeping`.
+`POST /wake_up` (optionally `?tags=weights&tags=kv_cache`, one part at a time) and `GET /is_sleeping`;
+and vLLM's `POST /reset_prefix_cache`, which forgets the cached prefixes once the running requests
+have finished (benchmark passes then start cold).
 
 A sleep waits for the running requests to finish; from the moment it is asked for, generation
 and embedding requests get a 503 until the engine is awake again (`ServerState.check_accepting`).
@@ -37,6 +39,11 @@ class SleepController(Controller):
                       tags: list[str] | None = Parameter(query="tags", default=None)) -> Response:
         _check_enabled(server)
         await server.engine.sleep_mode.wake_up(tags)
+        return Response(b"", status_code=200)
+
+    @post("/reset_prefix_cache", status_code=200, responses=ERROR_RESPONSES)
+    async def reset_prefix_cache(self, server: ServerState) -> Response:
+        await server.engine.sleep_mode.reset_prefix_cache()
         return Response(b"", status_code=200)
 
     @get("/is_sleeping")

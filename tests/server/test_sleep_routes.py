@@ -51,3 +51,17 @@ def test_routes_need_the_flag(http):
     r = http.post("/sleep", params={"level": 1})
     assert r.status_code == 400 and "--enable-sleep-mode" in r.json()["error"]["message"]
     assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+
+
+def test_reset_prefix_cache_makes_the_next_pass_compute_its_prompt(sleepy):
+    """vLLM's POST /reset_prefix_cache: a prompt cached by the previous request is computed again."""
+    body = {**BODY, "prompt": "Tell me about the rivers of Europe, from the Rhine to the Danube and on. " * 3}
+
+    def cached() -> int:
+        usage = sleepy.post("/v1/completions", json=body).json()["usage"]
+        return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    cached()
+    assert cached() > 0
+    assert sleepy.post("/reset_prefix_cache").status_code == 200
+    assert cached() == 0
