@@ -90,6 +90,13 @@ class Tokenizer:
     def chat_template(self) -> str | dict[str, str] | None:
         return self.hf.chat_template
 
+    def info(self) -> dict[str, Any]:
+        """The tokenizer's configuration as its folder states it (tokenizer_config.json), with its
+        class and the chat template it renders with (vLLM's /tokenizer_info)."""
+        config = _json_object(Path(self.path) / "tokenizer_config.json")
+        return {**config, "tokenizer_class": config.get("tokenizer_class") or type(self.hf).__name__,
+                "chat_template": self.chat_template}
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 

@@ -87,6 +87,8 @@ def _add_http_flags(group) -> None:
                        help="request log lines carry the outputs' text too (with --log-prompts, the prompts')")
     group.add_argument("--disable-fastapi-docs", action="store_true",
                        help="serve no API docs page (/docs) and no OpenAPI schema")
+    group.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                       help="serve GET /tokenizer_info: the tokenizer's configuration and chat template")
 
 
 # vLLM's on/off flags of the server.
@@ -242,7 +244,7 @@ def _http_settings(args: argparse.Namespace) -> dict[str, Any]:
     return dict(cors_credentials=args.allow_credentials, cors_methods=args.allowed_methods,
                 cors_headers=args.allowed_headers, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
                 max_log_len=args.max_log_len, log_outputs=args.enable_log_outputs,
-                api_docs=not args.disable_fastapi_docs)
+                api_docs=not args.disable_fastapi_docs, tokenizer_info=args.enable_tokenizer_info_endpoint)
 
 
 def allowed_origins(text: str) -> list[str]:

@@ -67,6 +67,15 @@ class TokenizerController(Controller):
         strs = tokenizer.convert_ids_to_tokens(tokens) if data.return_token_strs else None
         return TokenizeResponse(len(tokens), server.engine.info.max_model_len, tokens, strs)
 
+    @get("/tokenizer_info")
+    async def tokenizer_info(self, server: ServerState) -> Response:
+        """vLLM's /tokenizer_info (with --enable-tokenizer-info-endpoint): the tokenizer's configuration,
+        chat template included."""
+        if not server.settings.tokenizer_info:
+            raise APIError(404, "GET /tokenizer_info is off: start the server with --enable-tokenizer-info-endpoint")
+        tokenizer = server.require_tokenizer("model", "there is no tokenizer to describe")
+        return Response(tokenizer.info(), media_type=MediaType.JSON)
+
     @post("/detokenize", status_code=200)
     async def detokenize(self, data: DetokenizeRequest, server: ServerState) -> DetokenizeResponse:
         server.check_model(data.model, adapters=True)

@@ -80,6 +80,8 @@ class ServeSettings:
     max_log_len: int | None = None
     log_outputs: bool = False
     api_docs: bool = True
+    # vLLM's --enable-tokenizer-info-endpoint: GET /tokenizer_info (the chat template included).
+    tokenizer_info: bool = False
     root_path: str = ""
     uvicorn_log_level: str | None = None
     # vLLM's --enable-force-include-usage, --enable-prompt-tokens-details, --response-role.

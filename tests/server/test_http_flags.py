@@ -19,7 +19,8 @@ def server():
                         "--allowed-methods", '["GET", "POST"]', "--allowed-headers", '["Content-Type"]',
                         "--disable-uvicorn-access-log", "--enable-request-id-headers",
                         "--enable-server-load-tracking", "--disable-cascade-attn", "--preemption-mode",
-                        "recompute", "--num-scheduler-steps", "1", "--num-lookahead-slots", "0") as process:
+                        "recompute", "--num-scheduler-steps", "1", "--num-lookahead-slots", "0",
+                        "--enable-tokenizer-info-endpoint") as process:
         yield process
 
 
@@ -55,3 +56,12 @@ def test_request_log_lines_clip_prompts_and_outputs(server, http):
     assert len(lines) == 1
     assert lines[0]["prompt"] == "Hello " and lines[0]["outputs"] == [text[:6]]
     assert http.get("/load").json()["server_load"] == 0
+
+
+def test_tokenizer_info_describes_the_tokenizer_only_when_asked(http, keyless_server):
+    info = http.get("/tokenizer_info")
+    assert info.status_code == 200
+    body = info.json()
+    assert body["tokenizer_class"] and "<|im_start|>" in body["chat_template"] and body["eos_token"]
+    off = httpx.get(keyless_server.url + "/tokenizer_info", timeout=60)
+    assert off.status_code == 404 and "--enable-tokenizer-info-endpoint" in off.json()["error"]["message"]
