@@ -27,6 +27,7 @@ from .completions import CompletionsController
 from .dashboard import DashboardController
 from .embeddings import EmbeddingsController
 from .errors import EXCEPTION_HANDLERS, APIError
+from .invocations import InvocationsController
 from .logs import configure_logging
 from .lora_routes import LoRAAdapterController
 from .metrics import ServerMetrics
@@ -57,7 +58,7 @@ def create_app(server: ServerState) -> Litestar:
         route_handlers=[CompletionsController, ChatController, EmbeddingsController, ModelsController,
                         TokenizerController, LoadController, OpsController, DashboardController,
                         LoRAAdapterController, ResponsesController, SleepController, ScoringController,
-                        ClassifyController],
+                        ClassifyController, InvocationsController],
         dependencies={"server": Provide(_provide_server, sync_to_thread=False)},
         lifespan=[_engine_lifespan],
         middleware=[request_id_middleware] + ([] if tracer is None else [tracer.middleware]),

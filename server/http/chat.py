@@ -45,16 +45,21 @@ class ChatController(Controller):
                      **ERROR_RESPONSES})
     async def create_chat_completion(self, data: ChatCompletionRequest, request: Request,
                                      server: ServerState) -> Response:
-        group, texts = await start_chat(data, request, server, f"chatcmpl-{request_id_for(request, data.request_id)}")
-        head = group.response_head()
-        asked = (_LogprobsAsked(data.top_logprobs or 0, data.tokens_as_ids(server.settings.return_tokens_as_token_ids))
-                 if data.logprobs else None)
-        echo = data.echoed_text()
-        return await group.respond(request.receive, data.stream,
-                                   lambda: _chunks(group, head, asked,
-                                                   data.include_usage or server.settings.force_include_usage,
-                                                   texts, echo, data.continuous_usage),
-                                   lambda: _collect(group, head, asked, texts, echo))
+        return await chat_completion(data, request, server)
+
+
+async def chat_completion(data: ChatCompletionRequest, request: Request, server: ServerState) -> Response:
+    """POST /v1/chat/completions (and /invocations with messages): the completion or its SSE stream."""
+    group, texts = await start_chat(data, request, server, f"chatcmpl-{request_id_for(request, data.request_id)}")
+    head = group.response_head()
+    asked = (_LogprobsAsked(data.top_logprobs or 0, data.tokens_as_ids(server.settings.return_tokens_as_token_ids))
+             if data.logprobs else None)
+    echo = data.echoed_text()
+    return await group.respond(request.receive, data.stream,
+                               lambda: _chunks(group, head, asked,
+                                               data.include_usage or server.settings.force_include_usage,
+                                               texts, echo, data.continuous_usage),
+                               lambda: _collect(group, head, asked, texts, echo))
 
 
 async def start_chat(data: ChatCompletionRequest, request: Request, server: ServerState,

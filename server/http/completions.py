@@ -172,30 +172,35 @@ class CompletionsController(Controller):
     @post("/completions", status_code=200, responses={
         200: ResponseSpec(CompletionResponse, description="the completion, or SSE chunks"), **ERROR_RESPONSES})
     async def create_completion(self, data: CompletionRequest, request: Request, server: ServerState) -> Response:
-        server.check_accepting()
-        lora = await server.adapter_for(data.model)
-        server.check_priority(data.priority)
-        data.check_supported()
-        _check_text_fields(data, server)
-        params = data.sampling_params(server.sampling_defaults)
-        check_max_logprobs(params, server.settings.max_logprobs, "logprobs")
-        request_id = f"cmpl-{request_id_for(request, data.request_id)}"
-        if data.use_beam_search or data.keep_best is not None:
-            check_ranking("use_beam_search" if data.use_beam_search else "best_of", server.settings.engine.logprobs_mode)
-        if data.use_beam_search:
-            group = _beam_group(data, server, request_id, lora, params.max_tokens or 16)
-        else:
-            group = GenerationGroup(server, _prompts(data, server), params, request_id, data.priority, lora,
-                                    data.constraint_field, data.keep_best)
-            await group.start(request.receive)
-        head = group.response_head()
-        choices = _Choices(data, server.engine.tokenizer, group.n, head,
-                           data.tokens_as_ids(server.settings.return_tokens_as_token_ids))
-        return await group.respond(request.receive, data.stream,
-                                   lambda: _chunks(group, choices, head,
-                                                   data.include_usage or server.settings.force_include_usage,
-                                                   data.continuous_usage),
-                                   lambda: _collect(group, choices, head))
+        return await completion(data, request, server)
+
+
+async def completion(data: CompletionRequest, request: Request, server: ServerState) -> Response:
+    """POST /v1/completions (and /invocations with a prompt): the completion or its SSE stream."""
+    server.check_accepting()
+    lora = await server.adapter_for(data.model)
+    server.check_priority(data.priority)
+    data.check_supported()
+    _check_text_fields(data, server)
+    params = data.sampling_params(server.sampling_defaults)
+    check_max_logprobs(params, server.settings.max_logprobs, "logprobs")
+    request_id = f"cmpl-{request_id_for(request, data.request_id)}"
+    if data.use_beam_search or data.keep_best is not None:
+        check_ranking("use_beam_search" if data.use_beam_search else "best_of", server.settings.engine.logprobs_mode)
+    if data.use_beam_search:
+        group = _beam_group(data, server, request_id, lora, params.max_tokens or 16)
+    else:
+        group = GenerationGroup(server, _prompts(data, server), params, request_id, data.priority, lora,
+                                data.constraint_field, data.keep_best)
+        await group.start(request.receive)
+    head = group.response_head()
+    choices = _Choices(data, server.engine.tokenizer, group.n, head,
+                       data.tokens_as_ids(server.settings.return_tokens_as_token_ids))
+    return await group.respond(request.receive, data.stream,
+                               lambda: _chunks(group, choices, head,
+                                               data.include_usage or server.settings.force_include_usage,
+                                               data.continuous_usage),
+                               lambda: _collect(group, choices, head))
 
 
 async def _collect(group: GenerationGroup, choices: _Choices, head: dict) -> CompletionResponse:

@@ -42,26 +42,31 @@ class EmbeddingsController(Controller):
         200: ResponseSpec(EmbeddingResponse, description="one embedding per input"), **ERROR_RESPONSES})
     async def create_embedding(self, data: EmbeddingRequest, request: Request,
                                server: ServerState) -> EmbeddingResponse:
-        server.check_accepting()
-        server.check_model(data.model)
-        server.check_priority(data.priority)
-        # Intake checks each input (a pooling engine, the vocabulary, the context, `dimensions`); the
-        # route only renames what it refuses (`_as_input_error`).
-        params = data.pooling_params()
-        prompts = _token_ids(data, server)
-        request_id = f"embd-{request_id_for(request, data.request_id)}"
-        server.begin_request()
-        try:
-            vectors = await until_disconnected(request.receive, lambda: _gather([
-                _embedder(server, f"{request_id}-{i}", prompt, params, data.priority)
-                for i, prompt in enumerate(prompts)]))
-        finally:
-            server.end_request()
-        num_tokens = sum(len(ids) for _, ids in prompts)
-        return EmbeddingResponse(
-            id=request_id, created=int(time.time()), model=server.model_name,
-            data=[EmbeddingData(index=i, embedding=_encoded(v, data.encoding_format)) for i, v in enumerate(vectors)],
-            usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
+        return await embedding(data, request, server)
+
+
+async def embedding(data: EmbeddingRequest, request: Request, server: ServerState) -> EmbeddingResponse:
+    """POST /v1/embeddings (and /invocations with an input): one embedding per input."""
+    server.check_accepting()
+    server.check_model(data.model)
+    server.check_priority(data.priority)
+    # Intake checks each input (a pooling engine, the vocabulary, the context, `dimensions`); the
+    # route only renames what it refuses (`_as_input_error`).
+    params = data.pooling_params()
+    prompts = _token_ids(data, server)
+    request_id = f"embd-{request_id_for(request, data.request_id)}"
+    server.begin_request()
+    try:
+        vectors = await until_disconnected(request.receive, lambda: _gather([
+            _embedder(server, f"{request_id}-{i}", prompt, params, data.priority)
+            for i, prompt in enumerate(prompts)]))
+    finally:
+        server.end_request()
+    num_tokens = sum(len(ids) for _, ids in prompts)
+    return EmbeddingResponse(
+        id=request_id, created=int(time.time()), model=server.model_name,
+        data=[EmbeddingData(index=i, embedding=_encoded(v, data.encoding_format)) for i, v in enumerate(vectors)],
+        usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
 
 
 def _token_ids(data: EmbeddingRequest, server: ServerState) -> list[tuple[str | None, list[int]]]:

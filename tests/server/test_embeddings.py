@@ -156,3 +156,11 @@ def test_long_inputs_in_chunks():
             np.testing.assert_allclose(_vectors(body)[0], whole, atol=1e-6)
     finally:
         assert proc.stop() == 0
+
+
+def test_invocations_with_an_input_embeds_as_the_embeddings_route(pooling_http):
+    body = {"input": TEXTS[:2]}
+    via_invocations = pooling_http.post("/invocations", json=body).json()
+    direct = pooling_http.post("/v1/embeddings", json=body).json()
+    assert via_invocations["object"] == "list"
+    assert [d["embedding"] for d in via_invocations["data"]] == [d["embedding"] for d in direct["data"]]

@@ -65,3 +65,22 @@ def test_tokenizer_info_describes_the_tokenizer_only_when_asked(http, keyless_se
     assert body["tokenizer_class"] and "<|im_start|>" in body["chat_template"] and body["eos_token"]
     off = httpx.get(keyless_server.url + "/tokenizer_info", timeout=60)
     assert off.status_code == 404 and "--enable-tokenizer-info-endpoint" in off.json()["error"]["message"]
+
+
+def test_invocations_runs_each_api_by_its_body(http):
+    """SageMaker's POST /invocations, as vLLM serves it: chat by `messages`, completions by `prompt`,
+    streaming too; another body is a 400, and /ping answers beside it."""
+    chat = http.post("/invocations", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    text = http.post("/invocations", json={"prompt": "Once upon a time", "max_tokens": 2, "temperature": 0})
+    assert text.status_code == 200 and text.json()["object"] == "text_completion"
+    same = http.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 2, "temperature": 0})
+    assert text.json()["choices"][0]["text"] == same.json()["choices"][0]["text"]
+    with http.stream("POST", "/invocations", json={"prompt": "Once", "max_tokens": 2, "stream": True}) as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        assert "data: [DONE]" in stream.read().decode()
+    for body, message in (({"max_tokens": 2}, "takes a chat completion"),
+                          ({"prompt": "x", "max_tokens": "two"}, "invalid request body for completion")):
+        refused = http.post("/invocations", json=body)
+        assert refused.status_code == 400 and message in refused.json()["error"]["message"], refused.text
+    assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
