@@ -51,11 +51,15 @@ def _content(content: Any, index: int, content_format: str) -> str | list[dict[s
 
 
 def _parts(content: Any, index: int) -> list[dict[str, str]]:
+    return [{"type": "image"} if _kind(part) in IMAGE_PART_TYPES else {"type": "text", "text": _part_text(part, index)}
+            for part in _part_list(content, index)]
+
+
+def _part_list(content: Any, index: int) -> list:
     if not isinstance(content, list):
         raise InvalidRequestError(f"messages[{index}].content must be a string or a list of text parts",
                                   param="messages")
-    return [{"type": "image"} if _kind(part) in IMAGE_PART_TYPES else {"type": "text", "text": _part_text(part, index)}
-            for part in content]
+    return content
 
 
 def _kind(part: Any) -> str | None:
@@ -65,11 +69,8 @@ def _kind(part: Any) -> str | None:
 def _content_text(content: Any, index: int) -> str:
     if content is None:
         return ""
-    if not isinstance(content, list):
-        raise InvalidRequestError(f"messages[{index}].content must be a string or a list of text parts",
-                                  param="messages")
     # Parts are separate paragraphs of one message, as vLLM renders them.
-    return "\n".join(_part_text(part, index) for part in content)
+    return "\n".join(_part_text(part, index) for part in _part_list(content, index))
 
 
 def _part_text(part: Any, index: int) -> str:

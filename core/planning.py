@@ -28,7 +28,7 @@ from .distributed import shard_range
 from .engine.core import resolve_max_model_len
 from .errors import ConfigError, ModelNotFoundError
 from .kv.sizing import (
-    DEFAULT_KV_CACHE_GIB,
+    DEFAULT_KV_CACHE_BYTES,
     blocks_per_sequence,
     fixed_kv_blocks,
     profile_num_seqs,
@@ -349,7 +349,7 @@ def _size(checkpoint: Checkpoint, shape: _Shape, config: EngineConfig, target: T
             blocks = fixed_kv_blocks(budget, per_block)
     else:
         non_torch, usable = 0, target.memory_bytes
-        blocks = fixed_kv_blocks(budget or int(DEFAULT_KV_CACHE_GIB * (1 << 30)), per_block)
+        blocks = fixed_kv_blocks(budget or DEFAULT_KV_CACHE_BYTES, per_block)
     plan = Plan(
         model=checkpoint.name, architecture=info.architecture, dtype=target.dtype,
         stored_bytes=checkpoint.stored_bytes, num_params=info.num_params, weight_bytes=weights.served.total,

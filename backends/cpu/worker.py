@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from corectl.errors import ConfigError
-from corectl.kv.sizing import DEFAULT_KV_CACHE_GIB, blocks_per_sequence, fixed_kv_blocks
+from corectl.kv.sizing import DEFAULT_KV_CACHE_BYTES, blocks_per_sequence, fixed_kv_blocks
 from corectl.models.kernels import LayerKernels
 from corectl.worker.worker import ModelInfo, Worker
 
@@ -31,7 +31,7 @@ class CPUWorker(Worker):
         return cpu_layer_kernels(self.torch_dtype)
 
     def profile_num_kv_blocks(self) -> int:
-        budget = self.config.kv_cache_budget_bytes or int(DEFAULT_KV_CACHE_GIB * (1 << 30))
+        budget = self.config.kv_cache_budget_bytes or DEFAULT_KV_CACHE_BYTES
         per_block = self.model_info.kv_bytes_per_block(self.config.block_size)
         num_blocks = fixed_kv_blocks(budget, per_block)
         needed = blocks_per_sequence(self.max_model_len, self.config.block_size, self.model_info.sliding_window,

@@ -2,8 +2,9 @@
 of it (`corectl.planning`), kept in one place so a plan and the engine it describes agree."""
 from __future__ import annotations
 
-# The KV budget of a platform that does not profile memory (CPU) when `kv_cache_memory_gib` is unset.
-DEFAULT_KV_CACHE_GIB = 2.0
+# The KV budget (2 GiB) of a platform that does not profile memory (CPU) when none is given
+# (`EngineConfig.kv_cache_budget_bytes`).
+DEFAULT_KV_CACHE_BYTES = 2 << 30
 
 
 def blocks_per_sequence(max_model_len: int, block_size: int, sliding_window: int | None = None,

@@ -54,6 +54,20 @@ def target_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     return logits
 
 
+def processed_and_reported(logits: torch.Tensor, meta: SamplingMetadata,
+                           logprobs_mode: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`target_logits` of `logits` (in place where it can), and the values `logprobs_mode` reports,
+    taken before (raw modes) or after (processed modes) the processing; None when no row asks for
+    logprobs. The sampler and speculative verification both sample this way."""
+    wanted = meta.max_num_logprobs is not None
+    raw = logprobs_mode.startswith("raw_")
+    reported = reported_values(logits, logprobs_mode) if wanted and raw else None
+    processed = target_logits(logits, meta)
+    if wanted and not raw:
+        reported = reported_values(processed, logprobs_mode)
+    return processed, reported
+
+
 class Sampler:
     """Stateless; per-request state (generators, token histories) arrives in `SamplingMetadata`.
     `draw` is how random rows draw their token (`PlatformCaps.sampling_draw`, one of `DRAWS`);
@@ -69,24 +83,16 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample from fp32 `logits` [B, V]. `logits` may be modified in place."""
-        wanted = meta.max_num_logprobs is not None
-        raw = self.logprobs_mode.startswith("raw_")
-        reported = reported_values(logits, self.logprobs_mode) if wanted and raw else None
-        if meta.edits_logits:
-            logits = edit_logits(logits, meta)
+        logits, reported = processed_and_reported(logits, meta, self.logprobs_mode)
         if meta.random is None:
             sampled = logits.argmax(dim=-1)
         else:
-            # Greedy rows keep temperature 1 and no truncation (RandomParams), so their argmax stands.
+            # Greedy rows keep temperature 1 and no truncation (RandomParams): their processed logits
+            # are their edited ones, whose argmax is taken before the draw changes them.
             greedy = None if meta.random.greedy_rows is None else logits.argmax(dim=-1)
-            temper_and_truncate(logits, meta.random)
-            if wanted and not raw:
-                reported = reported_values(logits, self.logprobs_mode)
             sampled = draw_tokens(logits, meta.random.generators, self.draw)
             if greedy is not None:
                 sampled = torch.where(meta.random.greedy_rows, greedy, sampled)
-        if not wanted:
-            return SamplerOutput(sampled, None)
         if reported is None:
-            reported = reported_values(logits, self.logprobs_mode)
+            return SamplerOutput(sampled, None)
         return SamplerOutput(sampled, gather_logprobs(reported, sampled, meta.max_num_logprobs))

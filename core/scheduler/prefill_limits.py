@@ -38,16 +38,18 @@ class PrefillLimits:
         micro-batch holds it, or its images wait): it keeps its place among the partial prefills."""
         if self.max_partial > 1:
             plan.partial_prefills += 1
-            plan.long_partial_prefills += req.num_prompt_tokens > self.threshold
+            plan.long_partial_prefills += self._long(req)
 
     def admits(self, req: Request, partial: bool, plan: StepPlan) -> bool:
         """Whether `req` may run this step with a chunk that leaves its prompt unfinished (`partial`);
         counts it in `plan` when it may."""
         if not partial or self.max_partial == 1:
             return True
-        long = req.num_prompt_tokens > self.threshold
-        if plan.partial_prefills >= self.max_partial or (long and plan.long_partial_prefills >= self.max_long):
+        full = plan.partial_prefills >= self.max_partial
+        if full or (self._long(req) and plan.long_partial_prefills >= self.max_long):
             return False
-        plan.partial_prefills += 1
-        plan.long_partial_prefills += long
+        self.occupy(req, plan)
         return True
+
+    def _long(self, req: Request) -> bool:
+        return req.num_prompt_tokens > self.threshold

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sample.logprobs import LogprobsTensors, gather_logprobs, reported_values
+from ..sample.logprobs import LogprobsTensors, gather_logprobs
 from ..sample.metadata import SamplingMetadata
-from ..sample.sampler import target_logits
+from ..sample.sampler import processed_and_reported
 from ..sampling_params import SamplingParams
 from .rejection import Verified, VerifyLayout, rejection_sample
 
@@ -55,12 +55,7 @@ def verify(logits: torch.Tensor, meta: SamplingMetadata, layout: VerifyLayout, d
            logprobs_mode: str = "raw_logprobs") -> tuple[Verified, LogprobsTensors | None]:
     """Verify a step's drafts from the target's fp32 `logits` `[T, V]` (modified in place);
     `meta` holds one row per flat row (`expand_rows`); `draw` and `logprobs_mode` are the sampler's."""
-    wanted = meta.max_num_logprobs is not None
-    raw = logprobs_mode.startswith("raw_")
-    reported = reported_values(logits, logprobs_mode) if wanted and raw else None
-    processed = target_logits(logits, meta)
-    if wanted and not raw:
-        reported = reported_values(processed, logprobs_mode)
+    processed, reported = processed_and_reported(logits, meta, logprobs_mode)
     random = meta.random
     verified = rejection_sample(
         processed, layout, greedy_rows=None if random is None else random.greedy_rows, all_greedy=random is None,

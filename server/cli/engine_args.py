@@ -279,8 +279,8 @@ def _rope_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {"hf_overrides": {**rope, **(args.hf_overrides or {})}}
 
 
-# vLLM's pooler-config keys corectl's engine options cover.
-_POOLER_KEYS = {"pooling_type": "pooling_type", "normalize": "normalize"}
+# vLLM's pooler-config keys, each the engine option of that name.
+_POOLER_KEYS = ("pooling_type", "normalize")
 
 
 def _pooler_values(args: argparse.Namespace) -> dict[str, Any]:
@@ -290,7 +290,7 @@ def _pooler_values(args: argparse.Namespace) -> dict[str, Any]:
         return {}
     if not isinstance(config, dict) or set(config) - set(_POOLER_KEYS):
         raise ConfigError("pooler_config", f"takes pooling_type and normalize here, got {config!r}")
-    values = {_POOLER_KEYS[key]: (value.upper() if key == "pooling_type" and isinstance(value, str) else value)
+    values = {key: (value.upper() if key == "pooling_type" and isinstance(value, str) else value)
               for key, value in config.items()}
     for field, value in values.items():
         flag = getattr(args, field)

@@ -61,7 +61,7 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     for flag, help_text in _SWITCHES:
         group.add_argument(flag, action="store_true", help=help_text)
     _add_http_flags(group)
-    for flag, (_, help_text) in _REFUSED_SWITCHES.items():
+    for flag, help_text in _REFUSED_SWITCHES.items():
         group.add_argument(flag, action="store_true", help=help_text)
     for flag, (kind, value, help_text) in _PINNED.items():
         group.add_argument(flag, type=kind, default=value, help=f"{help_text} (only {value})")
@@ -120,16 +120,12 @@ _SWITCHES = (
 
 # vLLM's switches for what corectl does not have: each refused with what to do instead.
 _REFUSED_SWITCHES = {
-    "--enable-expert-parallel": ("enable_expert_parallel", "expert parallelism is not built: MoE experts are split "
-                                 "by tensor parallelism (each rank holds a slice of every expert); drop the flag"),
-    "--enable-eplb": ("enable_eplb", "expert load balancing needs expert parallelism, which is not built; drop the "
-                      "flag"),
-    "--disable-sliding-window": ("disable_sliding_window", "sliding-window layers always attend within their "
-                                 "window here; drop the flag"),
-    "--calculate-kv-scales": ("calculate_kv_scales", "FP8 KV caches use scales of 1.0 (no calibration); drop the "
-                              "flag"),
-    "--enable-prompt-embeds": ("enable_prompt_embeds", "prompts are text or token ids here; embeddings as prompts "
-                               "are not taken"),
+    "--enable-expert-parallel": "expert parallelism is not built: MoE experts are split by tensor parallelism "
+                                "(each rank holds a slice of every expert); drop the flag",
+    "--enable-eplb": "expert load balancing needs expert parallelism, which is not built; drop the flag",
+    "--disable-sliding-window": "sliding-window layers always attend within their window here; drop the flag",
+    "--calculate-kv-scales": "FP8 KV caches use scales of 1.0 (no calibration); drop the flag",
+    "--enable-prompt-embeds": "prompts are text or token ids here; embeddings as prompts are not taken",
 }
 # vLLM V0's scheduler flags, still in launch scripts: taken at the one value that means what corectl
 # does, refused at any other.
@@ -192,7 +188,7 @@ def check_vllm_flags(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError("max_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {args.max_logprobs}")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ConfigError("ssl_certfile", "HTTPS needs both --ssl-keyfile and --ssl-certfile")
-    for name in ("ssl_keyfile", "ssl_certfile"):
+    for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
         path = getattr(args, name)
         if path is not None and not Path(path).is_file():
             raise ConfigError(name, f"{path!r} is not a file")
@@ -219,13 +215,18 @@ def check_vllm_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _check_unbuilt(args: argparse.Namespace) -> None:
-    for field, message in _REFUSED_SWITCHES.values():
-        if getattr(args, field):
-            raise ConfigError(field, message)
+    for flag, message in _REFUSED_SWITCHES.items():
+        if getattr(args, _field(flag)):
+            raise ConfigError(_field(flag), message)
     for flag, (_, value, _) in _PINNED.items():
-        field = flag.removeprefix("--").replace("-", "_")
-        if getattr(args, field) != value:
-            raise ConfigError(field, f"only {value!r} here, got {getattr(args, field)!r}")
+        given = getattr(args, _field(flag))
+        if given != value:
+            raise ConfigError(_field(flag), f"only {value!r} here, got {given!r}")
+
+
+def _field(flag: str) -> str:
+    """The argparse destination (and option name) of a flag."""
+    return flag.removeprefix("--").replace("-", "_")
 
 
 def _http_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -233,8 +234,6 @@ def _http_settings(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, name)
         if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
             raise ConfigError(name, f'must be a JSON list of strings, like ["*"], got {value!r}')
-    if args.ssl_ca_certs is not None and not Path(args.ssl_ca_certs).is_file():
-        raise ConfigError("ssl_ca_certs", f"{args.ssl_ca_certs!r} is not a file")
     if args.ssl_cert_reqs not in (0, 1, 2):
         raise ConfigError("ssl_cert_reqs", f"must be 0 (none), 1 (optional) or 2 (required), got {args.ssl_cert_reqs}")
     if args.ssl_cert_reqs and args.ssl_ca_certs is None:
