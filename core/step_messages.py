@@ -35,8 +35,9 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
     """Running requests a step continues. `new_token_ids` (pipeline parallelism only, else empty):
-    each request's tokens this step computes, since the stages before the last never see the ids
-    the last one samples (vLLM's field of the same name)."""
+    each request's tokens this step computes that the host knows (a token still in flight is left
+    out: the first stage takes it on the device), since the stages before the last never read the
+    ids the last one samples (vLLM's field of the same name)."""
 
     req_ids: list[str] = []
     new_block_ids: list[list[int]] = []

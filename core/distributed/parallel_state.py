@@ -3,7 +3,8 @@ collectives and point-to-point transfers the model layers and the worker call.
 
 An engine runs `tp x pp` ranks: global rank `stage * tp + tp_rank`. The ranks of one stage form
 a tensor-parallel group (its all-reduces and all-gathers); rank r of stage s sends its
-activations to rank r of stage s + 1.
+activations to rank r of stage s + 1, and rank r of the last stage sends the ids it samples back
+to rank r of the first (`send_to_first_stage`), which embeds them in a later step.
 
 The state has one writer: the executor's rank (`corectl.executor.rank.RankWorker`) calls
 `init_parallel_state` once, before it builds the model, and `destroy_parallel_state` when it
@@ -44,13 +45,15 @@ class TensorParallel:
 @dataclass(frozen=True)
 class PipelineParallel:
     """This rank's stage among `world_size` stages, the global ranks it receives from and sends
-    to, and each stage's layer count when the user gave them (None: an even split)."""
+    to (`ring_rank`: the first stage's peer on the last, the last's on the first, for sampled
+    ids), and each stage's layer count when the user gave them (None: an even split)."""
 
     rank: int = 0
     world_size: int = 1
     prev_rank: int | None = None
     next_rank: int | None = None
     partition: tuple[int, ...] | None = None
+    ring_rank: int | None = None
 
     @property
     def is_first(self) -> bool:
@@ -90,8 +93,11 @@ def init_parallel_state(rank: int, tp_size: int, pp_size: int, backend: str, ini
         groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)]
         group = groups[stage]
     _state = TensorParallel(tp_rank, tp_size, group)
+    last = pp_size - 1
+    ring_rank = {0: last * tp_size + tp_rank, last: tp_rank}.get(stage) if pp_size > 1 else None
     _pp = PipelineParallel(stage, pp_size, prev_rank=rank - tp_size if stage > 0 else None,
-                           next_rank=rank + tp_size if stage < pp_size - 1 else None, partition=partition)
+                           next_rank=rank + tp_size if stage < last else None, partition=partition,
+                           ring_rank=ring_rank)
 
 
 def attach_device_communicator(platform: "Platform", enabled: bool = True) -> None:
@@ -144,6 +150,18 @@ def receive_from_previous_stage(buffers: list[torch.Tensor]) -> list[torch.Tenso
     for buffer in buffers:
         dist.recv(buffer, src=_pp.prev_rank)
     return buffers
+
+
+def send_to_first_stage(ids: torch.Tensor) -> dist.Work:
+    """Start sending a step's sampled ids from the last stage to this rank's peer in the first;
+    the transfer runs behind the sampling, and the returned work holds `ids` until it is done."""
+    return dist.isend(ids, dst=_pp.ring_rank)
+
+
+def receive_from_last_stage(buffer: torch.Tensor) -> dist.Work:
+    """Start receiving the ids the last stage's peer sampled into `buffer`; `wait()` on the work
+    before reading it (NCCL: the current stream waits, not the host; gloo: the host waits)."""
+    return dist.irecv(buffer, src=_pp.ring_rank)
 
 
 def shard_range(num_units: int, rank: int, world_size: int) -> tuple[int, int]:

@@ -9,9 +9,12 @@ reports it first, as an abort (with an `error` in the second case).
 
 With async scheduling one step stays in flight across `step()` calls: each call schedules and
 launches the next step, then reads the previous one's ids and returns its outputs, so the host's
-scheduling and output handling run while the device computes. With `P` pipeline stages, `P - 1`
-steps stay in flight (at least one), so while the engine waits for the oldest, `P` micro-batches
-of different requests fill the stages.
+scheduling and output handling run while the device computes. With `P` pipeline stages,
+`2(P - 1)` steps stay in flight: the last `P - 1` of them and the one launched next are
+micro-batches of different requests that fill the stages, and the older ones are each
+micro-batch's previous step, which the next continues before the host has read it (its ids travel
+from the last stage to the first on the device): the host's work between a micro-batch's steps
+overlaps the stages' instead of leaving them idle.
 """
 from __future__ import annotations
 
@@ -334,10 +337,9 @@ def _async_scheduling(config: EngineConfig, platform_default: bool) -> bool:
 
 def steps_in_flight(config: EngineConfig, async_scheduling: bool) -> int:
     """Steps left in flight between `step()` calls: none under synchronous scheduling, one under
-    async, and one fewer than the pipeline stages (at least one) with stages, whatever the
-    scheduling: the step launched next makes a micro-batch per stage."""
+    async, and 2(P - 1) with P pipeline stages, whatever the scheduling (see the module doc)."""
     if config.pipeline_parallel_size > 1:
-        return max(1, config.pipeline_parallel_size - 1)
+        return 2 * (config.pipeline_parallel_size - 1)
     return 1 if async_scheduling else 0
 
 

@@ -7,6 +7,10 @@ its following position before the id is known; the second keeps a request preemp
 waiting until its token has arrived. A request released while steps still hold it leaves their
 number under its id, so their results are dropped even when a new request has taken the id.
 
+It also keeps which requests each step in flight holds, in order: pipeline stages keep the
+requests of the latest steps out of the next one (`held_by_latest`), so that the steps in the
+stages at once are micro-batches of different requests.
+
 `StepsInFlight` is the only writer of these counts; the scheduler tells it when a step is
 scheduled, when a token arrives, when a step's results are applied and when a request is
 released, and asks it the rest. Under the synchronous loop every count is back to 0 after each
@@ -14,6 +18,8 @@ released, and asks it the rest. Under the synchronous loop every count is back t
 """
 from __future__ import annotations
 
+import itertools
+from collections import deque
 from collections.abc import Iterable
 
 from ..request import Request
@@ -25,6 +31,8 @@ class StepsInFlight:
         self._steps: dict[Request, int] = {}
         # Ids of released requests -> steps still holding them (several releases of one id add up).
         self._released: dict[str, int] = {}
+        # The requests of each step in flight that holds any, oldest first.
+        self._order: deque[set[Request]] = deque()
 
     def num_tokens(self, req: Request) -> int:
         """Tokens that scheduled steps sample for the request and whose ids have not arrived."""
@@ -34,9 +42,18 @@ class StepsInFlight:
         """Whether a step whose results are not applied yet holds the request."""
         return req in self._steps
 
+    def held_by_latest(self, req: Request, steps: int) -> bool:
+        """Whether one of the last `steps` steps scheduled, if still in flight, holds the request."""
+        return any(req in held for held in itertools.islice(reversed(self._order), steps))
+
+    def begin_step(self) -> None:
+        """A step that holds requests is being scheduled (`schedule` names them)."""
+        self._order.append(set())
+
     def schedule(self, req: Request) -> None:
-        """A step now holds the request, whose computed count already includes the step's tokens;
-        when they reach its last known or in-flight token, the step samples its next one."""
+        """The step begun last now holds the request, whose computed count already includes the
+        step's tokens; when they reach its last known or in-flight token, the step samples its next one."""
+        self._order[-1].add(req)
         self._steps[req] = self._steps.get(req, 0) + 1
         tokens = self._tokens.get(req, 0)
         if req.num_computed_tokens == req.num_tokens + tokens:
@@ -48,9 +65,11 @@ class StepsInFlight:
 
     def settle(self, req_ids: Iterable[str], requests: dict[str, Request]) -> set[str]:
         """Count a step's results as applied for every request it held (`req_ids`, looked up in
-        the live `requests`); returns the ids whose holder was released while the step ran, whose
-        results belong to no live request."""
+        the live `requests`), the oldest step in flight; returns the ids whose holder was released
+        while the step ran, whose results belong to no live request."""
         stale = set()
+        if req_ids:
+            self._order.popleft()
         for req_id in req_ids:
             if req_id in self._released:
                 stale.add(req_id)

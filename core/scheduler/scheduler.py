@@ -20,11 +20,13 @@ arrive for a request finished or aborted meanwhile are dropped, even if a new re
 id; one that arrives for a request preempted meanwhile joins its tokens (it is recomputed with them
 on resume). A request whose tokens in flight will end it by length is not scheduled again.
 
-Pipeline parallelism (`pipeline_stages` > 1): a step never takes a request that an earlier step in
-flight holds, and takes at most its share of the requests (`ceil(min(running + waiting,
-max_num_seqs) / stages)`), so the steps in flight are micro-batches of different requests that
-fill the stages. Each continuing request's tokens travel with its step (`new_token_ids`): the
-stages before the last never see the ids the last one samples.
+Pipeline parallelism (`pipeline_stages` > 1): a step never takes a request that one of the last
+`stages - 1` steps in flight holds, and takes at most its share of the requests (`ceil(min(running
++ waiting, max_num_seqs) / stages)`), so the steps in the stages at once are micro-batches of
+different requests. A request of an older step in flight goes on as under async scheduling, its
+next id fed on the device (the last stage sends it to the first), unless a grammar constrains it:
+its mask needs the token. Each continuing request's known tokens travel with its step
+(`new_token_ids`): the stages before the last never read the ids the last one samples.
 
 Structured outputs: `grammar_steps.py` (`GrammarSteps`) says which rows of a step carry grammar
 masks and when they are filled.
@@ -220,8 +222,8 @@ class Scheduler:
             if self._ends_by_length(req) or self._awaits_pooled(req) or self._awaits_verdict(req):
                 index += 1
                 continue
-            if self.pipeline_stages > 1 and self.in_flight.holds(req):
-                # Another micro-batch holds it; a prompt it leaves unfinished still counts.
+            if self.pipeline_stages > 1 and self._in_other_micro_batch(req):
+                # A prompt it leaves unfinished still counts.
                 if req.num_computed_tokens < req.num_tokens:
                     self.prefills.occupy(req, plan)
                 index += 1
@@ -253,6 +255,12 @@ class Scheduler:
             if drafts:
                 plan.drafts[req.request_id] = drafts
             index += 1
+
+    def _in_other_micro_batch(self, req: Request) -> bool:
+        """Pipeline stages: a step in the stages now holds the request, or a token of it in flight
+        decides its grammar's next mask."""
+        return (self.in_flight.held_by_latest(req, self.pipeline_stages - 1)
+                or (self.in_flight.num_tokens(req) > 0 and self.grammar.holds(req)))
 
     def _chunk(self, req: Request, num_computed: int, wanted: int, plan: StepPlan) -> int:
         """The tokens of the `wanted` ones from `num_computed` on that `req` computes this step: within
@@ -409,6 +417,8 @@ class Scheduler:
         running = [req for req, _ in plan.running.values()]
         cached = plan.cached_request_data(running, with_token_ids=self.pipeline_stages > 1)
         grammar_bitmask, grammar_pending = self.grammar.for_step(running + plan.new, plan)
+        if running or plan.new:
+            self.in_flight.begin_step()
         for req in running + plan.new:
             self.prompt_tokens_computed += max(0, min(req.num_computed_tokens + plan.num_scheduled[req.request_id],
                                                       req.num_prompt_tokens) - req.num_computed_tokens)

@@ -29,6 +29,7 @@ from .inflight import HostFetch, InflightStep, PooledRows, SampledRows, fetch_no
 from .pipeline_stage import PipelineStage
 from .pooler import Pooler
 from .request_states import CachedRequestState, HostStep, RequestStates
+from .sampled_ids import RecentSampledIds
 
 if TYPE_CHECKING:
     from ..lora.manager import AdapterManager
@@ -72,8 +73,8 @@ class ModelRunner:
         self.sampler = Sampler(caps.sampling_draw, logprobs_mode)
         self.states = RequestStates(device)
         self.kv_caches: list[torch.Tensor] = []
-        # The latest launched step's sampled ids on the device, and each request's row in them.
-        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        # Recent steps' sampled ids on the device, for the steps that continue their requests.
+        self.sampled = RecentSampledIds()
         # Set by the worker on a pooling engine: steps pool finished prompts instead of sampling.
         self.pooler: Pooler | None = None
         # Set by the worker when LoRA is on: the adapter manager (corectl.lora.manager).
@@ -83,10 +84,16 @@ class ModelRunner:
         # Set by the worker for draft-model and EAGLE speculation: fills the scheduler's draft
         # placeholders, and sees each step's hidden states (EAGLE's head reads them).
         self.drafter: DraftModelProposer | EagleProposer | None = None
-        # Set by the worker under pipeline parallelism: moves activations between stages.
+        # Under pipeline parallelism: moves activations between stages (`attach_stage`).
         self.stage: PipelineStage | None = None
         # A vision-language model's image rows and M-RoPE positions (corectl.multimodal.step).
         self.multimodal = MultiModalStep(model, self.to_device) if hasattr(model, "encode_images") else None
+
+    def attach_stage(self, stage: PipelineStage) -> None:
+        """Run as one pipeline stage: a request goes on several steps after its own, so the ids of
+        as many steps stay at hand."""
+        self.stage = stage
+        self.sampled = RecentSampledIds(stage.sampled_depth)
 
     def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
@@ -99,9 +106,10 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput) -> InflightStep:
         """Queue a step's forward pass and sampling on the device; the ids come with `result()`.
 
-        At most one launched step may be unread when the next is launched: its ids feed the
-        rows of the new step that decode its requests (`HostStep.device_fed_rows`). A step whose
-        grammar masks are pending stops at its logits; `sample_pending` samples it.
+        Launched steps may be unread when the next is launched (one, or 2(P - 1) with P pipeline
+        stages): their ids feed the rows of the new step that decode their requests
+        (`HostStep.device_fed_rows`). A step whose grammar masks are pending stops at its logits;
+        `sample_pending` samples it.
         """
         if self._awaiting_masks is not None:
             raise RuntimeError("a step was launched before the previous one received its grammar masks")
@@ -117,15 +125,15 @@ class ModelRunner:
         inputs = self.upload(self.states.build_step(sched, self.block_size, self._drafts(sched)))
         self._feed_unread_ids(inputs)
         hidden = self._run_with_adapters(inputs)
-        if hidden is None:
-            return InflightStep.done()  # a stage before the last: the next stage goes on from here
+        if hidden is None:  # a stage before the last: the next stage goes on from here
+            self._expect_from_last_stage(inputs.host)
+            return InflightStep.done()
         if self.drafter is not None:
             hidden = self.drafter.observe(inputs.host, hidden, self.states)
         if self.pooler is not None:
             return self._pool(inputs.host, hidden)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden, sched)
         if not inputs.host.sample_req_ids:
-            self._last_sampled = None
             return InflightStep.done(prompt_logprobs)
         if inputs.logits_indices is not None:
             hidden = hidden.index_select(0, inputs.logits_indices)
@@ -183,26 +191,27 @@ class ModelRunner:
         apply_grammar_bitmask(logits, bitmask, index[0] if index else None)
 
     def _feed_unread_ids(self, inputs: StepInputs) -> None:
-        """Write the previous step's sampled ids, still on the device, into the rows fed from them."""
+        """Write the ids earlier steps sampled, still on the device, into the rows fed from them
+        (pipeline stages after the first read activations, not ids)."""
         host = inputs.host
-        if not host.device_fed_rows:
+        if not host.device_fed_rows or (self.stage is not None and not self.stage.is_first):
             return
-        ids = self._previous_ids(host.device_fed_req_ids)
+        ids = self.sampled.gather(host.device_fed_req_ids, self.to_device)
         if host.device_fed_rows == list(range(len(ids))):
             inputs.input_ids[:len(ids)].copy_(ids)
             return
         (rows,) = self.to_device([np.array(host.device_fed_rows, dtype=np.int64)])
         inputs.input_ids.index_copy_(0, rows, ids)
 
-    def _previous_ids(self, req_ids: list[str]) -> torch.Tensor:
-        """These requests' ids sampled by the previous step, on the device (the host has not read them)."""
-        sampled, row_of = self._last_sampled
-        sources = [row_of[req_id] for req_id in req_ids]
-        if sources == list(range(len(sources))):
-            # Steady decode: the same requests in the same order as the step before.
-            return sampled[:len(sources)]
-        (index,) = self.to_device([np.array(sources, dtype=np.int64)])
-        return sampled.index_select(0, index)
+    def _expect_from_last_stage(self, host: HostStep) -> None:
+        """A stage before the last: the step samples a token for each of `host.sample_req_ids`
+        that the host has not seen; the first stage starts receiving their ids from the last."""
+        if not host.sample_req_ids or self.pooler is not None:
+            return
+        self.states.expect_sampled([self.states[r] for r in host.sample_req_ids])
+        if self.stage.is_first:
+            ids, arrival = self.stage.receive_sampled(len(host.sample_req_ids))
+            self.sampled.record(ids, host.sample_req_ids, arrival)
 
     def _run_with_adapters(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass, with the step's LoRA adapters in place when LoRA is on."""
@@ -260,7 +269,7 @@ class ModelRunner:
         states = [self.states[r] for r in host.sample_req_ids]
         out = self.sampler(logits, self._sampling_metadata(states))
         self.states.expect_sampled(states)
-        self._last_sampled = (out.sampled_token_ids, {r: i for i, r in enumerate(host.sample_req_ids)})
+        self._record_sampled(out.sampled_token_ids, host.sample_req_ids)
         tensors, num_logprobs = [out.sampled_token_ids], None
         if out.logprobs is not None:
             tensors += [out.logprobs.token_ids, out.logprobs.logprobs, out.logprobs.ranks]
@@ -276,7 +285,7 @@ class ModelRunner:
         verified, logprobs = verify(logits, self._sampling_metadata(states, host.sample_drafts), layout,
                                     self.sampler.draw, self.sampler.logprobs_mode)
         self.states.expect_sampled(states)
-        self._last_sampled = (verified.token_ids[:, 0], {r: i for i, r in enumerate(host.sample_req_ids)})
+        self._record_sampled(verified.token_ids[:, 0], host.sample_req_ids)
         tensors, num_logprobs = [verified.token_ids, verified.num_emitted], None
         if logprobs is not None:
             tensors += [logprobs.token_ids, logprobs.logprobs, logprobs.ranks]
@@ -284,6 +293,13 @@ class ModelRunner:
                             for _ in range(len(d) + 1)]
         rows = [len(d) + 1 for d in host.sample_drafts]
         return SampledRows(self.states, states, self.fetch_to_host(tensors), num_logprobs, rows)
+
+    def _record_sampled(self, ids: torch.Tensor, req_ids: list[str]) -> None:
+        """Keep a step's sampled ids for the steps that continue its requests; the last of several
+        pipeline stages sends them to the first."""
+        self.sampled.record(ids, req_ids)
+        if self.stage is not None:
+            self.stage.send_sampled(ids)
 
     def fetch_to_host(self, tensors: list[torch.Tensor]) -> HostFetch:
         """Start copying a step's results to the host; platforms with an asynchronous device
@@ -319,7 +335,7 @@ class ModelRunner:
         if not unread:
             return None
         rows = unread if first_rows is None else [first_rows[i] for i in unread]
-        return UnreadOutputTokens(rows, self._previous_ids([states[i].req_id for i in unread]))
+        return UnreadOutputTokens(rows, self.sampled.gather([states[i].req_id for i in unread], self.to_device))
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor,
                          sched: SchedulerOutput) -> dict[str, LogprobsLists]:

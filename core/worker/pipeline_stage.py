@@ -4,13 +4,27 @@ stage's layers, send the result on (`corectl.models.pipeline` builds the layers)
 Every stage gets the same `SchedulerOutput`, so each knows the step's token count and receives
 exactly the [T, hidden] hidden states and residual the previous stage sends. Stages before the
 last return nothing: the last one computes logits and samples (`ModelRunner.launch`).
+
+The engine keeps twice as many steps in flight as stages follow the first (`steps_in_flight`), so
+a micro-batch's next step is launched before the host has read its last one: the last stage sends
+each step's sampled ids back to the first (`send_sampled`), which posts the receive as it launches
+the step (`receive_sampled`) and feeds the ids to the request's next step on the device.
 """
 from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
 
 import torch
 
 from ..attention import ForwardContext
-from ..distributed import get_pp, receive_from_previous_stage, send_to_next_stage
+from ..distributed import (
+    get_pp,
+    receive_from_last_stage,
+    receive_from_previous_stage,
+    send_to_first_stage,
+    send_to_next_stage,
+)
 from ..models.pipeline import IntermediateTensors
 
 
@@ -18,6 +32,11 @@ class PipelineStage:
     def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device):
         pp = get_pp()
         self.is_first, self.is_last = pp.is_first, pp.is_last
+        # Steps whose sampled ids a later step may still take from the device: a micro-batch goes
+        # on P to 2(P - 1) launches after its own step.
+        self.sampled_depth = 2 * (pp.world_size - 1)
+        # The last stage's sends of sampled ids still under way (they hold their tensors).
+        self._sends: deque = deque()
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.device = device
@@ -46,3 +65,15 @@ class PipelineStage:
             return output
         self.send(output)
         return None
+
+    def send_sampled(self, ids: torch.Tensor) -> None:
+        """The last stage: send a step's sampled ids ([rows] int64) to the first stage."""
+        self._sends.append(send_to_first_stage(ids.contiguous()))
+        while len(self._sends) > self.sampled_depth:
+            self._sends.popleft().wait()
+
+    def receive_sampled(self, num_rows: int) -> tuple[torch.Tensor, Callable[[], None]]:
+        """The first stage: post the receive of a step's sampled ids; the tensor they land in and
+        the wait that makes them readable."""
+        ids = torch.empty(num_rows, dtype=torch.int64, device=self.device)
+        return ids, receive_from_last_stage(ids).wait

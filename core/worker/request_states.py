@@ -21,6 +21,11 @@ from ..sampling_params import SamplingParams
 from ..step_messages import NewRequestData, SchedulerOutput
 
 
+# The id a pipeline stage before the last keeps for a computed position whose id only reached it
+# on the device (it never reads them back: its ids serve as inputs, and computed ones are done).
+DEVICE_FED_ID = -1
+
+
 @dataclass
 class CachedRequestState:
     req_id: str
@@ -33,8 +38,9 @@ class CachedRequestState:
     # Seeded requests: one generator per output position a step samples (more than one when it
     # verifies speculative drafts), reseeded for its position each step (`seeded_generators`).
     generators: list[torch.Generator] | None = None
-    # Tokens a launched step sampled whose ids the host has not read back yet (0 or 1); they
-    # follow `token_ids`.
+    # Tokens launched steps sampled whose ids this worker has not read back yet (at most 1 when a
+    # step is built; a pipeline stage before the last learns them from the scheduler, see
+    # `apply`); they follow `token_ids`.
     num_unread_tokens: int = 0
     # What the sampler needs from this request, fixed with its parameters.
     plain_greedy: bool = False
@@ -192,10 +198,16 @@ class RequestStates:
                 state.block_ids.extend(new_blocks)
             state.num_computed_tokens = computed
         for req_id, computed, tokens in zip(cached.req_ids, cached.num_computed_tokens, cached.new_token_ids):
-            # Pipeline stages: the step's tokens from the scheduler (the last stage has them already).
-            token_ids = self.states[req_id].token_ids
-            del token_ids[computed:]
-            token_ids.extend(tokens)
+            # Pipeline stages: the step's tokens the host knows (the last stage has them already).
+            # A stage before the last never reads what the last samples: positions before
+            # `computed` whose ids it took on the device hold DEVICE_FED_ID. Every id placed so is
+            # one fewer unread (the stage's count of tokens holds).
+            state = self.states[req_id]
+            total = len(state.token_ids) + state.num_unread_tokens
+            del state.token_ids[computed:]
+            state.token_ids.extend([DEVICE_FED_ID] * (computed - len(state.token_ids)))
+            state.token_ids.extend(tokens)
+            state.num_unread_tokens = total - len(state.token_ids)
 
     def expect_sampled(self, states: list[CachedRequestState]) -> None:
         """A step being launched samples one token for each of these requests; its id stays on

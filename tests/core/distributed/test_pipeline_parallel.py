@@ -14,9 +14,10 @@ from corectl import LLM, SamplingParams
 from corectl.errors import ConfigError
 from corectl.models.pipeline import layer_partition
 from corectl.server.cli.engine_args import add_engine_args, config_from_args
+from corectl.step_messages import ModelRunnerOutput
 from support.models import build_random_checkpoint
 from support.ray_cluster import local_ray_cluster
-from support.scheduling import make_req, make_scheduler, sample_all
+from support.scheduling import make_req, make_scheduler
 from support.server import (
     SMALL_ENGINE_FP32,
     assert_rank_death_ends_the_stream,
@@ -55,11 +56,13 @@ class MicroBatches:
         self.unread: list[set[str]] = []
         self.most_in_flight = 0
         self.overlaps = 0  # launches that shared a request with a step in flight
+        self.latest_overlaps = 0  # ... with the step launched just before, still in flight
         launch = executor.launch
 
         def watched(sched):
             requests = set(sched.num_scheduled_tokens)
             self.overlaps += any(requests & earlier for earlier in self.unread)
+            self.latest_overlaps += bool(self.unread and requests & self.unread[-1])
             self.unread.append(requests)
             self.most_in_flight = max(self.most_in_flight, sum(1 for unread in self.unread if unread))
             handle = launch(sched)
@@ -109,11 +112,12 @@ def reference(checkpoint):
 
 def test_pp2_by_tp2_with_an_uneven_partition_matches_one_device(checkpoint, reference):
     """4 processes: stage 0 holds layers 0-2 on two tensor-parallel ranks, stage 1 layer 3 and the head.
-    Two micro-batches of different requests are in flight at once."""
+    Three steps are in flight at once, the two latest of different requests: a micro-batch's next
+    step goes out before the host has read its last one, and takes its ids from the last stage."""
     tokens, stats, batches = generate(checkpoint, 3, tensor_parallel_size=2, pipeline_parallel_size=2,
                                       pipeline_layer_partition="3,1")
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0, stats
-    assert batches.most_in_flight == 2 and batches.overlaps == 0
+    assert batches.most_in_flight == 3 and batches.overlaps > 0 and batches.latest_overlaps == 0
     assert tokens == reference
 
 
@@ -144,19 +148,25 @@ def test_pp2_over_ray_actors_with_the_vllm_partition_variable_matches_one_device
 
 
 def test_the_scheduler_fills_one_micro_batch_per_stage():
-    """Each step takes its share of the requests and never a request another step in flight holds;
-    the stages before the last get the sampled tokens with the request's next step."""
+    """Each step takes its share of the requests and never one the step before it, in flight, holds;
+    a micro-batch goes on before its last step is read (its ids come on the device), and the stages
+    before the last get the tokens the host knows with the request's next step."""
     sched = make_scheduler(pipeline_parallel_size=2)
     for i in range(4):
         sched.add_request(make_req(f"r{i}", range(10 * i + 1, 10 * i + 6), max_tokens=4))
     first, second, third = sched.schedule(), sched.schedule(), sched.schedule()
     assert len(first.new_requests) == len(second.new_requests) == 2
     assert set(first.num_scheduled_tokens).isdisjoint(second.num_scheduled_tokens)
-    assert third.is_empty  # every request is in a step in flight
-    sched.update(first, sample_all(sched, first, {"r0": 500, "r1": 501}))
-    fourth = sched.schedule()
-    assert fourth.cached_requests.req_ids == ["r0", "r1"]
-    assert fourth.cached_requests.new_token_ids == [[500], [501]]
+    assert third.num_scheduled_tokens == {"r0": 1, "r1": 1}  # the first step's, its ids still in flight
+    assert third.cached_requests.new_token_ids == [[], []]
+    sched.update(first, ModelRunnerOutput(req_ids=["r0", "r1"], sampled_token_ids=[500, 501]))
+    fourth = sched.schedule()  # as the engine does: two steps in flight, and the one launched next
+    assert fourth.num_scheduled_tokens == {"r2": 1, "r3": 1}  # never the third's requests
+    for step, tokens in ((second, [502, 503]), (third, [600, 601]), (fourth, [602, 603])):
+        sched.update(step, ModelRunnerOutput(req_ids=list(step.num_scheduled_tokens), sampled_token_ids=tokens))
+    fifth = sched.schedule()
+    assert fifth.cached_requests.req_ids == ["r0", "r1"]
+    assert fifth.cached_requests.new_token_ids == [[600], [601]]
 
 
 @pytest.fixture(scope="module")
