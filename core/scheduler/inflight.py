@@ -42,9 +42,12 @@ class StepsInFlight:
         """Whether a step whose results are not applied yet holds the request."""
         return req in self._steps
 
-    def held_by_latest(self, req: Request, steps: int) -> bool:
-        """Whether one of the last `steps` steps scheduled, if still in flight, holds the request."""
-        return any(req in held for held in itertools.islice(reversed(self._order), steps))
+    def held_by_latest(self, steps: int) -> set[Request]:
+        """The requests that the last `steps` steps scheduled hold, those still in flight."""
+        latest = list(itertools.islice(reversed(self._order), steps))
+        if len(latest) == 1:
+            return latest[0]
+        return set().union(*latest)
 
     def begin_step(self) -> None:
         """A step that holds requests is being scheduled (`schedule` names them)."""

@@ -216,13 +216,15 @@ class Scheduler:
         return max(1, -(-active // self.pipeline_stages))
 
     def _schedule_running(self, plan: StepPlan) -> None:
+        # Pipeline stages: the requests of the steps in the stages now (other micro-batches).
+        in_stages = self.in_flight.held_by_latest(self.pipeline_stages - 1) if self.pipeline_stages > 1 else None
         index = 0
         while index < len(self.running) and not plan.full:
             req = self.running[index]
             if self._ends_by_length(req) or self._awaits_pooled(req) or self._awaits_verdict(req):
                 index += 1
                 continue
-            if self.pipeline_stages > 1 and self._in_other_micro_batch(req):
+            if in_stages is not None and (req in in_stages or self._grammar_awaits_token(req)):
                 # A prompt it leaves unfinished still counts.
                 if req.num_computed_tokens < req.num_tokens:
                     self.prefills.occupy(req, plan)
@@ -256,11 +258,10 @@ class Scheduler:
                 plan.drafts[req.request_id] = drafts
             index += 1
 
-    def _in_other_micro_batch(self, req: Request) -> bool:
-        """Pipeline stages: a step in the stages now holds the request, or a token of it in flight
-        decides its grammar's next mask."""
-        return (self.in_flight.held_by_latest(req, self.pipeline_stages - 1)
-                or (self.in_flight.num_tokens(req) > 0 and self.grammar.holds(req)))
+    def _grammar_awaits_token(self, req: Request) -> bool:
+        """Pipeline stages: a token of the request in flight decides its grammar's next mask (masks
+        are not left pending there)."""
+        return self.in_flight.num_tokens(req) > 0 and self.grammar.holds(req)
 
     def _chunk(self, req: Request, num_computed: int, wanted: int, plan: StepPlan) -> int:
         """The tokens of the `wanted` ones from `num_computed` on that `req` computes this step: within

@@ -23,3 +23,16 @@ def wait_ready(manager, req: Request, timeout_s: float = 60.0) -> None:
     while not manager.ready(req):
         assert not manager.failures() and time.monotonic() < deadline
         manager.wait_for_compile(0.05)
+
+
+def constrained_texts(llm) -> list[str]:
+    """What an `LLM` samples under grammars (regex, choice, a JSON schema; greedy and seeded n = 2),
+    for the parallel-engine tests to compare against one device."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    specs = [StructuredOutputsParams(regex=r"[a-z]{3,6}"), StructuredOutputsParams(choice=["red", "green", "blue"]),
+             StructuredOutputsParams(json=schema, disable_any_whitespace=True)]
+    params = [SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=spec) for spec in specs]
+    params.append(SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=20, structured_outputs=specs[2]))
+    outputs = llm.generate(["a", "b", "c", "d"], params, use_tqdm=False)
+    return [c.text for out in outputs for c in out.outputs]

@@ -6,6 +6,8 @@ model cannot be split into are refused before any rank starts."""
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import time
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from corectl.errors import ConfigError
 from corectl.models.pipeline import layer_partition
 from corectl.server.cli.engine_args import add_engine_args, config_from_args
 from corectl.step_messages import ModelRunnerOutput
+from support.grammars import constrained_texts
 from support.models import build_random_checkpoint
 from support.ray_cluster import local_ray_cluster
 from support.scheduling import make_req, make_scheduler
@@ -81,8 +84,9 @@ class MicroBatches:
 
 def generate(folder: Path, most_layers_per_stage: int, tensor_parallel_size: int = 1, **options):
     """Greedy and seeded n = 2 samples of a batch, twice (the second pass hits the prefix cache);
-    chunked prefill (32-token steps) and preemption (10 blocks) on the way. Returns the tokens, the
-    scheduler's stats and what the launches looked like."""
+    chunked prefill (32-token steps) and preemption (10 blocks) on the way; then texts sampled under
+    grammars (the outputs' last entry). Returns the outputs, the scheduler's stats and what the
+    launches looked like."""
     llm = LLM(str(folder), tensor_parallel_size=tensor_parallel_size,
               kv_cache_memory_gib=kv_budget_gib(most_layers_per_stage, tensor_parallel_size), **ENGINE, **options)
     batches = MicroBatches(llm.engine.executor)
@@ -94,7 +98,8 @@ def generate(folder: Path, most_layers_per_stage: int, tensor_parallel_size: int
         for _ in range(2):
             outputs = llm.generate(prompts(), [greedy] * 3 + [seeded], use_tqdm=False)
             tokens += [[list(c.token_ids) for c in out.outputs] for out in outputs]
-        return tokens, llm.engine.scheduler.make_stats(), batches
+        stats = llm.engine.scheduler.make_stats()
+        return [*tokens, constrained_texts(llm)], stats, batches
     finally:
         llm.engine.executor.shutdown()
 
@@ -119,6 +124,9 @@ def test_pp2_by_tp2_with_an_uneven_partition_matches_one_device(checkpoint, refe
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0, stats
     assert batches.most_in_flight == 3 and batches.overlaps > 0 and batches.latest_overlaps == 0
     assert tokens == reference
+    texts = tokens[-1]  # a grammar's request waits for its token in flight: its next mask needs it
+    assert re.fullmatch(r"[a-z]{3,6}", texts[0]) and texts[1] in {"red", "green", "blue"}
+    assert all(0 <= json.loads(text)["n"] <= 99 for text in texts[2:])
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import re
 import pytest
 from corectl import LLM, SamplingParams
 from corectl.errors import ConfigError
+from support.grammars import constrained_texts
 from support.models import build_random_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -52,20 +53,6 @@ def run_workload(llm: LLM) -> list[list[list[int]]]:
     return tokens
 
 
-def constrained(llm: LLM) -> list[str]:
-    """Grammar-constrained samples (regex, choice, a JSON schema; greedy and seeded n = 2)."""
-    from corectl import StructuredOutputsParams
-
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
-              "required": ["n"], "additionalProperties": False}
-    specs = [StructuredOutputsParams(regex=r"[a-z]{3,6}"), StructuredOutputsParams(choice=["red", "green", "blue"]),
-             StructuredOutputsParams(json=schema, disable_any_whitespace=True)]
-    params = [SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=spec) for spec in specs]
-    params.append(SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=20, structured_outputs=specs[2]))
-    outputs = llm.generate(["a", "b", "c", "d"], params, use_tqdm=False)
-    return [c.text for out in outputs for c in out.outputs]
-
-
 def generate(folder, tensor_parallel_size: int, grammars: bool = False, **options) -> tuple[list, object, list[str]]:
     """The workload's tokens, the scheduler's stats after it, then (`grammars`) the grammar-constrained
     texts: one engine for both, as an engine start with its rank processes costs more than the runs."""
@@ -75,7 +62,7 @@ def generate(folder, tensor_parallel_size: int, grammars: bool = False, **option
         assert llm.engine.info.num_kv_blocks == NUM_BLOCKS
         tokens = run_workload(llm)
         stats = llm.engine.scheduler.make_stats()
-        return tokens, stats, constrained(llm) if grammars else []
+        return tokens, stats, constrained_texts(llm) if grammars else []
     finally:
         llm.engine.executor.shutdown()
 
