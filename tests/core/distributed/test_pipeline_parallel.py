@@ -168,7 +168,7 @@ def test_the_scheduler_fills_one_micro_batch_per_stage():
     assert third.num_scheduled_tokens == {"r0": 1, "r1": 1}  # the first step's, its ids still in flight
     assert third.cached_requests.new_token_ids == [[], []]
     sched.update(first, ModelRunnerOutput(req_ids=["r0", "r1"], sampled_token_ids=[500, 501]))
-    fourth = sched.schedule()  # as the engine does: two steps in flight, and the one launched next
+    fourth = sched.schedule()  # the engine reads the first step first, as here
     assert fourth.num_scheduled_tokens == {"r2": 1, "r3": 1}  # never the third's requests
     for step, tokens in ((second, [502, 503]), (third, [600, 601]), (fourth, [602, 603])):
         sched.update(step, ModelRunnerOutput(req_ids=list(step.num_scheduled_tokens), sampled_token_ids=tokens))
