@@ -9,7 +9,6 @@ reasoning and tool parsing included) as they do for sampled outputs; it does not
 """
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -22,7 +21,7 @@ from corectl.sampling_params import SamplingParams
 from litestar import Response
 
 from .errors import APIError
-from .generation import until_disconnected
+from .generation import ResponseGroup, until_disconnected
 from .protocol import SamplingFields
 from .state import ServerState
 
@@ -47,15 +46,13 @@ def check_beam_request(data: SamplingFields, max_tokens: int) -> BeamSearchParam
         raise APIError(400, f"use_beam_search: {exc}", "n" if exc.param == "beam_width" else exc.param) from None
 
 
-class BeamGroup:
+class BeamGroup(ResponseGroup):
     """The beams of a request's token-id prompts. `decode` turns a beam's generated ids into its
     text (None without a tokenizer: empty text)."""
 
     def __init__(self, server: ServerState, prompts: list[list[int]], params: BeamSearchParams, request_id: str,
                  priority: int, lora_request: LoRARequest | None, decode: Callable[[list[int]], str] | None):
-        self.server = server
-        self.request_id = request_id
-        self.model_name = server.model_name if lora_request is None else lora_request.lora_name
+        super().__init__(server, request_id, lora_request)
         self.n = params.beam_width
         self._prompts = prompts
         self._search = BeamSearch(prompts, params, None if server.engine.tokenizer is None
@@ -63,9 +60,6 @@ class BeamGroup:
         self._priority = priority
         self._lora = lora_request
         self._decode = decode
-
-    def response_head(self) -> dict:
-        return dict(id=self.request_id, created=int(time.time()), model=self.model_name)
 
     async def respond(self, receive: Callable, stream: bool, chunks: Callable[[], AsyncIterator[bytes]],
                       collect: Callable[[], Awaitable[T]]) -> Response:

@@ -13,7 +13,7 @@ from .auth import require_api_key
 from .beam_search import BeamGroup, check_beam_request
 from .chat_output import ChoiceText
 from .errors import ERROR_RESPONSES, APIError
-from .generation import GenerationGroup, UsageCounter
+from .generation import GenerationGroup
 from .harmony import harmony_prompt, uses_harmony
 from .harmony_output import HarmonyText
 from .logprobs import chat_logprobs, prompt_logprobs
@@ -152,7 +152,7 @@ def _logprobs(sample: CompletionOutput, asked: _LogprobsAsked | None) -> ChatLog
 
 async def _collect(group: GenerationGroup, head: dict, asked: _LogprobsAsked | None,
                    texts: dict[int, ChoiceText], echo: str) -> ChatCompletionResponse:
-    usage = UsageCounter(group.server.settings.prompt_tokens_details)
+    usage = group.usage_counter()
     generated: dict[int, list[str]] = {}
     logprobs: dict[int, ChatLogprobs | None] = {}
     ends: dict[int, tuple[str | None, int | str | None]] = {}
@@ -185,7 +185,7 @@ async def _collect(group: GenerationGroup, head: dict, asked: _LogprobsAsked | N
 async def _chunks(group: GenerationGroup, head: dict, asked: _LogprobsAsked | None, include_usage: bool,
                   texts: dict[int, ChoiceText], echo: str, continuous_usage: bool) -> AsyncIterator[bytes]:
     counts = include_usage or continuous_usage
-    usage = UsageCounter(group.server.settings.prompt_tokens_details) if counts else None
+    usage = group.usage_counter() if counts else None
     # OpenAI's first chunk of each choice carries the role and no content (the echoed text with echo).
     yield sse.frame(ChatCompletionChunk(**head, choices=[
         ChatChunkChoice(index=i, delta=ChatDelta(role=group.server.settings.response_role, content=echo))

@@ -12,7 +12,7 @@ from . import sse
 from .auth import require_api_key
 from .beam_search import BeamGroup, check_beam_request
 from .errors import ERROR_RESPONSES
-from .generation import GenerationGroup, UsageCounter
+from .generation import GenerationGroup
 from .logprobs import completion_logprobs, extend_completion_logprobs, prompt_logprobs
 from .protocol import CompletionRequest
 from .request_id import request_id_for
@@ -204,7 +204,7 @@ async def completion(data: CompletionRequest, request: Request, server: ServerSt
 
 
 async def _collect(group: GenerationGroup, choices: _Choices, head: dict) -> CompletionResponse:
-    usage = UsageCounter(group.server.settings.prompt_tokens_details)
+    usage = group.usage_counter()
     merged: dict[int, CompletionChoice] = {}
     async for prompt_index, out in group.merged():
         out = choices.visible(out)
@@ -228,7 +228,7 @@ async def _collect(group: GenerationGroup, choices: _Choices, head: dict) -> Com
 async def _chunks(group: GenerationGroup, choices: _Choices, head: dict, include_usage: bool,
                   continuous_usage: bool) -> AsyncIterator[bytes]:
     counts = include_usage or continuous_usage
-    usage = UsageCounter(group.server.settings.prompt_tokens_details) if counts else None
+    usage = group.usage_counter() if counts else None
     async for prompt_index, out in group.merged():
         out = choices.visible(out)
         if usage is not None:

@@ -154,7 +154,25 @@ def _seconds(later: float | None, earlier: float) -> float | None:
     return None if later is None else round(later - earlier, 4)
 
 
-class GenerationGroup:
+class ResponseGroup:
+    """What every answer to one HTTP request carries: its id, model name and usage counting
+    (a group of generations, or of beams)."""
+
+    def __init__(self, server: ServerState, request_id: str, lora_request: LoRARequest | None):
+        self.server = server
+        self.request_id = request_id
+        self.model_name = server.model_name if lora_request is None else lora_request.lora_name
+
+    def response_head(self) -> dict:
+        """The id, created and model fields every response and chunk of this group carries."""
+        return dict(id=self.request_id, created=int(time.time()), model=self.model_name)
+
+    def usage_counter(self) -> UsageCounter:
+        """A counter of this group's token usage, with the server's `--enable-prompt-tokens-details`."""
+        return UsageCounter(self.server.settings.prompt_tokens_details)
+
+
+class GenerationGroup(ResponseGroup):
     """All prompts of one HTTP request (completions accept several); choice i*n+j is prompt i, sample j.
     `lora_request`: the LoRA adapter they run with (None: the base model), which the responses name.
     `grammar_field`: the request field their grammar came from, which errors about it name.
@@ -164,10 +182,8 @@ class GenerationGroup:
     def __init__(self, server: ServerState, prompts: list[str | list[int]], params: SamplingParams,
                  request_id: str, priority: int, lora_request: LoRARequest | None = None,
                  grammar_field: str | None = None, keep_best: int | None = None):
-        self.server = server
+        super().__init__(server, request_id, lora_request)
         self.grammar_field = grammar_field
-        self.request_id = request_id
-        self.model_name = server.model_name if lora_request is None else lora_request.lora_name
         if lora_request is not None and server.metrics is not None:
             server.metrics.count_lora_request(lora_request.lora_name)
         self.n = params.n if keep_best is None else keep_best
@@ -185,10 +201,6 @@ class GenerationGroup:
         except BaseException:
             server.end_request()
             raise
-
-    def response_head(self) -> dict:
-        """The id, created and model fields every response and chunk of this group carries."""
-        return dict(id=self.request_id, created=int(time.time()), model=self.model_name)
 
     async def respond(self, receive: Callable, stream: bool, chunks: Callable[[], AsyncIterator[bytes]],
                       collect: Callable[[], Awaitable[T]]) -> Response:
