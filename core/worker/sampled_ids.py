@@ -36,10 +36,15 @@ class RecentSampledIds:
     """The last `depth` sampling steps' ids ([rows] int64 on the device) and each one's rows."""
 
     def __init__(self, depth: int = 1):
-        self._steps: deque[_SampledStep] = deque(maxlen=depth)
+        self._depth = depth
+        self._steps: deque[_SampledStep] = deque()
 
     def record(self, ids: torch.Tensor, req_ids: list[str], arrival: Callable[[], None] | None = None) -> None:
-        """A step sampled `ids[i]` for `req_ids[i]`; `arrival` (if any) waits until they are there."""
+        """A step sampled `ids[i]` for `req_ids[i]`; `arrival` (if any) waits until they are there.
+        The oldest step past the depth is dropped once its ids have arrived: every receive posted
+        completes, in order, even for ids no step took."""
+        if len(self._steps) == self._depth:
+            self._steps.popleft().ready()
         self._steps.append(_SampledStep(ids, {r: i for i, r in enumerate(req_ids)}, arrival))
 
     def gather(self, req_ids: list[str], to_device: Callable[[list[np.ndarray]], list[torch.Tensor]]) -> torch.Tensor:

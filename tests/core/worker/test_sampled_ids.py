@@ -31,10 +31,12 @@ def test_requests_of_several_steps_take_each_ones_newest_id():
     assert store.gather(["b"], to_device).tolist() == [2]
 
 
-def test_a_step_past_the_depth_is_forgotten():
+def test_a_step_past_the_depth_is_forgotten_once_its_ids_arrived():
+    waits = []
     store = RecentSampledIds(depth=2)
     for step, req in enumerate("abc"):
-        store.record(torch.tensor([step]), [req])
+        store.record(torch.tensor([step]), [req], arrival=lambda req=req: waits.append(req))
+    assert waits == ["a"]  # no step read a's ids, but their receive completed before it went
     assert store.gather(["b", "c"], to_device).tolist() == [1, 2]
     with pytest.raises(KeyError, match="'a' has no sampled id"):
         store.gather(["a"], to_device)
