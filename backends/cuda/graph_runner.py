@@ -320,7 +320,7 @@ class CUDAGraphModelRunner(ModelRunner):
             return None
         stage = self.stage
         return IntermediateTensors(*(torch.zeros(max_batch, stage.hidden_size, dtype=stage.dtype, device=self.device)
-                                     for _ in range(2)))
+                                     for _ in range(stage.streams)))
 
     def _capture(self, key: GraphKey, max_model_len: int, pool) -> _DecodeGraph:
         static, size = self._static, key[0] * key[1]
@@ -329,7 +329,7 @@ class CUDAGraphModelRunner(ModelRunner):
         args = (static.input_ids[:size], static.positions[:size], ctx)
         if self.stage is not None:
             inter = static.intermediate
-            args += (None if inter is None else IntermediateTensors(inter.hidden[:size], inter.residual[:size]),)
+            args += (None if inter is None else inter.rows(size),)
         # Once eagerly first: compiles the kernels, sets up cuBLAS outside the capture and times its
         # GEMMs' row counts against padded ones (padded_rows), which the capture then records.
         with padded_rows.tuning():

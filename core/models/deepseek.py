@@ -10,7 +10,8 @@ Following transformers' implementations operation for operation:
     ranks by score plus `e_score_correction_bias`, keeps the `topk_group` groups with the best
     two-expert sums, and renormalises (`norm_topk_prob`); both scale by `routed_scaling_factor`.
 
-Tensor parallelism is refused (the MLA projections are not sharded yet).
+Tensor parallelism is refused (the MLA projections are not sharded yet); pipeline stages split the
+layers as Llama's do (`corectl.models.pipeline`), each stage's latent cache holding its layers.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..attention import ForwardContext
-from ..distributed import get_tp
+from ..distributed import get_pp, get_tp
 from .base import CausalLM, check_tensor_parallel
 from .layers import RMSNorm, RotaryEmbedding
 from .kernels import UsesLayerKernels
@@ -31,6 +32,7 @@ from .llama import GatedMLP
 from .mla import MLAttention, latent_cache_layout
 from .moe import TORCH_EXPERTS_BLOCKER, FusedMoE, fused_moe_torch, load_moe_weights
 from .parallel import ParallelLMHead, VocabParallelEmbedding, gather_logits
+from .pipeline import IntermediateTensors, build_stage_layers, held_by_other_stage, stage_input, stage_layers
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -149,22 +151,32 @@ class DeepseekLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, config, max_positions: int, dtype: torch.dtype, interleave: bool, correction: bool):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(config, config.qk_rope_head_dim, max_positions, dtype)
-        self.layers = nn.ModuleList(DeepseekLayer(config, i, rotary, interleave, correction)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+    """The decoder stack, or this pipeline stage's run of it, as Llama's (`DecoderModel`)."""
 
-    def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, ctx)
+    def __init__(self, config, max_positions: int, dtype: torch.dtype, interleave: bool, correction: bool,
+                 tied: bool):
+        super().__init__()
+        pp = get_pp()
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+                             if pp.is_first or (tied and pp.is_last) else None)
+        rotary = RotaryEmbedding(config, config.qk_rope_head_dim, max_positions, dtype)
+        self.layers = build_stage_layers(config.num_hidden_layers,
+                                         lambda i: DeepseekLayer(config, i, rotary, interleave, correction))
+        self.stage_layers = stage_layers(config.num_hidden_layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else None
+
+    def forward(self, input_ids, positions, ctx: ForwardContext,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        hidden, residual = stage_input(self.embed_tokens, input_ids, intermediate)
+        for index in self.stage_layers:
+            hidden, residual = self.layers[index](positions, hidden, residual, ctx)
+        if self.norm is None:
+            return IntermediateTensors(hidden, residual)
         return self.norm(hidden, residual)[0]
 
 
 class DeepseekV2ForCausalLM(CausalLM):
+    supports_pipeline_parallel = True
     graph_capture_blocker = TORCH_EXPERTS_BLOCKER
     tensor_parallel_blocker = "its latent attention projections are not sharded yet"
     correction = False
@@ -174,26 +186,33 @@ class DeepseekV2ForCausalLM(CausalLM):
         check_tensor_parallel(type(self), get_tp().world_size)
         self.config = config
         interleave = self.correction is False or bool(getattr(config, "rope_interleave", True))
-        self.model = DeepseekModel(config, max_positions, dtype, interleave, self.correction)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size,
-                                      device="meta" if self.tie_word_embeddings else None)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model = DeepseekModel(config, max_positions, dtype, interleave, self.correction, self.tie_word_embeddings)
+        self.lm_head = None
+        if get_pp().is_last:
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size,
+                                          device="meta" if self.tie_word_embeddings else None)
+            if self.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
         self.kv_cache_layout = latent_cache_layout(config)
 
     @property
     def supports_graph_capture(self) -> bool:
         """Decode steps replay in CUDA graphs once every MoE layer's experts run the installed kernel
         (the worker installs kernels before it captures; until then, and on the torch path, not)."""
-        return all(layer.mlp.experts.runs_kernel for layer in self.model.layers if isinstance(layer.mlp, DeepseekMoE))
+        return all(layer.mlp.experts.runs_kernel for layer in self._stage_decoder_layers()
+                   if isinstance(layer.mlp, DeepseekMoE))
 
-    def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
-        return self.model(input_ids, positions, ctx)
+    def forward(self, input_ids, positions, ctx: ForwardContext,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, ctx, intermediate)
 
     def after_loading(self) -> None:
-        for layer in self.model.layers:
+        for layer in self._stage_decoder_layers():
             layer.self_attn.absorb_weights()
+
+    def _stage_decoder_layers(self) -> list[DeepseekLayer]:
+        return [self.model.layers[index] for index in self.model.stage_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return gather_logits(self.lm_head(hidden), self.config.vocab_size).float()
@@ -205,11 +224,12 @@ class DeepseekV2ForCausalLM(CausalLM):
         return load_moe_weights(self, renamed, self._skips)
 
     def _skips(self, name: str) -> bool:
-        """Rotary buffers, a tied head, and V3's multi-token-prediction layers (numbered past the
-        model's layers: speculative heads this model does not run)."""
+        """Rotary buffers, a tied head, V3's multi-token-prediction layers (numbered past the
+        model's layers: speculative heads this model does not run), other pipeline stages' parts."""
         match = _LAYER.match(name)
         return ("rotary_emb" in name or (self.tie_word_embeddings and name == "lm_head.weight")
-                or (match is not None and int(match[1]) >= self.config.num_hidden_layers))
+                or (match is not None and int(match[1]) >= self.config.num_hidden_layers)
+                or held_by_other_stage(self, name))
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

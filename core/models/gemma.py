@@ -14,7 +14,8 @@ decoding is token-exact in fp32. What differs from Llama (`llama.py`):
   - Gemma 3: per-head RMSNorm of q and k before the rotation, and rotary bases per layer type
     (`rope_parameters["sliding_attention"]`, the old `rope_local_base_freq`, for local layers).
 
-Every projection, the embedding and the head are tensor parallel (`parallel.py`), as in Llama.
+Every projection, the embedding and the head are tensor parallel (`parallel.py`), as in Llama, and
+pipeline stages split the layers as Llama's do (one residual stream travels between stages).
 """
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ import torch
 from torch import nn
 
 from ..attention import ForwardContext
+from ..distributed import get_pp
 from ..loaders.packing import load_packed_weights
 from .base import CausalLM
 from .layers import Attention, RotaryEmbedding, activation
 from .parallel import PackedLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, gather_logits
+from .pipeline import IntermediateTensors, build_stage_layers, held_by_other_stage, stage_layers
 from .sliding_window import layer_sliding_windows
 
 
@@ -118,46 +121,62 @@ def _rotaries(config, max_positions: int, dtype: torch.dtype) -> list[RotaryEmbe
 
 
 class GemmaDecoderModel(nn.Module):
-    def __init__(self, config, max_positions: int, dtype: torch.dtype, qk_norm: bool):
+    """The decoder stack, or this pipeline stage's run of it: the first stage embeds, the last
+    (which keeps the tied embedding for its head) applies the final norm, and a stage hands the
+    next its one residual stream (`pipeline_streams` 1)."""
+
+    def __init__(self, config, max_positions: int, dtype: torch.dtype, qk_norm: bool, tied: bool):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        pp = get_pp()
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+                             if pp.is_first or (tied and pp.is_last) else None)
         # fp32 here, cast to the model dtype at use, as transformers does (bf16 rounds sqrt(hidden)).
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size ** 0.5, dtype=torch.float32),
                              persistent=False)
         rotaries = _rotaries(config, max_positions, dtype)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(config, i, rotaries[i], qk_norm)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = build_stage_layers(config.num_hidden_layers,
+                                         lambda i: GemmaDecoderLayer(config, i, rotaries[i], qk_norm))
+        self.stage_layers = stage_layers(config.num_hidden_layers)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         return hidden * self.embed_scale.to(hidden.dtype)
 
-    def forward(self, input_ids, positions, ctx: ForwardContext, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids, positions, ctx: ForwardContext, inputs_embeds: torch.Tensor | None = None,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         """`inputs_embeds`: scaled token embeddings with image rows merged in (Gemma 3's vision model)."""
-        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        for layer in self.layers:
-            hidden = layer(positions, hidden, ctx)
-        return self.norm(hidden)
+        if intermediate is not None:
+            hidden = intermediate.hidden
+        else:
+            hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        for index in self.stage_layers:
+            hidden = self.layers[index](positions, hidden, ctx)
+        return IntermediateTensors(hidden) if self.norm is None else self.norm(hidden)
 
 
 class Gemma2ForCausalLM(CausalLM):
     qk_norm = False
+    supports_pipeline_parallel = True
+    pipeline_streams = 1
 
     def __init__(self, config, max_positions: int, dtype: torch.dtype):
         super().__init__()
         self.config = config
-        self.model = GemmaDecoderModel(config, max_positions, dtype, self.qk_norm)
-        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        # A tied head is a Linear over the embedding's own Parameter (see LlamaForCausalLM).
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size,
-                                      device="meta" if self.tie_word_embeddings else None)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model = GemmaDecoderModel(config, max_positions, dtype, self.qk_norm, self.tie_word_embeddings)
+        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+        self.lm_head = None
+        if get_pp().is_last:
+            # A tied head is a Linear over the embedding's own Parameter (see LlamaForCausalLM).
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size,
+                                          device="meta" if self.tie_word_embeddings else None)
+            if self.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
-        return self.model(input_ids, positions, ctx)
+    def forward(self, input_ids, positions, ctx: ForwardContext,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, ctx, intermediate=intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = gather_logits(self.lm_head(hidden), self.config.vocab_size).float()
@@ -166,7 +185,7 @@ class Gemma2ForCausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_packed_weights(self, weights, lambda name: "rotary_emb" in name or (
-            self.tie_word_embeddings and name == "lm_head.weight"))
+            self.tie_word_embeddings and name == "lm_head.weight") or held_by_other_stage(self, name))
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

@@ -18,7 +18,7 @@ from ..loaders.packing import load_packed_weights
 from .base import CausalLM
 from .kernels import UsesLayerKernels
 from .layers import Attention, RMSNorm, RotaryEmbedding
-from .pipeline import IntermediateTensors, build_stage_layers, held_by_other_stage, stage_layers
+from .pipeline import IntermediateTensors, build_stage_layers, held_by_other_stage, stage_input, stage_layers
 from .parallel import (
     PackedLinear,
     ParallelLMHead,
@@ -137,10 +137,7 @@ class DecoderModel(nn.Module):
         """[T, hidden] after the final norm; with `aux_hidden_layers`, [T, (1 + n) * hidden]: those
         rows, then each listed layer's input in layer order (one tensor, so that a captured CUDA
         graph's output holds them too)."""
-        if intermediate is None:
-            hidden, residual = self.embed_tokens(input_ids), None
-        else:
-            hidden, residual = intermediate.hidden, intermediate.residual
+        hidden, residual = stage_input(self.embed_tokens, input_ids, intermediate)
         aux = []
         for index in self.stage_layers:
             if index in self.aux_hidden_layers:
@@ -178,6 +175,10 @@ class LlamaForCausalLM(CausalLM):
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
         """Layer `layer_idx`'s MLP (mixture-of-experts models choose per layer)."""
         return GatedMLP(config)
+
+    def stage_decoder_layers(self) -> list[nn.Module]:
+        """The decoder layers this pipeline stage holds (every one without stages)."""
+        return [self.model.layers[index] for index in self.model.stage_layers]
 
     def forward(self, input_ids, positions, ctx: ForwardContext,
                 intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:

@@ -30,6 +30,7 @@ from ..attention import ForwardContext
 from ..loaders.packing import load_packed_weights
 from .layers import Attention, RotaryEmbedding
 from .llama import DecoderAttention, GatedMLP, LlamaForCausalLM
+from .pipeline import held_by_other_stage
 from .moe import TORCH_EXPERTS_BLOCKER, FusedMoE, fused_moe_torch
 
 _STACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<name>gate_up_proj|down_proj)$")
@@ -125,8 +126,6 @@ class Llama4MoE(nn.Module):
 
 
 class Llama4ForCausalLM(LlamaForCausalLM):
-    # Its loader resolves checkpoint names to modules before skipping: every layer must exist.
-    supports_pipeline_parallel = False
     supports_graph_capture = False
     graph_capture_blocker = TORCH_EXPERTS_BLOCKER
     attention_class = Llama4Attention
@@ -144,7 +143,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
             for name, tensor in weights:
                 name = name.replace(".feed_forward.", ".mlp.")
                 match = _STACKED.match(name)
-                if match is None:
+                if match is None or held_by_other_stage(self, name):
                     yield name, tensor
                     continue
                 modules[match["prefix"]].load_stacked(match["name"], tensor)

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from .llama import LlamaForCausalLM
+from .pipeline import held_by_other_stage
 
 # A fused checkpoint projection and the separate projections it holds, in row order.
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -27,7 +28,7 @@ def split_fused(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tenso
     modules = dict(model.named_modules())
     for name, tensor in weights:
         match = _FUSED_NAME.match(name)
-        if match is None:
+        if match is None or held_by_other_stage(model, name):  # another pipeline stage's: skipped
             yield name, tensor
             continue
         layer = modules[f"{match['module']}.{match['fused']}"]
@@ -40,7 +41,5 @@ def split_fused(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tenso
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    # Its loader resolves checkpoint names to modules before skipping: every layer must exist.
-    supports_pipeline_parallel = False
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(split_fused(self, weights))

@@ -31,13 +31,19 @@ _ABSENT = object()
 
 @dataclass
 class IntermediateTensors:
-    """A stage's output that the next stage continues from: [T, hidden] each."""
+    """A stage's output that the next stage continues from: [T, hidden] each. A model whose layers
+    carry one stream (Gemma adds each sublayer's normed output to it) has no separate residual
+    (`CausalLM.pipeline_streams` 1)."""
 
     hidden: torch.Tensor
-    residual: torch.Tensor
+    residual: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.hidden, self.residual]
+        return [self.hidden] if self.residual is None else [self.hidden, self.residual]
+
+    def rows(self, count: int) -> IntermediateTensors:
+        """The first `count` rows of each tensor."""
+        return IntermediateTensors(*(t[:count] for t in self.tensors()))
 
 
 class OtherStageLayer(nn.Identity):
@@ -70,6 +76,15 @@ def build_stage_layers(num_layers: int, build: Callable[[int], nn.Module]) -> nn
     """Layer i from `build(i)` for this stage's layers, a placeholder for the others."""
     mine = stage_layers(num_layers)
     return nn.ModuleList(build(i) if i in mine else OtherStageLayer() for i in range(num_layers))
+
+
+def stage_input(embed: Callable[[torch.Tensor], torch.Tensor], input_ids: torch.Tensor,
+                intermediate: IntermediateTensors | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The (hidden, residual) a stage's first layer takes: the embedded tokens and no residual yet
+    on the first stage, the previous stage's activations on a later one."""
+    if intermediate is None:
+        return embed(input_ids), None
+    return intermediate.hidden, intermediate.residual
 
 
 def held_by_other_stage(model: nn.Module, name: str) -> bool:

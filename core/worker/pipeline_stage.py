@@ -29,8 +29,10 @@ from ..models.pipeline import IntermediateTensors
 
 
 class PipelineStage:
-    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device, streams: int = 2):
+        """`streams`: the [T, hidden] tensors a stage hands the next (`CausalLM.pipeline_streams`)."""
         pp = get_pp()
+        self.streams = streams
         self.is_first, self.is_last = pp.is_first, pp.is_last
         # Steps whose sampled ids a later step may still take from the device: a micro-batch goes
         # on P to 2(P - 1) launches after its own step.
@@ -48,9 +50,9 @@ class PipelineStage:
             return None
         if into is None:
             buffers = [torch.empty(num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
-                       for _ in range(2)]
+                       for _ in range(self.streams)]
         else:
-            buffers = [t[:num_tokens] for t in into.tensors()]
+            buffers = into.rows(num_tokens).tensors()
         return IntermediateTensors(*receive_from_previous_stage(buffers))
 
     def send(self, output: IntermediateTensors) -> None:

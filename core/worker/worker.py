@@ -170,7 +170,8 @@ class Worker(abc.ABC):
                                       logprobs_mode=self.config.logprobs_mode)
         self.runner.lora = lora
         if get_pp().world_size > 1:
-            self.runner.attach_stage(PipelineStage(hf.hidden_size, self.torch_dtype, self.device))
+            self.runner.attach_stage(PipelineStage(hf.hidden_size, self.torch_dtype, self.device,
+                                                   getattr(model, "pipeline_streams", 2)))
         if pooling:
             self.runner.pooler = Pooler(self.config.pooling_type, getattr(model, "classify", None))
         spec = self.config.speculative_config

@@ -1,6 +1,7 @@
 """DeepSeek V2 and V3 against transformers: multi-head latent attention (latent cache), a dense
 first layer, shared experts and V2's / V3's routing (grouped top-k, correction bias, routed scaling);
-greedy fp32 through prefix hits, preemption and chunked prefill; `corectl plan` sizes latent blocks."""
+greedy fp32 through prefix hits, preemption and chunked prefill; two pipeline stages over gloo;
+`corectl plan` sizes latent blocks."""
 from __future__ import annotations
 
 import pytest
@@ -54,6 +55,25 @@ def test_deepseek_greedy_matches_transformers(version, tmp_path, default_model_d
     cache = worker.runner.kv_caches[0]
     assert (cache.shape[0], *cache.shape[2:]) == (1, BLOCK, 1, 32 + 8)
     assert worker.model_info.kv_bytes_per_block(BLOCK) == 3 * BLOCK * (32 + 8) * 4
+
+
+@pytest.mark.slow
+def test_two_pipeline_stages_match_transformers(tmp_path, default_model_dir):
+    """V3 in two stages (the dense layer and one MoE layer, then the last MoE layer with the head):
+    each stage loads and absorbs only its layers' latent projections and holds their latent cache."""
+    hf_model = save_random_model(deepseek_config("v3"), tmp_path, default_model_dir, seed=5)
+    _randomise_correction(hf_model)
+    hf_model.save_pretrained(tmp_path)
+    prompts, _ = parity_prompts(VOCAB)
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory_gib=0.01, block_size=BLOCK, max_model_len=MAX_MODEL_LEN,
+              pipeline_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        for out, prompt in zip(llm.generate(prompts, params, use_tqdm=False), prompts):
+            tokens = list(out.outputs[0].token_ids)
+            assert hf_greedy_choices(hf_model, prompt, tokens)[0] == tokens
+    finally:
+        llm.engine.executor.shutdown()
 
 
 def test_chunked_prefill_over_the_latent_cache_matches_transformers(tmp_path, default_model_dir):

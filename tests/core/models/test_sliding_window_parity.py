@@ -78,6 +78,22 @@ def test_greedy_tokens_match_transformers(arch, tmp_path, default_model_dir):
     assert (kv.sliding_window, kv.num_windowed_out_blocks > 0) == ((WINDOW, True) if arch == "mistral" else (None, False))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
+def test_two_pipeline_stages_match_transformers(arch, tmp_path, default_model_dir):
+    """Gemma in two stages over gloo (local layers on the first, layer 3 global on the second for
+    Gemma 3): one residual stream crosses, and the last stage keeps the tied embedding for its head."""
+    hf_model = _checkpoint(arch, tmp_path / arch, default_model_dir)
+    llm = LLM(str(tmp_path / arch), dtype="float32", kv_cache_memory_gib=0.02, block_size=8, pipeline_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        prompts = _prompts(4)
+        for out, prompt in zip(llm.generate(prompts, params, use_tqdm=False), prompts):
+            assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, NEW_TOKENS)[0], arch
+    finally:
+        llm.engine.executor.shutdown()
+
+
 def test_prefix_hits_after_blocks_left_the_window(tmp_path, default_model_dir):
     """Follow-up prompts extend earlier conversations whose first blocks went back to the pool while
     they decoded: hits still give transformers' tokens, whether the chain survived or broke."""
