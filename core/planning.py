@@ -24,7 +24,7 @@ from typing import Any
 
 from .config import EngineConfig
 from .discovery import host_platform, planned_platform, resolve_platform
-from .distributed import shard_range
+from .distributed import shard_range, viewed_as_stage
 from .engine.core import resolve_max_model_len
 from .errors import ConfigError, ModelNotFoundError
 from .kv.sizing import (
@@ -40,6 +40,7 @@ from .loaders.presets import PRESETS, is_preset
 from .loaders.resolve import default_model, resolve_model_source
 from .loaders.source import ModelSource
 from .models.base import check_tensor_parallel
+from .models.pipeline import check_pipeline_parallel, layer_partition, resolve_layer_partition
 from .models.registry import resolve_model_class
 from .multimodal.profile import encoder_cache_bytes, serves_images
 from .planning_weights import ModelWeights, planned_model, size_weights
@@ -132,6 +133,11 @@ class Plan:
     sliding_window: int | None = None
     # A vision-language model's encoder cache, reserved outside the KV cache where memory is profiled.
     encoder_cache_bytes: int = 0
+    # Under pipeline parallelism the plan is one stage's (`_plan_stages` says which): its first layer
+    # and layer count; the model's totals (`num_params`, `weight_bytes`) stay the whole model's.
+    pipeline_parallel_size: int = 1
+    pipeline_stage: int = 0
+    stage_layers: tuple[int, int] | None = None
 
     @property
     def fits(self) -> bool:
@@ -182,11 +188,36 @@ def plan_deployment(config: EngineConfig, *, device: str = "auto", device_memory
     ('auto', 'cpu' or 'gpu'; see `resolve_target`) of `device_memory` bytes."""
     checkpoint = read_checkpoint(config)
     target = resolve_target(config, checkpoint.model_dtype, device, device_memory, device_capability)
+    if config.pipeline_parallel_size > 1:
+        return _plan_stages(checkpoint, config, target)
+    return _plan(checkpoint, config, target)
+
+
+def _plan(checkpoint: Checkpoint, config: EngineConfig, target: Target) -> Plan:
     shape = _model_shape(checkpoint, config, target)
     result = _size(checkpoint, shape, config, target, config.tensor_parallel_size)
     if result.fits:
         return result
     return dataclasses.replace(result, remedies=_remedies(result, checkpoint, shape, config, target))
+
+
+def _plan_stages(checkpoint: Checkpoint, config: EngineConfig, target: Target) -> Plan:
+    """Each pipeline stage's plan, its model built as that stage builds it (its layers; the
+    embedding on the first, the head on the last): the first that does not fit, else the one with
+    the fewest KV blocks, which every stage then allocates (the engine takes the ranks' minimum)."""
+    hf, num_stages = checkpoint.hf_config, config.pipeline_parallel_size
+    partition = resolve_layer_partition(config)
+    check_pipeline_parallel(hf, resolve_model_class(pooling_architectures(hf)), config, partition)
+    whole = _model_shape(checkpoint, config, target)
+    plans = []
+    for stage, layers in enumerate(layer_partition(hf.num_hidden_layers, num_stages, partition)):
+        with viewed_as_stage(stage, num_stages, partition):
+            plan = _plan(checkpoint, config, target)
+        plans.append(dataclasses.replace(
+            plan, num_params=whole.info.num_params, weight_bytes=whole.weights.served.total,
+            pipeline_parallel_size=num_stages, pipeline_stage=stage, stage_layers=(layers.start, len(layers))))
+    failing = [plan for plan in plans if not plan.fits]
+    return failing[0] if failing else min(plans, key=lambda plan: plan.num_kv_blocks)
 
 
 def read_checkpoint(config: EngineConfig) -> Checkpoint:

@@ -20,6 +20,8 @@ messages it takes and the rest to the group's collective.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -98,6 +100,21 @@ def init_parallel_state(rank: int, tp_size: int, pp_size: int, backend: str, ini
     _pp = PipelineParallel(stage, pp_size, prev_rank=rank - tp_size if stage > 0 else None,
                            next_rank=rank + tp_size if stage < last else None, partition=partition,
                            ring_rank=ring_rank)
+
+
+@contextlib.contextmanager
+def viewed_as_stage(stage: int, num_stages: int, partition: tuple[int, ...] | None = None) -> Iterator[None]:
+    """Within, this process reads as pipeline stage `stage` of `num_stages` without joining any group,
+    so a model built here holds that stage's layers (a deployment plan sizes each stage on the meta
+    device). Not for a rank, whose stage `init_parallel_state` set."""
+    global _pp
+    if _pp.world_size > 1:
+        raise RuntimeError("a pipeline rank cannot be viewed as another stage")
+    _pp = PipelineParallel(stage, num_stages, partition=partition)
+    try:
+        yield
+    finally:
+        _pp = PipelineParallel()
 
 
 def attach_device_communicator(platform: "Platform", enabled: bool = True) -> None:

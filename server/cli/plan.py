@@ -25,7 +25,8 @@ def register(sub) -> None:
                     "flag that would make it fit. Engine flags are read as `corectl serve` reads them, with its "
                     "defaults; quantized weights (--quantization, a checkpoint's quantization_config, GGUF "
                     "files) are sized as the target platform serves them; "
-                    "with -tp N, weights and KV heads are per rank.")
+                    "with -tp N, weights and KV heads are per rank; with -pp N, the plan is the stage "
+                    "with the fewest KV blocks (every stage allocates that many), or one that does not fit.")
     group = parser.add_argument_group("plan")
     group.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                        help="what to size for: this machine's CPU, a GPU (this machine's, or one of "
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
 def render(plan) -> str:
     """The plan as a two-column table."""
-    per_rank = f" per rank at -tp {plan.tensor_parallel_size}" if plan.tensor_parallel_size > 1 else ""
+    per_rank = _per_rank(plan)
     stored = ", ".join(f"{kind} {_bytes(n)}" for kind, n in sorted(plan.stored_bytes.items(), key=lambda kv: -kv[1]))
     kv = (f"{plan.kv_bytes_per_token:,} bytes per token{per_rank} ({plan.num_kv_heads_per_rank} KV heads), "
           f"blocks of {plan.block_size} tokens")
@@ -93,6 +94,17 @@ def render(plan) -> str:
     if plan.remedies:
         rows.append(("to fit", "  or  ".join(plan.remedies)))
     return "\n".join(f"{name:<13} {value}" for name, value in rows)
+
+
+def _per_rank(plan) -> str:
+    """Which rank the per-rank figures describe: its tensor-parallel share, its pipeline stage."""
+    parts = []
+    if plan.tensor_parallel_size > 1:
+        parts.append(f"-tp {plan.tensor_parallel_size}")
+    if plan.pipeline_parallel_size > 1:
+        first, count = plan.stage_layers
+        parts.append(f"-pp {plan.pipeline_parallel_size} (stage {plan.pipeline_stage}, layers {first}-{first + count - 1})")
+    return f" per rank at {' '.join(parts)}" if parts else ""
 
 
 def _weights(plan, per_rank: str) -> str:

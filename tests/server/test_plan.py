@@ -101,6 +101,39 @@ def test_tensor_parallelism_splits_weights_and_kv_heads(capsys):
     assert two["kv_tokens"] > 2 * one["kv_tokens"]
 
 
+def test_pipeline_stages_plan_the_stage_with_the_fewest_blocks(capsys):
+    def plan(*extra: str) -> dict:
+        code, out = _plan(capsys, "llama3-8b", "--device-memory", "80GiB", "--json", *extra)
+        assert code == 0
+        return json.loads(out)
+
+    one, even, uneven = plan(), plan("-pp", "2"), plan("-pp", "2", "--pipeline-layer-partition", "12,20")
+    assert even["kv_bytes_per_token"] == LLAMA3_8B_KV_PER_TOKEN // 2
+    assert even["weight_bytes_per_rank"] == pytest.approx(one["weight_bytes"] / 2, rel=0.01)
+    assert even["weight_bytes"] == one["weight_bytes"] and even["num_params"] == one["num_params"]
+    # 20 of 32 layers and the LM head: the second stage holds fewer blocks, so every stage gets that many.
+    assert (uneven["pipeline_stage"], uneven["stage_layers"]) == (1, [12, 20])
+    assert uneven["kv_bytes_per_token"] == LLAMA3_8B_KV_PER_TOKEN * 20 // 32
+    assert uneven["kv_tokens"] < even["kv_tokens"]
+    code, table = _plan(capsys, "llama3-8b", "--device-memory", "80GiB", "-pp", "2")
+    assert "per rank at -pp 2 (stage 0, layers 0-15)" in table
+
+
+@pytest.mark.slow
+def test_a_pipeline_plan_agrees_with_the_engine():
+    """Two CPU stages of 1 and 3 layers share one KV budget per rank: the engine allocates the
+    blocks of the stage with more layers on both, as the plan says."""
+    args = {"model": "llama-tiny", "load_format": "dummy", "max_model_len": 256, "kv_cache_memory_gib": 0.01,
+            "hf_overrides": {"num_hidden_layers": 4}, "pipeline_parallel_size": 2, "pipeline_layer_partition": "1,3"}
+    plan = plan_deployment(EngineConfig(**args), device="cpu")
+    llm = LLM(**args)
+    try:
+        assert (plan.pipeline_stage, plan.stage_layers) == (1, (1, 3))
+        assert plan.num_kv_blocks == llm.engine.info.num_kv_blocks
+    finally:
+        llm.engine.executor.shutdown()
+
+
 @pytest.mark.parametrize("args", [
     ("llama3-8b", "--device-memory", "18GiB"),
     ("qwen3-0.6b", "--device", "cpu", "--kv-cache-memory", "0.01"),
