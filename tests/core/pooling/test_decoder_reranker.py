@@ -41,6 +41,18 @@ def test_two_way_softmax_logit_is_yes_minus_no(tied):
     np.testing.assert_allclose(got[:, 0], reference[:, 1] - reference[:, 0], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
+def test_a_reranker_in_two_pipeline_stages_scores_the_same(tied):
+    """The last stage, which classifies, takes the tied head's rows from the checkpoint as it loads."""
+    llm = LLM(str(tied), hf_overrides=RERANKER, pipeline_parallel_size=2, **ENGINE)
+    try:
+        got = np.array([out.outputs.embedding for out in llm.embed(PROMPTS, use_tqdm=False)])
+    finally:
+        llm.engine.executor.shutdown()
+    reference = yes_no_logits(tied, PROMPTS)
+    np.testing.assert_allclose(got[:, 0], reference[:, 1] - reference[:, 0], rtol=1e-4, atol=1e-4)
+
+
 def test_no_post_processing_keeps_one_label_per_token(tied):
     overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes", "a"],
                  "method": "no_post_processing"}

@@ -60,6 +60,19 @@ def test_random_qwen3_pooled_like_transformers(qwen3, pooling_type):
     assert_close(raw, [reference(hf_model, prompts[3], pooling_type, normalize=False)])
 
 
+@pytest.mark.slow
+def test_two_pipeline_stages_pool_like_transformers(qwen3):
+    """MEAN over chunks in two stages: the last stage sums each chunk's rows it gets from the first."""
+    folder, hf_model = qwen3
+    llm = LLM(str(folder), runner="pooling", pooling_type="MEAN", dtype="float32", kv_cache_memory_gib=0.05,
+              max_num_batched_tokens=CHUNK, pipeline_parallel_size=2)
+    try:
+        prompts = _prompts()
+        assert_close(llm.embed(prompts, use_tqdm=False), [reference(hf_model, p, "MEAN") for p in prompts])
+    finally:
+        llm.engine.executor.shutdown()
+
+
 def test_async_scheduling_and_prefix_hits_pool_the_same(qwen3):
     """LAST pooling keeps prefix caching: a repeated prompt hits its cached blocks and pools the same."""
     folder, hf_model = qwen3
