@@ -17,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from ..models.pipeline import held_by_other_stage
 from ..step_messages import SchedulerOutput
 from ..worker.request_states import HostStep
 from .checkpoint import BaseModelShape, LoRAAdapter, LoRAAdapterError, load_adapter
@@ -42,6 +43,8 @@ class AdapterManager:
         if base.experts is not None:
             self.modules.update(attach_expert_lora(model, self.batch, max_loras, base.max_lora_rank, dtype, device))
         self.layers = list(dict.fromkeys(wrapper for wrapper, _ in self.modules.values()))
+        # Pipeline stages: an adapter's modules in another stage's layers are that stage's to load.
+        self._other_stage = lambda module: held_by_other_stage(model, f"{module}.weight")
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
         self._requests: dict[str, LoRARequest] = {}
@@ -117,6 +120,8 @@ class AdapterManager:
         adapter = self._host_adapter(lora)
         by_layer: dict[LoRALinear | ExpertLoRA, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         for module, pair in adapter.weights.items():
+            if module not in self.modules and self._other_stage(module):
+                continue
             if module not in self.modules:
                 raise LoRAAdapterError(f"adapter {lora.lora_name!r} targets module {module!r}, which this model "
                                        "does not have (a dense MLP of a mixture-of-experts layer, or experts of a "

@@ -115,9 +115,6 @@ def resolve_layer_partition(config: EngineConfig) -> tuple[int, ...] | None:
 def check_pipeline_parallel(hf_config, model_cls: type, config: EngineConfig, partition: tuple[int, ...] | None) -> None:
     """Refuse, before any rank starts, stages the model (or the engine's mode) cannot be split into."""
     num_stages = config.pipeline_parallel_size
-    if config.enable_lora:
-        raise ConfigError("pipeline_parallel_size", "LoRA adapters run without pipeline stages for now; use "
-                          "--tensor-parallel-size")
     if not getattr(model_cls, "supports_pipeline_parallel", False):
         raise ConfigError("pipeline_parallel_size", f"{model_cls.__name__} does not build its layers per pipeline "
                           "stage; use --tensor-parallel-size, or pipeline_parallel_size 1")

@@ -1,5 +1,6 @@
 """LoRA under tensor parallelism: two ranks (processes over gloo), each holding its slices of A and B
-as its base layers are split, give the tokens of one rank, adapters and base mixed in one batch."""
+as its base layers are split, give the tokens of one rank, adapters and base mixed in one batch; and
+in two pipeline stages, each loading only its layers' A and B."""
 from __future__ import annotations
 
 import pytest
@@ -11,11 +12,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 77, 300, 1234, 999, 42, 17], [11, 2024, 380, 7, 7, 901, 3000, 44, 12], [600, 601, 602]]
 
 
-def run(folder, adapters, tensor_parallel_size: int) -> list[list[int]]:
+def run(folder, adapters, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> list[list[int]]:
     loras = [LoRARequest("r8", 1, str(adapters["r8"][0])), None, LoRARequest("r64", 2, str(adapters["r64"][0]))]
-    llm = LLM(str(folder), tensor_parallel_size=tensor_parallel_size, enable_lora=True, max_loras=2,
-              max_lora_rank=64, dtype="float32", max_model_len=128, kv_cache_memory_gib=0.02,
-              distributed_executor_backend="mp" if tensor_parallel_size > 1 else None)
+    llm = LLM(str(folder), tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+              enable_lora=True, max_loras=2, max_lora_rank=64, dtype="float32", max_model_len=128,
+              kv_cache_memory_gib=0.02)
     try:
         return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, lora_request=loras,
                                                                    use_tqdm=False)]
@@ -23,7 +24,16 @@ def run(folder, adapters, tensor_parallel_size: int) -> list[list[int]]:
         llm.engine.executor.shutdown()
 
 
-def test_tp2_matches_tp1(lora_base, adapters):
-    one = run(lora_base, adapters, 1)
-    assert run(lora_base, adapters, 2) == one
-    assert one[0] != one[1] != one[2]
+@pytest.fixture(scope="module")
+def one_rank(lora_base, adapters) -> list[list[int]]:
+    tokens = run(lora_base, adapters)
+    assert tokens[0] != tokens[1] != tokens[2]
+    return tokens
+
+
+def test_tp2_matches_tp1(lora_base, adapters, one_rank):
+    assert run(lora_base, adapters, tensor_parallel_size=2) == one_rank
+
+
+def test_pp2_matches_one_rank(lora_base, adapters, one_rank):
+    assert run(lora_base, adapters, pipeline_parallel_size=2) == one_rank
