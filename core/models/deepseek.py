@@ -31,7 +31,7 @@ from .kernels import UsesLayerKernels
 from .llama import GatedMLP
 from .mla import MLAttention, latent_cache_layout
 from .moe import TORCH_EXPERTS_BLOCKER, FusedMoE, fused_moe_torch, load_moe_weights
-from .parallel import ParallelLMHead, VocabParallelEmbedding, gather_logits
+from .parallel import VocabParallelEmbedding, gather_logits, stage_lm_head
 from .pipeline import IntermediateTensors, build_stage_layers, held_by_other_stage, stage_input, stage_layers
 
 
@@ -188,12 +188,8 @@ class DeepseekV2ForCausalLM(CausalLM):
         interleave = self.correction is False or bool(getattr(config, "rope_interleave", True))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.model = DeepseekModel(config, max_positions, dtype, interleave, self.correction, self.tie_word_embeddings)
-        self.lm_head = None
-        if get_pp().is_last:
-            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size,
-                                          device="meta" if self.tie_word_embeddings else None)
-            if self.tie_word_embeddings:
-                self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = stage_lm_head(config.hidden_size, config.vocab_size, self.model.embed_tokens,
+                                     self.tie_word_embeddings)
         self.kv_cache_layout = latent_cache_layout(config)
 
     @property

@@ -29,7 +29,7 @@ from ..distributed import get_pp
 from ..loaders.packing import load_packed_weights
 from .base import CausalLM
 from .layers import Attention, RotaryEmbedding, activation
-from .parallel import PackedLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, gather_logits
+from .parallel import PackedLinear, RowParallelLinear, VocabParallelEmbedding, gather_logits, stage_lm_head
 from .pipeline import IntermediateTensors, build_stage_layers, held_by_other_stage, stage_layers
 from .sliding_window import layer_sliding_windows
 
@@ -166,13 +166,8 @@ class Gemma2ForCausalLM(CausalLM):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         self.model = GemmaDecoderModel(config, max_positions, dtype, self.qk_norm, self.tie_word_embeddings)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
-        self.lm_head = None
-        if get_pp().is_last:
-            # A tied head is a Linear over the embedding's own Parameter (see LlamaForCausalLM).
-            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size,
-                                          device="meta" if self.tie_word_embeddings else None)
-            if self.tie_word_embeddings:
-                self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = stage_lm_head(config.hidden_size, config.vocab_size, self.model.embed_tokens,
+                                     self.tie_word_embeddings)
 
     def forward(self, input_ids, positions, ctx: ForwardContext,
                 intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:

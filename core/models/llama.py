@@ -21,10 +21,10 @@ from .layers import Attention, RMSNorm, RotaryEmbedding
 from .pipeline import IntermediateTensors, build_stage_layers, held_by_other_stage, stage_input, stage_layers
 from .parallel import (
     PackedLinear,
-    ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
     gather_logits,
+    stage_lm_head,
 )
 from .sliding_window import layer_sliding_windows
 
@@ -163,14 +163,8 @@ class LlamaForCausalLM(CausalLM):
         self.model = DecoderModel(config, max_positions, dtype, qkv_bias, self.qk_norm, self.make_mlp,
                                   self.attention_class)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None
-        if get_pp().is_last:
-            # A tied head is a Linear over the embedding's own Parameter, so a platform can swap the
-            # module (e.g. for a prepacked one) without knowing about tying.
-            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size,
-                                          device="meta" if self.tie_word_embeddings else None)
-            if self.tie_word_embeddings:
-                self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = stage_lm_head(config.hidden_size, config.vocab_size, self.model.embed_tokens,
+                                     self.tie_word_embeddings)
 
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
         """Layer `layer_idx`'s MLP (mixture-of-experts models choose per layer)."""

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..distributed import all_gather, all_reduce, get_tp, shard_range
+from ..distributed import all_gather, all_reduce, get_pp, get_tp, shard_range
 from ..errors import ConfigError
 from ..loaders.packing import PACKED_MODULES
 from ..quantization.scope import deferred_weight_device
@@ -213,3 +213,16 @@ def check_tensor_parallel(hf_config, size: int) -> None:
     if problems:
         raise ConfigError("tensor_parallel_size", f"{size} does not divide {' or '.join(problems)}; "
                           "choose a tensor-parallel size that does")
+
+
+def stage_lm_head(hidden_size: int, vocab_size: int, embedding: VocabParallelEmbedding | None,
+                  tied: bool) -> ParallelLMHead | None:
+    """The LM head, held by the last pipeline stage (every rank without stages); None before it.
+    A tied head is a Linear over the embedding's own Parameter, so a platform can swap the module
+    (e.g. for a prepacked one) without knowing about tying."""
+    if not get_pp().is_last:
+        return None
+    head = ParallelLMHead(hidden_size, vocab_size, device="meta" if tied else None)
+    if tied:
+        head.weight = embedding.weight
+    return head

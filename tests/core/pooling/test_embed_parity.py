@@ -60,19 +60,6 @@ def test_random_qwen3_pooled_like_transformers(qwen3, pooling_type):
     assert_close(raw, [reference(hf_model, prompts[3], pooling_type, normalize=False)])
 
 
-@pytest.mark.slow
-def test_two_pipeline_stages_pool_like_transformers(qwen3):
-    """MEAN over chunks in two stages: the last stage sums each chunk's rows it gets from the first."""
-    folder, hf_model = qwen3
-    llm = LLM(str(folder), runner="pooling", pooling_type="MEAN", dtype="float32", kv_cache_memory_gib=0.05,
-              max_num_batched_tokens=CHUNK, pipeline_parallel_size=2)
-    try:
-        prompts = _prompts()
-        assert_close(llm.embed(prompts, use_tqdm=False), [reference(hf_model, p, "MEAN") for p in prompts])
-    finally:
-        llm.engine.executor.shutdown()
-
-
 def test_async_scheduling_and_prefix_hits_pool_the_same(qwen3):
     """LAST pooling keeps prefix caching: a repeated prompt hits its cached blocks and pools the same."""
     folder, hf_model = qwen3
@@ -154,11 +141,13 @@ def test_pooling_and_generation_refuse_each_other(qwen3, llm_int4):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_pooling_like_transformers(qwen3):
-    """Two ranks (mp executor, gloo): each holds half the heads; rank 0's vectors come back."""
+@pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_two_ranks_pool_like_transformers(qwen3, split):
+    """Two ranks (mp executor, gloo): each holds half the heads, rank 0's vectors coming back; or two
+    pipeline stages, the last summing (MEAN) the rows of each chunk it gets from the first."""
     folder, hf_model = qwen3
     llm = LLM(str(folder), runner="pooling", pooling_type="MEAN", dtype="float32", kv_cache_memory_gib=0.05,
-              max_num_batched_tokens=CHUNK, tensor_parallel_size=2)
+              max_num_batched_tokens=CHUNK, **split)
     try:
         prompts = _prompts(seed=6)
         assert_close(llm.embed(prompts, use_tqdm=False), [reference(hf_model, p, "MEAN") for p in prompts])
