@@ -179,8 +179,13 @@ class Gemma2ForCausalLM(CausalLM):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_packed_weights(self, weights, lambda name: "rotary_emb" in name or (
-            self.tie_word_embeddings and name == "lm_head.weight") or held_by_other_stage(self, name))
+        return load_packed_weights(self, weights, self.skips_weight)
+
+    def skips_weight(self, name: str) -> bool:
+        """Checkpoint tensors the model does not hold: rotary buffers, a tied head, other pipeline
+        stages' parts."""
+        return ("rotary_emb" in name or (self.tie_word_embeddings and name == "lm_head.weight")
+                or held_by_other_stage(self, name))
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

@@ -18,10 +18,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..attention import ForwardContext
+from ..distributed import get_pp
 from ..loaders.packing import default_weight_loader, load_packed_weights
 from ..multimodal.inputs import MultiModalInput
 from .gemma import Gemma3ForCausalLM, GemmaRMSNorm
 from .layers import activation
+from .pipeline import IntermediateTensors
 
 # Checkpoint prefixes, newest first: transformers >= 4.52 nests the parts under `model.`; the tower's
 # own `vision_model.` level comes and goes with the SigLIP class's version.
@@ -107,18 +109,19 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     """Gemma 3's text model on `config.text_config`; `vision_tower` and `multi_modal_projector`
     encode images."""
 
-    supports_pipeline_parallel = False
-
     def __init__(self, config, max_positions: int, dtype: torch.dtype):
         super().__init__(config.get_text_config(), max_positions, dtype)
         self.hf_config = config
-        self.vision_tower = SiglipVisionTower(config.vision_config)
-        self.multi_modal_projector = Gemma3Projector(config)
+        # Pipeline stages: the first encodes images (it merges their rows).
+        first = get_pp().is_first
+        self.vision_tower = SiglipVisionTower(config.vision_config) if first else None
+        self.multi_modal_projector = Gemma3Projector(config) if first else None
         # An image's tokens attend to each other both ways: the longest such run, for the scheduler.
         self.bidirectional_image_tokens = config.mm_tokens_per_image
 
-    def forward(self, input_ids, positions, ctx: ForwardContext, inputs_embeds: torch.Tensor | None = None):
-        return self.model(input_ids, positions, ctx, inputs_embeds)
+    def forward(self, input_ids, positions, ctx: ForwardContext, intermediate: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, ctx, inputs_embeds, intermediate)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed(input_ids)
@@ -130,8 +133,9 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         return list(self.multi_modal_projector(self.vision_tower(pixels)).unbind(0))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        vision = {**{"vision_tower." + k: p for k, p in self.vision_tower.named_parameters()},
-                  **{"multi_modal_projector." + k: p for k, p in self.multi_modal_projector.named_parameters()}}
+        vision = {} if self.vision_tower is None else {
+            **{"vision_tower." + k: p for k, p in self.vision_tower.named_parameters()},
+            **{"multi_modal_projector." + k: p for k, p in self.multi_modal_projector.named_parameters()}}
         loaded: set[str] = set()
 
         def language():
@@ -140,6 +144,8 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
                 if local.startswith("vision_tower.head."):
                     continue  # SigLIP's pooling head: Gemma 3 reads the tower's rows, not its pooled vector
                 if local.startswith(("vision_tower.", "multi_modal_projector.")):
+                    if self.vision_tower is None:  # a pipeline stage after the first
+                        continue
                     if local not in vision:
                         raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in the vision model")
                     default_weight_loader(vision[local], tensor)
@@ -147,8 +153,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
                 else:
                     yield local, tensor
 
-        return load_packed_weights(self, language(), lambda name: "rotary_emb" in name or (
-            self.tie_word_embeddings and name == "lm_head.weight")) | loaded
+        return load_packed_weights(self, language(), self.skips_weight) | loaded
 
 
 def _rename(name: str) -> str:

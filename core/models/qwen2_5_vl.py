@@ -18,10 +18,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..attention import ForwardContext
+from ..distributed import get_pp
 from ..loaders.packing import default_weight_loader, load_packed_weights
 from ..multimodal.inputs import MultiModalInput
 from .layers import RMSNorm, RotaryEmbedding, _rotate_half, activation
 from .llama import LlamaForCausalLM, head_dim
+from .pipeline import IntermediateTensors
 
 # Checkpoint prefixes: transformers >= 4.52 nests both parts under `model.`, older files do not.
 _VISUAL = ("model.visual.", "visual.")
@@ -176,29 +178,28 @@ class VisionTransformer(nn.Module):
 
 
 class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
-    """The language model is Qwen2 on `config.text_config`; `visual` encodes images."""
+    """The language model is Qwen2 on `config.text_config`; `visual` encodes images. In pipeline
+    stages the first holds the vision tower (it merges the image rows) and every stage computes
+    M-RoPE's positions for its layers."""
 
     qkv_bias = True
-    supports_pipeline_parallel = False
 
     def __init__(self, config, max_positions: int, dtype: torch.dtype):
         text = config.get_text_config()
         super().__init__(text, max_positions, dtype)
         self.hf_config = config
         rotary = MRotaryEmbedding(text, head_dim(text), max_positions, dtype)
-        for layer in self.model.layers:
+        for layer in self.stage_decoder_layers():
             layer.self_attn.rotary = rotary
-        self.visual = VisionTransformer(config.vision_config)
+        self.visual = VisionTransformer(config.vision_config) if get_pp().is_first else None
         self.merge = config.vision_config.spatial_merge_size
 
-    def forward(self, input_ids, positions, ctx: ForwardContext, inputs_embeds: torch.Tensor | None = None):
+    def forward(self, input_ids, positions, ctx: ForwardContext, intermediate: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
         """`inputs_embeds`: the step's token embeddings with image rows merged in (None: text only)."""
-        hidden = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        residual = None
-        for layer in self.model.layers:
-            hidden, residual = layer(positions, hidden, residual, ctx)
-        hidden, _ = self.model.norm(hidden, residual)
-        return hidden
+        if intermediate is None and inputs_embeds is not None:
+            intermediate = IntermediateTensors(inputs_embeds)  # the embedded tokens, no residual yet
+        return self.model(input_ids, positions, ctx, intermediate)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -227,7 +228,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         return table, int(table.max()) + 1 - num_tokens
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        visual = dict(self.visual.named_parameters())
+        visual = {} if self.visual is None else dict(self.visual.named_parameters())
         loaded: set[str] = set()
 
         def language():
@@ -235,6 +236,8 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
                 prefix = next((p for p in _VISUAL if name.startswith(p)), None)
                 if prefix is None:
                     yield _language_name(name), tensor
+                    continue
+                if self.visual is None:  # a pipeline stage after the first
                     continue
                 local = name[len(prefix):]
                 if local not in visual:

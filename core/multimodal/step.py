@@ -40,13 +40,14 @@ class MultiModalStep:
             self._mrope.pop(req_id, None)
         self.cache.drop(evicted)
 
-    def prepare(self, host: HostStep, input_ids: torch.Tensor, positions: torch.Tensor,
-                states: RequestStates) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """(embeddings or None for a step without image rows, positions as the model takes them)."""
+    def prepare(self, host: HostStep, input_ids: torch.Tensor, positions: torch.Tensor, states: RequestStates,
+                embeds: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(embeddings or None for a step without image rows, positions as the model takes them).
+        Not `embeds`: the positions alone (a pipeline stage after the first, which embeds nothing)."""
         spans = self._spans(host, states)
         if any(states[r].mm_inputs for r in host.req_ids) and self.uses_mrope:
             positions = self.to_device([self._mrope_positions(host, states)])[0]
-        if not spans:
+        if not spans or not embeds:
             return None, positions
         rows = self._encoder_rows([item for _, item, _, _ in spans])
         embeds = self.model.embed_input_ids(input_ids)

@@ -232,12 +232,14 @@ class ModelRunner:
             inputs.attn.bidirectional_spans = self.multimodal.bidirectional_spans(inputs.host, self.states)
         metadata = self.backend.build_metadata(inputs.attn, check_indices=False)
         ctx = ForwardContext(self.backend, metadata, self.kv_caches)
+        positions, extra = inputs.positions, {}
         if self.multimodal is not None:
-            embeds, positions = self.multimodal.prepare(inputs.host, inputs.input_ids, inputs.positions, self.states)
-            return self.model(inputs.input_ids, positions, ctx, inputs_embeds=embeds)
+            embeds, positions = self.multimodal.prepare(inputs.host, inputs.input_ids, positions, self.states,
+                                                        embeds=self.stage is None or self.stage.is_first)
+            extra = {"inputs_embeds": embeds}
         if self.stage is not None:
-            return self.stage.run(self.model, inputs.input_ids, inputs.positions, ctx)
-        return self.model(inputs.input_ids, inputs.positions, ctx)
+            return self.stage.run(self.model, inputs.input_ids, positions, ctx, **extra)
+        return self.model(inputs.input_ids, positions, ctx, **extra)
 
     def upload(self, host: HostStep) -> StepInputs:
         """Move the step's host arrays to the device as the model and attention backend take them."""

@@ -59,10 +59,11 @@ class PipelineStage:
         send_to_next_stage(output.tensors())
 
     def run(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
-            ctx: ForwardContext) -> torch.Tensor | None:
+            ctx: ForwardContext, **extra) -> torch.Tensor | None:
         """The stage's part of the forward pass: the final hidden states on the last stage, else
-        None once the activations are on their way to the next stage."""
-        output = model(input_ids, positions, ctx, self.receive(input_ids.shape[0]))
+        None once the activations are on their way to the next stage. `extra`: the model's other
+        inputs (a vision-language model's `inputs_embeds`, the first stage's)."""
+        output = model(input_ids, positions, ctx, intermediate=self.receive(input_ids.shape[0]), **extra)
         if self.is_last:
             return output
         self.send(output)

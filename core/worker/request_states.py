@@ -198,16 +198,16 @@ class RequestStates:
                 state.block_ids.extend(new_blocks)
             state.num_computed_tokens = computed
         for req_id, computed, tokens in zip(cached.req_ids, cached.num_computed_tokens, cached.new_token_ids):
-            # Pipeline stages: the step's tokens the host knows (the last stage has them already).
-            # A stage before the last never reads what the last samples: positions before
-            # `computed` whose ids it took on the device hold DEVICE_FED_ID. Every id placed so is
-            # one fewer unread (the stage's count of tokens holds).
+            # Pipeline stages: the step's tokens the host knows, in place (the last stage and a
+            # prompt's later chunks have them already). A stage before the last never reads what
+            # the last samples: positions before `computed` whose ids it took on the device hold
+            # DEVICE_FED_ID. Every id placed so is one fewer unread (the stage's count of tokens holds).
             state = self.states[req_id]
-            total = len(state.token_ids) + state.num_unread_tokens
-            del state.token_ids[computed:]
-            state.token_ids.extend([DEVICE_FED_ID] * (computed - len(state.token_ids)))
-            state.token_ids.extend(tokens)
-            state.num_unread_tokens = total - len(state.token_ids)
+            token_ids = state.token_ids
+            total = len(token_ids) + state.num_unread_tokens
+            token_ids.extend([DEVICE_FED_ID] * (computed - len(token_ids)))
+            token_ids[computed:computed + len(tokens)] = tokens
+            state.num_unread_tokens = total - len(token_ids)
 
     def expect_sampled(self, states: list[CachedRequestState]) -> None:
         """A step being launched samples one token for each of these requests; its id stays on

@@ -314,9 +314,10 @@ class Worker(abc.ABC):
         """A vision-language model's largest encoder batch of one step (corectl.multimodal.profile),
         encoded on entry and held until the block ends, so that a dummy step run inside it peaks as
         a real step does: the tower's outputs alive while the language model runs. None for a
-        text-only model, or one whose folder has no image processor."""
+        text-only model, one whose folder has no image processor, or a pipeline stage after the
+        first (which holds no tower)."""
         images = []
-        if self.runner.multimodal is not None:
+        if self.runner.multimodal is not None and get_pp().is_first:
             images = worst_case_images(self.source.hf_config, self.source.model_dir,
                                        self.config.max_num_batched_tokens, self.max_model_len)
         if not images:

@@ -104,6 +104,25 @@ def test_prompt_logprobs_match_transformers_inside_and_after_the_image(llm, hf):
     torch.testing.assert_close(_prompt_logprobs(out), expected, atol=2e-3, rtol=1e-4)
 
 
+@pytest.mark.slow
+def test_two_pipeline_stages_match_transformers(gemma3_dir, hf):
+    """The first stage holds the tower and merges the image rows; each stage attends both ways
+    within the image for its layers (prompt logprobs show it)."""
+    model, processor = hf
+    image = random_image(80, 80, 3)
+    staged = LLM(str(gemma3_dir), dtype="float32", platform="cpu", kv_cache_memory_gib=0.02, max_model_len=256,
+                 max_num_batched_tokens=STEP_TOKENS, pipeline_parallel_size=2)
+    try:
+        out = staged.chat(_user("Look:", image, "Now."),
+                          SamplingParams(max_tokens=MAX_TOKENS, temperature=0, prompt_logprobs=0), use_tqdm=False)[0]
+    finally:
+        staged.engine.executor.shutdown()
+    assert list(out.outputs[0].token_ids) == _hf_greedy(hf, list(out.prompt_token_ids), [image])
+    expected = _hf_prompt_logprobs(model, torch.tensor([list(out.prompt_token_ids)]),
+                                   processor(images=[image], return_tensors="pt")["pixel_values"])
+    torch.testing.assert_close(_prompt_logprobs(out), expected, atol=2e-3, rtol=1e-4)
+
+
 @pytest.mark.parametrize("pan_and_scan", [True, False])
 def test_pan_and_scan_matches_transformers_on_a_wide_image(llm, hf, hf_processor, pan_and_scan):
     """600 x 256 is wide enough for the processor's default pan-and-scan (2 crops of 300 x 256, each a

@@ -66,6 +66,22 @@ def test_greedy_parity_with_transformers_one_and_two_images_batched_with_text(ll
     assert other.outputs[0].token_ids != outs[0].outputs[0].token_ids
 
 
+@pytest.mark.slow
+def test_two_pipeline_stages_match_transformers(qwen2_5_vl_dir, hf):
+    """The first stage encodes the images and merges their rows; both compute M-RoPE's positions for
+    their layers. 8-token steps split the images across chunks."""
+    staged = LLM(str(qwen2_5_vl_dir), dtype="float32", platform="cpu", kv_cache_memory_gib=0.02, max_model_len=256,
+                 max_num_batched_tokens=8, pipeline_parallel_size=2)
+    first, second = random_image(100, 70, 1), random_image(60, 90, 2)
+    try:
+        outs = staged.chat([_user(first, "What is this?"), _user(first, "and", second, "Compare them.")],
+                           SamplingParams(max_tokens=MAX_TOKENS, temperature=0), use_tqdm=False)
+    finally:
+        staged.engine.executor.shutdown()
+    for out, images in zip(outs, [[first], [first, second]]):
+        assert list(out.outputs[0].token_ids) == _hf_greedy(hf, list(out.prompt_token_ids), images)
+
+
 def test_a_repeated_image_is_encoded_once_and_hits_the_prefix_cache_another_image_does_not(llm):
     image, other = random_image(96, 96, 3), random_image(96, 96, 4)
     system = {"role": "system", "content": "You describe pictures carefully and in a few words, always."}
@@ -126,9 +142,9 @@ def test_graph_positions_are_the_eager_steps_positions_wherever_a_graph_may_repl
     step = _runner(llm).multimodal
     prepare, seen = step.prepare, []
 
-    def watched(host, input_ids, positions, states):
+    def watched(host, input_ids, positions, states, embeds=True):
         offered = step.graph_positions(host, states)
-        embeds, used = prepare(host, input_ids, positions, states)
+        embeds, used = prepare(host, input_ids, positions, states, embeds)
         seen.append((offered, embeds is not None, used.cpu().numpy()))
         return embeds, used
 
