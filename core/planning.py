@@ -24,7 +24,7 @@ from typing import Any
 
 from .config import EngineConfig
 from .discovery import host_platform, planned_platform, resolve_platform
-from .distributed import shard_range, viewed_as_stage
+from .distributed import get_pp, shard_range, viewed_as_stage
 from .engine.core import resolve_max_model_len
 from .errors import ConfigError, ModelNotFoundError
 from .kv.sizing import (
@@ -371,7 +371,8 @@ def _size(checkpoint: Checkpoint, shape: _Shape, config: EngineConfig, target: T
     budget = config.kv_cache_budget_bytes
     if target.profiles_memory:
         non_torch, usable = NON_TORCH_BYTES, int(target.memory_bytes * config.gpu_memory_utilization)
-        if serves_images(shape.model_cls, checkpoint.source.model_dir):
+        # Under pipeline stages only the first holds the tower and its cache.
+        if serves_images(shape.model_cls, checkpoint.source.model_dir) and get_pp().is_first:
             encoder_cache = encoder_cache_bytes(shape.hidden_size, _DTYPES[info.dtype].itemsize)
         blocks = profiled_kv_blocks(target.memory_bytes, config.gpu_memory_utilization,
                                     served + weights.buffer_bytes + activations, non_torch, per_block, encoder_cache)

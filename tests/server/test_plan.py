@@ -193,3 +193,7 @@ def test_plan_of_a_vision_language_model_reserves_its_encoder_cache(qwen2_5_vl_d
     left = 0.9 * 2**30 - gpu.fixed_bytes
     assert 0 <= left - gpu.kv_cache_bytes < gpu.block_size * gpu.kv_bytes_per_token
     assert plan_deployment(config, device="cpu").encoder_cache_bytes == 0
+    # In two stages the first holds the tower and its cache: it has the fewer blocks.
+    staged = plan_deployment(config.replace(pipeline_parallel_size=2), device="gpu", device_memory=2**30)
+    assert (staged.pipeline_stage, staged.encoder_cache_bytes) == (0, gpu.encoder_cache_bytes)
+    assert staged.weight_bytes_per_rank < gpu.weight_bytes_per_rank
