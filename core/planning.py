@@ -443,23 +443,7 @@ def _remedies(plan: Plan, checkpoint: Checkpoint, shape: _Shape, config: EngineC
                 break
         except ConfigError:
             continue
-    if not any(remedy.startswith("--tensor-parallel-size") for remedy in remedies):
-        remedies += _pipeline_remedy(checkpoint, config, target)
     return remedies
-
-
-def _pipeline_remedy(checkpoint: Checkpoint, config: EngineConfig, target: Target) -> list[str]:
-    """The fewest pipeline stages that fit, for a model no tensor-parallel size fits (DeepSeek's,
-    which refuses tensor parallelism); none when the plan already has stages."""
-    if config.pipeline_parallel_size > 1:
-        return []
-    for pp in TP_SIZES:
-        try:
-            if _plan_stages(checkpoint, config.replace(pipeline_parallel_size=pp), target).fits:
-                return [f"--pipeline-parallel-size {pp}"]
-        except ConfigError:  # a model that does not build per stage, or fewer layers than stages
-            return []
-    return []
 
 
 def _budget_flag(nbytes: int, config: EngineConfig, rounding_up: bool) -> str:

@@ -10,8 +10,9 @@ Following transformers' implementations operation for operation:
     ranks by score plus `e_score_correction_bias`, keeps the `topk_group` groups with the best
     two-expert sums, and renormalises (`norm_topk_prob`); both scale by `routed_scaling_factor`.
 
-Tensor parallelism is refused (the MLA projections are not sharded yet); pipeline stages split the
-layers as Llama's do (`corectl.models.pipeline`), each stage's latent cache holding its layers.
+Tensor parallelism splits the heads (`corectl.models.mla`) and the experts' rows, dense weights only
+(quantized MLA projections run at one rank); pipeline stages split the layers as Llama's do
+(`corectl.models.pipeline`), each stage's latent cache holding its layers.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..attention import ForwardContext
-from ..distributed import get_pp, get_tp
-from .base import CausalLM, check_tensor_parallel
+from ..distributed import get_pp
+from .base import CausalLM
 from .layers import RMSNorm, RotaryEmbedding
 from .kernels import UsesLayerKernels
 from .llama import GatedMLP
@@ -178,12 +179,10 @@ class DeepseekModel(nn.Module):
 class DeepseekV2ForCausalLM(CausalLM):
     supports_pipeline_parallel = True
     graph_capture_blocker = TORCH_EXPERTS_BLOCKER
-    tensor_parallel_blocker = "its latent attention projections are not sharded yet"
     correction = False
 
     def __init__(self, config, max_positions: int, dtype: torch.dtype):
         super().__init__()
-        check_tensor_parallel(type(self), get_tp().world_size)
         self.config = config
         interleave = self.correction is False or bool(getattr(config, "rope_interleave", True))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))

@@ -34,7 +34,8 @@ from torch import nn
 from ..attention import ForwardContext, KVCacheLayout
 from .layers import RMSNorm, RotaryEmbedding
 from .llama4 import rotate_pairs
-from .parallel import RowParallelLinear
+from ..distributed import get_tp, shard_range
+from .parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
 
 def yarn_softmax_scale(rope_parameters: dict, scale: float) -> float:
@@ -62,29 +63,31 @@ class MLAttention(nn.Module):
     def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, interleave: bool):
         super().__init__()
         h, hidden = config.num_attention_heads, config.hidden_size
-        self.layer_idx, self.num_heads = layer_idx, h
+        tp = get_tp()
+        # Tensor parallelism splits the heads: each rank expands, attends and projects its own,
+        # from the latent every rank computes and caches whole; o_proj sums the ranks' parts.
+        self.layer_idx, self.num_heads = layer_idx, shard_range(h, tp.rank, tp.world_size)[1]
         self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_dim, self.rank = config.v_head_dim, config.kv_lora_rank
         self.qk_dim = self.nope + self.rope
         bias = getattr(config, "attention_bias", False)
-        # At one rank (the model refuses more) a RowParallelLinear is a plain linear layer that a
-        # quantization method can serve: V3's FP8 checkpoints quantize these projections too.
         if config.q_lora_rank is None:
             # `q_full_proj` holds the checkpoint's `q_proj` (the packed loader would take that name).
-            self.q_full_proj = RowParallelLinear(hidden, h * self.qk_dim, bias=False)
+            self.q_full_proj = ColumnParallelLinear(hidden, h * self.qk_dim, bias=False, unit=self.qk_dim)
         else:
-            self.q_a_proj = RowParallelLinear(hidden, config.q_lora_rank, bias=bias)
+            self.q_a_proj = ReplicatedLinear(hidden, config.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-            self.q_b_proj = RowParallelLinear(config.q_lora_rank, h * self.qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = RowParallelLinear(hidden, self.rank + self.rope, bias=bias)
+            self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, h * self.qk_dim, bias=False, unit=self.qk_dim)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps)
-        self.kv_b_proj = RowParallelLinear(self.rank, h * (self.nope + self.v_dim), bias=False)
+        self.kv_b_proj = ColumnParallelLinear(self.rank, h * (self.nope + self.v_dim), bias=False,
+                                              unit=self.nope + self.v_dim)
         self.o_proj = RowParallelLinear(h * self.v_dim, hidden, bias=bias)
         self.rotary, self.interleave = rotary, interleave
         self.scale = yarn_softmax_scale(getattr(config, "rope_parameters", None) or {}, self.qk_dim ** -0.5)
         # Filled by `absorb_weights` once the weights are loaded; buffers, so `corectl plan` counts them.
-        self.register_buffer("w_uk", torch.empty(h, self.nope, self.rank), persistent=False)
-        self.register_buffer("w_uv", torch.empty(h, self.rank, self.v_dim), persistent=False)
+        self.register_buffer("w_uk", torch.empty(self.num_heads, self.nope, self.rank), persistent=False)
+        self.register_buffer("w_uv", torch.empty(self.num_heads, self.rank, self.v_dim), persistent=False)
 
     @torch.no_grad()
     def absorb_weights(self) -> None:

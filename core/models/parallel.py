@@ -80,13 +80,14 @@ class RowParallelLinear(QuantizableLinear, nn.Linear):
     (the CPU's prepacked linear) keeps calling it, and keeps `forward_gated` (a gated MLP's call).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool):
+    def __init__(self, in_features: int, out_features: int, bias: bool, split: bool = True):
         tp = get_tp()
-        first, count = shard_range(in_features, tp.rank, tp.world_size)
+        first, count = shard_range(in_features, tp.rank, tp.world_size) if split else (0, in_features)
         super().__init__(count, out_features, bias=bias, device=deferred_weight_device())
         self.first_input, self.full_in_features = first, in_features
-        self.rank = tp.rank
-        self.reduce_output = all_reduce if tp.world_size > 1 else None
+        # Unsplit (`ReplicatedLinear`), every rank keeps the bias and nothing is summed.
+        self.rank = tp.rank if split else 0
+        self.reduce_output = all_reduce if tp.world_size > 1 and split else None
         self._attach_dense_loaders()
 
     def _attach_dense_loaders(self) -> None:
@@ -124,6 +125,46 @@ class RowParallelLinear(QuantizableLinear, nn.Linear):
             param.data.copy_(loaded)
         else:
             param.data.zero_()
+
+
+class ReplicatedLinear(RowParallelLinear):
+    """A linear layer every rank holds whole: nothing split, nothing summed. For the small
+    projections whose output each rank needs in full (DeepSeek's low-rank q and latent kv)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__(in_features, out_features, bias, split=False)
+
+
+class ColumnParallelLinear(QuantizableLinear, nn.Linear):
+    """One projection whose output rows are split over the ranks in whole units of `unit` rows (a
+    head's), so each rank computes its heads' outputs and nothing is summed. Quantized weights are
+    split only at one rank: their methods' loaders slice the shards of packed layers, not these."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, unit: int):
+        tp = get_tp()
+        first, count = shard_range(out_features // unit, tp.rank, tp.world_size)
+        super().__init__(in_features, count * unit, bias=bias, device=deferred_weight_device())
+        self.first_output, self.full_out_features = first * unit, out_features
+        self._attach_dense_loaders()
+
+    def _attach_dense_loaders(self) -> None:
+        for param in self.parameters():
+            param.weight_loader = self._load_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_forward(x)
+
+    def quant_method_for(self, config, prefix: str):
+        method = super().quant_method_for(config, prefix)
+        if method is not None and get_tp().world_size > 1:
+            raise ConfigError("tensor_parallel_size", f"{prefix} is split by heads across ranks, which its "
+                              "quantized weights are not yet; serve the checkpoint with --pipeline-parallel-size")
+        return method
+
+    def _load_rows(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape[0] != self.full_out_features:
+            raise ValueError(f"expected {self.full_out_features} output rows, checkpoint has {tuple(loaded.shape)}")
+        param.data.copy_(loaded.narrow(0, self.first_output, self.out_features))
 
 
 def vocab_shard(vocab_size: int) -> tuple[int, int]:

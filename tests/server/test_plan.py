@@ -134,11 +134,6 @@ def test_a_pipeline_plan_agrees_with_the_engine():
         llm.engine.executor.shutdown()
 
 
-def test_a_model_that_refuses_tensor_parallelism_is_offered_pipeline_stages(capsys):
-    code, out = _plan(capsys, "deepseek-v2-lite", "--device-memory", "24GiB", "--json")
-    assert code == 1 and json.loads(out)["remedies"] == ["--pipeline-parallel-size 2"]
-
-
 @pytest.mark.parametrize("args", [
     ("llama3-8b", "--device-memory", "18GiB"),
     ("deepseek-v2-lite", "--device-memory", "24GiB"),

@@ -39,6 +39,7 @@ def test_select_experts_takes_the_top_k_and_renormalises_on_request():
 
 
 def test_torch_path_equals_the_per_token_definition():
+    torch.manual_seed(0)  # fixed inputs: the fp32 sums meet assert_close's tolerance whatever ran before
     num_experts, hidden_size, inter, top_k = 6, 16, 8, 3
     hidden = torch.randn(11, hidden_size)
     gate_up, down = torch.randn(num_experts, 2 * inter, hidden_size), torch.randn(num_experts, hidden_size, inter)

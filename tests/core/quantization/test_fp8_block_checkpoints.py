@@ -87,6 +87,15 @@ def test_block_fp8_deepseek_serves_the_tokens_of_its_dequantized_weights(checkpo
         assert max(abs(a - b) for a, b in zip(choice_lp, generated_lp)) < 1e-3
 
 
+@pytest.mark.slow
+def test_block_fp8_deepseek_at_two_ranks_is_one_clear_error(checkpoints):
+    """Its quantized q projections would be split by heads, which their loaders do not do yet."""
+    quantized, _ = checkpoints
+    with pytest.raises(ConfigError, match="q_b_proj is split by heads across ranks, which its quantized weights "
+                                        "are not yet; serve the checkpoint with --pipeline-parallel-size"):
+        LLM(str(quantized), tensor_parallel_size=2, **ENGINE)
+
+
 @pytest.mark.parametrize("block", [[128], [128, 0], "128", [128.0, 128], [True, 128], [128, 128, 1]])
 def test_malformed_block_size_is_a_config_error(block):
     with pytest.raises(ConfigError, match="weight_block_size must be two positive integers"):
