@@ -1,6 +1,7 @@
 """DeepSeek's multi-head latent attention on the GPU: the latent kernel at DeepSeek-V2-Lite's shape
 against the torch reference, and greedy bf16 generation of a random DeepSeek-V2 checkpoint with real
-MLA widths (latent 512, rope 64, nope 128, 16 heads) against transformers on the same GPU."""
+MLA widths (latent 512, rope 64, nope 128, 16 heads) against transformers on the same GPU; on two
+GPUs, tensor-parallel ranks and pipeline stages against one."""
 import dataclasses
 
 import pytest
@@ -11,7 +12,14 @@ if not torch.cuda.is_available():
 
 from corectl import SamplingParams  # noqa: E402
 from corectl.backends.triton.bench import mla  # noqa: E402
-from support.gpu import INIT_STD, compare_greedy, generate, random_prompts, write_tokenizer  # noqa: E402
+from support.gpu import (  # noqa: E402
+    INIT_STD,
+    compare_greedy,
+    compare_greedy_outputs,
+    generate,
+    random_prompts,
+    write_tokenizer,
+)
 
 VOCAB = 16384
 NEW_TOKENS = 16
@@ -109,3 +117,15 @@ def test_deepseek_greedy_matches_transformers_in_bf16(deepseek_checkpoint):
     assert worst < LOGPROB_TOLERANCE
     # Its experts ran the fused MoE kernel with DeepSeek's routing, so its decode steps ran in CUDA graphs.
     assert captured == [True]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA or ROCm GPUs")
+@pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_two_gpus_give_the_tokens_of_one(deepseek_checkpoint, split):
+    """Eight heads a rank over the latent every rank caches whole (TP), or two stages (PP), in CUDA
+    graphs, against one GPU in bf16: equal except where one GPU rates the two tokens a near-tie."""
+    prompts = random_prompts((5, 17, 64, 130, 257), seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5, ignore_eos=True)
+    one = generate(deepseek_checkpoint, prompts, params)
+    two = generate(deepseek_checkpoint, prompts, params, **split)
+    assert compare_greedy_outputs(one, two, TIE_TOLERANCE, exact=False) < LOGPROB_TOLERANCE
