@@ -45,6 +45,7 @@ from ..request import Request
 from ..scheduler import Scheduler
 from ..scheduler.snapshot import SnapshotPublisher
 from ..step_messages import SchedulerOutput
+from ..worker.pipeline_stage import pipelined_steps
 from ..worker.sleep import TAGS as SLEEP_TAGS
 from ..structured.manager import StructuredOutputManager
 from .messages import (
@@ -339,7 +340,7 @@ def steps_in_flight(config: EngineConfig, async_scheduling: bool) -> int:
     """Steps left in flight between `step()` calls: none under synchronous scheduling, one under
     async, and 2(P - 1) with P pipeline stages, whatever the scheduling (see the module doc)."""
     if config.pipeline_parallel_size > 1:
-        return 2 * (config.pipeline_parallel_size - 1)
+        return pipelined_steps(config.pipeline_parallel_size)
     return 1 if async_scheduling else 0
 
 

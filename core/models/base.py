@@ -21,9 +21,9 @@ class CausalLM(nn.Module):
     `graph_capture_blocker` says why, for the log line.
     `supports_pipeline_parallel` True: the model builds only its pipeline stage's layers
     (`corectl.models.pipeline`), and `forward` takes and returns `IntermediateTensors` between
-    stages, `pipeline_streams` tensors of them (2: hidden states and residual; 1: one stream). A model that does not shard its layers for tensor parallelism says why in
-    `tensor_parallel_blocker` (`check_tensor_parallel` refuses it by that reason, in the model and in
-    `corectl plan`).
+    stages, `pipeline_streams` tensors of them (2: hidden states and residual; 1: one stream). A
+    model that does not shard its layers for tensor parallelism says why in `tensor_parallel_blocker`
+    (`check_tensor_parallel` refuses it by that reason, in the model and in `corectl plan`).
     """
 
     supports_graph_capture: bool = True

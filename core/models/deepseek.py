@@ -32,8 +32,15 @@ from .kernels import UsesLayerKernels
 from .llama import GatedMLP
 from .mla import MLAttention, latent_cache_layout
 from .moe import TORCH_EXPERTS_BLOCKER, FusedMoE, fused_moe_torch, load_moe_weights
-from .parallel import VocabParallelEmbedding, gather_logits, stage_lm_head
-from .pipeline import IntermediateTensors, build_stage_layers, held_by_other_stage, stage_input, stage_layers
+from .parallel import gather_logits, stage_embedding, stage_lm_head
+from .pipeline import (
+    IntermediateTensors,
+    build_stage_layers,
+    held_by_other_stage,
+    held_layers,
+    stage_input,
+    stage_layers,
+)
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -158,8 +165,7 @@ class DeepseekModel(nn.Module):
                  tied: bool):
         super().__init__()
         pp = get_pp()
-        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-                             if pp.is_first or (tied and pp.is_last) else None)
+        self.embed_tokens = stage_embedding(config.vocab_size, config.hidden_size, tied)
         rotary = RotaryEmbedding(config, config.qk_rope_head_dim, max_positions, dtype)
         self.layers = build_stage_layers(config.num_hidden_layers,
                                          lambda i: DeepseekLayer(config, i, rotary, interleave, correction))
@@ -195,7 +201,7 @@ class DeepseekV2ForCausalLM(CausalLM):
     def supports_graph_capture(self) -> bool:
         """Decode steps replay in CUDA graphs once every MoE layer's experts run the installed kernel
         (the worker installs kernels before it captures; until then, and on the torch path, not)."""
-        return all(layer.mlp.experts.runs_kernel for layer in self._stage_decoder_layers()
+        return all(layer.mlp.experts.runs_kernel for layer in held_layers(self.model)
                    if isinstance(layer.mlp, DeepseekMoE))
 
     def forward(self, input_ids, positions, ctx: ForwardContext,
@@ -203,11 +209,8 @@ class DeepseekV2ForCausalLM(CausalLM):
         return self.model(input_ids, positions, ctx, intermediate)
 
     def after_loading(self) -> None:
-        for layer in self._stage_decoder_layers():
+        for layer in held_layers(self.model):
             layer.self_attn.absorb_weights()
-
-    def _stage_decoder_layers(self) -> list[DeepseekLayer]:
-        return [self.model.layers[index] for index in self.model.stage_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return gather_logits(self.lm_head(hidden), self.config.vocab_size).float()

@@ -29,7 +29,7 @@ from ..distributed import get_pp
 from ..loaders.packing import load_packed_weights
 from .base import CausalLM
 from .layers import Attention, RotaryEmbedding, activation
-from .parallel import PackedLinear, RowParallelLinear, VocabParallelEmbedding, gather_logits, stage_lm_head
+from .parallel import PackedLinear, RowParallelLinear, gather_logits, stage_embedding, stage_lm_head
 from .pipeline import IntermediateTensors, build_stage_layers, held_by_other_stage, stage_layers
 from .sliding_window import layer_sliding_windows
 
@@ -128,8 +128,7 @@ class GemmaDecoderModel(nn.Module):
     def __init__(self, config, max_positions: int, dtype: torch.dtype, qk_norm: bool, tied: bool):
         super().__init__()
         pp = get_pp()
-        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-                             if pp.is_first or (tied and pp.is_last) else None)
+        self.embed_tokens = stage_embedding(config.vocab_size, config.hidden_size, tied)
         # fp32 here, cast to the model dtype at use, as transformers does (bf16 rounds sqrt(hidden)).
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size ** 0.5, dtype=torch.float32),
                              persistent=False)

@@ -31,7 +31,7 @@ from ..loaders.packing import load_packed_weights
 from ..quantization.mxfp4 import Mxfp4MoEMethod
 from .kernels import UsesLayerKernels
 from .llama import LlamaForCausalLM
-from .pipeline import held_by_other_stage
+from .pipeline import held_by_other_stage, held_layers
 from .moe import TORCH_EXPERTS_BLOCKER, FusedMoE, fused_moe_torch, select_experts
 
 _STACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<name>gate_up_proj|down_proj)(?P<suffix>_bias|_blocks|_scales)?$")
@@ -116,11 +116,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def supports_graph_capture(self) -> bool:
         """Only packed MXFP4 experts run a kernel that reads nothing back (module doc)."""
         return all(isinstance(method := layer.mlp.experts.quant_method, Mxfp4MoEMethod) and method.packed
-                   for layer in self.stage_decoder_layers())
+                   for layer in held_layers(self.model))
 
     def __init__(self, config, max_positions: int, dtype: torch.dtype):
         super().__init__(config, max_positions, dtype)
-        for layer in self.stage_decoder_layers():
+        for layer in held_layers(self.model):
             attn = layer.self_attn
             first_q_row = attn.qkv_proj.shards["q"][2]
             attn.attn.add_sinks(first_q_row // attn.head_dim, config.num_attention_heads)

@@ -22,8 +22,8 @@ from .pipeline import IntermediateTensors, build_stage_layers, held_by_other_sta
 from .parallel import (
     PackedLinear,
     RowParallelLinear,
-    VocabParallelEmbedding,
     gather_logits,
+    stage_embedding,
     stage_lm_head,
 )
 from .sliding_window import layer_sliding_windows
@@ -120,10 +120,8 @@ class DecoderModel(nn.Module):
                  make_mlp: Callable[[object, int], nn.Module], attention: type[DecoderAttention] = DecoderAttention):
         super().__init__()
         pp = get_pp()
-        # The last stage keeps a tied embedding for its LM head.
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-                             if pp.is_first or (tied and pp.is_last) else None)
+        self.embed_tokens = stage_embedding(config.vocab_size, config.hidden_size,
+                                            bool(getattr(config, "tie_word_embeddings", False)))
         # One set of cos/sin tables for every layer: they are identical.
         rotary = RotaryEmbedding(config, head_dim(config), max_positions, dtype)
         self.layers = build_stage_layers(
@@ -169,10 +167,6 @@ class LlamaForCausalLM(CausalLM):
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
         """Layer `layer_idx`'s MLP (mixture-of-experts models choose per layer)."""
         return GatedMLP(config)
-
-    def stage_decoder_layers(self) -> list[nn.Module]:
-        """The decoder layers this pipeline stage holds (every one without stages)."""
-        return [self.model.layers[index] for index in self.model.stage_layers]
 
     def forward(self, input_ids, positions, ctx: ForwardContext,
                 intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:

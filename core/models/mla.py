@@ -32,9 +32,9 @@ import torch
 from torch import nn
 
 from ..attention import ForwardContext, KVCacheLayout
+from ..distributed import get_tp, shard_range
 from .layers import RMSNorm, RotaryEmbedding
 from .llama4 import rotate_pairs
-from ..distributed import get_tp, shard_range
 from .parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
 

@@ -256,6 +256,13 @@ def check_tensor_parallel(hf_config, size: int) -> None:
                           "choose a tensor-parallel size that does")
 
 
+def stage_embedding(vocab_size: int, hidden_size: int, tied: bool) -> VocabParallelEmbedding | None:
+    """The token embedding, held by the first pipeline stage, and by the last too when the LM head
+    is tied to it (every rank without stages); None on the other stages."""
+    pp = get_pp()
+    return VocabParallelEmbedding(vocab_size, hidden_size) if pp.is_first or (tied and pp.is_last) else None
+
+
 def stage_lm_head(hidden_size: int, vocab_size: int, embedding: VocabParallelEmbedding | None,
                   tied: bool) -> ParallelLMHead | None:
     """The LM head, held by the last pipeline stage (every rank without stages); None before it.

@@ -78,6 +78,12 @@ def build_stage_layers(num_layers: int, build: Callable[[int], nn.Module]) -> nn
     return nn.ModuleList(build(i) if i in mine else OtherStageLayer() for i in range(num_layers))
 
 
+def held_layers(decoder: nn.Module) -> list[nn.Module]:
+    """The layers this stage holds of a decoder built with `build_stage_layers` (its `layers` and
+    `stage_layers`): every one without stages."""
+    return [decoder.layers[index] for index in decoder.stage_layers]
+
+
 def stage_input(embed: Callable[[torch.Tensor], torch.Tensor], input_ids: torch.Tensor,
                 intermediate: IntermediateTensors | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The (hidden, residual) a stage's first layer takes: the embedded tokens and no residual yet

@@ -23,7 +23,7 @@ from ..loaders.packing import default_weight_loader, load_packed_weights
 from ..multimodal.inputs import MultiModalInput
 from .layers import RMSNorm, RotaryEmbedding, _rotate_half, activation
 from .llama import LlamaForCausalLM, head_dim
-from .pipeline import IntermediateTensors
+from .pipeline import IntermediateTensors, held_layers
 
 # Checkpoint prefixes: transformers >= 4.52 nests both parts under `model.`, older files do not.
 _VISUAL = ("model.visual.", "visual.")
@@ -189,7 +189,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         super().__init__(text, max_positions, dtype)
         self.hf_config = config
         rotary = MRotaryEmbedding(text, head_dim(text), max_positions, dtype)
-        for layer in self.stage_decoder_layers():
+        for layer in held_layers(self.model):
             layer.self_attn.rotary = rotary
         self.visual = VisionTransformer(config.vision_config) if get_pp().is_first else None
         self.merge = config.vision_config.spatial_merge_size

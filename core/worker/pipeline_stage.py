@@ -28,15 +28,21 @@ from ..distributed import (
 from ..models.pipeline import IntermediateTensors
 
 
+def pipelined_steps(num_stages: int) -> int:
+    """Steps in flight with `num_stages` (P) stages: the P - 1 in the stages besides the one launched
+    next, and as many older ones whose requests those continue, so a micro-batch goes on P to
+    2(P - 1) launches after its own step (the engine's depth, and the ids a stage keeps)."""
+    return 2 * (num_stages - 1)
+
+
 class PipelineStage:
     def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device, streams: int = 2):
         """`streams`: the [T, hidden] tensors a stage hands the next (`CausalLM.pipeline_streams`)."""
         pp = get_pp()
         self.streams = streams
         self.is_first, self.is_last = pp.is_first, pp.is_last
-        # Steps whose sampled ids a later step may still take from the device: a micro-batch goes
-        # on P to 2(P - 1) launches after its own step.
-        self.sampled_depth = 2 * (pp.world_size - 1)
+        # Steps whose sampled ids a later step may still take from the device.
+        self.sampled_depth = pipelined_steps(pp.world_size)
         # The last stage's sends of sampled ids still under way (they hold their tensors).
         self._sends: deque = deque()
         self.hidden_size = hidden_size
