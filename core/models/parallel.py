@@ -135,36 +135,37 @@ class ReplicatedLinear(RowParallelLinear):
         super().__init__(in_features, out_features, bias, split=False)
 
 
-class ColumnParallelLinear(QuantizableLinear, nn.Linear):
+class ColumnParallelLinear(PackedLinear):
     """One projection whose output rows are split over the ranks in whole units of `unit` rows (a
-    head's), so each rank computes its heads' outputs and nothing is summed. Quantized weights are
-    split only at one rank: their methods' loaders slice the shards of packed layers, not these."""
+    head's), so each rank computes its heads' outputs and nothing is summed. It is a packed layer
+    of one shard, so every quantization method that splits a packed layer's shards splits it; its
+    checkpoint tensors name no shard, so its loaders (dense or a method's) are given that one."""
+
+    SHARD = "rows"
 
     def __init__(self, in_features: int, out_features: int, bias: bool, unit: int):
-        tp = get_tp()
-        first, count = shard_range(out_features // unit, tp.rank, tp.world_size)
-        super().__init__(in_features, count * unit, bias=bias, device=deferred_weight_device())
-        self.first_output, self.full_out_features = first * unit, out_features
-        self._attach_dense_loaders()
+        super().__init__(in_features, {self.SHARD: out_features}, bias, unit)
 
     def _attach_dense_loaders(self) -> None:
-        for param in self.parameters():
-            param.weight_loader = self._load_rows
+        super()._attach_dense_loaders()
+        self._name_the_shard()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_forward(x)
+    def set_quant_method(self, method, dtype: torch.dtype, device: torch.device) -> None:
+        super().set_quant_method(method, dtype, device)
+        self._name_the_shard()
 
-    def quant_method_for(self, config, prefix: str):
-        method = super().quant_method_for(config, prefix)
-        if method is not None and get_tp().world_size > 1:
-            raise ConfigError("tensor_parallel_size", f"{prefix} is split by heads across ranks, which its "
-                              "quantized weights are not yet; serve the checkpoint with --pipeline-parallel-size")
-        return method
+    def checkpoint_weight_names(self, prefix: str) -> list[str]:
+        return [f"{prefix}.weight"]
 
-    def _load_rows(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if loaded.shape[0] != self.full_out_features:
-            raise ValueError(f"expected {self.full_out_features} output rows, checkpoint has {tuple(loaded.shape)}")
-        param.data.copy_(loaded.narrow(0, self.first_output, self.out_features))
+    def _name_the_shard(self) -> None:
+        for param in self.parameters(recurse=False):
+            if param.weight_loader != self._load_whole:
+                param.shard_loader, param.weight_loader = param.weight_loader, self._load_whole
+
+    def _load_whole(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        # A parameter re-made on its device (the bias, `set_quant_method`) keeps only `weight_loader`.
+        loader = getattr(param, "shard_loader", self._load_shard)
+        loader(param, loaded, shard_id or self.SHARD)
 
 
 def vocab_shard(vocab_size: int) -> tuple[int, int]:

@@ -129,3 +129,18 @@ def test_two_gpus_give_the_tokens_of_one(deepseek_checkpoint, split):
     one = generate(deepseek_checkpoint, prompts, params)
     two = generate(deepseek_checkpoint, prompts, params, **split)
     assert compare_greedy_outputs(one, two, TIE_TOLERANCE, exact=False) < LOGPROB_TOLERANCE
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA or ROCm GPUs")
+def test_block_fp8_at_two_ranks_gives_the_tokens_of_one(deepseek_checkpoint, tmp_path):
+    """The same model quantized as DeepSeek V3 ships (every projection e4m3 in 128 x 128 blocks, the
+    experts too): each of two ranks runs its heads' rows of q and kv_b through the block GEMM."""
+    from support.quant_checkpoints import write_block_fp8_checkpoints
+
+    projections = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    quantized, _ = write_block_fp8_checkpoints(deepseek_checkpoint, tmp_path, (128, 128), projections)
+    prompts = random_prompts((5, 17, 64, 130, 257), seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5, ignore_eos=True)
+    one = generate(quantized, prompts, params)
+    two = generate(quantized, prompts, params, tensor_parallel_size=2)
+    assert compare_greedy_outputs(one, two, TIE_TOLERANCE, exact=False) < LOGPROB_TOLERANCE

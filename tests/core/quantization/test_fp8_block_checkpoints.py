@@ -88,12 +88,27 @@ def test_block_fp8_deepseek_serves_the_tokens_of_its_dequantized_weights(checkpo
 
 
 @pytest.mark.slow
-def test_block_fp8_deepseek_at_two_ranks_is_one_clear_error(checkpoints):
-    """Its quantized q projections would be split by heads, which their loaders do not do yet."""
-    quantized, _ = checkpoints
-    with pytest.raises(ConfigError, match="q_b_proj is split by heads across ranks, which its quantized weights "
-                                        "are not yet; serve the checkpoint with --pipeline-parallel-size"):
-        LLM(str(quantized), tensor_parallel_size=2, **ENGINE)
+def test_block_fp8_deepseek_at_two_ranks_serves_the_tokens_of_one(tmp_path, default_model_dir):
+    """Every projection quantized, kv_b_proj included, in 8 x 8 blocks, so each rank's heads (two of
+    four: 48 rows of q_b, 56 of kv_b) and each rank's half of o_proj's and the MLPs' inputs are whole
+    blocks. Each rank loads its heads' rows of the split projections and their block scales (a
+    one-shard packed layer's loaders), the low-rank q and the latent kv whole; two ranks give the
+    greedy tokens of one, and logprobs within float32's reach of it."""
+    save_random_model(deepseek_v3_config(), tmp_path / "dense", default_model_dir, seed=5)
+    quantized, _ = write_block_fp8_checkpoints(tmp_path / "dense", tmp_path, (8, 8), PROJECTIONS)
+    prompts, _ = parity_prompts(VOCAB)
+    one = LLM(str(quantized), **ENGINE)
+    attn = one.engine.executor.worker.runner.model.model.layers[1].self_attn
+    assert attn.kv_b_proj.weight.dtype == torch.float8_e4m3fn and attn.kv_b_proj.weight_scale_inv.shape == (14, 4)
+    tokens, logprobs = _greedy(one, prompts)
+    del one
+    two = LLM(str(quantized), tensor_parallel_size=2, **ENGINE)
+    try:
+        split_tokens, split_logprobs = _greedy(two, prompts)
+    finally:
+        two.engine.executor.shutdown()
+    assert split_tokens == tokens
+    assert max(abs(a - b) for got, exp in zip(split_logprobs, logprobs) for a, b in zip(got, exp)) < 1e-3
 
 
 @pytest.mark.parametrize("block", [[128], [128, 0], "128", [128.0, 128], [True, 128], [128, 128, 1]])
