@@ -392,6 +392,35 @@ print(f"API process(es): {cpu / tokens * 1e6:.1f} us CPU per output token, {cpu 
       f"{tokens / wall:.0f} output tok/s")
 PY
 }
+stage_w4online() {
+  # W4's workload served: qwen3-0.6b shape, 256 token-id prompts with in/out uniform in [100, 1024], all at
+  # once (c256 from 4 client processes), after a warm pass; output tok/s against an offline `w4` stage in the
+  # same call (F1's second half: >= 90% of it). w4online:asc2 / asc4 for two or four API processes, whose
+  # CPU (and the share of a core each) prints as f1's does.
+  serve 8022 qwen3-0.6b
+  local args=(--base-url http://127.0.0.1:8022 --endpoint /v1/completions --prompt-token-ids --vocab-size 151936
+              --input-len 562 --output-len 562 --range-ratio 0.822 --ignore-eos --max-concurrency 256 --num-clients 4)
+  corectl bench serve "${args[@]}" --num-prompts 256 --seed 1 > /dev/null 2>&1
+  local c0 c1 t0 t1
+  c0=$(api_cpu_seconds "$SERVER"); t0=$(date +%s.%N)
+  corectl bench serve "${args[@]}" --num-prompts 256 --seed 0 --save-result "$RES/$TAG.json" > "$RES/$TAG.txt" 2>&1
+  c1=$(api_cpu_seconds "$SERVER"); t1=$(date +%s.%N)
+  stop_server
+  grep -iE "output token throughput|failed|client CPU" "$RES/$TAG.txt"
+  python3 - "$RES/$TAG.json" "$c0" "$c1" "$t0" "$t1" <<'PY'
+import json, sys
+tokens = json.load(open(sys.argv[1]))["total_output_tokens"]
+cpu, wall = float(sys.argv[3]) - float(sys.argv[2]), float(sys.argv[5]) - float(sys.argv[4])
+print(f"API process(es): {cpu / tokens * 1e6:.1f} us CPU per output token, {cpu / wall:.2f} cores over {wall:.1f} s")
+PY
+}
+stage_asgifloor() {  # F1's floor on this host: uvicorn streaming pre-encoded SSE events, bare ASGI and Litestar
+  local app
+  for app in asgi litestar asgi litestar; do
+    timeout 120 python3 benchmarks/asgi_floor.py --app "$app" --streams 256 --events 256 --tick-ms 16 --clients 4 \
+      2>&1 | tail -1
+  done
+}
 stage_swa() {
   # Sliding window: the mistral-7b shape (a 4096-token window on every layer) decoding at batch 64 after
   # 16k-token prompts against 4k ones; the median TPOT should stay within 10%, as the window bounds the
