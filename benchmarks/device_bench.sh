@@ -70,6 +70,7 @@ variant() {  # the switches of one stage: engine options into ENGINE, environmen
       pp2) ENGINE+=(-pp 2) ;;                                               # two pipeline stages
       pps[0-9]*) local split=${switch#pps}; ENGINE+=(--pipeline-layer-partition "${split//./,}") ;;  # stage layer counts: pps17.15
       dp2) ENGINE+=(-dp 2) ;;
+      bt[0-9]*) ENGINE+=(--max-num-batched-tokens "${switch#bt}") ;;                   # step token budget: w4online:bt8192 as offline
       asc[0-9]*) SERVE_ARGS="${SERVE_ARGS:-} --api-server-count ${switch#asc}" ;;  # API processes (F1)
       si[0-9]*) SERVE_ARGS="${SERVE_ARGS:-} --stream-interval ${switch#si}" ;;     # tokens per streamed delta (F1)
       nouv) for m in uvloop httptools; do mkdir -p "/tmp/nouv/$m"; echo 'raise ImportError("hidden")' > "/tmp/nouv/$m/__init__.py"; done
