@@ -9,9 +9,11 @@ from corectl.errors import ConfigError
 from corectl.kv.sizing import blocks_per_sequence, profile_num_seqs, profiled_kv_blocks
 from corectl.models.kernels import LayerKernels
 from corectl.multimodal.budget import ENCODER_CACHE_ROWS
+from corectl.sample.random_sampling import RaceKernel
 from corectl.worker.worker import ModelInfo, Worker
 
 from ..triton.layer_kernels import batch_invariant_layer_kernels, triton_layer_kernels
+from ..triton.race_draw import race_draw
 from .batch_invariant import check_invariant_quantization, make_runner_invariant
 from .graph_runner import CUDAGraphModelRunner, graph_batch_sizes
 from .piecewise import piecewise_token_counts
@@ -145,6 +147,9 @@ class CUDAWorker(Worker):
     def layer_kernels(self) -> LayerKernels:
         return batch_invariant_layer_kernels() if self.config.batch_invariant else triton_layer_kernels()
 
+    def race_kernel(self) -> RaceKernel:
+        return race_draw
+
     def warmup(self) -> None:
         """Compile the kernels' variants before the first request, then capture decode graphs.
 
@@ -154,6 +159,8 @@ class CUDAWorker(Worker):
         """
         for num_tokens, num_seqs in warmup_prefill_shapes(self.config.max_num_batched_tokens, self.max_model_len):
             self.run_dummy_step(num_tokens, num_seqs)
+        # The dummy steps are greedy: compile the random rows' draw too, before a request waits on it.
+        race_draw(torch.zeros(1, self.runner.vocab_size, device=self.device))
         torch.cuda.synchronize()
         cfg, graphs = self.config, self.config.compilation_config
         if cfg.enforce_eager or graphs.cudagraph_mode == "NONE":

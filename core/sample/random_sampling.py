@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -24,6 +24,9 @@ from .transfer import DeviceTarget, row_column, to_device
 _NEG_INF = float("-inf")
 # How a random row's token is drawn, as the platform says (`PlatformCaps.sampling_draw`).
 DRAWS = ("exponential_race", "inverse_cdf")
+# A platform's one-pass exponential race: fp32 logits [B, V] -> int64 ids [B], each row's token drawn
+# with probability softmax(row), the logits left as they were (`Sampler(race=...)`).
+RaceKernel = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,9 +180,18 @@ def sample_random(logits: torch.Tensor, params: RandomParams, draw: str) -> torc
     return draw_tokens(logits, params.generators, draw)
 
 
-def draw_tokens(logits: torch.Tensor, generators: dict[int, torch.Generator], draw: str) -> torch.Tensor:
+def draw_tokens(logits: torch.Tensor, generators: dict[int, torch.Generator], draw: str,
+                race: RaceKernel | None = None) -> torch.Tensor:
     """One token per row with probability softmax(logits)_i, drawn the platform's way (see
-    `sample_random`); a seeded row draws from its generator. May modify `logits` in place."""
+    `sample_random`); a seeded row draws from its generator. May modify `logits` in place.
+    `race`, where the platform has one, runs the exponential race in one pass over the logits;
+    seeded rows are then redrawn here, from their generators, as the torch form draws them."""
     if draw == "inverse_cdf":
         return _inverse_cdf_draw(logits, generators)
-    return logits.sub_(_log_exponential_noise(logits, generators)).argmax(dim=-1)
+    if race is None:
+        return logits.sub_(_log_exponential_noise(logits, generators)).argmax(dim=-1)
+    tokens = race(logits)
+    for row, generator in generators.items():
+        one = logits[row:row + 1]
+        tokens[row] = one.sub(_log_exponential_noise(one, {0: generator})).argmax()
+    return tokens

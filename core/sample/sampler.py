@@ -15,7 +15,7 @@ from ..config import LOGPROBS_MODES
 from .logprobs import LogprobsTensors, gather_logprobs, reported_values
 from .metadata import SamplingMetadata
 from .penalties import apply_penalties
-from .random_sampling import DRAWS, draw_tokens, temper_and_truncate
+from .random_sampling import DRAWS, RaceKernel, draw_tokens, temper_and_truncate
 from .token_edits import add_logit_bias, suppress_tokens
 from .token_masks import ban_bad_words, keep_allowed_tokens
 
@@ -70,16 +70,19 @@ def processed_and_reported(logits: torch.Tensor, meta: SamplingMetadata,
 
 class Sampler:
     """Stateless; per-request state (generators, token histories) arrives in `SamplingMetadata`.
-    `draw` is how random rows draw their token (`PlatformCaps.sampling_draw`, one of `DRAWS`);
+    `draw` is how random rows draw their token (`PlatformCaps.sampling_draw`, one of `DRAWS`), and
+    `race` the platform's one-pass kernel for the exponential race, if it has one;
     `logprobs_mode` what sampled logprobs report (one of `LOGPROBS_MODES`)."""
 
-    def __init__(self, draw: str = "exponential_race", logprobs_mode: str = "raw_logprobs"):
+    def __init__(self, draw: str = "exponential_race", logprobs_mode: str = "raw_logprobs",
+                 race: RaceKernel | None = None):
         if draw not in DRAWS:
             raise ValueError(f"unknown sampling draw {draw!r}; expected one of {', '.join(DRAWS)}")
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"unknown logprobs mode {logprobs_mode!r}; expected one of {', '.join(LOGPROBS_MODES)}")
         self.draw = draw
         self.logprobs_mode = logprobs_mode
+        self.race = race if draw == "exponential_race" else None
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample from fp32 `logits` [B, V]. `logits` may be modified in place."""
@@ -90,7 +93,7 @@ class Sampler:
             # Greedy rows keep temperature 1 and no truncation (RandomParams): their processed logits
             # are their edited ones, whose argmax is taken before the draw changes them.
             greedy = None if meta.random.greedy_rows is None else logits.argmax(dim=-1)
-            sampled = draw_tokens(logits, meta.random.generators, self.draw)
+            sampled = draw_tokens(logits, meta.random.generators, self.draw, self.race)
             if greedy is not None:
                 sampled = torch.where(meta.random.greedy_rows, greedy, sampled)
         if reported is None:

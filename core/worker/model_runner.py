@@ -19,6 +19,7 @@ from ..platform import PlatformCaps
 from ..sample import Sampler, SamplingMetadata, compute_prompt_logprobs
 from ..sample.grammar import apply_grammar_bitmask
 from ..sample.metadata import PLAIN_GREEDY, UnreadOutputTokens
+from ..sample.random_sampling import RaceKernel
 from ..sample.transfer import DeviceTarget, to_device
 from ..spec_decode.draft_model import DraftModelProposer, DraftRequest
 from ..spec_decode.eagle import EagleProposer
@@ -58,11 +59,12 @@ def logits_index(host: HostStep) -> np.ndarray | None:
 
 class ModelRunner:
     """`caps` are the platform's: how the sampler draws and whether host data bound for the device
-    can be staged in pinned memory; `logprobs_mode` what sampled logprobs report (`--logprobs-mode`)."""
+    can be staged in pinned memory; `logprobs_mode` what sampled logprobs report (`--logprobs-mode`);
+    `race` the worker's one-pass exponential race (`Worker.race_kernel`), None for the torch form."""
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, device: torch.device,
                  block_size: int, vocab_size: int, eos_token_id: int | None, caps: PlatformCaps, *,
-                 logprobs_mode: str = "raw_logprobs"):
+                 logprobs_mode: str = "raw_logprobs", race: RaceKernel | None = None):
         self.model = model
         self.backend = backend
         self.device = device
@@ -70,7 +72,7 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
-        self.sampler = Sampler(caps.sampling_draw, logprobs_mode)
+        self.sampler = Sampler(caps.sampling_draw, logprobs_mode, race)
         self.states = RequestStates(device)
         self.kv_caches: list[torch.Tensor] = []
         # Recent steps' sampled ids on the device, for the steps that continue their requests.

@@ -33,6 +33,7 @@ from ..platform import Platform
 from ..pooling import pooling_architectures, pooling_weights
 from ..quantization.base import KernelTable, QuantizationConfig
 from ..quantization.scope import bind_linear_methods, process_loaded_weights, quantization_scope
+from ..sample.random_sampling import RaceKernel
 from ..sampling_params import SamplingParams
 from ..step_messages import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
 from ..loaders import resolve_model_source
@@ -167,7 +168,7 @@ class Worker(abc.ABC):
         )
         self.runner = self.runner_cls(model, backend, self.device, self.config.block_size,
                                       hf.vocab_size, self.eos_token_id, self.platform.capabilities(),
-                                      logprobs_mode=self.config.logprobs_mode)
+                                      logprobs_mode=self.config.logprobs_mode, race=self.race_kernel())
         self.runner.lora = lora
         if get_pp().world_size > 1:
             self.runner.attach_stage(PipelineStage(hf.hidden_size, self.torch_dtype, self.device,
@@ -283,6 +284,11 @@ class Worker(abc.ABC):
 
     def layer_kernels(self) -> LayerKernels | None:
         """Fused kernels for the model's layers (see corectl.models.kernels); None keeps the torch code."""
+        return None
+
+    def race_kernel(self) -> RaceKernel | None:
+        """The sampler's one-pass exponential race (`corectl.sample.random_sampling.RaceKernel`), for
+        a platform whose `sampling_draw` is "exponential_race"; None keeps the torch form."""
         return None
 
     def run_dummy_step(self, num_tokens: int, num_seqs: int) -> None:

@@ -1,0 +1,50 @@
+"""The one-pass exponential race (`race_draw`) under the interpreter: its draws follow
+softmax(logits) (a chi-square test), masked tokens never win and the best token wins wherever its
+split lies, and the sampler redraws seeded rows from their own generators as the torch form does."""
+import torch
+from corectl.backends.triton.race_draw import race_draw
+from corectl.sample.random_sampling import draw_tokens
+
+# Chi-square critical value at p = 0.001 for 4 degrees of freedom (5 tokens that can win).
+CHI2_DF4_P001 = 18.467
+
+
+def test_draws_follow_the_softmax():
+    torch.manual_seed(0)
+    logits = torch.tensor([1.0, 0.0, -1.0, 2.0, float("-inf"), 0.5])
+    rows = 2000
+    tokens = race_draw(logits.expand(rows, -1).contiguous())
+    counts = torch.bincount(tokens, minlength=6).double()
+    assert counts[4] == 0  # the masked token
+    expected = logits.softmax(0).double() * rows
+    kept = expected > 0
+    chi2 = ((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum().item()
+    assert chi2 < CHI2_DF4_P001
+    assert tokens.dtype == torch.int64
+
+
+def test_a_dominant_token_wins_in_any_split_and_logits_stay():
+    """20,000 ids in 5 splits of 4,096: the winner sits in the first, a middle and the last split, and
+    a row masked but for its last id takes that id."""
+    vocab = 20_000
+    logits = torch.randn(4, vocab)
+    for row, column in enumerate((7, 9_000, vocab - 1)):
+        logits[row, column] = 60.0
+    logits[3] = float("-inf")
+    logits[3, vocab - 1] = -3.0
+    before = logits.clone()
+    assert race_draw(logits).tolist() == [7, 9_000, vocab - 1, vocab - 1]
+    assert torch.equal(logits, before)
+
+
+def test_seeded_rows_draw_from_their_generators_as_the_torch_form_does():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 300)
+
+    def seeded() -> dict[int, torch.Generator]:
+        return {1: torch.Generator().manual_seed(1234)}
+
+    fused = draw_tokens(logits.clone(), seeded(), "exponential_race", race=race_draw)
+    torch_form = draw_tokens(logits.clone(), seeded(), "exponential_race")
+    assert fused[1] == torch_form[1]
+    assert fused.shape == (3,) and bool(((fused >= 0) & (fused < 300)).all())
