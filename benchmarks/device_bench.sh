@@ -491,7 +491,8 @@ stage_sweep() {
     fp8block) timeout 300 python3 benchmarks/fp8_block_bench.py ;;
     lora) timeout 400 python3 benchmarks/lora_bench.py ;;
     allreduce) timeout 300 python3 benchmarks/allreduce_bench.py ;;
-    *) echo "sweep:NAME, NAME one of w4a16 fp8 dense moe moefine decode w8a16 fp8accum invgemm invgemmcfg fp8block lora allreduce"; return 1 ;;
+    race) timeout 120 python3 benchmarks/race_draw_bench.py ;;
+    *) echo "sweep:NAME, NAME one of w4a16 fp8 dense moe moefine decode w8a16 fp8accum invgemm invgemmcfg fp8block lora allreduce race"; return 1 ;;
   esac > "$RES/$TAG.txt" 2>&1
   local rc=$?
   tail -60 "$RES/$TAG.txt"

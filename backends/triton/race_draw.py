@@ -7,8 +7,9 @@ time on an H100. Here each program draws its uniforms with Philox as it reads it
 logits once, keeps the best score and its id, and a second pass over the [rows, splits] partial
 maxima picks each row's winner; the logits are left as they were.
 
-Randomness: one 63-bit seed a call, drawn on the device from torch's generator (so no host sync,
-and CUDA graphs replay a fresh one each time), and row r's uniforms are Philox(seed + r, column).
+Randomness: one 62-bit seed a call, drawn on the device from torch's generator (so no host sync,
+and CUDA graphs replay a fresh one each time); row r's uniforms come from Philox keyed by seed + r,
+four to a counter.
 Rows with a generator of their own (seeded requests) are the sampler's to redraw.
 """
 from __future__ import annotations
@@ -29,6 +30,16 @@ _TARGET_PROGRAMS = 1024
 _TINY = 1.1754943508222875e-38
 
 
+@triton.jit
+def _compete(best, index, base, cols, vocab, u, TINY: tl.constexpr):
+    """Fold one block of columns into the running best: score = logit - log(-log u)."""
+    logit = tl.load(base + cols, mask=cols < vocab, other=float("-inf"))
+    score = logit - tl.log(-tl.log(tl.maximum(u, TINY)))
+    # `>` keeps the first of equal scores (a lane sees its columns in order) and never takes a NaN.
+    better = score > best
+    return tl.where(better, score, best), tl.where(better, cols, index)
+
+
 # Sizes are not specialized on, so one compile serves every batch and vocabulary.
 @triton.jit(do_not_specialize=["stride", "vocab", "num_splits", "split_size"])
 def _race_kernel(logits_ptr, seed_ptr, best_ptr, index_ptr, stride, vocab, num_splits, split_size,
@@ -37,19 +48,18 @@ def _race_kernel(logits_ptr, seed_ptr, best_ptr, index_ptr, stride, vocab, num_s
     split = tl.program_id(1)
     seed = tl.load(seed_ptr) + row
     start = split * split_size
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    index = tl.full([BLOCK], 0, tl.int32) + start
+    QUARTER: tl.constexpr = BLOCK // 4
+    lanes = tl.arange(0, QUARTER)
+    best = tl.full([QUARTER], float("-inf"), tl.float32)
+    index = tl.full([QUARTER], 0, tl.int32) + start
     base = logits_ptr + row.to(tl.int64) * stride
     for offset in range(start, tl.minimum(start + split_size, vocab), BLOCK):
-        cols = offset + tl.arange(0, BLOCK)
-        mask = cols < vocab
-        logit = tl.load(base + cols, mask=mask, other=float("-inf"))
-        u = tl.maximum(tl.rand(seed, cols), TINY)
-        score = logit - tl.log(-tl.log(u))
-        # `>` keeps the first of equal scores and never takes a NaN, as no id past the row is taken.
-        better = score > best
-        best = tl.where(better, score, best)
-        index = tl.where(better, cols, index)
+        # One Philox call gives four uniforms: one for each quarter of the block's columns.
+        u0, u1, u2, u3 = tl.rand4x(seed, offset // 4 + lanes)
+        best, index = _compete(best, index, base, offset + lanes, vocab, u0, TINY)
+        best, index = _compete(best, index, base, offset + QUARTER + lanes, vocab, u1, TINY)
+        best, index = _compete(best, index, base, offset + 2 * QUARTER + lanes, vocab, u2, TINY)
+        best, index = _compete(best, index, base, offset + 3 * QUARTER + lanes, vocab, u3, TINY)
     top = tl.max(best, axis=0)
     first = tl.min(tl.where(best == top, index, vocab), axis=0)
     first = tl.where(first == vocab, start, first)
@@ -79,7 +89,7 @@ def race_draw(logits: torch.Tensor) -> torch.Tensor:
     best = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
     index = torch.empty(num_rows, num_splits, dtype=torch.int32, device=logits.device)
     if num_rows:
-        block = min(_BLOCK, triton.next_power_of_2(vocab))
+        block = min(_BLOCK, max(16, triton.next_power_of_2(vocab)))
         _race_kernel[(num_rows, num_splits)](logits, seed, best, index, logits.stride(0), vocab, num_splits, split,
                                              BLOCK=block, TINY=_TINY, num_warps=4)
     return index.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1).long()
