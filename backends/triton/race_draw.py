@@ -8,8 +8,9 @@ logits once, keeps the best score and its id, and a second pass over the [rows, 
 maxima picks each row's winner; the logits are left as they were.
 
 Randomness: one 62-bit seed a call, drawn on the device from torch's generator (so no host sync,
-and CUDA graphs replay a fresh one each time); row r's uniforms come from Philox keyed by seed + r,
-four to a counter.
+and CUDA graphs replay a fresh one each time); row r's random words come from Philox keyed by
+seed + r, four to a counter, and each becomes an exponential accurate in the small values that
+decide a light token's chance (`_exponential`).
 Rows with a generator of their own (seeded requests) are the sampler's to redraw.
 """
 from __future__ import annotations
@@ -26,15 +27,25 @@ _BLOCK = 1024
 _MIN_SPLIT = 4096
 _MAX_SPLIT = 16384
 _TARGET_PROGRAMS = 1024
-# The smallest normal fp32: a uniform of 0 would make q infinite and hand -inf a tie.
-_TINY = 1.1754943508222875e-38
 
 
 @triton.jit
-def _compete(best, index, base, cols, vocab, u, TINY: tl.constexpr):
-    """Fold one block of columns into the running best: score = logit - log(-log u)."""
+def _exponential(bits):
+    """q ~ Exp(1) from 32 random bits, exact where it decides a race: q = -log(1 - w) for w
+    uniform in (0, 1), by its series where w is small. A light token wins only by a tiny q (at
+    p = 1e-7 against a favourite's 0.4, q under ~3e-7), which -log(u) of an fp32 u cannot give:
+    u's last steps below 1 are 6e-8 apart, and those few values would decide such tokens' share."""
+    w = (bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10
+    series = w * (1.0 + w * (0.5 + w * (0.3333333333 + w * 0.25)))
+    # The top words round w to 1 in fp32: their 1 - w is the half step the +0.5 stands for.
+    return tl.where(w < 0.01, series, -tl.log(tl.maximum(1.0 - w, 1.1641532182693481e-10)))
+
+
+@triton.jit
+def _compete(best, index, base, cols, vocab, bits):
+    """Fold one block of columns into the running best: score = logit - log q."""
     logit = tl.load(base + cols, mask=cols < vocab, other=float("-inf"))
-    score = logit - tl.log(-tl.log(tl.maximum(u, TINY)))
+    score = logit - tl.log(_exponential(bits))
     # `>` keeps the first of equal scores (a lane sees its columns in order) and never takes a NaN.
     better = score > best
     return tl.where(better, score, best), tl.where(better, cols, index)
@@ -43,7 +54,7 @@ def _compete(best, index, base, cols, vocab, u, TINY: tl.constexpr):
 # Sizes are not specialized on, so one compile serves every batch and vocabulary.
 @triton.jit(do_not_specialize=["stride", "vocab", "num_splits", "split_size"])
 def _race_kernel(logits_ptr, seed_ptr, best_ptr, index_ptr, stride, vocab, num_splits, split_size,
-                 BLOCK: tl.constexpr, TINY: tl.constexpr):
+                 BLOCK: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     seed = tl.load(seed_ptr) + row
@@ -54,12 +65,12 @@ def _race_kernel(logits_ptr, seed_ptr, best_ptr, index_ptr, stride, vocab, num_s
     index = tl.full([QUARTER], 0, tl.int32) + start
     base = logits_ptr + row.to(tl.int64) * stride
     for offset in range(start, tl.minimum(start + split_size, vocab), BLOCK):
-        # One Philox call gives four uniforms: one for each quarter of the block's columns.
-        u0, u1, u2, u3 = tl.rand4x(seed, offset // 4 + lanes)
-        best, index = _compete(best, index, base, offset + lanes, vocab, u0, TINY)
-        best, index = _compete(best, index, base, offset + QUARTER + lanes, vocab, u1, TINY)
-        best, index = _compete(best, index, base, offset + 2 * QUARTER + lanes, vocab, u2, TINY)
-        best, index = _compete(best, index, base, offset + 3 * QUARTER + lanes, vocab, u3, TINY)
+        # One Philox call gives four random words: one for each quarter of the block's columns.
+        r0, r1, r2, r3 = tl.randint4x(seed, offset // 4 + lanes)
+        best, index = _compete(best, index, base, offset + lanes, vocab, r0)
+        best, index = _compete(best, index, base, offset + QUARTER + lanes, vocab, r1)
+        best, index = _compete(best, index, base, offset + 2 * QUARTER + lanes, vocab, r2)
+        best, index = _compete(best, index, base, offset + 3 * QUARTER + lanes, vocab, r3)
     top = tl.max(best, axis=0)
     first = tl.min(tl.where(best == top, index, vocab), axis=0)
     first = tl.where(first == vocab, start, first)
@@ -91,5 +102,5 @@ def race_draw(logits: torch.Tensor) -> torch.Tensor:
     if num_rows:
         block = min(_BLOCK, max(16, triton.next_power_of_2(vocab)))
         _race_kernel[(num_rows, num_splits)](logits, seed, best, index, logits.stride(0), vocab, num_splits, split,
-                                             BLOCK=block, TINY=_TINY, num_warps=4)
+                                             BLOCK=block, num_warps=4)
     return index.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1).long()

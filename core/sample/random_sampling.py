@@ -129,17 +129,19 @@ def truncate(logits: torch.Tensor, params: RandomParams) -> None:
 
 
 def _log_exponential_noise(like: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """log(q) for q ~ Exp(1), with q = -log(U) and U uniform in [tiny, 1): q is then finite and
-    positive, so a masked (-inf) token always loses. `exponential_` would do for q on a GPU, but
-    on CPU it is ~6x slower than `uniform_` and can return 0, which would hand a masked token the
-    win (-inf - log 0 is NaN, and argmax picks NaN)."""
-    noise = torch.empty_like(like)
-    low = torch.finfo(noise.dtype).tiny
+    """log(q) for q ~ Exp(1), in `like`'s dtype: q = -log1p(-w) for w uniform in [tiny, 1), drawn in
+    float64. A light token wins the race only by a tiny q (at p = 1e-7 against a favourite's 0.4,
+    q under ~3e-7), which -log(u) of an fp32 u cannot give: u's last steps below 1 are 6e-8 apart,
+    and those few values would decide such tokens' share. q is finite and positive, so a masked
+    (-inf) token always loses. (`exponential_` would do on a GPU, but on CPU it is ~6x slower than
+    `uniform_` and can return 0, which would hand a masked token the win: -inf - log 0 is NaN.)"""
+    w = torch.empty(like.shape, dtype=torch.float64, device=like.device)
+    low = torch.finfo(torch.float64).tiny
     if len(generators) < like.shape[0]:
-        noise.uniform_(low, 1.0)
+        w.uniform_(low, 1.0)
     for row, generator in generators.items():
-        noise[row].uniform_(low, 1.0, generator=generator)
-    return noise.log_().neg_().log_()
+        w[row].uniform_(low, 1.0, generator=generator)
+    return w.neg_().log1p_().neg_().log_().to(like.dtype)
 
 
 def _inverse_cdf_draw(logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:

@@ -2,7 +2,9 @@
 softmax(logits) (a chi-square test), masked tokens never win and the best token wins wherever its
 split lies, and the sampler redraws seeded rows from their own generators as the torch form does."""
 import torch
-from corectl.backends.triton.race_draw import race_draw
+import triton
+import triton.language as tl
+from corectl.backends.triton.race_draw import _exponential, race_draw
 from corectl.sample.random_sampling import draw_tokens
 
 # Chi-square critical value at p = 0.001 for 4 degrees of freedom (5 tokens that can win).
@@ -48,3 +50,26 @@ def test_seeded_rows_draw_from_their_generators_as_the_torch_form_does():
     torch_form = draw_tokens(logits.clone(), seeded(), "exponential_race")
     assert fused[1] == torch_form[1]
     assert fused.shape == (3,) and bool(((fused >= 0) & (fused < 300)).all())
+
+
+@triton.jit
+def _exponentials(bits_ptr, out_ptr, N: tl.constexpr):
+    cols = tl.arange(0, N)
+    tl.store(out_ptr + cols, _exponential(tl.load(bits_ptr + cols)))
+
+
+def test_exponentials_are_exact_where_light_tokens_win():
+    """q from the smallest random words on (where a light token's chance is decided: an fp32 u's
+    -log u could give none of these values below 6e-8) to the largest, against float64's -log1p(-w)."""
+    words = [0, 1, 2, 7, 1000, 2 ** 20, 2 ** 24 + 1, 2 ** 30, 2 ** 31, 3 * 2 ** 30, 2 ** 32 - 2 ** 12, 2 ** 32 - 1]
+    words += [0] * (16 - len(words))
+    bits = torch.tensor(words, dtype=torch.int64).to(torch.uint32)
+    out = torch.empty(16, dtype=torch.float32)
+    _exponentials[(1,)](bits, out, N=16)
+    w = (torch.tensor(words, dtype=torch.float64) + 0.5) * 2.0 ** -32
+    expected = -torch.log1p(-w)
+    error = (out.double() - expected).abs() / expected
+    small = expected < 1.0
+    assert float(error[small].max()) < 1e-5
+    # Large q only makes a token lose by more: finite, and within fp32's steps of w below 1.
+    assert bool(torch.isfinite(out).all()) and float(error[~small].max()) < 1e-3
