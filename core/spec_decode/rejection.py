@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..sample.random_sampling import draw_tokens
+from ..sample.random_sampling import RaceKernel, draw_tokens
 from ..sample.transfer import DeviceTarget, to_device
 
 
@@ -78,7 +78,8 @@ def _uniforms(num_rows: int, generators: dict[int, torch.Generator], device: tor
 
 
 def _random_verdicts(logits: torch.Tensor, layout: VerifyLayout, draft_probs: torch.Tensor | None,
-                     generators: dict[int, torch.Generator], draw: str) -> tuple[torch.Tensor, torch.Tensor]:
+                     generators: dict[int, torch.Generator], draw: str,
+                     race: RaceKernel | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted [T] bool, recovered [T] int64) for rows sampling from softmax(logits).
 
     Each row's token is drawn first, the platform's way, and a bonus row draws from the target's
@@ -97,7 +98,8 @@ def _random_verdicts(logits: torch.Tensor, layout: VerifyLayout, draft_probs: to
         residual = (probs - q).clamp_(min=0.0)
     # A row whose draft took all of p has nothing left to recover (and is always accepted).
     residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, probs)
-    recovered = draw_tokens(torch.where(layout.is_bonus.unsqueeze(1), logits, residual.log()), generators, draw)
+    recovered = draw_tokens(torch.where(layout.is_bonus.unsqueeze(1), logits, residual.log()), generators, draw,
+                            race)
     ratio = torch.where(q_draft > 0, p_draft / q_draft.clamp(min=torch.finfo(q_draft.dtype).tiny), 0.0)
     accepted = (_uniforms(probs.shape[0], generators, probs.device) < ratio) & ~layout.is_bonus
     return accepted, recovered
@@ -105,19 +107,19 @@ def _random_verdicts(logits: torch.Tensor, layout: VerifyLayout, draft_probs: to
 
 def rejection_sample(logits: torch.Tensor, layout: VerifyLayout, *, greedy_rows: torch.Tensor | None,
                      all_greedy: bool, generators: dict[int, torch.Generator], draw: str,
-                     draft_probs: torch.Tensor | None = None) -> Verified:
+                     draft_probs: torch.Tensor | None = None, race: RaceKernel | None = None) -> Verified:
     """Verify the drafts of a step. `logits` `[T, V]` fp32 are the target's after every edit,
     temperature and truncation (`corectl.sample.sampler.target_logits`); `greedy_rows` `[T]` marks
     greedy rows of a mixed batch (None: none, or every row when `all_greedy`); `generators` maps a
     seeded request's flat row to the generator of its output position (its recovered or bonus
     token's draw, then its accept draw); `draw` is the platform's way of drawing a token
-    (`PlatformCaps.sampling_draw`); `draft_probs` `[T, V]` is the draft's distribution per row
-    (None: one-hot drafts)."""
+    (`PlatformCaps.sampling_draw`), `race` its one-pass kernel if it has one; `draft_probs` `[T, V]`
+    is the draft's distribution per row (None: one-hot drafts)."""
     if all_greedy:
         argmax = logits.argmax(dim=-1)
         accepted, recovered = (argmax == layout.draft_ids) & ~layout.is_bonus, argmax
     else:
-        accepted, recovered = _random_verdicts(logits, layout, draft_probs, generators, draw)
+        accepted, recovered = _random_verdicts(logits, layout, draft_probs, generators, draw, race)
         if greedy_rows is not None:
             argmax = logits.argmax(dim=-1)
             accepted = torch.where(greedy_rows, (argmax == layout.draft_ids) & ~layout.is_bonus, accepted)

@@ -17,6 +17,7 @@ import torch
 
 from ..sample.logprobs import LogprobsTensors, gather_logprobs
 from ..sample.metadata import SamplingMetadata
+from ..sample.random_sampling import RaceKernel
 from ..sample.sampler import processed_and_reported
 from ..sampling_params import SamplingParams
 from .rejection import Verified, VerifyLayout, rejection_sample
@@ -52,14 +53,15 @@ def expand_rows(params: Sequence[SamplingParams], prompts: Sequence[Sequence[int
 
 
 def verify(logits: torch.Tensor, meta: SamplingMetadata, layout: VerifyLayout, draw: str,
-           logprobs_mode: str = "raw_logprobs") -> tuple[Verified, LogprobsTensors | None]:
+           logprobs_mode: str = "raw_logprobs",
+           race: RaceKernel | None = None) -> tuple[Verified, LogprobsTensors | None]:
     """Verify a step's drafts from the target's fp32 `logits` `[T, V]` (modified in place);
-    `meta` holds one row per flat row (`expand_rows`); `draw` and `logprobs_mode` are the sampler's."""
+    `meta` holds one row per flat row (`expand_rows`); `draw`, `logprobs_mode` and `race` are the sampler's."""
     processed, reported = processed_and_reported(logits, meta, logprobs_mode)
     random = meta.random
     verified = rejection_sample(
         processed, layout, greedy_rows=None if random is None else random.greedy_rows, all_greedy=random is None,
-        generators={} if random is None else random.generators, draw=draw,
+        generators={} if random is None else random.generators, draw=draw, race=race,
     )
     if reported is None:
         return verified, None

@@ -287,7 +287,7 @@ class ModelRunner:
         states = [self.states[r] for r in host.sample_req_ids]
         layout = VerifyLayout.build(host.sample_drafts, self.target)
         verified, logprobs = verify(logits, self._sampling_metadata(states, host.sample_drafts), layout,
-                                    self.sampler.draw, self.sampler.logprobs_mode)
+                                    self.sampler.draw, self.sampler.logprobs_mode, self.sampler.race)
         self.states.expect_sampled(states)
         self._record_sampled(verified.token_ids[:, 0], host.sample_req_ids)
         tensors, num_logprobs = [verified.token_ids, verified.num_emitted], None

@@ -1,11 +1,16 @@
 """The one-pass exponential race (`race_draw`) under the interpreter: its draws follow
 softmax(logits) (a chi-square test), masked tokens never win and the best token wins wherever its
-split lies, and the sampler redraws seeded rows from their own generators as the torch form does."""
+split lies, the sampler redraws seeded rows from their own generators as the torch form does, its
+exponentials are exact where light tokens win, and rejection sampling drawing with it keeps the
+target's distribution."""
 import torch
 import triton
 import triton.language as tl
 from corectl.backends.triton.race_draw import _exponential, race_draw
 from corectl.sample.random_sampling import draw_tokens
+from corectl.sample.transfer import DeviceTarget
+from corectl.spec_decode.rejection import VerifyLayout, rejection_sample
+from support.spec_decode import chi_square_p_value
 
 # Chi-square critical value at p = 0.001 for 4 degrees of freedom (5 tokens that can win).
 CHI2_DF4_P001 = 18.467
@@ -73,3 +78,20 @@ def test_exponentials_are_exact_where_light_tokens_win():
     assert float(error[small].max()) < 1e-5
     # Large q only makes a token lose by more: finite, and within fp32's steps of w below 1.
     assert bool(torch.isfinite(out).all()) and float(error[~small].max()) < 1e-3
+
+
+def test_rejection_sampling_with_the_race_leaves_the_target_distribution_unchanged():
+    """n-gram drafts verified with the kernel drawing the recovered and bonus tokens: each emitted
+    position is distributed as the target's row there (chi-square)."""
+    target = torch.tensor([[1.2, 0.3, -0.4, 0.9, -1.5, 0.0], [-0.2, 1.1, 0.4, -0.8, 0.6, 0.1],
+                           [0.5, -0.5, 1.4, 0.2, -0.3, 0.7]])
+    rows = 1200
+    torch.manual_seed(0)
+    layout = VerifyLayout.build([[0, 1]] * rows, DeviceTarget(torch.device("cpu")))
+    out = rejection_sample(target.repeat(rows, 1), layout, greedy_rows=None, all_greedy=False, generators={},
+                           draw="exponential_race", race=race_draw)
+    for position in range(2):
+        reached = out.num_emitted > position
+        assert reached.sum() > 300
+        p = chi_square_p_value(out.token_ids[reached, position], target[position].softmax(dim=-1))
+        assert p > 1e-4, f"position {position}: chi-square p-value {p:.2e}"
