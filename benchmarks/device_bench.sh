@@ -368,23 +368,16 @@ stage_images() {
       --max-num-seqs 256 --max-num-batched-tokens 8192 "${ENGINE[@]}" | grep -E "^pass"
   done
 }
-stage_f1() {
-  # API-process CPU per streamed output token: the server (F1_MODEL, default qwen3-0.6b) under 1024 in /
-  # 128 out at concurrency 256 from 4 client processes, warmed first; the API process's CPU seconds over
-  # the measured pass's output tokens (engines run in processes of their own). f1:dp2 for two engines,
-  # f1:asc2 for two API processes (their CPU added up).
-  local model=${F1_MODEL:-qwen3-0.6b}
-  serve 8021 "$model"
-  local args=(--base-url http://127.0.0.1:8021 --endpoint /v1/completions --prompt-token-ids
-              --vocab-size "${F1_VOCAB:-151936}" --input-len 1024 --output-len 128 --ignore-eos --seed 0
-              --max-concurrency 256 --num-clients 4)
-  corectl bench serve "${args[@]}" --num-prompts 256 > /dev/null 2>&1
-  local c0 c1 t0 t1
+api_pass() {  # WARM MEASURED BENCH_ARGS...: against the running server, WARM prompts (seed 1), then MEASURED
+  # (seed 0) with the API processes' CPU read around them; stops the server, prints throughput and CPU a token
+  local warm=$1 measured=$2 c0 c1 t0 t1
+  shift 2
+  corectl bench serve "$@" --num-prompts "$warm" --seed 1 > /dev/null 2>&1
   c0=$(api_cpu_seconds "$SERVER"); t0=$(date +%s.%N)
-  corectl bench serve "${args[@]}" --num-prompts 768 --save-result "$RES/$TAG.json" > "$RES/$TAG.txt" 2>&1
+  corectl bench serve "$@" --num-prompts "$measured" --seed 0 --save-result "$RES/$TAG.json" > "$RES/$TAG.txt" 2>&1
   c1=$(api_cpu_seconds "$SERVER"); t1=$(date +%s.%N)
   stop_server
-  grep -iE "output token throughput|failed" "$RES/$TAG.txt"
+  grep -iE "output token throughput|failed|client CPU" "$RES/$TAG.txt"
   python3 - "$RES/$TAG.json" "$c0" "$c1" "$t0" "$t1" <<'PY'
 import json, sys
 tokens = json.load(open(sys.argv[1]))["total_output_tokens"]
@@ -393,27 +386,25 @@ print(f"API process(es): {cpu / tokens * 1e6:.1f} us CPU per output token, {cpu 
       f"{tokens / wall:.0f} output tok/s")
 PY
 }
+stage_f1() {
+  # API-process CPU per streamed output token: the server (F1_MODEL, default qwen3-0.6b) under 1024 in /
+  # 128 out at concurrency 256 from 4 client processes, warmed first; the API process's CPU seconds over
+  # the measured pass's output tokens (engines run in processes of their own). f1:dp2 for two engines,
+  # f1:asc2 for two API processes (their CPU added up).
+  serve 8021 "${F1_MODEL:-qwen3-0.6b}"
+  api_pass 256 768 --base-url http://127.0.0.1:8021 --endpoint /v1/completions --prompt-token-ids \
+    --vocab-size "${F1_VOCAB:-151936}" --input-len 1024 --output-len 128 --ignore-eos --max-concurrency 256 \
+    --num-clients 4
+}
 stage_w4online() {
   # W4's workload served: qwen3-0.6b shape, 256 token-id prompts with in/out uniform in [100, 1024], all at
   # once (c256 from 4 client processes), after a warm pass; output tok/s against an offline `w4` stage in the
   # same call (F1's second half: >= 90% of it). w4online:asc2 / asc4 for two or four API processes, whose
-  # CPU (and the share of a core each) prints as f1's does.
+  # CPU (and the share of a core each) prints as f1's does; w4online:bt8192 takes the offline token budget.
   serve 8022 qwen3-0.6b
-  local args=(--base-url http://127.0.0.1:8022 --endpoint /v1/completions --prompt-token-ids --vocab-size 151936
-              --input-len 562 --output-len 562 --range-ratio 0.822 --ignore-eos --max-concurrency 256 --num-clients 4)
-  corectl bench serve "${args[@]}" --num-prompts 256 --seed 1 > /dev/null 2>&1
-  local c0 c1 t0 t1
-  c0=$(api_cpu_seconds "$SERVER"); t0=$(date +%s.%N)
-  corectl bench serve "${args[@]}" --num-prompts 256 --seed 0 --save-result "$RES/$TAG.json" > "$RES/$TAG.txt" 2>&1
-  c1=$(api_cpu_seconds "$SERVER"); t1=$(date +%s.%N)
-  stop_server
-  grep -iE "output token throughput|failed|client CPU" "$RES/$TAG.txt"
-  python3 - "$RES/$TAG.json" "$c0" "$c1" "$t0" "$t1" <<'PY'
-import json, sys
-tokens = json.load(open(sys.argv[1]))["total_output_tokens"]
-cpu, wall = float(sys.argv[3]) - float(sys.argv[2]), float(sys.argv[5]) - float(sys.argv[4])
-print(f"API process(es): {cpu / tokens * 1e6:.1f} us CPU per output token, {cpu / wall:.2f} cores over {wall:.1f} s")
-PY
+  api_pass 256 256 --base-url http://127.0.0.1:8022 --endpoint /v1/completions --prompt-token-ids \
+    --vocab-size 151936 --input-len 562 --output-len 562 --range-ratio 0.822 --ignore-eos --max-concurrency 256 \
+    --num-clients 4
 }
 stage_asgifloor() {  # F1's floor on this host: uvicorn streaming pre-encoded SSE events, bare ASGI and Litestar
   local app
