@@ -22,8 +22,8 @@ import triton.language as tl
 from .checks import check_float, require
 
 _BLOCK = 1024
-# A program's share of a row: with few rows the vocabulary splits so that the device has work for
-# every SM; with many, whole 16k-column slices keep the partial maxima small.
+# A program's share of a row (`_split_size`): slices of 4k-16k columns give the device about
+# `_TARGET_PROGRAMS` programs and keep the partial maxima few.
 _MIN_SPLIT = 4096
 _MAX_SPLIT = 16384
 _TARGET_PROGRAMS = 1024
@@ -75,11 +75,13 @@ def _race_kernel(logits_ptr, seed_ptr, best_ptr, index_ptr, stride, vocab, num_s
     first = tl.min(tl.where(best == top, index, vocab), axis=0)
     first = tl.where(first == vocab, start, first)
     tl.store(best_ptr + row * num_splits + split, top)
-    tl.store(index_ptr + row * num_splits + split, first)
+    tl.store(index_ptr + row * num_splits + split, first.to(tl.int64))
 
 
 def _split_size(num_rows: int, vocab: int) -> int:
-    """Columns a program reads: the vocabulary over enough programs to fill the device, in whole blocks."""
+    """Columns a program reads: the vocabulary over enough programs to fill the device, in whole
+    blocks (a program streams its slice block by block, waiting on each load: a whole 152k row in one
+    program would take ~150 such waits)."""
     per_row = max(1, _TARGET_PROGRAMS // max(1, num_rows))
     split = triton.cdiv(triton.cdiv(vocab, per_row), _BLOCK) * _BLOCK
     return min(max(split, _MIN_SPLIT), _MAX_SPLIT)
@@ -98,9 +100,11 @@ def race_draw(logits: torch.Tensor) -> torch.Tensor:
     num_splits = triton.cdiv(vocab, split)
     seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=logits.device)
     best = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
-    index = torch.empty(num_rows, num_splits, dtype=torch.int32, device=logits.device)
+    index = torch.empty(num_rows, num_splits, dtype=torch.int64, device=logits.device)
     if num_rows:
         block = min(_BLOCK, max(16, triton.next_power_of_2(vocab)))
         _race_kernel[(num_rows, num_splits)](logits, seed, best, index, logits.stride(0), vocab, num_splits, split,
                                              BLOCK=block, num_warps=4)
-    return index.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1).long()
+    if num_splits == 1:
+        return index.squeeze(1)  # a small vocabulary: no maxima to combine
+    return index.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1)
