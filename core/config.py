@@ -294,9 +294,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.pipeline_layer_partition is not None:
             parse_layer_partition(self.pipeline_layer_partition, self.pipeline_parallel_size,
                                   "pipeline_layer_partition")
-        if self.pipeline_parallel_size > 1 and self.speculative_config is not None:
-            raise ConfigError("pipeline_parallel_size", "speculative decoding runs without pipeline stages; "
-                              "drop --speculative-config or use --tensor-parallel-size")
+        spec = self.speculative_config
+        if self.pipeline_parallel_size > 1 and spec is not None and spec.method != "ngram":
+            raise ConfigError("pipeline_parallel_size", f"{spec.method} speculation runs without pipeline stages (n-gram "
+                              "speculation runs with them); drop --speculative-config, use the ngram method or "
+                              "--tensor-parallel-size")
 
     def _check_lora(self) -> None:
         self._check_positive("max_loras")

@@ -207,7 +207,9 @@ class RequestStates:
             total = len(token_ids) + state.num_unread_tokens
             token_ids.extend([DEVICE_FED_ID] * (computed - len(token_ids)))
             token_ids[computed:computed + len(tokens)] = tokens
-            state.num_unread_tokens = total - len(token_ids)
+            # A verify step emitted its accepted drafts too, past the one token the stage counted;
+            # its request waited for that verdict, so none of its tokens is in flight now.
+            state.num_unread_tokens = max(0, total - len(token_ids))
 
     def expect_sampled(self, states: list[CachedRequestState]) -> None:
         """A step being launched samples one token for each of these requests; its id stays on

@@ -221,8 +221,9 @@ def test_the_flags_reach_the_config():
     ({"pipeline_parallel_size": 2, "pipeline_layer_partition": "4"}, None,
      "pipeline_layer_partition: must list one positive layer count per pipeline stage"),
     ({"pipeline_parallel_size": 2}, "2,x", "VLLM_PP_LAYER_PARTITION: must list one positive layer count"),
-    ({"pipeline_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, None,
-     "pipeline_parallel_size: speculative decoding runs without pipeline stages"),
+    ({"pipeline_parallel_size": 2, "speculative_config": {"method": "draft_model", "model": "draft",
+                                                         "num_speculative_tokens": 2}}, None,
+     "pipeline_parallel_size: draft_model speculation runs without pipeline stages"),
 ], ids=["more-stages-than-layers", "partition-sum", "partition-count", "partition-env", "speculative"])
 def test_sizes_the_model_cannot_take_are_refused_before_any_rank_starts(checkpoint, monkeypatch, options, env, message):
     if env is not None:
