@@ -3,7 +3,7 @@
 The sampler's torch form (`corectl.sample.random_sampling`) makes the noise in its own tensor and
 passes over the vocabulary five times more (uniform, log, negate, log, subtract) before the argmax:
 at 256 rows of a 152k vocabulary that is ~1.9 GB of traffic a decode step, about 5% of W4's device
-time on an H100. Here each program draws its uniforms with Philox as it reads its slice of a row's
+time on an H100. Here each program draws its random words with Philox as it reads its slice of a row's
 logits once, keeps the best score and its id, and a second pass over the [rows, splits] partial
 maxima picks each row's winner; the logits are left as they were.
 
