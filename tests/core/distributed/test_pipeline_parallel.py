@@ -230,3 +230,26 @@ def test_sizes_the_model_cannot_take_are_refused_before_any_rank_starts(checkpoi
         monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", env)
     with pytest.raises(ConfigError, match=message):
         LLM(str(checkpoint), **ENGINE, **options)
+
+
+def test_pp2_by_tp2_speculates_as_one_device(checkpoint):
+    """n-gram speculation over two stages of two tensor-parallel ranks: greedy tokens equal to one
+    device without it. Each request is held to three ids its prompt repeats (logit_bias), so lookup
+    finds drafts in nearly every step and the model's choice among the three decides acceptance."""
+    words = [[100 + 3 * i, 101 + 3 * i, 102 + 3 * i] for i in range(4)]
+    batch = [prompt + ids * 4 for prompt, ids in zip(prompts(), words)]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logit_bias={t: 100.0 for t in ids})
+              for ids in words]
+    one = LLM(str(checkpoint), kv_cache_memory_gib=kv_budget_gib(NUM_LAYERS), **ENGINE)
+    expected = [list(o.outputs[0].token_ids) for o in one.generate(batch, params, use_tqdm=False)]
+    del one
+    staged = LLM(str(checkpoint), tensor_parallel_size=2, pipeline_parallel_size=2,
+                 kv_cache_memory_gib=kv_budget_gib(2, 2), **ENGINE,
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    try:
+        tokens = [list(o.outputs[0].token_ids) for o in staged.generate(batch, params, use_tqdm=False)]
+        stats = staged.engine.scheduler.make_stats()
+    finally:
+        staged.engine.executor.shutdown()
+    assert tokens == expected
+    assert stats.spec_decode_num_draft_tokens > 0 and stats.spec_decode_num_accepted_tokens > 0
