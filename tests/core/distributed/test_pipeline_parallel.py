@@ -1,8 +1,9 @@
 """Pipeline parallelism gives the tokens of one device: PP = 2 (mp and Ray), PP = 2 x TP = 2 and
 TP = 2 over Ray actors (the Ray tests share one local cluster) against PP = 1, token for token, on a
 4-layer random-weight Llama (fp32, CPU, gloo); uneven partitions from the config and from vLLM's
-environment variable; the scheduler's micro-batches; a stage that dies ends the server; sizes a
-model cannot be split into are refused before any rank starts."""
+environment variable; the scheduler's micro-batches; n-gram speculation at PP = 2 x TP = 2; a stage
+that dies ends the server; sizes a model cannot be split into, and speculation by a draft model on
+stages, are refused before any rank starts."""
 from __future__ import annotations
 
 import argparse
