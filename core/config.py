@@ -295,10 +295,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             parse_layer_partition(self.pipeline_layer_partition, self.pipeline_parallel_size,
                                   "pipeline_layer_partition")
         spec = self.speculative_config
-        if self.pipeline_parallel_size > 1 and spec is not None and spec.method != "ngram":
-            raise ConfigError("pipeline_parallel_size", f"{spec.method} speculation runs without pipeline stages (n-gram "
-                              "speculation runs with them); drop --speculative-config, use the ngram method or "
-                              "--tensor-parallel-size")
+        if self.pipeline_parallel_size > 1 and spec is not None and spec.method not in ("ngram", "draft_model"):
+            raise ConfigError("pipeline_parallel_size", f"{spec.method} speculation runs without pipeline stages (its "
+                              "head reads the last stage's hidden states and the first stage's embeddings); use "
+                              "the ngram or draft_model method, or --tensor-parallel-size")
 
     def _check_lora(self) -> None:
         self._check_positive("max_loras")

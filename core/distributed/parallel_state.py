@@ -117,6 +117,18 @@ def viewed_as_stage(stage: int, num_stages: int, partition: tuple[int, ...] | No
         _pp = PipelineParallel()
 
 
+@contextlib.contextmanager
+def viewed_whole() -> Iterator[None]:
+    """Within, a pipeline rank reads as the only stage, so a model built here holds every layer
+    (the first stage's draft model); its stage comes back on leaving. Nothing collective runs here."""
+    global _pp
+    saved, _pp = _pp, PipelineParallel()
+    try:
+        yield
+    finally:
+        _pp = saved
+
+
 def attach_device_communicator(platform: "Platform", enabled: bool = True) -> None:
     """Ask `platform` for its all-reduce for the stage's small messages; every rank of the group
     calls it together, after `init_parallel_state` (the platform may run collectives on the group).

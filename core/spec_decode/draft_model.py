@@ -51,6 +51,8 @@ class DraftModelProposer:
         self._blocks: dict[str, list[int]] = {}
         self._computed: dict[str, int] = {}
         self._forgotten: list[str] = []
+        # Per request, where its last drafts began and what they were (`last_proposal`).
+        self._proposed: dict[str, tuple[int, list[int]]] = {}
 
     def set_kv_caches(self, kv_caches: list, num_blocks: int) -> None:
         """The draft's cache tensors, `num_blocks` blocks each (block 0 is the null block)."""
@@ -61,6 +63,7 @@ class DraftModelProposer:
         """The target forgot these requests: their draft blocks return to the pool."""
         for req_id in req_ids:
             self._free += self._blocks.pop(req_id, [])
+            self._proposed.pop(req_id, None)
             if self._computed.pop(req_id, None) is not None:
                 self._forgotten.append(req_id)
 
@@ -72,6 +75,7 @@ class DraftModelProposer:
         """Each request's drafts; a request the cache has no room for gets copies of its last
         token (verification rejects what the target does not want, so any proposal is safe)."""
         drafts = {r.req_id: [r.token_ids[-1]] * r.num_drafts for r in requests}
+        self._proposed.update((r.req_id, (len(r.token_ids), drafts[r.req_id])) for r in requests)
         room = [r for r in requests if self._reserve(r)]
         if not room:
             return drafts
@@ -94,6 +98,11 @@ class DraftModelProposer:
         for r in room:
             self._computed[r.req_id] = len(r.token_ids)
         return drafts
+
+    def last_proposal(self, req_id: str) -> tuple[int, list[int]]:
+        """(position of the first draft, the drafts) of the request's latest proposal; (0, []) before
+        any. Under pipeline stages the first stage restores the accepted ones from it."""
+        return self._proposed.get(req_id, (0, []))
 
     def _reserve(self, request: DraftRequest) -> bool:
         """Blocks for the request's tokens and all but its last draft (never fed to the draft)."""

@@ -29,7 +29,7 @@ from ..step_messages import GrammarBitmask, LogprobsLists, ModelRunnerOutput, Sc
 from .inflight import HostFetch, InflightStep, PooledRows, SampledRows, fetch_now
 from .pipeline_stage import PipelineStage
 from .pooler import Pooler
-from .request_states import CachedRequestState, HostStep, RequestStates
+from .request_states import DEVICE_FED_ID, CachedRequestState, HostStep, RequestStates
 from .sampled_ids import RecentSampledIds
 
 if TYPE_CHECKING:
@@ -126,6 +126,7 @@ class ModelRunner:
             return InflightStep.done()
         inputs = self.upload(self.states.build_step(sched, self.block_size, self._drafts(sched)))
         self._feed_unread_ids(inputs)
+        drafts = self._pass_drafts(inputs.host)
         hidden = self._run_with_adapters(inputs)
         if hidden is None:  # a stage before the last: the next stage goes on from here
             self._expect_from_last_stage(inputs.host)
@@ -146,7 +147,7 @@ class ModelRunner:
             return step
         if sched.grammar_bitmask is not None:
             self._apply_grammar(inputs.host, logits, sched.grammar_bitmask)
-        return InflightStep(self._sample(inputs.host, logits), prompt_logprobs)
+        return InflightStep(self._sample(inputs.host, logits, drafts), prompt_logprobs)
 
     @torch.inference_mode()
     def sample_pending(self, grammar: GrammarBitmask | None) -> None:
@@ -166,10 +167,33 @@ class ModelRunner:
         if self.drafter is None or not sched.spec_token_ids:
             return sched.spec_token_ids
         states = self.states
+        if self.stage is not None:
+            for req_id in sched.spec_token_ids:
+                self._restore_accepted(req_id, states[req_id].token_ids)
         return self.drafter.propose([
             DraftRequest(req_id, states[req_id].token_ids, states[req_id].num_prompt_tokens, len(placeholders))
             for req_id, placeholders in sched.spec_token_ids.items()
         ])
+
+    def _restore_accepted(self, req_id: str, token_ids: list[int]) -> None:
+        """The first of several stages: the drafts the last one accepted hold DEVICE_FED_ID here (the
+        scheduler sends a continuing request's tokens from its computed position on), and they are
+        the drafter's own last proposals."""
+        start, drafts = self.drafter.last_proposal(req_id)
+        for position, token in enumerate(drafts, start):
+            if position < len(token_ids) and token_ids[position] == DEVICE_FED_ID:
+                token_ids[position] = token
+
+    def _pass_drafts(self, host: HostStep) -> torch.Tensor | None:
+        """Pipeline stages with a draft model on the first: the step's drafts (in the step's order),
+        sent on toward the last stage, which gets them back to verify; None elsewhere (the other
+        stages lay the scheduler's placeholders out in their place, which their layers never read)."""
+        stage = self.stage
+        if stage is None or not stage.drafts_on_first or not host.verifies:
+            return None
+        flat = [token for drafts in host.sample_drafts for token in drafts]
+        drafts = self.to_device([np.array(flat, dtype=np.int64)])[0] if stage.is_first else None
+        return stage.pass_drafts(drafts, len(flat))
 
     def _pool(self, host: HostStep, hidden: torch.Tensor) -> InflightStep:
         """A pooling engine's step: the vectors of the prompts it finished start for the host."""
@@ -267,9 +291,10 @@ class ModelRunner:
         """Host arrays as device tensors; on the CPU they are shared, not copied."""
         return [torch.from_numpy(a).to(self.device, non_blocking=True) for a in arrays]
 
-    def _sample(self, host: HostStep, logits: torch.Tensor) -> SampledRows:
+    def _sample(self, host: HostStep, logits: torch.Tensor, drafts: torch.Tensor | None = None) -> SampledRows:
+        """`drafts`: a verify step's draft tokens where the host step holds placeholders (`_pass_drafts`)."""
         if host.verifies:
-            return self._verify(host, logits)
+            return self._verify(host, logits, drafts)
         states = [self.states[r] for r in host.sample_req_ids]
         out = self.sampler(logits, self._sampling_metadata(states))
         self.states.expect_sampled(states)
@@ -280,12 +305,14 @@ class ModelRunner:
             num_logprobs = [s.sampling_params.logprobs or 0 for s in states]
         return SampledRows(self.states, states, self.fetch_to_host(tensors), num_logprobs)
 
-    def _verify(self, host: HostStep, logits: torch.Tensor) -> SampledRows:
+    def _verify(self, host: HostStep, logits: torch.Tensor, drafts: torch.Tensor | None) -> SampledRows:
         """A verify step (speculative decoding): each request's accepted drafts and one more token.
         Under async scheduling only the requests without drafts feed the next step from the device
         (a drafting one waits for its verdict), and their one token is column 0."""
         states = [self.states[r] for r in host.sample_req_ids]
         layout = VerifyLayout.build(host.sample_drafts, self.target)
+        if drafts is not None:
+            layout.draft_ids.masked_scatter_(~layout.is_bonus, drafts)
         verified, logprobs = verify(logits, self._sampling_metadata(states, host.sample_drafts), layout,
                                     self.sampler.draw, self.sampler.logprobs_mode, self.sampler.race)
         self.states.expect_sampled(states)

@@ -9,6 +9,10 @@ The engine keeps twice as many steps in flight as stages follow the first (`step
 a micro-batch's next step is launched before the host has read its last one: the last stage sends
 each step's sampled ids back to the first (`send_sampled`), which posts the receive as it launches
 the step (`receive_sampled`) and feeds the ids to the request's next step on the device.
+
+With a draft model the first stage alone drafts (the scheduler reserved placeholders, which the
+other stages lay out as they are): the drafts travel stage to stage ahead of the activations to the
+last, which verifies them (`pass_drafts`).
 """
 from __future__ import annotations
 
@@ -36,10 +40,13 @@ def pipelined_steps(num_stages: int) -> int:
 
 
 class PipelineStage:
-    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device, streams: int = 2):
-        """`streams`: the [T, hidden] tensors a stage hands the next (`CausalLM.pipeline_streams`)."""
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device, streams: int = 2,
+                 drafts_on_first: bool = False):
+        """`streams`: the [T, hidden] tensors a stage hands the next (`CausalLM.pipeline_streams`);
+        `drafts_on_first`: a draft model on the first stage proposes the drafts (`pass_drafts`)."""
         pp = get_pp()
         self.streams = streams
+        self.drafts_on_first = drafts_on_first
         self.is_first, self.is_last = pp.is_first, pp.is_last
         # Steps whose sampled ids a later step may still take from the device.
         self.sampled_depth = pipelined_steps(pp.world_size)
@@ -73,6 +80,17 @@ class PipelineStage:
         if self.is_last:
             return output
         self.send(output)
+        return None
+
+    def pass_drafts(self, drafts: torch.Tensor | None, count: int) -> torch.Tensor | None:
+        """A draft model's tokens for a step ([count] int64, in the step's order), drafted on the
+        first stage: it passes `drafts` on, later stages receive them ahead of the step's
+        activations and pass them on, and the last, which verifies them, gets them back."""
+        if not self.is_first:
+            drafts = receive_from_previous_stage([torch.empty(count, dtype=torch.int64, device=self.device)])[0]
+        if self.is_last:
+            return drafts
+        send_to_next_stage([drafts])
         return None
 
     def send_sampled(self, ids: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from ..attention import AttentionBackend, KVCacheLayout
 from ..config import EngineConfig
-from ..distributed import get_pp, get_tp, shard_range
+from ..distributed import get_pp, get_tp, shard_range, viewed_whole
 from ..errors import ConfigError
 from ..kv_transfer.base import KVCacheAccess, KVConnectorWorker
 from ..kv_transfer.factory import worker_connector
@@ -170,13 +170,14 @@ class Worker(abc.ABC):
                                       hf.vocab_size, self.eos_token_id, self.platform.capabilities(),
                                       logprobs_mode=self.config.logprobs_mode, race=self.race_kernel())
         self.runner.lora = lora
+        spec = self.config.speculative_config
+        drafts_on_first = spec is not None and spec.method == "draft_model"
         if get_pp().world_size > 1:
             self.runner.attach_stage(PipelineStage(hf.hidden_size, self.torch_dtype, self.device,
-                                                   getattr(model, "pipeline_streams", 2)))
+                                                   getattr(model, "pipeline_streams", 2), drafts_on_first))
         if pooling:
             self.runner.pooler = Pooler(self.config.pooling_type, getattr(model, "classify", None))
-        spec = self.config.speculative_config
-        if spec is not None and spec.method == "draft_model":
+        if drafts_on_first and get_pp().is_first:
             self.runner.drafter = self._load_drafter(hf, spec.model)
         elif spec is not None and spec.method in EAGLE_METHODS:
             self.runner.drafter = self._load_eagle(model, hf, spec.method, spec.model)
@@ -192,8 +193,10 @@ class Worker(abc.ABC):
             raise ConfigError("speculative_config", f"the draft model {draft!r} has a {draft_hf.vocab_size}-token "
                               f"vocabulary but the target {self.config.model or 'default'!r} has {hf.vocab_size}: "
                               "a draft must share the target's vocabulary")
-        model = self._build_draft(resolve_model_class(draft_hf), source)
-        return DraftModelProposer(self._draft_runner(model, draft_hf), self.config.block_size)
+        with viewed_whole():  # the first of several stages drafts with every layer of the draft
+            model = self._build_draft(resolve_model_class(draft_hf), source)
+            runner = self._draft_runner(model, draft_hf)
+        return DraftModelProposer(runner, self.config.block_size)
 
     def _load_eagle(self, model: torch.nn.Module, hf, method: str, head: str) -> EagleProposer:
         """An EAGLE / EAGLE-3 head over the target's hidden states, with a runner of its own;

@@ -2,7 +2,7 @@
 TP = 2 over Ray actors (the Ray tests share one local cluster) against PP = 1, token for token, on a
 4-layer random-weight Llama (fp32, CPU, gloo); uneven partitions from the config and from vLLM's
 environment variable; the scheduler's micro-batches; n-gram speculation at PP = 2 x TP = 2; a stage
-that dies ends the server; sizes a model cannot be split into, and speculation by a draft model on
+that dies ends the server; sizes a model cannot be split into, and speculation by an EAGLE head on
 stages, are refused before any rank starts."""
 from __future__ import annotations
 
@@ -222,9 +222,9 @@ def test_the_flags_reach_the_config():
     ({"pipeline_parallel_size": 2, "pipeline_layer_partition": "4"}, None,
      "pipeline_layer_partition: must list one positive layer count per pipeline stage"),
     ({"pipeline_parallel_size": 2}, "2,x", "VLLM_PP_LAYER_PARTITION: must list one positive layer count"),
-    ({"pipeline_parallel_size": 2, "speculative_config": {"method": "draft_model", "model": "draft",
+    ({"pipeline_parallel_size": 2, "speculative_config": {"method": "eagle", "model": "head",
                                                          "num_speculative_tokens": 2}}, None,
-     "pipeline_parallel_size: draft_model speculation runs without pipeline stages"),
+     "pipeline_parallel_size: eagle speculation runs without pipeline stages"),
 ], ids=["more-stages-than-layers", "partition-sum", "partition-count", "partition-env", "speculative"])
 def test_sizes_the_model_cannot_take_are_refused_before_any_rank_starts(checkpoint, monkeypatch, options, env, message):
     if env is not None:

@@ -1,8 +1,9 @@
-"""n-gram speculation on two pipeline stages (gloo, SmolLM2's real weights): greedy output equal to
+"""Speculation on two pipeline stages (gloo, SmolLM2's real weights). n-gram: greedy output equal to
 one device without speculation, drafts accepted on the way, a seeded sampled request with n = 2
 equal to the same speculation on one device, the prefix cache hit on a second pass and every block
-back in the pool. Each stage places a verify step's accepted drafts from the scheduler's tokens,
-which the last stage alone read (`RequestStates.apply`)."""
+back in the pool; each stage places a verify step's accepted drafts from the scheduler's tokens,
+which the last stage alone read (`RequestStates.apply`). A draft model on the first stage: its
+drafts reach the last stage, which verifies them."""
 from __future__ import annotations
 
 import pytest
@@ -46,3 +47,26 @@ def test_two_stages_speculate_as_one_device():
     assert outputs == spec_reference
     assert stats.spec_decode_num_accepted_tokens > 0 and stats.prefix_cache_hits > 0
     assert stats.kv_cache_usage == 0.0
+
+
+def test_a_draft_model_on_the_first_stage_feeds_the_last(default_model_dir):
+    """The target as its own draft (fp32) at PP = 2: the first stage drafts with the whole draft
+    model, the drafts travel to the last stage ahead of the activations and are verified there.
+    Every greedy draft of the target itself is accepted, which placeholders or misplaced drafts
+    would not be; the tokens equal one device without speculation."""
+    options = dict(dtype="float32", max_model_len=256, kv_cache_memory_gib=0.05)
+    one = LLM(**options)
+    tok = one.get_tokenizer()
+    prompts = [tok.encode("The three primary colours are"), tok.encode("Once upon a time, in a small village,")]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = [list(o.outputs[0].token_ids) for o in one.generate(prompts, params, use_tqdm=False)]
+    del one
+    spec = {"method": "draft_model", "model": str(default_model_dir), "num_speculative_tokens": 3}
+    staged = LLM(pipeline_parallel_size=2, speculative_config=spec, **options)
+    try:
+        tokens = [list(o.outputs[0].token_ids) for o in staged.generate(prompts, params, use_tqdm=False)]
+        stats = staged.engine.scheduler.make_stats()
+    finally:
+        staged.engine.executor.shutdown()
+    assert tokens == expected
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
