@@ -62,3 +62,36 @@ def test_the_ray_executor_gives_the_tokens_of_rank_processes(checkpoint, tmp_pat
         ray.shutdown()
     over_processes = generate(checkpoint, prompts, params, tensor_parallel_size=2)
     assert [o.outputs[0].token_ids for o in over_ray] == [o.outputs[0].token_ids for o in over_processes]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_on_two_stages_gives_the_tokens_of_one_gpu(checkpoint, method):
+    """n-gram drafts, or the checkpoint as its own draft model on the first stage (its drafts sent to
+    the last over NCCL ahead of the activations): PP = 2 with speculation against one GPU without."""
+    import gc
+
+    from corectl import LLM
+
+    prompts = [p * 3 for p in random_prompts((12, 20, 33), seed=6)]  # repeats give n-gram lookup drafts
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=TOP_LOGPROBS, ignore_eos=True)
+    one = generate(checkpoint, prompts, params)
+    spec = {"method": method, "num_speculative_tokens": 3}
+    spec.update({"model": str(checkpoint)} if method == "draft_model" else {"prompt_lookup_max": 3})
+    llm = LLM(str(checkpoint), platform="cuda", dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
+              max_num_seqs=32, pipeline_parallel_size=2, speculative_config=spec)
+    try:
+        two = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.engine.scheduler.make_stats()
+    finally:
+        llm.engine.executor.shutdown()
+        del llm
+        gc.collect()
+    for reference, out in zip(one, two):
+        got = out.outputs[0]
+        got_logprobs = [position[token].logprob for position, token in zip(got.logprobs, got.token_ids)]
+        _, error = compare_greedy(reference.outputs[0].token_ids, got.token_ids,
+                                  _logprob_lookup(reference.outputs[0]), got_logprobs, TIE_TOLERANCE)
+        assert error < LOGPROB_TOLERANCE
+    assert stats.spec_decode_num_draft_tokens > 0
+    if method == "draft_model":  # the target drafting for itself: nearly every draft is accepted
+        assert stats.spec_decode_num_accepted_tokens > 0.8 * stats.spec_decode_num_draft_tokens
