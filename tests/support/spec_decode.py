@@ -111,3 +111,13 @@ def _chain(embed, tokens: list[int], hidden, k: int, rows, draft) -> list[int]:
             tokens = [*tokens, drafts[-1]]
             hidden = torch.cat([hidden, out[-1:]])
     return drafts
+
+
+def tokens_and_stats(llm, prompts, params):
+    """Each prompt's first sample's tokens and the scheduler's stats after them; the engine's ranks
+    are shut down either way."""
+    try:
+        tokens = [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
+        return tokens, llm.engine.scheduler.make_stats()
+    finally:
+        llm.engine.executor.shutdown()

@@ -29,6 +29,7 @@ from support.server import (
     rank_processes,
     running_server,
 )
+from support.spec_decode import tokens_and_stats
 
 pytestmark = pytest.mark.slow
 
@@ -247,10 +248,6 @@ def test_pp2_by_tp2_speculates_as_one_device(checkpoint):
     staged = LLM(str(checkpoint), tensor_parallel_size=2, pipeline_parallel_size=2,
                  kv_cache_memory_gib=kv_budget_gib(2, 2), **ENGINE,
                  speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
-    try:
-        tokens = [list(o.outputs[0].token_ids) for o in staged.generate(batch, params, use_tqdm=False)]
-        stats = staged.engine.scheduler.make_stats()
-    finally:
-        staged.engine.executor.shutdown()
+    tokens, stats = tokens_and_stats(staged, batch, params)
     assert tokens == expected
     assert stats.spec_decode_num_draft_tokens > 0 and stats.spec_decode_num_accepted_tokens > 0

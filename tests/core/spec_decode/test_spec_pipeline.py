@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from corectl import LLM, SamplingParams
+from support.spec_decode import tokens_and_stats
 
 pytestmark = pytest.mark.slow
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
@@ -62,11 +63,6 @@ def test_a_draft_model_on_the_first_stage_feeds_the_last(default_model_dir):
     expected = [list(o.outputs[0].token_ids) for o in one.generate(prompts, params, use_tqdm=False)]
     del one
     spec = {"method": "draft_model", "model": str(default_model_dir), "num_speculative_tokens": 3}
-    staged = LLM(pipeline_parallel_size=2, speculative_config=spec, **options)
-    try:
-        tokens = [list(o.outputs[0].token_ids) for o in staged.generate(prompts, params, use_tqdm=False)]
-        stats = staged.engine.scheduler.make_stats()
-    finally:
-        staged.engine.executor.shutdown()
+    tokens, stats = tokens_and_stats(LLM(pipeline_parallel_size=2, speculative_config=spec, **options), prompts, params)
     assert tokens == expected
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
