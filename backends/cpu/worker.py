@@ -32,7 +32,7 @@ class CPUWorker(Worker):
 
     def profile_num_kv_blocks(self) -> int:
         budget = self.config.kv_cache_budget_bytes or DEFAULT_KV_CACHE_BYTES
-        per_block = self.model_info.kv_bytes_per_block(self.config.block_size)
+        per_block = self.kv_block_bytes()
         num_blocks = fixed_kv_blocks(budget, per_block)
         needed = blocks_per_sequence(self.max_model_len, self.config.block_size, self.model_info.sliding_window,
                                      self.config.max_num_batched_tokens)

@@ -50,7 +50,7 @@ class CUDAWorker(Worker):
         peak, reserved = self._profile_peak()
         free, total = torch.cuda.mem_get_info()
         non_torch = (total - free) - torch.cuda.memory_reserved()
-        per_block = self.model_info.kv_bytes_per_block(cfg.block_size)
+        per_block = self.kv_block_bytes()
         num_blocks = profiled_kv_blocks(total, cfg.gpu_memory_utilization, peak, non_torch, per_block, reserved)
         window = self.model_info.sliding_window
         needed = blocks_per_sequence(self.max_model_len, cfg.block_size, window, cfg.max_num_batched_tokens)

@@ -149,6 +149,15 @@ class Worker(abc.ABC):
     def profile_num_kv_blocks(self) -> int:
         """How many KV blocks fit after weights and peak activations."""
 
+    def kv_block_bytes(self) -> int:
+        """The bytes a KV block takes out of the KV budget: the target's block, and with a draft model
+        or head the draft's too, whose cache holds a block for each of the target's (`init_kv_cache`;
+        its spare block per sequence slot comes on top)."""
+        per_block = self.model_info.kv_bytes_per_block(self.config.block_size)
+        if self.runner.drafter is None:
+            return per_block
+        return per_block + self._draft_info.kv_bytes_per_block(self.config.block_size)
+
     def load_model(self) -> ModelInfo:
         hf = self.source.hf_config
         pooling = self.config.runner == "pooling"
