@@ -160,7 +160,7 @@ class CUDAWorker(Worker):
         for num_tokens, num_seqs in warmup_prefill_shapes(self.config.max_num_batched_tokens, self.max_model_len):
             self.run_dummy_step(num_tokens, num_seqs)
         # The dummy steps are greedy: compile the random rows' draw too, before a request waits on it.
-        race_draw(torch.zeros(1, self.runner.vocab_size, device=self.device))
+        self.runner.sampler.race(torch.zeros(1, self.runner.vocab_size, device=self.device))
         torch.cuda.synchronize()
         cfg, graphs = self.config, self.config.compilation_config
         if cfg.enforce_eager or graphs.cudagraph_mode == "NONE":

@@ -103,30 +103,30 @@ def init_parallel_state(rank: int, tp_size: int, pp_size: int, backend: str, ini
 
 
 @contextlib.contextmanager
-def viewed_as_stage(stage: int, num_stages: int, partition: tuple[int, ...] | None = None) -> Iterator[None]:
-    """Within, this process reads as pipeline stage `stage` of `num_stages` without joining any group,
-    so a model built here holds that stage's layers (a deployment plan sizes each stage on the meta
-    device). Not for a rank, whose stage `init_parallel_state` set."""
+def _viewed(pp: PipelineParallel) -> Iterator[None]:
+    """Within, this process reads as `pp` says; its own stage comes back on leaving."""
     global _pp
-    if _pp.world_size > 1:
-        raise RuntimeError("a pipeline rank cannot be viewed as another stage")
-    _pp = PipelineParallel(stage, num_stages, partition=partition)
-    try:
-        yield
-    finally:
-        _pp = PipelineParallel()
-
-
-@contextlib.contextmanager
-def viewed_whole() -> Iterator[None]:
-    """Within, a pipeline rank reads as the only stage, so a model built here holds every layer
-    (the first stage's draft model); its stage comes back on leaving. Nothing collective runs here."""
-    global _pp
-    saved, _pp = _pp, PipelineParallel()
+    saved, _pp = _pp, pp
     try:
         yield
     finally:
         _pp = saved
+
+
+def viewed_as_stage(stage: int, num_stages: int,
+                    partition: tuple[int, ...] | None = None) -> contextlib.AbstractContextManager[None]:
+    """Within, this process reads as pipeline stage `stage` of `num_stages` without joining any group,
+    so a model built here holds that stage's layers (a deployment plan sizes each stage on the meta
+    device). Not for a rank, whose stage `init_parallel_state` set."""
+    if _pp.world_size > 1:
+        raise RuntimeError("a pipeline rank cannot be viewed as another stage")
+    return _viewed(PipelineParallel(stage, num_stages, partition=partition))
+
+
+def viewed_whole() -> contextlib.AbstractContextManager[None]:
+    """Within, a pipeline rank reads as the only stage, so a model built here holds every layer
+    (the first stage's draft model). Nothing collective runs here."""
+    return _viewed(PipelineParallel())
 
 
 def attach_device_communicator(platform: "Platform", enabled: bool = True) -> None:

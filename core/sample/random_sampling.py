@@ -194,6 +194,5 @@ def draw_tokens(logits: torch.Tensor, generators: dict[int, torch.Generator], dr
         return logits.sub_(_log_exponential_noise(logits, generators)).argmax(dim=-1)
     tokens = race(logits)
     for row, generator in generators.items():
-        one = logits[row:row + 1]
-        tokens[row] = one.sub(_log_exponential_noise(one, {0: generator})).argmax()
+        tokens[row] = draw_tokens(logits[row:row + 1], {0: generator}, draw)[0]
     return tokens
