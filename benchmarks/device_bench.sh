@@ -483,10 +483,11 @@ stage_sweep() {
     lora) timeout 400 python3 benchmarks/lora_bench.py ;;
     allreduce) timeout 300 python3 benchmarks/allreduce_bench.py ;;
     race) timeout 120 python3 benchmarks/race_draw_bench.py ;;
-    *) echo "sweep:NAME, NAME one of w4a16 fp8 dense moe moefine decode w8a16 fp8accum invgemm invgemmcfg fp8block lora allreduce race"; return 1 ;;
+    order) timeout 240 python3 benchmarks/decode_order_sweep.py ;;
+    *) echo "sweep:NAME, NAME one of w4a16 fp8 dense moe moefine decode w8a16 fp8accum invgemm invgemmcfg fp8block lora allreduce race order"; return 1 ;;
   esac > "$RES/$TAG.txt" 2>&1
   local rc=$?
-  tail -60 "$RES/$TAG.txt"
+  tail -80 "$RES/$TAG.txt"
   return $rc
 }
 

@@ -12,6 +12,7 @@ import abc
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import ConfigError
@@ -57,6 +58,10 @@ class AttentionBatch:
     # graph's verify step: k + 1 decode rows a request, each ending at its own position, padding
     # rows of seq_len 0 after a request's tokens), so a backend may read each group's K/V once.
     rows_per_seq: int = 1
+    # Pure-decode batches, for a backend that `uses_decode_order`: the row groups longest context
+    # first (int32 [B / rows_per_seq], `longest_first`), the order its programs may start in so a
+    # ragged batch's long contexts do not run alone at the end. None: batch order.
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -65,6 +70,13 @@ class AttentionBatch:
     @property
     def is_pure_decode(self) -> bool:
         return self.max_query_len == 1
+
+
+def longest_first(seq_lens: np.ndarray, rows_per_seq: int = 1) -> np.ndarray:
+    """`AttentionBatch.decode_order` of a pure-decode step's `seq_lens` (a group's length is its
+    longest row's), ties in batch order."""
+    groups = np.asarray(seq_lens).reshape(-1, rows_per_seq).max(axis=1)
+    return np.argsort(-groups.astype(np.int64), kind="stable").astype(np.int32)
 
 
 def query_key_ends(batch: AttentionBatch) -> list[int] | None:
@@ -105,6 +117,9 @@ class AttentionBackend(abc.ABC):
     #: Whether `forward` takes `attention_chunk` (chunked local attention, Llama 4); the `Attention`
     #: layer refuses a backend without it, by name.
     supports_chunked_attention: bool = False
+    #: Whether `build_metadata` reads `AttentionBatch.decode_order`: runners fill it for
+    #: pure-decode steps only where a backend says so (a host argsort a step).
+    uses_decode_order: bool = False
 
     @classmethod
     def check_kv_cache_dtype(cls, kv_cache_dtype: str) -> None:

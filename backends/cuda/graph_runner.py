@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from corectl.attention import AttentionBatch, ForwardContext
+from corectl.attention import AttentionBatch, ForwardContext, longest_first
 from corectl.distributed import get_tp
 from corectl.models.pipeline import IntermediateTensors
 from corectl.worker.inflight import HostFetch
@@ -170,12 +170,15 @@ class _StaticDecodeInputs:
         # One query token per row, padding included, so the starts never change.
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
+        # The row groups longest context first (`AttentionBatch.decode_order`), for a backend that reads it.
+        self.decode_order = torch.arange(max_batch, dtype=torch.int32, device=device)
 
     @property
     def max_blocks(self) -> int:
         return self.block_tables.shape[1]
 
-    def attention_batch(self, size: int, max_model_len: int, block_size: int, rows_per_seq: int = 1) -> AttentionBatch:
+    def attention_batch(self, size: int, max_model_len: int, block_size: int, rows_per_seq: int = 1,
+                        ordered: bool = False) -> AttentionBatch:
         """The batch a graph of `size` rows (`rows_per_seq` a request) is captured with: bounded by
         the model's max length, so the kernels' launch choices (split count) hold for any context
         that can occur."""
@@ -190,11 +193,15 @@ class _StaticDecodeInputs:
             max_seq_len=max_model_len,
             block_size=block_size,
             rows_per_seq=rows_per_seq,
+            decode_order=self.decode_order[: size // rows_per_seq] if ordered else None,
         )
 
     def load(self, size: int, padded: list[torch.Tensor]) -> None:
-        """Copy a step's padded device inputs (see `pad_decode_step`) into the first `size` rows."""
-        input_ids, positions, slot_mapping, seq_lens, block_tables = padded
+        """Copy a step's padded device inputs (see `pad_decode_step`), and its groups' order where
+        one comes sixth, into the first `size` rows."""
+        input_ids, positions, slot_mapping, seq_lens, block_tables = padded[:5]
+        if len(padded) > 5:
+            self.decode_order[: padded[5].shape[0]].copy_(padded[5])
         self.input_ids[:size].copy_(input_ids)
         self.positions[:size].copy_(positions)
         self.slot_mapping[:size].copy_(slot_mapping)
@@ -324,7 +331,8 @@ class CUDAGraphModelRunner(ModelRunner):
 
     def _capture(self, key: GraphKey, max_model_len: int, pool) -> _DecodeGraph:
         static, size = self._static, key[0] * key[1]
-        attn = static.attention_batch(size, max_model_len, self.block_size, rows_per_seq=key[0])
+        attn = static.attention_batch(size, max_model_len, self.block_size, rows_per_seq=key[0],
+                                      ordered=self.backend.uses_decode_order)
         ctx = ForwardContext(self.backend, self.backend.build_metadata(attn, check_indices=False), self.kv_caches)
         args = (static.input_ids[:size], static.positions[:size], ctx)
         if self.stage is not None:
@@ -356,12 +364,14 @@ class CUDAGraphModelRunner(ModelRunner):
             padded, index, token_rows = pad_decode_step(host, size, positions), logits_index(host), None
         else:
             (padded, token_rows), index = pad_verify_step(host, *key, positions), None
+        if self.backend.uses_decode_order:
+            padded.append(longest_first(padded[3], key[0]))
         extra = [a for a in (index, token_rows) if a is not None]
         tensors = self.to_device([*padded, *extra])
-        static.load(size, tensors[:5])
+        static.load(size, tensors[: len(padded)])
+        rest = tensors[len(padded)] if extra else None
         return _GraphStepInputs(host, static.input_ids[:size], static.positions[:size], graph.attn,
-                                tensors[5] if index is not None else None, graph,
-                                tensors[5] if token_rows is not None else None)
+                                rest if index is not None else None, graph, rest if token_rows is not None else None)
 
     def to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         offsets, total = packed_layout(arrays)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..attention import AttentionBackend, AttentionBatch, ForwardContext
+from ..attention import AttentionBackend, AttentionBatch, ForwardContext, longest_first
 from ..multimodal.step import MultiModalStep
 from ..platform import PlatformCaps
 from ..sample import Sampler, SamplingMetadata, compute_prompt_logprobs
@@ -271,10 +271,14 @@ class ModelRunner:
         """Move the step's host arrays to the device as the model and attention backend take them."""
         arrays = [host.input_ids, host.positions, host.slot_mapping, host.query_start_loc, host.seq_lens,
                   host.block_tables]
+        ordered = host.max_query_len == 1 and self.backend.uses_decode_order
+        if ordered:
+            arrays.append(longest_first(host.seq_lens))
         index = logits_index(host)
         tensors = self.to_device(arrays if index is None else [*arrays, index])
         input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables = tensors[:6]
         attn = AttentionBatch(
+            decode_order=tensors[6] if ordered else None,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_tables=block_tables,
@@ -285,7 +289,7 @@ class ModelRunner:
             max_seq_len=host.max_seq_len,
             block_size=self.block_size,
         )
-        return StepInputs(host, input_ids, positions, attn, None if index is None else tensors[6])
+        return StepInputs(host, input_ids, positions, attn, None if index is None else tensors[-1])
 
     def to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """Host arrays as device tensors; on the CPU they are shared, not copied."""

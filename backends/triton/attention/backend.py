@@ -26,9 +26,9 @@ from ..checks import FP8_KV_DTYPE, check_packed_heads, require
 from .decode_attention import choose_decode_splits, paged_decode_attention
 from .kv_cache_store import store_kvcache
 from .latent_attention import paged_latent_attention
+from .prefill_attention import paged_prefill_attention
 
 LATENT_TICKETS = 1 << 14
-from .prefill_attention import paged_prefill_attention
 
 
 @dataclass
@@ -50,6 +50,8 @@ class TritonAttentionMetadata:
     query_key_end: torch.Tensor | None = None
     # Validate index tensors on the first layer's forward of the step, then trust them.
     check_indices: bool = True
+    # Decode only: the order the row groups' programs start in (AttentionBatch.decode_order).
+    decode_order: torch.Tensor | None = None
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -59,6 +61,7 @@ class TritonAttentionBackend(AttentionBackend):
     kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")
     supports_sinks = True
     supports_chunked_attention = True
+    uses_decode_order = True
     # `--batch-invariant` (the CUDA worker sets it): a row's attention must not depend on the other
     # rows of its step. The decode kernel splits the context by the batch's size and runs other
     # tiles than the prefill kernel, which a decode row in a mixed step (or a one-token prefill
@@ -100,6 +103,7 @@ class TritonAttentionBackend(AttentionBackend):
             rows_per_seq=batch.rows_per_seq if pure_decode else 1,
             query_key_end=None if pure_decode else _key_ends(batch, self.device),
             check_indices=check_indices,
+            decode_order=batch.decode_order if pure_decode else None,
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -114,7 +118,7 @@ class TritonAttentionBackend(AttentionBackend):
                 q, kv_cache, meta.block_tables, meta.seq_lens, scale,
                 max_seq_len=meta.max_seq_len, num_splits=meta.num_splits, check_indices=check,
                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                attention_chunk=attention_chunk, rows_per_seq=meta.rows_per_seq,
+                attention_chunk=attention_chunk, rows_per_seq=meta.rows_per_seq, order=meta.decode_order,
             )
         else:
             out = paged_prefill_attention(

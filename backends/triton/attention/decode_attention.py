@@ -89,15 +89,20 @@ def decode_config(cache_dtype: torch.dtype, splits: int, num_seqs: int) -> Decod
 # The block-table width changes every eager step (see the prefill kernel); a layer's window is fixed.
 @triton.jit(do_not_specialize=["stride_table", "window"])
 def _decode_kernel(
-    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, qk_scale, v_scale,
+    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, order_ptr, qk_scale, v_scale,
     window, stride_qt, stride_ot, stride_kind, stride_blk, stride_tok, stride_table, num_heads,
     GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    CHUNKED: tl.constexpr, PDL: tl.constexpr,
+    CHUNKED: tl.constexpr, PDL: tl.constexpr, HAS_ORDER: tl.constexpr,
 ):
     grid_dependency(PDL)
-    kv_head = tl.program_id(1)
+    # The KV heads of one row group run side by side (they read the same cache rows), and the
+    # groups in `order` when given: longest context first, so the long programs do not trail.
+    kv_head = tl.program_id(0)
+    group_id = tl.program_id(1)
+    if HAS_ORDER:
+        group_id = tl.load(order_ptr + group_id)
     split = tl.program_id(2)
     # Tile row m is query head (m % GROUP) of decode row (m // GROUP) of this program's ROWS rows,
     # which share one block table (`rows_per_seq`).
@@ -105,7 +110,7 @@ def _decode_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     m_mask = offs_m < GROUP * ROWS
     d_mask = offs_d < HEAD_DIM
-    rows = tl.program_id(0) * ROWS + offs_m // GROUP
+    rows = group_id * ROWS + offs_m // GROUP
     heads = kv_head * GROUP + offs_m % GROUP
     row_len = tl.load(seq_lens_ptr + rows, mask=m_mask, other=0)
     real = row_len > 0
@@ -137,7 +142,7 @@ def _decode_kernel(
 
     k_base = cache_ptr + kv_head * HEAD_DIM
     v_base = k_base + stride_kind
-    table_row = table_ptr + tl.program_id(0) * ROWS * stride_table
+    table_row = table_ptr + group_id * ROWS * stride_table
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -206,10 +211,13 @@ def _num_compute_units(device: torch.device) -> int:
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_compute_units: int) -> int:
     """Split until there are about two programs per SM (two fit in shared memory at the default
-    tile), keeping MIN_KEYS_PER_SPLIT keys per split. Measured on an H100 at 4096 keys: batch 64
-    runs best unsplit (97% of copy bandwidth); batch 1 runs 2x faster with 16 splits."""
+    tile), and in two at least while the unsplit grid has at most four programs an SM, keeping
+    MIN_KEYS_PER_SPLIT keys per split. Measured at 4096 keys: batch 1 runs 2x faster with 16 splits
+    (H100); batch 64 (512 programs) 17% faster in two than unsplit, and 64 or 32 ragged contexts of
+    100-4096 keys 14% and 25% (H200, benchmarks/decode_order_sweep.py); 128 sequences and more run
+    best unsplit."""
     programs = max(1, num_seqs * num_kv_heads)
-    wanted = 2 * num_compute_units // programs
+    wanted = max(2 * num_compute_units // programs, 2) if programs <= 4 * num_compute_units else 1
     by_length = max_seq_len // MIN_KEYS_PER_SPLIT
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
@@ -225,7 +233,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            logits_soft_cap: float | None = None, k_scale: float = 1.0,
                            v_scale: float = 1.0, config: DecodeConfig | None = None,
                            sinks: torch.Tensor | None = None, attention_chunk: int | None = None,
-                           rows_per_seq: int = 1) -> torch.Tensor:
+                           rows_per_seq: int = 1, order: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context (the token's own K/V included).
 
     q: [B, num_heads * head_dim]; block_tables: int32 [B, max_blocks]; seq_lens: int32 [B], the
@@ -263,26 +271,34 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     require(rows_per_seq >= 1 and num_seqs % rows_per_seq == 0,
             f"rows_per_seq must be >= 1 and divide the {num_seqs} rows, got {rows_per_seq}")
     check_window_and_cap(sliding_window, logits_soft_cap)
+    if order is not None:
+        check_index("order", order, 1, (torch.int32,))
+        require(order.shape[0] == num_seqs // rows_per_seq,
+                f"order has {order.shape[0]} entries for {num_seqs // rows_per_seq} row groups")
     sinks = check_sinks(sinks, num_heads, q)
     local = local_attention(sliding_window, attention_chunk)
     splits = num_splits if num_splits is not None else choose_decode_splits(
         num_seqs // rows_per_seq, num_kv_heads, max_seq_len, q.device)
     require(1 <= splits <= MAX_SPLITS, f"num_splits must lie in [1, {MAX_SPLITS}], got {splits}")
     out = attention_output(out, q)
-    check_same_device(q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens, out=out)
+    check_same_device(q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens, out=out,
+                      **({} if order is None else {"order": order}))
     if check_indices:
+        if order is not None:
+            check_range("order", order, 0, num_seqs // rows_per_seq)
         check_range("block_tables", block_tables, 0, num_blocks)
         check_range("seq_lens", seq_lens, 0, table_width * block_size + 1)
     if num_seqs == 0:
         return out
     _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, num_heads // num_kv_heads, rows_per_seq,
                    splits, local, logits_soft_cap, k_scale, v_scale,
-                   config or decode_config(kv_cache.dtype, splits, num_seqs // rows_per_seq), sinks)
+                   config or decode_config(kv_cache.dtype, splits, num_seqs // rows_per_seq), sinks, order)
     return out
 
 
 def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, rows, splits, local, soft_cap,
-                   k_scale, v_scale, cfg: DecodeConfig, sinks: torch.Tensor | None) -> None:
+                   k_scale, v_scale, cfg: DecodeConfig, sinks: torch.Tensor | None,
+                   order: torch.Tensor | None) -> None:
     span, sliding, chunked = local
     num_seqs = q.shape[0]
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
@@ -295,8 +311,9 @@ def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, rows,
     else:
         part_out = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
-    _decode_kernel[(num_seqs // rows, num_kv_heads, splits)](
+    _decode_kernel[(num_kv_heads, num_seqs // rows, splits)](
         q, kv_cache, block_tables, seq_lens, out, part_out, part_lse, q if sinks is None else sinks,
+        seq_lens if order is None else order,
         score_scale(scale * k_scale, soft_cap), v_scale,
         span,
         q.stride(0), out.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
@@ -305,7 +322,7 @@ def _launch_decode(q, kv_cache, block_tables, seq_lens, out, scale, group, rows,
         BLOCK_D=block_d,
         BLOCK_N=cfg.block_n, BLOCK_SIZE=kv_cache.shape[2], NUM_SPLITS=splits,
         DOT_DTYPE=dot_dtype(q.dtype, q.device), SLIDING=sliding, SOFT_CAP=float(soft_cap or 0.0),
-        HAS_SINKS=sinks is not None, CHUNKED=chunked, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        HAS_SINKS=sinks is not None, CHUNKED=chunked, PDL=pdl, HAS_ORDER=order is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     if splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](

@@ -8,6 +8,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from corectl.attention import longest_first
 from corectl.backends.cuda import platform as cuda_platform
 from corectl.backends.cuda.graph_runner import (
     MAX_GRAPH_BATCH,
@@ -224,8 +225,11 @@ def _eager_and_graph_attention(host, size, num_splits=None, rows_per_seq=1):
         padded, rows = pad_verify_step(host, rows_per_seq, size // rows_per_seq)
         token_rows = torch.from_numpy(rows)
         q, k, v = (torch.zeros_like(t).index_copy_(0, token_rows, t[:n]) for t in (q, k, v))
+    padded.append(longest_first(padded[3], rows_per_seq))
     static.load(size, [torch.from_numpy(a) for a in padded])
-    meta = backend.build_metadata(static.attention_batch(size, max_model_len, BS, rows_per_seq), check_indices=False)
+    batch = static.attention_batch(size, max_model_len, BS, rows_per_seq, ordered=True)
+    meta = backend.build_metadata(batch, check_indices=False)
+    assert meta.decode_order is batch.decode_order and meta.decode_order.shape == (size // rows_per_seq,)
     if num_splits is not None:
         meta.num_splits = num_splits
     graph_cache = kv_cache.clone()
@@ -257,12 +261,16 @@ def _eager_batch(host):
 
 def test_graph_step_uploads_into_the_static_inputs_and_samples_only_finished_rows(monkeypatch):
     """A one-token prefill chunk is decode-shaped, so it rides a graph, but it samples nothing."""
+    from corectl.backends.triton.attention.backend import TritonAttentionBackend
+
     cpu = torch.device("cpu")
-    runner = CUDAGraphModelRunner(None, None, cpu, BS, 1000, None, PlatformCaps())
+    backend = TritonAttentionBackend(4, 2, 16, torch.float32, cpu, BS)
+    runner = CUDAGraphModelRunner(None, backend, cpu, BS, 1000, None, PlatformCaps())
     monkeypatch.setattr(runner, "to_device", lambda arrays: ModelRunner.to_device(runner, arrays))
     static = _StaticDecodeInputs(max_batch=8, max_blocks=6, device=cpu)
     runner._static, runner._graph_sizes = static, {1: [1, 2, 4, 8]}
-    runner.graphs = {(1, size): _DecodeGraph(size, None, torch.zeros(size, 1), static.attention_batch(size, 24, BS))
+    runner.graphs = {(1, size): _DecodeGraph(size, None, torch.zeros(size, 1),
+                                             static.attention_batch(size, 24, BS, ordered=True))
                      for size in runner._graph_sizes[1]}
     sched = scheduler_output(new=[new_request_data("a", range(9), [1, 2, 3], computed=8), new_request_data("chunk", range(20), [4, 5], computed=4),
                        new_request_data("b", range(6), [6, 7], computed=5)],
@@ -273,6 +281,9 @@ def test_graph_step_uploads_into_the_static_inputs_and_samples_only_finished_row
     assert inputs.logits_indices.tolist() == [0, 2]
     assert static.input_ids[:4].tolist() == [8, 4, 5, 0] and static.seq_lens[:4].tolist() == [9, 5, 6, 0]
     assert static.slot_mapping[:4].tolist() == [3 * BS, 5 * BS, 7 * BS + 1, -1]
+    # The rows longest context first, the padding row last: the graph's attention walks them so.
+    assert static.decode_order[:4].tolist() == [0, 2, 1, 3]
+    assert inputs.attn.decode_order.data_ptr() == static.decode_order.data_ptr()
 
 
 # -- verify steps (speculative decoding) as decode rows -------------------------------------------
@@ -330,8 +341,11 @@ def test_verify_rows_through_the_triton_backend_match_the_eager_verify_step():
 def test_a_verify_graph_step_comes_back_in_token_order(monkeypatch):
     """A verify step uploads into the k + 1-rows-a-request layout, and the replayed graph's rows
     come back as the step's tokens, in order, without the padding rows."""
+    from corectl.backends.triton.attention.backend import TritonAttentionBackend
+
     cpu = torch.device("cpu")
-    runner = CUDAGraphModelRunner(None, None, cpu, BS, 1000, None, PlatformCaps())
+    backend = TritonAttentionBackend(4, 2, 16, torch.float32, cpu, BS)
+    runner = CUDAGraphModelRunner(None, backend, cpu, BS, 1000, None, PlatformCaps())
     monkeypatch.setattr(runner, "to_device", lambda arrays: ModelRunner.to_device(runner, arrays))
     static = _StaticDecodeInputs(max_batch=16, max_blocks=6, device=cpu)
     runner._static, runner._graph_sizes = static, {1: [1, 2], 4: [1, 2]}

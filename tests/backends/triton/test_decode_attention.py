@@ -2,8 +2,10 @@
 
 Contexts live in shuffled, non-contiguous blocks; every cache slot outside a context is NaN.
 """
+import numpy as np
 import pytest
 import torch
+from corectl.attention import longest_first
 from corectl.backends.triton.attention.decode_attention import (
     MAX_SPLITS,
     decode_num_splits,
@@ -60,9 +62,44 @@ def test_zero_length_rows_yield_zeros(num_splits, assert_close):
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_longest_first_order_changes_no_bit(num_splits):
+    """The order only changes when each row's programs start, not what they compute."""
+    batch = random_paged_batch([7, 141, 3, 60, 141], [1] * 5, num_heads=4, num_kv_heads=2, head_dim=16,
+                               block_size=4, dtype=torch.float32, store_new_tokens=True)
+    order = torch.from_numpy(longest_first(batch.seq_lens.numpy()))
+    assert order.tolist() == [1, 4, 3, 0, 2]
+    plain = _decode(batch, num_splits)
+    ordered = paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, SCALE,
+                                     max_seq_len=141, num_splits=num_splits, order=order)
+    assert torch.equal(ordered, plain)
+
+
+def test_longest_first_ranks_row_groups_by_their_longest_row():
+    seq_lens = np.array([5, 6, 0, 0, 9, 8, 9, 10], dtype=np.int32)
+    assert longest_first(seq_lens).tolist() == [7, 4, 6, 5, 1, 0, 2, 3]
+    assert longest_first(seq_lens, rows_per_seq=2).tolist() == [3, 2, 0, 1]
+    assert longest_first(np.zeros(0, dtype=np.int32)).tolist() == []
+
+
+def test_rejects_an_order_that_is_not_a_permutation_of_the_groups():
+    batch = _small_batch()
+    args = (batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, SCALE)
+    with pytest.raises(ValueError, match="order must be int32"):
+        paged_decode_attention(*args, max_seq_len=9, order=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="order has 1 entries for 2 row groups"):
+        paged_decode_attention(*args, max_seq_len=9, order=torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"order values must lie in \[0, 2\)"):
+        paged_decode_attention(*args, max_seq_len=9, order=torch.tensor([0, 2], dtype=torch.int32))
+
+
 def test_split_choice_follows_batch_and_context():
     assert decode_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=4096, num_compute_units=132) == 16
-    assert decode_num_splits(num_seqs=64, num_kv_heads=8, max_seq_len=4096, num_compute_units=132) == 1
+    # 512 programs: two splits (four programs an SM), 1,024: none.
+    assert decode_num_splits(num_seqs=64, num_kv_heads=8, max_seq_len=4096, num_compute_units=132) == 2
+    assert decode_num_splits(num_seqs=32, num_kv_heads=8, max_seq_len=4096, num_compute_units=132) == 2
+    assert decode_num_splits(num_seqs=128, num_kv_heads=8, max_seq_len=4096, num_compute_units=132) == 1
+    assert decode_num_splits(num_seqs=64, num_kv_heads=8, max_seq_len=300, num_compute_units=132) == 1
     assert decode_num_splits(num_seqs=4, num_kv_heads=8, max_seq_len=32768, num_compute_units=132) == 8
     assert decode_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=100_000, num_compute_units=132) == 33
     assert decode_num_splits(num_seqs=256, num_kv_heads=8, max_seq_len=4096, num_compute_units=132) == 1
