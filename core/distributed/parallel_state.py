@@ -103,14 +103,16 @@ def init_parallel_state(rank: int, tp_size: int, pp_size: int, backend: str, ini
 
 
 @contextlib.contextmanager
-def _viewed(pp: PipelineParallel) -> Iterator[None]:
-    """Within, this process reads as `pp` says; its own stage comes back on leaving."""
-    global _pp
-    saved, _pp = _pp, pp
+def _viewed(pp: PipelineParallel, tp: TensorParallel | None = None) -> Iterator[None]:
+    """Within, this process reads as `pp` (and `tp`, when given) say; its own layout comes back on
+    leaving."""
+    global _pp, _state
+    saved = _pp, _state
+    _pp, _state = pp, _state if tp is None else tp
     try:
         yield
     finally:
-        _pp = saved
+        _pp, _state = saved
 
 
 def viewed_as_stage(stage: int, num_stages: int,
@@ -123,10 +125,12 @@ def viewed_as_stage(stage: int, num_stages: int,
     return _viewed(PipelineParallel(stage, num_stages, partition=partition))
 
 
-def viewed_whole() -> contextlib.AbstractContextManager[None]:
+def viewed_whole(alone: bool = False) -> contextlib.AbstractContextManager[None]:
     """Within, a pipeline rank reads as the only stage, so a model built here holds every layer
-    (the first stage's draft model). Nothing collective runs here."""
-    return _viewed(PipelineParallel())
+    (the first stage's draft model); `alone`: as the only tensor-parallel rank too, so the model
+    holds every row and its layers sum nothing over ranks (a draft at draft_tensor_parallel_size 1
+    beside a split target, which every rank runs whole). Nothing collective runs here."""
+    return _viewed(PipelineParallel(), TensorParallel() if alone else None)
 
 
 def attach_device_communicator(platform: "Platform", enabled: bool = True) -> None:

@@ -229,8 +229,9 @@ class ParallelLMHead(UsesLayerKernels, nn.Linear):
 
 
 def gather_logits(local: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[N, vocab] logits from every rank's [N, vocab / ranks] slice (the input itself at world size 1)."""
-    if get_tp().world_size == 1:
+    """[N, vocab] logits from every rank's [N, vocab / ranks] slice; the input itself where it holds
+    every token (world size 1, or a head built whole on one of several ranks: `viewed_whole`)."""
+    if local.shape[-1] >= vocab_size:
         return local
     return all_gather(local)[:, :vocab_size]
 

@@ -33,7 +33,8 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     request's own tokens (ngram); model: the draft model (draft_model: a local HF directory, a
     `.gguf` file or a shape preset with the target's vocabulary) or the EAGLE / EAGLE-3 head made
     for the target (eagle, eagle3: a local HF directory or hub id); draft_tensor_parallel_size: the
-    draft's tensor-parallel size (1: drafts run beside a target at tensor-parallel size 1)."""
+    target's tensor-parallel size (the default: the draft is split as the target is) or 1 (every
+    rank holds and runs the whole draft)."""
 
     method: str | None = None
     num_speculative_tokens: int | None = None
@@ -118,9 +119,9 @@ def resolve_speculative_config(value: Any, tensor_parallel_size: int = 1) -> Spe
     if not spec.model:
         raise _error(f"method {method!r} needs \"model\": the " + ("draft model's path" if method == "draft_model"
                                                                  else "head's path or hub id"))
-    draft_tp = 1 if spec.draft_tensor_parallel_size is None else spec.draft_tensor_parallel_size
-    if draft_tp != 1 or tensor_parallel_size != 1:
-        raise _error(f"the {method} draft runs at tensor_parallel_size 1 beside a target at 1 for now (got "
-                     f"draft_tensor_parallel_size={draft_tp!r}, tensor_parallel_size={tensor_parallel_size})")
+    draft_tp = tensor_parallel_size if spec.draft_tensor_parallel_size is None else spec.draft_tensor_parallel_size
+    if draft_tp not in (1, tensor_parallel_size):
+        raise _error(f"draft_tensor_parallel_size must be 1 (the whole draft on every rank) or the target's "
+                     f"tensor_parallel_size {tensor_parallel_size} (the draft split as the target is), got {draft_tp!r}")
     return SpeculativeConfig(method=method, num_speculative_tokens=k, model=spec.model,
                              draft_tensor_parallel_size=draft_tp)

@@ -202,17 +202,25 @@ class Worker(abc.ABC):
             raise ConfigError("speculative_config", f"the draft model {draft!r} has a {draft_hf.vocab_size}-token "
                               f"vocabulary but the target {self.config.model or 'default'!r} has {hf.vocab_size}: "
                               "a draft must share the target's vocabulary")
-        with viewed_whole():  # the first of several stages drafts with every layer of the draft
+        # The first of several stages drafts with every layer of the draft; at draft tensor-parallel
+        # size 1 every rank holds and runs all of it.
+        with viewed_whole(alone=self._draft_alone()):
             model = self._build_draft(resolve_model_class(draft_hf), source)
             runner = self._draft_runner(model, draft_hf)
         return DraftModelProposer(runner, self.config.block_size)
+
+    def _draft_alone(self) -> bool:
+        return self.config.speculative_config.draft_tensor_parallel_size == 1
 
     def _load_eagle(self, model: torch.nn.Module, hf, method: str, head: str) -> EagleProposer:
         """An EAGLE / EAGLE-3 head over the target's hidden states, with a runner of its own;
         refused when it was made for another target (corectl.spec_decode.eagle_heads)."""
         source = self._draft_source(head)
         head_cls = prepare_head(method, source, model, hf, head, self.config.model or "default")
-        runner = self._draft_runner(self._build_draft(head_cls, source), source.hf_config)
+        # At draft tensor-parallel size 1 every rank holds the head's own layers whole; the
+        # target's embedding and LM head it reads stay split.
+        with viewed_whole(alone=self._draft_alone()):
+            runner = self._draft_runner(self._build_draft(head_cls, source), source.hf_config)
         return EagleProposer(runner, model, hf.hidden_size, self.config.block_size)
 
     def _draft_source(self, name: str):

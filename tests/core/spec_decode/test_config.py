@@ -19,6 +19,15 @@ def test_ngram_defaults_and_json_string_form():
     assert (eagle.speculative_config.method, eagle.speculative_config.model) == ("eagle3", "heads/e3")
 
 
+def test_a_draft_splits_as_the_target_unless_told_to_run_whole():
+    spec = {"model": "path/to/draft", "num_speculative_tokens": 4}
+    split = EngineConfig(tensor_parallel_size=4, speculative_config=spec).speculative_config
+    whole = EngineConfig(tensor_parallel_size=4, speculative_config={**spec, "draft_tensor_parallel_size": 1})
+    assert (split.draft_tensor_parallel_size, whole.speculative_config.draft_tensor_parallel_size) == (4, 1)
+    with pytest.raises(ConfigError, match="tensor_parallel_size 4 .*got 2"):
+        EngineConfig(tensor_parallel_size=4, speculative_config={**spec, "draft_tensor_parallel_size": 2})
+
+
 @pytest.mark.parametrize(("value", "message"), [
     ('{"method": "ngram", "num_speculative_tokens": 3', "not valid JSON"),
     ("[1, 2]", "must be a JSON object"),
@@ -31,7 +40,8 @@ def test_ngram_defaults_and_json_string_form():
     ({"method": "eagle3", "model": "h", "num_speculative_tokens": 2, "prompt_lookup_min": 2},
      "apply to method \"ngram\" only"),
     ({"method": "eagle3", "model": "h", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
-     "the eagle3 draft runs at tensor_parallel_size 1"),
+     r"draft_tensor_parallel_size must be 1 \(the whole draft on every rank\) or the target's "
+     r"tensor_parallel_size 1 \(the draft split as the target is\), got 2"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      r"prompt_lookup_min \(4\) is larger than prompt_lookup_max \(2\)"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "at least 1"),
@@ -39,8 +49,8 @@ def test_ngram_defaults_and_json_string_form():
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs \"model\""),
     ({"method": "draft_model", "model": "d", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
      "apply to method \"ngram\" only"),
-    ({"method": "draft_model", "model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
-     "tensor_parallel_size 1"),
+    ({"method": "draft_model", "model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 0},
+     "got 0"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown field `lookahead`"),
 ])
 def test_each_bad_config_gives_one_clear_error(value, message):

@@ -1,6 +1,7 @@
 """EAGLE and EAGLE-3 heads over a tiny random Llama (transformers config, fp32), saved in the published
 checkpoint layouts: greedy output token-exact against the engine without speculation (alone, in a
-mixed batch, from the prefix cache, through preemption under synchronous and async scheduling),
+mixed batch, from the prefix cache, through preemption under synchronous and async scheduling,
+at tensor-parallel size 2),
 the sampling distribution of a verify step's tokens against the target's exact one (chi-square
 over seeded and n > 1 requests), the head's drafts against a plain torch reading of the published
 forward, a head made for another target refused naming both sides, and `corectl serve
@@ -24,7 +25,7 @@ from corectl.errors import ConfigError
 from corectl.spec_decode.draft_model import DraftRequest
 from corectl.step_messages import CachedRequestData, NewRequestData, SchedulerOutput
 from safetensors.torch import save_file
-from support.spec_decode import chi_square_p_value, eagle3_drafts, eagle_drafts
+from support.spec_decode import chi_square_p_value, eagle3_drafts, eagle_drafts, tokens_and_stats
 
 VOCAB, HIDDEN, LAYERS, DRAFT_VOCAB = 256, 64, 3, 96
 SHAPE = dict(hidden_size=HIDDEN, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -170,6 +171,24 @@ def test_greedy_is_token_exact_alone_batched_and_from_the_prefix_cache(engines, 
         # hit): many drafts, at every position, are accepted.
         assert stats.spec_decode_num_accepted_tokens > stats.spec_decode_num_draft_tokens / 4
         assert min(stats.spec_decode_num_accepted_tokens_per_pos) > 0
+
+
+@pytest.mark.parametrize(("method", "draft_tp"), [("eagle", 2), ("eagle3", 1)])
+def test_heads_at_two_ranks_are_token_exact(isolated_env, folders, method, draft_tp):
+    """At tensor-parallel size 2 (gloo) a head is split as the target is, or whole on every rank
+    (draft_tensor_parallel_size 1); either way it reads the target's split embedding and head."""
+    prompts, params = _requests(1, 4)
+    two_ranks = {"tensor_parallel_size": 2, "kv_cache_memory_gib": 0.004}
+    expected, _ = tokens_and_stats(_llm(folders, **two_ranks), prompts, params)
+    spec = {"method": method, "model": str(folders[method]), "num_speculative_tokens": 3,
+            "draft_tensor_parallel_size": draft_tp}
+    llm = LLM(model=str(folders["target"]), dtype="float32", platform="cpu", skip_tokenizer_init=True,
+              max_model_len=256, speculative_config=spec, **two_ranks)
+    tokens, stats = tokens_and_stats(llm, prompts, params)
+    assert tokens == expected
+    assert stats.spec_decode_num_draft_tokens > 0
+    if method == "eagle":
+        assert stats.spec_decode_num_accepted_tokens > stats.spec_decode_num_draft_tokens / 4
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

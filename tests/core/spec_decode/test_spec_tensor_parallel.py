@@ -1,0 +1,62 @@
+"""A draft model at tensor-parallel size 2 (gloo, two rank processes): split as the target is, or
+whole on every rank (`draft_tensor_parallel_size` 1), greedy output token-exact against the same
+engine without speculation, every draft of a draft equal to the target accepted, and the whole
+draft's larger share of each KV block taken out of the budget. EAGLE heads at TP = 2 are in
+test_eagle.py."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from corectl import LLM, SamplingParams
+from support.spec_decode import tokens_and_stats
+
+# fp32; the draft is the target's own checkpoint, so every greedy draft is accepted.
+ENGINE = dict(platform="cpu", dtype="float32", max_model_len=256, tensor_parallel_size=2, skip_tokenizer_init=True)
+BUDGET_GIB = 0.004
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A random transformers Llama (4 heads, 2 KV heads) saved as a checkpoint."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tp_draft")
+    LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                 initializer_range=0.3)).save_pretrained(folder)
+    return folder
+
+
+def _requests():
+    rng = random.Random(0)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(5, 40))] for _ in range(4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(8, 30), ignore_eos=True) for _ in range(4)]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def reference(isolated_env, checkpoint):
+    prompts, params = _requests()
+    llm = LLM(str(checkpoint), **ENGINE, kv_cache_memory_gib=BUDGET_GIB)
+    tokens, _ = tokens_and_stats(llm, prompts, params)
+    return tokens, llm.engine.info.num_kv_blocks
+
+
+@pytest.mark.parametrize("draft_tp", [1, 2])
+def test_a_draft_model_at_two_ranks_is_token_exact(reference, checkpoint, draft_tp):
+    expected, target_blocks = reference
+    prompts, params = _requests()
+    spec = {"method": "draft_model", "model": str(checkpoint), "num_speculative_tokens": 3,
+            "draft_tensor_parallel_size": draft_tp}
+    llm = LLM(str(checkpoint), **ENGINE, kv_cache_memory_gib=BUDGET_GIB, speculative_config=spec)
+    blocks = llm.engine.info.num_kv_blocks
+    tokens, stats = tokens_and_stats(llm, prompts, params)
+    assert tokens == expected
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    # A rank's target block holds 1 of the 2 KV heads; the draft's holds 1 split, 2 whole: the
+    # budget's blocks shrink to a half or a third.
+    assert blocks == target_blocks // (2 if draft_tp == 2 else 3)
