@@ -24,7 +24,7 @@ from typing import Any
 
 from .config import EngineConfig
 from .discovery import host_platform, planned_platform, resolve_platform
-from .distributed import get_pp, shard_range, viewed_as_stage
+from .distributed import get_pp, viewed_as_stage
 from .engine.core import resolve_max_model_len
 from .errors import ConfigError, ModelNotFoundError
 from .kv.sizing import (
@@ -43,7 +43,8 @@ from .models.base import check_tensor_parallel
 from .models.pipeline import check_pipeline_parallel, layer_partition, resolve_layer_partition
 from .models.registry import resolve_model_class
 from .multimodal.profile import encoder_cache_bytes, serves_images
-from .planning_weights import ModelWeights, planned_model, size_weights
+from .planning_drafts import DraftShape, draft_shape
+from .planning_weights import ModelWeights, kv_heads_per_rank, planned_model, size_weights
 from .platform import resolve_dtype
 from .pooling import pooling_architectures
 from .quantization.base import QuantizationConfig
@@ -138,6 +139,11 @@ class Plan:
     pipeline_parallel_size: int = 1
     pipeline_stage: int = 0
     stage_layers: tuple[int, int] | None = None
+    # A speculative draft model or EAGLE head this rank holds (`corectl.planning_drafts`): its weights,
+    # and its cache's bytes a token, a block of which comes with each of the target's.
+    draft_model: str | None = None
+    draft_weight_bytes_per_rank: int = 0
+    draft_kv_bytes_per_token: int = 0
 
     @property
     def fits(self) -> bool:
@@ -148,15 +154,20 @@ class Plan:
         return max(self.num_kv_blocks, 0) * self.block_size
 
     @property
+    def kv_block_bytes(self) -> int:
+        """A block of the KV budget: the target's, and a draft's where one runs."""
+        return self.block_size * (self.kv_bytes_per_token + self.draft_kv_bytes_per_token)
+
+    @property
     def kv_cache_bytes(self) -> int:
-        return max(self.num_kv_blocks, 0) * self.block_size * self.kv_bytes_per_token
+        return max(self.num_kv_blocks, 0) * self.kv_block_bytes
 
     @property
     def fixed_bytes(self) -> int:
-        """Everything but the KV cache: weights, buffers, activations, non-torch memory and an
-        encoder cache."""
+        """Everything but the KV cache: weights (a draft's too), buffers, activations, non-torch
+        memory and an encoder cache."""
         return (self.weight_bytes_per_rank + self.buffer_bytes + self.activation_bytes + self.non_torch_bytes
-                + self.encoder_cache_bytes)
+                + self.encoder_cache_bytes + self.draft_weight_bytes_per_rank)
 
     @property
     def max_concurrency(self) -> float:
@@ -180,6 +191,7 @@ class _Shape:
     max_model_len: int
     quantization: QuantizationConfig | None
     model_cls: type
+    draft: DraftShape | None = None
 
 
 def plan_deployment(config: EngineConfig, *, device: str = "auto", device_memory: int | None = None,
@@ -319,7 +331,8 @@ def _model_shape(checkpoint: Checkpoint, config: EngineConfig, target: Target) -
     weights = size_weights(model, info.head_dim)
     info = dataclasses.replace(info, num_params=weights.num_params)
     return _Shape(info=info, hidden_size=hf.hidden_size, intermediate_size=_mlp_rows_per_token(hf),
-                  weights=weights, max_model_len=max_model_len, quantization=quantization, model_cls=type(model))
+                  weights=weights, max_model_len=max_model_len, quantization=quantization, model_cls=type(model),
+                  draft=draft_shape(config, model, hf, target.dtype, max_model_len))
 
 
 def _mlp_rows_per_token(hf) -> int:
@@ -330,16 +343,6 @@ def _mlp_rows_per_token(hf) -> int:
     if not experts_per_token:
         return dense
     return max(dense, experts_per_token * (getattr(hf, "moe_intermediate_size", None) or dense))
-
-
-def _kv_heads_per_rank(info: ModelInfo, tp: int) -> int:
-    """A rank's KV heads as the engine shards them (one, shared, when ranks outnumber them)."""
-    try:
-        shard_range(info.num_heads, 0, tp)
-        return shard_range(info.num_kv_heads, 0, tp)[1]
-    except ValueError:
-        raise ConfigError("tensor_parallel_size", f"{tp} must divide the model's {info.num_heads} attention heads, "
-                          f"and divide or be a multiple of its {info.num_kv_heads} KV heads") from None
 
 
 def _activation_bytes(shape: _Shape, kv_heads: int, tp: int, tokens: int, num_seqs: int) -> int:
@@ -359,14 +362,15 @@ def _activation_bytes(shape: _Shape, kv_heads: int, tp: int, tokens: int, num_se
 def _size(checkpoint: Checkpoint, shape: _Shape, config: EngineConfig, target: Target, tp: int) -> Plan:
     info, weights = shape.info, shape.weights
     check_tensor_parallel(shape.model_cls, tp)
-    kv_heads = _kv_heads_per_rank(info, tp)
+    kv_heads = kv_heads_per_rank(info, tp)
     per_token = dataclasses.replace(info, num_kv_heads=kv_heads).kv_bytes_per_block(1)
     num_seqs = profile_num_seqs(config.max_num_seqs, config.max_num_batched_tokens, shape.max_model_len)
     # Matrices and quantized layers split across ranks, vectors such as norms replicated, plus
     # the K/V projection rows each rank repeats when KV heads are replicated.
     served = weights.served.per_rank(kv_heads, info.num_kv_heads, tp)
     activations = _activation_bytes(shape, kv_heads, tp, config.max_num_batched_tokens, num_seqs)
-    per_block = per_token * config.block_size
+    draft_weights, draft_per_token = (0, 0) if shape.draft is None else shape.draft.bytes_per_rank()
+    per_block = (per_token + draft_per_token) * config.block_size
     encoder_cache = 0
     budget = config.kv_cache_budget_bytes
     if target.profiles_memory:
@@ -375,7 +379,8 @@ def _size(checkpoint: Checkpoint, shape: _Shape, config: EngineConfig, target: T
         if serves_images(shape.model_cls, checkpoint.source.model_dir) and get_pp().is_first:
             encoder_cache = encoder_cache_bytes(shape.hidden_size, _DTYPES[info.dtype].itemsize)
         blocks = profiled_kv_blocks(target.memory_bytes, config.gpu_memory_utilization,
-                                    served + weights.buffer_bytes + activations, non_torch, per_block, encoder_cache)
+                                    served + weights.buffer_bytes + activations + draft_weights, non_torch, per_block,
+                                    encoder_cache)
         if budget is not None:  # the budget replaces the utilization: all of the device may hold it
             usable = target.memory_bytes
             blocks = fixed_kv_blocks(budget, per_block)
@@ -395,7 +400,8 @@ def _size(checkpoint: Checkpoint, shape: _Shape, config: EngineConfig, target: T
                                                                 info.sliding_window, config.max_num_batched_tokens),
         max_model_len=shape.max_model_len, problem=None, sliding_window=info.sliding_window,
         quantization=None if shape.quantization is None else shape.quantization.describe(),
-        encoder_cache_bytes=encoder_cache,
+        encoder_cache_bytes=encoder_cache, draft_model=None if shape.draft is None else shape.draft.name,
+        draft_weight_bytes_per_rank=draft_weights, draft_kv_bytes_per_token=draft_per_token,
     )
     return dataclasses.replace(plan, problem=_problem(plan))
 
@@ -420,7 +426,7 @@ def _problem(plan: Plan) -> str | None:
 
 def _remedies(plan: Plan, checkpoint: Checkpoint, shape: _Shape, config: EngineConfig, target: Target) -> list[str]:
     """Flags that each alone would make `plan` fit."""
-    needed_kv = plan.min_kv_blocks * plan.block_size * plan.kv_bytes_per_token
+    needed_kv = plan.min_kv_blocks * plan.kv_block_bytes
     room = plan.usable_bytes - plan.fixed_bytes
     remedies = []
     if plan.block_size <= plan.kv_tokens < plan.max_model_len and plan.kv_cache_bytes <= room:

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .distributed import shard_range
+from .errors import ConfigError
 from .models.moe import FusedMoE
 from .quantization.base import QuantizationConfig, layer_bytes, tensor_bytes
-from .worker.worker import build_model
+from .worker.worker import ModelInfo, build_model
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,16 @@ class ModelWeights:
     loading: WeightLayout
     buffer_bytes: int
     num_params: int
+
+
+def kv_heads_per_rank(info: ModelInfo, tp: int) -> int:
+    """A rank's KV heads as the engine shards them (one, shared, when ranks outnumber them)."""
+    try:
+        shard_range(info.num_heads, 0, tp)
+        return shard_range(info.num_kv_heads, 0, tp)[1]
+    except ValueError:
+        raise ConfigError("tensor_parallel_size", f"{tp} must divide the model's {info.num_heads} attention heads, "
+                          f"and divide or be a multiple of its {info.num_kv_heads} KV heads") from None
 
 
 def planned_model(model_cls: type[nn.Module], hf, dtype: torch.dtype, max_model_len: int,

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import ConfigError
 from ..sampling_params import SamplingParams
 from ..step_messages import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -29,6 +30,13 @@ if TYPE_CHECKING:
     from ..worker.model_runner import ModelRunner
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def check_draft_vocabulary(draft: str, draft_vocab: int, target: str, target_vocab: int) -> None:
+    """Refuse a draft model whose vocabulary is not the target's, naming both sides."""
+    if draft_vocab != target_vocab:
+        raise ConfigError("speculative_config", f"the draft model {draft!r} has a {draft_vocab}-token vocabulary but "
+                          f"the target {target!r} has {target_vocab}: a draft must share the target's vocabulary")
 
 
 @dataclass(frozen=True, slots=True)

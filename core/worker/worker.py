@@ -37,7 +37,7 @@ from ..sample.random_sampling import RaceKernel
 from ..sampling_params import SamplingParams
 from ..step_messages import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
 from ..loaders import resolve_model_source
-from ..spec_decode.draft_model import DraftModelProposer
+from ..spec_decode.draft_model import DraftModelProposer, check_draft_vocabulary
 from ..spec_decode.eagle import EagleProposer
 from ..spec_decode.eagle_heads import EAGLE_METHODS, prepare_head
 from .inflight import InflightStep
@@ -198,10 +198,7 @@ class Worker(abc.ABC):
         vocabulary is not the target's."""
         source = self._draft_source(draft)
         draft_hf = source.hf_config
-        if draft_hf.vocab_size != hf.vocab_size:
-            raise ConfigError("speculative_config", f"the draft model {draft!r} has a {draft_hf.vocab_size}-token "
-                              f"vocabulary but the target {self.config.model or 'default'!r} has {hf.vocab_size}: "
-                              "a draft must share the target's vocabulary")
+        check_draft_vocabulary(draft, draft_hf.vocab_size, self.config.model or "default", hf.vocab_size)
         # The first of several stages drafts with every layer of the draft; at draft tensor-parallel
         # size 1 every rank holds and runs all of it.
         with viewed_whole(alone=self._draft_alone()):

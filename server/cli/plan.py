@@ -85,6 +85,7 @@ def render(plan) -> str:
         ("checkpoint", stored or "config only"),
         ("weights", _weights(plan, per_rank)),
         ("KV cache", kv),
+        *([("draft", _draft(plan, per_rank))] if plan.draft_model else []),
         ("activations", f"~{_bytes(plan.activation_bytes)} peak for {plan.max_num_batched_tokens} tokens per step"),
         ("device", f"{plan.device} {_bytes(plan.device_memory_bytes)}; {budget}"),
         ("KV capacity", f"{plan.kv_tokens:,} tokens ({max(plan.num_kv_blocks, 0):,} blocks)"),
@@ -115,6 +116,11 @@ def _weights(plan, per_rank: str) -> str:
     if plan.loading_weight_bytes_per_rank != plan.weight_bytes_per_rank:
         text += f"; {_bytes(plan.loading_weight_bytes_per_rank)} while loading{per_rank}, before repacking"
     return text
+
+
+def _draft(plan, per_rank: str) -> str:
+    return (f"{plan.draft_model}: {_bytes(plan.draft_weight_bytes_per_rank)}{per_rank}, "
+            f"{plan.draft_kv_bytes_per_token:,} bytes per token of its own KV cache (a block with each of the target's)")
 
 
 def _bytes(n: int) -> str:

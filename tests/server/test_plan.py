@@ -8,10 +8,12 @@ import json
 import pytest
 import torch
 from corectl import LLM
+from corectl.backends.cpu import worker as cpu_worker
 from corectl.config import EngineConfig
 from corectl.loaders.resolve import default_model
 from corectl.planning import plan_deployment
 from corectl.server.cli.main import main
+from support.models import module_bytes
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 LLAMA3_8B_KV_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K and V, layers, KV heads, head_dim, bf16 bytes
@@ -44,6 +46,26 @@ def test_plan_of_a_random_weight_preset_agrees_with_the_engine():
     plan = plan_deployment(EngineConfig(**args), device="cpu")
     _agrees_with_engine(plan, LLM(**args).engine)
     assert plan.stored_bytes == {}
+
+
+def test_a_draft_model_shares_the_plans_kv_budget_as_the_engines(capsys, monkeypatch):
+    """A draft's weights and its cache's block beside each of the target's, as the engine holds
+    them: the same blocks out of the same budget, a third of the target's alone (its block is twice
+    the target's); a draft of another vocabulary is refused as the engine refuses it."""
+    spec = {"method": "draft_model", "model": "qwen3-0.6b", "num_speculative_tokens": 3}
+    args = {"model": "llama-tiny", "load_format": "dummy", "max_model_len": 256, "kv_cache_memory_gib": 0.01}
+    alone = plan_deployment(EngineConfig(**args), device="cpu")
+    plan = plan_deployment(EngineConfig(**args, speculative_config={**spec, "model": "llama-tiny"}), device="cpu")
+    monkeypatch.setattr(cpu_worker, "prepack_linears", lambda model, dtype: 0)  # packed copies: not module tensors
+    llm = LLM(**args, speculative_config={**spec, "model": "llama-tiny"})
+    assert plan.num_kv_blocks == llm.engine.info.num_kv_blocks == alone.num_kv_blocks // 2
+    assert plan.draft_kv_bytes_per_token == plan.kv_bytes_per_token
+    drafter = llm.engine.executor.worker.runner.drafter.runner.model
+    assert plan.draft_weight_bytes_per_rank == module_bytes(drafter)
+    assert plan.fixed_bytes == alone.fixed_bytes + plan.draft_weight_bytes_per_rank
+    assert main(["plan", "llama-tiny", "--device", "cpu", "--speculative-config", json.dumps(spec)]) == 2
+    assert "the draft model 'qwen3-0.6b' has a 151936-token vocabulary but the target 'llama-tiny' has 512" \
+        in capsys.readouterr().err
 
 
 def test_plan_of_a_mixture_of_experts_agrees_with_the_engine_and_counts_routed_experts():

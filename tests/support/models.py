@@ -107,5 +107,9 @@ def held_bytes(llm) -> int:
     """Bytes of an in-process engine's model parameters and buffers, as `corectl plan` counts
     weights and buffers (on the CPU, with the worker's oneDNN prepacking patched out: its packed
     copies are held outside the module's tensors)."""
-    model = llm.engine.executor.worker.runner.model
+    return module_bytes(llm.engine.executor.worker.runner.model)
+
+
+def module_bytes(model) -> int:
+    """Bytes of a module's parameters and buffers (`held_bytes`)."""
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
