@@ -53,7 +53,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("executor", ("corectl.executor",)),
     ("engine", ("corectl.engine",)),
     ("api", ("corectl", "corectl.llm", "corectl.beam_search", "corectl.generation_config", "corectl.planning",
-             "corectl.planning_weights")),
+             "corectl.planning_weights", "corectl.planning_drafts")),
 ]
 
 # (importer, imported, why) imports that break the floors on purpose. Keep it short.

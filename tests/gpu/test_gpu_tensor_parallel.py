@@ -64,21 +64,34 @@ def test_the_ray_executor_gives_the_tokens_of_rank_processes(checkpoint, tmp_pat
     assert [o.outputs[0].token_ids for o in over_ray] == [o.outputs[0].token_ids for o in over_processes]
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_speculation_on_two_stages_gives_the_tokens_of_one_gpu(checkpoint, method):
-    """n-gram drafts, or the checkpoint as its own draft model on the first stage (its drafts sent to
-    the last over NCCL ahead of the activations): PP = 2 with speculation against one GPU without."""
+@pytest.mark.parametrize(("method", "split"), [
+    ("ngram", {"pipeline_parallel_size": 2}), ("draft_model", {"pipeline_parallel_size": 2}),
+    ("draft_model", {"tensor_parallel_size": 2}), ("draft_model", {"tensor_parallel_size": 2, "draft_tp": 1}),
+], ids=["pp2-ngram", "pp2-draft", "tp2-draft-split", "tp2-draft-whole"])
+def test_speculation_on_two_gpus_gives_the_tokens_of_one(checkpoint, method, split):
+    """n-gram drafts, or the checkpoint as its own draft model: on the first of two stages (its
+    drafts sent to the last over NCCL ahead of the activations), or at TP = 2 split over the ranks
+    or whole on each; against one GPU without speculation."""
     import gc
 
     from corectl import LLM
 
-    prompts = [p * 3 for p in random_prompts((12, 20, 33), seed=6)]  # repeats give n-gram lookup drafts
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=TOP_LOGPROBS, ignore_eos=True)
+    split = dict(split)
+    draft_tp = split.pop("draft_tp", None)
+
+    # Each output drawn from three ids its prompt repeats: n-gram lookup drafts nearly every step
+    # (a random model's free output repeats nothing), and the model's choice decides acceptance.
+    words = [[100 + 3 * i, 101 + 3 * i, 102 + 3 * i] for i in range(3)]
+    prompts = [p + w * 4 for p, w in zip(random_prompts((12, 20, 33), seed=6), words)]
+    params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=TOP_LOGPROBS, ignore_eos=True,
+                             logit_bias={t: 100.0 for t in w}) for w in words]
     one = generate(checkpoint, prompts, params)
     spec = {"method": method, "num_speculative_tokens": 3}
     spec.update({"model": str(checkpoint)} if method == "draft_model" else {"prompt_lookup_max": 3})
+    if draft_tp is not None:
+        spec["draft_tensor_parallel_size"] = draft_tp
     llm = LLM(str(checkpoint), platform="cuda", dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
-              max_num_seqs=32, pipeline_parallel_size=2, speculative_config=spec)
+              max_num_seqs=32, speculative_config=spec, **split)
     try:
         two = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.engine.scheduler.make_stats()
