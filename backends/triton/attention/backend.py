@@ -23,7 +23,7 @@ from corectl.attention import AttentionBackend, AttentionBatch, query_key_ends
 from corectl.errors import ConfigError
 
 from ..checks import FP8_KV_DTYPE, check_packed_heads, require
-from .decode_attention import choose_decode_splits, paged_decode_attention
+from .decode_attention import choose_decode_splits, longest_first_pays, paged_decode_attention
 from .kv_cache_store import store_kvcache
 from .latent_attention import paged_latent_attention
 from .prefill_attention import paged_prefill_attention
@@ -85,10 +85,13 @@ class TritonAttentionBackend(AttentionBackend):
         num_tokens = sum(batch.query_lens_host)
         # One token for every sequence: the decode kernel maps query row i to sequence i.
         pure_decode = batch.is_pure_decode and num_tokens == batch.num_seqs and not self.batch_invariant
-        splits = 1
+        splits, order = 1, None
         if pure_decode:
-            splits = choose_decode_splits(batch.num_seqs // batch.rows_per_seq, self.num_kv_heads,
-                                          batch.max_seq_len, self.device)
+            groups = batch.num_seqs // batch.rows_per_seq
+            splits = choose_decode_splits(groups, self.num_kv_heads, batch.max_seq_len, self.device,
+                                          small_grids_in_two=batch.rows_per_seq == 1)
+            if longest_first_pays(groups, self.num_kv_heads, splits, self.device):
+                order = batch.decode_order
         return TritonAttentionMetadata(
             slot_mapping=batch.slot_mapping,
             block_tables=batch.block_tables,
@@ -103,7 +106,7 @@ class TritonAttentionBackend(AttentionBackend):
             rows_per_seq=batch.rows_per_seq if pure_decode else 1,
             query_key_end=None if pure_decode else _key_ends(batch, self.device),
             check_indices=check_indices,
-            decode_order=batch.decode_order if pure_decode else None,
+            decode_order=order,
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

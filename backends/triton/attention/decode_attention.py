@@ -209,21 +209,34 @@ def _num_compute_units(device: torch.device) -> int:
     return 1
 
 
-def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_compute_units: int) -> int:
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_compute_units: int,
+                      small_grids_in_two: bool = True) -> int:
     """Split until there are about two programs per SM (two fit in shared memory at the default
-    tile), and in two at least while the unsplit grid has at most four programs an SM, keeping
-    MIN_KEYS_PER_SPLIT keys per split. Measured at 4096 keys: batch 1 runs 2x faster with 16 splits
-    (H100); batch 64 (512 programs) 17% faster in two than unsplit, and 64 or 32 ragged contexts of
-    100-4096 keys 14% and 25% (H200, benchmarks/decode_order_sweep.py); 128 sequences and more run
-    best unsplit."""
+    tile), keeping MIN_KEYS_PER_SPLIT keys per split; with `small_grids_in_two`, in two at least
+    while the unsplit grid has at most four programs an SM. Measured at 4096 keys: batch 1 runs 2x
+    faster with 16 splits (H100); batch 64 (512 programs) 17% faster in two than unsplit, and 64 or
+    32 ragged contexts of 100-4096 keys 14% and 25% (H200, benchmarks/decode_order_sweep.py); 128
+    sequences and more run best unsplit. A verify step's groups of k + 1 rows split so ran 7%
+    slower (W11 at batch 64, H200): they keep the two-per-SM rule. `num_seqs` counts row groups."""
     programs = max(1, num_seqs * num_kv_heads)
-    wanted = max(2 * num_compute_units // programs, 2) if programs <= 4 * num_compute_units else 1
+    wanted = 2 * num_compute_units // programs
+    if small_grids_in_two and programs <= 4 * num_compute_units:
+        wanted = max(wanted, 2)
     by_length = max_seq_len // MIN_KEYS_PER_SPLIT
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
-def choose_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    return decode_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_compute_units(torch.device(device)))
+def choose_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                         small_grids_in_two: bool = True) -> int:
+    return decode_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_compute_units(torch.device(device)),
+                             small_grids_in_two)
+
+
+def longest_first_pays(num_groups: int, num_kv_heads: int, num_splits: int, device: torch.device) -> bool:
+    """Whether starting the row groups longest first can shorten a launch: only where the grid has
+    more programs than run at once (about two an SM). A grid of one wave gains nothing and would
+    wait on the order's load before its first (batch 1: 4% slower, W11 on an H200)."""
+    return num_groups * num_kv_heads * num_splits > 2 * _num_compute_units(torch.device(device))
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -278,7 +291,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     sinks = check_sinks(sinks, num_heads, q)
     local = local_attention(sliding_window, attention_chunk)
     splits = num_splits if num_splits is not None else choose_decode_splits(
-        num_seqs // rows_per_seq, num_kv_heads, max_seq_len, q.device)
+        num_seqs // rows_per_seq, num_kv_heads, max_seq_len, q.device, small_grids_in_two=rows_per_seq == 1)
     require(1 <= splits <= MAX_SPLITS, f"num_splits must lie in [1, {MAX_SPLITS}], got {splits}")
     out = attention_output(out, q)
     check_same_device(q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens, out=out,

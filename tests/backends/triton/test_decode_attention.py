@@ -9,6 +9,7 @@ from corectl.attention import longest_first
 from corectl.backends.triton.attention.decode_attention import (
     MAX_SPLITS,
     decode_num_splits,
+    longest_first_pays,
     paged_decode_attention,
 )
 from corectl.backends.triton.reference import paged_attention_ref
@@ -75,6 +76,12 @@ def test_longest_first_order_changes_no_bit(num_splits):
     assert torch.equal(ordered, plain)
 
 
+def test_the_order_is_read_only_where_the_grid_outnumbers_what_runs_at_once():
+    # The interpreter counts one compute unit: two programs run "at once".
+    assert not longest_first_pays(1, 2, 1, torch.device("cpu"))
+    assert longest_first_pays(3, 1, 1, torch.device("cpu"))
+
+
 def test_longest_first_ranks_row_groups_by_their_longest_row():
     seq_lens = np.array([5, 6, 0, 0, 9, 8, 9, 10], dtype=np.int32)
     assert longest_first(seq_lens).tolist() == [7, 4, 6, 5, 1, 0, 2, 3]
@@ -100,6 +107,8 @@ def test_split_choice_follows_batch_and_context():
     assert decode_num_splits(num_seqs=32, num_kv_heads=8, max_seq_len=4096, num_compute_units=132) == 2
     assert decode_num_splits(num_seqs=128, num_kv_heads=8, max_seq_len=4096, num_compute_units=132) == 1
     assert decode_num_splits(num_seqs=64, num_kv_heads=8, max_seq_len=300, num_compute_units=132) == 1
+    # Verify steps' row groups keep the two-per-SM rule.
+    assert decode_num_splits(64, 8, 4096, 132, small_grids_in_two=False) == 1
     assert decode_num_splits(num_seqs=4, num_kv_heads=8, max_seq_len=32768, num_compute_units=132) == 8
     assert decode_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=100_000, num_compute_units=132) == 33
     assert decode_num_splits(num_seqs=256, num_kv_heads=8, max_seq_len=4096, num_compute_units=132) == 1
