@@ -120,6 +120,10 @@ class AttentionBackend(abc.ABC):
     #: Whether `build_metadata` reads `AttentionBatch.decode_order`: runners fill it for
     #: pure-decode steps only where a backend says so (a host argsort a step).
     uses_decode_order: bool = False
+    #: Whether `forward` takes `rotation` (a `Rotation`): q and k arrive unrotated and the backend
+    #: rotates them as it stores the new keys (one launch where a layer ran two). Layers pass it
+    #: only to backends that say so, and only for rotations it describes (whole heads).
+    fuses_rotary: bool = False
 
     @classmethod
     def check_kv_cache_dtype(cls, kv_cache_dtype: str) -> None:
@@ -183,6 +187,8 @@ class AttentionBackend(abc.ABC):
         - `attention_chunk` C (keyword, only for backends with `supports_chunked_attention`): the
           token at position p attends to keys C * (p // C) <= j <= p only, those of its own chunk
           (Llama 4's local layers).
+        - `rotation` (keyword, only for backends with `fuses_rotary`): q and k are still to be
+          rotated as it says; q is rotated in place and the cache gets the rotated keys.
         """
 
     def forward_latent(self, q: torch.Tensor, rows: torch.Tensor, kv_cache: torch.Tensor, meta: Any, scale: float,
@@ -198,6 +204,22 @@ class AttentionBackend(abc.ABC):
         """
         raise ConfigError("model", f"this model uses multi-head latent attention, which the {self.name!r} "
                           "attention backend does not implement; use torch_sdpa on CPUs, triton on GPUs")
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """The rotary embedding a layer's q and k still need, handed to a backend that `fuses_rotary`
+    to apply as it writes the cache: rotate-half (neox) style over whole heads at `positions` [T]
+    from the `cos`/`sin` tables [max_positions, head_dim], after Qwen3's per-head RMSNorm of q and
+    k where `q_norm`/`k_norm` weights [head_dim] are given (eps `norm_eps`). The model's
+    `RotaryEmbedding` is the reference it must equal."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    norm_eps: float = 0.0
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..attention import ForwardContext
+from ..attention import ForwardContext, Rotation
 from ..errors import ConfigError
 from .kernels import UsesLayerKernels
 
@@ -96,6 +96,19 @@ class RotaryEmbedding(UsesLayerKernels, nn.Module):
         self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
         self.partial = self.rotary_dim < head_dim
 
+    def deferred(self, positions: torch.Tensor, backend,
+                 norms: tuple["RMSNorm", "RMSNorm"] | None = None) -> Rotation | None:
+        """This rotation (and `norms`, as `forward` takes them) for `backend` to apply as it stores
+        the keys, where it `fuses_rotary` and fused kernels rotate these heads here too (whole
+        heads, every norm fusable); None: the layer rotates with `forward`."""
+        kernels = None if self.partial else self.kernels
+        if kernels is None or not backend.fuses_rotary or (norms is not None and kernels.qk_norm_rotary is None):
+            return None
+        if norms is None:
+            return Rotation(positions, self.cos, self.sin)
+        q_norm, k_norm = norms
+        return Rotation(positions, self.cos, self.sin, q_norm.weight, k_norm.weight, q_norm.eps)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 norms: tuple["RMSNorm", "RMSNorm"] | None = None):
         """q: [T, Hq, D], k: [T, Hk, D] -> rotated q, k (the same tensors, rotated in place, when
@@ -162,8 +175,10 @@ class Attention(nn.Module):
             raise ValueError(f"sinks: expected ({self.total_heads},), checkpoint has {tuple(loaded.shape)}")
         param.data.copy_(loaded.narrow(0, self.first_head, self.num_heads))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        extra = {}
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,
+                rotation: Rotation | None = None) -> torch.Tensor:
+        """`rotation`: q and k still unrotated, for a backend that `fuses_rotary` (`RotaryEmbedding.deferred`)."""
+        extra = {} if rotation is None else {"rotation": rotation}
         if self.sinks is not None:
             _require(ctx.backend, "supports_sinks", "attention has sinks (gpt-oss)", "torch_sdpa on CPUs, triton on GPUs")
             extra["sinks"] = self.sinks

@@ -56,10 +56,13 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k, None if self.q_norm is None else (self.q_norm, self.k_norm))
-        out = self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v, ctx)
+        norms = None if self.q_norm is None else (self.q_norm, self.k_norm)
+        # A backend that fuses the rotation into its cache write gets q and k unrotated.
+        rotation = self.rotary.deferred(positions, ctx.backend, norms)
+        if rotation is None:
+            q, k = self.rotary(positions, q.view(-1, self.num_heads, self.head_dim),
+                               k.view(-1, self.num_kv_heads, self.head_dim), norms)
+        out = self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v, ctx, rotation)
         return self.o_proj(out)
 
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from corectl.attention import AttentionBackend, AttentionBatch, query_key_ends
+from corectl.attention import AttentionBackend, AttentionBatch, Rotation, query_key_ends
 from corectl.errors import ConfigError
 
 from ..checks import FP8_KV_DTYPE, check_packed_heads, require
 from .decode_attention import choose_decode_splits, longest_first_pays, paged_decode_attention
-from .kv_cache_store import store_kvcache
+from .kv_cache_store import rotate_and_store_kvcache, store_kvcache
 from .latent_attention import paged_latent_attention
 from .prefill_attention import paged_prefill_attention
 
@@ -62,6 +62,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_sinks = True
     supports_chunked_attention = True
     uses_decode_order = True
+    fuses_rotary = True
     # `--batch-invariant` (the CUDA worker sets it): a row's attention must not depend on the other
     # rows of its step. The decode kernel splits the context by the batch's size and runs other
     # tiles than the prefill kernel, which a decode row in a mixed step (or a one-token prefill
@@ -112,10 +113,16 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: TritonAttentionMetadata, scale: float, *, sliding_window: int | None = None,
                 logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
-                attention_chunk: int | None = None) -> torch.Tensor:
+                attention_chunk: int | None = None, rotation: Rotation | None = None) -> torch.Tensor:
         check_packed_heads("q", q, meta.num_tokens, self.num_heads, self.head_dim)
         check = meta.check_indices
-        store_kvcache(k, v, kv_cache, meta.slot_mapping, check_indices=check)
+        if rotation is None:
+            store_kvcache(k, v, kv_cache, meta.slot_mapping, check_indices=check)
+        else:
+            rotate_and_store_kvcache(rotation.positions, q.view(-1, self.num_heads, self.head_dim),
+                                     k.view(-1, self.num_kv_heads, self.head_dim), v, kv_cache, meta.slot_mapping,
+                                     rotation.cos, rotation.sin, rotation.q_norm, rotation.k_norm, rotation.norm_eps,
+                                     check_indices=check)
         if meta.is_pure_decode:
             out = paged_decode_attention(
                 q, kv_cache, meta.block_tables, meta.seq_lens, scale,

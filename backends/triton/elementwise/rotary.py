@@ -16,8 +16,10 @@ from ..pdl import grid_dependency, pdl_enabled
 
 
 @triton.jit
-def _rotate_heads(base, stride_h, w_ptr, eps, cos1, cos2, sin1, sin2, offs_r, r_mask,
+def rotated_heads(base, stride_h, w_ptr, eps, cos1, cos2, sin1, sin2, offs_r, r_mask,
                   NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Heads [BLOCK_H, 2 x HALF] at `base` (head h at h * stride_h), per-head RMSNormed (HAS_NORM)
+    and rotated: (their first halves, their second halves, the mask), in the input dtype."""
     offs_h = tl.arange(0, BLOCK_H)
     mask = (offs_h < NUM_HEADS)[:, None] & r_mask[None, :]
     first = base + offs_h[:, None] * stride_h + offs_r[None, :]
@@ -30,8 +32,37 @@ def _rotate_heads(base, stride_h, w_ptr, eps, cos1, cos2, sin1, sin2, offs_r, r_
         w2 = tl.load(w_ptr + HALF + offs_r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
         x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    tl.store(first, (x1 * cos1[None, :] - x2 * sin1[None, :]).to(dtype), mask=mask)
-    tl.store(first + HALF, (x2 * cos2[None, :] + x1 * sin2[None, :]).to(dtype), mask=mask)
+    return ((x1 * cos1[None, :] - x2 * sin1[None, :]).to(dtype), (x2 * cos2[None, :] + x1 * sin2[None, :]).to(dtype),
+            mask)
+
+
+@triton.jit
+def rotation_tables(pos_ptr, cos_ptr, sin_ptr, token, stride_cos, stride_sin, HALF: tl.constexpr,
+                    BLOCK_R: tl.constexpr):
+    """A token's cos and sin halves (fp32), the half-row offsets and their mask. Positions and the
+    tables are written before the step (not by the kernel before this one, the q/k projection), so
+    their two dependent loads may run while that kernel still does."""
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < HALF
+    cos_row = cos_ptr + pos * stride_cos + offs_r
+    sin_row = sin_ptr + pos * stride_sin + offs_r
+    cos1 = tl.load(cos_row, mask=r_mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_row + HALF, mask=r_mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_row, mask=r_mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_row + HALF, mask=r_mask, other=0.0).to(tl.float32)
+    return cos1, cos2, sin1, sin2, offs_r, r_mask
+
+
+@triton.jit
+def rotate_heads(base, stride_h, w_ptr, eps, cos1, cos2, sin1, sin2, offs_r, r_mask,
+                 NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    """`rotated_heads`, written back in place."""
+    y1, y2, mask = rotated_heads(base, stride_h, w_ptr, eps, cos1, cos2, sin1, sin2, offs_r, r_mask,
+                                 NUM_HEADS, BLOCK_H, HALF, HAS_NORM)
+    first = base + tl.arange(0, BLOCK_H)[:, None] * stride_h + offs_r[None, :]
+    tl.store(first, y1, mask=mask)
+    tl.store(first + HALF, y2, mask=mask)
 
 
 @triton.jit
@@ -43,22 +74,13 @@ def _rotary_kernel(
     PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    # Positions and the cos/sin caches are written before the step (not by the kernel before this
-    # one, the q/k projection): their two dependent loads run while that kernel still does.
-    pos = tl.load(pos_ptr + token).to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < HALF
-    cos_row = cos_ptr + pos * stride_cos + offs_r
-    sin_row = sin_ptr + pos * stride_sin + offs_r
-    cos1 = tl.load(cos_row, mask=r_mask, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_row + HALF, mask=r_mask, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_row, mask=r_mask, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_row + HALF, mask=r_mask, other=0.0).to(tl.float32)
+    cos1, cos2, sin1, sin2, offs_r, r_mask = rotation_tables(pos_ptr, cos_ptr, sin_ptr, token, stride_cos, stride_sin,
+                                                             HALF, BLOCK_R)
     grid_dependency(PDL)
-    _rotate_heads(q_ptr + token * stride_qt, stride_qh, q_w_ptr, eps, cos1, cos2, sin1, sin2, offs_r, r_mask,
-                  NUM_Q_HEADS, BLOCK_QH, HALF, HAS_NORM)
-    _rotate_heads(k_ptr + token * stride_kt, stride_kh, k_w_ptr, eps, cos1, cos2, sin1, sin2, offs_r, r_mask,
-                  NUM_K_HEADS, BLOCK_KH, HALF, HAS_NORM)
+    rotate_heads(q_ptr + token * stride_qt, stride_qh, q_w_ptr, eps, cos1, cos2, sin1, sin2, offs_r, r_mask,
+                 NUM_Q_HEADS, BLOCK_QH, HALF, HAS_NORM)
+    rotate_heads(k_ptr + token * stride_kt, stride_kh, k_w_ptr, eps, cos1, cos2, sin1, sin2, offs_r, r_mask,
+                 NUM_K_HEADS, BLOCK_KH, HALF, HAS_NORM)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
@@ -78,18 +100,26 @@ def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_
                    *, check_indices: bool = True) -> None:
     """RMSNorm every head of q [T, Hq, D] and k [T, Hk, D] (weights [D]) and then rotate all D dims,
     in place: `rotary_embedding(positions, rms_norm(q), rms_norm(k), ...)` in one launch."""
+    check_whole_rotation(positions, q, k, cos_cache, sin_cache, q_weight, k_weight, check_indices, "the fused norm")
+    _launch(positions, q, k, cos_cache, sin_cache, q_weight, k_weight, eps)
+
+
+def check_whole_rotation(positions, q, k, cos_cache, sin_cache, q_weight, k_weight, check_indices: bool,
+                         what: str) -> None:
+    """`rotary_embedding`'s checks, for a kernel that rotates whole heads (`what` names it), with
+    per-head norm weights [D] of q's dtype or none."""
     _check_rotary(positions, q, k, cos_cache, sin_cache, check_indices)
     head_dim = q.shape[2]
     require(cos_cache.shape[1] == head_dim,
-            f"the fused norm rotates whole heads: cos_cache width must be head_dim={head_dim}, "
-            f"got {cos_cache.shape[1]}")
+            f"{what} rotates whole heads: cos_cache width must be head_dim={head_dim}, got {cos_cache.shape[1]}")
+    if q_weight is None and k_weight is None:
+        return
     for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
         check_float(name, weight, 1)
         require(weight.shape[0] == head_dim and weight.dtype == q.dtype,
                 f"{name} must be {q.dtype} [{head_dim}], got {weight.dtype} {tuple(weight.shape)}")
         require(weight.stride(0) == 1, f"{name} must be contiguous")
     check_same_device(q=q, q_weight=q_weight, k_weight=k_weight)
-    _launch(positions, q, k, cos_cache, sin_cache, q_weight, k_weight, eps)
 
 
 def _check_rotary(positions, q, k, cos_cache, sin_cache, check_indices: bool) -> None:
