@@ -120,10 +120,6 @@ class AttentionBackend(abc.ABC):
     #: Whether `build_metadata` reads `AttentionBatch.decode_order`: runners fill it for
     #: pure-decode steps only where a backend says so (a host argsort a step).
     uses_decode_order: bool = False
-    #: Whether `forward` takes `rotation` (a `Rotation`): q and k arrive unrotated and the backend
-    #: rotates them as it stores the new keys (one launch where a layer ran two). Layers pass it
-    #: only to backends that say so, and only for rotations it describes (whole heads).
-    fuses_rotary: bool = False
 
     @classmethod
     def check_kv_cache_dtype(cls, kv_cache_dtype: str) -> None:
@@ -149,6 +145,13 @@ class AttentionBackend(abc.ABC):
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                        parts: int = 2) -> tuple[int, ...]:
         return (parts, num_blocks, block_size, num_kv_heads, head_dim)
+
+    def fuses_rotary(self, metadata: Any) -> bool:
+        """Whether `forward` takes `rotation` (a `Rotation`) in a step of this metadata: q and k
+        arrive unrotated and the backend rotates them as it stores the new keys (one launch where a
+        layer ran two). Layers pass one only where this says so, and only for rotations it
+        describes (whole heads). None by default."""
+        return False
 
     @abc.abstractmethod
     def build_metadata(self, batch: AttentionBatch, check_indices: bool = True) -> Any:
@@ -187,8 +190,8 @@ class AttentionBackend(abc.ABC):
         - `attention_chunk` C (keyword, only for backends with `supports_chunked_attention`): the
           token at position p attends to keys C * (p // C) <= j <= p only, those of its own chunk
           (Llama 4's local layers).
-        - `rotation` (keyword, only for backends with `fuses_rotary`): q and k are still to be
-          rotated as it says; q is rotated in place and the cache gets the rotated keys.
+        - `rotation` (keyword, only where `fuses_rotary(meta)`): q and k are still to be rotated as
+          it says; q is rotated in place and the cache gets the rotated keys.
         """
 
     def forward_latent(self, q: torch.Tensor, rows: torch.Tensor, kv_cache: torch.Tensor, meta: Any, scale: float,
@@ -208,8 +211,8 @@ class AttentionBackend(abc.ABC):
 
 @dataclass(frozen=True)
 class Rotation:
-    """The rotary embedding a layer's q and k still need, handed to a backend that `fuses_rotary`
-    to apply as it writes the cache: rotate-half (neox) style over whole heads at `positions` [T]
+    """The rotary embedding a layer's q and k still need, handed to a backend that `fuses_rotary` in
+    the step to apply as it writes the cache: rotate-half (neox) style over whole heads at `positions` [T]
     from the `cos`/`sin` tables [max_positions, head_dim], after Qwen3's per-head RMSNorm of q and
     k where `q_norm`/`k_norm` weights [head_dim] are given (eps `norm_eps`). The model's
     `RotaryEmbedding` is the reference it must equal."""

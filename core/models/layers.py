@@ -96,13 +96,14 @@ class RotaryEmbedding(UsesLayerKernels, nn.Module):
         self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
         self.partial = self.rotary_dim < head_dim
 
-    def deferred(self, positions: torch.Tensor, backend,
+    def deferred(self, positions: torch.Tensor, ctx: ForwardContext,
                  norms: tuple["RMSNorm", "RMSNorm"] | None = None) -> Rotation | None:
-        """This rotation (and `norms`, as `forward` takes them) for `backend` to apply as it stores
-        the keys, where it `fuses_rotary` and fused kernels rotate these heads here too (whole
-        heads, every norm fusable); None: the layer rotates with `forward`."""
+        """This rotation (and `norms`, as `forward` takes them) for the step's backend to apply as
+        it stores the keys, where it `fuses_rotary` in this step and fused kernels rotate these
+        heads here too (whole heads, every norm fusable); None: the layer rotates with `forward`."""
         kernels = None if self.partial else self.kernels
-        if kernels is None or not backend.fuses_rotary or (norms is not None and kernels.qk_norm_rotary is None):
+        if (kernels is None or (norms is not None and kernels.qk_norm_rotary is None)
+                or not ctx.backend.fuses_rotary(ctx.metadata)):
             return None
         if norms is None:
             return Rotation(positions, self.cos, self.sin)
@@ -177,7 +178,7 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,
                 rotation: Rotation | None = None) -> torch.Tensor:
-        """`rotation`: q and k still unrotated, for a backend that `fuses_rotary` (`RotaryEmbedding.deferred`)."""
+        """`rotation`: q and k still unrotated, for a backend that fuses it (`RotaryEmbedding.deferred`)."""
         extra = {} if rotation is None else {"rotation": rotation}
         if self.sinks is not None:
             _require(ctx.backend, "supports_sinks", "attention has sinks (gpt-oss)", "torch_sdpa on CPUs, triton on GPUs")

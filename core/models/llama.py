@@ -58,7 +58,7 @@ class DecoderAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         norms = None if self.q_norm is None else (self.q_norm, self.k_norm)
         # A backend that fuses the rotation into its cache write gets q and k unrotated.
-        rotation = self.rotary.deferred(positions, ctx.backend, norms)
+        rotation = self.rotary.deferred(positions, ctx, norms)
         if rotation is None:
             q, k = self.rotary(positions, q.view(-1, self.num_heads, self.head_dim),
                                k.view(-1, self.num_kv_heads, self.head_dim), norms)

@@ -62,7 +62,6 @@ class TritonAttentionBackend(AttentionBackend):
     supports_sinks = True
     supports_chunked_attention = True
     uses_decode_order = True
-    fuses_rotary = True
     # `--batch-invariant` (the CUDA worker sets it): a row's attention must not depend on the other
     # rows of its step. The decode kernel splits the context by the batch's size and runs other
     # tiles than the prefill kernel, which a decode row in a mixed step (or a one-token prefill
@@ -110,6 +109,13 @@ class TritonAttentionBackend(AttentionBackend):
             decode_order=order,
         )
 
+    def fuses_rotary(self, meta: TritonAttentionMetadata) -> bool:
+        # Decode steps replay captured graphs, where a launch fewer a layer is all gain. Prefill
+        # steps run attention eagerly between piecewise graphs, where the fused launch's host work
+        # (the rotary kernel's, which the graphs held) cost more than the launch saves (W3's
+        # prefill step 30% slower on an H200).
+        return meta.is_pure_decode
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: TritonAttentionMetadata, scale: float, *, sliding_window: int | None = None,
                 logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
@@ -119,7 +125,9 @@ class TritonAttentionBackend(AttentionBackend):
         if rotation is None:
             store_kvcache(k, v, kv_cache, meta.slot_mapping, check_indices=check)
         else:
-            rotate_and_store_kvcache(rotation.positions, q.view(-1, self.num_heads, self.head_dim),
+            # A piecewise graph replays attention on the step's tokens with its capture's rotation,
+            # whose positions run to the captured count.
+            rotate_and_store_kvcache(rotation.positions[: q.shape[0]], q.view(-1, self.num_heads, self.head_dim),
                                      k.view(-1, self.num_kv_heads, self.head_dim), v, kv_cache, meta.slot_mapping,
                                      rotation.cos, rotation.sin, rotation.q_norm, rotation.k_norm, rotation.norm_eps,
                                      check_indices=check)
