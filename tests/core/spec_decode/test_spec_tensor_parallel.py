@@ -1,8 +1,8 @@
-"""A draft model at tensor-parallel size 2 (gloo, two rank processes): split as the target is, or
-whole on every rank (`draft_tensor_parallel_size` 1), greedy output token-exact against the same
-engine without speculation, every draft of a draft equal to the target accepted, and the whole
-draft's larger share of each KV block taken out of the budget. EAGLE heads at TP = 2 are in
-test_eagle.py."""
+"""A draft model at tensor-parallel size 2 (gloo, two rank processes), split as the target is or
+whole on every rank (`draft_tensor_parallel_size` 1), and whole on the first of two stages of two
+ranks each: greedy output token-exact against the two ranks without speculation, every draft of a
+draft equal to the target accepted, and the whole draft's larger share of each KV block taken out
+of the budget. EAGLE heads at TP = 2 are in test_eagle.py."""
 from __future__ import annotations
 
 import random
@@ -60,3 +60,19 @@ def test_a_draft_model_at_two_ranks_is_token_exact(reference, checkpoint, draft_
     # A rank's target block holds 1 of the 2 KV heads; the draft's holds 1 split, 2 whole: the
     # budget's blocks shrink to a half or a third.
     assert blocks == target_blocks // (2 if draft_tp == 2 else 3)
+
+
+def test_a_whole_draft_on_the_first_of_two_stages_of_two_ranks(reference, checkpoint):
+    """PP = 2 x TP = 2: the first stage's two ranks each draft with the whole draft model and send
+    their drafts to their peers on the last stage, which verify them: the same tokens as the two
+    ranks alone, every draft accepted."""
+    expected, _ = reference
+    prompts, params = _requests()
+    spec = {"method": "draft_model", "model": str(checkpoint), "num_speculative_tokens": 3,
+            "draft_tensor_parallel_size": 1}
+    llm = LLM(str(checkpoint), **ENGINE, pipeline_parallel_size=2, kv_cache_memory_gib=BUDGET_GIB,
+              speculative_config=spec)
+    tokens, stats = tokens_and_stats(llm, prompts, params)
+    assert tokens == expected
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
