@@ -279,8 +279,7 @@ class Scheduler(StepResults):
         if (self.drafts is None or num_tokens != 1 or req.num_computed_tokens + 1 != req.num_tokens
                 or not self._may_draft(req)):
             return []
-        return self.grammar.valid_drafts(req, self.drafts.drafts(req.all_token_ids, req.num_output_tokens,
-                                                                 req.max_tokens, budget))
+        return self.grammar.valid_drafts(req, self.drafts.drafts(req, budget))
 
     def _may_draft(self, req: Request) -> bool:
         return self.grammar.may_draft(req, self.drafts.proposer is not None)

@@ -13,8 +13,13 @@ see docs/speculative.md).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .config import PLACEHOLDER, SpeculativeConfig
 from .ngram import NgramProposer
+
+if TYPE_CHECKING:
+    from ..request import Request
 
 
 class SpecDecodeCounters:
@@ -46,11 +51,12 @@ class DraftPlanner:
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
         self.counters = SpecDecodeCounters(self.k)
 
-    def drafts(self, token_ids: list[int], num_output_tokens: int, max_tokens: int, budget: int) -> list[int]:
+    def drafts(self, req: Request, budget: int) -> list[int]:
         """Drafts for a request whose next step computes only its newest token: at most k, and
         at most what leaves room for the token verification adds after them (max_tokens,
         max_model_len) within the step's remaining token `budget`."""
-        limit = min(self.k, budget - 1, max_tokens - num_output_tokens - 1, self.max_model_len - len(token_ids) - 1)
+        limit = min(self.k, budget - 1, req.max_tokens - req.num_output_tokens - 1,
+                    self.max_model_len - req.num_tokens - 1)
         if self.proposer is None:
             return [PLACEHOLDER] * max(limit, 0)
-        return self.proposer.propose(token_ids, limit)
+        return self.proposer.propose(req, req.all_token_ids, limit)
