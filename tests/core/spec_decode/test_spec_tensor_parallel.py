@@ -1,8 +1,8 @@
 """A draft model at tensor-parallel size 2 (gloo, two rank processes), split as the target is or
 whole on every rank (`draft_tensor_parallel_size` 1), and whole on the first of two stages of two
-ranks each: greedy output token-exact against the two ranks without speculation, every draft of a
-draft equal to the target accepted, and the whole draft's larger share of each KV block taken out
-of the budget. EAGLE heads at TP = 2 are in test_eagle.py."""
+ranks each: greedy output token-exact against the two ranks without speculation through
+preemption, every draft of a draft equal to the target accepted, and the whole draft's larger
+share of each KV block taken out of the budget. EAGLE heads at TP = 2 are in test_eagle.py."""
 from __future__ import annotations
 
 import random
@@ -12,8 +12,10 @@ from corectl import LLM, SamplingParams
 from support.spec_decode import tokens_and_stats
 
 # fp32; the draft is the target's own checkpoint, so every greedy draft is accepted.
-ENGINE = dict(platform="cpu", dtype="float32", max_model_len=256, tensor_parallel_size=2, skip_tokenizer_init=True)
-BUDGET_GIB = 0.004
+ENGINE = dict(platform="cpu", dtype="float32", max_model_len=128, tensor_parallel_size=2, skip_tokenizer_init=True)
+# 35 target blocks of 16 tokens a rank (4 KiB each): with a draft 17 or 11, so that the eight
+# requests (up to 80 tokens each) are preempted and resumed.
+BUDGET_GIB = 0.000135
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +34,8 @@ def checkpoint(tmp_path_factory):
 
 def _requests():
     rng = random.Random(0)
-    prompts = [[rng.randrange(512) for _ in range(rng.randrange(5, 40))] for _ in range(4)]
-    params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(8, 30), ignore_eos=True) for _ in range(4)]
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(5, 20))] for _ in range(8)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(40, 60), ignore_eos=True) for _ in range(8)]
     return prompts, params
 
 
@@ -55,7 +57,7 @@ def test_a_draft_model_at_two_ranks_is_token_exact(reference, checkpoint, draft_
     blocks = llm.engine.info.num_kv_blocks
     tokens, stats = tokens_and_stats(llm, prompts, params)
     assert tokens == expected
-    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_draft_tokens > 0 and stats.num_preemptions > 0
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
     # A rank's target block holds 1 of the 2 KV heads; the draft's holds 1 split, 2 whole: the
     # budget's blocks shrink to a half or a third.
