@@ -17,8 +17,7 @@ import torch
 
 from ..sample.logprobs import LogprobsTensors, gather_logprobs
 from ..sample.metadata import SamplingMetadata
-from ..sample.random_sampling import RaceKernel
-from ..sample.sampler import processed_and_reported
+from ..sample.sampler import Sampler, processed_and_reported
 from ..sampling_params import SamplingParams
 from .rejection import Verified, VerifyLayout, rejection_sample
 
@@ -52,16 +51,16 @@ def expand_rows(params: Sequence[SamplingParams], prompts: Sequence[Sequence[int
     return rows
 
 
-def verify(logits: torch.Tensor, meta: SamplingMetadata, layout: VerifyLayout, draw: str,
-           logprobs_mode: str = "raw_logprobs",
-           race: RaceKernel | None = None) -> tuple[Verified, LogprobsTensors | None]:
+def verify(logits: torch.Tensor, meta: SamplingMetadata, layout: VerifyLayout,
+           sampler: Sampler) -> tuple[Verified, LogprobsTensors | None]:
     """Verify a step's drafts from the target's fp32 `logits` `[T, V]` (modified in place);
-    `meta` holds one row per flat row (`expand_rows`); `draw`, `logprobs_mode` and `race` are the sampler's."""
-    processed, reported = processed_and_reported(logits, meta, logprobs_mode)
+    `meta` holds one row per flat row (`expand_rows`). Tokens are drawn, and logprobs reported,
+    as `sampler` samples a plain step."""
+    processed, reported = processed_and_reported(logits, meta, sampler.logprobs_mode)
     random = meta.random
     verified = rejection_sample(
         processed, layout, greedy_rows=None if random is None else random.greedy_rows, all_greedy=random is None,
-        generators={} if random is None else random.generators, draw=draw, race=race,
+        generators={} if random is None else random.generators, draw=sampler.draw, race=sampler.race,
     )
     if reported is None:
         return verified, None

@@ -317,8 +317,7 @@ class ModelRunner:
         layout = VerifyLayout.build(host.sample_drafts, self.target)
         if drafts is not None:
             layout.draft_ids.masked_scatter_(~layout.is_bonus, drafts)
-        verified, logprobs = verify(logits, self._sampling_metadata(states, host.sample_drafts), layout,
-                                    self.sampler.draw, self.sampler.logprobs_mode, self.sampler.race)
+        verified, logprobs = verify(logits, self._sampling_metadata(states, host.sample_drafts), layout, self.sampler)
         self.states.expect_sampled(states)
         self._record_sampled(verified.token_ids[:, 0], host.sample_req_ids)
         tensors, num_logprobs = [verified.token_ids, verified.num_emitted], None

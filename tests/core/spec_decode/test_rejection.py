@@ -87,7 +87,7 @@ def _verify_seeded(seed: int, drafts: list[list[int]], batch_noise: int) -> list
     meta = SamplingMetadata.build(rows.params, rows.prompt_token_ids, rows.output_token_ids, rows.generators,
                                   None, 6, CPU)
     logits = torch.cat([TARGET] * len(params))
-    verified, _ = verify(logits, meta, VerifyLayout.build(all_drafts, CPU), "inverse_cdf")
+    verified, _ = verify(logits, meta, VerifyLayout.build(all_drafts, CPU), Sampler("inverse_cdf"))
     return verified.token_ids[0, : verified.num_emitted[0]].tolist()
 
 
@@ -103,7 +103,7 @@ def test_top_k_applies_to_the_target_before_verification():
     rows = expand_rows(params, [()] * 200, [()] * 200, [None] * 200, drafts)
     meta = SamplingMetadata.build(rows.params, rows.prompt_token_ids, rows.output_token_ids, rows.generators,
                                   None, 6, CPU)
-    verified, _ = verify(TARGET.repeat(200, 1), meta, VerifyLayout.build(drafts, CPU), "inverse_cdf")
+    verified, _ = verify(TARGET.repeat(200, 1), meta, VerifyLayout.build(drafts, CPU), Sampler("inverse_cdf"))
     assert verified.num_emitted.eq(1).all() and verified.token_ids[:, 0].eq(0).all()
 
 
@@ -119,6 +119,6 @@ def test_a_seeded_request_without_drafts_draws_as_plain_sampling_does(draw):
                            [[torch.Generator().manual_seed(position)], None], [[], [0, 1]])
         meta = SamplingMetadata.build(rows.params, rows.prompt_token_ids, rows.output_token_ids, rows.generators,
                                       None, 6, CPU)
-        out, _ = verify(torch.cat([TARGET[2:], TARGET]), meta, VerifyLayout.build([[], [0, 1]], CPU), draw)
+        out, _ = verify(torch.cat([TARGET[2:], TARGET]), meta, VerifyLayout.build([[], [0, 1]], CPU), Sampler(draw))
         verified.append(out.token_ids[0, 0].item())
     assert verified == plain and len(set(plain)) > 1
