@@ -58,7 +58,7 @@ class AttentionBatch:
     # graph's verify step: k + 1 decode rows a request, each ending at its own position, padding
     # rows of seq_len 0 after a request's tokens), so a backend may read each group's K/V once.
     rows_per_seq: int = 1
-    # Pure-decode batches, for a backend that `uses_decode_order`: the row groups longest context
+    # Pure-decode batches, where the backend `uses_decode_order`: the row groups longest context
     # first (int32 [B / rows_per_seq], `longest_first`), the order its programs may start in so a
     # ragged batch's long contexts do not run alone at the end. None: batch order.
     decode_order: torch.Tensor | None = None
@@ -117,9 +117,6 @@ class AttentionBackend(abc.ABC):
     #: Whether `forward` takes `attention_chunk` (chunked local attention, Llama 4); the `Attention`
     #: layer refuses a backend without it, by name.
     supports_chunked_attention: bool = False
-    #: Whether `build_metadata` reads `AttentionBatch.decode_order`: runners fill it for
-    #: pure-decode steps only where a backend says so (a host argsort a step).
-    uses_decode_order: bool = False
 
     @classmethod
     def check_kv_cache_dtype(cls, kv_cache_dtype: str) -> None:
@@ -145,6 +142,13 @@ class AttentionBackend(abc.ABC):
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                        parts: int = 2) -> tuple[int, ...]:
         return (parts, num_blocks, block_size, num_kv_heads, head_dim)
+
+    def uses_decode_order(self, num_groups: int, rows_per_seq: int, max_seq_len: int) -> bool:
+        """Whether `build_metadata` reads `AttentionBatch.decode_order` for a pure-decode batch of
+        `num_groups` row groups of `rows_per_seq` rows, contexts up to `max_seq_len` (a graph's:
+        the model's length). Runners fill it only where this says so: it costs a host argsort and
+        a copy a step. None by default."""
+        return False
 
     def fuses_rotary(self, metadata: Any) -> bool:
         """Whether `forward` takes `rotation` (a `Rotation`) in a step of this metadata: q and k

@@ -332,7 +332,7 @@ class CUDAGraphModelRunner(ModelRunner):
     def _capture(self, key: GraphKey, max_model_len: int, pool) -> _DecodeGraph:
         static, size = self._static, key[0] * key[1]
         attn = static.attention_batch(size, max_model_len, self.block_size, rows_per_seq=key[0],
-                                      ordered=self.backend.uses_decode_order)
+                                      ordered=self.backend.uses_decode_order(key[1], key[0], max_model_len))
         ctx = ForwardContext(self.backend, self.backend.build_metadata(attn, check_indices=False), self.kv_caches)
         args = (static.input_ids[:size], static.positions[:size], ctx)
         if self.stage is not None:
@@ -364,7 +364,7 @@ class CUDAGraphModelRunner(ModelRunner):
             padded, index, token_rows = pad_decode_step(host, size, positions), logits_index(host), None
         else:
             (padded, token_rows), index = pad_verify_step(host, *key, positions), None
-        if self.backend.uses_decode_order:
+        if graph.attn.decode_order is not None:
             padded.append(longest_first(padded[3], key[0]))
         extra = [a for a in (index, token_rows) if a is not None]
         tensors = self.to_device([*padded, *extra])

@@ -271,7 +271,7 @@ class ModelRunner:
         """Move the step's host arrays to the device as the model and attention backend take them."""
         arrays = [host.input_ids, host.positions, host.slot_mapping, host.query_start_loc, host.seq_lens,
                   host.block_tables]
-        ordered = host.max_query_len == 1 and self.backend.uses_decode_order
+        ordered = host.max_query_len == 1 and self.backend.uses_decode_order(host.num_seqs, 1, host.max_seq_len)
         if ordered:
             arrays.append(longest_first(host.seq_lens))
         index = logits_index(host)

@@ -61,7 +61,6 @@ class TritonAttentionBackend(AttentionBackend):
     kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")
     supports_sinks = True
     supports_chunked_attention = True
-    uses_decode_order = True
     # `--batch-invariant` (the CUDA worker sets it): a row's attention must not depend on the other
     # rows of its step. The decode kernel splits the context by the batch's size and runs other
     # tiles than the prefill kernel, which a decode row in a mixed step (or a one-token prefill
@@ -88,8 +87,7 @@ class TritonAttentionBackend(AttentionBackend):
         splits, order = 1, None
         if pure_decode:
             groups = batch.num_seqs // batch.rows_per_seq
-            splits = choose_decode_splits(groups, self.num_kv_heads, batch.max_seq_len, self.device,
-                                          small_grids_in_two=batch.rows_per_seq == 1)
+            splits = self._decode_splits(groups, batch.rows_per_seq, batch.max_seq_len)
             if longest_first_pays(groups, self.num_kv_heads, splits, self.device):
                 order = batch.decode_order
         return TritonAttentionMetadata(
@@ -108,6 +106,16 @@ class TritonAttentionBackend(AttentionBackend):
             check_indices=check_indices,
             decode_order=order,
         )
+
+    def uses_decode_order(self, num_groups: int, rows_per_seq: int, max_seq_len: int) -> bool:
+        if self.batch_invariant:  # every step runs the prefill kernel
+            return False
+        return longest_first_pays(num_groups, self.num_kv_heads, self._decode_splits(num_groups, rows_per_seq,
+                                                                                     max_seq_len), self.device)
+
+    def _decode_splits(self, num_groups: int, rows_per_seq: int, max_seq_len: int) -> int:
+        return choose_decode_splits(num_groups, self.num_kv_heads, max_seq_len, self.device,
+                                    small_grids_in_two=rows_per_seq == 1)
 
     def fuses_rotary(self, meta: TritonAttentionMetadata) -> bool:
         # Decode steps replay captured graphs, where a launch fewer a layer is all gain. Prefill
