@@ -40,6 +40,10 @@ class MRotaryEmbedding(RotaryEmbedding):
         rows = torch.repeat_interleave(torch.arange(3), torch.tensor(section), output_size=sum(section))
         self.register_buffer("row_of_feature", torch.cat([rows, rows]), persistent=False)
 
+    def deferred(self, positions: torch.Tensor, ctx, norms=None):
+        # A backend's fused rotation takes one position row: three rows rotate here.
+        return super().deferred(positions, ctx, norms) if positions.dim() == 1 else None
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, norms=None):
         if positions.dim() == 1:
             return super().forward(positions, q, k, norms)

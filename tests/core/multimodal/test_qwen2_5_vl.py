@@ -164,3 +164,19 @@ def test_text_only_model_refuses_images(llm_int4):
 
     with pytest.raises(InvalidRequestError, match="reads no images"):
         llm_int4.chat(_user(random_image(8, 8, 0), "Hi"), SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+def test_three_position_rows_never_reach_a_backends_fused_rotation(llm, monkeypatch):
+    """A backend that fuses the rotation into its cache write (the Triton one, in decode steps)
+    takes one position row: M-RoPE's three rows rotate in the layer, one row is deferred."""
+    from types import SimpleNamespace
+
+    from corectl.backends.triton.layer_kernels import triton_layer_kernels
+    from corectl.models.qwen2_5_vl import MRotaryEmbedding
+
+    rotary = next(m for m in _runner(llm).model.modules() if isinstance(m, MRotaryEmbedding))
+    monkeypatch.setattr(rotary, "kernels", triton_layer_kernels())
+    ctx = SimpleNamespace(backend=SimpleNamespace(fuses_rotary=lambda metadata: True), metadata=None)
+    assert rotary.deferred(torch.zeros(3, 4, dtype=torch.int64), ctx) is None
+    one_row = rotary.deferred(torch.arange(4), ctx)
+    assert one_row is not None and one_row.positions.dim() == 1 and one_row.cos is rotary.cos
