@@ -57,6 +57,26 @@ def test_one_launch_gives_the_bits_of_rotary_then_store(dtype, cache_dtype, norm
     assert torch.equal(fk, k_before)
 
 
+def test_heads_whose_width_is_no_power_of_two():
+    """Phi-3's 96-wide heads, say: masked halves and rows (here 3 KV heads of 24)."""
+    q_heads, kv_heads, head_dim, num_tokens = 6, 3, 24, 5
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    emb = torch.arange(MAX_POS).float()[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat((emb, emb), dim=-1).cos(), torch.cat((emb, emb), dim=-1).sin()
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(num_tokens, q_heads, head_dim, generator=gen)
+    k = torch.randn(num_tokens, kv_heads, head_dim, generator=gen)
+    v = torch.randn(num_tokens, kv_heads * head_dim, generator=gen)
+    positions = torch.randint(0, MAX_POS, (num_tokens,), generator=gen)
+    slots = torch.tensor([3, -1, 0, 9, 5])
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim)
+    reference_q, reference_k, fused_cache = q.clone(), k.clone(), cache.clone()
+    rotary_embedding(positions, reference_q, reference_k, cos, sin)
+    store_kvcache(reference_k.flatten(1), v, cache, slots)
+    rotate_and_store_kvcache(positions, q, k, v, fused_cache, slots, cos, sin)
+    assert torch.equal(q, reference_q) and torch.equal(fused_cache, cache)
+
+
 def test_refuses_a_partial_rotation_and_mismatched_weights():
     cos, sin = _tables(torch.float32)
     qkv, positions, slots = _step(torch.float32)
