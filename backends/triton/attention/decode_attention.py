@@ -217,9 +217,8 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_co
     faster with 16 splits (H100); batch 64 (512 programs) 17% faster in two than unsplit, and 64 or
     32 ragged contexts of 100-4096 keys 14% and 25% (H200, benchmarks/decode_order_sweep.py); 128
     sequences and more run best unsplit. A verify step's groups of k + 1 rows split so ran 7%
-    slower (W11 at batch 64, H200): they keep the two-per-SM rule. The latent (MLA) kernel takes
-    this rule at one "head" a sequence, so 133-528 sequences split in two there (not measured yet).
-    `num_seqs` counts row groups."""
+    slower (W11 at batch 64, H200): they keep the two-per-SM rule, as does the latent (MLA)
+    kernel, not measured split so. `num_seqs` counts row groups."""
     programs = max(1, num_seqs * num_kv_heads)
     wanted = 2 * num_compute_units // programs
     if small_grids_in_two and programs <= 4 * num_compute_units:
