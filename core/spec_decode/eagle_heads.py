@@ -30,7 +30,7 @@ from ..loaders.checkpoint_files import tensor_names
 from ..loaders.packing import load_packed_weights
 from ..models.layers import RMSNorm, RotaryEmbedding
 from ..models.llama import DecoderAttention, DecoderLayer, DecoderModel, GatedMLP, head_dim
-from ..models.parallel import PackedLinear, ParallelLMHead, VocabParallelEmbedding
+from ..models.parallel import PackedLinear, ParallelLMHead, VocabParallelEmbedding, gather_logits
 
 FIELD = "speculative_config"
 EAGLE_METHODS = ("eagle", "eagle3")
@@ -139,7 +139,8 @@ class Eagle3Head(nn.Module):
         return self.norm(out, residual)
 
     def draft_tokens(self, rows: torch.Tensor, target: nn.Module) -> torch.Tensor:
-        draft = self.lm_head(rows).argmax(dim=-1)
+        # Split over tensor-parallel ranks, each holds a slice of the draft vocabulary.
+        draft = gather_logits(self.lm_head(rows), draft_vocab_size(self.config)).argmax(dim=-1)
         return draft + self.d2t[draft]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

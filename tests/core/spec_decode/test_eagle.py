@@ -173,10 +173,11 @@ def test_greedy_is_token_exact_alone_batched_and_from_the_prefix_cache(engines, 
         assert min(stats.spec_decode_num_accepted_tokens_per_pos) > 0
 
 
-@pytest.mark.parametrize(("method", "draft_tp"), [("eagle", 2), ("eagle3", 1)])
+@pytest.mark.parametrize(("method", "draft_tp"), [("eagle", 2), ("eagle3", 1), ("eagle3", 2)])
 def test_heads_at_two_ranks_are_token_exact(isolated_env, folders, method, draft_tp):
-    """At tensor-parallel size 2 (gloo) a head is split as the target is, or whole on every rank
-    (draft_tensor_parallel_size 1); either way it reads the target's split embedding and head."""
+    """At tensor-parallel size 2 (gloo) a head is split as the target is (EAGLE-3's own LM head over
+    its draft vocabulary too), or whole on every rank (draft_tensor_parallel_size 1); either way it
+    reads the target's split embedding and head."""
     prompts, params = _requests(1, 4)
     two_ranks = {"tensor_parallel_size": 2, "kv_cache_memory_gib": 0.004}
     expected, _ = tokens_and_stats(_llm(folders, **two_ranks), prompts, params)
