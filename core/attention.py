@@ -147,14 +147,14 @@ class AttentionBackend(abc.ABC):
         """Whether `build_metadata` reads `AttentionBatch.decode_order` for a pure-decode batch of
         `num_groups` row groups of `rows_per_seq` rows, contexts up to `max_seq_len` (a graph's:
         the model's length). Runners fill it only where this says so: it costs a host argsort and
-        a copy a step. None by default."""
+        a copy a step. False by default."""
         return False
 
     def fuses_rotary(self, metadata: Any) -> bool:
         """Whether `forward` takes `rotation` (a `Rotation`) in a step of this metadata: q and k
         arrive unrotated and the backend rotates them as it stores the new keys (one launch where a
         layer ran two). Layers pass one only where this says so, and only for rotations it
-        describes (whole heads). None by default."""
+        describes (whole heads). False by default."""
         return False
 
     @abc.abstractmethod

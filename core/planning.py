@@ -369,7 +369,7 @@ def _size(checkpoint: Checkpoint, shape: _Shape, config: EngineConfig, target: T
     # the K/V projection rows each rank repeats when KV heads are replicated.
     served = weights.served.per_rank(kv_heads, info.num_kv_heads, tp)
     activations = _activation_bytes(shape, kv_heads, tp, config.max_num_batched_tokens, num_seqs)
-    draft_weights, draft_per_token = (0, 0) if shape.draft is None else shape.draft.bytes_per_rank()
+    draft_weights, draft_per_token = (0, 0) if shape.draft is None else shape.draft.bytes_per_rank(tp)
     per_block = (per_token + draft_per_token) * config.block_size
     encoder_cache = 0
     budget = config.kv_cache_budget_bytes

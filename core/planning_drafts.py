@@ -15,6 +15,7 @@ from .distributed import get_pp, viewed_whole
 from .loaders.resolve import resolve_model_source
 from .models.registry import resolve_model_class
 from .planning_weights import ModelWeights, kv_heads_per_rank, planned_model, size_weights
+from .spec_decode.config import draft_engine_config
 from .spec_decode.draft_model import check_draft_vocabulary
 from .spec_decode.eagle_heads import prepare_head
 from .worker.worker import _DTYPES, ModelInfo, _model_info
@@ -25,11 +26,13 @@ class DraftShape:
     name: str
     info: ModelInfo
     weights: ModelWeights
-    tensor_parallel_size: int
+    # Whole on every rank (draft_tensor_parallel_size 1 beside a split target); else split as the target.
+    whole: bool
 
-    def bytes_per_rank(self) -> tuple[int, int]:
-        """(served weight and buffer bytes, KV cache bytes a token) of one rank's share."""
-        tp = self.tensor_parallel_size
+    def bytes_per_rank(self, target_tp: int) -> tuple[int, int]:
+        """(served weight and buffer bytes, KV cache bytes a token) of one rank's share beside a
+        target at `target_tp` ranks."""
+        tp = 1 if self.whole else target_tp
         kv_heads = kv_heads_per_rank(self.info, tp)
         weights = self.weights.served.per_rank(kv_heads, self.info.num_kv_heads, tp) + self.weights.buffer_bytes
         return weights, dataclasses.replace(self.info, num_kv_heads=kv_heads).kv_bytes_per_block(1)
@@ -44,9 +47,7 @@ def draft_shape(config: EngineConfig, target: nn.Module, target_hf, dtype: str,
         return None
     draft_model = spec.method == "draft_model"
     # A head's tensor names complete its config (`prepare_head`); a draft model needs its config only.
-    source = resolve_model_source(config.replace(
-        model=spec.model, tokenizer=None, hf_overrides=None, quantization=None, speculative_config=None,
-        load_format="dummy" if draft_model else config.load_format))
+    source = resolve_model_source(draft_engine_config(config, load_format="dummy" if draft_model else config.load_format))
     hf, target_name = source.hf_config, config.model or "default"
     if draft_model:
         check_draft_vocabulary(spec.model, hf.vocab_size, target_name, target_hf.vocab_size)
@@ -56,4 +57,5 @@ def draft_shape(config: EngineConfig, target: nn.Module, target_hf, dtype: str,
     with viewed_whole():
         model = planned_model(model_cls, hf, _DTYPES[dtype], max_model_len, None, ())
         info = _model_info(hf, model, dtype)
-    return DraftShape(spec.model, info, size_weights(model, info.head_dim), spec.draft_tensor_parallel_size)
+    whole = spec.draft_tensor_parallel_size == 1 and config.tensor_parallel_size > 1
+    return DraftShape(spec.model, info, size_weights(model, info.head_dim), whole)

@@ -8,6 +8,7 @@ from .parallel_state import (
     all_reduce,
     attach_device_communicator,
     destroy_parallel_state,
+    first_rank_copy,
     get_pp,
     get_tp,
     init_parallel_state,
@@ -21,6 +22,6 @@ from .parallel_state import (
 )
 
 __all__ = ["DeviceCommunicator", "PipelineParallel", "TensorParallel", "all_gather", "all_reduce",
-           "attach_device_communicator", "destroy_parallel_state", "get_pp", "get_tp", "init_parallel_state",
+           "attach_device_communicator", "destroy_parallel_state", "first_rank_copy", "get_pp", "get_tp", "init_parallel_state",
            "receive_from_last_stage", "receive_from_previous_stage", "send_to_first_stage", "send_to_next_stage",
            "shard_range", "viewed_as_stage", "viewed_whole"]

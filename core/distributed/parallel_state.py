@@ -171,6 +171,15 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def first_rank_copy(x: torch.Tensor) -> torch.Tensor:
+    """`x` (1-D, the same length on every rank) as the stage's first tensor-parallel rank holds it,
+    on every rank: what ranks that compute the same thing alone agree to use, whatever their last
+    bits."""
+    if _state.world_size == 1:
+        return x
+    return all_gather(x)[: x.shape[-1]]
+
+
 def send_to_next_stage(tensors: list[torch.Tensor]) -> None:
     """Send activations to this rank's peer in the next stage, in order (NCCL queues the sends
     on the device; gloo returns once the peer has them)."""

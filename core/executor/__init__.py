@@ -4,9 +4,11 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import ConfigError
+from ..loaders.resolve import resolve_model_source
 from ..models.parallel import check_tensor_parallel
 from ..models.pipeline import check_pipeline_parallel, resolve_layer_partition
 from ..models.registry import resolve_model_class
+from ..spec_decode.config import draft_engine_config
 from .base import Executor, StepHandle, WorkerSpec
 
 __all__ = ["Executor", "StepHandle", "WorkerSpec", "create_executor", "executor_backend"]
@@ -20,10 +22,25 @@ def executor_backend(config) -> str:
     return "mp" if config.world_size > 1 else "in_process"
 
 
+def _check_draft_splits(config) -> None:
+    """A draft model or head split as the target is must split over as many ranks: refused here,
+    naming it and the way out, rather than inside every rank as it loads."""
+    spec = config.speculative_config
+    if spec is None or spec.model is None or spec.draft_tensor_parallel_size == 1:
+        return
+    draft = resolve_model_source(draft_engine_config(config, load_format="dummy")).hf_config
+    try:
+        check_tensor_parallel(draft, spec.draft_tensor_parallel_size)
+    except ConfigError as exc:
+        raise ConfigError("speculative_config", f"the draft {spec.model!r} is split as the target is, and "
+                          f"{exc.message}; or set draft_tensor_parallel_size 1 to hold it whole on every rank") from None
+
+
 def create_executor(spec: WorkerSpec) -> Executor:
     """Start the ranks the config asks for (raises ConfigError when the model cannot be split so)."""
     config, hf = spec.config, spec.source.hf_config
     check_tensor_parallel(hf, config.tensor_parallel_size)
+    _check_draft_splits(config)
     partition = resolve_layer_partition(config)
     if config.pipeline_parallel_size > 1:
         check_pipeline_parallel(hf, resolve_model_class(hf), config, partition)

@@ -48,6 +48,14 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         return self.num_speculative_tokens
 
 
+def draft_engine_config(config, **changes):
+    """The engine config (an `EngineConfig`) that loads `config`'s draft model or head: its
+    `speculative_config.model` as the model, with none of the target's tokenizer, overrides,
+    quantization or speculation; `changes` on top (a plan's `load_format="dummy"`)."""
+    return config.replace(model=config.speculative_config.model, tokenizer=None, hf_overrides=None,
+                          quantization=None, speculative_config=None, **changes)
+
+
 def _error(message: str) -> ConfigError:
     return ConfigError(FIELD, message)
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..attention import AttentionBackend, AttentionBatch, ForwardContext, longest_first
+from ..distributed import first_rank_copy
 from ..multimodal.step import MultiModalStep
 from ..platform import PlatformCaps
 from ..sample import Sampler, SamplingMetadata, compute_prompt_logprobs
@@ -86,6 +87,8 @@ class ModelRunner:
         # Set by the worker for draft-model and EAGLE speculation: fills the scheduler's draft
         # placeholders, and sees each step's hidden states (EAGLE's head reads them).
         self.drafter: DraftModelProposer | EagleProposer | None = None
+        # The drafter is whole on each of several tensor-parallel ranks (draft_tensor_parallel_size 1).
+        self.drafts_alone = False
         # Under pipeline parallelism: moves activations between stages (`attach_stage`).
         self.stage: PipelineStage | None = None
         # A vision-language model's image rows and M-RoPE positions (corectl.multimodal.step).
@@ -170,10 +173,21 @@ class ModelRunner:
         if self.stage is not None:
             for req_id in sched.spec_token_ids:
                 self._restore_accepted(req_id, states[req_id].token_ids)
-        return self.drafter.propose([
+        drafts = self.drafter.propose([
             DraftRequest(req_id, states[req_id].token_ids, states[req_id].num_prompt_tokens, len(placeholders))
             for req_id, placeholders in sched.spec_token_ids.items()
         ])
+        return self._first_ranks(drafts) if self.drafts_alone else drafts
+
+    def _first_ranks(self, drafts: dict[str, list[int]]) -> dict[str, list[int]]:
+        """The drafts the stage's first tensor-parallel rank proposed, on every rank: a draft held
+        whole by each rank runs alone there, and one rank's last bits (a GEMM its own timing
+        chose) must not part its verify step from the others'."""
+        flat = [token for tokens in drafts.values() for token in tokens]
+        if not flat:
+            return drafts
+        agreed = iter(first_rank_copy(torch.tensor(flat, dtype=torch.int64, device=self.device)).tolist())
+        return {req_id: [next(agreed) for _ in tokens] for req_id, tokens in drafts.items()}
 
     def _restore_accepted(self, req_id: str, token_ids: list[int]) -> None:
         """The first of several stages: the drafts the last one accepted hold DEVICE_FED_ID here (the

@@ -37,6 +37,7 @@ from ..sample.random_sampling import RaceKernel
 from ..sampling_params import SamplingParams
 from ..step_messages import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
 from ..loaders import resolve_model_source
+from ..spec_decode.config import draft_engine_config
 from ..spec_decode.draft_model import DraftModelProposer, check_draft_vocabulary
 from ..spec_decode.eagle import EagleProposer
 from ..spec_decode.eagle_heads import EAGLE_METHODS, prepare_head
@@ -190,13 +191,14 @@ class Worker(abc.ABC):
             self.runner.drafter = self._load_drafter(hf, spec.model)
         elif spec is not None and spec.method in EAGLE_METHODS:
             self.runner.drafter = self._load_eagle(model, hf, spec.method, spec.model)
+        self.runner.drafts_alone = self.runner.drafter is not None and self._draft_alone() and get_tp().world_size > 1
         self.model_info = info
         return info
 
     def _load_drafter(self, hf, draft: str) -> DraftModelProposer:
         """The draft model of speculative decoding, with a runner of its own; refused when its
         vocabulary is not the target's."""
-        source = self._draft_source(draft)
+        source = self._draft_source()
         draft_hf = source.hf_config
         check_draft_vocabulary(draft, draft_hf.vocab_size, self.config.model or "default", hf.vocab_size)
         # The first of several stages drafts with every layer of the draft; at draft tensor-parallel
@@ -212,7 +214,7 @@ class Worker(abc.ABC):
     def _load_eagle(self, model: torch.nn.Module, hf, method: str, head: str) -> EagleProposer:
         """An EAGLE / EAGLE-3 head over the target's hidden states, with a runner of its own;
         refused when it was made for another target (corectl.spec_decode.eagle_heads)."""
-        source = self._draft_source(head)
+        source = self._draft_source()
         head_cls = prepare_head(method, source, model, hf, head, self.config.model or "default")
         # At draft tensor-parallel size 1 every rank holds the head's own layers whole; the
         # target's embedding and LM head it reads stay split.
@@ -220,9 +222,8 @@ class Worker(abc.ABC):
             runner = self._draft_runner(self._build_draft(head_cls, source), source.hf_config)
         return EagleProposer(runner, model, hf.hidden_size, self.config.block_size)
 
-    def _draft_source(self, name: str):
-        return resolve_model_source(self.config.replace(model=name, tokenizer=None, hf_overrides=None,
-                                                        quantization=None, speculative_config=None))
+    def _draft_source(self):
+        return resolve_model_source(draft_engine_config(self.config))
 
     def _build_draft(self, model_cls: type[torch.nn.Module], source) -> torch.nn.Module:
         """A draft model or head, dense, in the target's dtype, with its weights."""

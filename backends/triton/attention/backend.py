@@ -121,7 +121,8 @@ class TritonAttentionBackend(AttentionBackend):
         # Decode steps replay captured graphs, where a launch fewer a layer is all gain. Prefill
         # steps run attention eagerly between piecewise graphs, where the fused launch's host work
         # (the rotary kernel's, which the graphs held) cost more than the launch saves (W3's
-        # prefill step 30% slower on an H200).
+        # prefill step 30% slower on an H200). Piecewise captures are prefill-shaped (16 tokens
+        # and up), so their replays never carry a rotation.
         return meta.is_pure_decode
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -133,9 +134,7 @@ class TritonAttentionBackend(AttentionBackend):
         if rotation is None:
             store_kvcache(k, v, kv_cache, meta.slot_mapping, check_indices=check)
         else:
-            # A piecewise graph replays attention on the step's tokens with its capture's rotation,
-            # whose positions run to the captured count.
-            rotate_and_store_kvcache(rotation.positions[: q.shape[0]], q.view(-1, self.num_heads, self.head_dim),
+            rotate_and_store_kvcache(rotation.positions, q.view(-1, self.num_heads, self.head_dim),
                                      k.view(-1, self.num_kv_heads, self.head_dim), v, kv_cache, meta.slot_mapping,
                                      rotation.cos, rotation.sin, rotation.q_norm, rotation.k_norm, rotation.norm_eps,
                                      check_indices=check)

@@ -95,7 +95,7 @@ def test_a_model_through_the_triton_backend_decodes_the_same_bits_fused(qk_norm,
     """Llama and Qwen3 layers (random weights, the Triton layer kernels, fp32) over the Triton
     backend: a prefill step and a decode step give the same logits and caches with the rotation
     fused into the store (decode steps, the captured ones on a GPU) as with the layer's own rotary
-    kernel before it; a positions tensor longer than the step (a piecewise graph's) is cut to it."""
+    kernel before it."""
     from corectl.attention import AttentionBatch, ForwardContext
     from corectl.backends.triton.attention.backend import TritonAttentionBackend
     from corectl.backends.triton.layer_kernels import triton_layer_kernels
@@ -140,10 +140,7 @@ def test_a_model_through_the_triton_backend_decodes_the_same_bits_fused(qk_norm,
                                            for p in range(cached, total)]),
                 query_lens_host=[n], seq_lens_host=[total], max_query_len=n, max_seq_len=total, block_size=BLOCK_SIZE)
             ctx = ForwardContext(backend, backend.build_metadata(batch), caches)
-            positions = torch.arange(cached, total)
-            if fused and n == 1:  # padded past the step, as a piecewise graph's static buffer holds them
-                positions = torch.cat([positions, torch.zeros(3, dtype=torch.int64)])
-            hidden = model(torch.tensor(tokens), positions, ctx)
+            hidden = model(torch.tensor(tokens), torch.arange(cached, total), ctx)
             logits.append(model.compute_logits(hidden))
         return logits, caches
 

@@ -78,3 +78,15 @@ def test_a_whole_draft_on_the_first_of_two_stages_of_two_ranks(reference, checkp
     assert tokens == expected
     assert stats.spec_decode_num_draft_tokens > 0
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+
+
+def test_a_draft_that_does_not_split_over_the_ranks_is_refused_before_they_start(isolated_env, checkpoint, tmp_path):
+    from corectl.errors import ConfigError
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=512, hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=3,
+                num_key_value_heads=3, max_position_embeddings=512).save_pretrained(tmp_path)
+    spec = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 3}
+    with pytest.raises(ConfigError, match=r"^speculative_config: the draft .* is split as the target is, and 2 does "
+                                          r"not divide its 3 attention heads.*draft_tensor_parallel_size 1"):
+        LLM(str(checkpoint), **ENGINE, kv_cache_memory_gib=BUDGET_GIB, speculative_config=spec)
