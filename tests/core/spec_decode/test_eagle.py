@@ -327,3 +327,32 @@ def test_serve_with_an_eagle3_head_reports_the_speculative_counters(folders):
         assert "vllm:spec_decode_num_accepted_tokens_total" in metrics
     finally:
         server.stop()
+
+
+def test_a_split_eagle3_head_drafts_from_its_whole_draft_vocabulary(monkeypatch):
+    """Each of two ranks holds half of an EAGLE-3 head's draft vocabulary: its draft is the argmax
+    over the gathered logits, the whole head's, not over its own half (all_gather stood in for by
+    the two ranks' slices, computed here in one process)."""
+    from corectl.distributed import TensorParallel, parallel_state
+    from corectl.models import parallel
+    from corectl.spec_decode.eagle_heads import Eagle3Head
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=VOCAB, num_hidden_layers=1, draft_vocab_size=DRAFT_VOCAB, **SHAPE)
+    weight = torch.randn(DRAFT_VOCAB, HIDDEN, generator=torch.Generator().manual_seed(6))
+    rows = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(7))
+
+    def head(rank: int, world_size: int) -> Eagle3Head:
+        monkeypatch.setattr(parallel_state, "_state", TensorParallel(rank, world_size))
+        built = Eagle3Head(config, 64, torch.float32)
+        built.lm_head.weight.weight_loader(built.lm_head.weight, weight)
+        built.d2t.copy_(torch.arange(DRAFT_VOCAB) * 2)
+        return built
+
+    whole = head(0, 1).draft_tokens(rows, None)
+    halves = [head(rank, 2) for rank in range(2)]
+    local = [h.lm_head(rows) for h in halves]
+    monkeypatch.setattr(parallel, "all_gather", lambda x: torch.cat(local, dim=-1))
+    assert torch.equal(halves[0].draft_tokens(rows, None), whole)
+    # Several rows' argmaxes lie in the second rank's half: the first's slice alone would miss them.
+    assert (whole >= 2 * (DRAFT_VOCAB // 2)).any()
