@@ -44,7 +44,7 @@ from .models.pipeline import check_pipeline_parallel, layer_partition, resolve_l
 from .models.registry import resolve_model_class
 from .multimodal.profile import encoder_cache_bytes, serves_images
 from .planning_drafts import DraftShape, draft_shape
-from .planning_weights import ModelWeights, kv_heads_per_rank, planned_model, size_weights
+from .planning_weights import ModelWeights, planned_model, rank_share, size_weights
 from .platform import resolve_dtype
 from .pooling import pooling_architectures
 from .quantization.base import QuantizationConfig
@@ -362,12 +362,10 @@ def _activation_bytes(shape: _Shape, kv_heads: int, tp: int, tokens: int, num_se
 def _size(checkpoint: Checkpoint, shape: _Shape, config: EngineConfig, target: Target, tp: int) -> Plan:
     info, weights = shape.info, shape.weights
     check_tensor_parallel(shape.model_cls, tp)
-    kv_heads = kv_heads_per_rank(info, tp)
-    per_token = dataclasses.replace(info, num_kv_heads=kv_heads).kv_bytes_per_block(1)
-    num_seqs = profile_num_seqs(config.max_num_seqs, config.max_num_batched_tokens, shape.max_model_len)
     # Matrices and quantized layers split across ranks, vectors such as norms replicated, plus
     # the K/V projection rows each rank repeats when KV heads are replicated.
-    served = weights.served.per_rank(kv_heads, info.num_kv_heads, tp)
+    kv_heads, served, per_token = rank_share(info, weights, tp)
+    num_seqs = profile_num_seqs(config.max_num_seqs, config.max_num_batched_tokens, shape.max_model_len)
     activations = _activation_bytes(shape, kv_heads, tp, config.max_num_batched_tokens, num_seqs)
     draft_weights, draft_per_token = (0, 0) if shape.draft is None else shape.draft.bytes_per_rank(tp)
     per_block = (per_token + draft_per_token) * config.block_size

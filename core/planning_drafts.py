@@ -5,7 +5,6 @@ device as the worker builds it: dense, in the target's dtype, every layer of a d
 first pipeline stage only, split over the ranks or whole on each (`draft_tensor_parallel_size`)."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from torch import nn
@@ -14,7 +13,7 @@ from .config import EngineConfig
 from .distributed import get_pp, viewed_whole
 from .loaders.resolve import resolve_model_source
 from .models.registry import resolve_model_class
-from .planning_weights import ModelWeights, kv_heads_per_rank, planned_model, size_weights
+from .planning_weights import ModelWeights, planned_model, rank_share, size_weights
 from .spec_decode.config import draft_engine_config
 from .spec_decode.draft_model import check_draft_vocabulary
 from .spec_decode.eagle_heads import prepare_head
@@ -32,10 +31,8 @@ class DraftShape:
     def bytes_per_rank(self, target_tp: int) -> tuple[int, int]:
         """(served weight and buffer bytes, KV cache bytes a token) of one rank's share beside a
         target at `target_tp` ranks."""
-        tp = 1 if self.whole else target_tp
-        kv_heads = kv_heads_per_rank(self.info, tp)
-        weights = self.weights.served.per_rank(kv_heads, self.info.num_kv_heads, tp) + self.weights.buffer_bytes
-        return weights, dataclasses.replace(self.info, num_kv_heads=kv_heads).kv_bytes_per_block(1)
+        _, served, per_token = rank_share(self.info, self.weights, 1 if self.whole else target_tp)
+        return served + self.weights.buffer_bytes, per_token
 
 
 def draft_shape(config: EngineConfig, target: nn.Module, target_hf, dtype: str,

@@ -11,6 +11,7 @@ once: that is the load-time peak. The transient copies a method makes while repa
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -63,6 +64,14 @@ def kv_heads_per_rank(info: ModelInfo, tp: int) -> int:
     except ValueError:
         raise ConfigError("tensor_parallel_size", f"{tp} must divide the model's {info.num_heads} attention heads, "
                           f"and divide or be a multiple of its {info.num_kv_heads} KV heads") from None
+
+
+def rank_share(info: ModelInfo, weights: ModelWeights, tp: int) -> tuple[int, int, int]:
+    """One of `tp` ranks' share of a model: (its KV heads, its served weight bytes, its KV cache
+    bytes a token)."""
+    kv_heads = kv_heads_per_rank(info, tp)
+    return (kv_heads, weights.served.per_rank(kv_heads, info.num_kv_heads, tp),
+            dataclasses.replace(info, num_kv_heads=kv_heads).kv_bytes_per_block(1))
 
 
 def planned_model(model_cls: type[nn.Module], hf, dtype: torch.dtype, max_model_len: int,
