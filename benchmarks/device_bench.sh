@@ -140,6 +140,10 @@ api_cpu_seconds() {  # the server process and its API processes (--api-server-co
   for p in "${pids[@]}"; do cpu_seconds "$p"; done | awk '{s += $1} END {print s}'
 }
 # Ray travels as a slimmed tarball (the wheel is over the device tool's size limit): .peers/ray-slim.tar.xz.
+ncu_bin() {  # Nsight Compute into NCU: on the PATH, or where the device image installs it
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  [ -n "$NCU" ] || { echo "ncu not found"; return 1; }
+}
 ray_site() { [ -f .peers/ray-slim.tar.xz ] && tar xJf .peers/ray-slim.tar.xz -C /tmp/site 2>/dev/null; python3 -c "import ray" 2>/dev/null; }
 
 # -- tests -----------------------------------------------------------------------------------------
@@ -484,7 +488,12 @@ stage_sweep() {
     allreduce) timeout 300 python3 benchmarks/allreduce_bench.py ;;
     race) timeout 120 python3 benchmarks/race_draw_bench.py ;;
     order) timeout 240 python3 benchmarks/decode_order_sweep.py ;;
-    *) echo "sweep:NAME, NAME one of w4a16 fp8 dense moe moefine decode w8a16 fp8accum invgemm invgemmcfg fp8block lora allreduce race order"; return 1 ;;
+    mxfp4) timeout 540 python3 benchmarks/mxfp4_moe_bench.py ${MXFP4_SWEEP:+--sweep} ;;
+    mxfp4ncu) ncu_bin && timeout 300 "$NCU" --clock-control none -k regex:_mx_pair --launch-skip 16 --launch-count 4 \
+                --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+                --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
+                python3 benchmarks/mxfp4_moe_bench.py --once ;;
+    *) echo "sweep:NAME, NAME one of w4a16 fp8 dense moe moefine decode w8a16 fp8accum invgemm invgemmcfg fp8block lora allreduce race order mxfp4 mxfp4ncu"; return 1 ;;
   esac > "$RES/$TAG.txt" 2>&1
   local rc=$?
   tail -80 "$RES/$TAG.txt"

@@ -9,6 +9,9 @@ figure to hold against the copy bandwidth. `TFLOP/s` counts the routed pairs' GE
 `--sweep` then times the pairs path at 1, 2 and 4 tokens with each candidate launch of one kernel
 (the other at its rule's `pair_config`): column block, groups a step, warps and stages, one line a
 kernel and token count. `*` marks the rule's own choice.
+
+`--once` instead runs each layer's pairs path once at one token, eagerly, after a warm-up: a kernel
+profiler's input (`sweep:mxfp4ncu` of device_bench.sh runs Nsight Compute over it).
 """
 import argparse
 
@@ -17,7 +20,7 @@ import triton
 from corectl.backends.triton.bench.fp8 import graph_us
 from corectl.backends.triton.moe.fused_moe import topk_softmax
 from corectl.backends.triton.moe.mxfp4_moe import GROUP, Mxfp4Stack, PairConfig, mxfp4_moe
-from corectl.backends.triton.moe.mxfp4_pairs import pair_config
+from corectl.backends.triton.moe.mxfp4_pairs import down_config, pair_config
 
 HIDDEN, EXPERTS, INTER, TOP_K = 2880, 32, 2880, 4
 LAYERS = 4
@@ -59,12 +62,16 @@ def table(layers) -> None:
 
 def candidates(rows: int, k: int) -> list[PairConfig]:
     """Column blocks of 4-32 rows on 4 warps, one 16-byte vector a thread and projection (3, 5 and 8
-    stages) or two (3 and 5), and 1-warp programs of 4 and 8 rows (5 and 8 stages)."""
+    stages) or two (3 and 5); 1-warp programs of 4 and 8 rows (5 and 8 stages); and programs whose
+    threads each hold several rows of one group (a warp across 32 groups, 1 or 2 warps), which
+    share each activation load among those rows (3 and 4 stages)."""
     cap = triton.next_power_of_2(k // GROUP)
     four = [PairConfig(bn, min(128 // bn, cap), 4, st) for bn in (4, 8, 16, 32) for st in (3, 5, 8)]
     wide = [PairConfig(bn, min(256 // bn, cap), 4, st) for bn in (8, 16) for st in (3, 5)]
     single = [PairConfig(bn, min(32 // bn, cap), 1, st) for bn in (4, 8) for st in (5, 8)]
-    return [cfg for cfg in four + wide + single if rows % cfg.block_n == 0]
+    shared = [PairConfig(bn, min(32, cap), warps, st) for bn, warps in ((2, 1), (4, 1), (4, 2), (8, 2))
+              for st in (3, 4)]
+    return [cfg for cfg in four + wide + single + shared if rows % cfg.block_n == 0]
 
 
 def sweep(layers) -> None:
@@ -73,7 +80,7 @@ def sweep(layers) -> None:
     device = torch.device("cuda")
     for tokens in SWEEP_TOKENS:
         hidden, weights, ids = routed(tokens)
-        rule = (pair_config(INTER, tokens * TOP_K, HIDDEN, device), pair_config(HIDDEN, tokens, INTER, device))
+        rule = (pair_config(INTER, tokens * TOP_K, HIDDEN, device), down_config(HIDDEN, INTER, device))
         for kernel, rows, k in (("gate_up", INTER, HIDDEN), ("down", HIDDEN, INTER)):
             cells = []
             for cfg in candidates(rows, k):
@@ -84,12 +91,25 @@ def sweep(layers) -> None:
             print(f"sweep {kernel} tokens={tokens}: " + " ".join(cells), flush=True)
 
 
+def once(layers) -> None:
+    """Two warm-up rounds, then one round of the layers at one token (the profiled launches)."""
+    hidden, weights, ids = routed(1)
+    for _ in range(3):
+        for gate_up, down in layers:
+            mxfp4_moe(hidden, gate_up, down, weights, ids, 1.702, 7.0, check_indices=False, path="pairs")
+        torch.cuda.synchronize()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="time each candidate pairs launch at 1-4 tokens")
+    parser.add_argument("--once", action="store_true", help="run each layer once at one token, for a profiler")
     args = parser.parse_args()
     torch.manual_seed(0)
     layers = [(stack(2 * INTER, HIDDEN), stack(HIDDEN, INTER)) for _ in range(LAYERS)]
+    if args.once:
+        once(layers)
+        return
     print(f"triton {triton.__version__}; gpt-oss-20b layer: {EXPERTS} experts, top {TOP_K}, "
           f"{EXPERT_BYTES / 1e6:.1f} MB an expert")
     table(layers)
