@@ -191,6 +191,8 @@ class PairConfig(NamedTuple):
     groups: int
     num_warps: int
     num_stages: int
+    # A cap on registers a thread (ptxas' .maxnreg), where it buys a program an SM without spills.
+    max_registers: int | None = None
 
 
 # Programs a SM the pairs launch aims for: short programs (a few K steps each), many of them, read
@@ -213,7 +215,9 @@ def pair_config(rows: int, programs: int, k: int, device: torch.device) -> PairC
     block_n = 32
     while block_n > 4 and programs * triton.cdiv(rows, block_n) < PROGRAMS_PER_SM * device_sms(device):
         block_n //= 2
-    return PairConfig(block_n, min(128 // block_n, triton.next_power_of_2(k // GROUP)), 4, 3)
+    # 4-row programs compile to 80 registers on sm_90 (6 programs an SM); 72, with no spills, fit 7.
+    return PairConfig(block_n, min(128 // block_n, triton.next_power_of_2(k // GROUP)), 4, 3,
+                      72 if block_n == 4 else None)
 
 
 def down_config(rows: int, k: int, device: torch.device) -> PairConfig:
@@ -225,6 +229,11 @@ def down_config(rows: int, k: int, device: torch.device) -> PairConfig:
     if device.type == "cpu":
         return pair_config(rows, 1, k, device)
     return PairConfig(4, min(32, triton.next_power_of_2(k // GROUP)), 1, 4)
+
+
+def _register_cap(cfg: PairConfig) -> dict:
+    """The launch's `maxnreg` option where the config caps registers (a GPU compile option only)."""
+    return {} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}
 
 
 def _words(stack: Mxfp4Stack) -> torch.Tensor:
@@ -269,7 +278,7 @@ def by_pair(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, routing: Routing, alp
         hidden, words, gate_up.scales, gate_up.bias, ids, weights, logits, activated, inter, hidden_size, stride_l,
         num_experts, hidden.stride(0), words.stride(0), words.stride(1), *strides(gate_up)[2:], activated.stride(0),
         alpha, limit, **routing.meta(), BLOCK_N=up_cfg.block_n, GROUPS=up_cfg.groups, NUM_STAGES=up_cfg.num_stages,
-        NATIVE=native, PDL=pdl, num_warps=up_cfg.num_warps, launch_pdl=pdl,
+        NATIVE=native, PDL=pdl, num_warps=up_cfg.num_warps, launch_pdl=pdl, **_register_cap(up_cfg),
     )
     out = torch.empty_like(hidden)
     words = _words(down)
@@ -277,6 +286,6 @@ def by_pair(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, routing: Routing, alp
         activated, words, down.scales, down.bias, ids, weights, logits, out, hidden_size, inter, stride_l,
         num_experts, activated.stride(0), words.stride(0), words.stride(1), *strides(down)[2:], out.stride(0),
         **routing.meta(), BLOCK_N=down_cfg.block_n, GROUPS=down_cfg.groups, NUM_STAGES=down_cfg.num_stages,
-        NATIVE=native, PDL=pdl, num_warps=down_cfg.num_warps, launch_pdl=pdl,
+        NATIVE=native, PDL=pdl, num_warps=down_cfg.num_warps, launch_pdl=pdl, **_register_cap(down_cfg),
     )
     return out

@@ -129,7 +129,8 @@ for routed in (True, False):
                  **routing, "out_ptr": out, "alpha": "fp32", "limit": "fp32"}
         signature = {name: "constexpr" if name in meta else types.get(name, "i32") for name in names}
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=meta),
-                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps))
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=cfg.num_warps, maxnreg=cfg.max_registers))
         assert compiled.asm["cubin"]
 print("compiled")
 """
