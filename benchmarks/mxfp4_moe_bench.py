@@ -8,7 +8,7 @@ figure to hold against the copy bandwidth. `TFLOP/s` counts the routed pairs' GE
 
 `--sweep` then times the pairs path at 1, 2 and 4 tokens with each candidate launch of one kernel
 (the other at its rule's `pair_config`): column block, groups a step, warps and stages, one line a
-kernel and token count (`/rN`: registers capped at N). `*` marks the rule's own choice.
+kernel and token count. `*` marks the rule's own choice.
 
 `--once` instead runs each layer's pairs path once at one token, eagerly, after a warm-up: a kernel
 profiler's input (`sweep:mxfp4ncu` of device_bench.sh runs Nsight Compute over it).
@@ -20,7 +20,7 @@ import triton
 from corectl.backends.triton.bench.fp8 import graph_us
 from corectl.backends.triton.moe.fused_moe import topk_softmax
 from corectl.backends.triton.moe.mxfp4_moe import GROUP, Mxfp4Stack, PairConfig, mxfp4_moe
-from corectl.backends.triton.moe.mxfp4_pairs import down_config, pair_config
+from corectl.backends.triton.moe.mxfp4_pairs import pair_config
 
 HIDDEN, EXPERTS, INTER, TOP_K = 2880, 32, 2880, 4
 LAYERS = 4
@@ -64,16 +64,14 @@ def candidates(rows: int, k: int) -> list[PairConfig]:
     """Column blocks of 4-32 rows on 4 warps, one 16-byte vector a thread and projection (3, 5 and 8
     stages) or two (3 and 5); 1-warp programs of 4 and 8 rows (5 and 8 stages); and programs whose
     threads each hold several rows of one group (a warp across 32 groups, 1 or 2 warps), which
-    share each activation load among those rows (3 and 4 stages); and the 4-row launch with its
-    registers capped at 64 and 72."""
+    share each activation load among those rows (3 and 4 stages)."""
     cap = triton.next_power_of_2(k // GROUP)
     four = [PairConfig(bn, min(128 // bn, cap), 4, st) for bn in (4, 8, 16, 32) for st in (3, 5, 8)]
     wide = [PairConfig(bn, min(256 // bn, cap), 4, st) for bn in (8, 16) for st in (3, 5)]
     single = [PairConfig(bn, min(32 // bn, cap), 1, st) for bn in (4, 8) for st in (5, 8)]
     shared = [PairConfig(bn, min(32, cap), warps, st) for bn, warps in ((2, 1), (4, 1), (4, 2), (8, 2))
               for st in (3, 4)]
-    capped = [PairConfig(4, min(32, cap), 4, 3, regs) for regs in (64, 72)]
-    return [cfg for cfg in four + wide + single + shared + capped if rows % cfg.block_n == 0]
+    return [cfg for cfg in four + wide + single + shared if rows % cfg.block_n == 0]
 
 
 def sweep(layers) -> None:
@@ -82,15 +80,14 @@ def sweep(layers) -> None:
     device = torch.device("cuda")
     for tokens in SWEEP_TOKENS:
         hidden, weights, ids = routed(tokens)
-        rule = (pair_config(INTER, tokens * TOP_K, HIDDEN, device), down_config(HIDDEN, INTER, device))
+        rule = (pair_config(INTER, tokens * TOP_K, HIDDEN, device), pair_config(HIDDEN, tokens, INTER, device))
         for kernel, rows, k in (("gate_up", INTER, HIDDEN), ("down", HIDDEN, INTER)):
             cells = []
             for cfg in candidates(rows, k):
                 configs = (cfg, rule[1]) if kernel == "gate_up" else (rule[0], cfg)
                 us = layer_us(layers, hidden, weights, ids, path="pairs", pair_configs=configs)
                 star = "*" if cfg in rule else ""
-                cap = f"/r{cfg.max_registers}" if cfg.max_registers else ""
-                cells.append(f"{cfg.block_n}/{cfg.groups}/{cfg.num_warps}/{cfg.num_stages}{cap}:{us:.1f}{star}")
+                cells.append(f"{cfg.block_n}/{cfg.groups}/{cfg.num_warps}/{cfg.num_stages}:{us:.1f}{star}")
             print(f"sweep {kernel} tokens={tokens}: " + " ".join(cells), flush=True)
 
 

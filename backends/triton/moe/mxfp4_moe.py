@@ -30,7 +30,7 @@ sums, then apply it; the down kernels add the expert's bias before the routing w
 Routing and the sorted path's sort are fused_moe.py's (`topk_route`/`topk_softmax`, `sort_by_expert`):
 - pairs (decode batches, `mxfp4_pairs.py`): `_mx_pair_gate_up_kernel` per (pair, column block),
   `_mx_pair_down_kernel` per (token, column block), GEMVs streaming the packed rows along K
-  (moe_pairs.py's structure), fp32 accumulators per row and group, launched by rules of the shape (`pair_config`, `down_config`;
+  (moe_pairs.py's structure), fp32 accumulators per row and group, launched by a rule of the shape (`pair_config`;
   `benchmarks/mxfp4_moe_bench.py --sweep` times its candidates), with PDL; from router logits
   (`routed_mxfp4_moe`) they take the top-k themselves, with no routing launch;
 - sorted (prefill and larger batches): `_mx_moe_gemm_kernel`, tensor-core dots of bf16 activations

@@ -191,8 +191,6 @@ class PairConfig(NamedTuple):
     groups: int
     num_warps: int
     num_stages: int
-    # A cap on registers a thread (ptxas' .maxnreg), where it buys a program an SM without spills.
-    max_registers: int | None = None
 
 
 # Programs a SM the pairs launch aims for: short programs (a few K steps each), many of them, read
@@ -215,25 +213,7 @@ def pair_config(rows: int, programs: int, k: int, device: torch.device) -> PairC
     block_n = 32
     while block_n > 4 and programs * triton.cdiv(rows, block_n) < PROGRAMS_PER_SM * device_sms(device):
         block_n //= 2
-    # 4-row programs compile to 80 registers on sm_90 (6 programs an SM); 72, with no spills, fit 7.
-    return PairConfig(block_n, min(128 // block_n, triton.next_power_of_2(k // GROUP)), 4, 3,
-                      72 if block_n == 4 else None)
-
-
-def down_config(rows: int, k: int, device: torch.device) -> PairConfig:
-    """The down kernel's launch: one-warp programs of 4 rows x 32 groups a step, so each thread
-    holds the 4 rows' words of one group and loads that group's activations once for them (the
-    code-major activations are read once a row in the 4-warp layout), 4 stages. An H200's sweep
-    (2026-11-28, `mxfp4_moe_bench.py --sweep`, both kernels a layer): 46.7, 69.6 and 124.8 us at 1, 2
-    and 4 tokens against `pair_config`'s 47.7, 75.2 and 134.4."""
-    if device.type == "cpu":
-        return pair_config(rows, 1, k, device)
-    return PairConfig(4, min(32, triton.next_power_of_2(k // GROUP)), 1, 4)
-
-
-def _register_cap(cfg: PairConfig) -> dict:
-    """The launch's `maxnreg` option where the config caps registers (a GPU compile option only)."""
-    return {} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}
+    return PairConfig(block_n, min(128 // block_n, triton.next_power_of_2(k // GROUP)), 4, 3)
 
 
 def _words(stack: Mxfp4Stack) -> torch.Tensor:
@@ -270,7 +250,7 @@ def by_pair(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, routing: Routing, alp
     hidden_size, inter = hidden.shape[1], gate_up.blocks.shape[1] // 2
     native, pdl = hidden.device.type == "cuda", pdl_enabled(hidden.device)
     up_cfg, down_cfg = configs or (pair_config(inter, num_tokens * top_k, hidden_size, hidden.device),
-                                   down_config(hidden_size, inter, hidden.device))
+                                   pair_config(hidden_size, num_tokens, inter, hidden.device))
     ids, weights, logits, stride_l, num_experts = routing.args()
     activated = torch.empty(num_tokens * top_k, inter, dtype=torch.float32, device=hidden.device)
     words = _words(gate_up)
@@ -278,7 +258,7 @@ def by_pair(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, routing: Routing, alp
         hidden, words, gate_up.scales, gate_up.bias, ids, weights, logits, activated, inter, hidden_size, stride_l,
         num_experts, hidden.stride(0), words.stride(0), words.stride(1), *strides(gate_up)[2:], activated.stride(0),
         alpha, limit, **routing.meta(), BLOCK_N=up_cfg.block_n, GROUPS=up_cfg.groups, NUM_STAGES=up_cfg.num_stages,
-        NATIVE=native, PDL=pdl, num_warps=up_cfg.num_warps, launch_pdl=pdl, **_register_cap(up_cfg),
+        NATIVE=native, PDL=pdl, num_warps=up_cfg.num_warps, launch_pdl=pdl,
     )
     out = torch.empty_like(hidden)
     words = _words(down)
@@ -286,6 +266,6 @@ def by_pair(hidden, gate_up: Mxfp4Stack, down: Mxfp4Stack, routing: Routing, alp
         activated, words, down.scales, down.bias, ids, weights, logits, out, hidden_size, inter, stride_l,
         num_experts, activated.stride(0), words.stride(0), words.stride(1), *strides(down)[2:], out.stride(0),
         **routing.meta(), BLOCK_N=down_cfg.block_n, GROUPS=down_cfg.groups, NUM_STAGES=down_cfg.num_stages,
-        NATIVE=native, PDL=pdl, num_warps=down_cfg.num_warps, launch_pdl=pdl, **_register_cap(down_cfg),
+        NATIVE=native, PDL=pdl, num_warps=down_cfg.num_warps, launch_pdl=pdl,
     )
     return out

@@ -115,13 +115,13 @@ from triton.compiler import ASTSource
 import torch
 from corectl.backends.triton.moe import mxfp4_pairs as pairs
 pairs.device_sms = lambda device: 132
-gpu = torch.device("cuda")
 for routed in (True, False):
     ids, weights = ("*bf16", "*bf16") if routed else ("*i32", "*fp32")
     routing = dict(ids_ptr=ids, weights_ptr=weights, logits_ptr="*bf16", out_ptr=None, N="i32", K="i32", stride_l="i32",
                    num_experts="i32")
-    for kernel, x, out, cfg in ((pairs._mx_pair_gate_up_kernel, "x_ptr", "*fp32", pairs.pair_config(2880, 4, 2880, gpu)),
-                                (pairs._mx_pair_down_kernel, "act_ptr", "*bf16", pairs.down_config(2880, 2880, gpu))):
+    for kernel, x, out, rows, programs in ((pairs._mx_pair_gate_up_kernel, "x_ptr", "*fp32", 2880, 4),
+                                           (pairs._mx_pair_down_kernel, "act_ptr", "*bf16", 2880, 1)):
+        cfg = pairs.pair_config(rows, programs, 2880, torch.device("cuda"))
         meta = dict(TOP_K=4, BLOCK_TOP_K=4, BLOCK_E=32, RENORMALIZE=True, FROM_LOGITS=routed, BLOCK_N=cfg.block_n,
                     GROUPS=cfg.groups, NUM_STAGES=cfg.num_stages, NATIVE=True, PDL=True)
         names = kernel.arg_names
@@ -129,8 +129,7 @@ for routed in (True, False):
                  **routing, "out_ptr": out, "alpha": "fp32", "limit": "fp32"}
         signature = {name: "constexpr" if name in meta else types.get(name, "i32") for name in names}
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=meta),
-                                  target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=cfg.num_warps, maxnreg=cfg.max_registers))
+                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps))
         assert compiled.asm["cubin"]
 print("compiled")
 """
