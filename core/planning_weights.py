@@ -21,6 +21,7 @@ from torch import nn
 from .distributed import shard_range
 from .errors import ConfigError
 from .models.moe import FusedMoE
+from .models.parallel import PackedLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear, VocabParallelEmbedding
 from .quantization.base import QuantizationConfig, layer_bytes, tensor_bytes
 from .worker.worker import ModelInfo, build_model
 
@@ -29,8 +30,9 @@ from .worker.worker import ModelInfo, build_model
 class WeightLayout:
     """A model's weight bytes in one layout, at world size 1.
 
-    split: of `total`, the bytes tensor parallelism divides over ranks (matrices, and every
-    tensor of a quantized linear layer); the rest (norms, biases of dense layers) is replicated.
+    split: of `total`, the bytes tensor parallelism divides over ranks (the matrices of its split
+    layers, and every tensor of such a layer when quantized); the rest (norms, biases of dense
+    layers, and whatever layers every rank holds whole) is replicated.
     kv_head: the bytes one KV head's K and V projection rows take over all layers, which each rank
     holds again when ranks outnumber KV heads.
     """
@@ -86,23 +88,42 @@ def _not_run(*args, **kwargs) -> torch.Tensor:
     raise RuntimeError("a model built for planning does not run")
 
 
+# The layers tensor parallelism splits over the ranks. Every other module's weights each rank holds
+# whole: routers, a vision tower, an EAGLE head's fc, DeepSeek's low-rank projections.
+_SPLIT_LAYERS = (PackedLinear, RowParallelLinear, VocabParallelEmbedding, ParallelLMHead, FusedMoE)
+
+
+def _split_over_ranks(module: nn.Module) -> bool:
+    return isinstance(module, _SPLIT_LAYERS) and not isinstance(module, ReplicatedLinear)
+
+
+def _split_bytes(module: nn.Module, own: list[nn.Parameter]) -> int:
+    """Of a split layer's own dense parameters, the bytes divided over the ranks: a column-parallel
+    layer's rows with their biases; of the others the matrices (a row-parallel bias is whole on
+    every rank)."""
+    if isinstance(module, PackedLinear):
+        return tensor_bytes(*own)
+    return tensor_bytes(*(p for p in own if p.dim() > 1))
+
+
 def size_weights(model: nn.Module, head_dim: int) -> ModelWeights:
     """The weights of a (meta) model; `head_dim` sizes a KV head's rows."""
     served, loading = _Tally(head_dim), _Tally(head_dim)
     buffers = num_params = 0
     seen: set[int] = set()
     for module in model.modules():
+        split = _split_over_ranks(module)
         method = getattr(module, "quant_method", None)
         if method is not None:
-            served.add(module, method.served_bytes(module))
-            loading.add(module, layer_bytes(module))
+            for tally, nbytes in ((served, method.served_bytes(module)), (loading, layer_bytes(module))):
+                tally.add(module, nbytes if split else 0, 0 if split else nbytes)
             num_params += _dense_params(module)
             continue
         own = [p for p in module.parameters(recurse=False) if id(p) not in seen]  # a tied head: the embedding's
         seen.update(map(id, own))
-        matrices = tensor_bytes(*(p for p in own if p.dim() > 1))
+        divided = _split_bytes(module, own) if split else 0
         for tally in (served, loading):
-            tally.add(module, matrices, tensor_bytes(*own) - matrices)
+            tally.add(module, divided, tensor_bytes(*own) - divided)
         buffers += tensor_bytes(*module.buffers(recurse=False))
         num_params += sum(p.numel() for p in own)
     return ModelWeights(served.layout(), loading.layout(), buffers, num_params)
