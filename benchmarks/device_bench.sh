@@ -488,7 +488,7 @@ stage_sweep() {
     allreduce) timeout 300 python3 benchmarks/allreduce_bench.py ;;
     race) timeout 120 python3 benchmarks/race_draw_bench.py ;;
     order) timeout 240 python3 benchmarks/decode_order_sweep.py ;;
-    mxfp4) timeout 540 python3 benchmarks/mxfp4_moe_bench.py ${MXFP4_SWEEP:+--sweep} ;;
+    mxfp4) timeout 540 python3 benchmarks/mxfp4_moe_bench.py ${MXFP4_SWEEP:+--sweep --sweep-tokens "$MXFP4_SWEEP"} ;;
     mxfp4ncu) ncu_bin && timeout 300 "$NCU" --clock-control none -k regex:_mx_pair --launch-skip 16 --launch-count 4 \
                 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
                 --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \

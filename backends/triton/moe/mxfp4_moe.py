@@ -235,11 +235,12 @@ def mxfp4_moe(hidden: torch.Tensor, gate_up: Mxfp4Stack, down: Mxfp4Stack, topk_
 
 
 def routed_mxfp4_moe(hidden: torch.Tensor, router_logits: torch.Tensor, gate_up: tuple, down: tuple,
-                     top_k: int, renormalize: bool, alpha: float, limit: float) -> torch.Tensor:
+                     top_k: int, renormalize: bool, alpha: float, limit: float, *,
+                     pair_configs: tuple[PairConfig, PairConfig] | None = None) -> torch.Tensor:
     """The `mxfp4_moe` kernel a worker hands `corectl.quantization.mxfp4` (gate_up and down as
     (blocks, scales, bias) tuples): routing (`topk_softmax`) then `mxfp4_moe`, or for decode
     batches the pairs path routing inside its kernels (one launch fewer). Expert ids come from that
-    top-k (always in range): not read back to check."""
+    top-k (always in range): not read back to check. `pair_configs` as in `mxfp4_moe`."""
     gate_up, down = Mxfp4Stack(*gate_up), Mxfp4Stack(*down)
     check_float("router_logits", router_logits, 2)
     num_tokens, num_experts = router_logits.shape
@@ -251,6 +252,6 @@ def routed_mxfp4_moe(hidden: torch.Tensor, router_logits: torch.Tensor, gate_up:
         _check_experts(hidden, gate_up, down)
         check_same_device(hidden=hidden, router_logits=router_logits)
         return by_pair(hidden, gate_up, down, Routing(top_k, logits=router_logits, renormalize=renormalize),
-                        float(alpha), float(limit))
+                        float(alpha), float(limit), pair_configs)
     topk_weights, topk_ids = topk_softmax(router_logits, top_k, renormalize)
     return mxfp4_moe(hidden, gate_up, down, topk_weights, topk_ids, alpha, limit, check_indices=False)
