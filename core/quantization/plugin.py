@@ -18,4 +18,5 @@ def corectl_quantization_methods():
     yield QuantizationMethodSpec("gptq", "corectl.quantization.int4:GPTQConfig",
                                  "GPTQ 4-bit weight-only, with or without act-order (g_idx)")
     yield QuantizationMethodSpec("mxfp4", "corectl.quantization.mxfp4:Mxfp4Config",
-                                 "MXFP4 experts (gpt-oss: e2m1 with an e8m0 scale per 32), dequantized at load")
+                                 "MXFP4 experts (gpt-oss: e2m1 with an e8m0 scale per 32): served packed by the "
+                                 "platform's mxfp4_moe kernel (CUDA), dequantized at load elsewhere")
