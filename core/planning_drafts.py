@@ -11,11 +11,9 @@ from torch import nn
 
 from .config import EngineConfig
 from .distributed import get_pp, viewed_whole
-from .loaders.resolve import resolve_model_source
 from .models.registry import resolve_model_class
 from .planning_weights import ModelWeights, planned_model, rank_share, size_weights
-from .spec_decode.config import draft_engine_config
-from .spec_decode.draft_model import check_draft_vocabulary
+from .spec_decode.draft_model import check_draft_vocabulary, draft_source
 from .spec_decode.eagle_heads import prepare_head
 from .worker.worker import _DTYPES, ModelInfo, _model_info
 
@@ -44,7 +42,7 @@ def draft_shape(config: EngineConfig, target: nn.Module, target_hf, dtype: str,
         return None
     draft_model = spec.method == "draft_model"
     # A head's tensor names complete its config (`prepare_head`); a draft model needs its config only.
-    source = resolve_model_source(draft_engine_config(config, load_format="dummy" if draft_model else config.load_format))
+    source = draft_source(config, load_format="dummy" if draft_model else config.load_format)
     hf, target_name = source.hf_config, config.model or "default"
     if draft_model:
         check_draft_vocabulary(spec.model, hf.vocab_size, target_name, target_hf.vocab_size)

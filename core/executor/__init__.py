@@ -4,11 +4,10 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import ConfigError
-from ..loaders.resolve import resolve_model_source
 from ..models.parallel import check_tensor_parallel
 from ..models.pipeline import check_pipeline_parallel, resolve_layer_partition
 from ..models.registry import resolve_model_class
-from ..spec_decode.config import draft_engine_config
+from ..spec_decode.draft_model import draft_source
 from .base import Executor, StepHandle, WorkerSpec
 
 __all__ = ["Executor", "StepHandle", "WorkerSpec", "create_executor", "executor_backend"]
@@ -28,7 +27,7 @@ def _check_draft_splits(config) -> None:
     spec = config.speculative_config
     if spec is None or spec.model is None or spec.draft_tensor_parallel_size == 1:
         return
-    draft = resolve_model_source(draft_engine_config(config, load_format="dummy")).hf_config
+    draft = draft_source(config, load_format="dummy").hf_config
     try:
         check_tensor_parallel(draft, spec.draft_tensor_parallel_size)
     except ConfigError as exc:

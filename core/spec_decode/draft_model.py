@@ -22,14 +22,26 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ModelNotFoundError
+from ..loaders.resolve import resolve_model_source
+from ..loaders.source import ModelSource
 from ..sampling_params import SamplingParams
 from ..step_messages import CachedRequestData, NewRequestData, SchedulerOutput
+from .config import FIELD, draft_engine_config
 
 if TYPE_CHECKING:
     from ..worker.model_runner import ModelRunner
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def draft_source(config, **changes) -> ModelSource:
+    """The draft model's or EAGLE head's source (`draft_engine_config`, `changes` on top); a path
+    or id that resolves to nothing is the speculative config's error, named as such."""
+    try:
+        return resolve_model_source(draft_engine_config(config, **changes))
+    except ModelNotFoundError as exc:
+        raise ConfigError(FIELD, f"the draft model or head: {exc}") from None
 
 
 def check_draft_vocabulary(draft: str, draft_vocab: int, target: str, target_vocab: int) -> None:

@@ -36,9 +36,7 @@ from ..quantization.scope import bind_linear_methods, process_loaded_weights, qu
 from ..sample.random_sampling import RaceKernel
 from ..sampling_params import SamplingParams
 from ..step_messages import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
-from ..loaders import resolve_model_source
-from ..spec_decode.config import draft_engine_config
-from ..spec_decode.draft_model import DraftModelProposer, check_draft_vocabulary
+from ..spec_decode.draft_model import DraftModelProposer, check_draft_vocabulary, draft_source
 from ..spec_decode.eagle import EagleProposer
 from ..spec_decode.eagle_heads import EAGLE_METHODS, prepare_head
 from .inflight import InflightStep
@@ -223,7 +221,7 @@ class Worker(abc.ABC):
         return EagleProposer(runner, model, hf.hidden_size, self.config.block_size)
 
     def _draft_source(self):
-        return resolve_model_source(draft_engine_config(self.config))
+        return draft_source(self.config)
 
     def _build_draft(self, model_cls: type[torch.nn.Module], source) -> torch.nn.Module:
         """A draft model or head, dense, in the target's dtype, with its weights."""

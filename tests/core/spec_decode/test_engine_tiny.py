@@ -81,3 +81,12 @@ def test_a_draft_with_another_vocabulary_is_refused_naming_both(isolated_env):
     spec = {"method": "draft_model", "model": "qwen3-0.6b", "num_speculative_tokens": 2}
     with pytest.raises(ConfigError, match=r"'qwen3-0.6b' has a 151936-token vocabulary but the target 'llama-tiny' has 512"):
         LLM(**TINY, kv_cache_memory_gib=0.01, speculative_config=spec)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_a_draft_path_that_does_not_exist_is_the_speculative_configs_error(tmp_path, method):
+    missing = str(tmp_path / "no-such-draft")
+    spec = {"method": method, "model": missing, "num_speculative_tokens": 2}
+    with pytest.raises(ConfigError, match=rf"speculative_config: the draft model or head: model path '{missing}' "
+                                          "does not exist"):
+        LLM(**TINY, kv_cache_memory_gib=0.01, speculative_config=spec)
