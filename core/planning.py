@@ -376,8 +376,8 @@ def _size(checkpoint: Checkpoint, shape: _Shape, config: EngineConfig, target: T
         # Under pipeline stages only the first holds the tower and its cache.
         if serves_images(shape.model_cls, checkpoint.source.model_dir) and get_pp().is_first:
             encoder_cache = encoder_cache_bytes(shape.hidden_size, _DTYPES[info.dtype].itemsize)
-        blocks = profiled_kv_blocks(target.memory_bytes, config.gpu_memory_utilization,
-                                    served + weights.buffer_bytes + activations + draft_weights, non_torch, per_block,
+        held = served + weights.buffer_bytes_per_rank(tp) + activations + draft_weights
+        blocks = profiled_kv_blocks(target.memory_bytes, config.gpu_memory_utilization, held, non_torch, per_block,
                                     encoder_cache)
         if budget is not None:  # the budget replaces the utilization: all of the device may hold it
             usable = target.memory_bytes
@@ -390,7 +390,7 @@ def _size(checkpoint: Checkpoint, shape: _Shape, config: EngineConfig, target: T
         stored_bytes=checkpoint.stored_bytes, num_params=info.num_params, weight_bytes=weights.served.total,
         tensor_parallel_size=tp, weight_bytes_per_rank=served,
         loading_weight_bytes_per_rank=weights.loading.per_rank(kv_heads, info.num_kv_heads, tp),
-        buffer_bytes=weights.buffer_bytes, num_kv_heads_per_rank=kv_heads, kv_bytes_per_token=per_token,
+        buffer_bytes=weights.buffer_bytes_per_rank(tp), num_kv_heads_per_rank=kv_heads, kv_bytes_per_token=per_token,
         block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
         activation_bytes=activations, device=target.name, profiles_memory=target.profiles_memory,
         device_memory_bytes=target.memory_bytes, usable_bytes=usable, non_torch_bytes=non_torch,

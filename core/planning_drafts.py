@@ -29,8 +29,9 @@ class DraftShape:
     def bytes_per_rank(self, target_tp: int) -> tuple[int, int]:
         """(served weight and buffer bytes, KV cache bytes a token) of one rank's share beside a
         target at `target_tp` ranks."""
-        _, served, per_token = rank_share(self.info, self.weights, 1 if self.whole else target_tp)
-        return served + self.weights.buffer_bytes, per_token
+        tp = 1 if self.whole else target_tp
+        _, served, per_token = rank_share(self.info, self.weights, tp)
+        return served + self.weights.buffer_bytes_per_rank(tp), per_token
 
 
 def draft_shape(config: EngineConfig, target: nn.Module, target_hf, dtype: str,

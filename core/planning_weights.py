@@ -20,6 +20,7 @@ from torch import nn
 
 from .distributed import shard_range
 from .errors import ConfigError
+from .models.mla import MLAttention
 from .models.moe import FusedMoE
 from .models.parallel import PackedLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear, VocabParallelEmbedding
 from .quantization.base import QuantizationConfig, layer_bytes, tensor_bytes
@@ -56,6 +57,12 @@ class ModelWeights:
     loading: WeightLayout
     buffer_bytes: int
     num_params: int
+    # Of buffer_bytes, those a layer keeps per attention head, which the ranks divide (MLA's
+    # absorbed up-projections); the rest (rotary tables) every rank holds whole.
+    split_buffer_bytes: int = 0
+
+    def buffer_bytes_per_rank(self, tp: int) -> int:
+        return math.ceil(self.split_buffer_bytes / tp) + self.buffer_bytes - self.split_buffer_bytes
 
 
 def kv_heads_per_rank(info: ModelInfo, tp: int) -> int:
@@ -109,7 +116,7 @@ def _split_bytes(module: nn.Module, own: list[nn.Parameter]) -> int:
 def size_weights(model: nn.Module, head_dim: int) -> ModelWeights:
     """The weights of a (meta) model; `head_dim` sizes a KV head's rows."""
     served, loading = _Tally(head_dim), _Tally(head_dim)
-    buffers = num_params = 0
+    buffers = split_buffers = num_params = 0
     seen: set[int] = set()
     for module in model.modules():
         split = _split_over_ranks(module)
@@ -124,9 +131,11 @@ def size_weights(model: nn.Module, head_dim: int) -> ModelWeights:
         divided = _split_bytes(module, own) if split else 0
         for tally in (served, loading):
             tally.add(module, divided, tensor_bytes(*own) - divided)
-        buffers += tensor_bytes(*module.buffers(recurse=False))
+        held = tensor_bytes(*module.buffers(recurse=False))
+        buffers += held
+        split_buffers += held if isinstance(module, MLAttention) else 0
         num_params += sum(p.numel() for p in own)
-    return ModelWeights(served.layout(), loading.layout(), buffers, num_params)
+    return ModelWeights(served.layout(), loading.layout(), buffers, num_params, split_buffers)
 
 
 def _dense_params(module: nn.Module) -> int:

@@ -1,6 +1,7 @@
 """`corectl plan` at tensor-parallel size 2 against the model itself built as rank 0 of two (on the meta
 device, as a rank builds it): the layers tensor parallelism splits count half, and what every rank
-holds whole counts whole (a vision tower, MoE routers, DeepSeek's low-rank projections). Counted
+holds whole counts whole (a vision tower, MoE routers, DeepSeek's low-rank projections), and so
+do the buffers (rotary tables whole, MLA's absorbed per-head up-projections divided). Counted
 as split, these configs' tower and projections put the plan 28% and 1.5% under the rank's bytes."""
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ def _held_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def _buffer_bytes(model) -> int:
+    return sum(b.numel() * b.element_size() for b in model.buffers())
+
+
 @pytest.mark.parametrize("make_config,architecture", [
     (_llama, "LlamaForCausalLM"), (_qwen2_5_vl, "Qwen2_5_VLForConditionalGeneration"),
     (_deepseek_v3, "DeepseekV3ForCausalLM")])
@@ -58,8 +63,11 @@ def test_a_ranks_planned_weights_are_what_rank_0_of_two_holds(make_config, archi
     model_cls = resolve_model_class(hf)
     whole = planned_model(model_cls, hf, torch.float32, 256, None, ())
     info = _model_info(hf, whole, "float32")
-    _, served, _ = rank_share(info, size_weights(whole, info.head_dim), 2)
+    weights = size_weights(whole, info.head_dim)
+    _, served, _ = rank_share(info, weights, 2)
     with _viewed(PipelineParallel(), TensorParallel(rank=0, world_size=2)):
         rank_0 = planned_model(model_cls, hf, torch.float32, 256, None, ())
     assert served == _held_bytes(rank_0)
     assert served < _held_bytes(whole)
+    # Buffers: rotary tables whole on every rank, MLA's absorbed per-head up-projections divided.
+    assert weights.buffer_bytes_per_rank(2) == _buffer_bytes(rank_0)
