@@ -52,6 +52,8 @@ class TritonAttentionMetadata:
     check_indices: bool = True
     # Decode only: the order the row groups' programs start in (AttentionBatch.decode_order).
     decode_order: torch.Tensor | None = None
+    # Decode only: the latent kernel's splits, chosen by its first layer and kept for the step's others.
+    latent_splits: int | None = None
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -163,16 +165,22 @@ class TritonAttentionBackend(AttentionBackend):
         check = meta.check_indices
         # The one-part cache seen as keys and values at the same address (stride 0): each row is stored once.
         store_kvcache(rows, rows, kv_cache.expand(2, -1, -1, -1, -1), meta.slot_mapping, check_indices=check)
-        # The latent kernel keeps the two-per-SM split rule: small grids in two were measured on
-        # the paged decode kernel only.
-        splits = meta.num_splits if not meta.is_pure_decode else choose_decode_splits(
-            meta.num_tokens, 1, meta.max_seq_len, self.device, small_grids_in_two=False)
+        splits = meta.num_splits if not meta.is_pure_decode else self._latent_splits(meta)
         out = paged_latent_attention(
             q, kv_cache, meta.block_tables, meta.seq_lens, None if meta.is_pure_decode else meta.query_start_loc,
             scale, rank=value_dim, max_seq_len=meta.max_seq_len, num_splits=splits, check_indices=check,
             tickets=self.latent_tickets)
         meta.check_indices = False
         return out
+
+
+    def _latent_splits(self, meta: TritonAttentionMetadata) -> int:
+        # The latent kernel keeps the two-per-SM split rule: small grids in two were measured on
+        # the paged decode kernel only.
+        if meta.latent_splits is None:
+            meta.latent_splits = choose_decode_splits(meta.num_tokens, 1, meta.max_seq_len, self.device,
+                                                      small_grids_in_two=False)
+        return meta.latent_splits
 
 
 def _key_ends(batch: AttentionBatch, device: torch.device) -> torch.Tensor | None:

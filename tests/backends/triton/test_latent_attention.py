@@ -114,3 +114,25 @@ def test_both_backends_store_rows_and_attend_through_prefill_mixed_and_decode_st
         for backend, cache in zip(backends, caches):
             out = backend.forward_latent(q, new, cache, backend.build_metadata(batch), SCALE, value_dim=RANK)
             assert_close(out, torch.cat(expected))
+
+
+def test_a_decode_step_chooses_the_latent_splits_once_for_all_its_layers(monkeypatch):
+    """Every layer of an eager decode step reads the splits its first layer chose (they depend on the
+    step alone), rather than choosing again a layer."""
+    from corectl.backends.triton.attention import backend as backend_module
+
+    width, block = RANK + ROPE, 4
+    tables = torch.arange(8, dtype=torch.int32).view(2, 4)
+    backend = TritonAttentionBackend(HEADS, 1, width, torch.float32, torch.device("cpu"), block)
+    chosen = []
+    choose = backend_module.choose_decode_splits
+    monkeypatch.setattr(backend_module, "choose_decode_splits", lambda *a, **k: chosen.append(a) or choose(*a, **k))
+    meta = backend.build_metadata(_step(tables, [5, 3], [1, 1], block))
+    before = len(chosen)
+    outs = []
+    for _ in range(3):  # three layers, each with its own cache
+        cache = torch.randn(TritonAttentionBackend.kv_cache_shape(8, block, 1, width, parts=1))
+        outs.append(backend.forward_latent(torch.randn(2, HEADS, width), torch.randn(2, width), cache, meta, SCALE,
+                                           value_dim=RANK))
+    assert len(chosen) == before + 1 and meta.latent_splits is not None
+    assert all(out.shape == (2, HEADS, RANK) and torch.isfinite(out).all() for out in outs)
