@@ -133,7 +133,7 @@ class EngineCore:
             pooling=self.pooling,
             quantization=None if quantization is None else quantization.describe(),
             lora=BaseModelShape.of(hf, config.max_lora_rank) if config.enable_lora else None,
-            image_token_id=hf.image_token_id if is_multimodal(hf) else None,
+            image_token_id=hf.image_token_id if is_multimodal(hf) and info.reads_images else None,
         )
         logger.info(
             "engine ready: %s (%s) on %s, %s, %s weights, %d KV tokens, max_model_len %d, %s scheduling, %.1f s",

@@ -14,8 +14,8 @@ Following transformers' Llama4ForCausalLM operation for operation:
 
 Checkpoints name the MLP `feed_forward` and stack the experts: `experts.gate_up_proj` [E, H, 2I]
 (gate columns, then up) and `experts.down_proj` [E, I, H], loaded transposed into `FusedMoE`'s
-layout. The vision tower is out of scope: a `Llama4ForConditionalGeneration` checkpoint (or any
-image input) is refused by the architecture lookup and the request intake, not served.
+layout. The vision tower is out of scope: a `Llama4ForConditionalGeneration` checkpoint (Scout and
+Maverick as published) serves its text model, and image input is refused by the request intake.
 """
 from __future__ import annotations
 
@@ -150,3 +150,19 @@ class Llama4ForCausalLM(LlamaForCausalLM):
                 filled.add(f"{match['prefix']}.{match['name']}")
 
         return load_packed_weights(self, remaining(), self.skips_weight) | filled
+
+
+class Llama4ForConditionalGeneration(Llama4ForCausalLM):
+    """A Llama 4 checkpoint as published (Scout, Maverick: `language_model.*` beside `vision_model.*`
+    and `multi_modal_projector.*`), served as its text model on `config.text_config`. The tower's and
+    projector's tensors are not loaded, and having no `encode_images` the model refuses image input
+    by name (`ModelInfo.reads_images`)."""
+
+    _VISION = ("vision_model.", "multi_modal_projector.")
+
+    def __init__(self, config, max_positions: int, dtype: torch.dtype):
+        super().__init__(config.get_text_config(), max_positions, dtype)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights((name.removeprefix("language_model."), tensor) for name, tensor in weights
+                                    if not name.startswith(self._VISION))

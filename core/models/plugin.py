@@ -20,6 +20,7 @@ def corectl_model_architectures():
     yield ModelSpec("Phi3ForCausalLM", "corectl.models.phi3:Phi3ForCausalLM")
     yield ModelSpec("GptOssForCausalLM", "corectl.models.gpt_oss:GptOssForCausalLM")
     yield ModelSpec("Llama4ForCausalLM", "corectl.models.llama4:Llama4ForCausalLM")
+    yield ModelSpec("Llama4ForConditionalGeneration", "corectl.models.llama4:Llama4ForConditionalGeneration")
     yield ModelSpec("DeepseekV2ForCausalLM", "corectl.models.deepseek:DeepseekV2ForCausalLM")
     yield ModelSpec("DeepseekV3ForCausalLM", "corectl.models.deepseek:DeepseekV3ForCausalLM")
     yield ModelSpec("BertModel", "corectl.models.bert:BertModel")

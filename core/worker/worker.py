@@ -72,6 +72,9 @@ class ModelInfo:
     bidirectional_image_tokens: int | None = None
     # Tensors per token and layer in the cache: 2 (keys, values), or 1 (MLA's latent, `KVCacheLayout`).
     kv_parts: int = 2
+    # Whether the model encodes images (`encode_images`): a checkpoint's vision config alone does not
+    # say so (a Llama 4 checkpoint served text-only keeps one).
+    reads_images: bool = False
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         itemsize = getattr(torch, self.kv_cache_dtype).itemsize if self.kv_cache_dtype else _DTYPES[self.dtype].itemsize
@@ -437,6 +440,7 @@ def _model_info(hf, model: torch.nn.Module, dtype: str, kv_cache_dtype: str = "a
         num_params=sum(p.numel() for p in model.parameters()),
         sliding_window=uniform_sliding_window(model),
         bidirectional_image_tokens=getattr(model, "bidirectional_image_tokens", None),
+        reads_images=hasattr(model, "encode_images"),
         kv_cache_dtype=_KV_DTYPES.get(kv_cache_dtype),
     )
 

@@ -24,10 +24,15 @@ def save_random_model(config, folder: Path, tokenizer_dir: Path, seed: int = 0):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(folder)
+    copy_tokenizer(tokenizer_dir, folder)
+    return model
+
+
+def copy_tokenizer(tokenizer_dir: Path, folder: Path) -> None:
+    """The SmolLM2 tokenizer's files (and chat template) into a checkpoint folder."""
     for item in tokenizer_dir.iterdir():
         if item.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(item, folder / item.name)
-    return model
 
 
 def parity_prompts(vocab_size: int, seed: int = 3) -> tuple[list[list[int]], list[list[int]]]:

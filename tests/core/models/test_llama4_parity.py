@@ -4,6 +4,7 @@ scales expert inputs, a shared expert, dense and sparse layers; greedy fp32 thro
 preemption."""
 from __future__ import annotations
 
+import pytest
 import torch
 from support.arch_parity import assert_engine_matches, save_random_model
 from support.new_arch_configs import LLAMA4_CHUNK, VOCAB, llama4_config
@@ -42,3 +43,35 @@ def test_triton_backend_under_the_interpreter(tmp_path, default_model_dir):
     outputs, _, _ = _run_triton_engine(tmp_path / "l4", prompts, 6)
     for prompt, output in zip(prompts, outputs):
         assert [token for token, _ in output] == hf_greedy(hf_model, prompt, 6)[0]
+
+
+def _published_layout_config():
+    """Llama 4 as Scout and Maverick ship: the text model beside a (tiny) vision tower and projector."""
+    from transformers import Llama4Config
+
+    tower = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=56,
+                 patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=64,
+                 pixel_shuffle_ratio=0.5)
+    return Llama4Config(text_config=llama4_config().to_dict(), vision_config=tower, boi_token_index=VOCAB - 3,
+                        eoi_token_index=VOCAB - 2, image_token_index=VOCAB - 1)
+
+
+def test_a_checkpoint_with_its_vision_tower_serves_the_text_model_and_refuses_images(tmp_path, default_model_dir):
+    """`Llama4ForConditionalGeneration` (tensors under `language_model.`, `vision_model.`,
+    `multi_modal_projector.`): the same greedy tokens as transformers' model on text, and an image is
+    refused by name, the tower being out of scope."""
+    from corectl.errors import InvalidRequestError
+    from support.arch_parity import copy_tokenizer
+    from transformers import Llama4ForConditionalGeneration
+
+    torch.manual_seed(8)
+    hf_model = Llama4ForConditionalGeneration(_published_layout_config()).eval()
+    hf_model.save_pretrained(tmp_path / "scout")
+    copy_tokenizer(default_model_dir, tmp_path / "scout")
+    # The reference is transformers' text model of the same weights (its multimodal forward reads
+    # outputs the text model does not return, in this transformers version).
+    llm = assert_engine_matches(tmp_path / "scout", hf_model.language_model, VOCAB, variant=True)
+    assert llm.engine.info.architecture == "Llama4ForConditionalGeneration" and llm.engine.info.image_token_id is None
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    with pytest.raises(InvalidRequestError, match=r"this model \(Llama4ForConditionalGeneration\) reads no images"):
+        llm.chat([{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])
