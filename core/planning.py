@@ -362,8 +362,8 @@ def _activation_bytes(shape: _Shape, kv_heads: int, tp: int, tokens: int, num_se
 def _size(checkpoint: Checkpoint, shape: _Shape, config: EngineConfig, target: Target, tp: int) -> Plan:
     info, weights = shape.info, shape.weights
     check_tensor_parallel(shape.model_cls, tp)
-    # Matrices and quantized layers split across ranks, vectors such as norms replicated, plus
-    # the K/V projection rows each rank repeats when KV heads are replicated.
+    # The split layers' matrices (and quantized tensors) divided over the ranks, the rest whole
+    # on each, plus the K/V projection rows each rank repeats when KV heads are replicated.
     kv_heads, served, per_token = rank_share(info, weights, tp)
     num_seqs = profile_num_seqs(config.max_num_seqs, config.max_num_batched_tokens, shape.max_model_len)
     activations = _activation_bytes(shape, kv_heads, tp, config.max_num_batched_tokens, num_seqs)

@@ -47,7 +47,7 @@ def draft_source(config, **changes) -> ModelSource:
 def check_draft_vocabulary(draft: str, draft_vocab: int, target: str, target_vocab: int) -> None:
     """Refuse a draft model whose vocabulary is not the target's, naming both sides."""
     if draft_vocab != target_vocab:
-        raise ConfigError("speculative_config", f"the draft model {draft!r} has a {draft_vocab}-token vocabulary but "
+        raise ConfigError(FIELD, f"the draft model {draft!r} has a {draft_vocab}-token vocabulary but "
                           f"the target {target!r} has {target_vocab}: a draft must share the target's vocabulary")
 
 

@@ -199,7 +199,7 @@ class Worker(abc.ABC):
     def _load_drafter(self, hf, draft: str) -> DraftModelProposer:
         """The draft model of speculative decoding, with a runner of its own; refused when its
         vocabulary is not the target's."""
-        source = self._draft_source()
+        source = draft_source(self.config)
         draft_hf = source.hf_config
         check_draft_vocabulary(draft, draft_hf.vocab_size, self.config.model or "default", hf.vocab_size)
         # The first of several stages drafts with every layer of the draft; at draft tensor-parallel
@@ -215,16 +215,13 @@ class Worker(abc.ABC):
     def _load_eagle(self, model: torch.nn.Module, hf, method: str, head: str) -> EagleProposer:
         """An EAGLE / EAGLE-3 head over the target's hidden states, with a runner of its own;
         refused when it was made for another target (corectl.spec_decode.eagle_heads)."""
-        source = self._draft_source()
+        source = draft_source(self.config)
         head_cls = prepare_head(method, source, model, hf, head, self.config.model or "default")
         # At draft tensor-parallel size 1 every rank holds the head's own layers whole; the
         # target's embedding and LM head it reads stay split.
         with viewed_whole(alone=self._draft_alone()):
             runner = self._draft_runner(self._build_draft(head_cls, source), source.hf_config)
         return EagleProposer(runner, model, hf.hidden_size, self.config.block_size)
-
-    def _draft_source(self):
-        return draft_source(self.config)
 
     def _build_draft(self, model_cls: type[torch.nn.Module], source) -> torch.nn.Module:
         """A draft model or head, dense, in the target's dtype, with its weights."""

@@ -88,10 +88,9 @@ class TritonAttentionBackend(AttentionBackend):
         pure_decode = batch.is_pure_decode and num_tokens == batch.num_seqs and not self.batch_invariant
         splits, order = 1, None
         if pure_decode:
-            groups = batch.num_seqs // batch.rows_per_seq
-            splits = self._decode_splits(groups, batch.rows_per_seq, batch.max_seq_len)
-            if longest_first_pays(groups, self.num_kv_heads, splits, self.device):
-                order = batch.decode_order
+            splits, ordered = self._decode_launch(batch.num_seqs // batch.rows_per_seq, batch.rows_per_seq,
+                                                  batch.max_seq_len)
+            order = batch.decode_order if ordered else None
         return TritonAttentionMetadata(
             slot_mapping=batch.slot_mapping,
             block_tables=batch.block_tables,
@@ -112,12 +111,13 @@ class TritonAttentionBackend(AttentionBackend):
     def uses_decode_order(self, num_groups: int, rows_per_seq: int, max_seq_len: int) -> bool:
         if self.batch_invariant:  # every step runs the prefill kernel
             return False
-        return longest_first_pays(num_groups, self.num_kv_heads, self._decode_splits(num_groups, rows_per_seq,
-                                                                                     max_seq_len), self.device)
+        return self._decode_launch(num_groups, rows_per_seq, max_seq_len)[1]
 
-    def _decode_splits(self, num_groups: int, rows_per_seq: int, max_seq_len: int) -> int:
-        return choose_decode_splits(num_groups, self.num_kv_heads, max_seq_len, self.device,
-                                    small_grids_in_two=rows_per_seq == 1)
+    def _decode_launch(self, num_groups: int, rows_per_seq: int, max_seq_len: int) -> tuple[int, bool]:
+        """A pure-decode batch's (split count, whether its row groups start longest first)."""
+        splits = choose_decode_splits(num_groups, self.num_kv_heads, max_seq_len, self.device,
+                                      small_grids_in_two=rows_per_seq == 1)
+        return splits, longest_first_pays(num_groups, self.num_kv_heads, splits, self.device)
 
     def fuses_rotary(self, meta: TritonAttentionMetadata) -> bool:
         # Decode steps replay captured graphs, where a launch fewer a layer is all gain. Prefill
@@ -172,7 +172,6 @@ class TritonAttentionBackend(AttentionBackend):
             tickets=self.latent_tickets)
         meta.check_indices = False
         return out
-
 
     def _latent_splits(self, meta: TritonAttentionMetadata) -> int:
         # The latent kernel keeps the two-per-SM split rule: small grids in two were measured on
