@@ -19,6 +19,9 @@ from .xgrammar_language import admits_some_string
 
 # xgrammar's C++ errors start with a timestamp and a source location the user has no use for.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+# xgrammar refusals that mean the grammar admits no string (0.2.9 refuses a loop of bare $refs
+# itself, where 0.2.8 built `a ::= a` for `admits_some_string` to find): the same code either way.
+_NO_STRING_REFUSALS = ("Circular $ref chain with no schema content",)
 # Below this many rows handing them to threads costs more than filling them here (~0.01 ms a row).
 PARALLEL_FILL_MIN_ROWS = 8
 
@@ -53,8 +56,11 @@ def _structural_tag_args(text: str) -> tuple:
 
 def _refusal(spec: StructuredOutputsParams, exc: Exception) -> InvalidRequestError:
     message = _CPP_PREFIX.sub("", str(exc).strip()).strip() or type(exc).__name__
-    return InvalidRequestError(f"structured_outputs.{spec.kind} cannot be compiled: {message}",
-                               param=f"structured_outputs.{spec.kind}")
+    field = f"structured_outputs.{spec.kind}"
+    if message.startswith(_NO_STRING_REFUSALS):
+        return InvalidRequestError(f"{field} admits no string: {message}", param=field,
+                                   code="grammar_admits_no_string")
+    return InvalidRequestError(f"{field} cannot be compiled: {message}", param=field)
 
 
 class XGrammarMatcher(GrammarMatcher):

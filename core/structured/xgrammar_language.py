@@ -6,8 +6,8 @@ character (`[^\\s\\S]`). Sampling under one finds every token forbidden. Here a 
 *productive* when some expansion of it reaches a finite string; the grammar admits a string only
 when its root rule is productive (the standard fixed point over the rules).
 
-It reads xgrammar's serialized grammar (`Grammar.serialize_json`, format "v16": expressions as
-rows `[type, length, data...]`). A format it does not know is left unchecked: the engine still
+It reads xgrammar's serialized grammar (`Grammar.serialize_json`, formats "v16" of 0.2.8 to "v18"
+of 0.2.9: expressions as rows `[type, length, data...]`, kinds and rows alike in all three). A format it does not know is left unchecked: the engine still
 ends a request whose mask empties mid-output (`StructuredOutputManager`), so this check only moves
 the error earlier. Lookahead assertions are not analysed (they never make a rule productive).
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-KNOWN_FORMAT = "v16"
+KNOWN_FORMATS = ("v16", "v17", "v18")
 MAX_CODEPOINT = 0x10FFFF
 
 # xgrammar's GrammarExprType, in its order.
@@ -27,7 +27,7 @@ BYTE_STRING, CHARACTER_CLASS, CHARACTER_CLASS_STAR, EMPTY_STR, RULE_REF, SEQUENC
 def admits_some_string(grammar: Any) -> bool:
     """False only when the grammar provably admits no string (an `xgrammar.Grammar`)."""
     serialized = json.loads(grammar.serialize_json())
-    if serialized.get("__VERSION__") != KNOWN_FORMAT:
+    if serialized.get("__VERSION__") not in KNOWN_FORMATS:
         return True
     return _Productivity(serialized).rule(serialized["root_rule_id"])
 
