@@ -196,12 +196,12 @@ class _StaticDecodeInputs:
             decode_order=self.decode_order[: size // rows_per_seq] if ordered else None,
         )
 
-    def load(self, size: int, padded: list[torch.Tensor]) -> None:
-        """Copy a step's padded device inputs (see `pad_decode_step`), and its groups' order where
-        one comes sixth, into the first `size` rows."""
-        input_ids, positions, slot_mapping, seq_lens, block_tables = padded[:5]
-        if len(padded) > 5:
-            self.decode_order[: padded[5].shape[0]].copy_(padded[5])
+    def load(self, size: int, padded: list[torch.Tensor], order: torch.Tensor | None = None) -> None:
+        """Copy a step's padded device inputs (see `pad_decode_step`) into the first `size` rows, and
+        its groups' order (`longest_first`) for a graph captured with one."""
+        input_ids, positions, slot_mapping, seq_lens, block_tables = padded
+        if order is not None:
+            self.decode_order[: order.shape[0]].copy_(order)
         self.input_ids[:size].copy_(input_ids)
         self.positions[:size].copy_(positions)
         self.slot_mapping[:size].copy_(slot_mapping)
@@ -364,12 +364,11 @@ class CUDAGraphModelRunner(ModelRunner):
             padded, index, token_rows = pad_decode_step(host, size, positions), logits_index(host), None
         else:
             (padded, token_rows), index = pad_verify_step(host, *key, positions), None
-        if graph.attn.decode_order is not None:
-            padded.append(longest_first(padded[3], key[0]))
+        order = [longest_first(padded[3], key[0])] if graph.attn.decode_order is not None else []
         extra = [a for a in (index, token_rows) if a is not None]
-        tensors = self.to_device([*padded, *extra])
-        static.load(size, tensors[: len(padded)])
-        rest = tensors[len(padded)] if extra else None
+        tensors = self.to_device([*padded, *order, *extra])
+        static.load(size, tensors[:5], tensors[5] if order else None)
+        rest = tensors[5 + len(order)] if extra else None
         return _GraphStepInputs(host, static.input_ids[:size], static.positions[:size], graph.attn,
                                 rest if index is not None else None, graph, rest if token_rows is not None else None)
 
