@@ -103,7 +103,7 @@ def _add_lora_args(group) -> None:
                        help="the filesystem resolver's folder: <DIR>/<name> holds adapter <name>")
 
 
-def _lora_settings(args: argparse.Namespace, enable_lora: bool):
+def _lora_settings(args: argparse.Namespace, enable_lora: bool, served_model_names: list[str]):
     from ..http.lora import LoRAModule, LoRASettings
 
     modules = tuple(LoRAModule.parse(text) for text in args.lora_modules)
@@ -113,6 +113,13 @@ def _lora_settings(args: argparse.Namespace, enable_lora: bool):
     duplicate = next((name for name in names if names.count(name) > 1), None)
     if duplicate is not None:
         raise ConfigError("lora_modules", f"the name {duplicate!r} is given twice")
+    for module in modules:
+        if module.name in served_model_names:
+            raise ConfigError("lora_modules", f"the name {module.name!r} is the base model's "
+                              "(--served-model-name); give the adapter another")
+        if module.base_model_name is not None and module.base_model_name not in served_model_names:
+            raise ConfigError("lora_modules", f"{module.name!r}'s base_model_name {module.base_model_name!r} is not "
+                              f"a name this server serves the model under ({', '.join(served_model_names)})")
     roots = None if args.lora_allowed_roots is None else tuple(args.lora_allowed_roots)
     return LoRASettings(modules, roots, args.allow_runtime_lora_updating, tuple(args.lora_resolver),
                         args.lora_resolver_root)
@@ -144,8 +151,9 @@ def settings_from_args(args: argparse.Namespace):
     if args.allow_credentials and (not origins or "*" in origins):
         raise ConfigError("allow_credentials", "credentialed CORS requests need the origins listed in "
                           "--allowed-origins (browsers refuse credentials with none or with '*')")
+    served_model_names = args.served_model_name or [default_served_name(config)]
     return ServeSettings(
-        engine=config, served_model_names=args.served_model_name or [default_served_name(config)],
+        engine=config, served_model_names=served_model_names,
         host=args.host, port=args.port, api_keys=args.api_key or api_keys_from_env(), allowed_origins=origins,
         log_format=args.log_format, log_prompts=args.log_prompts, max_request_body=args.max_request_body,
         engine_in_process=args.engine_in_process or args.disable_frontend_multiprocessing,
@@ -154,7 +162,8 @@ def settings_from_args(args: argparse.Namespace):
         embed_chunking=args.embed_chunking, responses_store_max_entries=args.responses_store_max_entries,
         responses_store_max_bytes=args.responses_store_max_bytes,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser, lora=_lora_settings(args, config.enable_lora), **compat,
+        reasoning_parser=args.reasoning_parser, lora=_lora_settings(args, config.enable_lora, served_model_names),
+        **compat,
     )
 
 

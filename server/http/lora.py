@@ -46,10 +46,15 @@ class LoRAModule:
         if text.lstrip().startswith("{"):
             try:
                 fields = json.loads(text)
-                return cls(str(fields["name"]), str(fields["path"]), fields.get("base_model_name"))
+                module = cls(str(fields["name"]), str(fields["path"]), fields.get("base_model_name"))
             except (ValueError, KeyError, TypeError) as exc:
                 raise ConfigError("lora_modules", f"{text!r} is not a JSON object with \"name\" and \"path\" "
                                   f"({exc})") from None
+            unknown = sorted(set(fields) - {"name", "path", "base_model_name"})
+            if unknown:
+                raise ConfigError("lora_modules", f"{text!r} has keys this server does not know: {', '.join(unknown)} "
+                                  "(an entry takes \"name\", \"path\" and \"base_model_name\")")
+            return module
         name, sep, path = text.partition("=")
         if not sep or not name or not path:
             raise ConfigError("lora_modules", f"{text!r} is not NAME=PATH or a JSON object")
@@ -73,9 +78,11 @@ class LoRASettings:
 
 
 class LoRARegistry:
-    def __init__(self, settings: LoRASettings, base_model_name: str, download_dir: str | None):
+    def __init__(self, settings: LoRASettings, served_model_names: list[str], download_dir: str | None):
+        """`served_model_names`: the base model's names; the first is the adapters' parent."""
         self.settings = settings
-        self.base_model_name = base_model_name
+        self.served_model_names = served_model_names
+        self.base_model_name = served_model_names[0]
         self._adapters: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
         roots = settings.allowed_roots
@@ -93,14 +100,24 @@ class LoRARegistry:
 
     async def add(self, client: EngineClient, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
         """Check and register an adapter under `name` (a new id); raises naming the problem."""
-        if name in self._adapters or name == self.base_model_name:
-            raise APIError(400, f"the name {name!r} is already served; unload it first or choose another",
-                           "lora_name")
+        self.check_name(name, base_model_name)
         lora = LoRARequest(name, next(self._ids), path, base_model_name or self.base_model_name)
         await client.check_lora(lora)
         self._adapters[name] = lora
         logger.info("LoRA adapter %r (id %d) registered from %s", name, lora.lora_int_id, path)
         return lora
+
+    def check_name(self, name: str, base_model_name: str | None = None) -> None:
+        """An adapter's name is new and not blank, and its parent is a name this server serves the base
+        model under (a router groups adapters by `/v1/models`' parent)."""
+        if not name.strip():
+            raise APIError(400, "lora_name must not be empty", "lora_name")
+        if name in self._adapters or name in self.served_model_names:
+            raise APIError(400, f"the name {name!r} is already served; unload it first or choose another",
+                           "lora_name")
+        if base_model_name is not None and base_model_name not in self.served_model_names:
+            raise APIError(400, f"base_model_name {base_model_name!r} is not a model this server serves "
+                           f"({', '.join(self.served_model_names)})", "base_model_name")
 
     def remove(self, name: str) -> LoRARequest:
         lora = self._adapters.pop(name, None)

@@ -7,6 +7,7 @@ name is served; unloading lets requests already running with the adapter finish.
 from __future__ import annotations
 
 import msgspec
+from corectl.lora.errors import LoRAAdapterError
 from litestar import Controller, post
 
 from .auth import require_api_key
@@ -36,8 +37,13 @@ class LoRAAdapterController(Controller):
     @post("/load_lora_adapter", status_code=200)
     async def load(self, data: LoadLoRAAdapterRequest, server: ServerState) -> str:
         registry = _updatable(server)
+        registry.check_name(data.lora_name, data.base_model_name)
         registry.check_runtime_path(data.lora_path)
-        await registry.add(server.engine, data.lora_name, data.lora_path, data.base_model_name)
+        try:
+            await registry.add(server.engine, data.lora_name, data.lora_path, data.base_model_name)
+        except LoRAAdapterError as exc:
+            # The engine names the adapter's fault for the Python API's argument; here the folder is the field.
+            raise APIError(400, str(exc), "lora_path", exc.code) from exc
         return f"Success: LoRA adapter '{data.lora_name}' added successfully."
 
     @post("/unload_lora_adapter", status_code=200)

@@ -136,7 +136,7 @@ class ServerState:
         self.tool_parser = None if settings.tool_call_parser is None else tool_parser_class(settings.tool_call_parser)
         self.reasoning_parser = (None if settings.reasoning_parser is None
                                  else reasoning_parser_class(settings.reasoning_parser))
-        self.loras = (LoRARegistry(settings.lora, self.model_name, settings.engine.download_dir)
+        self.loras = (LoRARegistry(settings.lora, settings.served_model_names, settings.engine.download_dir)
                       if settings.engine.enable_lora else None)
         self.responses = ResponseStore(settings.responses_store_max_entries, settings.responses_store_max_bytes)
         # With --api-server-count: this API process's number, and its connections to the engines

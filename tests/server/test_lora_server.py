@@ -123,7 +123,25 @@ def test_a_bad_adapter_is_a_400_and_the_server_serves_on(client, http, lora_setu
     shutil.copytree(lora_setup[0] / "served" / "r8", broken)
     (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
     response = http.post("/v1/load_lora_adapter", json={"lora_name": "broken", "lora_path": str(broken)})
-    assert response.status_code == 400 and "not a readable safetensors file" in response.json()["error"]["message"]
+    error = response.json()["error"]
+    assert response.status_code == 400 and "not a readable safetensors file" in error["message"]
+    assert error["param"] == "lora_path"
+    assert complete(client, "r8").model == "r8"
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"lora_name": "", "lora_path": "{served}/r16"}, "lora_name", "must not be empty"),
+    ({"lora_name": "  ", "lora_path": "{served}/r16"}, "lora_name", "must not be empty"),
+    ({"lora_name": "base", "lora_path": "{served}/r16"}, "lora_name", "already served"),
+    ({"lora_name": "x", "lora_path": "{served}/r16", "base_model_name": "nosuch"}, "base_model_name",
+     "not a model this server serves"),
+])
+def test_a_bad_load_is_a_400_naming_the_field_and_lists_nothing(client, http, lora_setup, body, param, message):
+    body = {key: value.format(served=lora_setup[0] / "served") for key, value in body.items()}
+    response = http.post("/v1/load_lora_adapter", json=body)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == param and message in error["message"]
+    assert all(model.id.strip() and model.id != "x" for model in client.models.list().data)
     assert complete(client, "r8").model == "r8"
 
 
@@ -165,6 +183,10 @@ BAD_FLAGS = {
     "malformed": (["--lora-modules", "nameonly"], "is not NAME=PATH or a JSON object"),
     "resolver-root": (["--lora-resolver", "filesystem"], "needs an existing folder of adapters"),
     "resolver-name": (["--lora-resolver", "nope"], "unknown LoRA resolver 'nope'"),
+    "base-name": (["--served-model-name", "base", "--lora-modules", "base=/x"], "the name 'base' is the base model's"),
+    "json-key": (["--lora-modules", '{"name": "a", "path": "/x", "rank": 8}'], "keys this server does not know: rank"),
+    "json-parent": (["--served-model-name", "base", "--lora-modules", '{"name": "a", "path": "/x", '
+                     '"base_model_name": "other"}'], "base_model_name 'other' is not a name this server serves"),
 }
 
 
