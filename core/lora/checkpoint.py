@@ -79,10 +79,14 @@ def load_adapter(lora: LoRARequest, base: BaseModelShape, cache_dir: str | None 
     experts, expert_rank = expert_weights(lora, {m: p for m, p in pairs.items() if is_expert_module(m)}, base)
     weights = {m: p for m, p in pairs.items() if not is_expert_module(m)}
     _check_module_names(lora, weights)
-    rank = _check_rank(lora, max(_check_shapes(lora, weights, base), expert_rank), base, config)
+    rank = config["r"]
+    _check_rank(lora, rank, base)
+    _check_shapes(lora, weights, base, rank)
+    if experts and expert_rank != rank:
+        raise LoRAAdapterError(f"adapter {lora.lora_name!r}: its expert weights have rank {expert_rank}, its "
+                               f"{CONFIG_FILE} says r {rank}")
     weights.update(experts)
-    scale_rank = config["r"]
-    scaling = config.get("lora_alpha", scale_rank) / (math.sqrt(scale_rank) if config.get("use_rslora") else scale_rank)
+    scaling = config.get("lora_alpha", rank) / (math.sqrt(rank) if config.get("use_rslora") else rank)
     return LoRAAdapter(lora.lora_name, lora.lora_int_id, rank, float(scaling), weights)
 
 
@@ -168,18 +172,20 @@ def _pair_tensors(lora: LoRARequest, tensors: dict[str, torch.Tensor]) -> dict[s
     return pairs
 
 
-def _check_shapes(lora: LoRARequest, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], base: BaseModelShape
-                  ) -> int:
-    """The largest rank of `weights`, after checking every pair against the base projection it adapts."""
-    rank = 0
+def _check_shapes(lora: LoRARequest, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], base: BaseModelShape,
+                  rank: int) -> None:
+    """Every pair against the base projection it adapts and the config's rank (one rank for all: per-module
+    ranks are refused with the config, and a scaling of lora_alpha over another rank would be wrong)."""
     for module, (a, b) in weights.items():
         path = _MODULE.match(module)
         if path is None or int(path["layer"]) >= base.num_layers:
             raise LoRAAdapterError(f"adapter {lora.lora_name!r} targets module {module!r}, which is not an attention "
                                    f"or dense MLP projection of the base model's {base.num_layers} layers")
         shape = base.projections[module.rsplit(".", 1)[-1]]
-        r = a.shape[0]
-        expected_a, expected_b = (r, shape.in_features), (shape.out_features, r)
+        if a.dim() == 2 and b.dim() == 2 and a.shape[0] == b.shape[1] != rank:
+            raise LoRAAdapterError(f"adapter {lora.lora_name!r}: module {module!r} has rank {a.shape[0]}, its "
+                                   f"{CONFIG_FILE} says r {rank}")
+        expected_a, expected_b = (rank, shape.in_features), (shape.out_features, rank)
         if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
             raise LoRAAdapterError(
                 f"adapter {lora.lora_name!r}: module {module!r} has lora_A {tuple(a.shape)} and lora_B "
@@ -187,13 +193,10 @@ def _check_shapes(lora: LoRARequest, weights: dict[str, tuple[torch.Tensor, torc
                 f"{shape.in_features}, out {shape.out_features} features): was it trained on another base model?")
         if not a.is_floating_point():
             raise LoRAAdapterError(f"adapter {lora.lora_name!r}: module {module!r} has {a.dtype} weights")
-        rank = max(rank, r)
-    return rank
 
 
-def _check_rank(lora: LoRARequest, rank: int, base: BaseModelShape, config: dict) -> int:
-    if rank > base.max_lora_rank or config["r"] > base.max_lora_rank:
-        raise LoRAAdapterError(f"adapter {lora.lora_name!r} has rank {max(rank, config['r'])}, above max_lora_rank "
+def _check_rank(lora: LoRARequest, rank: int, base: BaseModelShape) -> None:
+    if rank > base.max_lora_rank:
+        raise LoRAAdapterError(f"adapter {lora.lora_name!r} has rank {rank}, above max_lora_rank "
                                f"{base.max_lora_rank}; start the engine with a larger --max-lora-rank "
                                f"({', '.join(map(str, LORA_RANKS))})")
-    return rank

@@ -51,6 +51,15 @@ def test_rank_above_the_limit(adapters, shape):
         load(adapters["r64"][0], shape)
 
 
+@pytest.mark.parametrize("config_rank", [16, 4])
+def test_a_config_rank_its_tensors_do_not_have(copy_of, shape, config_rank):
+    """PEFT refuses such a folder; serving it would scale by lora_alpha over the wrong rank."""
+    folder = copy_of("r8")
+    edit_config(folder, r=config_rank)
+    with pytest.raises(LoRAAdapterError, match=f"has rank 8, its adapter_config.json says r {config_rank}"):
+        load(folder, shape)
+
+
 def test_missing_config(copy_of, shape):
     folder = copy_of("r8")
     (folder / "adapter_config.json").unlink()
