@@ -5,6 +5,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from corectl.outputs import CompletionOutput
+from msgspec import UNSET
 from litestar import Controller, Request, Response, post
 from litestar.openapi import ResponseSpec
 
@@ -58,8 +59,8 @@ async def chat_completion(data: ChatCompletionRequest, request: Request, server:
     return await group.respond(request.receive, data.stream,
                                lambda: _chunks(group, head, asked,
                                                data.include_usage or server.settings.force_include_usage,
-                                               texts, echo, data.continuous_usage),
-                               lambda: _collect(group, head, asked, texts, echo))
+                                               texts, echo, data.continuous_usage, data.return_token_ids),
+                               lambda: _collect(group, head, asked, texts, echo, data.return_token_ids))
 
 
 async def start_chat(data: ChatCompletionRequest, request: Request, server: ServerState,
@@ -151,9 +152,10 @@ def _logprobs(sample: CompletionOutput, asked: _LogprobsAsked | None) -> ChatLog
 
 
 async def _collect(group: GenerationGroup, head: dict, asked: _LogprobsAsked | None,
-                   texts: dict[int, ChoiceText], echo: str) -> ChatCompletionResponse:
+                   texts: dict[int, ChoiceText], echo: str, token_ids: bool) -> ChatCompletionResponse:
     usage = group.usage_counter()
     generated: dict[int, list[str]] = {}
+    ids: dict[int, list[int]] = {}
     logprobs: dict[int, ChatLogprobs | None] = {}
     ends: dict[int, tuple[str | None, int | str | None]] = {}
     last = None
@@ -162,6 +164,7 @@ async def _collect(group: GenerationGroup, head: dict, asked: _LogprobsAsked | N
         last = out
         for sample in out.outputs:
             generated.setdefault(sample.index, []).append(sample.text)
+            ids.setdefault(sample.index, []).extend(sample.token_ids)
             entry = logprobs.setdefault(sample.index, None if asked is None else ChatLogprobs([]))
             if entry is not None:
                 entry.content += asked.of(sample)
@@ -177,23 +180,27 @@ async def _collect(group: GenerationGroup, head: dict, asked: _LogprobsAsked | N
         if calls and finish_reason == "stop":
             finish_reason = "tool_calls"
         choices.append(ChatChoice(index=index, message=message, logprobs=logprobs[index],
-                                  finish_reason=finish_reason, stop_reason=stop_reason))
+                                  finish_reason=finish_reason, stop_reason=stop_reason,
+                                  token_ids=ids[index] if token_ids else UNSET))
     return ChatCompletionResponse(**head, choices=choices, usage=usage.usage(),
-                                  prompt_logprobs=prompt_logprobs(last.prompt_logprobs if last else None))
+                                  prompt_logprobs=prompt_logprobs(last.prompt_logprobs if last else None),
+                                  prompt_token_ids=list(last.prompt_token_ids) if token_ids and last else UNSET)
 
 
 async def _chunks(group: GenerationGroup, head: dict, asked: _LogprobsAsked | None, include_usage: bool,
-                  texts: dict[int, ChoiceText], echo: str, continuous_usage: bool) -> AsyncIterator[bytes]:
+                  texts: dict[int, ChoiceText], echo: str, continuous_usage: bool,
+                  token_ids: bool) -> AsyncIterator[bytes]:
     counts = include_usage or continuous_usage
     usage = group.usage_counter() if counts else None
     # OpenAI's first chunk of each choice carries the role and no content (the echoed text with echo).
     yield sse.frame(ChatCompletionChunk(**head, choices=[
         ChatChunkChoice(index=i, delta=ChatDelta(role=group.server.settings.response_role, content=echo))
-        for i in range(group.n)]))
+        for i in range(group.n)], prompt_token_ids=list(group.generations[0].first.prompt_token_ids)
+        if token_ids else UNSET))
     # A delta of text alone (most of a stream) is spliced into its choice's pre-encoded frame.
     plain = {i: sse.TextFrames(lambda content, i=i: ChatCompletionChunk(**head, choices=[
         ChatChunkChoice(index=i, delta=ChatDelta(content=content))])) for i in range(group.n)}
-    plain_only = asked is None and not continuous_usage
+    plain_only = asked is None and not continuous_usage and not token_ids
     async for _, out in group.merged():
         if usage is not None:
             usage.add(0, out)
@@ -203,14 +210,15 @@ async def _chunks(group: GenerationGroup, head: dict, asked: _LogprobsAsked | No
             delta = text.feed(s.text, final=s.finish_reason is not None)
             if s.finish_reason is None and (delta.reasoning_content is None and delta.tool_calls is None
                                             and delta.role is None):
-                if delta.content is None and (asked is None or not s.logprobs):
+                if delta.content is None and (asked is None or not s.logprobs) and not (token_ids and s.token_ids):
                     continue
                 if plain_only:
                     yield plain[s.index].frame(delta.content)
                     continue
             choices.append(ChatChunkChoice(index=s.index, delta=delta, logprobs=_logprobs(s, asked),
                                            finish_reason=text.finish_reason(s.finish_reason),
-                                           stop_reason=s.stop_reason))
+                                           stop_reason=s.stop_reason,
+                                           token_ids=list(s.token_ids) if token_ids else UNSET))
         if choices:
             yield sse.frame(ChatCompletionChunk(**head, choices=choices,
                                                 usage=usage.usage() if continuous_usage else None))

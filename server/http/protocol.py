@@ -98,6 +98,9 @@ class SamplingFields(RefusedFields, kw_only=True):
     # vLLM's: logprobs name their tokens "token_id:<id>" instead of their text (as the server's
     # --return-tokens-as-token-ids does for every request).
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: the response also carries the prompt's token ids and each choice's (streamed: the
+    # prompt's in the first chunk, each chunk's delta of the choice's).
+    return_token_ids: bool = False
 
     def tokens_as_ids(self, server_default: bool) -> bool:
         """Whether logprobs name tokens by id: the request's choice, else the server's."""
@@ -177,9 +180,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
-    # vLLM's extensions: each choice also carries prompt_token_ids and token_ids; whether text
-    # prompts get the tokenizer's special tokens (BOS).
-    return_token_ids: bool = False
+    # vLLM's extension: whether text prompts get the tokenizer's special tokens (BOS).
     add_special_tokens: bool = True
     prompt_embeds: Any = None  # refused (vllm_fields)
 

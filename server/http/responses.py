@@ -104,6 +104,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # with return_token_ids only
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -114,6 +115,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobsList | None = None
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # with return_token_ids only
 
 
 class FunctionDelta(msgspec.Struct, omit_defaults=True):
@@ -145,6 +147,7 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # the chunk's, with return_token_ids only
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
@@ -154,6 +157,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # the first chunk's, with return_token_ids
 
 
 # -- models, tokenizer, ops -------------------------------------------------------------------------

@@ -27,7 +27,7 @@ VLLM_COMPLETION_FIELDS = [
     "spaces_between_special_tokens", "truncate_prompt_tokens", "allowed_token_ids", "prompt_logprobs",
     "add_special_tokens", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "guided_decoding_backend", "guided_whitespace_pattern", "priority", "request_id", "logits_processors",
-    "return_tokens_as_token_ids", "cache_salt", "kv_transfer_params", "vllm_xargs",
+    "return_tokens_as_token_ids", "return_token_ids", "cache_salt", "kv_transfer_params", "vllm_xargs",
 ]
 VLLM_CHAT_FIELDS = [
     "messages", "model", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "max_tokens",
@@ -40,7 +40,7 @@ VLLM_CHAT_FIELDS = [
     "add_special_tokens", "documents", "chat_template", "chat_template_kwargs", "mm_processor_kwargs",
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag",
     "guided_decoding_backend", "guided_whitespace_pattern", "priority", "request_id", "logits_processors",
-    "return_tokens_as_token_ids", "cache_salt", "kv_transfer_params", "vllm_xargs",
+    "return_tokens_as_token_ids", "return_token_ids", "cache_salt", "kv_transfer_params", "vllm_xargs",
 ]
 VLLM_EMBEDDING_FIELDS = [
     "model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens", "add_special_tokens",
@@ -88,7 +88,8 @@ OUTPUT = {"model", "prompt", "messages", "input", "echo", "stream", "stream_opti
           "request_id", "tools", "tool_choice", "parallel_tool_calls", "encoding_format", "dimensions",
           "normalize", "chat_template", "suffix",
           "mm_processor_kwargs",  # the image processor's options: test_gemma3_server.py
-          "return_tokens_as_token_ids"}
+          "return_tokens_as_token_ids",
+          "return_token_ids"}  # test_dropin_server.py (chat), test_tokenizer_free.py (completions)
 # Values that must be refused, naming the field (the refused fields' non-default values).
 REFUSED_VALUES = {
     "prompt_embeds": "AAAA", "guided_decoding_backend": "outlines",

@@ -91,6 +91,32 @@ def test_logprobs_name_tokens_by_id_when_asked(client):
         assert all(top.token.startswith("token_id:") for top in entry.top_logprobs)
 
 
+def test_chat_returns_token_ids_when_asked(client, vllm_server):
+    """return_token_ids on chat (vLLM's): the prompt's ids on the response (streamed: the first chunk's)
+    and each choice's generated ids (streamed: each chunk's delta), which decode to its text."""
+    body = dict(model="smol", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=4, temperature=0,
+                n=2, extra_body={"return_token_ids": True, "ignore_eos": True})
+    whole = client.chat.completions.create(**body)
+    prompt_ids = whole.model_extra["prompt_token_ids"]
+    def post(route: str, **fields) -> dict:
+        return httpx.post(vllm_server.url + route, headers={"Authorization": f"Bearer {KEY}"},
+                          json={"model": "smol", **fields}).json()
+
+    assert prompt_ids == post("/tokenize", messages=body["messages"])["tokens"]
+    for choice in whole.choices:
+        ids = choice.model_extra["token_ids"]
+        assert len(ids) == 4 and choice.message.content == post("/detokenize", tokens=ids)["prompt"]
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    assert chunks[0].model_extra["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in chunk.model_extra for chunk in chunks[1:])
+    for index in (0, 1):
+        streamed = [t for chunk in chunks for c in chunk.choices if c.index == index
+                    for t in c.model_extra.get("token_ids", [])]
+        assert streamed == whole.choices[index].model_extra["token_ids"]
+    plain = client.chat.completions.create(**{**body, "extra_body": {"ignore_eos": True}})
+    assert "prompt_token_ids" not in plain.model_extra and "token_ids" not in plain.choices[0].model_extra
+
+
 def test_processed_logprobs_give_masked_tokens_vllms_floor(client):
     """--logprobs-mode processed_logprobs: the distribution drawn from (top_k 2) sums to one over its two
     tokens; a token it masks is -inf there, which JSON cannot carry: -9999.0, as vLLM sends."""
