@@ -49,8 +49,11 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsRequest(msgspec.Struct, kw_only=True):
-    """vLLM's `structured_outputs` request object (the fields of `StructuredOutputsParams`)."""
+class StructuredOutputsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs` request object (the fields of its `StructuredOutputsParams`; a key
+    outside them is a 400, not dropped). Two need nothing done: `disable_fallback` (one backend serves
+    a request, so none falls back) and `disable_additional_properties` (xgrammar's strict mode already
+    holds objects to their listed properties)."""
 
     json: Schema | None = None
     json_object: bool | None = None
@@ -59,6 +62,19 @@ class StructuredOutputsRequest(msgspec.Struct, kw_only=True):
     grammar: GrammarText | None = None
     structural_tag: GrammarText | None = None
     disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None  # refused: xgrammar takes no whitespace pattern
+
+    def spec(self) -> StructuredOutputsParams:
+        if self.whitespace_pattern is not None:
+            raise InvalidRequestError("structured_outputs.whitespace_pattern is not supported: the xgrammar backend "
+                                      "takes no whitespace pattern (structured_outputs.disable_any_whitespace "
+                                      "allows none)", param="structured_outputs.whitespace_pattern")
+        check_schema_bounds(self.json)
+        return StructuredOutputsParams(json=self.json, json_object=self.json_object, regex=self.regex,
+                                       choice=self.choice, grammar=self.grammar, structural_tag=self.structural_tag,
+                                       disable_any_whitespace=self.disable_any_whitespace)
 
 
 class ConstraintFields(msgspec.Struct, kw_only=True):
@@ -99,9 +115,7 @@ class ConstraintFields(msgspec.Struct, kw_only=True):
         if field == "response_format":
             return _response_format_spec(self.response_format)
         if field == "structured_outputs":
-            values = msgspec.structs.asdict(self.structured_outputs)
-            check_schema_bounds(values["json"])
-            return StructuredOutputsParams(**values)
+            return self.structured_outputs.spec()
         kind = field.removeprefix("guided_")
         value = getattr(self, field)
         if kind == "json":

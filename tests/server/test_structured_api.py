@@ -107,6 +107,8 @@ def test_every_constraint_field_holds_on_completions_and_chat(client):
                                                                                       " It is Rome.")),
         ({"guided_json": SCHEMAS[1][0]}, lambda t: jsonschema.validate(json.loads(t), SCHEMAS[1][0]) is None),
         ({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
+        ({"structured_outputs": {"choice": ["up", "down"], "disable_fallback": True,
+                                 "disable_additional_properties": True}}, lambda t: t in ("up", "down")),
         ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict)),
     ]
     completions = together(*[lambda extra=extra: client.completions.create(
@@ -128,6 +130,9 @@ def test_every_constraint_field_holds_on_completions_and_chat(client):
     ("completions", {"guided_choice": []}, "guided_choice"),
     ("completions", {"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs.grammar"),
     ("completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ("completions", {"structured_outputs": {"choice": ["b"], "whitespace_pattern": " "}},
+     "structured_outputs.whitespace_pattern"),
+    ("completions", {"structured_outputs": {"choice": ["b"], "no_such_key": 1}}, "structured_outputs"),
     ("completions", {"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
     ("completions", {"guided_choice": ["x"] * 1025}, "guided_choice"),
     ("completions", {"guided_json": {"type": "object", "description": "x" * 70_000}}, "guided_json"),
