@@ -8,7 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from .auth import require_api_key
 from .errors import APIError, error_response
-from .protocol import DetokenizeRequest, TokenizeRequest, message_dicts
+from .protocol import DetokenizeRequest, TokenizeRequest, check_continuation, message_dicts
 from .responses import (
     DetokenizeResponse,
     EngineLoad,
@@ -51,15 +51,18 @@ class TokenizerController(Controller):
         param = "prompt" if data.prompt is not None else "messages"
         tokenizer = server.require_tokenizer(param, "text cannot be tokenized; send token ids to /v1/completions")
         if data.prompt is not None:
-            if data.mm_processor_kwargs:
-                raise APIError(400, "mm_processor_kwargs sets options for the images of messages; a text prompt "
-                               "holds none", "mm_processor_kwargs")
-            tokens = tokenizer.encode(data.prompt, add_special_tokens=data.add_special_tokens)
+            data.check_prompt_fields()
+            tokens = tokenizer.encode(data.prompt, add_special_tokens=data.add_special_tokens is not False)
         else:
+            check_continuation(data.messages, data.continue_final_message, data.add_generation_prompt)
             tools = template_tools(data.tools) if data.tools else None
             messages = message_dicts(data.messages)
             images = server.media.check(messages, server.engine.info)
             tokens = tokenizer.encode_chat(messages, add_generation_prompt=data.add_generation_prompt, tools=tools,
+                                           template_kwargs=data.chat_template_kwargs,
+                                           continue_final_message=data.continue_final_message,
+                                           chat_template=data.chat_template,
+                                           add_special_tokens=bool(data.add_special_tokens),
                                            content_format=server.settings.chat_template_content_format)
             # Each image counts as the placeholder tokens the model gives it.
             prompt = await server.media.prompt(images, tokens, server.engine.info, data.mm_processor_kwargs)

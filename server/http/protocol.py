@@ -302,12 +302,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
                                f"got {message.role!r}", "messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true (set "
-                           "add_generation_prompt to false to continue the last message)", "continue_final_message")
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise APIError(400, "continue_final_message continues the last message, which must be the "
-                           "assistant's", "continue_final_message")
+        check_continuation(self.messages, self.continue_final_message, self.add_generation_prompt)
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """The template's variables: chat_template_kwargs, plus reasoning_effort for the templates that
@@ -339,19 +334,41 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         return self.build_sampling_params(max_tokens, logprobs, self.prompt_logprobs, spec, defaults)
 
 
+def check_continuation(messages: list[ChatMessage], continue_final_message: bool, add_generation_prompt: bool) -> None:
+    if continue_final_message and add_generation_prompt:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true (set "
+                       "add_generation_prompt to false to continue the last message)", "continue_final_message")
+    if continue_final_message and messages[-1].role != "assistant":
+        raise APIError(400, "continue_final_message continues the last message, which must be the "
+                       "assistant's", "continue_final_message")
+
+
 class TokenizeRequest(msgspec.Struct, kw_only=True):
-    """POST /tokenize: a prompt, or chat messages rendered with the chat template."""
+    """POST /tokenize: a prompt, or chat messages rendered with the chat template (vLLM's
+    TokenizeCompletionRequest and TokenizeChatRequest), counted as the generation routes would."""
 
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES)] | None = None
-    add_special_tokens: bool = True
+    # Default: true for a prompt, false for messages (the template writes its own), as the routes do.
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
-    # With messages: the tools the template renders, as a chat request would send them.
+    # With messages, each as a chat request sends it: the tools the template renders, image-processor
+    # options, the last message continued, a template of the request's own and its variables.
     tools: Annotated[list[ChatTool], Meta(max_length=MAX_TOOLS)] | None = None
-    # With messages: image-processor options, as a chat request would send them.
     mm_processor_kwargs: Annotated[dict[str, Any], Meta(max_length=16)] | None = None
+    continue_final_message: bool = False
+    chat_template: Annotated[str, Meta(max_length=1 << 16)] | None = None
+    chat_template_kwargs: Annotated[dict[str, Any], Meta(max_length=64)] | None = None
+
+    def check_prompt_fields(self) -> None:
+        """A text prompt goes through no template: the messages' fields are refused with it."""
+        for name in ("tools", "mm_processor_kwargs", "chat_template", "chat_template_kwargs"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} applies to messages; a text prompt goes through no chat template", name)
+        if self.continue_final_message:
+            raise APIError(400, "continue_final_message applies to messages", "continue_final_message")
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

@@ -201,6 +201,26 @@ def test_tokenize_detokenize_round_trip(http):
     _error(http.post("/tokenize", json={}), 400)
 
 
+def test_tokenize_counts_messages_as_chat_renders_them(http):
+    """/tokenize with messages takes the chat route's template fields (vLLM's TokenizeChatRequest), so its
+    count is the prompt_tokens of the same chat request."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}]
+    cases = [
+        {"add_generation_prompt": False, "continue_final_message": True},
+        {"chat_template": "X{{ messages[0].content }}X", "add_generation_prompt": False},
+        {"chat_template": "{{ messages[0].content }}{% if flag %} flagged{% endif %}",
+         "chat_template_kwargs": {"flag": True}},
+        {"add_special_tokens": True, "chat_template": "{{ messages[0].content }}"},
+    ]
+    plain = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    for fields in cases:
+        tokens = http.post("/tokenize", json={"messages": messages, **fields}).json()["tokens"]
+        chat = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, **fields}).json()
+        assert tokens != plain and len(tokens) == chat["usage"]["prompt_tokens"], fields
+    assert http.post("/tokenize", json={"messages": messages, "continue_final_message": True}).status_code == 400
+    _error(http.post("/tokenize", json={"prompt": "hi", "chat_template": "x"}), 400, "chat_template")
+
+
 def test_stream_is_framed_server_sent_events(http):
     """Streams are SSE frames: `data: {json}` then `data: [DONE]`."""
     with http.stream("POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "stream": True}) as r:
