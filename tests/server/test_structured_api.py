@@ -190,6 +190,23 @@ def test_required_and_named_tool_choices_give_valid_calls(client):
     assert len(check_calls(parallel.choices[0].message.tool_calls, [WEATHER, TIME])) >= 1
 
 
+def test_a_named_call_cut_by_max_tokens_is_the_same_call_whole_and_streamed(client):
+    """The grammar let the output be nothing but the function's arguments: cut short, it is still that
+    call (arguments unfinished, finish_reason "length"), as the stream sent it."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = ask(client, "What is the weather like in Paris?", tools=[WEATHER], tool_choice=named, max_tokens=3)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.startswith("{")
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, temperature=0, max_tokens=3,
+                                                 tools=[WEATHER], tool_choice=named, stream=True))
+    deltas = [c for chunk in chunks for choice in chunk.choices for c in choice.delta.tool_calls or []]
+    assert deltas[0].function.name == "get_weather"
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
                          ids=["required", "named"])
 def test_streamed_tool_calls_assemble_through_the_sdk_stream_helper(client, tool_choice):

@@ -2,8 +2,6 @@
 read back from the output the grammar shaped."""
 from __future__ import annotations
 
-import json
-
 from ..responses import FunctionCall, FunctionDelta, ToolCall, ToolCallDelta
 from ..tools import new_call_id
 from .base import MarkedToolParser, ToolParser
@@ -36,10 +34,8 @@ class NamedCallParser(ToolParser):
         return "", [ToolCallDelta(index=0, function=FunctionDelta(arguments=text))] if text else []
 
     def result(self) -> list[ToolCall] | None:
-        try:
-            arguments = json.loads(self.arguments)
-        except ValueError:
-            return None
-        if not isinstance(arguments, dict):
+        """The call, also when max_tokens cut its arguments short: the grammar let the output be nothing
+        else, a stream has sent it as a call already, and vLLM returns it so (finish_reason "length")."""
+        if not self.arguments:
             return None
         return [ToolCall(id=self.id, function=FunctionCall(self.name, self.arguments))]
