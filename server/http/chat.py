@@ -56,10 +56,10 @@ async def chat_completion(data: ChatCompletionRequest, request: Request, server:
     asked = (_LogprobsAsked(data.top_logprobs or 0, data.tokens_as_ids(server.settings.return_tokens_as_token_ids))
              if data.logprobs else None)
     echo = data.echoed_text()
+    include_usage, continuous_usage = data.stream_usage(server.settings.force_include_usage)
     return await group.respond(request.receive, data.stream,
-                               lambda: _chunks(group, head, asked,
-                                               data.include_usage or server.settings.force_include_usage,
-                                               texts, echo, data.continuous_usage, data.return_token_ids),
+                               lambda: _chunks(group, head, asked, include_usage, texts, echo, continuous_usage,
+                                               data.return_token_ids),
                                lambda: _collect(group, head, asked, texts, echo, data.return_token_ids))
 
 

@@ -61,9 +61,9 @@ class _Choices:
     """Every choice of a request, created from each prompt's first output (echo needs the prompt)."""
 
     def __init__(self, body: CompletionRequest, tokenizer: Tokenizer | None, n: int, head: dict,
-                 tokens_as_ids: bool = False):
+                 tokens_as_ids: bool = False, continuous_usage: bool = False):
         """`head`: the id, created and model fields of the request's chunks; `tokens_as_ids`: logprobs
-        name tokens by id."""
+        name tokens by id; `continuous_usage`: every chunk carries the usage."""
         self.body = body
         self.tokens_as_ids = tokens_as_ids
         self.tokenizer = tokenizer
@@ -73,7 +73,7 @@ class _Choices:
         self._text_frames: dict[int, sse.TextFrames] = {}
         self._echo_only = body.echo_only
         # Chunks that carry more than text (logprobs, token ids, usage) are never spliced.
-        self._splice = body.logprobs is None and not body.return_token_ids and not body.continuous_usage
+        self._splice = body.logprobs is None and not body.return_token_ids and not continuous_usage
 
     def visible(self, out: RequestOutput) -> RequestOutput:
         """`out` as the client sees it: for echo_only, without the token generated only to score the
@@ -194,12 +194,11 @@ async def completion(data: CompletionRequest, request: Request, server: ServerSt
                                 data.constraint_field, data.keep_best)
         await group.start(request.receive)
     head = group.response_head()
+    include_usage, continuous_usage = data.stream_usage(server.settings.force_include_usage)
     choices = _Choices(data, server.engine.tokenizer, group.n, head,
-                       data.tokens_as_ids(server.settings.return_tokens_as_token_ids))
+                       data.tokens_as_ids(server.settings.return_tokens_as_token_ids), continuous_usage)
     return await group.respond(request.receive, data.stream,
-                               lambda: _chunks(group, choices, head,
-                                               data.include_usage or server.settings.force_include_usage,
-                                               data.continuous_usage),
+                               lambda: _chunks(group, choices, head, include_usage, continuous_usage),
                                lambda: _collect(group, choices, head))
 
 

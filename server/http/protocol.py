@@ -106,14 +106,13 @@ class SamplingFields(RefusedFields, kw_only=True):
         """Whether logprobs name tokens by id: the request's choice, else the server's."""
         return server_default if self.return_tokens_as_token_ids is None else self.return_tokens_as_token_ids
 
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
-
-    @property
-    def continuous_usage(self) -> bool:
-        """vLLM's `stream_options.continuous_usage_stats`: every chunk carries the usage so far."""
-        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+    def stream_usage(self, force_include: bool) -> tuple[bool, bool]:
+        """Whether a stream ends with a usage chunk (`stream_options.include_usage`, or the server's
+        --enable-force-include-usage) and whether every chunk carries the usage so far (vLLM's
+        `continuous_usage_stats`, which applies only with the first, as in vLLM)."""
+        options = self.stream_options
+        include = force_include or (options is not None and options.include_usage)
+        return include, include and options is not None and options.continuous_usage_stats
 
     @property
     def keep_best(self) -> int | None:

@@ -229,3 +229,19 @@ def test_stream_is_framed_server_sent_events(http):
     assert frames[-1] == "data: [DONE]"
     assert all(f.startswith("data: ") for f in frames)
     assert [json.loads(f[6:])["object"] for f in frames[:-1]] == ["text_completion"] * (len(frames) - 1)
+
+
+@pytest.mark.parametrize("route, body", [("completions", {"prompt": "Once upon a time"}),
+                                         ("chat.completions", {"messages": [{"role": "user", "content": "Hi"}]})])
+def test_continuous_usage_stats_need_include_usage(openai_client, model_id, route, body):
+    """vLLM's `continuous_usage_stats` puts usage on every chunk only when `include_usage` asks for usage."""
+    create = getattr(openai_client, route.split(".")[0])
+    create = create.completions.create if route.startswith("chat") else create.create
+
+    def chunks(**options):
+        return list(create(model=model_id, max_tokens=3, stream=True, stream_options=options,
+                           extra_body={"ignore_eos": True}, **body))
+
+    assert all(chunk.usage is None for chunk in chunks(include_usage=False, continuous_usage_stats=True))
+    both = chunks(include_usage=True, continuous_usage_stats=True)
+    assert all(chunk.usage is not None for chunk in both[1:]) and both[-1].usage.completion_tokens == 3

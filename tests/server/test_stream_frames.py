@@ -22,7 +22,7 @@ def _delta(text: str, finish_reason: str | None = None, index: int = 0) -> Reque
 
 def _choices(**fields) -> _Choices:
     body = msgspec.convert({"prompt": "Say", "stream": True, **fields}, CompletionRequest)
-    return _Choices(body, tokenizer=None, n=body.n, head=HEAD)
+    return _Choices(body, tokenizer=None, n=body.n, head=HEAD, continuous_usage=body.stream_usage(False)[1])
 
 
 def _general(choices: _Choices, out: RequestOutput) -> bytes:
