@@ -290,6 +290,19 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     add_special_tokens: bool = False
     structural_tag: Any = None  # refused (vllm_fields)
     include_reasoning: bool = True  # refused when false (vllm_fields)
+    # OpenAI's: refused when set (vllm_fields), but for `modalities` ["text"].
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+    store: bool = False
+    modalities: list[str] | None = None
+    # OpenAI's, accepted with nothing to do: a prediction only shortens latency, never changes the
+    # answer; service tiers and metadata are for billing and stored completions.
+    prediction: Any = None
+    service_tier: Any = None
+    metadata: Any = None
 
     def check_supported(self) -> None:
         self.check_stream_fields()
@@ -302,6 +315,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         check_continuation(self.messages, self.continue_final_message, self.add_generation_prompt)
+        if self.modalities is not None and set(self.modalities) - {"text"}:
+            raise APIError(400, f"modalities {self.modalities} are not supported: this server generates text only",
+                           "modalities")
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """The template's variables: chat_template_kwargs, plus reasoning_effort for the templates that

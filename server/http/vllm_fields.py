@@ -1,8 +1,9 @@
 """vLLM's request fields this server cannot honour, refused by name instead of dropped.
 
-vLLM clients send these; a request that sets one to anything but its default gets a 400 naming
-the field and saying why, so no one mistakes an ignored setting for an applied one. Fields outside
-vLLM's and OpenAI's request models are ignored, as vLLM ignores them.
+vLLM clients send these, and OpenAI's chat fields this server cannot honour; a request that sets one
+to anything but its default gets a 400 naming the field and saying why, so no one mistakes an ignored
+setting for an applied one. Fields outside vLLM's and OpenAI's request models are ignored, as vLLM
+ignores them.
 """
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ REFUSED_REASONS = {
     "guided_whitespace_pattern": "JSON whitespace is set with structured_outputs.disable_any_whitespace",
     "structural_tag": "send the structural tag as structured_outputs.structural_tag",
     "include_reasoning": "reasoning is always returned in reasoning_content when a reasoning parser is set",
+    # OpenAI's chat fields that would change the answer or its shape in ways this server does not serve.
+    "functions": "send functions as tools (the legacy functions and function_call fields are not served)",
+    "function_call": "send the choice as tool_choice (the legacy functions and function_call fields are not served)",
+    "audio": "this server generates text only",
+    "web_search_options": "this server has no web search tool",
+    "verbosity": "the served model has no verbosity setting; ask for brevity in the messages",
+    "store": "chat completions are not stored here (the Responses API stores responses: POST /v1/responses)",
 }
 
 

@@ -97,6 +97,14 @@ REFUSED_VALUES = {
     "vllm_xargs": {"a": 1},
     "structural_tag": "{}", "include_reasoning": False,
 }
+# OpenAI's chat fields beyond vLLM's model: the ones that would change the answer are refused when set,
+# the ones that cannot (a latency hint, billing, tags for stored completions) are accepted.
+OPENAI_CHAT_REFUSED = {
+    "functions": [{"name": "f", "parameters": {}}], "function_call": "auto", "audio": {"voice": "alloy"},
+    "modalities": ["text", "audio"], "web_search_options": {}, "verbosity": "low", "store": True,
+}
+OPENAI_CHAT_ACCEPTED = {"prediction": {"type": "content", "content": "x"}, "service_tier": "auto",
+                        "metadata": {"k": "v"}, "modalities": ["text"], "store": False}
 EMBEDDING_REFUSED = {"messages": [{"role": "user", "content": "hi"}], "chat_template": "x",
                      "chat_template_kwargs": {"a": 1}, "mm_processor_kwargs": {"a": 1}}
 
@@ -196,6 +204,16 @@ def test_chat_field_is_implemented_or_refused(field, tokenizer):
         assert chat_prompt(request, tokenizer, None, "auto") == tokenizer.encode(text, add_special_tokens=True)
     else:
         assert field in OUTPUT, f"{field} is neither implemented nor refused"
+
+
+@pytest.mark.parametrize("field, value", OPENAI_CHAT_REFUSED.items())
+def test_openai_chat_fields_that_change_the_answer_are_refused(field, value):
+    assert _refused(_chat({field: value, "add_generation_prompt": False}), field)
+
+
+@pytest.mark.parametrize("field, value", OPENAI_CHAT_ACCEPTED.items())
+def test_openai_chat_fields_that_cannot_change_the_answer_are_accepted(field, value):
+    assert not _refused(_chat({field: value, "add_generation_prompt": False}), field)
 
 
 @pytest.mark.parametrize("field", VLLM_EMBEDDING_FIELDS)
