@@ -233,22 +233,18 @@ class OutputProcessor:
         if out.pooled is not None:
             vector = finish_embedding(vector_from_bytes(out.pooled), tracker.pooling, self.info.pooling)
             tracker.embedding = vector.tolist()
-        sample.token_ids.extend(out.new_token_ids)
-        if sample.logprobs is not None and out.logprobs is not None:
-            decoded = self._decode_logprobs(out.logprobs)
-            sample.logprobs.extend(decoded)
-            sample.cumulative_logprob += sum(next(iter(d.values())).logprob for d in decoded)
         new_ids = out.new_token_ids
         if out.finish_reason == "stop" and new_ids and not tracker.params.include_stop_str_in_output:
             # The engine stops on a stop token (EOS, stop_token_ids, a grammar's end), whose text is
             # not output (it shows with skip_special_tokens off, which tool parsers need), as in vLLM.
             new_ids = new_ids[:-1]
-        delta = sample.detok.push(new_ids)
-        if out.finish_reason is not None:
-            # Text held back for an unfinished character must not be lost with the last token.
-            delta += sample.detok.flush()
-        text, hit = sample.stop.feed(delta)
-        sample.text += text
+        kept, hit = self._feed_text(sample, new_ids, out.finish_reason is not None)
+        kept_ids = out.new_token_ids if hit is None else out.new_token_ids[:kept]
+        sample.token_ids.extend(kept_ids)
+        if sample.logprobs is not None and out.logprobs is not None:
+            decoded = self._decode_logprobs(out.logprobs)[:len(kept_ids)]
+            sample.logprobs.extend(decoded)
+            sample.cumulative_logprob += sum(next(iter(d.values())).logprob for d in decoded)
         if hit is not None:
             sample.finish_reason, sample.stop_reason = "stop", hit
             tracker.unfinished -= 1
@@ -260,6 +256,24 @@ class OutputProcessor:
             sample.error = out.error
             tracker.unfinished -= 1
         return False
+
+    @staticmethod
+    def _feed_text(sample: _Sample, new_ids: list[int], last: bool) -> tuple[int, str | None]:
+        """Detokenize the step's tokens into the sample's text through its stop strings: (how many of
+        the tokens it keeps, the stop string hit or None). A verify step brings several tokens; one
+        that completes a stop string ends the sample there, as it would have one token a step, so
+        they are fed one at a time (a single token goes as is)."""
+        pieces = [new_ids] if len(new_ids) <= 1 else [[token] for token in new_ids]
+        for i, ids in enumerate(pieces):
+            delta = sample.detok.push(ids)
+            if last and i == len(pieces) - 1:
+                # Text held back for an unfinished character must not be lost with the last token.
+                delta += sample.detok.flush()
+            text, hit = sample.stop.feed(delta)
+            sample.text += text
+            if hit is not None:
+                return i + 1, hit
+        return len(new_ids), None
 
     def _decode_logprobs(self, lists: LogprobsLists) -> list[PositionLogprobs]:
         decoded = []

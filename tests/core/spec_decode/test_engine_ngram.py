@@ -64,6 +64,24 @@ def test_max_tokens_and_stop_tokens_inside_a_draft(llm_int4, spec_llm):
     assert stopped.token_ids == full[: full.index(stop) + 1] and stopped.finish_reason == "stop"
 
 
+def test_stop_strings_inside_a_draft_cut_tokens_and_logprobs_where_plain_decoding_does(llm_int4, spec_llm):
+    """A verify step brings several tokens; the one that completes a stop string ends the output there:
+    the tokens after it leave the token ids and logprobs (usage counts them) as without speculation."""
+    copy = spec_llm.get_tokenizer().encode_chat(COPY)
+    words = ["quick", "fox", "jumps", "over", "lazy dog"]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, stop=[word], logprobs=1) for word in words]
+    accepted_before = _accepted(spec_llm)
+    plain = [o.outputs[0] for o in llm_int4.generate([copy] * len(words), params, use_tqdm=False)]
+    spec = [o.outputs[0] for o in spec_llm.generate([copy] * len(words), params, use_tqdm=False)]
+    assert _accepted(spec_llm) > accepted_before
+    for word, ours, theirs in zip(words, spec, plain):
+        assert theirs.finish_reason == "stop" and theirs.stop_reason == word, theirs
+        assert (ours.text, ours.token_ids, ours.finish_reason, ours.stop_reason) == (
+            theirs.text, theirs.token_ids, theirs.finish_reason, theirs.stop_reason), word
+        assert len(ours.logprobs) == len(ours.token_ids)
+        assert ours.cumulative_logprob == pytest.approx(theirs.cumulative_logprob, abs=1e-2)
+
+
 def test_penalties_min_tokens_and_logprobs_match_plain_decoding(llm_int4, spec_llm):
     copy = spec_llm.get_tokenizer().encode_chat(COPY)
     params = SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.05, frequency_penalty=0.2,
