@@ -7,16 +7,35 @@ loads them for a request that asks (`do_remote_prefill`, the same `transfer_id`)
 token after its local prefix-cache hit except the last one, which it computes for its logits.
 The load is asynchronous: the request waits, holding its blocks, until the worker reports it.
 A request loads at most once: after a failure, or when it is preempted later, it recomputes; of
-a request's `n` samples only the first loads.
+a request's `n` samples only the first loads. A request asking for its prompt's logprobs computes
+its prompt: loaded positions would have none.
+
+Blocks travel under the transfer id joined with a digest of the prompt's tokens
+(`transfer_key`): the prompts of one batched request, which share its `kv_transfer_params`, each
+get their own, and a decode request can never load the blocks of another prompt (a mismatch finds
+nothing and recomputes).
 """
 from __future__ import annotations
+
+import hashlib
+
+import numpy as np
 
 from ..config import EngineConfig
 from ..errors import ConfigError
 from ..request import Request
 from ..step_messages import KVBlockTransfer, KVTransferMetadata, KVTransferReport
 from .base import KVConnector, KVConnectorScheduler
-from .config import KVTransferConfig, transfer_params
+from .config import MAX_TRANSFER_ID, KVTransferConfig, transfer_params
+
+_DIGEST_CHARS = 16
+
+
+def transfer_key(transfer_id: str, prompt_token_ids: list[int]) -> str:
+    """The key one prompt's blocks travel under (at most MAX_TRANSFER_ID characters)."""
+    digest = hashlib.blake2b(transfer_id.encode() + b"\0" + np.asarray(prompt_token_ids, dtype=np.int64).tobytes(),
+                             digest_size=_DIGEST_CHARS // 2).hexdigest()
+    return f"{transfer_id[:MAX_TRANSFER_ID - _DIGEST_CHARS - 1]}-{digest}"
 
 
 class DisaggregatedScheduler(KVConnectorScheduler):
@@ -35,7 +54,8 @@ class DisaggregatedScheduler(KVConnectorScheduler):
         params = transfer_params(req.sampling_params.kv_transfer_params)
         # One transfer feeds one request: of n samples, the first loads and the others compute.
         if (params is None or not params.remote_prefill or not self.config.is_consumer or req.sample_index
-                or req.request_id in self._tried or req.num_output_tokens):
+                or req.request_id in self._tried or req.num_output_tokens
+                or req.sampling_params.prompt_logprobs is not None):
             return 0, False
         return max(0, req.num_prompt_tokens - 1 - num_computed_tokens), True
 
@@ -44,7 +64,8 @@ class DisaggregatedScheduler(KVConnectorScheduler):
         params = transfer_params(req.sampling_params.kv_transfer_params)
         first = num_computed_tokens // self.block_size
         end = -(-(num_computed_tokens + num_external_tokens) // self.block_size)
-        self._loads.append(KVBlockTransfer(req.request_id, block_ids[first:end], params.transfer_id, first))
+        key = transfer_key(params.transfer_id, req.prompt_token_ids)
+        self._loads.append(KVBlockTransfer(req.request_id, block_ids[first:end], key, first))
         self._loading.add(req.request_id)
         self._tried.add(req.request_id)
 
@@ -54,7 +75,8 @@ class DisaggregatedScheduler(KVConnectorScheduler):
             return
         num_blocks = -(-req.num_prompt_tokens // self.block_size)
         self._bytes_saved += num_blocks * self.kv_bytes_per_block
-        self._saves.append(KVBlockTransfer(req.request_id, block_ids[:num_blocks], params.transfer_id))
+        key = transfer_key(params.transfer_id, req.prompt_token_ids)
+        self._saves.append(KVBlockTransfer(req.request_id, block_ids[:num_blocks], key))
 
     def request_released(self, req: Request) -> None:
         self._tried.discard(req.request_id)

@@ -72,9 +72,12 @@ class PrefillInstances:
 
 
 def disaggregates(body: dict[str, Any]) -> bool:
-    """Whether the request runs as prefill then decode: one sequence from one prompt."""
+    """Whether the request runs as prefill then decode: one sequence a prompt (each prompt of a batch
+    travels on its own: `corectl.kv_transfer.disaggregated.transfer_key`), and no logprobs of the
+    prompt, which the decode instance cannot give for positions it loads."""
+    prompt_logprobs = body.get("prompt_logprobs") is not None or (body.get("echo") and body.get("logprobs"))
     return (body.get("n") in (None, 1) and body.get("best_of") in (None, 1) and not body.get("use_beam_search")
-            and not isinstance(body.get("kv_transfer_params"), dict))
+            and not prompt_logprobs and not isinstance(body.get("kv_transfer_params"), dict))
 
 
 def new_transfer_id() -> str:

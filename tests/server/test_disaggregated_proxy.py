@@ -96,6 +96,27 @@ def test_proxy_answers_as_one_instance(cluster):
     assert _metric(prefill.url, "kv_transfer_bytes_total", 'direction="save"') > 0
 
 
+def test_a_batch_of_prompts_and_the_prompts_logprobs_answer_as_one_instance(cluster):
+    """Each prompt of a batch loads its own blocks (they travel under the transfer id and a digest of
+    the prompt), and requests for the prompt's logprobs come back whole."""
+    prefill, decode, proxy = cluster
+    bodies = [
+        {"prompt": [PROMPT, "1 2 3 4 5 6 7 8 9", "Once upon a time"], "max_tokens": 8},
+        {"prompt": "Count: 1, 2, 3,", "max_tokens": 5, "echo": True, "logprobs": 1},
+        {"prompt": "Count: 1, 2, 3,", "max_tokens": 5, "prompt_logprobs": 1},
+    ]
+    failures = _metric(decode.url, "kv_load_failures_total")
+    for body in bodies:
+        body = {"model": "m", "temperature": 0, **body}
+        want = httpx.post(prefill.url + "/v1/completions", json=body, timeout=120).json()["choices"]
+        got = httpx.post(proxy.url + "/v1/completions", json=body, timeout=120).json()["choices"]
+        assert [c["text"] for c in got] == [c["text"] for c in want]
+        assert [c["logprobs"] for c in got] == [c["logprobs"] for c in want]
+        assert [c.get("prompt_logprobs") for c in got] == [c.get("prompt_logprobs") for c in want]
+    assert _metric(decode.url, "kv_load_failures_total") == failures
+    assert _metric(decode.url, "kv_cache_usage_perc") == 0
+
+
 def test_a_busy_prefill_instance_leaves_prompts_to_the_decode_instance(cluster):
     """--max-prefill-queue 1: of requests arriving together, the first takes the prefill instance and
     the others find it full, so the decode instance computes their prompts; every answer is the same."""

@@ -61,6 +61,9 @@ def test_the_two_halves_of_a_request():
     assert decode_body(body, "t")["kv_transfer_params"] == {"do_remote_prefill": True, "transfer_id": "t"}
     assert decode_body(body, None) is body  # the prefill half failed or was skipped: computed whole
     assert disaggregates(body) and not disaggregates({**body, "n": 2}) and not disaggregates({**body, "best_of": 3})
+    # The prompt's logprobs: the decode instance has none for the positions it loads.
+    assert not disaggregates({**body, "prompt_logprobs": 1}) and not disaggregates({**body, "echo": True, "logprobs": 1})
+    assert disaggregates({**body, "echo": True}) and disaggregates({**body, "prompt": ["x", "y"]})
 
 
 @pytest.mark.parametrize("value", ["0", "-3"])

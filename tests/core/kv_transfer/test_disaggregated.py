@@ -280,3 +280,14 @@ def test_producer_killed_mid_load_recomputes(reference):
     assert engine.scheduler.make_stats().kv_load_failures == 1
     _assert_all_blocks_free(consumer)
     _close(consumer)
+
+
+def test_a_transfer_key_names_one_prompt_and_fits_the_wire():
+    from corectl.kv_transfer.config import MAX_TRANSFER_ID
+    from corectl.kv_transfer.disaggregated import transfer_key
+
+    keys = {transfer_key("t", [1, 2, 3]), transfer_key("t", [1, 2, 4]), transfer_key("u", [1, 2, 3])}
+    assert len(keys) == 3 and transfer_key("t", [1, 2, 3]) == transfer_key("t", [1, 2, 3])
+    long_ids = ["a" * MAX_TRANSFER_ID, "a" * (MAX_TRANSFER_ID - 1) + "b"]
+    long_keys = {transfer_key(tid, [5]) for tid in long_ids}
+    assert len(long_keys) == 2 and all(len(key) <= MAX_TRANSFER_ID for key in long_keys)
