@@ -77,29 +77,33 @@ class _LocalPrompt:
 
 
 async def _prefill(upstreams: Upstreams, path: str, body: dict[str, Any], headers: dict[str, str]
-                   ) -> tuple[str | None, Response | None, _LocalPrompt | None]:
-    """Run the prefill half: the transfer id to decode from (None: it failed, recompute), or the
-    4xx answer that ends the request; or skip it, the prompt counted as the decode instance's."""
+                   ) -> tuple[str | None, _LocalPrompt | None]:
+    """Run the prefill half: the transfer id to decode from (None: it failed or refused, the decode
+    instance takes the request whole); or skip it, the prompt counted as the decode instance's."""
     url = upstreams.prefill.acquire()
     if url is None:
         logger.debug("every prefill instance has %d prompts in flight; the decode instance computes this one",
                      upstreams.prefill.max_queue)
-        return None, None, _LocalPrompt(upstreams.prefill, 2 if path.endswith("/chat/completions") else 1)
+        return None, _LocalPrompt(upstreams.prefill, 2 if path.endswith("/chat/completions") else 1)
     transfer_id = new_transfer_id()
     try:
         answer = await upstreams.client.post(url + path, json=prefill_body(body, transfer_id), headers=headers)
     except httpx.HTTPError as exc:
         logger.warning("prefill instance %s failed (%s); the decode instance computes the prompt", url, exc)
-        return None, None, None
+        return None, None
     finally:
         upstreams.prefill.release(url)
     if 400 <= answer.status_code < 500:
-        return None, Response(answer.content, status_code=answer.status_code, media_type="application/json"), None
+        # The prefill half is the client's request rewritten (max_tokens 1, no stream): its refusal may
+        # name what the proxy wrote, so the decode instance answers the request as sent.
+        logger.debug("prefill instance %s answered %d; the decode instance takes the request", url,
+                     answer.status_code)
+        return None, None
     if answer.status_code >= 500:
         logger.warning("prefill instance %s answered %d; the decode instance computes the prompt", url,
                        answer.status_code)
-        return None, None, None
-    return transfer_id, None, None
+        return None, None
+    return transfer_id, None
 
 
 async def _relay(upstreams: Upstreams, path: str, request: Request) -> Response | Stream:
@@ -108,9 +112,7 @@ async def _relay(upstreams: Upstreams, path: str, request: Request) -> Response 
     transfer_id = local = None
     started = time.monotonic()
     if disaggregates(body):
-        transfer_id, refusal, local = await _prefill(upstreams, path, body, headers)
-        if refusal is not None:
-            return refusal
+        transfer_id, local = await _prefill(upstreams, path, body, headers)
     prefilled = time.monotonic()
     url = upstreams.decode.pick() + path
     upstream = upstreams.client.build_request("POST", url, json=decode_body(body, transfer_id), headers=headers)

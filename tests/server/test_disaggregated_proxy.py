@@ -117,6 +117,16 @@ def test_a_batch_of_prompts_and_the_prompts_logprobs_answer_as_one_instance(clus
     assert _metric(decode.url, "kv_cache_usage_perc") == 0
 
 
+def test_a_refused_request_gets_the_answer_one_instance_gives(cluster):
+    """The prefill half asks for one token; a refusal must still name what the client sent."""
+    prefill, _, proxy = cluster
+    body = {"model": "m", "prompt": "hi " * 5000, "max_tokens": 3}
+    want = httpx.post(prefill.url + "/v1/completions", json=body, timeout=120)
+    got = httpx.post(proxy.url + "/v1/completions", json=body, timeout=120)
+    assert want.status_code == got.status_code == 400 and got.json() == want.json()
+    assert "plus 3 completion tokens" in got.json()["error"]["message"]
+
+
 def test_a_busy_prefill_instance_leaves_prompts_to_the_decode_instance(cluster):
     """--max-prefill-queue 1: of requests arriving together, the first takes the prefill instance and
     the others find it full, so the decode instance computes their prompts; every answer is the same."""
