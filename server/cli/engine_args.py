@@ -228,6 +228,9 @@ def _add_vllm_engine_flags(group: argparse._ArgumentGroup) -> None:
                        help="vLLM's older name for the structured-outputs backend")
     group.add_argument("--tokenizer-mode", default="auto", metavar="auto|hf",
                        help="vLLM's tokenizer mode: corectl loads the Hugging Face (fast) tokenizer, so auto or hf")
+    group.add_argument("--kv-offloading-backend", default="native", metavar="native",
+                       help="vLLM's choice of host tier for --kv-offloading-size: corectl's own (native); "
+                            "lmcache is not built in")
     group.add_argument("--cpu-offload-gb", type=float, default=0.0, metavar="GIB",
                        help="vLLM's weight offloading to host memory: not built, so 0 only")
     group.add_argument("--model-impl", default="auto", metavar="auto|vllm",
@@ -253,6 +256,9 @@ def _vllm_engine_values(args: argparse.Namespace) -> dict[str, Any]:
     if args.model_impl not in ("auto", "vllm"):
         raise ConfigError("model_impl", f"corectl runs its own implementation of each architecture it serves "
                                         f"(`corectl plugins` lists them); {args.model_impl!r} is not available")
+    if args.kv_offloading_backend != "native":
+        raise ConfigError("kv_offloading_backend", f"the host tier is corectl's own ('native'); "
+                                                   f"{args.kv_offloading_backend!r} is not available")
     if args.cpu_offload_gb != 0:
         raise ConfigError("cpu_offload_gb", "weights are not offloaded to host memory here; the model must fit "
                                             "the devices (see `corectl plan`, or use -tp/-pp or quantization)")

@@ -209,6 +209,7 @@ def test_vllm_spellings_of_engine_options():
     assert engine("--structured-outputs-backend", "auto").engine.structured_outputs_backend == "xgrammar"
     assert engine("--disable-frontend-multiprocessing").engine_in_process
     assert engine("--tokenizer-mode", "hf", "--cpu-offload-gb", "0").engine.tokenizer is None
+    assert engine("--kv-offloading-size", "2", "--kv-offloading-backend", "native").engine.kv_offload_bytes == 2 << 30
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -217,6 +218,7 @@ def test_vllm_spellings_of_engine_options():
     (["--max-cudagraph-capture-size", "0"], "max_cudagraph_capture_size must hold positive integers"),
     (["--tokenizer-mode", "mistral"], "tokenizer_mode: corectl loads Hugging Face tokenizers"),
     (["--cpu-offload-gb", "4"], "cpu_offload_gb: weights are not offloaded"),
+    (["--kv-offloading-backend", "lmcache"], "kv_offloading_backend: the host tier is corectl's own"),
     (["--guided-decoding-backend", "xgrammar", "--structured-outputs-config", '{"backend": "guidance"}'],
      "two structured-outputs backends"),
     (["--structured-outputs-config", "[1]"], "structured_outputs_config: must be a JSON object"),
