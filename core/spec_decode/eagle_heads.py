@@ -155,6 +155,9 @@ class Eagle3Head(nn.Module):
 
 
 HEADS = {"eagle": EagleHead, "eagle3": Eagle3Head}
+# How a checkpoint shows its layout: EAGLE-3's layer normalises the hidden states it reads
+# (`hidden_norm`) and maps draft tokens to the target's (`d2t`); EAGLE's has neither.
+_LAYOUTS = {"eagle": "EAGLE head (no hidden_norm, no d2t)", "eagle3": "EAGLE-3 head (hidden_norm and d2t)"}
 
 
 def draft_vocab_size(config) -> int:
@@ -172,6 +175,10 @@ def prepare_head(method: str, source, target: nn.Module, target_config, head_nam
                                  f"hidden states the engine exports; the target {target_name!r} is "
                                  f"{type(target).__name__}")
     names = {_checkpoint_name(name) for name in tensor_names(source.weight_files)}
+    layout = "eagle3" if {"d2t", "layers.0.hidden_norm.weight"} & names else "eagle"
+    if layout != method:
+        raise ConfigError(FIELD, f"the head {head_name!r} is an {_LAYOUTS[layout]} but the method is {method!r}: "
+                                 f"set \"method\": \"{layout}\" for it, or give an {_LAYOUTS[method]}")
     # What the config does not say: whether fc and q/k/v have biases, whether the head has its
     # own embedding (EAGLE-3).
     config.eagle_fc_bias = bool(getattr(config, "eagle_fc_bias", False)) or "fc.bias" in names

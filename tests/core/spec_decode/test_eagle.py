@@ -306,6 +306,13 @@ def test_a_head_for_another_target_is_refused_naming_both(isolated_env, folders,
         _llm({**folders, method: head}, method)
 
 
+@pytest.mark.parametrize("method, head", [("eagle", "eagle3"), ("eagle3", "eagle")])
+def test_a_head_of_the_other_layout_is_refused_naming_its_method(isolated_env, folders, method, head):
+    with pytest.raises(ConfigError, match=rf"is an {'EAGLE-3' if head == 'eagle3' else 'EAGLE'} head .* but the "
+                                          rf"method is '{method}': set \"method\": \"{head}\""):
+        _llm({**folders, method: folders[head]}, method)
+
+
 def test_serve_with_an_eagle3_head_reports_the_speculative_counters(folders):
     import openai
     from support.server import ServerProcess
