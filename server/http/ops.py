@@ -29,14 +29,26 @@ class ModelsController(Controller):
 
     @get("/models")
     async def list_models(self, server: ServerState) -> ModelList:
-        info = server.engine.info
-        created = int(server.started_at)
-        cards = [ModelCard(id=name, created=created, root=info.model_dir, max_model_len=info.max_model_len)
-                 for name in server.settings.served_model_names]
-        adapters = [] if server.loras is None else server.loras.adapters()
-        cards += [ModelCard(id=lora.lora_name, created=created, root=lora.lora_path, parent=lora.base_model_name,
-                            max_model_len=info.max_model_len) for lora in adapters]
-        return ModelList(cards)
+        return ModelList(_model_cards(server))
+
+    @get("/models/{model_id:path}")
+    async def retrieve_model(self, model_id: str, server: ServerState) -> ModelCard:
+        """OpenAI's `models.retrieve`: one served name or adapter (ids may hold slashes)."""
+        model_id = model_id.removeprefix("/")
+        card = next((card for card in _model_cards(server) if card.id == model_id), None)
+        if card is None:
+            raise APIError(404, f"the model {model_id!r} does not exist", "model", "model_not_found")
+        return card
+
+
+def _model_cards(server: ServerState) -> list[ModelCard]:
+    info = server.engine.info
+    created = int(server.started_at)
+    cards = [ModelCard(id=name, created=created, root=info.model_dir, max_model_len=info.max_model_len)
+             for name in server.settings.served_model_names]
+    adapters = [] if server.loras is None else server.loras.adapters()
+    return cards + [ModelCard(id=lora.lora_name, created=created, root=lora.lora_path, parent=lora.base_model_name,
+                              max_model_len=info.max_model_len) for lora in adapters]
 
 
 class TokenizerController(Controller):

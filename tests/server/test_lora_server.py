@@ -62,6 +62,7 @@ def test_models_lists_adapters_with_their_parent(client):
     cards = {card.id: card for card in client.models.list().data}
     assert set(cards) == {"base", "r8"}
     assert cards["r8"].parent == "base" and cards["base"].parent is None
+    assert client.models.retrieve("r8") == cards["r8"]
 
 
 def test_the_adapter_named_by_model_generates_its_tokens(client, lora_setup):

@@ -26,6 +26,15 @@ def test_models_lists_the_served_model(http, model_id):
     assert body["data"][0]["max_model_len"] == 512
 
 
+def test_models_retrieve_gives_one_card_or_a_404(openai_client, http, model_id):
+    card = openai_client.models.retrieve(model_id)
+    assert card.id == model_id and card.object == "model" and card.model_extra["max_model_len"] == 512
+    for missing in ("nope", "org/nope"):
+        with pytest.raises(openai.NotFoundError) as err:
+            openai_client.models.retrieve(missing)
+        assert err.value.body["code"] == "model_not_found" and missing in err.value.body["message"]
+
+
 def test_chat_greedy_answer_streamed_equals_whole(openai_client, http, model_id):
     whole = openai_client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=16, temperature=0)
     choice = whole.choices[0]
