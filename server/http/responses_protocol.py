@@ -3,22 +3,67 @@ its output items and the typed stream events, in the shapes the official client 
 
 A request maps onto a chat completion request (`ResponsesRequest.chat_request`), so it is validated,
 rendered and sampled exactly like one: input items become chat messages, `instructions` a system
-message first, flat function tools the chat tools, `text.format` the `response_format`.
+message first, flat function tools the chat tools, `text.format` the `response_format`,
+`reasoning.effort` the `reasoning_effort`, and vLLM's sampling extensions their chat fields. Every
+other field of OpenAI's and vLLM's request models is either echoed on the response (it changes
+nothing this server does, e.g. `max_tool_calls`: it bounds built-in tools, and none run here) or
+refused with a 400 naming it (`REFUSED_FIELDS`, `LIMITED_FIELDS`).
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
 import msgspec
+from corectl.sampling_params import MAX_LOGPROBS
 from msgspec import Meta
 
-from .constraints import JsonSchemaFormat, ResponseFormat
+from .constraints import JsonSchemaFormat, ResponseFormat, StructuredOutputsRequest
 from .errors import APIError
-from .protocol import INT32_MAX, MAX_MESSAGES, ChatCompletionRequest, ChatMessage, Int64
+from .protocol import INT32_MAX, MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_STOP_STRINGS, ChatCompletionRequest, \
+    ChatMessage, Int64, StopString
+from .responses import ChatLogprob
 from .tools import MAX_TOOLS, ChatTool, FunctionCallIn, FunctionDefinition, FunctionName, NamedFunction, \
     NamedToolChoice, ToolCallIn
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text")
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+# OpenAI's `include` values. Those about built-in tools' items or input images ask for parts of
+# items this server never makes (it runs function tools only and takes text input only).
+Includable = Literal["file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+                     "message.input_image.image_url", "computer_call_output.output.image_url",
+                     "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs"]
+
+# Request fields (OpenAI's and vLLM's) this server cannot honour -> why. One sent with anything but
+# null or false gets a 400 naming it.
+REFUSED_FIELDS = {
+    "background": "background responses (polled and cancelled later) are not served; send the request in the "
+                  "foreground, or stream it",
+    "background_options": "background responses are not served",
+    "conversation": "the Conversations API is not served; continue a conversation with previous_response_id",
+    "prompt": "stored prompt templates are not served",
+    "previous_response": "send previous_response_id, or the whole conversation as input",
+    "previous_input_messages": "send the earlier turns as input items",
+    "enable_response_messages": "the rendered input and output messages are not returned",
+    "mm_processor_kwargs": "input here is text only (input_image parts are refused), so no image is processed",
+    "context_management": "context compaction is not served",
+    "prompt_cache_options": "the prefix cache is automatic: explicit breakpoints and lifetimes are not served",
+    "access_programs": "no access programs are served",
+    "image": "input here is text only",
+    "moderation": "moderation is not served",
+}
+# Fields (dotted: nested) with only some values honoured -> (those values, why the others are not).
+LIMITED_FIELDS = {
+    "service_tier": (("auto", "default"), "this server has one service tier, \"default\" (`priority` orders "
+                     "requests)"),
+    "truncation": (("disabled",), "dropping the oldest input items to fit the context is not served; an input "
+                   "past the context is a 400, as with \"disabled\""),
+    "prompt_cache_retention": (("in_memory",), "the prefix cache is kept in memory, least recently used out first"),
+    "reasoning.summary": (("auto",), "reasoning items carry the whole reasoning text, never a summary"),
+    "reasoning.generate_summary": (("auto",), "reasoning items carry the whole reasoning text, never a summary"),
+    "reasoning.context": (("auto", "current_turn"), "earlier turns' reasoning is never rendered back to the model"),
+    "text.verbosity": (("medium",), "the model has no verbosity setting"),
+    "stream_options.include_obfuscation": ((False,), "stream events carry no obfuscation padding"),
+}
 
 
 class InputPart(msgspec.Struct, kw_only=True):
@@ -66,15 +111,23 @@ class TextFormat(msgspec.Struct, kw_only=True):
 
 class TextConfig(msgspec.Struct, kw_only=True):
     format: TextFormat = msgspec.field(default_factory=TextFormat)
+    verbosity: str | None = None  # LIMITED_FIELDS
 
 
 class ReasoningConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
-    effort: str | None = None
+    # Chat's reasoning_effort values, which templates and harmony read.
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
     summary: str | None = None
+    generate_summary: str | None = None
+    context: str | None = None
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_obfuscation: bool | None = None
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
-    """POST /v1/responses."""
+    """POST /v1/responses: the fields of OpenAI's create() and of vLLM's ResponsesRequest."""
 
     input: str | Annotated[list[InputItem], Meta(max_length=MAX_MESSAGES)]
     model: str | None = None
@@ -90,12 +143,69 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     previous_response_id: str | None = None
     store: bool = True
     stream: bool = False
+    stream_options: StreamOptions | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    include: Annotated[list[Includable], Meta(max_length=16)] | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] = 0
+    # Echoed only: it bounds calls to built-in tools, and none run here.
+    max_tool_calls: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
+    # Echoed only: every prompt shares the one prefix cache, keyed by its tokens.
+    prompt_cache_key: Annotated[str, Meta(max_length=1024)] | None = None
+    safety_identifier: Annotated[str, Meta(max_length=256)] | None = None
+    service_tier: str | None = "auto"
+    truncation: str | None = "disabled"
+    prompt_cache_retention: str | None = None
+    # vLLM's extensions, honoured as on chat (the request id also names the response: resp_<id>).
     seed: Int64 | None = None
     priority: Int64 = 0
-    # vLLM's extension, as on chat.
     chat_template_kwargs: Annotated[dict[str, Any], Meta(max_length=64)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None
+    repetition_penalty: float | None = None
+    logit_bias: Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    stop: StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=1024)] | None = None
+    request_id: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    vllm_xargs: Any = None  # refused by chat (vllm_fields)
+    # Refused (REFUSED_FIELDS).
+    background: bool | None = False
+    background_options: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    previous_response: Any = None
+    previous_input_messages: Any = None
+    enable_response_messages: bool = False
+    mm_processor_kwargs: Any = None
+    context_management: Any = None
+    prompt_cache_options: Any = None
+    access_programs: Any = None
+    image: Any = None
+    moderation: Any = None
+
+    @property
+    def output_logprobs(self) -> bool:
+        return OUTPUT_LOGPROBS in (self.include or ())
+
+    def check_supported(self) -> None:
+        """A 400 naming the first field set to what this server cannot honour."""
+        for name, reason in REFUSED_FIELDS.items():
+            if getattr(self, name) not in (None, False):
+                raise APIError(400, f"{name} is not supported: {reason}", name)
+        for name, (honoured, reason) in LIMITED_FIELDS.items():
+            value = _dotted(self, name)
+            if value is not None and value not in honoured:
+                raise APIError(400, f"{name} {msgspec.json.encode(value).decode()} is not supported: {reason}", name)
+        if "reasoning.encrypted_content" in (self.include or ()):
+            raise APIError(400, "include reasoning.encrypted_content is not supported: earlier turns' reasoning "
+                           "is never rendered back to the model (stored or not), so none is carried", "include")
+        if self.top_logprobs and not self.output_logprobs:
+            raise APIError(400, f"top_logprobs needs include [\"{OUTPUT_LOGPROBS}\"]", "top_logprobs")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
 
     def new_messages(self) -> list[ChatMessage]:
         """This turn's input as chat messages (without the instructions)."""
@@ -111,12 +221,18 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     def chat_request(self, history: list[ChatMessage]) -> ChatCompletionRequest:
         """The chat completion request this turn amounts to, after `history` (earlier turns)."""
         system = [] if self.instructions is None else [ChatMessage(role="system", content=self.instructions)]
+        logprobs = self.output_logprobs
         return ChatCompletionRequest(
             messages=system + history + self.new_messages(), model=self.model,
             max_completion_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p,
-            seed=self.seed, priority=self.priority, tools=self._chat_tools(), tool_choice=self._tool_choice(),
-            parallel_tool_calls=self.parallel_tool_calls, response_format=self._response_format(),
-            chat_template_kwargs=self.chat_template_kwargs)
+            top_k=self.top_k, repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
+            stop=self.stop, ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, seed=self.seed, priority=self.priority,
+            cache_salt=self.cache_salt, logprobs=logprobs, top_logprobs=self.top_logprobs if logprobs else None,
+            tools=self._chat_tools(), tool_choice=self._tool_choice(), parallel_tool_calls=self.parallel_tool_calls,
+            response_format=self._response_format(), structured_outputs=self.structured_outputs,
+            reasoning_effort=None if self.reasoning is None else self.reasoning.effort,
+            chat_template_kwargs=self.chat_template_kwargs, vllm_xargs=self.vllm_xargs)
 
     def _chat_tools(self) -> list[ChatTool] | None:
         if not self.tools:
@@ -181,13 +297,22 @@ def _text(content: str | list[InputPart] | None, where: str) -> str:
     return "".join(texts)
 
 
+def _dotted(request: ResponsesRequest, name: str) -> Any:
+    """The value of field `name` ("a.b": field b of field a), None where a part is unset."""
+    value: Any = request
+    for part in name.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
 # -- the response object -------------------------------------------------------------------------------
 
 class OutputText(msgspec.Struct, kw_only=True):
     type: str = "output_text"
     text: str
     annotations: list[Any] = msgspec.field(default_factory=list)
-    logprobs: list[Any] = msgspec.field(default_factory=list)
+    # With include message.output_text.logprobs: every generated token's, as chat's logprobs.
+    logprobs: list[ChatLogprob] = msgspec.field(default_factory=list)
 
 
 class ReasoningText(msgspec.Struct, kw_only=True):
@@ -261,6 +386,14 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     store: bool = True
     metadata: dict[str, str] | None = None
     user: str | None = None
+    background: bool = False
+    max_tool_calls: int | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str = "default"
+    top_logprobs: int = 0
+    truncation: str = "disabled"
     incomplete_details: IncompleteDetails | None = None
     error: Any = None
     usage: ResponseUsage | None = None
@@ -317,7 +450,7 @@ class OutputTextDelta(ResponseEvent, kw_only=True, tag="response.output_text.del
     output_index: int
     content_index: int = 0
     delta: str
-    logprobs: list[Any] = msgspec.field(default_factory=list)
+    logprobs: list[ChatLogprob] = msgspec.field(default_factory=list)
 
 
 class OutputTextDone(ResponseEvent, kw_only=True, tag="response.output_text.done"):
@@ -325,7 +458,7 @@ class OutputTextDone(ResponseEvent, kw_only=True, tag="response.output_text.done
     output_index: int
     content_index: int = 0
     text: str
-    logprobs: list[Any] = msgspec.field(default_factory=list)
+    logprobs: list[ChatLogprob] = msgspec.field(default_factory=list)
 
 
 class ReasoningTextDelta(ResponseEvent, kw_only=True, tag="response.reasoning_text.delta"):

@@ -6,50 +6,123 @@ does for bi-encoders: each distinct text is embedded once (one engine request, t
 path as /v1/embeddings), then every pair is scored. A cross-encoder (a sequence classifier with one
 label, e.g. bge-reranker) runs each pair through the model as one input, `tokenizer(text_1, text_2)`
 (the model derives the second text's token type), and its logit is the score, through a sigmoid
-unless the request sets `activation: false`, as vLLM does. A classifier of several labels cannot
-score, and a generative model answers 400, as on /v1/embeddings.
+unless the request sets `use_activation: false` (vLLM's older `activation` and `softmax` too), as
+vLLM does. A classifier of several labels cannot score, and a generative model answers 400, as on
+/v1/embeddings. `truncate_prompt_tokens` keeps each input's last tokens as on /v1/embeddings (an
+input: a text to embed, or a cross-encoder's pair); Cohere's `max_tokens_per_doc` keeps each
+document's first tokens before it is paired.
 """
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
+from corectl.errors import InvalidRequestError
 from corectl.pooling import MAX_EMBED_INPUTS, PoolingParams
 from litestar import Controller, Request, post
 from msgspec import Meta
 
 from .auth import require_api_key
 from .embedding_protocol import EmbeddingRequest
-from .embeddings import _encode, _encoded, _gather
+from .embeddings import _encode, _encoded, _gather, _token_ids, _truncated
 from .errors import ERROR_RESPONSES, APIError
 from .generation import until_disconnected
-from .protocol import Int64
+from .protocol import INT32_MAX, Int64
+from .request_id import request_id_for
 from .state import ServerState
 
 Texts = str | Annotated[list[str], Meta(max_length=MAX_EMBED_INPUTS)]
+# vLLM's names for the two sides of /score, its newer ones after text_1 and text_2.
+PAIR_FIELDS = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
+# Fields of vLLM's score and rerank requests (and Cohere's rerank) this server cannot honour -> why;
+# one sent with anything but null gets a 400 naming it.
+REFUSED_FIELDS = {
+    "mm_processor_kwargs": "scoring takes text only here, so no image is processed",
+    "cache_salt": "the pooling routes do not salt the prefix cache",
+    "rank_fields": "documents are strings here; rank_fields picks fields of object documents",
+}
+# Fields with one value honoured -> (that value, why the others are not).
+LIMITED_FIELDS = {
+    "padding": ("do_not_pad", "inputs are never padded"),
+    "truncation_side": ("left", "truncate_prompt_tokens keeps each input's last tokens"),
+}
 
 
-class ScoreRequest(msgspec.Struct, kw_only=True):
-    """`text_1` against `text_2`: one against many, or pairwise when both are lists of one length."""
+class ScoringFields(msgspec.Struct, kw_only=True):
+    """The fields vLLM's score and rerank requests share."""
 
-    text_1: Texts
-    text_2: Texts
     model: str | None = None
+    user: str | None = None
     priority: Int64 = 0
-    activation: bool | None = None  # a cross-encoder's sigmoid (None: on)
+    request_id: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    # Each input's last tokens (-1: as many as the context holds), as on /v1/embeddings.
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None
+    # A cross-encoder's sigmoid (None: on); `activation` and `softmax` are vLLM's older names.
+    use_activation: bool | None = None
+    activation: bool | None = None
+    softmax: bool | None = None
+    padding: str | None = None
+    truncation_side: str | None = None
+    mm_processor_kwargs: Any = None
+    cache_salt: Any = None
+
+    def check_supported(self) -> None:
+        for name, reason in REFUSED_FIELDS.items():
+            if getattr(self, name, None) is not None:
+                raise APIError(400, f"{name} is not supported: {reason}", name)
+        for name, (honoured, reason) in LIMITED_FIELDS.items():
+            value = getattr(self, name)
+            if value not in (None, honoured):
+                raise APIError(400, f"{name} {value!r} is not supported: {reason}", name)
+        self.activation_on()  # its names must agree even where no activation applies (a cosine)
+
+    def activation_on(self) -> bool:
+        """Whether a cross-encoder's logit goes through its sigmoid, whichever of vLLM's names says so."""
+        sent = {name: value for name in ("use_activation", "activation", "softmax")
+                if (value := getattr(self, name)) is not None}
+        if len(set(sent.values())) > 1:
+            raise APIError(400, f"{' and '.join(sent)} disagree; send use_activation alone", "use_activation")
+        return next(iter(sent.values()), True)
 
 
-class RerankRequest(msgspec.Struct, kw_only=True):
+class ScoreRequest(ScoringFields, kw_only=True):
+    """`text_1` against `text_2` (or vLLM's newer names, PAIR_FIELDS): one against many, or pairwise
+    when both are lists of one length."""
+
+    text_1: Texts | None = None
+    text_2: Texts | None = None
+    queries: Texts | None = None
+    documents: Texts | None = None
+    items: Texts | None = None
+    data_1: Texts | None = None
+    data_2: Texts | None = None
+
+    def sides(self) -> tuple[str, str]:
+        """The names of the two fields this request sent its texts in."""
+        sent = [name for name in ("text_1", "text_2", "queries", "documents", "items", "data_1", "data_2")
+                if getattr(self, name) is not None]
+        named = [pair for pair in PAIR_FIELDS if set(pair) == set(sent)]
+        if named:
+            return named[0]
+        if len(sent) == 1:
+            missing = next(b if a == sent[0] else a for a, b in PAIR_FIELDS if sent[0] in (a, b))
+            raise APIError(400, f"missing required field '{missing}'", missing)
+        raise APIError(400, "send the texts to score as one pair of fields: text_1 and text_2 (or vLLM's queries and "
+                       f"documents, queries and items, data_1 and data_2); got {', '.join(sent) or 'none'}",
+                       sent[-1] if sent else "text_1")
+
+
+class RerankRequest(ScoringFields, kw_only=True):
     query: str
     documents: Annotated[list[str], Meta(max_length=MAX_EMBED_INPUTS)]
-    model: str | None = None
     top_n: Annotated[int, Meta(ge=0)] = 0  # 0: every document
     return_documents: bool = True
-    priority: Int64 = 0
-    activation: bool | None = None
+    # Cohere's: each document cut to its first that many tokens before it is scored.
+    max_tokens_per_doc: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None
+    rank_fields: Any = None
 
 
 class PoolingRequest(EmbeddingRequest, kw_only=True):
@@ -119,85 +192,109 @@ class ScoringController(Controller):
 
     @post(["/v1/score", "/score"], status_code=200, responses=ERROR_RESPONSES)
     async def score(self, data: ScoreRequest, request: Request, server: ServerState) -> ScoreResponse:
-        pairs = _pairs(data.text_1, data.text_2)
-        scores, tokens = await _score(server, request, data.model, data.priority, pairs, "text_2", data.activation)
-        return ScoreResponse(id=f"score-{uuid.uuid4().hex}", created=int(time.time()), model=server.model_name,
+        data.check_supported()
+        first, second = data.sides()
+        pairs = _pairs(getattr(data, first), getattr(data, second), first, second)
+        request_id = f"score-{request_id_for(request, data.request_id)}"
+        scores, tokens = await _score(server, request, data, pairs, second, request_id)
+        return ScoreResponse(id=request_id, created=int(time.time()), model=server.model_name,
                              data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
                              usage=ScoreUsage(prompt_tokens=tokens, total_tokens=tokens))
 
     @post(["/v1/rerank", "/rerank", "/v2/rerank"], status_code=200, responses=ERROR_RESPONSES)
     async def rerank(self, data: RerankRequest, request: Request, server: ServerState) -> RerankResponse:
+        data.check_supported()
         if not data.documents:
             raise APIError(400, "documents must hold at least one document", "documents")
-        pairs = [(data.query, document) for document in data.documents]
-        scores, tokens = await _score(server, request, data.model, data.priority, pairs, "documents", data.activation)
+        pairs = [(data.query, document) for document in _clipped(server, data.documents, data.max_tokens_per_doc)]
+        request_id = f"rerank-{request_id_for(request, data.request_id)}"
+        scores, tokens = await _score(server, request, data, pairs, "documents", request_id)
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[:data.top_n or None]
-        return RerankResponse(id=f"rerank-{uuid.uuid4().hex}", model=server.model_name, usage=RerankUsage(tokens),
+        return RerankResponse(id=request_id, model=server.model_name, usage=RerankUsage(tokens),
                               results=[RerankResult(index=i, relevance_score=scores[i], document=RerankDocument(
                                   data.documents[i]) if data.return_documents else None) for i in order])
 
     @post("/pooling", status_code=200, responses=ERROR_RESPONSES)
     async def pooling(self, data: PoolingRequest, request: Request, server: ServerState) -> PoolingResponse:
-        texts = data.inputs()
-        vectors, tokens = await _embed(server, request, data.model, data.priority, texts, "input",
-                                       data.pooling_params())
-        return PoolingResponse(id=f"pool-{uuid.uuid4().hex}", created=int(time.time()), model=server.model_name,
+        prompts = [ids for _, ids in _token_ids(data, server)]
+        request_id = f"pool-{request_id_for(request, data.request_id)}"
+        vectors, tokens = await _embed(server, request, data.model, data.priority, prompts, "input",
+                                       data.pooling_params(), request_id)
+        return PoolingResponse(id=request_id, created=int(time.time()), model=server.model_name,
                                data=[PoolingData(index=i, data=_encoded(v, data.encoding_format))
                                      for i, v in enumerate(vectors)],
                                usage=ScoreUsage(prompt_tokens=tokens, total_tokens=tokens))
 
 
-def _pairs(first: str | list[str], second: str | list[str]) -> list[tuple[str, str]]:
+def _pairs(first: str | list[str], second: str | list[str], first_name: str,
+           second_name: str) -> list[tuple[str, str]]:
     """vLLM's pairing: one text against each of a list, or two lists of one length pairwise."""
     firsts = [first] if isinstance(first, str) else first
     seconds = [second] if isinstance(second, str) else second
     if not firsts or not seconds:
-        raise APIError(400, "text_1 and text_2 must each hold at least one text", "text_1" if not firsts else "text_2")
+        raise APIError(400, f"{first_name} and {second_name} must each hold at least one text",
+                       first_name if not firsts else second_name)
     if len(firsts) == 1:
         firsts = firsts * len(seconds)
     if len(firsts) != len(seconds):
-        raise APIError(400, f"text_1 holds {len(firsts)} texts and text_2 {len(seconds)}: give one text_1, or "
-                       "as many as text_2", "text_1")
+        raise APIError(400, f"{first_name} holds {len(firsts)} texts and {second_name} {len(seconds)}: give one "
+                       f"{first_name}, or as many as {second_name}", first_name)
     if any(not text for text in firsts + seconds):
-        raise APIError(400, "texts to score must not be empty", "text_1")
+        raise APIError(400, "texts to score must not be empty", first_name)
     return list(zip(firsts, seconds))
 
 
-async def _score(server: ServerState, request: Request, model: str | None, priority: int,
-                 pairs: list[tuple[str, str]], param: str, activation: bool | None) -> tuple[list[float], int]:
+def _clipped(server: ServerState, documents: list[str], limit: int | None) -> list[str]:
+    """Cohere's max_tokens_per_doc: each document as the text of its first `limit` tokens."""
+    if limit is None:
+        return documents
+    tokenizer = server.require_tokenizer("max_tokens_per_doc", "documents cannot be cut to a number of tokens")
+    clipped = []
+    for document in documents:
+        ids = tokenizer.encode(document, add_special_tokens=False)
+        clipped.append(document if len(ids) <= limit else tokenizer.decode(ids[:limit]))
+    return clipped
+
+
+async def _score(server: ServerState, request: Request, data: ScoringFields, pairs: list[tuple[str, str]],
+                 param: str, request_id: str) -> tuple[list[float], int]:
     """Each pair's score and the tokens the scoring took: a cross-encoder's logit of the pair as one
     input, else the cosine of the two texts' embeddings (each distinct text embedded once)."""
     pooling = server.engine.info.pooling
+    tokenizer = server.require_tokenizer(param, "texts cannot be tokenized")
     if pooling is None or pooling.task != "classify":
         texts = sorted({text for pair in pairs for text in pair})
-        vectors, tokens = await _embed(server, request, model, priority, texts, param)
+        prompts = _truncated(data, server, [(None, tokenizer.encode(text)) for text in texts])
+        vectors, tokens = await _embed(server, request, data.model, data.priority, [ids for _, ids in prompts],
+                                       param, request_id=request_id)
         index = {text: i for i, text in enumerate(texts)}
         return [_cosine(vectors[index[a]], vectors[index[b]]) for a, b in pairs], tokens
     if pooling.hidden_size != 1:
         raise APIError(400, f"this model classifies into {pooling.hidden_size} labels; scoring takes an embedding "
                        "model or a cross-encoder (one label): use /classify", "model")
-    tokenizer = server.require_tokenizer(param, "texts cannot be tokenized")
-    prompts = [tokenizer.hf(first, second)["input_ids"] for first, second in pairs]
-    logits, tokens = await _embed(server, request, model, priority, prompts, param, PoolingParams(normalize=False))
+    prompts = _truncated(data, server, [(None, tokenizer.hf(first, second)["input_ids"]) for first, second in pairs])
+    logits, tokens = await _embed(server, request, data.model, data.priority, [ids for _, ids in prompts], param,
+                                  PoolingParams(normalize=False), request_id)
     scores = np.array([logit[0] for logit in logits], dtype=np.float64)
-    return (1 / (1 + np.exp(-scores)) if activation is not False else scores).tolist(), tokens
+    return (1 / (1 + np.exp(-scores)) if data.activation_on() else scores).tolist(), tokens
 
 
-async def _embed(server: ServerState, request: Request, model: str | None, priority: int, texts: list[str | list[int]],
-                 param: str, params: PoolingParams | None = None) -> tuple[list, int]:
-    """Each text's pooled vector (one engine request each, at once) and the tokens they took."""
+async def _embed(server: ServerState, request: Request, model: str | None, priority: int, prompts: list[list[int]],
+                 param: str, params: PoolingParams | None = None, request_id: str | None = None) -> tuple[list, int]:
+    """Each prompt's pooled vector (one engine request each, at once) and the tokens they took; an
+    input the engine refuses is named `param`, the field it came from."""
     server.check_accepting()
     server.check_model(model)
     server.check_priority(priority)
-    tokenizer = server.require_tokenizer(param, "texts cannot be tokenized")
-    prompts = [text if isinstance(text, list) else tokenizer.encode(text) for text in texts]
     params = params or PoolingParams()
-    request_id = uuid.uuid4().hex
+    request_id = request_id or uuid.uuid4().hex
     server.begin_request()
     try:
         vectors = await until_disconnected(request.receive, lambda: _gather([
             lambda i=i, ids=ids: _encode(server, f"{request_id}-{i}", ids, None, params, priority)
             for i, ids in enumerate(prompts)]))
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(str(exc), param if exc.param == "input" else exc.param, exc.code) from None
     finally:
         server.end_request()
     return vectors, sum(len(ids) for ids in prompts)
