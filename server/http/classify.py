@@ -18,12 +18,16 @@ from .auth import require_api_key
 from .embedding_protocol import EmbeddingRequest
 from .embeddings import _token_ids
 from .errors import ERROR_RESPONSES, APIError
-from .scoring import ScoreUsage, _embed
+from .scoring import ScoreUsage, _embed, activation_on
 from .state import ServerState
 
 
 class ClassificationRequest(EmbeddingRequest, kw_only=True):
-    activation: bool | None = None  # softmax (sigmoid for one label); None: on
+    # Softmax (sigmoid for one label), on unless `use_activation` (vLLM's older `activation`,
+    # `softmax`) is false.
+    use_activation: bool | None = None
+    activation: bool | None = None
+    softmax: bool | None = None
 
 
 class ClassificationData(msgspec.Struct, kw_only=True):
@@ -53,18 +57,19 @@ class ClassifyController(Controller):
         if pooling is None or pooling.task != "classify":
             raise APIError(400, "this model is not a sequence classifier: /classify takes a model served with a "
                            "classification head (a *ForSequenceClassification checkpoint)", "model")
+        activation = activation_on(data)
         prompts = [ids for _, ids in _token_ids(data, server)]
         logits, tokens = await _embed(server, request, data.model, data.priority, prompts, "input",
                                       PoolingParams(normalize=False, dimensions=data.dimensions))
-        results = [_classified(i, np.asarray(row, dtype=np.float64), pooling.labels, data.activation)
+        results = [_classified(i, np.asarray(row, dtype=np.float64), pooling.labels, activation)
                    for i, row in enumerate(logits)]
         return ClassificationResponse(id=f"classify-{uuid.uuid4().hex}", created=int(time.time()),
                                       model=server.model_name, data=results,
                                       usage=ScoreUsage(prompt_tokens=tokens, total_tokens=tokens))
 
 
-def _classified(index: int, logits: np.ndarray, labels: tuple[str, ...], activation: bool | None) -> ClassificationData:
-    if activation is False:
+def _classified(index: int, logits: np.ndarray, labels: tuple[str, ...], activation: bool) -> ClassificationData:
+    if not activation:
         probs = logits
     elif len(logits) == 1:
         probs = 1 / (1 + np.exp(-logits))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import anyio
 import numpy as np
@@ -79,7 +79,13 @@ def _token_ids(data: EmbeddingRequest, server: ServerState) -> list[tuple[str | 
                                      for text in inputs])
 
 
-def _truncated(data: EmbeddingRequest, server: ServerState,
+class Truncating(Protocol):
+    """A request that may keep only its inputs' last tokens (embeddings, score, rerank)."""
+
+    truncate_prompt_tokens: int | None
+
+
+def _truncated(data: Truncating, server: ServerState,
                prompts: list[tuple[str | None, list[int]]]) -> list[tuple[str | None, list[int]]]:
     """vLLM's truncate_prompt_tokens: each input's last k tokens (-1: the context's length); a
     truncated input no longer matches its text."""

@@ -299,9 +299,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     store: bool = False
     modalities: list[str] | None = None
     # OpenAI's, accepted with nothing to do: a prediction only shortens latency, never changes the
-    # answer; service tiers and metadata are for billing and stored completions.
+    # answer; metadata tags stored completions. The one service tier is "default" (`priority` orders).
     prediction: Any = None
-    service_tier: Any = None
+    service_tier: Literal["auto", "default"] | None = None
     metadata: Any = None
 
     def check_supported(self) -> None:

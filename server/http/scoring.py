@@ -81,11 +81,17 @@ class ScoringFields(msgspec.Struct, kw_only=True):
 
     def activation_on(self) -> bool:
         """Whether a cross-encoder's logit goes through its sigmoid, whichever of vLLM's names says so."""
-        sent = {name: value for name in ("use_activation", "activation", "softmax")
-                if (value := getattr(self, name)) is not None}
-        if len(set(sent.values())) > 1:
-            raise APIError(400, f"{' and '.join(sent)} disagree; send use_activation alone", "use_activation")
-        return next(iter(sent.values()), True)
+        return activation_on(self)
+
+
+def activation_on(request: Any) -> bool:
+    """Whether scores or class logits go through their activation (sigmoid, softmax): the request's
+    `use_activation`, or vLLM's older `activation` and `softmax`, which must agree; default on."""
+    sent = {name: value for name in ("use_activation", "activation", "softmax")
+            if (value := getattr(request, name)) is not None}
+    if len(set(sent.values())) > 1:
+        raise APIError(400, f"{' and '.join(sent)} disagree; send use_activation alone", "use_activation")
+    return next(iter(sent.values()), True)
 
 
 class ScoreRequest(ScoringFields, kw_only=True):

@@ -44,8 +44,11 @@ def test_classify_labels_and_probabilities(classifier, logits, path):
         assert item["index"] == i and item["num_classes"] == 3
         assert item["label"] == LABELS[int(np.argmax(logits[i]))]
         np.testing.assert_allclose(item["probs"], probs[i], rtol=1e-5, atol=1e-6)
-    raw = client.post(path, json={"input": TEXTS[0], "activation": False}).json()["data"][0]
-    np.testing.assert_allclose(raw["probs"], logits[0], rtol=1e-5, atol=1e-5)
+    for name in ("use_activation", "activation", "softmax"):  # vLLM's name, and its older ones
+        raw = client.post(path, json={"input": TEXTS[0], name: False}).json()["data"][0]
+        np.testing.assert_allclose(raw["probs"], logits[0], rtol=1e-5, atol=1e-5)
+    disagree = client.post(path, json={"input": TEXTS[0], "use_activation": False, "activation": True})
+    assert disagree.status_code == 400 and disagree.json()["error"]["param"] == "use_activation"
 
 
 def test_a_multi_label_classifier_cannot_score(classifier):
