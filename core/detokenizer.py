@@ -127,15 +127,19 @@ class StopStringMatcher:
         self._held = ""  # text not emitted yet: it may begin a stop string
         self._stopped = False
 
-    def feed(self, delta: str) -> tuple[str, str | None]:
+    def feed(self, delta: str, armed: bool = True) -> tuple[str, str | None]:
         """Returns (text safe to emit now, the stop string hit or None). After a hit nothing more is
-        emitted."""
+        emitted. Not `armed` (the request's min_tokens not generated yet), a stop string that
+        completes in `delta` is passed over, as vLLM does; one completing later still counts."""
         if not self._stops:
             return delta, None
         if self._stopped:
             return "", None
         text = self._held + delta
-        hit = self._first_hit(delta)
+        if not armed:
+            for i, stop in enumerate(self._stops):
+                self._states[i] = _advance_past_matches(stop, self._borders[i], self._states[i], delta)
+        hit = self._first_hit(delta) if armed else None
         if hit is not None:
             stop, end = hit
             end += len(self._held)
@@ -176,6 +180,17 @@ def _borders(stop: str) -> tuple[int, ...]:
             k += 1
         table[i] = k
     return tuple(table)
+
+
+def _advance_past_matches(stop: str, borders: tuple[int, ...], state: int, delta: str) -> int:
+    """`_advance` over all of `delta`, going on after each complete match from its longest border."""
+    start = 0
+    while True:
+        state, end = _advance(stop, borders, state, delta[start:], len(delta) - start)
+        if end < 0:
+            return state
+        start += end
+        state = borders[-1]
 
 
 def _advance(stop: str, borders: tuple[int, ...], state: int, delta: str, limit: int) -> tuple[int, int]:

@@ -58,6 +58,9 @@ class _Sample:
                       else IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens,
                                                    params.spaces_between_special_tokens))
         self.stop = StopStringMatcher(params.stop or [], params.include_stop_str_in_output)
+        # Stop strings count from the token after the first min_tokens (vLLM's rule).
+        self.min_tokens = params.min_tokens
+        self.num_fed = 0
         self.text = ""
         self.token_ids: list[int] = []
         self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
@@ -269,7 +272,8 @@ class OutputProcessor:
             if last and i == len(pieces) - 1:
                 # Text held back for an unfinished character must not be lost with the last token.
                 delta += sample.detok.flush()
-            text, hit = sample.stop.feed(delta)
+            sample.num_fed += len(ids)
+            text, hit = sample.stop.feed(delta, armed=sample.num_fed > sample.min_tokens)
             sample.text += text
             if hit is not None:
                 return i + 1, hit

@@ -190,9 +190,9 @@ def test_byte_fallback_random_bytes_never_break_the_stream(fallback):
 
 # ---- StopStringMatcher ----
 
-def reference_stop(text: str, stops: list[str], include: bool) -> tuple[str, str | None]:
-    """Character by character: the first stop string to complete ends the text."""
-    for end in range(1, len(text) + 1):
+def reference_stop(text: str, stops: list[str], include: bool, armed_from: int = 0) -> tuple[str, str | None]:
+    """Character by character: the first stop string to complete after `armed_from` characters ends the text."""
+    for end in range(armed_from + 1, len(text) + 1):
         done = [s for s in stops if text[:end].endswith(s)]
         if done:
             stop = max(done, key=len)
@@ -200,12 +200,13 @@ def reference_stop(text: str, stops: list[str], include: bool) -> tuple[str, str
     return text, None
 
 
-def run_matcher(stops: list[str], include: bool, deltas: list[str]) -> tuple[list[str], str | None]:
-    """Feed deltas until a hit; returns the emitted pieces (the flush last) and the hit."""
+def run_matcher(stops: list[str], include: bool, deltas: list[str], disarmed: int = 0) -> tuple[list[str], str | None]:
+    """Feed deltas until a hit (the first `disarmed` deltas not armed); returns the emitted pieces (the
+    flush last) and the hit."""
     matcher = StopStringMatcher(stops, include)
     pieces = []
-    for delta in deltas:
-        text, hit = matcher.feed(delta)
+    for i, delta in enumerate(deltas):
+        text, hit = matcher.feed(delta, armed=i >= disarmed)
         pieces.append(text)
         if hit is not None:
             return pieces, hit
@@ -318,3 +319,20 @@ def test_long_stop_strings_take_linear_memory():
         tracemalloc.stop()
     assert peak < 10 * 2 ** 20
     assert [(text, hit) for text, hit in pieces if text or hit] == [("", stop)]
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stops_completing_before_min_tokens_are_passed_over(include):
+    """Deltas fed before min_tokens are reached are not armed: a stop string completing in them does
+    not end the text, one completing later does (also when it began in them), as vLLM's rule."""
+    assert run_matcher(["ab"], include, ["xab", "yab", "z"], disarmed=1) == (["xab", "yab" if include else "y"], "ab")
+    assert run_matcher(["abc"], include, ["xab", "cd"], disarmed=1)[1] == "abc"
+    rng = random.Random(20 + int(include))
+    for _ in range(1000):
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 30)))
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 3))]
+        deltas = split_randomly(text, rng)
+        disarmed = rng.randint(0, len(deltas))
+        expected = reference_stop(text, stops, include, armed_from=len("".join(deltas[:disarmed])))
+        pieces, hit = run_matcher(stops, include, deltas, disarmed)
+        assert ("".join(pieces), hit) == expected, (text, stops, deltas, disarmed)

@@ -82,9 +82,12 @@ def test_stop_strings_min_tokens_and_stop_token_ids(llm_int4):
                 SamplingParams(**greedy, stop=["Paris"], include_stop_str_in_output=True),
                 SamplingParams(**greedy, stop_token_ids=[second_token]),
                 SamplingParams(**greedy, skip_special_tokens=False),
-                SamplingParams(temperature=0.0, max_tokens=40, min_tokens=len(full.token_ids) + 3)]
-    cut, kept, by_id, special, longer = (o.outputs[0] for o in llm_int4.generate([prompt] * len(variants), variants,
-                                                                                 use_tqdm=False))
+                SamplingParams(temperature=0.0, max_tokens=40, min_tokens=len(full.token_ids) + 3),
+                SamplingParams(temperature=0.0, max_tokens=40, min_tokens=len(full.token_ids), stop=["Paris"])]
+    cut, kept, by_id, special, longer, late = (o.outputs[0] for o in llm_int4.generate(
+        [prompt] * len(variants), variants, use_tqdm=False))
+    # A stop string completed within the first min_tokens tokens does not end the output (vLLM's rule).
+    assert late.text.startswith(full.text) and len(late.token_ids) >= len(full.token_ids)
     assert "Paris" in full.text
     assert cut.text == full.text[: full.text.index("Paris")]
     assert (cut.finish_reason, cut.stop_reason) == ("stop", "Paris")
