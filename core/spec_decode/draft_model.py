@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +28,7 @@ from ..loaders.resolve import resolve_model_source
 from ..loaders.source import ModelSource
 from ..sampling_params import SamplingParams
 from ..step_messages import CachedRequestData, NewRequestData, SchedulerOutput
+from ..tokenizer import Tokenizer
 from .config import FIELD, draft_engine_config
 
 if TYPE_CHECKING:
@@ -49,6 +51,26 @@ def check_draft_vocabulary(draft: str, draft_vocab: int, target: str, target_voc
     if draft_vocab != target_vocab:
         raise ConfigError(FIELD, f"the draft model {draft!r} has a {draft_vocab}-token vocabulary but "
                           f"the target {target!r} has {target_vocab}: a draft must share the target's vocabulary")
+
+
+def check_draft_tokenizer(draft: str, draft_dir: Path | None, target: str, target_dir: Path | None) -> None:
+    """Refuse a draft whose tokenizer gives an id another token than the target's does: a vocabulary
+    of the same size is not the same vocabulary, and every draft of such a model would be rejected.
+    Nothing to compare without a tokenizer on either side (a shape preset, --skip-tokenizer-init)."""
+    if draft_dir is None or target_dir is None or Path(draft_dir).resolve() == Path(target_dir).resolve():
+        return
+    try:
+        drafts = Tokenizer.from_dir(draft_dir).hf.get_vocab()
+    except ModelNotFoundError:
+        return
+    by_id = {token_id: token for token, token_id in drafts.items()}
+    targets = Tokenizer.from_dir(target_dir).hf.get_vocab()
+    for token, token_id in sorted(targets.items(), key=lambda item: item[1]):
+        theirs = by_id.get(token_id)
+        if theirs is not None and theirs != token:
+            raise ConfigError(FIELD, f"the draft model {draft!r} has another tokenizer than the target {target!r}: "
+                              f"token {token_id} is {theirs!r} in the draft's and {token!r} in the target's; a draft "
+                              "must share the target's tokenizer")
 
 
 @dataclass(frozen=True, slots=True)

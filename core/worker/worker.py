@@ -36,7 +36,7 @@ from ..quantization.scope import bind_linear_methods, process_loaded_weights, qu
 from ..sample.random_sampling import RaceKernel
 from ..sampling_params import SamplingParams
 from ..step_messages import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
-from ..spec_decode.draft_model import DraftModelProposer, check_draft_vocabulary, draft_source
+from ..spec_decode.draft_model import DraftModelProposer, check_draft_tokenizer, check_draft_vocabulary, draft_source
 from ..spec_decode.eagle import EagleProposer
 from ..spec_decode.eagle_heads import EAGLE_METHODS, prepare_head
 from .inflight import InflightStep
@@ -201,7 +201,9 @@ class Worker(abc.ABC):
         vocabulary is not the target's."""
         source = draft_source(self.config)
         draft_hf = source.hf_config
-        check_draft_vocabulary(draft, draft_hf.vocab_size, self.config.model or "default", hf.vocab_size)
+        target = self.config.model or "default"
+        check_draft_vocabulary(draft, draft_hf.vocab_size, target, hf.vocab_size)
+        check_draft_tokenizer(draft, source.tokenizer_dir, target, self.source.tokenizer_dir)
         # The first of several stages drafts with every layer of the draft; at draft tensor-parallel
         # size 1 every rank holds and runs all of it.
         with viewed_whole(alone=self._draft_alone()):

@@ -4,11 +4,13 @@ small KV cache, under synchronous and async scheduling (a stop token and max_tok
 draft); a draft model with another vocabulary is refused naming both sides."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 from corectl import LLM, SamplingParams
 from corectl.errors import ConfigError
+from support.models import build_random_checkpoint
 
 # fp32: bf16 sums depend on the batch's shape, and a random model's logits are near ties.
 TINY = dict(model="llama-tiny", load_format="dummy", platform="cpu", dtype="float32")
@@ -90,3 +92,28 @@ def test_a_draft_path_that_does_not_exist_is_the_speculative_configs_error(tmp_p
     with pytest.raises(ConfigError, match=rf"speculative_config: the draft model or head: model path '{missing}' "
                                           "does not exist"):
         LLM(**TINY, kv_cache_memory_gib=0.01, speculative_config=spec)
+
+
+def test_a_draft_with_another_tokenizer_of_the_same_size_is_refused_naming_a_token(tmp_path, default_model_dir):
+    """Same vocabulary size, other tokens at two ids: every draft would be rejected, so start-up says so;
+    a draft with the target's tokenizer in a folder of its own starts."""
+    target = build_random_checkpoint("llama", tmp_path / "target", default_model_dir)
+    same = build_random_checkpoint("llama", tmp_path / "same", default_model_dir, seed=1)
+    other = build_random_checkpoint("llama", tmp_path / "other", default_model_dir, seed=2)
+    tokenizer_file = other / "tokenizer.json"
+    tokenizer = json.loads(tokenizer_file.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = (token for token, token_id in vocab.items() if token_id in (300, 301))
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    tokenizer_file.write_text(json.dumps(tokenizer))
+    settings = dict(model=str(target), dtype="float32", max_model_len=128, kv_cache_memory_gib=0.01, num_threads=1)
+
+    def spec(draft):
+        return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+
+    with pytest.raises(ConfigError, match=r"another tokenizer than the target .*: token 300 is '.*' in the "
+                                          r"draft's and '.*' in the target's"):
+        LLM(**settings, speculative_config=spec(other))
+    out = LLM(**settings, speculative_config=spec(same)).generate(
+        [[5, 77, 300]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
