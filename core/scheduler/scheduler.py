@@ -277,7 +277,7 @@ class Scheduler(StepResults):
         """Draft tokens for a request whose step computes only its newest token (speculation
         on); under a grammar, cut before the first one it refuses."""
         if (self.drafts is None or num_tokens != 1 or req.num_computed_tokens + 1 != req.num_tokens
-                or not self._may_draft(req)):
+                or not self.drafts.drafts_allowed(len(self.running)) or not self._may_draft(req)):
             return []
         return self.grammar.valid_drafts(req, self.drafts.drafts(req, budget))
 

@@ -34,7 +34,11 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     `.gguf` file or a shape preset with the target's vocabulary) or the EAGLE / EAGLE-3 head made
     for the target (eagle, eagle3: a local HF directory or hub id); draft_tensor_parallel_size: the
     target's tensor-parallel size (the default: the draft is split as the target is) or 1 (every
-    rank holds and runs the whole draft)."""
+    rank holds and runs the whole draft). vLLM's others: revision and quantization load the draft or
+    head (as the engine's options of those names load the target); max_model_len: no drafts for a
+    request once its length reaches it; disable_by_batch_size: no drafts in a step whose running
+    requests are at least this many (where the verify steps' extra rows cost more than drafts win);
+    enforce_eager false (the draft runs as the target does)."""
 
     method: str | None = None
     num_speculative_tokens: int | None = None
@@ -42,6 +46,11 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     prompt_lookup_max: int | None = None
     model: str | None = None
     draft_tensor_parallel_size: int | None = None
+    revision: str | None = None
+    quantization: str | None = None
+    max_model_len: int | None = None
+    disable_by_batch_size: int | None = None
+    enforce_eager: bool = False
 
     @property
     def k(self) -> int:
@@ -52,8 +61,9 @@ def draft_engine_config(config, **changes):
     """The engine config (an `EngineConfig`) that loads `config`'s draft model or head: its
     `speculative_config.model` as the model, with none of the target's tokenizer, overrides,
     quantization or speculation; `changes` on top (a plan's `load_format="dummy"`)."""
-    return config.replace(model=config.speculative_config.model, tokenizer=None, hf_overrides=None,
-                          quantization=None, speculative_config=None, **changes)
+    spec = config.speculative_config
+    return config.replace(model=spec.model, revision=spec.revision, tokenizer=None, hf_overrides=None,
+                          quantization=spec.quantization, speculative_config=None, **changes)
 
 
 def _error(message: str) -> ConfigError:
@@ -86,12 +96,13 @@ def _method(spec: SpeculativeConfig) -> str:
 
 def _lookup_bounds(spec: SpeculativeConfig) -> tuple[int, int]:
     low, high = spec.prompt_lookup_min, spec.prompt_lookup_max
+    for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+        if value is not None and (isinstance(value, bool) or value < 1):
+            raise _error(f"{name} must be at least 1, got {value!r}")
     if low is None and high is None:
         low = high = _DEFAULT_LOOKUP
     low = high if low is None else low
     high = low if high is None else high
-    if low < 1:
-        raise _error(f"prompt_lookup_min must be at least 1, got {low}")
     if low > high:
         raise _error(f"prompt_lookup_min ({low}) is larger than prompt_lookup_max ({high})")
     return low, high
@@ -106,6 +117,17 @@ def _check_k(k: int | None) -> int:
     return k
 
 
+def _check_limits(spec: SpeculativeConfig) -> dict[str, Any]:
+    """vLLM's limits on when to draft, checked: the fields to keep."""
+    if spec.enforce_eager:
+        raise _error("enforce_eager is the engine's (--enforce-eager): the draft runs as the target does")
+    for name in ("max_model_len", "disable_by_batch_size"):
+        value = getattr(spec, name)
+        if value is not None and (isinstance(value, bool) or value < 2):
+            raise _error(f"{name} must be at least 2, got {value!r}")
+    return {"max_model_len": spec.max_model_len, "disable_by_batch_size": spec.disable_by_batch_size}
+
+
 def resolve_speculative_config(value: Any, tensor_parallel_size: int = 1) -> SpeculativeConfig | None:
     """The checked config (method and n-gram bounds filled in), None when `value` is None."""
     if value is None:
@@ -113,15 +135,18 @@ def resolve_speculative_config(value: Any, tensor_parallel_size: int = 1) -> Spe
     spec = _parse(value)
     method = _method(spec)
     k = _check_k(spec.num_speculative_tokens)
+    limits = _check_limits(spec)
     if method == "ngram":
         if spec.model not in (None, "ngram", "[ngram]"):
             raise _error(f"method \"ngram\" proposes from the request's own tokens; it takes no model "
                          f"(got {spec.model!r})")
-        if spec.draft_tensor_parallel_size not in (None, 1):
-            raise _error("method \"ngram\" runs no draft model: draft_tensor_parallel_size does not apply")
+        unused = [name for name in ("draft_tensor_parallel_size", "revision", "quantization")
+                  if getattr(spec, name) not in (None, 1)]
+        if unused:
+            raise _error(f"method \"ngram\" runs no draft model: {unused[0]} does not apply")
         low, high = _lookup_bounds(spec)
         return SpeculativeConfig(method=method, num_speculative_tokens=k, prompt_lookup_min=low,
-                                 prompt_lookup_max=high)
+                                 prompt_lookup_max=high, **limits)
     if spec.prompt_lookup_min is not None or spec.prompt_lookup_max is not None:
         raise _error(f"prompt_lookup_min/max apply to method \"ngram\" only, not {method!r}")
     if not spec.model:
@@ -132,4 +157,5 @@ def resolve_speculative_config(value: Any, tensor_parallel_size: int = 1) -> Spe
         raise _error(f"draft_tensor_parallel_size must be 1 (the whole draft on every rank) or the target's "
                      f"tensor_parallel_size {tensor_parallel_size} (the draft split as the target is), got {draft_tp!r}")
     return SpeculativeConfig(method=method, num_speculative_tokens=k, model=spec.model,
-                             draft_tensor_parallel_size=draft_tp)
+                             draft_tensor_parallel_size=draft_tp, revision=spec.revision,
+                             quantization=spec.quantization, **limits)

@@ -45,11 +45,17 @@ class DraftPlanner:
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         self.k = config.num_speculative_tokens
-        self.max_model_len = max_model_len
+        # A request drafts while its drafts and the token after them fit both lengths.
+        self.max_model_len = min(max_model_len, config.max_model_len or max_model_len)
+        self.disable_by_batch_size = config.disable_by_batch_size
         # None: a draft model in the worker proposes; the scheduler only reserves the positions.
         self.proposer = None if config.method != "ngram" else NgramProposer(
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
         self.counters = SpecDecodeCounters(self.k)
+
+    def drafts_allowed(self, num_running: int) -> bool:
+        """Whether a step with this many running requests carries drafts (vLLM's disable_by_batch_size)."""
+        return self.disable_by_batch_size is None or num_running < self.disable_by_batch_size
 
     def drafts(self, req: Request, budget: int) -> list[int]:
         """Drafts for a request whose next step computes only its newest token: at most k, and

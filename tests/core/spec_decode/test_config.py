@@ -19,6 +19,13 @@ def test_ngram_defaults_and_json_string_form():
     assert (eagle.speculative_config.method, eagle.speculative_config.model) == ("eagle3", "heads/e3")
 
 
+def test_vllms_draft_loading_and_limit_fields_are_kept():
+    spec = EngineConfig(speculative_config={
+        "method": "draft_model", "model": "d", "num_speculative_tokens": 2, "revision": "v2", "quantization": "fp8",
+        "max_model_len": 1024, "disable_by_batch_size": 8, "enforce_eager": False}).speculative_config
+    assert (spec.revision, spec.quantization, spec.max_model_len, spec.disable_by_batch_size) == ("v2", "fp8", 1024, 8)
+
+
 def test_a_draft_splits_as_the_target_unless_told_to_run_whole():
     spec = {"model": "path/to/draft", "num_speculative_tokens": 4}
     split = EngineConfig(tensor_parallel_size=4, speculative_config=spec).speculative_config
@@ -52,6 +59,12 @@ def test_a_draft_splits_as_the_target_unless_told_to_run_whole():
     ({"method": "draft_model", "model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 0},
      "got 0"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown field `lookahead`"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max must be at least 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": -1}, "prompt_lookup_max must be at least 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "fp8"}, "quantization does not apply"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "enforce_eager": True}, "enforce_eager is the engine's"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1}, "disable_by_batch_size must be"),
+    ({"method": "draft_model", "model": "d", "num_speculative_tokens": 2, "max_model_len": 0}, "max_model_len must"),
 ])
 def test_each_bad_config_gives_one_clear_error(value, message):
     with pytest.raises(ConfigError, match=message) as info:

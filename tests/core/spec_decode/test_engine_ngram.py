@@ -82,6 +82,23 @@ def test_stop_strings_inside_a_draft_cut_tokens_and_logprobs_where_plain_decodin
         assert ours.cumulative_logprob == pytest.approx(theirs.cumulative_logprob, abs=1e-2)
 
 
+def test_vllms_draft_limits_stop_drafting_past_a_batch_size_and_a_length(llm_int4):
+    """disable_by_batch_size: no drafts while that many requests run; max_model_len: none for a request
+    that long. The output stays token-exact either way."""
+    copy = llm_int4.get_tokenizer().encode_chat(COPY)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    reference = _tokens(llm_int4, [copy], params)
+    by_batch = LLM(max_model_len=1024, kv_cache_memory_gib=0.25,
+                   speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    assert _tokens(by_batch, [copy] * 3, params) == reference * 3
+    assert by_batch.engine.scheduler.make_stats().spec_decode_num_draft_tokens == 0
+    assert _tokens(by_batch, [copy], params) == reference and _accepted(by_batch) > 0
+    by_length = LLM(max_model_len=1024, kv_cache_memory_gib=0.25,
+                    speculative_config={**NGRAM, "max_model_len": len(copy)})
+    assert _tokens(by_length, [copy], params) == reference
+    assert by_length.engine.scheduler.make_stats().spec_decode_num_draft_tokens == 0
+
+
 def test_penalties_min_tokens_and_logprobs_match_plain_decoding(llm_int4, spec_llm):
     copy = spec_llm.get_tokenizer().encode_chat(COPY)
     params = SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.05, frequency_penalty=0.2,
