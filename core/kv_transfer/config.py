@@ -32,8 +32,10 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     SharedMemoryConnector, TorchDistributedConnector); kv_role: kv_producer (prefill instance:
     saves finished prompts), kv_consumer (decode instance: loads them), kv_both (either, per
     request); kv_connector_extra_config: the connector's own options. engine_id, kv_rank,
-    kv_parallel_size, kv_ip, kv_port and kv_buffer_device are vLLM's fields, accepted so its
-    configs parse (TorchDistributedConnector reads kv_ip and kv_port when no rendezvous is given)."""
+    kv_parallel_size, kv_ip, kv_port, kv_buffer_device and kv_buffer_size are vLLM's fields, accepted
+    so its configs parse (TorchDistributedConnector reads kv_ip and kv_port when no rendezvous is
+    given). kv_load_failure_policy: "recompute" (vLLM's default), what a failed load does here;
+    kv_connector_module_path and enable_permute_local_kv are refused when set (`check_vllm_fields`)."""
 
     kv_connector: str
     kv_role: str
@@ -44,6 +46,10 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     kv_ip: str = "127.0.0.1"
     kv_port: int = 14579
     kv_buffer_device: str | None = None
+    kv_buffer_size: float | None = None
+    kv_load_failure_policy: str = "recompute"
+    kv_connector_module_path: str | None = None
+    enable_permute_local_kv: bool = False
 
     @property
     def is_producer(self) -> bool:
@@ -66,7 +72,21 @@ def resolve_kv_transfer_config(value: Any) -> KVTransferConfig | None:
         raise ConfigError(FIELD, f"kv_role must be one of {', '.join(KV_ROLES)}; got {config.kv_role!r}")
     if not config.kv_connector:
         raise ConfigError(FIELD, "kv_connector must name a connector (see `corectl plugins`)")
+    check_vllm_fields(config)
     return config
+
+
+def check_vllm_fields(config: KVTransferConfig) -> None:
+    """vLLM's fields whose other values ask for what is not built here, refused by name."""
+    if config.kv_load_failure_policy != "recompute":
+        raise ConfigError(FIELD, f"kv_load_failure_policy {config.kv_load_failure_policy!r} is not served: a failed "
+                                 "load recomputes the prompt (\"recompute\", vLLM's default)")
+    if config.kv_connector_module_path is not None:
+        raise ConfigError(FIELD, "kv_connector_module_path is not read: connectors come from the "
+                                 "corectl_kv_connectors plugin group (install the package that registers "
+                                 f"{config.kv_connector!r}; `corectl plugins` lists them)")
+    if config.enable_permute_local_kv:
+        raise ConfigError(FIELD, "enable_permute_local_kv is not served: the instances' KV layouts must match")
 
 
 def _parse(value: Any) -> KVTransferConfig:

@@ -215,6 +215,16 @@ def test_abort_while_loading_returns_the_blocks(shm_pair):
     _assert_all_blocks_free(consumer)
 
 
+def test_vllms_own_kv_transfer_config_fields_parse():
+    from corectl.kv_transfer.config import resolve_kv_transfer_config
+
+    config = resolve_kv_transfer_config({
+        "kv_connector": "SharedMemoryConnector", "kv_role": "kv_producer", "kv_buffer_size": 5e9,
+        "kv_buffer_device": "cuda", "kv_load_failure_policy": "recompute", "kv_rank": 0, "kv_parallel_size": 2,
+        "engine_id": "e0", "enable_permute_local_kv": False})
+    assert config.is_producer and config.kv_buffer_size == 5e9
+
+
 def test_bad_kv_transfer_params_are_refused():
     from corectl.errors import InvalidRequestError
 
@@ -228,6 +238,12 @@ def test_bad_kv_transfer_params_are_refused():
     ({"kv_connector": "NoSuchConnector", "kv_role": "kv_both"}, "SharedMemoryConnector"),
     ({"kv_connector": "TorchDistributedConnector", "kv_role": "kv_both"}, "kv_both"),
     ({"kv_connector": "SharedMemoryConnector", "kv_role": "kv_sideways"}, "kv_role"),
+    ({"kv_connector": "SharedMemoryConnector", "kv_role": "kv_both", "kv_load_failure_policy": "fail"},
+     "kv_load_failure_policy 'fail' is not served"),
+    ({"kv_connector": "SharedMemoryConnector", "kv_role": "kv_both", "kv_connector_module_path": "my.mod"},
+     "kv_connector_module_path is not read"),
+    ({"kv_connector": "SharedMemoryConnector", "kv_role": "kv_both", "enable_permute_local_kv": True},
+     "enable_permute_local_kv is not served"),
 ])
 def test_bad_connector_configs_are_refused_before_loading(config, message):
     from corectl.errors import ConfigError
