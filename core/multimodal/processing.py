@@ -72,10 +72,21 @@ def decode_image(data: bytes, max_pixels: int):
                                   param="messages", code="invalid_image") from exc
     check_pixels(image.size, max_pixels)
     try:
-        return image.convert("RGB")
+        return _rgb(image)
     except (OSError, ValueError, SyntaxError) as exc:  # a truncated or corrupt body under a valid header
         raise InvalidRequestError(f"the image is corrupt ({type(exc).__name__}: {exc})",
                                   param="messages", code="invalid_image") from exc
+
+
+def _rgb(image):
+    """RGB pixels; transparent ones over white, as transformers' `convert_to_rgb` and vLLM composite
+    them (dropping the alpha would show whatever colour a transparent pixel happens to hold)."""
+    from PIL import Image
+
+    if not image.has_transparency_data:
+        return image.convert("RGB")
+    rgba = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
 
 
 def check_pixels(size: tuple[int, int], max_pixels: int) -> None:
@@ -162,5 +173,16 @@ class ImageProcessing:
         """The engine's prompt for a rendered conversation and its RGB PIL images, in order;
         `options` as `options()` gives them (None: the engine's)."""
         options = self.defaults if options is None else options
-        ids, items = self.expand(token_ids, [self.process(image, options) for image in images])
+        ids, items = self.expand(token_ids, [self._processed(image, options) for image in images])
         return {"prompt_token_ids": ids, "mm_inputs": items}
+
+    def _processed(self, image, options: Mapping[str, Any]) -> ProcessedImage:
+        """`process`, with the model's processor refusing an image (an aspect ratio it cannot resize,
+        say) as the request's fault."""
+        try:
+            return self.process(image, options)
+        except InvalidRequestError:
+            raise
+        except ValueError as exc:
+            raise InvalidRequestError(f"the image cannot be processed for this model ({exc})", param="messages",
+                                      code="invalid_image") from exc

@@ -180,3 +180,31 @@ def test_three_position_rows_never_reach_a_backends_fused_rotation(llm, monkeypa
     assert rotary.deferred(torch.zeros(3, 4, dtype=torch.int64), ctx) is None
     one_row = rotary.deferred(torch.arange(4), ctx)
     assert one_row is not None and one_row.positions.dim() == 1 and one_row.cos is rotary.cos
+
+
+def test_transparent_pixels_go_over_white_as_transformers_composites_them():
+    """An RGBA logo or screenshot: its transparent pixels are white, as transformers' convert_to_rgb and
+    vLLM make them, not whatever colour they hold under an alpha of zero."""
+    import numpy as np
+    from PIL import Image
+    from transformers.image_transforms import convert_to_rgb
+
+    from corectl.multimodal.processing import decode_image
+
+    rng = np.random.default_rng(3)
+    rgba = Image.fromarray(rng.integers(0, 256, (20, 30, 4), dtype=np.uint8), "RGBA")
+    ours = np.asarray(decode_image(png_bytes(rgba), 10_000))
+    assert np.array_equal(ours, np.asarray(convert_to_rgb(rgba))) and ours.shape == (20, 30, 3)
+    opaque = random_image(30, 20, 4)
+    assert np.array_equal(np.asarray(decode_image(png_bytes(opaque), 10_000)), np.asarray(opaque))
+
+
+def test_an_image_the_processor_cannot_resize_is_the_requests_fault(llm):
+    """A 2000 x 2 strip is within every size bound, but the processor refuses its aspect ratio."""
+    from corectl.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="cannot be processed for this model") as err:
+        llm.chat(_user(random_image(2000, 2, 5), "Describe."), SamplingParams(max_tokens=2), use_tqdm=False)
+    assert err.value.param == "messages" and err.value.code == "invalid_image"
+    assert llm.chat(_user(random_image(64, 64, 6), "Describe."), SamplingParams(max_tokens=2),
+                    use_tqdm=False)[0].outputs[0].token_ids
