@@ -229,15 +229,24 @@ class CompletionRequest(SamplingFields, kw_only=True):
         return self.build_sampling_params(max_tokens, self.logprobs, prompt_logprobs, self.structured_spec(), defaults)
 
 
+ImageAddress = Annotated[str, Meta(max_length=64 * 2 ** 20)]
+
+
 class ImageURL(msgspec.Struct, kw_only=True, omit_defaults=True):
-    url: Annotated[str, Meta(max_length=64 * 2 ** 20)]
-    detail: str | None = None
+    url: ImageAddress
+    # OpenAI's; the model's processor decides the resolution, so each value reads the image alike.
+    detail: Literal["auto", "low", "high"] | None = None
 
 
 class ContentPart(msgspec.Struct, kw_only=True, omit_defaults=True):
     type: str
     text: str | None = None
-    image_url: ImageURL | None = None  # an http(s) or data: URL (corectl.server.http.media)
+    # An http(s) or data: URL (corectl.server.http.media); vLLM also takes the URL as a bare string.
+    image_url: ImageURL | ImageAddress | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.image_url, str):
+            self.image_url = ImageURL(url=self.image_url)
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -90,6 +90,20 @@ def test_bad_images_are_400s_naming_the_limit(vlm_http, url, code):
     expect_error(_chat(vlm_http, _image_message(url)), 400, "messages", code)
 
 
+def test_an_image_part_takes_vllms_bare_url_and_openais_detail_values(vlm_http):
+    url = data_url(png_bytes(random_image(60, 60, 3)))
+    part = {"type": "text", "text": "What is this?"}
+    whole = _chat(vlm_http, [{"role": "user", "content": [part, {"type": "image_url", "image_url": {"url": url}}]}])
+    bare = _chat(vlm_http, [{"role": "user", "content": [part, {"type": "image_url", "image_url": url}]}])
+    low = _chat(vlm_http, [{"role": "user", "content": [part, {"type": "image_url",
+                                                               "image_url": {"url": url, "detail": "low"}}]}])
+    assert whole.status_code == bare.status_code == low.status_code == 200
+    assert whole.json()["choices"][0]["message"] == bare.json()["choices"][0]["message"]
+    bogus = [{"role": "user", "content": [part, {"type": "image_url", "image_url": {"url": url, "detail": "max"}}]}]
+    error = expect_error(_chat(vlm_http, bogus), 400)
+    assert "detail" in error["message"]
+
+
 def test_too_many_images_then_the_server_still_serves(vlm_http):
     url = data_url(png_bytes(random_image(60, 60, 2)))
     expect_error(_chat(vlm_http, _image_message(url, url, url)), 400, "messages", "too_many_images")
