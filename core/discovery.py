@@ -131,7 +131,7 @@ def resolve_kv_connector(name: str) -> type:
 @dataclass(frozen=True)
 class InventoryRow:
     # "platform", "model", "attention", "structured", "quantization", "tool_parser", "reasoning", "lora_resolver",
-    # "kv_connector"
+    # "kv_connector", or "plugin" for an entry point that failed to load
     kind: str
     name: str
     plugin: str
@@ -161,4 +161,6 @@ def plugin_inventory() -> list[InventoryRow]:
                         ("lora_resolver", pm.lora_resolvers()), ("kv_connector", pm.kv_connectors())):
         rows += [InventoryRow(kind, s.name, s.plugin, pm.provider(s.plugin), "", s.description)
                  for s in sorted(specs.values(), key=lambda s: s.name)]
+    rows += [InventoryRow("plugin", name, name, package, "", f"no: failed to load ({error})")
+             for name, (package, error) in sorted(pm.failed.items())]
     return rows

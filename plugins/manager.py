@@ -1,6 +1,7 @@
 """The plugin manager: loads entry points, collects spec records, and rejects name clashes."""
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 from dataclasses import replace
@@ -22,6 +23,7 @@ from .specs import (
     ToolParserSpec,
 )
 
+logger = logging.getLogger("corectl.plugins")
 ENTRY_POINT_GROUP = "corectl"
 DISABLE_ENV = "CORECTL_DISABLE_PLUGINS"
 
@@ -47,6 +49,8 @@ class PluginManager:
         self._pm = pluggy.PluginManager(hookspecs.PROJECT)
         self._pm.add_hookspecs(hookspecs)
         self._dists: dict[str, str] = {}
+        # Entry points whose import failed: name -> (package, the error), for `corectl plugins`.
+        self.failed: dict[str, tuple[str, str]] = {}
         if load_entry_points:
             self._load_entry_points()
 
@@ -55,7 +59,14 @@ class PluginManager:
             if ep.name in self.disabled or self._pm.has_plugin(ep.name):
                 continue
             dist = ep.dist.name if ep.dist is not None else "unknown"
-            self.register(ep.load(), name=ep.name, dist=dist)
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # any error of a third party's import: it must not stop the others
+                self.failed[ep.name] = (dist, f"{type(exc).__name__}: {exc}")
+                logger.warning("plugin %r of package %s failed to load and is skipped (%s: %s); set %s=%s to leave "
+                               "it out", ep.name, dist, type(exc).__name__, exc, DISABLE_ENV, ep.name)
+                continue
+            self.register(plugin, name=ep.name, dist=dist)
 
     def register(self, plugin: Any, name: str, dist: str = "local") -> None:
         """Register a plugin object directly (tests, embedding applications)."""

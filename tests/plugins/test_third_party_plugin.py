@@ -190,3 +190,21 @@ def test_plan_sizes_a_plugin_method_as_it_serves(plugin_site, tmp_path, default_
     assert plan.quantization == "rtn_int4 (cpu_int4pack)"
     assert plan.weight_bytes + plan.buffer_bytes == held_bytes(LLM(**engine))
     assert plan.loading_weight_bytes_per_rank > plan.weight_bytes_per_rank  # loaded dense, then packed
+
+
+def test_a_plugin_that_fails_to_import_is_skipped_and_listed_as_such(tmp_path):
+    """One broken third-party package must not take the others down: it is named, skipped, and
+    `corectl plugins` shows it unavailable with its error."""
+    site = tmp_path / "site"
+    (site / "broken_plugin").mkdir(parents=True)
+    (site / "broken_plugin" / "__init__.py").write_text('raise ImportError("boom from broken_plugin")\n')
+    dist_info = site / "broken_plugin-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 0.1\n")
+    (dist_info / "entry_points.txt").write_text("[corectl]\nbroken = broken_plugin\n")
+    corectl = Path(sys.executable).with_name("corectl")
+    done = _run([str(corectl), "plugins"], env=_env_with(site))
+    rows = {tuple(line.split()[:4]) for line in done.stdout.splitlines()}
+    assert ("plugin", "broken", "broken", "broken-plugin") in rows and ("platform", "cpu", "cpu", "corectl") in rows
+    assert "no: failed to load (ImportError: boom from broken_plugin)" in done.stdout
+    assert "CORECTL_DISABLE_PLUGINS=broken" in done.stderr and "Traceback" not in done.stderr
