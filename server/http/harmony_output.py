@@ -7,19 +7,22 @@ the end (those two are stop tokens, so they are not in the text). As vLLM splits
 `analysis` is reasoning (`reasoning_content` / `reasoning`), `final` and `commentary` without a
 recipient are content, and a message to `functions.<name>` is a tool call whose arguments are its
 text. The text must keep the special tokens (the request runs with `skip_special_tokens: false`).
-An output that does not open with a header (a grammar held it from its first token) is all content.
+An output that does not open with a header (a grammar held it from its first token) is all content,
+without the harmony tokens it may hold.
 Streams feed each delta as it comes, a whole response its text once: both take the same path.
 """
 from __future__ import annotations
 
 import re
 
-from .harmony import CALL, CHANNEL, END, MESSAGE, RETURN, START
+from .harmony import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, RETURN, START
 from .responses import ChatDelta, ChatMessageOut, FunctionCall, FunctionDelta, ToolCall, ToolCallDelta
 from .tool_parsers.base import held_back
 from .tools import new_call_id
 
 _ENDS = (END, CALL, RETURN)
+_TOKENS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
+_MARKERS = re.compile("|".join(re.escape(token) for token in _TOKENS))
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*([A-Za-z_]+)")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _FUNCTIONS = "functions."
@@ -43,8 +46,12 @@ class HarmonyText:
         reasoning, content, calls = [], [], []
         while self._pending:
             if self._raw:
-                content.append(self._pending)
-                self._pending = ""
+                # The request keeps special tokens for the parser; a client never sees harmony's (the
+                # start of one at the end waits for the rest).
+                keep = 0 if final else held_back(self._pending, _TOKENS)
+                content.append(_MARKERS.sub("", self._pending[:len(self._pending) - keep]))
+                self._pending = self._pending[len(self._pending) - keep:]
+                break
             elif self._in_header:
                 if not self._header(calls, final):
                     break

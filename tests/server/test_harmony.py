@@ -144,6 +144,9 @@ def test_channels_split_into_reasoning_content_and_calls():
     assert "".join(p.function.arguments for p in pieces) == '{"location":"San Francisco"}'
     # An output a grammar held from its first token has no header: all content.
     assert _whole_and_streamed('{"a": 1}')[0].content == '{"a": 1}'
+    # Without a header, harmony's tokens the request kept for the parser never reach the client.
+    whole, streamed, deltas = _whole_and_streamed("<|end|>plain<|message|> text<|end|>")
+    assert whole.content == streamed.content == "plain text" and all("<|" not in (d.content or "") for d in deltas)
 
 
 HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
