@@ -205,6 +205,14 @@ class EngineClient:
         await self._abort_quietly(request_id)
         return True
 
+    async def abort_all(self, error: Exception) -> int:
+        """Abort every live request, each `generate()` raising `error` (a server whose drain time ran
+        out answers them before it stops); returns how many."""
+        live = [request_id for request_id in list(self._collectors) if request_id in self._processor.trackers]
+        for request_id in live:
+            await self.abort(request_id, error)
+        return len(live)
+
     def observe_steps(self, observe: Callable[[list[RequestOutput | EmbeddingRequestOutput]], None]) -> None:
         """Call `observe(outputs)` with each engine step's outputs (deltas) as they arrive, before their
         consumers get them: what is counted per step costs once a step, not once per request."""

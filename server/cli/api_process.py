@@ -2,6 +2,7 @@
 `corectl serve` runs it in its own process, or in each of `--api-server-count` processes."""
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import signal
@@ -10,6 +11,8 @@ import socket
 import uvicorn
 
 logger = logging.getLogger("corectl.server")
+# How long before the drain deadline the requests still running are ended, for their answers to go out.
+_ANSWER_GRACE_S = 1.0
 
 
 def serve_api(settings, sock: socket.socket, engine_links=None, index: int | None = None) -> int:
@@ -58,8 +61,11 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state):
         super().__init__(config)
         self.state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._cutoff: asyncio.Task | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
         # What exists now (modules, the app, the tokenizer, the engine client) lives as long as the
         # process. Frozen, it is left out of the collector's passes, as vLLM's API server does: a full
@@ -73,7 +79,29 @@ class _Server(uvicorn.Server):
             logger.info("shutting down: refusing new requests, waiting up to %g s for running ones",
                         self.state.settings.shutdown_timeout)
         self.state.draining = True
+        if self._loop is not None and self._cutoff is None:
+            self._loop.call_soon_threadsafe(self._start_cutoff)
         super().handle_exit(sig, frame)
+
+    def _start_cutoff(self) -> None:
+        if self._cutoff is None:
+            self._cutoff = self._loop.create_task(self._end_running_requests())
+
+    async def _end_running_requests(self) -> None:
+        """Just before uvicorn's drain deadline cancels the handlers (a bare 500, a stream cut without
+        [DONE]), the requests still running end with a 503 the clients can read: an error event and
+        [DONE] on a stream."""
+        from ..http.errors import APIError
+
+        timeout = self.state.settings.shutdown_timeout
+        await asyncio.sleep(max(0.0, timeout - min(_ANSWER_GRACE_S, timeout / 2)))
+        client = self.state.client
+        if client is None:
+            return
+        ended = await client.abort_all(APIError(503, f"the server is shutting down and its --shutdown-timeout of "
+                                                     f"{timeout:g} s ran out before this request finished"))
+        if ended:
+            logger.warning("shutdown timeout reached: %d running request(s) ended with a 503", ended)
 
     def request_exit(self) -> None:
         self.should_exit = True

@@ -66,6 +66,34 @@ async def _queue_then_drain(server: ServerProcess) -> None:
         assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 4
 
 
+def test_requests_running_when_the_drain_time_runs_out_end_with_a_503():
+    """--shutdown-timeout 1: a stream and a whole request that cannot finish get the server's 503 (an
+    error event and [DONE] on the stream) before it stops, not a bare 500 or a cut connection."""
+    server = ServerProcess(*SMALL_ENGINE, "--shutdown-timeout", "1").wait_ready()
+    try:
+        asyncio.run(_cut_at_the_deadline(server))
+        assert server.proc.wait(60) == 0
+        assert "ended with a 503" in server.log() and "Exception in ASGI application" not in server.log()
+    finally:
+        server.stop()
+
+
+async def _cut_at_the_deadline(server: ServerProcess) -> None:
+    body = {"prompt": "Count from one to a thousand:", "max_tokens": 500, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+        whole = asyncio.create_task(client.post("/v1/completions", json=body))
+        async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as streamed:
+            lines = streamed.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")
+            server.proc.send_signal(signal.SIGTERM)
+            rest = [line async for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][6:])["error"]
+        assert error["code"] == "service_unavailable" and "--shutdown-timeout" in error["message"]
+        answer = await whole
+        assert answer.status_code == 503 and "--shutdown-timeout" in answer.json()["error"]["message"]
+
+
 def test_dead_engine_fails_health_and_exits_nonzero():
     server = ServerProcess(*SMALL_ENGINE).wait_ready()
     try:
