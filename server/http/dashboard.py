@@ -112,7 +112,7 @@ class DashboardController(Controller):
 
     @get("/", include_in_schema=False)
     async def page(self) -> Response:
-        return _static("index.html", "text/html; charset=utf-8")
+        return _static("index.html", "text/html")  # Litestar adds the charset
 
     @get("/static/{name:str}", include_in_schema=False)
     async def static(self, name: str) -> Response:

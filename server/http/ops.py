@@ -22,6 +22,10 @@ from .state import ServerState
 from .tools import template_tools
 
 
+# Litestar appends the charset to a text media type itself; prometheus_client's names one already.
+_METRICS_TYPE = CONTENT_TYPE_LATEST.replace("; charset=utf-8", "")
+
+
 class ModelsController(Controller):
     path = "/v1"
     guards = [require_api_key]
@@ -122,7 +126,7 @@ class OpsController(Controller):
     @get("/metrics", media_type=MediaType.TEXT)
     async def metrics(self, server: ServerState) -> Response:
         body = server.metrics.render() if server.metrics is not None else b""
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+        return Response(body, media_type=_METRICS_TYPE)
 
 
 class LoadController(Controller):

@@ -100,7 +100,7 @@ def assert_openai_error(response: httpx.Response, status: int, code: str) -> Non
 
 def test_the_page_is_static_and_everything_else_needs_the_key(dash_server):
     page = httpx.get(dash_server.url + "/dashboard")
-    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
     assert page.headers["content-security-policy"].startswith("default-src 'self'")
     # Everything the page loads comes from the package, through this server (no CDN).
     assets = [url for url in re.findall(r'(?:src|href)="([^"]+)"', page.text) if not url.startswith("data:")]

@@ -193,7 +193,9 @@ def test_api_key_is_required_on_api_routes_only(server):
         assert anonymous.get("/health").status_code == 200
         assert anonymous.get("/ping").status_code == 200 and anonymous.post("/ping").status_code == 200
         assert anonymous.get("/version").json()["version"]
-        assert "vllm:num_requests_running" in anonymous.get("/metrics").text
+        metrics = anonymous.get("/metrics")
+        assert "vllm:num_requests_running" in metrics.text
+        assert metrics.headers["content-type"] == "text/plain; version=1.0.0; charset=utf-8"
         assert anonymous.get("/docs/openapi.json").json()["paths"]["/v1/chat/completions"]
     from openai import OpenAI
 
