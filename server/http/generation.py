@@ -123,7 +123,7 @@ def record_request(server: ServerState, request_id: str, status: str, reasons: l
                    outputs: list[str] | None = None) -> None:
     """The metrics and the log line of one engine request that ended (a generation or an embedding);
     `outputs`: a generation's texts, logged with --enable-log-outputs."""
-    if server.metrics is not None and timing is not None:
+    if server.metrics is not None:
         server.metrics.observe_finished(timing, reasons, now)
     fields = dict(request_id=request_id, status=status, finish_reasons=reasons)
     if server.api_server_index is not None:

@@ -238,10 +238,13 @@ class ServerMetrics:
         return Histogram(self.prefix + metric, doc, _LABELS, buckets=buckets,
                          registry=self.registry).labels(self.model_name)
 
-    def observe_finished(self, metrics: RequestMetrics, finish_reasons: list[str], now: float) -> None:
-        """Record a request that ended (finished or aborted); `metrics` are the client's timings."""
+    def observe_finished(self, metrics: RequestMetrics | None, finish_reasons: list[str], now: float) -> None:
+        """Record a request that ended (finished or aborted); `metrics` are the client's timings, None
+        for a request aborted before its first output (cancelled while queued): it counts, untimed."""
         for reason in finish_reasons:
             self._success_labels.setdefault(reason, self._success.labels(self.model_name, reason)).inc()
+        if metrics is None:
+            return
         self.request_prompt_tokens.observe(metrics.num_prompt_tokens)
         self.request_generation_tokens.observe(metrics.num_generation_tokens)
         if metrics.first_token_time is not None:

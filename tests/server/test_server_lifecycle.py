@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -92,6 +93,31 @@ async def _cut_at_the_deadline(server: ServerProcess) -> None:
         assert error["code"] == "service_unavailable" and "--shutdown-timeout" in error["message"]
         answer = await whole
         assert answer.status_code == 503 and "--shutdown-timeout" in answer.json()["error"]["message"]
+
+
+def _finished(metrics: str) -> dict[str, float]:
+    return {reason: float(value) for reason, value in re.findall(
+        r'^vllm:request_success_total\{[^}]*finished_reason="(\w+)"[^}]*\} (\S+)$', metrics, re.MULTILINE)}
+
+
+def test_a_request_cancelled_while_queued_counts_as_aborted():
+    """It never had an output to time, but it ended: request_success_total counts it."""
+    server = ServerProcess(*SMALL_ENGINE, "--max-num-seqs", "1").wait_ready()
+    try:
+        long = {"prompt": "Count from one to a hundred:", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            with client.stream("POST", "/v1/completions", json=long) as running:
+                lines = running.iter_lines()
+                assert next(lines).startswith("data: ")
+                with pytest.raises(httpx.ReadTimeout):
+                    client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=0.5)
+                assert [line for line in lines if line][-1] == "data: [DONE]"
+            deadline = time.monotonic() + 30
+            while (ended := _finished(client.get("/metrics").text)).get("abort") != 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+        assert {reason: n for reason, n in ended.items() if n} == {"abort": 1, "length": 1}
+    finally:
+        server.stop()
 
 
 def test_dead_engine_fails_health_and_exits_nonzero():
