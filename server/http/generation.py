@@ -109,6 +109,8 @@ class Generation:
     def _record(self, status: str) -> None:
         self._ended = True
         out, now = self._last, time.monotonic()
+        if self.server.metrics is not None:  # per engine request that ran, as vLLM counts them
+            self.server.metrics.observe_params(self._params.n, self._params.max_tokens)
         reasons = [r or "abort" for r in self._finish_reasons]
         timing = out.metrics if out is not None else None
         if self.server.tracer is not None and timing is not None:
@@ -188,8 +190,6 @@ class GenerationGroup(ResponseGroup):
             server.metrics.count_lora_request(lora_request.lora_name)
         self.n = params.n if keep_best is None else keep_best
         self._keep_best = keep_best
-        if server.metrics is not None:
-            server.metrics.observe_params(params.n, params.max_tokens)
         self.generations: list[Generation] = []
         self._closed = False
         server.begin_request()

@@ -221,7 +221,8 @@ class ServerMetrics:
             self.generation_tokens.inc(tokens)
 
     def observe_params(self, n: int, max_tokens: int | None) -> None:
-        """A generation request's n and max_tokens (unset: the context's length), as it starts."""
+        """An engine request's n and max_tokens (unset: the context's length), once it ended; a
+        request refused before it ran is not counted."""
         self.params_n.observe(n)
         if max_tokens is not None:
             self.params_max_tokens.observe(max_tokens)

@@ -50,9 +50,15 @@ def test_metrics_move_with_a_request(http):
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 5
     key = "vllm:request_success_total{finished_reason=length}"
     assert after[key] - before.get(key, 0) == 1
-    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prompt_tokens"):
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prompt_tokens",
+                      "request_params_n", "request_params_max_tokens"):
         name = f"vllm:{histogram}_count"
         assert after[name] - before[name] == 1
+    assert after["vllm:request_params_max_tokens_sum"] - before["vllm:request_params_max_tokens_sum"] == 5
+    # A request the engine refuses never ran: it is in no request histogram.
+    refused = http.post("/v1/completions", json={"prompt": "hi " * 600, "max_tokens": 4})
+    assert refused.status_code == 400
+    assert _metrics(http)["vllm:request_params_n_count"] == after["vllm:request_params_n_count"]
     assert after["vllm:inter_token_latency_seconds_count"] - before["vllm:inter_token_latency_seconds_count"] == 4
     assert after["vllm:request_generation_tokens_sum"] - before["vllm:request_generation_tokens_sum"] == 5
     assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]
