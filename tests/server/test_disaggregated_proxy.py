@@ -101,7 +101,8 @@ def test_a_batch_of_prompts_and_the_prompts_logprobs_answer_as_one_instance(clus
     the prompt), and requests for the prompt's logprobs come back whole."""
     prefill, decode, proxy = cluster
     bodies = [
-        {"prompt": [PROMPT, "1 2 3 4 5 6 7 8 9", "Once upon a time"], "max_tokens": 8},
+        # Prompts of their own: the decode instance's prefix cache must not hold PROMPT for later tests.
+        {"prompt": ["A long time ago, in a galaxy", "1 2 3 4 5 6 7 8 9", "Once upon a time"], "max_tokens": 8},
         {"prompt": "Count: 1, 2, 3,", "max_tokens": 5, "echo": True, "logprobs": 1},
         {"prompt": "Count: 1, 2, 3,", "max_tokens": 5, "prompt_logprobs": 1},
     ]
