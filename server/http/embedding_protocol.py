@@ -14,7 +14,7 @@ from corectl.pooling import MAX_EMBED_INPUTS, PoolingParams
 from msgspec import Meta
 
 from .errors import APIError
-from .protocol import Int64
+from .protocol import Int64, RequestId
 
 TokenId = Annotated[int, Meta(ge=0, le=(1 << 31) - 1)]
 
@@ -33,7 +33,7 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     priority: Int64 = 0
     # Keep each input's last tokens (-1: as many as the context holds).
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=(1 << 31) - 1)] | None = None
-    request_id: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    request_id: RequestId | None = None
     # vLLM's chat form of an embedding request, which this server does not take.
     messages: Any = None
     chat_template: Any = None

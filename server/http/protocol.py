@@ -45,6 +45,9 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 Count = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+# vLLM's request id (names the request in logs and responses) and prefix-cache salt, on every route.
+RequestId = Annotated[str, Meta(min_length=1, max_length=256)]
+CacheSalt = Annotated[str, Meta(min_length=1, max_length=1024)]
 StopString = Annotated[str, Meta(max_length=MAX_STOP_CHARS)]
 _NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 
@@ -89,12 +92,12 @@ class SamplingFields(RefusedFields, kw_only=True):
     allowed_token_ids: Annotated[list[int], Meta(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
     bad_words: Annotated[list[StopString], Meta(max_length=MAX_BAD_WORDS)] | None = None
     truncate_prompt_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None
-    cache_salt: Annotated[str, Meta(min_length=1, max_length=1024)] | None = None
+    cache_salt: CacheSalt | None = None
     spaces_between_special_tokens: bool = True
     # vLLM's disaggregated prefill/decode: this request's half of a KV transfer (`corectl proxy` sets it).
     kv_transfer_params: dict[str, Any] | None = None
     # The request's id in logs and responses (an X-Request-Id header takes precedence).
-    request_id: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    request_id: RequestId | None = None
     # vLLM's: logprobs name their tokens "token_id:<id>" instead of their text (as the server's
     # --return-tokens-as-token-ids does for every request).
     return_tokens_as_token_ids: bool | None = None

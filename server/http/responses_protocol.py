@@ -19,11 +19,12 @@ from msgspec import Meta
 
 from .constraints import JsonSchemaFormat, ResponseFormat, StructuredOutputsRequest
 from .errors import APIError
-from .protocol import INT32_MAX, MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_STOP_STRINGS, ChatCompletionRequest, \
-    ChatMessage, Int64, StopString
+from .protocol import INT32_MAX, MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_STOP_STRINGS, CacheSalt, ChatCompletionRequest, \
+    ChatMessage, Int64, RequestId, StopString
 from .responses import ChatLogprob
 from .tools import MAX_TOOLS, ChatTool, FunctionCallIn, FunctionDefinition, FunctionName, NamedFunction, \
     NamedToolChoice, ToolCallIn
+from .vllm_fields import check_limited_fields
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text")
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
@@ -167,8 +168,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    cache_salt: Annotated[str, Meta(min_length=1, max_length=1024)] | None = None
-    request_id: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    cache_salt: CacheSalt | None = None
+    request_id: RequestId | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     vllm_xargs: Any = None  # refused by chat (vllm_fields)
     # Refused (REFUSED_FIELDS).
@@ -195,10 +196,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
         for name, reason in REFUSED_FIELDS.items():
             if getattr(self, name) not in (None, False):
                 raise APIError(400, f"{name} is not supported: {reason}", name)
-        for name, (honoured, reason) in LIMITED_FIELDS.items():
-            value = _dotted(self, name)
-            if value is not None and value not in honoured:
-                raise APIError(400, f"{name} {msgspec.json.encode(value).decode()} is not supported: {reason}", name)
+        check_limited_fields(self, LIMITED_FIELDS)
         if "reasoning.encrypted_content" in (self.include or ()):
             raise APIError(400, "include reasoning.encrypted_content is not supported: earlier turns' reasoning "
                            "is never rendered back to the model (stored or not), so none is carried", "include")
@@ -295,14 +293,6 @@ def _text(content: str | list[InputPart] | None, where: str) -> str:
             raise APIError(400, f"{where} holds a {part.type!r} part; this server takes text parts only", "input")
         texts.append(part.text)
     return "".join(texts)
-
-
-def _dotted(request: ResponsesRequest, name: str) -> Any:
-    """The value of field `name` ("a.b": field b of field a), None where a part is unset."""
-    value: Any = request
-    for part in name.split("."):
-        value = getattr(value, part, None)
-    return value
 
 
 # -- the response object -------------------------------------------------------------------------------

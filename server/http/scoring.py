@@ -30,9 +30,10 @@ from .embedding_protocol import EmbeddingRequest
 from .embeddings import _encode, _encoded, _gather, _token_ids, _truncated
 from .errors import ERROR_RESPONSES, APIError
 from .generation import until_disconnected
-from .protocol import INT32_MAX, Int64
+from .protocol import INT32_MAX, Int64, RequestId
 from .request_id import request_id_for
 from .state import ServerState
+from .vllm_fields import check_limited_fields
 
 Texts = str | Annotated[list[str], Meta(max_length=MAX_EMBED_INPUTS)]
 # vLLM's names for the two sides of /score, its newer ones after text_1 and text_2.
@@ -46,8 +47,8 @@ REFUSED_FIELDS = {
 }
 # Fields with one value honoured -> (that value, why the others are not).
 LIMITED_FIELDS = {
-    "padding": ("do_not_pad", "inputs are never padded"),
-    "truncation_side": ("left", "truncate_prompt_tokens keeps each input's last tokens"),
+    "padding": (("do_not_pad",), "inputs are never padded"),
+    "truncation_side": (("left",), "truncate_prompt_tokens keeps each input's last tokens"),
 }
 
 
@@ -57,7 +58,7 @@ class ScoringFields(msgspec.Struct, kw_only=True):
     model: str | None = None
     user: str | None = None
     priority: Int64 = 0
-    request_id: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    request_id: RequestId | None = None
     # Each input's last tokens (-1: as many as the context holds), as on /v1/embeddings.
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None
     # A cross-encoder's sigmoid (None: on); `activation` and `softmax` are vLLM's older names.
@@ -73,15 +74,8 @@ class ScoringFields(msgspec.Struct, kw_only=True):
         for name, reason in REFUSED_FIELDS.items():
             if getattr(self, name, None) is not None:
                 raise APIError(400, f"{name} is not supported: {reason}", name)
-        for name, (honoured, reason) in LIMITED_FIELDS.items():
-            value = getattr(self, name)
-            if value not in (None, honoured):
-                raise APIError(400, f"{name} {value!r} is not supported: {reason}", name)
-        self.activation_on()  # its names must agree even where no activation applies (a cosine)
-
-    def activation_on(self) -> bool:
-        """Whether a cross-encoder's logit goes through its sigmoid, whichever of vLLM's names says so."""
-        return activation_on(self)
+        check_limited_fields(self, LIMITED_FIELDS)
+        activation_on(self)  # its names must agree even where no activation applies (a cosine)
 
 
 def activation_on(request: Any) -> bool:
@@ -108,7 +102,7 @@ class ScoreRequest(ScoringFields, kw_only=True):
 
     def sides(self) -> tuple[str, str]:
         """The names of the two fields this request sent its texts in."""
-        sent = [name for name in ("text_1", "text_2", "queries", "documents", "items", "data_1", "data_2")
+        sent = [name for name in dict.fromkeys(name for pair in PAIR_FIELDS for name in pair)
                 if getattr(self, name) is not None]
         named = [pair for pair in PAIR_FIELDS if set(pair) == set(sent)]
         if named:
@@ -282,7 +276,7 @@ async def _score(server: ServerState, request: Request, data: ScoringFields, pai
     logits, tokens = await _embed(server, request, data.model, data.priority, [ids for _, ids in prompts], param,
                                   PoolingParams(normalize=False), request_id)
     scores = np.array([logit[0] for logit in logits], dtype=np.float64)
-    return (1 / (1 + np.exp(-scores)) if data.activation_on() else scores).tolist(), tokens
+    return (1 / (1 + np.exp(-scores)) if activation_on(data) else scores).tolist(), tokens
 
 
 async def _embed(server: ServerState, request: Request, model: str | None, priority: int, prompts: list[list[int]],

@@ -35,6 +35,17 @@ REFUSED_REASONS = {
 }
 
 
+def check_limited_fields(request: Any, limited: dict[str, tuple[tuple, str]]) -> None:
+    """A 400 naming the first of `limited` (field -> (the values honoured, why no other is)) set to
+    another value; a dotted name ("a.b") is field b of field a, unset where a part is."""
+    for name, (honoured, reason) in limited.items():
+        value: Any = request
+        for part in name.split("."):
+            value = getattr(value, part, None)
+        if value is not None and value not in honoured:
+            raise APIError(400, f"{name} {msgspec.json.encode(value).decode()} is not supported: {reason}", name)
+
+
 def check_max_logprobs(params: SamplingParams, limit: int, logprobs_field: str) -> None:
     """The server's `--max-logprobs` bound on a request's logprobs and prompt_logprobs."""
     for field, value in ((logprobs_field, params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
