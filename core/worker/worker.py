@@ -36,7 +36,7 @@ from ..quantization.scope import bind_linear_methods, process_loaded_weights, qu
 from ..sample.random_sampling import RaceKernel
 from ..sampling_params import SamplingParams
 from ..step_messages import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
-from ..spec_decode.draft_model import DraftModelProposer, check_draft_tokenizer, check_draft_vocabulary, draft_source
+from ..spec_decode.draft_model import DraftModelProposer, draft_source
 from ..spec_decode.eagle import EagleProposer
 from ..spec_decode.eagle_heads import EAGLE_METHODS, prepare_head
 from .inflight import InflightStep
@@ -197,13 +197,10 @@ class Worker(abc.ABC):
         return info
 
     def _load_drafter(self, hf, draft: str) -> DraftModelProposer:
-        """The draft model of speculative decoding, with a runner of its own; refused when its
-        vocabulary is not the target's."""
+        """The draft model of speculative decoding, with a runner of its own (its vocabulary and
+        tokenizer checked against the target's before any rank started: `create_executor`)."""
         source = draft_source(self.config)
         draft_hf = source.hf_config
-        target = self.config.model or "default"
-        check_draft_vocabulary(draft, draft_hf.vocab_size, target, hf.vocab_size)
-        check_draft_tokenizer(draft, source.tokenizer_dir, target, self.source.tokenizer_dir)
         # The first of several stages drafts with every layer of the draft; at draft tensor-parallel
         # size 1 every rank holds and runs all of it.
         with viewed_whole(alone=self._draft_alone()):
