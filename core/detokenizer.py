@@ -127,6 +127,11 @@ class StopStringMatcher:
         self._held = ""  # text not emitted yet: it may begin a stop string
         self._stopped = False
 
+    @property
+    def watching(self) -> bool:
+        """Whether a stop string may still end the text."""
+        return bool(self._stops) and not self._stopped
+
     def feed(self, delta: str, armed: bool = True) -> tuple[str, str | None]:
         """Returns (text safe to emit now, the stop string hit or None). After a hit nothing more is
         emitted. Not `armed` (the request's min_tokens not generated yet), a stop string that

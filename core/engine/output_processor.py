@@ -265,8 +265,8 @@ class OutputProcessor:
         """Detokenize the step's tokens into the sample's text through its stop strings: (how many of
         the tokens it keeps, the stop string hit or None). A verify step brings several tokens; one
         that completes a stop string ends the sample there, as it would have one token a step, so
-        they are fed one at a time (a single token goes as is)."""
-        pieces = [new_ids] if len(new_ids) <= 1 else [[token] for token in new_ids]
+        they are fed one at a time while stop strings are watched (else all at once)."""
+        pieces = [new_ids] if len(new_ids) <= 1 or not sample.stop.watching else [[token] for token in new_ids]
         for i, ids in enumerate(pieces):
             delta = sample.detok.push(ids)
             if last and i == len(pieces) - 1:
