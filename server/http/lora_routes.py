@@ -37,7 +37,6 @@ class LoRAAdapterController(Controller):
     @post("/load_lora_adapter", status_code=200)
     async def load(self, data: LoadLoRAAdapterRequest, server: ServerState) -> str:
         registry = _updatable(server)
-        registry.check_name(data.lora_name, data.base_model_name)
         registry.check_runtime_path(data.lora_path)
         try:
             await registry.add(server.engine, data.lora_name, data.lora_path, data.base_model_name)
