@@ -48,6 +48,10 @@ Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
 # vLLM's request id (names the request in logs and responses) and prefix-cache salt, on every route.
 RequestId = Annotated[str, Meta(min_length=1, max_length=256)]
 CacheSalt = Annotated[str, Meta(min_length=1, max_length=1024)]
+# A chat template of the request's own, its variables, and image-processor options (chat and /tokenize).
+ChatTemplate = Annotated[str, Meta(max_length=1 << 16)]
+TemplateKwargs = Annotated[dict[str, Any], Meta(max_length=64)]
+ProcessorKwargs = Annotated[dict[str, Any], Meta(max_length=16)]
 StopString = Annotated[str, Meta(max_length=MAX_STOP_CHARS)]
 _NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 
@@ -291,14 +295,14 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     # final message continued instead of a new one started; echo the last message when the
     # assistant wrote it; RAG documents and OpenAI's reasoning_effort for templates that read them;
     # a template for this request (a Jinja string); special tokens on top of the template's.
-    chat_template_kwargs: Annotated[dict[str, Any], Meta(max_length=64)] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
     # The model's image-processor options for this request's images (corectl.multimodal.processing).
-    mm_processor_kwargs: Annotated[dict[str, Any], Meta(max_length=16)] | None = None
+    mm_processor_kwargs: ProcessorKwargs | None = None
     continue_final_message: bool = False
     echo: bool = False
     documents: Annotated[list[dict[str, str]], Meta(max_length=MAX_DOCUMENTS)] | None = None
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
-    chat_template: Annotated[str, Meta(max_length=1 << 16)] | None = None
+    chat_template: ChatTemplate | None = None
     add_special_tokens: bool = False
     structural_tag: Any = None  # refused (vllm_fields)
     include_reasoning: bool = True  # refused when false (vllm_fields)
@@ -384,10 +388,10 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     # With messages, each as a chat request sends it: the tools the template renders, image-processor
     # options, the last message continued, a template of the request's own and its variables.
     tools: Annotated[list[ChatTool], Meta(max_length=MAX_TOOLS)] | None = None
-    mm_processor_kwargs: Annotated[dict[str, Any], Meta(max_length=16)] | None = None
+    mm_processor_kwargs: ProcessorKwargs | None = None
     continue_final_message: bool = False
-    chat_template: Annotated[str, Meta(max_length=1 << 16)] | None = None
-    chat_template_kwargs: Annotated[dict[str, Any], Meta(max_length=64)] | None = None
+    chat_template: ChatTemplate | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
 
     def check_prompt_fields(self) -> None:
         """A text prompt goes through no template: the messages' fields are refused with it."""

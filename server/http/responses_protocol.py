@@ -20,7 +20,7 @@ from msgspec import Meta
 from .constraints import JsonSchemaFormat, ResponseFormat, StructuredOutputsRequest
 from .errors import APIError
 from .protocol import INT32_MAX, MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_STOP_STRINGS, CacheSalt, ChatCompletionRequest, \
-    ChatMessage, Int64, RequestId, StopString
+    ChatMessage, Int64, RequestId, StopString, TemplateKwargs
 from .responses import ChatLogprob
 from .tools import MAX_TOOLS, ChatTool, FunctionCallIn, FunctionDefinition, FunctionName, NamedFunction, \
     NamedToolChoice, ToolCallIn
@@ -160,7 +160,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     # vLLM's extensions, honoured as on chat (the request id also names the response: resp_<id>).
     seed: Int64 | None = None
     priority: Int64 = 0
-    chat_template_kwargs: Annotated[dict[str, Any], Meta(max_length=64)] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
     top_k: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None
     repetition_penalty: float | None = None
     logit_bias: Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
