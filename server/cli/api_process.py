@@ -79,7 +79,7 @@ class _Server(uvicorn.Server):
             logger.info("shutting down: refusing new requests, waiting up to %g s for running ones",
                         self.state.settings.shutdown_timeout)
         self.state.draining = True
-        if self._loop is not None and self._cutoff is None:
+        if self._loop is not None:
             self._loop.call_soon_threadsafe(self._start_cutoff)
         super().handle_exit(sig, frame)
 
